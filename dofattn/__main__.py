@@ -1,0 +1,7 @@
+"""`python -m dofattn ...` is the `dofattn` command."""
+
+import sys
+
+from dofattn.cli import main
+
+sys.exit(main())

@@ -1,0 +1,194 @@
+"""The `dofattn` command line: one verb per stage, each verb's options a dataclass whose field help is `--help`.
+
+    dofattn dof                                   # DoF per layer of SmolLM2-135M on the Wikipedia sample
+    dofattn dof --model gpt2 --lam 0.0625 --out gpt2-dof.json --plot gpt2-dof.png
+
+Errors in what was asked for print one line (`dofattn: error: ...`) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dofattn import __version__
+from dofattn.errors import UserError
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class DofArgs:
+    """Estimate the degrees of freedom of every attention head's softmax kernel and allocate feature dims.
+
+    Runs the model over a data sample, keeps J query/key points per head, and computes
+    DoF(λ) = tr G(G+λI)⁻¹ of the kernel exp(qᵀk/√d) on them. Each layer's DoF is the max over its heads; layers
+    get feature dimensions proportional to their DoF, with mean --budget. Writes a JSON file (input to
+    `--dims` of later stages) and optionally a plot, and prints a per-layer table.
+    """
+
+    model: str = _opt("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
+    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
+    split: str = _opt("train", "data split to sample from: train, validation or all")
+    samples: int = _opt(1024, "J: query/key points sampled per head (cost grows as J^3)")
+    lam: float = _opt(2.0 ** -8, "λ; with --lam-scale trace it is relative to the Gram matrix's trace")
+    lam_scale: str = _opt("trace", "trace: λ relative to tr G (scale-free, default); raw: the paper's absolute λ",
+                          choices=("trace", "raw"))
+    budget: int | None = _opt(None, "mean feature dimension per layer; the total budget x layers is kept exactly "
+                                    "(default: the head size)")
+    clip: bool = _opt(False, "cap every layer's dimension at the head size (the paper's DoF+clip)")
+    num_blocks: int = _opt(32, "number of token blocks to run through the model")
+    seq_len: int = _opt(256, "tokens per block")
+    batch_size: int = _opt(4, "blocks per forward pass")
+    seed: int = _opt(0, "seed for the data order and the point sample")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = _opt("float32", "model dtype: float32 or bfloat16 (DoF is always computed in float64)")
+    out: str = _opt("dof.json", "where to write the JSON result")
+    plot: str | None = _opt(None, "also write a figure of DoF and dims per layer (.png, .pdf or .svg)")
+
+
+def _add_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        help_text = meta.pop("help")
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, action="store_true", help=help_text)
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        shown = f"{f.default:g}" if isinstance(f.default, float) else f.default
+        suffix = f" (default: {shown})" if f.default is not None else ""
+        parser.add_argument(flag, type=kind, default=f.default, help=help_text + suffix, **meta)
+
+
+def _resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name} was asked for but no CUDA device is available; use --device cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise UserError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto")
+    return name
+
+
+def _check_output(path: str, what: str, suffixes: tuple[str, ...]) -> Path:
+    out = Path(path)
+    if out.suffix.lower() not in suffixes:
+        raise UserError(f"{what} {path} should end in {' or '.join(suffixes)}")
+    if out.is_dir():
+        raise UserError(f"{what} {path} is a folder; give a file name")
+    if not out.parent.is_dir():
+        raise UserError(f"{what} folder {out.parent} does not exist; create it first")
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_dof(args: DofArgs) -> int:
+    """The `dof` verb: capture, spectra, allocation, table, JSON, plot."""
+    from dofattn.data import SPLITS, token_blocks
+    from dofattn.dof import allocate_dims, estimate_spectra
+    from dofattn.hf import load_model, parse_dtype
+
+    # everything that can be checked without the model is checked before it loads
+    out = _check_output(args.out, "--out", (".json",))
+    plot = _check_output(args.plot, "--plot", (".png", ".pdf", ".svg")) if args.plot else None
+    if args.samples < 2:
+        raise UserError(f"--samples must be at least 2, got {args.samples}")
+    if args.lam <= 0:
+        raise UserError(f"--lam must be positive, got {args.lam:g}")
+    if args.budget is not None and args.budget < 1:
+        raise UserError(f"--budget is the mean feature dimension per layer and must be >= 1, got {args.budget}")
+    if args.split not in SPLITS:
+        raise UserError(f"unknown --split {args.split!r}; use one of {', '.join(SPLITS)}")
+    if args.num_blocks < 1 or args.batch_size < 1:
+        raise UserError("--num-blocks and --batch-size must be at least 1")
+    pool = 2 * args.num_blocks * (args.seq_len - 1)
+    if args.samples > pool:
+        raise UserError(f"--samples {args.samples} is more than the {pool} query/key points in {args.num_blocks} "
+                        f"blocks of {args.seq_len} tokens; lower --samples or raise --num-blocks/--seq-len")
+    device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
+
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    blocks = token_blocks(args.data, tokenizer, args.seq_len, args.num_blocks, split=args.split, seed=args.seed)
+    spectra = estimate_spectra(model, blocks, args.samples, args.batch_size, args.seed)
+    budget = args.budget or spectra.head_dim
+    result = allocate_dims(spectra, args.lam, budget, args.clip, args.lam_scale, model=args.model, data=args.data,
+                           num_blocks=args.num_blocks, seq_len=args.seq_len)
+    elapsed = time.perf_counter() - start
+
+    print(format_table(result))
+    print(f"total dim {sum(result.dims)} = {len(result.dims)} layers x mean {sum(result.dims) / len(result.dims):g}"
+          f"{' (clipped)' if args.clip else ''}; {elapsed:.1f} s")
+    for warning in result.warnings():
+        print(f"WARNING: {warning}", file=sys.stderr)
+    _write_atomic(out, result.to_json())
+    print(f"wrote {out}")
+    if plot:
+        from dofattn.plots import plot_dof
+
+        plot_dof(result, plot)
+        print(f"wrote {plot}")
+    return 0
+
+
+def format_table(result) -> str:
+    rows = [f"{'layer':>5}  {'DoF max':>8}  {'DoF min':>8}  {'dim':>5}  {'head dims':>12}"]
+    for layer in result.layers:
+        heads = f"{min(layer.head_dims)}-{max(layer.head_dims)}"
+        rows.append(f"{layer.layer:>5}  {layer.dof:>8.2f}  {min(layer.head_dof):>8.2f}  {layer.dim:>5}  {heads:>12}")
+    return "\n".join(rows)
+
+
+VERBS = {"dof": (DofArgs, run_dof)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dofattn",
+        description="Turn a pretrained softmax-attention LM into a linear-attention one, with feature "
+                    "dimensions allocated by the degrees of freedom of each layer's attention kernel.")
+    parser.add_argument("--version", action="version", version=f"dofattn {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    for name, (cls, _) in VERBS.items():
+        doc = (cls.__doc__ or "").strip()
+        sub = verbs.add_parser(name, help=doc.splitlines()[0], description=doc,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        _add_arguments(sub, cls)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.verb is None:
+        parser.print_help()
+        return 2
+    cls, run = VERBS[ns.verb]
+    args = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+    try:
+        return run(args)
+    except UserError as err:
+        print(f"dofattn: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dofattn: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

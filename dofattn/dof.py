@@ -1,0 +1,275 @@
+"""Degrees of freedom of each attention head's softmax kernel, and the feature-dimension allocation (Algorithm 1).
+
+    est = estimate_spectra(model, blocks, samples=1024)       # one pass over the data, streamed layer by layer
+    result = allocate_dims(est, lam=2**-8, budget=64)          # DoF per head/layer -> dims per layer and head
+    result.to_json()
+
+The kernel of head h in layer l is K(x, y) = exp(s·xᵀy), s the layer's softmax scaling (1/√d). Its degrees of
+freedom are estimated from J points drawn from the union of the head's queries and its kv head's keys (position
+0 skipped): N(λ) = tr G(G + λI)⁻¹ with G the J×J Gram matrix.
+
+Scale-aware λ (the default, `lam_scale="trace"`): G is divided by its trace before λ is applied, i.e.
+N(λ) = Σ μᵢ/(μᵢ + λ) over the eigenvalues μ of G/tr G. Why: N depends on G and λ only through G/λ, so an
+absolute λ means something different for every head. On SmolLM2 diagonal entries reach e⁵⁰, every absolute λ
+of order 1 sits far below the spectrum and N(λ) = J for every head: the allocation silently becomes uniform.
+Relative to the trace (the kernel's mean diagonal times J), λ is the fraction of the kernel's total variance below
+which directions are not counted, a number with the same meaning in every head and model. `lam_scale="raw"`
+keeps the paper's literal absolute λ for comparison.
+
+Numerics: exponents s·xᵀy reach ~195 (float32's exp overflows at 88.7). The Gram matrix is only ever formed
+already normalised, exp(s·xᵢᵀxⱼ − log tr G) with log tr G = logsumexp_i(s‖xᵢ‖²), in float64: every entry is ≤ 1
+(Cauchy–Schwarz) and nothing overflows. One symmetric eigendecomposition per head then gives N(λ) for every λ;
+eigenvalues at rounding level (|μ| ~ 1e-16, sometimes negative) are clipped at 0, so 0 ≤ N ≤ J always.
+
+Allocation: layer DoF = max over heads (a layer's heads share one feature dimension); M_l ∝ layer DoF with mean
+`budget` (the total budget·L preserved exactly by largest-remainder rounding, every M_l ≥ 1); `clip` caps each M_l
+at the head size (the paper's DoF+clip, which lowers the total). Per-head dims are allocated the same way over all
+heads (mean `budget`), for per-head feature maps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from dofattn.capture import AttentionInputs, capture, run_forward
+from dofattn.errors import UserError
+
+LAM_SCALES = ("trace", "raw")
+SATURATION = 0.95   # a head whose DoF reaches this fraction of J cannot be told apart from any other
+FLAT_SPREAD = 1.25  # layer DoF max/min below this: the allocation is close to uniform
+
+
+# --- the estimator --------------------------------------------------------------------------------------------
+
+def normalized_gram(points: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """G / tr G for points [..., J, D] and kernel exp(scaling·xᵀy), in float64; also log tr G [...]."""
+    x = points.to(torch.float64)
+    exponent = scaling * (x @ x.transpose(-1, -2))                       # [..., J, J]
+    log_trace = torch.logsumexp(exponent.diagonal(dim1=-2, dim2=-1), dim=-1)  # [...]
+    return torch.exp(exponent - log_trace[..., None, None]), log_trace
+
+
+def gram_spectrum(points: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues [..., J] of G / tr G (clipped at 0, summing to ~1) and log tr G [...]."""
+    gram, log_trace = normalized_gram(points, scaling)
+    return torch.linalg.eigvalsh(gram).clamp_min(0.0), log_trace
+
+
+def dof_from_spectrum(eigs: torch.Tensor, log_trace: torch.Tensor, lam: float,
+                      lam_scale: str = "trace") -> torch.Tensor:
+    """N(λ) = Σ μ/(μ + λ') [...] from trace-normalised eigenvalues [..., J].
+
+    λ' = λ for `lam_scale="trace"`; λ / tr G for `"raw"` (computed in log space: tr G may be e^200).
+    """
+    if lam <= 0:
+        raise UserError(f"--lam must be positive, got {lam}")
+    if lam_scale == "trace":
+        rel = torch.full_like(log_trace, lam)
+    elif lam_scale == "raw":
+        rel = torch.exp(math.log(lam) - log_trace)
+    else:
+        raise UserError(f"unknown lam scale {lam_scale!r}; use one of {', '.join(LAM_SCALES)}")
+    return (eigs / (eigs + rel[..., None])).sum(-1)
+
+
+def head_dof(points: torch.Tensor, scaling: float, lam: float, lam_scale: str = "trace") -> torch.Tensor:
+    """DoF [...] of the kernel exp(scaling·xᵀy) on points [..., J, D]."""
+    eigs, log_trace = gram_spectrum(points, scaling)
+    return dof_from_spectrum(eigs, log_trace, lam, lam_scale)
+
+
+# --- sampling points from a model -----------------------------------------------------------------------------
+
+class PointSampler:
+    """Sink for `capture`: keeps, per (layer, head), `samples` points drawn uniformly without replacement from
+    the head's queries and its kv head's keys over all blocks, position 0 excluded.
+
+    Set `offset` to the index of the first block of each batch before its forward pass.
+    """
+
+    def __init__(self, num_blocks: int, seq_len: int, samples: int, seed: int = 0):
+        self.num_blocks, self.seq_len, self.samples, self.seed = num_blocks, seq_len, samples, seed
+        self.pool = 2 * num_blocks * (seq_len - 1)  # queries and keys at positions 1..T-1
+        if samples > self.pool:
+            raise UserError(f"--samples {samples} is more than the {self.pool} query/key points in {num_blocks} "
+                            f"blocks of {seq_len} tokens; lower --samples or raise --num-blocks/--seq-len")
+        self.offset = 0
+        self.points: dict[int, torch.Tensor] = {}     # layer -> [H, J, D] float32
+        self.scaling: dict[int, float] = {}
+        self._where: dict[int, torch.Tensor] = {}     # layer -> [H, J, 3] (is_key, block, position)
+
+    def _draw(self, layer: int, num_heads: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + layer)
+        idx = torch.stack([torch.randperm(self.pool, generator=gen)[: self.samples] for _ in range(num_heads)])
+        per_kind = self.num_blocks * (self.seq_len - 1)
+        rest = idx % per_kind
+        return torch.stack([idx // per_kind, rest // (self.seq_len - 1), rest % (self.seq_len - 1) + 1], dim=-1)
+
+    def __call__(self, inputs: AttentionInputs) -> None:
+        layer, (batch, _, num_heads, head_dim) = inputs.layer, inputs.query.shape
+        if layer not in self._where:
+            self._where[layer] = self._draw(layer, num_heads)
+            self.points[layer] = torch.zeros(num_heads, self.samples, head_dim)
+            self.scaling[layer] = inputs.scaling
+        where = self._where[layer]
+        for h in range(num_heads):
+            is_key, block, pos = where[h].unbind(-1)
+            mine = (block >= self.offset) & (block < self.offset + batch)
+            if not mine.any():
+                continue
+            b, t = block[mine] - self.offset, pos[mine]
+            q = inputs.query[b, t, h]                                  # [n, D]
+            k = inputs.key[b, t, inputs.kv_head(h)]                    # [n, D]
+            self.points[layer][h, mine] = torch.where(is_key[mine, None] == 1, k, q).float().cpu()
+
+
+@dataclass
+class Spectra:
+    """Per-head Gram spectra of one model on one data sample; DoF for any λ follows without new passes."""
+
+    eigs: list[torch.Tensor]        # per layer [H, J], trace-normalised, float64
+    log_trace: list[torch.Tensor]   # per layer [H]
+    samples: int
+    head_dim: int
+
+    def head_dof(self, lam: float, lam_scale: str = "trace") -> list[list[float]]:
+        return [dof_from_spectrum(e, t, lam, lam_scale).tolist() for e, t in zip(self.eigs, self.log_trace)]
+
+
+def estimate_spectra(model, blocks: torch.Tensor, samples: int = 1024, batch_size: int = 4, seed: int = 0,
+                     progress: bool = True) -> Spectra:
+    """Capture queries and keys of every layer on `blocks` [N, T] and compute each head's Gram spectrum."""
+    num_blocks, seq_len = blocks.shape
+    sampler = PointSampler(num_blocks, seq_len, samples, seed)
+    device = next(model.parameters()).device
+    with capture(model, sampler):
+        for start in tqdm(range(0, num_blocks, batch_size), desc="capturing q/k", unit="batch",
+                          disable=not progress):
+            sampler.offset = start
+            run_forward(model, blocks[start:start + batch_size].to(device))
+    layers = sorted(sampler.points)
+    eigs, log_trace = [], []
+    for layer in tqdm(layers, desc="Gram spectra", unit="layer", disable=not progress):
+        e, t = gram_spectrum(sampler.points[layer], sampler.scaling[layer])
+        eigs.append(e)
+        log_trace.append(t)
+    head_dim = sampler.points[layers[0]].shape[-1]
+    return Spectra(eigs, log_trace, samples, head_dim)
+
+
+# --- allocation -----------------------------------------------------------------------------------------------
+
+def allocate(weights: list[float], total: int, minimum: int = 1) -> list[int]:
+    """Integers ∝ `weights` summing exactly to `total`, each ≥ `minimum` (water-filling + largest remainder)."""
+    n = len(weights)
+    if total < n * minimum:
+        raise UserError(f"a feature budget of {total} cannot give {n} layers/heads at least {minimum} "
+                        f"feature{'s' if minimum > 1 else ''} each; raise --budget")
+    w = torch.tensor(weights, dtype=torch.float64).clamp_min(0)
+    if w.sum() <= 0:
+        w = torch.ones(n, dtype=torch.float64)
+    pinned = torch.zeros(n, dtype=torch.bool)
+    while True:
+        free = ~pinned
+        ideal = torch.full((n,), float(minimum), dtype=torch.float64)
+        ideal[free] = (total - minimum * int(pinned.sum())) * w[free] / w[free].sum()
+        low = free & (ideal < minimum)
+        if not low.any():
+            break
+        pinned |= low
+    dims = ideal.floor().long()
+    left = total - int(dims.sum())
+    order = sorted(range(n), key=lambda i: (-(ideal[i] - dims[i]).item(), i))
+    for i in order[:left]:
+        dims[i] += 1
+    return dims.tolist()
+
+
+@dataclass
+class LayerDof:
+    layer: int
+    dof: float
+    head_dof: list[float]
+    dim: int
+    head_dims: list[int]
+
+
+@dataclass
+class DofResult:
+    """What `dofattn dof` writes to dof.json."""
+
+    model: str = ""
+    lam: float = 2**-8
+    samples: int = 0
+    budget: int = 0
+    clip: bool = False
+    lam_scale: str = "trace"
+    head_dim: int = 0
+    data: str = ""
+    num_blocks: int = 0
+    seq_len: int = 0
+    layers: list[LayerDof] = field(default_factory=list)
+
+    @property
+    def dims(self) -> list[int]:
+        return [layer.dim for layer in self.layers]
+
+    def warnings(self) -> list[str]:
+        """Loud conditions under which the allocation does not mean what it should."""
+        out = []
+        dofs = [layer.dof for layer in self.layers]
+        saturated = [layer.layer for layer in self.layers if layer.dof >= SATURATION * self.samples]
+        if saturated:
+            out.append(f"DoF saturates (>= {SATURATION:.0%} of J = {self.samples}) in {len(saturated)} of "
+                       f"{len(dofs)} layers ({_ranges(saturated)}): lam={self.lam:g} ({self.lam_scale}) is below "
+                       f"the kernel's spectrum, so DoF only counts J; raise --lam (or use --lam-scale trace)")
+        if dofs and min(dofs) > 0 and max(dofs) / min(dofs) < FLAT_SPREAD:
+            out.append(f"layer DoF is flat (max/min = {max(dofs) / min(dofs):.2f}): the allocation is close to "
+                       f"uniform and DoF adds nothing over fixed dims at this lam")
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DofResult":
+        raw = json.loads(text)
+        raw["layers"] = [LayerDof(**layer) for layer in raw.get("layers", [])]
+        return cls(**raw)
+
+
+def _ranges(items: list[int]) -> str:
+    spans, start = [], None
+    for i, x in enumerate(items):
+        if start is None:
+            start = x
+        if i + 1 == len(items) or items[i + 1] != x + 1:
+            spans.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(spans)
+
+
+def allocate_dims(spectra: Spectra, lam: float, budget: int, clip: bool = False, lam_scale: str = "trace",
+                  **meta) -> DofResult:
+    """Algorithm 1: head DoF -> layer DoF (max over heads) -> dims with mean `budget` (capped if `clip`)."""
+    if budget < 1:
+        raise UserError(f"--budget is the mean feature dimension per layer and must be >= 1, got {budget}")
+    head_dof = spectra.head_dof(lam, lam_scale)
+    layer_dof = [max(h) for h in head_dof]
+    dims = allocate(layer_dof, budget * len(layer_dof))
+    flat = [d for h in head_dof for d in h]
+    flat_dims = allocate(flat, budget * len(flat))
+    if clip:
+        dims = [min(d, spectra.head_dim) for d in dims]
+        flat_dims = [min(d, spectra.head_dim) for d in flat_dims]
+    layers, i = [], 0
+    for layer, heads in enumerate(head_dof):
+        layers.append(LayerDof(layer, layer_dof[layer], heads, dims[layer], flat_dims[i:i + len(heads)]))
+        i += len(heads)
+    return DofResult(lam=lam, samples=spectra.samples, budget=budget, clip=clip, lam_scale=lam_scale,
+                     head_dim=spectra.head_dim, layers=layers, **meta)

