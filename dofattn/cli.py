@@ -99,8 +99,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def run_dof(args: DofArgs) -> int:
     """The `dof` verb: capture, spectra, allocation, table, JSON, plot."""
-    from dofattn.data import SPLITS, token_blocks
-    from dofattn.dof import allocate_dims, estimate_spectra
+    from dofattn.data import SPLITS, check_source, token_blocks
+    from dofattn.dof import allocate_dims, sample_points
     from dofattn.hf import load_model, parse_dtype
 
     # everything that can be checked without the model is checked before it loads
@@ -112,6 +112,7 @@ def run_dof(args: DofArgs) -> int:
         raise UserError(f"--lam must be positive, got {args.lam:g}")
     if args.budget is not None and args.budget < 1:
         raise UserError(f"--budget is the mean feature dimension per layer and must be >= 1, got {args.budget}")
+    check_source(args.data)
     if args.split not in SPLITS:
         raise UserError(f"unknown --split {args.split!r}; use one of {', '.join(SPLITS)}")
     if args.num_blocks < 1 or args.batch_size < 1:
@@ -125,10 +126,10 @@ def run_dof(args: DofArgs) -> int:
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     blocks = token_blocks(args.data, tokenizer, args.seq_len, args.num_blocks, split=args.split, seed=args.seed)
-    spectra = estimate_spectra(model, blocks, args.samples, args.batch_size, args.seed)
-    budget = args.budget or spectra.head_dim
-    result = allocate_dims(spectra, args.lam, budget, args.clip, args.lam_scale, model=args.model, data=args.data,
-                           num_blocks=args.num_blocks, seq_len=args.seq_len)
+    sample = sample_points(model, blocks, args.samples, args.batch_size, args.seed)
+    budget = args.budget or sample.head_dim
+    result = allocate_dims(sample, args.lam, budget, args.clip, args.lam_scale, progress=True, model=args.model,
+                           data=args.data, num_blocks=args.num_blocks, seq_len=args.seq_len)
     elapsed = time.perf_counter() - start
 
     print(format_table(result))

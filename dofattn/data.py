@@ -159,10 +159,8 @@ def local_documents(path: Path) -> list[Document]:
 
 
 def _hf_texts(spec: str, split: str) -> list[str]:
-    parts = spec[len("hf:"):].split(":")
-    if not parts[0] or len(parts) > 3:
-        raise UserError(f"bad dataset spec {spec!r}; use hf:NAME[:CONFIG[:SPLIT]]")
-    name, config, hf_split = (parts + [None, None])[:3]
+    check_source(spec)
+    name, config, hf_split = (spec[len("hf:"):].split(":") + [None, None])[:3]
     if hf_split is None:
         hf_split = "train" if split == "all" else split
     try:
@@ -196,6 +194,22 @@ def split_documents(docs: list[Document], split: str) -> list[str]:
     return [text for key, text in docs if _is_validation(key) == want_validation]
 
 
+def check_source(spec: str) -> None:
+    """Fail early, before any model is loaded, on a data spec that cannot work."""
+    if spec == WIKI_SAMPLE:
+        return
+    if spec.startswith("hf:"):
+        parts = spec[len("hf:"):].split(":")
+        if not parts[0] or len(parts) > 3:
+            raise UserError(f"bad dataset spec {spec!r}; use hf:NAME[:CONFIG[:SPLIT]]")
+        return
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise UserError(f"data {spec!r} is neither {WIKI_SAMPLE!r}, an existing file or folder, nor hf:NAME")
+    if path.is_file() and path.suffix not in TEXT_SUFFIXES:
+        raise UserError(f"data file {spec} is not a .txt, .jsonl or .parquet file")
+
+
 def load_texts(spec: str, split: str = "train") -> list[str]:
     """The documents of data source `spec` (see the module docstring) in `split`, in source order."""
     if split not in SPLITS:
@@ -204,10 +218,8 @@ def load_texts(spec: str, split: str = "train") -> list[str]:
         return split_documents(wiki_sample(), split)
     if spec.startswith("hf:"):
         return _hf_texts(spec, split)
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise UserError(f"data {spec!r} is neither {WIKI_SAMPLE!r}, an existing file or folder, nor hf:NAME")
-    return split_documents(local_documents(path), split)
+    check_source(spec)
+    return split_documents(local_documents(Path(spec).expanduser()), split)
 
 
 def _token_stream(texts: Iterable[str], tokenizer, eos_id: int | None) -> Iterator[list[int]]:

@@ -1,25 +1,27 @@
 """Degrees of freedom of each attention head's softmax kernel, and the feature-dimension allocation (Algorithm 1).
 
-    est = estimate_spectra(model, blocks, samples=1024)       # one pass over the data, streamed layer by layer
-    result = allocate_dims(est, lam=2**-8, budget=64)          # DoF per head/layer -> dims per layer and head
+    sample = sample_points(model, blocks, samples=1024)        # one pass over the data, J points per head
+    result = allocate_dims(sample, lam=2**-8, budget=64)       # DoF per head/layer -> dims per layer and head
     result.to_json()
 
 The kernel of head h in layer l is K(x, y) = exp(s·xᵀy), s the layer's softmax scaling (1/√d). Its degrees of
 freedom are estimated from J points drawn from the union of the head's queries and its kv head's keys (position
 0 skipped): N(λ) = tr G(G + λI)⁻¹ with G the J×J Gram matrix.
 
-Scale-aware λ (the default, `lam_scale="trace"`): G is divided by its trace before λ is applied, i.e.
-N(λ) = Σ μᵢ/(μᵢ + λ) over the eigenvalues μ of G/tr G. Why: N depends on G and λ only through G/λ, so an
-absolute λ means something different for every head. On SmolLM2 diagonal entries reach e⁵⁰, every absolute λ
-of order 1 sits far below the spectrum and N(λ) = J for every head: the allocation silently becomes uniform.
-Relative to the trace (the kernel's mean diagonal times J), λ is the fraction of the kernel's total variance below
-which directions are not counted, a number with the same meaning in every head and model. `lam_scale="raw"`
-keeps the paper's literal absolute λ for comparison.
+Scale-aware λ (the default, `lam_scale="trace"`): λ is taken relative to the trace, N(λ) = tr G(G + λ·tr G·I)⁻¹,
+i.e. N(λ) = Σ μᵢ/(μᵢ + λ) over the eigenvalues μ of G/tr G. Why: N depends on G and λ only through G/λ, so an
+absolute λ means something different in every head. On SmolLM2 diagonal entries reach e⁵⁰, every absolute λ of
+order 1 sits far below the spectrum and N(λ) = J in every head: the allocation silently becomes uniform.
+Relative to the trace (J times the kernel's mean diagonal, the operator's total variance), λ is the fraction of
+that variance below which a direction stops counting: a number with the same meaning in every head and model.
+`lam_scale="raw"` keeps the paper's literal absolute λ for comparison.
 
-Numerics: exponents s·xᵀy reach ~195 (float32's exp overflows at 88.7). The Gram matrix is only ever formed
-already normalised, exp(s·xᵢᵀxⱼ − log tr G) with log tr G = logsumexp_i(s‖xᵢ‖²), in float64: every entry is ≤ 1
-(Cauchy–Schwarz) and nothing overflows. One symmetric eigendecomposition per head then gives N(λ) for every λ;
-eigenvalues at rounding level (|μ| ~ 1e-16, sometimes negative) are clipped at 0, so 0 ≤ N ≤ J always.
+Numerics: exponents s·xᵀy reach ~195 (float32's exp overflows at 88.7), and the raw Gram matrix spans so many
+orders of magnitude that its float64 eigendecomposition returns negative eigenvalues and N > J. It is never
+formed. With aᵢ = s‖xᵢ‖², G = diag(e^{a/2}) K diag(e^{a/2}) where K = exp(−s‖xᵢ − xⱼ‖²/2) is a Gaussian kernel with
+unit diagonal, so N(λ) = tr K(K + Λ)⁻¹ with the diagonal Λᵢ = λ'·e^{−aᵢ} (λ' = λ·tr G or λ) computed in log
+space; one float64 Cholesky factorisation of K + Λ per head gives it. Λ is floored at 1e-10 (float64 cannot
+resolve the unit-diagonal K's eigenvalues below that), so 0 ≤ N ≤ J always.
 
 Allocation: layer DoF = max over heads (a layer's heads share one feature dimension); M_l ∝ layer DoF with mean
 `budget` (the total budget·L preserved exactly by largest-remainder rounding, every M_l ≥ 1); `clip` caps each M_l
@@ -40,47 +42,33 @@ from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
 
 LAM_SCALES = ("trace", "raw")
+RESOLUTION = 1e-10  # smallest shift on the unit-diagonal kernel: float64 cannot resolve eigenvalues below it
+MAX_LOG_SHIFT = 690.0  # e^690 is finite in float64; rows shifted that far contribute exactly 0
 SATURATION = 0.95   # a head whose DoF reaches this fraction of J cannot be told apart from any other
 FLAT_SPREAD = 1.25  # layer DoF max/min below this: the allocation is close to uniform
 
 
 # --- the estimator --------------------------------------------------------------------------------------------
 
-def normalized_gram(points: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """G / tr G for points [..., J, D] and kernel exp(scaling·xᵀy), in float64; also log tr G [...]."""
-    x = points.to(torch.float64)
-    exponent = scaling * (x @ x.transpose(-1, -2))                       # [..., J, J]
-    log_trace = torch.logsumexp(exponent.diagonal(dim1=-2, dim2=-1), dim=-1)  # [...]
-    return torch.exp(exponent - log_trace[..., None, None]), log_trace
+def head_dof(points: torch.Tensor, scaling: float, lam: float, lam_scale: str = "trace") -> torch.Tensor:
+    """DoF [...] of the kernel exp(scaling·xᵀy) on points [..., J, D], in float64.
 
-
-def gram_spectrum(points: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvalues [..., J] of G / tr G (clipped at 0, summing to ~1) and log tr G [...]."""
-    gram, log_trace = normalized_gram(points, scaling)
-    return torch.linalg.eigvalsh(gram).clamp_min(0.0), log_trace
-
-
-def dof_from_spectrum(eigs: torch.Tensor, log_trace: torch.Tensor, lam: float,
-                      lam_scale: str = "trace") -> torch.Tensor:
-    """N(λ) = Σ μ/(μ + λ') [...] from trace-normalised eigenvalues [..., J].
-
-    λ' = λ for `lam_scale="trace"`; λ / tr G for `"raw"` (computed in log space: tr G may be e^200).
+    With a = scaling·‖x‖², G = diag(e^{a/2}) K diag(e^{a/2}), K = exp(−scaling·‖xᵢ−xⱼ‖²/2) a Gaussian kernel
+    with unit diagonal, so tr G(G+λ'I)⁻¹ = tr K(K+Λ)⁻¹ with Λ = diag(λ'·e^{−a}) computed in log space.
     """
     if lam <= 0:
         raise UserError(f"--lam must be positive, got {lam}")
-    if lam_scale == "trace":
-        rel = torch.full_like(log_trace, lam)
-    elif lam_scale == "raw":
-        rel = torch.exp(math.log(lam) - log_trace)
-    else:
+    if lam_scale not in LAM_SCALES:
         raise UserError(f"unknown lam scale {lam_scale!r}; use one of {', '.join(LAM_SCALES)}")
-    return (eigs / (eigs + rel[..., None])).sum(-1)
-
-
-def head_dof(points: torch.Tensor, scaling: float, lam: float, lam_scale: str = "trace") -> torch.Tensor:
-    """DoF [...] of the kernel exp(scaling·xᵀy) on points [..., J, D]."""
-    eigs, log_trace = gram_spectrum(points, scaling)
-    return dof_from_spectrum(eigs, log_trace, lam, lam_scale)
+    x = points.to(torch.float64)
+    sq = (x * x).sum(-1)                                                   # [..., J]
+    dist2 = (sq[..., :, None] + sq[..., None, :] - 2 * x @ x.transpose(-1, -2)).clamp_min(0)
+    kernel = torch.exp(-0.5 * scaling * dist2)                             # [..., J, J], unit diagonal
+    log_diag = scaling * sq                                                # log G_ii
+    log_lam = math.log(lam) + (torch.logsumexp(log_diag, -1, keepdim=True) if lam_scale == "trace" else 0.0)
+    shift = torch.exp((log_lam - log_diag).clamp(math.log(RESOLUTION), MAX_LOG_SHIFT))  # [..., J]
+    factor = torch.linalg.cholesky(kernel + torch.diag_embed(shift))
+    return torch.cholesky_solve(kernel, factor).diagonal(dim1=-2, dim2=-1).sum(-1)
 
 
 # --- sampling points from a model -----------------------------------------------------------------------------
@@ -129,21 +117,25 @@ class PointSampler:
 
 
 @dataclass
-class Spectra:
-    """Per-head Gram spectra of one model on one data sample; DoF for any λ follows without new passes."""
+class PointSample:
+    """J query/key points per head of one model on one data sample; DoF for any λ without new passes."""
 
-    eigs: list[torch.Tensor]        # per layer [H, J], trace-normalised, float64
-    log_trace: list[torch.Tensor]   # per layer [H]
+    points: list[torch.Tensor]   # per layer [H, J, D], float32
+    scaling: list[float]         # per layer
     samples: int
     head_dim: int
 
-    def head_dof(self, lam: float, lam_scale: str = "trace") -> list[list[float]]:
-        return [dof_from_spectrum(e, t, lam, lam_scale).tolist() for e, t in zip(self.eigs, self.log_trace)]
+    def head_dof(self, lam: float, lam_scale: str = "trace", progress: bool = False) -> list[list[float]]:
+        """DoF per layer and head [L][H]."""
+        layers = zip(self.points, self.scaling)
+        return [head_dof(p, s, lam, lam_scale).tolist()
+                for p, s in tqdm(layers, total=len(self.points), desc=f"DoF at lam={lam:g}", unit="layer",
+                                 disable=not progress)]
 
 
-def estimate_spectra(model, blocks: torch.Tensor, samples: int = 1024, batch_size: int = 4, seed: int = 0,
-                     progress: bool = True) -> Spectra:
-    """Capture queries and keys of every layer on `blocks` [N, T] and compute each head's Gram spectrum."""
+def sample_points(model, blocks: torch.Tensor, samples: int = 1024, batch_size: int = 4, seed: int = 0,
+                  progress: bool = True) -> PointSample:
+    """Capture queries and keys of every layer on `blocks` [N, T], keeping `samples` points per head."""
     num_blocks, seq_len = blocks.shape
     sampler = PointSampler(num_blocks, seq_len, samples, seed)
     device = next(model.parameters()).device
@@ -153,13 +145,8 @@ def estimate_spectra(model, blocks: torch.Tensor, samples: int = 1024, batch_siz
             sampler.offset = start
             run_forward(model, blocks[start:start + batch_size].to(device))
     layers = sorted(sampler.points)
-    eigs, log_trace = [], []
-    for layer in tqdm(layers, desc="Gram spectra", unit="layer", disable=not progress):
-        e, t = gram_spectrum(sampler.points[layer], sampler.scaling[layer])
-        eigs.append(e)
-        log_trace.append(t)
-    head_dim = sampler.points[layers[0]].shape[-1]
-    return Spectra(eigs, log_trace, samples, head_dim)
+    return PointSample([sampler.points[i] for i in layers], [sampler.scaling[i] for i in layers], samples,
+                       sampler.points[layers[0]].shape[-1])
 
 
 # --- allocation -----------------------------------------------------------------------------------------------
@@ -254,22 +241,22 @@ def _ranges(items: list[int]) -> str:
     return ", ".join(spans)
 
 
-def allocate_dims(spectra: Spectra, lam: float, budget: int, clip: bool = False, lam_scale: str = "trace",
-                  **meta) -> DofResult:
+def allocate_dims(sample: PointSample, lam: float, budget: int, clip: bool = False, lam_scale: str = "trace",
+                  progress: bool = False, **meta) -> DofResult:
     """Algorithm 1: head DoF -> layer DoF (max over heads) -> dims with mean `budget` (capped if `clip`)."""
     if budget < 1:
         raise UserError(f"--budget is the mean feature dimension per layer and must be >= 1, got {budget}")
-    head_dof = spectra.head_dof(lam, lam_scale)
+    head_dof = sample.head_dof(lam, lam_scale, progress)
     layer_dof = [max(h) for h in head_dof]
     dims = allocate(layer_dof, budget * len(layer_dof))
     flat = [d for h in head_dof for d in h]
     flat_dims = allocate(flat, budget * len(flat))
     if clip:
-        dims = [min(d, spectra.head_dim) for d in dims]
-        flat_dims = [min(d, spectra.head_dim) for d in flat_dims]
+        dims = [min(d, sample.head_dim) for d in dims]
+        flat_dims = [min(d, sample.head_dim) for d in flat_dims]
     layers, i = [], 0
     for layer, heads in enumerate(head_dof):
         layers.append(LayerDof(layer, layer_dof[layer], heads, dims[layer], flat_dims[i:i + len(heads)]))
         i += len(heads)
-    return DofResult(lam=lam, samples=spectra.samples, budget=budget, clip=clip, lam_scale=lam_scale,
-                     head_dim=spectra.head_dim, layers=layers, **meta)
+    return DofResult(lam=lam, samples=sample.samples, budget=budget, clip=clip, lam_scale=lam_scale,
+                     head_dim=sample.head_dim, layers=layers, **meta)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import io
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
@@ -114,6 +116,35 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or Path(spec).exists()
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub answers at all; offline, transformers would retry for half a minute before failing."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _load_config(source: str | Path, spec: str) -> PretrainedConfig:
+    hint = f"(built-in models: {', '.join(BUILTIN)}; hub ids need a network or a filled HF cache)"
+    try:
+        return AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as err:
+        if isinstance(source, Path) or not _hub_reachable():
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise UserError(f"cannot load model {spec!r}: {first} {hint}") from None
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"cannot load model {spec!r}: {first} {hint}") from None
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[PreTrainedModel, object]:
     """Load a causal LM and its tokenizer from an alias, a .gguf file, a folder or a hub id; eval mode."""
@@ -134,12 +165,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32,
     if isinstance(source, Path) and source.is_file():
         model, tokenizer = _load_gguf(source, dtype)
     else:
-        try:
-            config = AutoConfig.from_pretrained(source)
-        except (OSError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UserError(f"cannot load model {spec!r}: {first} (built-in models: {', '.join(BUILTIN)}; "
-                            f"hub ids need a network or a filled HF cache)") from None
+        config = _load_config(source, spec)
         check_supported(config, str(spec))
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(source)

@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random models of the three supported families, saved with a real (tiny) tokenizer.
+
+Real-model tests that take minutes are marked `slow` and deselected by default (`pytest -m slow` runs them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast)
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Linear attention keeps a state of fixed size. "
+        "Softmax attention compares every query with every key. ") * 20
+
+# Llama uses grouped-query attention (4 query heads on 2 kv heads); NeoX rotates a quarter of each head.
+CONFIGS = {
+    "llama": lambda vocab: LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, rope_theta=1e4,
+                                       max_position_embeddings=256, tie_word_embeddings=True),
+    "gpt2": lambda vocab: GPT2Config(vocab_size=vocab, n_embd=64, n_layer=3, n_head=4, n_positions=256,
+                                     bos_token_id=0, eos_token_id=0),
+    "gpt_neox": lambda vocab: GPTNeoXConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                                            num_hidden_layers=3, num_attention_heads=4,
+                                            max_position_embeddings=256,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                             "partial_rotary_factor": 0.25}),
+}
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def tiny_model(family: str, vocab: int = 300, seed: int = 0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(CONFIGS[family](vocab)).eval()
+
+
+@pytest.fixture(scope="session", params=sorted(CONFIGS))
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tokenizer):
+    """family -> folder holding a tiny saved model and tokenizer (loadable with `dofattn --model DIR`)."""
+    dirs = {}
+    for family in CONFIGS:
+        path = tmp_path_factory.mktemp(f"tiny-{family}")
+        tiny_model(family).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        dirs[family] = path
+    return dirs
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join([TEXT] * 5))
+    return path

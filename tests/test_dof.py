@@ -1,0 +1,198 @@
+"""The DoF estimator against a high-precision reference, the point sampler, and the allocation."""
+
+import json
+import math
+from dataclasses import dataclass
+
+import mpmath
+import pytest
+import torch
+
+from dofattn.capture import AttentionInputs
+from dofattn.dof import DofResult, LayerDof, PointSampler, allocate, allocate_dims, head_dof, sample_points
+from dofattn.errors import UserError
+from tests.conftest import tiny_model
+
+
+def reference_dof(points: torch.Tensor, scaling: float, lam: float, lam_scale: str) -> float:
+    """tr G (G + λ'I)⁻¹ in 80-digit arithmetic on the raw Gram matrix."""
+    mpmath.mp.dps = 80
+    x = points.double().tolist()
+    J = len(x)
+    G = mpmath.matrix(J, J)
+    for i in range(J):
+        for j in range(J):
+            G[i, j] = mpmath.exp(mpmath.mpf(scaling) * mpmath.fsum(a * b for a, b in zip(x[i], x[j])))
+    trace = mpmath.fsum(G[i, i] for i in range(J))
+    shift = mpmath.mpf(lam) * trace if lam_scale == "trace" else mpmath.mpf(lam)
+    inv = (G + shift * mpmath.eye(J)) ** -1
+    return float(mpmath.fsum((G * inv)[i, i] for i in range(J)))
+
+
+def clustered_points(J: int, D: int, seed: int, radius=(8.0, 14.0)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.nn.functional.normalize(torch.randn(3, D, generator=g, dtype=torch.float64), dim=-1)
+    u = centers[torch.arange(J) % 3] + 0.3 * torch.randn(J, D, generator=g, dtype=torch.float64)
+    r = radius[0] + (radius[1] - radius[0]) * torch.rand(J, 1, generator=g, dtype=torch.float64)
+    return torch.nn.functional.normalize(u, dim=-1) * r
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("lam", [2.0 ** -4, 2.0 ** -8, 1e-3])
+def test_trace_dof_matches_high_precision_reference(seed, lam):
+    points = clustered_points(J=14, D=4, seed=seed)
+    scaling = 0.5
+    assert scaling * points.norm(dim=-1).max() ** 2 > 88  # beyond float32's exp range
+    got = head_dof(points, scaling, lam, "trace").item()
+    assert got == pytest.approx(reference_dof(points, scaling, lam, "trace"), rel=1e-8)
+
+
+def test_raw_dof_matches_reference_at_huge_trace():
+    points = clustered_points(J=12, D=4, seed=3, radius=(20.0, 28.0))
+    scaling = 0.5
+    log_trace = torch.logsumexp(scaling * points.square().sum(-1), 0).item()
+    assert log_trace > 300  # tr G ~ e^300: far beyond float32, and its square beyond float64
+    lam = math.exp(log_trace + math.log(1e-3))  # an absolute λ at 1e-3 of the trace
+    got = head_dof(points, scaling, lam, "raw").item()
+    assert got == pytest.approx(reference_dof(points, scaling, lam, "raw"), rel=1e-8)
+
+
+def test_identical_points_have_one_degree_of_freedom_even_at_exponent_195():
+    x = torch.full((32, 64), math.sqrt(195 * 8 / 64))  # s·‖x‖² = 195 with s = 1/8
+    lam = 2.0 ** -8
+    assert head_dof(x, 1 / 8, lam).item() == pytest.approx(1 / (1 + lam), rel=1e-12)
+    x32 = x.float()
+    assert torch.isfinite(head_dof(x32, 1 / 8, lam)).all()
+
+
+def test_dof_bounded_by_J_and_monotone_in_lambda():
+    points = torch.randn(64, 16, generator=torch.Generator().manual_seed(0)) * 6
+    values = [head_dof(points, 0.25, lam).item() for lam in (1e-12, 1e-6, 2.0 ** -8, 2.0 ** -4, 1.0)]
+    assert all(0 < v <= 64 for v in values)
+    assert values == sorted(values, reverse=True)
+
+
+def test_raw_lambda_saturates_where_trace_lambda_does_not():
+    points = clustered_points(J=64, D=8, seed=5, radius=(10.0, 18.0))
+    raw = head_dof(points, 8 ** -0.5, 2.0 ** -4, "raw").item()
+    trace = head_dof(points, 8 ** -0.5, 2.0 ** -4, "trace").item()
+    assert raw > 0.95 * 64 and trace < 0.5 * 64
+
+
+def test_bad_lambda():
+    with pytest.raises(UserError, match="positive"):
+        head_dof(torch.randn(4, 2), 1.0, 0.0)
+    with pytest.raises(UserError, match="lam scale"):
+        head_dof(torch.randn(4, 2), 1.0, 0.1, "absolute")
+
+
+# --- sampler ----------------------------------------------------------------------------------------------------
+
+def coded_inputs(layer: int, offset: int, batch: int, T: int, H: int, Hkv: int) -> AttentionInputs:
+    """Activations whose features name their origin: (is_key, block, position, head)."""
+    b = torch.arange(offset, offset + batch)[:, None, None]
+    t = torch.arange(T)[None, :, None]
+
+    def code(kind, heads):
+        h = torch.arange(heads)[None, None, :]
+        parts = [torch.full((batch, T, heads), kind), b.expand(batch, T, heads), t.expand(batch, T, heads),
+                 h.expand(batch, T, heads)]
+        return torch.stack(parts, -1).float()
+
+    return AttentionInputs(layer, code(0, H), code(1, Hkv), code(1, Hkv), 0.5)
+
+
+def test_sampler_draws_union_of_queries_and_keys_without_position_zero():
+    N, T, H, Hkv, J = 5, 9, 6, 2, 60
+    sampler = PointSampler(num_blocks=N, seq_len=T, samples=J, seed=0)
+    for start in (0, 3):  # two batches: 3 blocks, then 2
+        sampler.offset = start
+        sampler(coded_inputs(0, start, min(3, N - start), T, H, Hkv))
+    points = sampler.points[0]  # [H, J, 4]
+    for h in range(H):
+        rows = {tuple(r) for r in points[h].long().tolist()}
+        assert len(rows) == J  # without replacement
+        assert all(pos >= 1 for _, _, pos, _ in rows)
+        assert {kind for kind, *_ in rows} == {0, 1}
+        assert all(head == (h if kind == 0 else h // (H // Hkv)) for kind, _, _, head in rows)
+        assert {block for _, block, _, _ in rows} == set(range(N))
+
+
+def test_sampler_rejects_more_points_than_data():
+    with pytest.raises(UserError, match="more than the 16 query/key points"):
+        PointSampler(num_blocks=2, seq_len=5, samples=17)
+
+
+def test_sample_points_on_tiny_model_does_not_depend_on_batching():
+    model = tiny_model("llama")
+    blocks = torch.randint(0, 300, (4, 12), generator=torch.Generator().manual_seed(0))
+    a = sample_points(model, blocks, samples=40, batch_size=3, progress=False)
+    b = sample_points(model, blocks, samples=40, batch_size=2, progress=False)
+    assert len(a.points) == 3 and a.points[0].shape == (4, 40, 16) and a.scaling == [0.25] * 3
+    for x, y in zip(a.points, b.points):
+        torch.testing.assert_close(x, y)
+    dof = a.head_dof(2.0 ** -8)
+    assert len(dof) == 3 and all(0 < d <= 40 for heads in dof for d in heads)
+
+
+# --- allocation -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weights,total", [([1.0, 2.0, 3.0], 64 * 3), ([5.0, 0.01, 0.01, 9.0], 10),
+                                           ([1.0] * 7, 50), ([3.3, 1.1, 7.7, 2.2, 0.5], 321)])
+def test_allocate_preserves_total_and_floor(weights, total):
+    dims = allocate(weights, total)
+    assert sum(dims) == total and min(dims) >= 1
+
+
+def test_allocate_is_proportional_with_largest_remainder():
+    assert allocate([1.0, 1.0, 2.0], 10) == [3, 2, 5]  # ideal 2.5, 2.5, 5: the tie goes to the first
+    assert allocate([10.0, 20.0, 30.0], 6) == [1, 2, 3]
+    assert allocate([1000.0, 1.0], 10) == [9, 1]  # the small one is pinned at 1, not 0
+
+
+def test_allocate_rejects_budget_below_one_per_item():
+    with pytest.raises(UserError, match="raise --budget"):
+        allocate([1.0, 2.0, 3.0], 2)
+
+
+@dataclass
+class PresetSample:
+    """Stands in for a PointSample whose head DoF are known."""
+
+    dofs: list[list[float]]
+    samples: int = 32
+    head_dim: int = 8
+
+    def head_dof(self, lam, lam_scale="trace", progress=False):
+        return self.dofs
+
+
+def preset(dofs_per_layer):
+    return PresetSample([[float(d) for d in heads] for heads in dofs_per_layer])
+
+
+def test_allocate_dims_uses_max_over_heads_and_keeps_budget():
+    sample = preset([[1, 4], [2, 2], [8, 1]])
+    result = allocate_dims(sample, lam=1e-9, budget=8, model="m")
+    assert [layer.dof for layer in result.layers] == [4, 2, 8]
+    assert result.dims == [7, 3, 14] and sum(result.dims) == 24
+    assert sum(sum(layer.head_dims) for layer in result.layers) == 8 * 6
+    clipped = allocate_dims(sample, lam=1e-9, budget=8, clip=True)
+    assert clipped.dims == [7, 3, 8]
+
+
+def test_result_json_schema_and_warnings():
+    result = allocate_dims(preset([[32, 31], [32, 32]]), lam=1e-9, budget=4, model="m")
+    raw = json.loads(result.to_json())
+    assert {"model", "lam", "samples", "budget", "clip", "layers"} <= set(raw)
+    assert set(raw["layers"][0]) == {"layer", "dof", "head_dof", "dim", "head_dims"}
+    assert DofResult.from_json(result.to_json()) == result
+    text = " ".join(result.warnings())
+    assert "saturates" in text and "flat" in text
+    spread = allocate_dims(preset([[2, 1], [16, 3]]), lam=1e-9, budget=4)
+    assert spread.warnings() == []
+
+
+def test_layer_dof_record():
+    layer = LayerDof(0, 2.0, [1.0, 2.0], 3, [1, 2])
+    assert layer.dim == 3
