@@ -1,0 +1,86 @@
+"""The `dofattn` command line: help, a full `dof` run on a tiny model, and one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dofattn.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["dof", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for option in ("--model", "--data", "--samples", "--lam", "--lam-scale", "--budget", "--clip", "--out", "--plot"):
+        assert option in out
+    assert "degrees of freedom" in out
+
+
+def test_dof_on_tiny_model(capsys, model_dirs, text_file, tmp_path):
+    out_json, out_png = tmp_path / "dof.json", tmp_path / "dof.png"
+    code, out, err = run(capsys, "dof", "--model", str(model_dirs["llama"]), "--data", str(text_file),
+                         "--split", "all", "--samples", "64", "--num-blocks", "4", "--seq-len", "32",
+                         "--out", str(out_json), "--plot", str(out_png))
+    assert code == 0, err
+    result = json.loads(out_json.read_text())
+    assert result["samples"] == 64 and result["budget"] == 16  # default budget: the head size
+    assert [layer["layer"] for layer in result["layers"]] == [0, 1, 2]
+    assert sum(layer["dim"] for layer in result["layers"]) == 3 * 16
+    assert all(len(layer["head_dof"]) == 4 and len(layer["head_dims"]) == 4 for layer in result["layers"])
+    assert out_png.stat().st_size > 1000
+    assert "layer" in out and "DoF max" in out
+
+
+def test_clip_and_budget(capsys, model_dirs, text_file, tmp_path):
+    out_json = tmp_path / "dof.json"
+    code, _, err = run(capsys, "dof", "--model", str(model_dirs["gpt_neox"]), "--data", str(text_file),
+                       "--split", "all", "--samples", "32", "--num-blocks", "2", "--seq-len", "32",
+                       "--budget", "40", "--clip", "--out", str(out_json))
+    assert code == 0, err
+    result = json.loads(out_json.read_text())
+    assert result["clip"] and all(layer["dim"] <= 16 for layer in result["layers"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "{tmp}/no-such-model"], "does not exist"),
+    (["--model", "{bert}"], "does not support"),
+    (["--data", "{tmp}/missing.txt"], "neither 'wiki-sample'"),
+    (["--samples", "100000"], "more than the"),
+    (["--budget", "0"], "--budget"),
+    (["--lam", "-1"], "--lam must be positive"),
+    (["--out", "{tmp}/no-dir/dof.json"], "does not exist"),
+    (["--plot", "{tmp}/dof.jpg"], "--plot"),
+    (["--device", "tpu"], "unknown device"),
+])
+def test_bad_input_is_one_line_error(capsys, tmp_path, model_dirs, text_file, args, message):
+    from transformers import BertConfig
+
+    bert = tmp_path / "bert"
+    BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=64).save_pretrained(bert)
+    base = ["dof", "--model", str(model_dirs["llama"]), "--data", str(text_file), "--split", "all",
+            "--samples", "32", "--num-blocks", "2", "--seq-len", "32", "--out", str(tmp_path / "dof.json")]
+    argv = base + [a.format(tmp=tmp_path, bert=bert) for a in args]
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("dofattn: error:")]
+    assert len(lines) == 1 and message in lines[0]
+    assert not (tmp_path / "dof.json").exists()
+
+
+def test_console_script_exit_code(tmp_path, model_dirs):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "dofattn", "dof", "--model", "no-such-org/no-such-model",
+                           "--out", str(tmp_path / "x.json")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("dofattn: error: cannot load model")

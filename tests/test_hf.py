@@ -1,0 +1,67 @@
+"""Model loading: folders of the three families, unsupported architectures, bad paths, wheel assets."""
+
+import zipfile
+
+import pytest
+import torch
+from transformers import BertConfig
+
+from dofattn import assets
+from dofattn.errors import UserError
+from dofattn.hf import SUPPORTED, load_model, parse_dtype
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_load_folder(model_dirs, family):
+    model, tokenizer = load_model(str(model_dirs[family]))
+    assert model.config.model_type == family and not model.training
+    assert tokenizer.pad_token is not None
+    bf16, _ = load_model(str(model_dirs[family]), dtype=torch.bfloat16)
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=64).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="'bert' model, which dofattn does not support") as err:
+        load_model(str(tmp_path))
+    for name in SUPPORTED:
+        assert name in str(err.value)
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_model(str(tmp_path / "nothing"))
+    with pytest.raises(UserError, match="does not exist"):
+        load_model(str(tmp_path / "model.gguf"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(UserError, match="not a .gguf file"):
+        load_model(str(tmp_path / "weights.bin"))
+    with pytest.raises(UserError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_unknown_hub_id_fails_fast_offline(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match="cannot load model 'no-such-org/no-such-model'.*smollm2-135m"):
+        load_model("no-such-org/no-such-model")
+
+
+def test_parse_dtype():
+    assert parse_dtype("bf16") is torch.bfloat16
+    with pytest.raises(UserError, match="unknown dtype"):
+        parse_dtype("int8")
+
+
+def test_wheel_member_unpacks_from_cached_wheel(tmp_path, monkeypatch):
+    monkeypatch.setenv("DOFATTN_CACHE", str(tmp_path))
+    wheel = assets.Wheel("dofattn-fake-asset", "1.0", "dofattn_fake_asset")
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / "dofattn_fake_asset-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("dofattn_fake_asset/data.bin", b"payload")
+    path = assets.wheel_member(wheel, "dofattn_fake_asset/data.bin")
+    assert path.read_bytes() == b"payload" and path.is_relative_to(tmp_path)
+    with pytest.raises(UserError, match="has no file"):
+        assets.wheel_member(wheel, "dofattn_fake_asset/other.bin")

