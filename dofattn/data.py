@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from dofattn.assets import GENSIM, cache_dir, wheel_member
 from dofattn.errors import UserError
@@ -105,7 +106,7 @@ def wiki_sample() -> list[Document]:
     if not cached.is_file():
         dump = wheel_member(GENSIM, WIKI_MEMBER)
         with bz2.open(dump, "rb") as stream:
-            docs = list(parse_wiki_dump(stream))
+            docs = list(tqdm(parse_wiki_dump(stream), desc="cleaning wiki-sample (once)", unit="article"))
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(".partial")
         with open(tmp, "w") as f:
