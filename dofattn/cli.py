@@ -54,6 +54,64 @@ class DofArgs:
     plot: str | None = _opt(None, "also write a figure of DoF and dims per layer (.png, .pdf or .svg)")
 
 
+@dataclass
+class GenerateArgs:
+    """Generate text with a linearized student (or any supported model) and its constant-size state.
+
+    --model takes a student folder written by `dofattn distill` (or `dofattn.student.save_student`), or a base model
+    (alias, hub id, folder, .gguf). With a base model, --dims linearizes it on the fly with untrained features
+    (useful to check plumbing and speed, not quality); without --dims the base model generates as it is.
+    """
+
+    model: str = _opt("smollm2-135m", "student folder, or a base model: alias, hub id, folder or .gguf file")
+    prompt: str = _opt("The history of mathematics", "text to continue")
+    max_new_tokens: int = _opt(40, "number of tokens to generate")
+    dims: str | None = _opt(None, "linearize a base model first: fix, fix:C or a dof.json file")
+    feature: str = _opt("prf", "feature map when linearizing with --dims: prf, performer, hedgehog or dijiang")
+    temperature: float = _opt(0.0, "0 for greedy decoding, > 0 to sample")
+    seed: int = _opt(0, "seed for sampling and for untrained features")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = _opt("float32", "model dtype: float32 or bfloat16")
+
+
+def run_generate(args: GenerateArgs) -> int:
+    """The `generate` verb."""
+    import torch
+
+    from dofattn.hf import load_model, parse_dtype
+    from dofattn.student import is_student, linearize, load_student, resolve_dims
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature:g}")
+    device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
+    if is_student(args.model):
+        if args.dims:
+            raise UserError(f"{args.model} is already a student; drop --dims")
+        model, tokenizer, config = load_student(args.model, dtype=dtype, device=device)
+        what = f"student of {config.base_model} ({config.feature}, dims {min(config.dims)}-{max(config.dims)})"
+    else:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+        what = args.model
+        if args.dims:
+            dims = resolve_dims(args.dims, model, args.model)
+            linearize(model, dims, args.feature, seed=args.seed)
+            what += f" linearized with untrained {args.feature} features, dims {min(dims)}-{max(dims)}"
+    torch.manual_seed(args.seed)
+    inputs = tokenizer(args.prompt, return_tensors="pt").to(device)
+    sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             **sampling)
+    elapsed = time.perf_counter() - start
+    new = out[0, inputs["input_ids"].shape[1]:]
+    print(args.prompt + tokenizer.decode(new, skip_special_tokens=True))
+    print(f"[{what}: {len(new)} tokens in {elapsed:.2f} s, {len(new) / elapsed:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
 def _add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -155,7 +213,7 @@ def format_table(result) -> str:
     return "\n".join(rows)
 
 
-VERBS = {"dof": (DofArgs, run_dof)}
+VERBS = {"dof": (DofArgs, run_dof), "generate": (GenerateArgs, run_generate)}
 
 
 def build_parser() -> argparse.ArgumentParser:

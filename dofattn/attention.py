@@ -1,0 +1,174 @@
+"""The drop-in linear attention: a feature map per layer, plugged into Hugging Face attention modules.
+
+A linearized layer keeps its HF attention module (projections, RoPE, output projection all untouched) and gains a
+child module `dofattn` (a `LinearAttention`). The model's attention implementation is set to "dofattn", an
+`AttentionInterface` function that runs `LinearAttention` for modules that have one and SDPA for the others.
+
+Generation: a linear layer needs no KV cache, only its recurrent state [B, H, M, V+1]. A forward pre-hook on each
+linearized module finds the HF `Cache` it is called with (`past_key_values`, or `layer_past` in GPT-NeoX) and puts
+a `LinearStateLayer` in that layer's slot: it stores no keys or values, only the state and the token count, so
+memory stays flat in context length. `model.generate()` needs nothing special.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from dofattn.errors import UserError
+from dofattn.features import FeatureMap
+from dofattn.ops import linear_attention
+
+IMPLEMENTATION = "dofattn"
+
+
+class LinearAttention(nn.Module):
+    """One layer's causal linear attention with a learned (or fixed) feature map."""
+
+    def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int):
+        super().__init__()
+        self.feature_map = feature_map
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
+                state: torch.Tensor | None = None, output_final_state: bool = False,
+                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q [B, T, H, D], k and v [B, T, Hkv, D], key_valid [B, T] -> o [B, T, H, D], state [B, H, M, D+1]."""
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        phi_q = self.feature_map(q, "query")                                       # [B, T, H, M]
+        phi_k = self.feature_map(k, "key")                                         # [B, T, H, M]
+        if key_valid is not None:
+            phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
+        return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
+                                backend=backend)
+
+
+class LinearStateLayer(CacheLayerMixin):
+    """A cache slot for a linear layer: the recurrent state and the number of tokens seen, no keys or values."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self):
+        super().__init__()
+        self.state: torch.Tensor | None = None   # [B, H, M, V+1], float32
+        self.seen = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        return key_states, value_states  # the attention sees only the new tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.seen
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self):
+        if self.state is not None:
+            self.state = self.state.to("cpu", non_blocking=True)
+
+    def prefetch(self):
+        if self.state is not None and self.is_initialized and self.state.device != self.device:
+            self.state = self.state.to(self.device, non_blocking=True)
+
+    def reset(self) -> None:
+        self.state, self.seen = None, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.state is not None:
+            self.state = self.state.index_select(0, beam_idx.to(self.state.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.state is not None:
+            self.state = self.state.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.state is not None:
+            self.state = self.state[indices]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")
+
+
+def state_layer(cache: Cache, layer_idx: int) -> LinearStateLayer:
+    """The `LinearStateLayer` in `cache`'s slot `layer_idx`, put there if the slot is a fresh dynamic layer."""
+    cache = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache
+    if not isinstance(cache, Cache):
+        raise UserError(f"linearized layers need a transformers Cache, got {type(cache).__name__}")
+    while len(cache.layers) <= layer_idx:
+        cache.layers.append(DynamicLayer())
+    slot = cache.layers[layer_idx]
+    if isinstance(slot, LinearStateLayer):
+        return slot
+    if type(slot) is not DynamicLayer or slot.get_seq_length() > 0:
+        raise UserError(f"layer {layer_idx} is linear attention and cannot continue a {type(slot).__name__} cache "
+                        f"with {slot.get_seq_length()} tokens; let generate() create the cache (DynamicCache)")
+    cache.layers[layer_idx] = LinearStateLayer()
+    return cache.layers[layer_idx]
+
+
+def _bind_cache(module: nn.Module, args, kwargs) -> None:
+    cache = kwargs.get("past_key_values", kwargs.get("layer_past"))
+    module.dofattn.cache_layer = None if cache is None else state_layer(cache, module.layer_idx)
+
+
+def _unbind_cache(module: nn.Module, args, kwargs, output) -> None:
+    module.dofattn.cache_layer = None
+
+
+def _key_padding(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """[B, T] True where a key is a real token, from the 4D mask the mask interface built (None: no padding)."""
+    if attention_mask is None:
+        return None
+    last_row = attention_mask[:, 0, -1, -length:]          # the last query sees every real key before it
+    return last_row if last_row.dtype == torch.bool else last_row == 0
+
+
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """AttentionInterface function: q [B, H, T, D], k/v [B, Hkv, T, D] -> ([B, T, H, D], None)."""
+    linear = getattr(module, "dofattn", None)
+    if linear is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if key.shape[2] != query.shape[2]:
+        raise UserError(f"layer {module.layer_idx} is linear attention but received {key.shape[2]} keys for "
+                        f"{query.shape[2]} queries: a KV cache of past tokens; use the default DynamicCache")
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    key_valid = _key_padding(attention_mask, k.shape[1])
+    slot = linear.cache_layer
+    if slot is None:
+        out, _ = linear(q, k, v, key_valid)
+    else:
+        out, slot.state = linear(q, k, v, key_valid, state=slot.state, output_final_state=True)
+    return out, None
+
+
+def install(model: nn.Module) -> None:
+    """Route `model`'s attention through dofattn and hook the linearized modules' cache handling."""
+    AttentionInterface.register(IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    model.set_attn_implementation(IMPLEMENTATION)
+    for module in model.modules():
+        if isinstance(getattr(module, "dofattn", None), LinearAttention) and not getattr(module, "_dofattn_hooked",
+                                                                                          False):
+            module.register_forward_pre_hook(_bind_cache, with_kwargs=True)
+            module.register_forward_hook(_unbind_cache, with_kwargs=True)
+            module._dofattn_hooked = True

@@ -1,0 +1,172 @@
+"""Feature maps φ for linear attention: queries/keys [B, T, H, D] -> nonnegative features [B, T, H, M].
+
+    fmap = make_feature_map("prf", num_heads=9, head_dim=64, dim=203, scaling=0.125, seed=0)
+    phi_q, phi_k = fmap(q, "query"), fmap(k, "key")                 # [B, T, H, M] each, float32
+
+Every map has its own parameters per head (directions, projections, weights: leading dim H); the feature dimension
+M is one per layer. Kinds:
+
+- `prf`: the paper's learned positive random features. With u = √s·x (s the layer's softmax scaling),
+  φ_m(x) = exp(z_mᵀu − ‖u‖²/2 + ½·log α_m), so that φ(q)·φ(k)/M = (1/M)Σ_m α_m e^{z_mᵀu_q − ‖u_q‖²/2}
+  e^{z_mᵀu_k − ‖u_k‖²/2}, an unbiased estimate of exp(s·qᵀk) when α = 1 and z ~ N(0, I). The directions z
+  (init i.i.d. N(0, I), no orthogonal blocks) and log-weights log α (init 0) are trained.
+- `performer`: FAVOR+: the same map with fixed orthogonal random directions (blocks of D orthonormal rows rescaled
+  by chi-distributed norms) and α = 1; nothing is trained.
+- `hedgehog`: φ(x) = [softmax(xW + b), softmax(−(xW + b))] with W [D, ⌈M/2⌉] (init orthogonal) and b learned;
+  the second half keeps ⌊M/2⌋ entries so any M works.
+- `dijiang`: φ(x) = softmax(√s·x P) with P = C·Z, C the orthonormal DCT-II matrix and Z [D, M] Gaussian
+  quasi-Monte-Carlo samples (scrambled Sobol points through the normal inverse CDF). P is trainable.
+
+Numerics (prf, performer): exponents reach ~195 on SmolLM2. Query features are shifted by their own max over m
+(cancels exactly in the attention ratio, largest feature = 1). Key features are shifted by `key_shift`, one
+constant per head, so the parallel and the streaming form use the same shift: it is calibrated on the first keys
+seen and, in training mode, raised to the running max. A key whose exponent exceeds the shift by more than
+`MAX_KEY_EXCESS` nats is capped there (only far outside the calibration range) so nothing overflows in fp32/bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dofattn.errors import UserError
+
+FEATURES = ("prf", "performer", "hedgehog", "dijiang")
+MAX_KEY_EXCESS = 30.0  # e^30 · 1e6 tokens stays far inside float32
+
+
+class FeatureMap(nn.Module):
+    """Base: one layer's map with `num_heads` heads of size `head_dim` to `dim` features."""
+
+    kind = ""
+
+    def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float):
+        super().__init__()
+        if dim < 1:
+            raise UserError(f"feature dimension must be >= 1, got {dim}")
+        self.num_heads, self.head_dim, self.dim, self.scaling = num_heads, head_dim, dim, float(scaling)
+
+    def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:  # [B, T, H, D] -> [B, T, H, M]
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
+
+
+def _orthogonal_rows(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    """[rows, cols]: stacked blocks of `cols` orthonormal rows (QR of Gaussian matrices)."""
+    blocks = []
+    for _ in range(math.ceil(rows / cols)):
+        q, _ = torch.linalg.qr(torch.randn(cols, cols, generator=generator, dtype=torch.float64))
+        blocks.append(q.T)
+    return torch.cat(blocks)[:rows].float()
+
+
+class PositiveRandomFeatures(FeatureMap):
+    """`prf` (learned) and `performer` (fixed orthogonal FAVOR+) positive random features."""
+
+    def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float, learned: bool = True,
+                 generator: torch.Generator | None = None):
+        super().__init__(num_heads, head_dim, dim, scaling)
+        self.kind = "prf" if learned else "performer"
+        g = generator or torch.Generator().manual_seed(0)
+        if learned:
+            z = torch.randn(num_heads, dim, head_dim, generator=g)
+            self.directions = nn.Parameter(z)                                        # [H, M, D]
+            self.log_weights = nn.Parameter(torch.zeros(num_heads, dim))             # [H, M]
+        else:
+            z = torch.stack([_orthogonal_rows(dim, head_dim, g) for _ in range(num_heads)])
+            norms = torch.randn(num_heads, dim, head_dim, generator=g).norm(dim=-1, keepdim=True)
+            self.register_buffer("directions", z * norms)                            # [H, M, D]
+            self.register_buffer("log_weights", torch.zeros(num_heads, dim))         # [H, M]
+        self.register_buffer("key_shift", torch.full((num_heads,), -math.inf))       # [H]
+
+    def exponent(self, x: torch.Tensor) -> torch.Tensor:
+        """log φ before any shift: [B, T, H, D] -> [B, T, H, M], float32."""
+        u = x.float() * math.sqrt(self.scaling)                                      # [B, T, H, D]
+        proj = torch.einsum("bthd,hmd->bthm", u, self.directions.float())
+        return proj - 0.5 * u.square().sum(-1, keepdim=True) + 0.5 * self.log_weights.float()
+
+    @torch.no_grad()
+    def _update_key_shift(self, exponent: torch.Tensor) -> None:
+        seen = exponent.amax(dim=(0, 1, 3))                                          # [H]
+        if self.training or not torch.isfinite(self.key_shift).all():
+            self.key_shift.copy_(torch.maximum(self.key_shift, seen))
+
+    def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        e = self.exponent(x)
+        if role == "query":
+            return torch.exp(e - e.amax(-1, keepdim=True).detach())
+        self._update_key_shift(e)
+        return torch.exp((e - self.key_shift[:, None]).clamp(max=MAX_KEY_EXCESS))
+
+
+class HedgehogFeatures(FeatureMap):
+    """`hedgehog`: softmax of a learned projection and of its negation."""
+
+    kind = "hedgehog"
+
+    def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float,
+                 generator: torch.Generator | None = None):
+        super().__init__(num_heads, head_dim, dim, scaling)
+        if dim < 2:
+            raise UserError(f"hedgehog features need a dimension of at least 2, got {dim}")
+        g = generator or torch.Generator().manual_seed(0)
+        half = math.ceil(dim / 2)
+        w = torch.stack([_orthogonal_rows(half, head_dim, g).T for _ in range(num_heads)])
+        self.weight = nn.Parameter(w)                                                # [H, D, ⌈M/2⌉]
+        self.bias = nn.Parameter(torch.zeros(num_heads, half))                       # [H, ⌈M/2⌉]
+
+    def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        u = torch.einsum("bthd,hdm->bthm", x.float(), self.weight.float()) + self.bias.float()
+        rest = self.dim - u.shape[-1]
+        return torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)[..., :rest]], -1)
+
+
+def dct_matrix(n: int) -> torch.Tensor:
+    """Orthonormal DCT-II matrix [n, n] (rows are frequencies)."""
+    k = torch.arange(n, dtype=torch.float64)[:, None]
+    i = torch.arange(n, dtype=torch.float64)[None, :]
+    c = math.sqrt(2.0 / n) * torch.cos(math.pi * (i + 0.5) * k / n)
+    c[0] /= math.sqrt(2.0)
+    return c
+
+
+def qmc_gaussian(dim: int, count: int, seed: int) -> torch.Tensor:
+    """[dim, count] standard-normal quasi-Monte-Carlo samples (scrambled Sobol, inverse normal CDF)."""
+    u = torch.quasirandom.SobolEngine(dim, scramble=True, seed=seed).draw(count, dtype=torch.float64)
+    u = u.clamp(1e-6, 1 - 1e-6)
+    return (math.sqrt(2.0) * torch.erfinv(2 * u - 1)).T
+
+
+class DiJiangFeatures(FeatureMap):
+    """`dijiang`: softmax over a DCT-rotated Gaussian quasi-Monte-Carlo projection."""
+
+    kind = "dijiang"
+
+    def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float, seed: int = 0):
+        super().__init__(num_heads, head_dim, dim, scaling)
+        c = dct_matrix(head_dim)
+        p = torch.stack([c.T @ qmc_gaussian(head_dim, dim, seed * 7919 + h) for h in range(num_heads)])
+        self.projection = nn.Parameter(p.float())                                    # [H, D, M]
+
+    def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        u = x.float() * math.sqrt(self.scaling)
+        return torch.softmax(torch.einsum("bthd,hdm->bthm", u, self.projection.float()), -1)
+
+
+def make_feature_map(kind: str, num_heads: int, head_dim: int, dim: int, scaling: float,
+                     seed: int = 0) -> FeatureMap:
+    """A fresh feature map of `kind` (one of FEATURES) for one layer."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "prf":
+        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=True, generator=g)
+    if kind == "performer":
+        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=False, generator=g)
+    if kind == "hedgehog":
+        return HedgehogFeatures(num_heads, head_dim, dim, scaling, generator=g)
+    if kind == "dijiang":
+        return DiJiangFeatures(num_heads, head_dim, dim, scaling, seed=seed)
+    raise UserError(f"unknown feature map {kind!r}; use one of {', '.join(FEATURES)}")

@@ -1,0 +1,63 @@
+"""Causal, ratio-normalised linear attention on precomputed nonnegative features, with one entry point.
+
+    from dofattn.ops import linear_attention
+    o, state = linear_attention(phi_q, phi_k, v, output_final_state=True)            # prefill
+    o, state = linear_attention(phi_q1, phi_k1, v1, initial_state=state,              # decode, T = 1
+                                output_final_state=True)
+
+Layout, frozen: phi_q, phi_k [B, T, H, M] (nonnegative), v [B, T, H, V], state [B, H, M, V+1] float32
+(Σ φk ⊗ v in the first V columns, the normaliser Σ φk in the last), o [B, T, H, V] in v.dtype.
+o_t = (φq_t · S_t)[:V] / max((φq_t · S_t)[V], tiny) with S_t = S_0 + Σ_{j≤t} φk_j ⊗ [v_j, 1].
+
+Backends, all with the same signature and result (`naive.py` is the spec the others are tested against):
+    naive       quadratic masked form, O(T²) memory: the reference
+    chunk       chunked parallel form in pure PyTorch, CPU and CUDA
+    recurrent   token by token: the decode path
+    fla         flash-linear-attention's Triton kernel (CUDA, `pip install fla-core`)
+    auto        recurrent when T == 1, fla for CUDA inputs when fla imports, else chunk
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dofattn.ops.chunk import chunk_linear_attention
+from dofattn.ops.fla import fla_available, fla_linear_attention
+from dofattn.ops.naive import check_inputs, naive_linear_attention
+from dofattn.ops.recurrent import recurrent_linear_attention
+
+BACKENDS = {
+    "naive": naive_linear_attention,
+    "chunk": chunk_linear_attention,
+    "recurrent": recurrent_linear_attention,
+    "fla": fla_linear_attention,
+}
+
+__all__ = ["linear_attention", "naive_linear_attention", "chunk_linear_attention", "recurrent_linear_attention",
+           "fla_linear_attention", "fla_available", "pick_backend", "BACKENDS"]
+
+
+def pick_backend(phi_q: torch.Tensor, backend: str = "auto") -> str:
+    """The backend `linear_attention` runs for these inputs ([B, T, H, M] queries); ValueError if unknown."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {['auto', *BACKENDS]}")
+    if backend != "auto":
+        return backend
+    if phi_q.shape[1] == 1:
+        return "recurrent"
+    if phi_q.is_cuda and fla_available():
+        return "fla"
+    return "chunk"
+
+
+def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                     backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal linear attention with the chosen backend (see the module docstring).
+
+    phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
+    Returns o [B, T, H, V] in v.dtype and the final state [B, H, M, V+1] if output_final_state, else None.
+    """
+    check_inputs(phi_q, phi_k, v, initial_state)
+    name = pick_backend(phi_q, backend)
+    return BACKENDS[name](phi_q, phi_k, v, initial_state=initial_state, output_final_state=output_final_state)

@@ -1,0 +1,96 @@
+"""The reference (the spec) for causal, ratio-normalised linear attention on precomputed nonnegative features.
+
+    o, state = naive_linear_attention(phi_q, phi_k, v, initial_state=None, output_final_state=True)
+
+Layout, frozen for the whole package:
+    phi_q, phi_k   [B, T, H, M]    nonnegative feature maps of queries and keys (already expanded to H heads)
+    v              [B, T, H, V]
+    state          [B, H, M, V+1]  float32; state[..., :V] = Σ_j φk_j ⊗ v_j, state[..., V] = Σ_j φk_j
+    o              [B, T, H, V]    in v.dtype
+
+Math: S_t = S_0 + Σ_{j≤t} φk_j ⊗ [v_j, 1], [num_t, den_t] = φq_t · S_t, o_t = num_t / max(den_t, tiny) with
+tiny = finfo(float32).tiny. Appending a column of ones to the values makes numerator and denominator one product.
+
+This file computes it the obvious, quadratic way: A = φq φkᵀ under a causal mask, plus φq·S_0. It is O(T²) in
+time and memory (B·H·T² floats) and exists to be read and tested against; the fast ops (`chunk`, `recurrent`, `fla`)
+import its small helpers (`check_inputs`, `augment_values`, `normalise`) so that every op shares one definition.
+
+Precision: everything is computed in float32 whatever the input dtype (bf16/fp16 inputs are upcast), or in float64
+when any input is float64 (for tight tests); the output is cast back to v.dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def check_inputs(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                 initial_state: torch.Tensor | None = None) -> None:
+    """Raise ValueError, saying what is wrong, unless the shapes follow the frozen layout above."""
+    for name, x in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, T, H, {'V' if name == 'v' else 'M'}], got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if phi_q.shape != phi_k.shape:
+        raise ValueError(f"phi_q and phi_k must have the same shape [B, T, H, M], "
+                         f"got {tuple(phi_q.shape)} and {tuple(phi_k.shape)}")
+    B, T, H, M = phi_q.shape
+    if v.shape[:3] != phi_q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] with B, T, H = {B}, {T}, {H} as in phi_q, got {tuple(v.shape)}")
+    if T == 0 or M == 0 or v.shape[-1] == 0:
+        raise ValueError(f"T, M and V must be positive, got T={T}, M={M}, V={v.shape[-1]}")
+    if initial_state is not None:
+        expected = (B, H, M, v.shape[-1] + 1)
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(f"initial_state must be [B, H, M, V+1] = {expected} (last column: the normaliser "
+                             f"Σ φk), got {tuple(initial_state.shape)}")
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float64 if any input is float64, else float32 (bf16/fp16 are never computed in)."""
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in tensors) else torch.float32
+
+
+def augment_values(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, V] -> [B, T, H, V+1]: the values with a column of ones (the denominator's "value")."""
+    v = v.to(dtype)
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def normalise(o_aug: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., V+1] = [num, den] -> num / max(den, tiny) in `dtype`: [..., V], contiguous."""
+    num, den = o_aug[..., :-1], o_aug[..., -1:]
+    return (num / den.clamp_min(TINY)).to(dtype).contiguous()       # o_aug may be a transposed view
+
+
+def naive_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                           initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal linear attention by the quadratic masked form.
+
+    phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
+    Returns o [B, T, H, V] in v.dtype and, if output_final_state, the state [B, H, M, V+1] (float32, or float64
+    for float64 inputs), else None.
+    """
+    check_inputs(phi_q, phi_k, v, initial_state)
+    dtype = compute_dtype(phi_q, phi_k, v, initial_state)
+    q, k = phi_q.to(dtype), phi_k.to(dtype)                           # [B, T, H, M]
+    v_aug = augment_values(v, dtype)                                   # [B, T, H, V+1]
+
+    A = torch.einsum("bthm,bshm->bhts", q, k)                         # [B, H, T, T]
+    causal = torch.ones(A.shape[-2:], dtype=torch.bool, device=A.device).tril()   # s ≤ t
+    A = A.masked_fill(~causal, 0.0)
+    o_aug = torch.einsum("bhts,bshv->bthv", A, v_aug)                 # [B, T, H, V+1]
+    if initial_state is not None:
+        S0 = initial_state.to(dtype)                                   # [B, H, M, V+1]
+        o_aug = o_aug + torch.einsum("bthm,bhmv->bthv", q, S0)
+
+    final_state = None
+    if output_final_state:
+        final_state = torch.einsum("bthm,bthv->bhmv", k, v_aug)       # [B, H, M, V+1]
+        if initial_state is not None:
+            final_state = final_state + initial_state.to(dtype)
+    return normalise(o_aug, v.dtype), final_state

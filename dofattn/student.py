@@ -1,0 +1,206 @@
+"""The linearized student: turning a loaded HF model into linear attention, and saving / loading it.
+
+    model, tok = load_model("smollm2-135m")
+    linearize(model, dims=resolve_dims("dof.json", model, "smollm2-135m"), feature="prf")
+    save_student(model, "run/", StudentConfig.describe(model, "smollm2-135m", ...))
+    student, tok, cfg = load_student("run/")          # the base model again, linearized, trained features loaded
+
+A student folder holds `dofattn.json` (base model, feature kind, dims, linearized layers, dofattn version and a
+fingerprint of the base model) and `features.safetensors` (only the feature-map parameters and buffers; the base
+model's weights are loaded from `base_model`). No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dofattn import __version__
+from dofattn.attention import LinearAttention, install
+from dofattn.dof import DofResult
+from dofattn.errors import UserError
+from dofattn.features import FEATURES, make_feature_map
+
+CONFIG_FILE = "dofattn.json"
+WEIGHTS_FILE = "features.safetensors"
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of `model`, in layer order."""
+    found = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if idx is not None and type(module).__name__.endswith("Attention") and not getattr(
+                module, "is_cross_attention", False):
+            found[idx] = module
+    return [found[i] for i in sorted(found)]
+
+
+def head_layout(model: nn.Module) -> tuple[int, int, int]:
+    """(query heads, kv heads, head size) of a supported model."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
+def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "") -> list[int]:
+    """Feature dims per layer from `fix`, `fix:C`, a dof.json path, or a list."""
+    num_layers = len(attention_modules(model))
+    _, _, head_dim = head_layout(model)
+    if isinstance(spec, list):
+        dims = spec
+    elif spec == "fix" or spec.startswith("fix:"):
+        value = spec.partition(":")[2] or str(head_dim)
+        if not value.isdigit() or int(value) < 1:
+            raise UserError(f"bad --dims {spec!r}; use fix, fix:C with C >= 1, or a dof.json file")
+        dims = [int(value)] * num_layers
+    elif spec.endswith(".json"):
+        path = Path(spec)
+        if not path.is_file():
+            raise UserError(f"dims file {spec} does not exist; run `dofattn dof --out {spec}` first")
+        try:
+            result = DofResult.from_json(path.read_text())
+        except (json.JSONDecodeError, TypeError, KeyError) as err:
+            raise UserError(f"{spec} is not a dofattn dof.json file ({err})") from None
+        if model_name and result.model and result.model != model_name:
+            raise UserError(f"dims file {spec} was computed for model {result.model!r}, not {model_name!r}; "
+                            f"run `dofattn dof --model {model_name}`")
+        dims = result.dims
+    else:
+        raise UserError(f"bad --dims {spec!r}; use fix, fix:C, or a dof.json file")
+    if len(dims) != num_layers:
+        raise UserError(f"--dims gives {len(dims)} layers but the model has {num_layers}")
+    if min(dims) < 1:
+        raise UserError(f"--dims must be >= 1 in every layer, got {min(dims)}")
+    return [int(d) for d in dims]
+
+
+def fingerprint(model: nn.Module) -> dict:
+    """What identifies a base model: its shape and the norm of its token embedding (dtype independent)."""
+    heads, kv_heads, head_dim = head_layout(model)
+    embedding = model.get_input_embeddings().weight
+    return {"model_type": model.config.model_type, "num_layers": len(attention_modules(model)), "num_heads": heads,
+            "num_kv_heads": kv_heads, "head_dim": head_dim, "vocab_size": embedding.shape[0],
+            "embedding_norm": round(float(embedding.detach().float().norm()), 3)}
+
+
+@dataclass
+class StudentConfig:
+    """What `dofattn.json` records."""
+
+    base_model: str
+    feature: str
+    dims: list[int]
+    layers: list[int]
+    seed: int = 0
+    base: dict = field(default_factory=dict)
+    dofattn_version: str = __version__
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: list[int] | None = None,
+              seed: int = 0) -> nn.Module:
+    """Replace softmax attention by linear attention in `layers` (all by default), in place; returns `model`.
+
+    `dims[i]` is the feature dimension of layer i (entries of layers not linearized are ignored).
+    """
+    if feature not in FEATURES:
+        raise UserError(f"unknown feature map {feature!r}; use one of {', '.join(FEATURES)}")
+    modules = attention_modules(model)
+    layers = list(range(len(modules))) if layers is None else sorted(layers)
+    if any(i < 0 or i >= len(modules) for i in layers):
+        raise UserError(f"layers {layers} out of range for a model with {len(modules)} layers")
+    heads, kv_heads, head_dim = head_layout(model)
+    param = next(model.parameters())
+    for i in layers:
+        fmap = make_feature_map(feature, heads, head_dim, dims[i], modules[i].scaling, seed=seed * 1000 + i)
+        linear = LinearAttention(fmap, heads, kv_heads).to(param.device).train(modules[i].training)
+        modules[i].add_module("dofattn", linear)
+    install(model)
+    return model
+
+
+def student_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The feature-map parameters and buffers, by their names in `model`."""
+    return {name: t.detach().contiguous() for name, t in
+            list(model.named_parameters()) + list(model.named_buffers()) if ".dofattn." in name}
+
+
+def save_student(model: nn.Module, folder: str | Path, config: StudentConfig) -> Path:
+    """Write `dofattn.json` and `features.safetensors` into `folder` (created if needed)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (WEIGHTS_FILE + ".partial")
+    save_file(student_state(model), str(tmp), metadata={"dofattn_version": __version__})
+    os.replace(tmp, folder / WEIGHTS_FILE)
+    tmp = folder / (CONFIG_FILE + ".partial")
+    tmp.write_text(config.to_json())
+    os.replace(tmp, folder / CONFIG_FILE)
+    return folder
+
+
+def is_student(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def read_config(folder: str | Path) -> StudentConfig:
+    folder = Path(folder)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise UserError(f"{folder} is not a complete dofattn student: {name} is missing")
+    try:
+        return StudentConfig(**json.loads((folder / CONFIG_FILE).read_text()))
+    except (json.JSONDecodeError, TypeError) as err:
+        raise UserError(f"{folder / CONFIG_FILE} is not a dofattn student config ({err})") from None
+
+
+def attach_student(model: nn.Module, folder: str | Path, config: StudentConfig | None = None) -> nn.Module:
+    """Linearize an already loaded base `model` as the student in `folder` describes, and load its features."""
+    config = config or read_config(folder)
+    found = fingerprint(model)
+    expected = config.base
+    mismatch = [k for k in expected if k != "embedding_norm" and expected[k] != found.get(k)]
+    norm = expected.get("embedding_norm")
+    if norm is not None and abs(found["embedding_norm"] - norm) > 1e-3 * max(abs(norm), 1.0):
+        mismatch.append("embedding_norm")
+    if mismatch:
+        raise UserError(f"{folder} was trained on base model {config.base_model!r} and does not fit this model "
+                        f"(differs in {', '.join(mismatch)}); load it with its own base model")
+    linearize(model, config.dims, config.feature, config.layers, config.seed)
+    state = load_file(str(Path(folder) / WEIGHTS_FILE), device=str(next(model.parameters()).device))
+    own = student_state(model)
+    if set(state) != set(own):
+        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        raise UserError(f"{folder}/{WEIGHTS_FILE} does not match its config (missing {missing[:3]}, "
+                        f"unexpected {extra[:3]})")
+    for name, tensor in own.items():
+        if tensor.shape != state[name].shape:
+            raise UserError(f"{folder}/{WEIGHTS_FILE}: {name} has shape {tuple(state[name].shape)}, "
+                            f"expected {tuple(tensor.shape)}")
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name in state:
+                tensor.copy_(state[name])
+        for name, tensor in model.named_buffers():
+            if name in state:
+                tensor.copy_(state[name])
+    return model
+
+
+def load_student(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model, tokenizer, config) of the student saved in `folder`."""
+    from dofattn.hf import load_model
+
+    config = read_config(folder)
+    model, tokenizer = load_model(config.base_model, dtype=dtype, device=device)
+    return attach_student(model, folder, config), tokenizer, config

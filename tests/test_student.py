@@ -1,0 +1,220 @@
+"""The linearized student in HF models: swap, numerics, generation with a constant-size state, save/load."""
+
+import math
+
+import pytest
+import torch
+
+from dofattn.attention import LinearStateLayer
+from dofattn.errors import UserError
+from dofattn.features import FEATURES, make_feature_map
+from dofattn.student import (StudentConfig, attach_student, attention_modules, fingerprint, linearize,
+                             load_student, read_config, resolve_dims, save_student)
+from tests.conftest import tiny_model
+
+FAMILIES = ["llama", "gpt2", "gpt_neox"]
+
+
+def ids(batch=2, length=19, seed=0):
+    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --- feature maps ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", FEATURES)
+@pytest.mark.parametrize("dim", [2, 7, 64, 130])
+def test_feature_maps_are_positive_and_shaped(kind, dim):
+    fmap = make_feature_map(kind, num_heads=3, head_dim=16, dim=dim, scaling=0.25, seed=1)
+    x = torch.randn(2, 5, 3, 16)
+    for role in ("query", "key"):
+        phi = fmap(x, role)
+        assert phi.shape == (2, 5, 3, dim) and (phi >= 0).all() and torch.isfinite(phi).all()
+    trainable = {n for n, p in fmap.named_parameters() if p.requires_grad}
+    assert (trainable == set()) == (kind == "performer")
+
+
+@pytest.mark.parametrize("kind", ["prf", "performer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prf_is_finite_at_exponent_195(kind, dtype):
+    # q·k/√d = 195 with d = 64: norms of ~35, the largest seen on SmolLM2
+    d = 64
+    g = torch.Generator().manual_seed(0)
+    direction = torch.nn.functional.normalize(torch.randn(d, generator=g), dim=0)
+    x = (direction * math.sqrt(195 * math.sqrt(d)))[None, None, None, :].expand(1, 8, 1, d).clone()
+    x[:, ::2] *= 0.3  # a mix of huge and moderate vectors
+    fmap = make_feature_map(kind, 1, d, 64, d ** -0.5)
+    from dofattn.ops import linear_attention
+
+    pq, pk = fmap(x.to(dtype), "query"), fmap(x.to(dtype), "key")
+    out, state = linear_attention(pq, pk, torch.randn(1, 8, 1, d).to(dtype), output_final_state=True)
+    assert torch.isfinite(out).all() and torch.isfinite(state).all()
+
+
+def test_key_shift_cancels_in_the_attention_ratio():
+    from dofattn.ops import linear_attention
+
+    fmap = make_feature_map("prf", 2, 16, 32, 0.25, seed=3)
+    q, k, v = torch.randn(1, 9, 2, 16), torch.randn(1, 9, 2, 16), torch.randn(1, 9, 2, 16)
+    fmap(k, "key")  # calibrates the shift
+    out1, _ = linear_attention(fmap(q, "query"), fmap(k, "key"), v)
+    fmap.key_shift += 5.0
+    out2, _ = linear_attention(fmap(q, "query"), fmap(k, "key"), v)
+    torch.testing.assert_close(out1, out2, rtol=1e-5, atol=1e-6)
+
+
+# --- swapping layers --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_nothing_swapped_gives_stock_logits(family):
+    model = tiny_model(family)
+    x = ids()
+    stock = model(x, use_cache=False).logits
+    linearize(model, dims=[8, 8, 8], layers=[])
+    assert model.config._attn_implementation == "dofattn"
+    assert torch.equal(model(x, use_cache=False).logits, stock)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_layer_swap_changes_only_that_layer(family):
+    teacher, student = tiny_model(family), tiny_model(family)
+    linearize(student, dims=[8, 8, 8], layers=[1])
+    x = ids()
+    with torch.no_grad():
+        ref = teacher(x, output_hidden_states=True, use_cache=False).hidden_states
+        got = student(x, output_hidden_states=True, use_cache=False).hidden_states
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])  # embeddings, after layer 0
+    assert not torch.allclose(ref[2], got[2])
+    assert [hasattr(m, "dofattn") for m in attention_modules(student)] == [False, True, False]
+
+
+# --- generation ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("feature", ["prf", "hedgehog"])
+def test_generation_matches_full_forward_for_64_steps(family, feature):
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1)
+    prompt = ids(batch=1, length=11, seed=1)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences, use_cache=False).logits
+    steps = torch.stack(out.logits, 1)                                         # [1, 64, vocab]
+    ref = full[:, prompt.shape[1] - 1: -1]
+    assert steps.shape == ref.shape
+    torch.testing.assert_close(steps, ref, rtol=1e-4, atol=1e-4)
+    cache = out.past_key_values
+    assert all(isinstance(layer, LinearStateLayer) for layer in cache.layers)
+    heads = model.config.num_attention_heads
+    head_dim = model.config.hidden_size // heads
+    assert cache.layers[0].state.shape == (1, heads, 9, head_dim + 1) and cache.layers[0].keys is None
+    assert cache.get_seq_length() == prompt.shape[1] + 63
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_left_padded_generation_equals_one_by_one(family, tokenizer):
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None  # every row generates all 12 tokens
+    linearize(model, dims=[16, 16, 16], seed=2)
+    prompts = [ids(1, 5, seed=3)[0], ids(1, 12, seed=4)[0], ids(1, 9, seed=5)[0]]
+    singles = []
+    with torch.no_grad():
+        for p in prompts:
+            singles.append(model.generate(p[None], max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p):])
+        width = max(len(p) for p in prompts)
+        batch = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(batch)
+        for i, p in enumerate(prompts):
+            batch[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for i, single in enumerate(singles):
+        assert torch.equal(together[i, width:], single)
+
+
+def test_kv_cache_of_past_tokens_is_refused():
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    teacher = tiny_model("llama")
+    cache = DynamicCache(config=teacher.config)
+    with torch.no_grad():
+        teacher(ids(1, 6), past_key_values=cache, use_cache=True)
+    linearize(model, dims=[8, 8, 8])
+    with pytest.raises(UserError, match="cannot continue a DynamicLayer cache with 6 tokens"):
+        model(ids(1, 1), past_key_values=cache, use_cache=True)
+
+
+# --- save / load -------------------------------------------------------------------------------------------------
+
+def make_student(family, tmp_path, model_dirs, feature="prf"):
+    model = tiny_model(family)
+    dims = resolve_dims([5, 12, 7], model)
+    linearize(model, dims, feature=feature, seed=4)
+    with torch.no_grad():  # make the features differ from a fresh init
+        for name, p in model.named_parameters():
+            if ".dofattn." in name:
+                p.add_(0.01 * torch.randn_like(p))
+        model(ids(1, 8), use_cache=False)  # calibrates key shifts
+    config = StudentConfig(base_model=str(model_dirs[family]), feature=feature, dims=dims, layers=[0, 1, 2],
+                           seed=4, base=fingerprint(model))
+    folder = save_student(model, tmp_path / f"student-{family}", config)
+    return model, folder
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_load_round_trip_is_exact(family, tmp_path, model_dirs):
+    from dofattn.hf import load_model
+
+    base, _ = load_model(str(model_dirs[family]))
+    model = tiny_model(family)
+    assert torch.equal(base.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    model, folder = make_student(family, tmp_path, model_dirs)
+    loaded, tokenizer, config = load_student(folder)
+    assert config.dims == [5, 12, 7] and config.dofattn_version
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
+    assert not (folder / "features.safetensors.partial").exists()
+
+
+def test_load_errors(tmp_path, model_dirs):
+    model, folder = make_student("llama", tmp_path, model_dirs)
+    other = tiny_model("llama", seed=9)  # same shapes, other weights
+    with pytest.raises(UserError, match="does not fit this model.*embedding_norm"):
+        attach_student(other, folder)
+    with pytest.raises(UserError, match="does not fit this model"):
+        attach_student(tiny_model("gpt2"), folder)
+    (folder / "features.safetensors").unlink()
+    with pytest.raises(UserError, match="features.safetensors is missing"):
+        read_config(folder)
+
+
+def test_resolve_dims(tmp_path):
+    model = tiny_model("llama")
+    assert resolve_dims("fix", model) == [16, 16, 16]
+    assert resolve_dims("fix:5", model) == [5, 5, 5]
+    for bad, message in [("fix:0", "bad --dims"), ("nope", "bad --dims"), ([1, 2], "gives 2 layers"),
+                         (str(tmp_path / "x.json"), "does not exist")]:
+        with pytest.raises(UserError, match=message):
+            resolve_dims(bad, model)
+    from dofattn.dof import DofResult, LayerDof
+
+    path = tmp_path / "dof.json"
+    path.write_text(DofResult(model="other", layers=[LayerDof(i, 1.0, [1.0], 4, [4]) for i in range(3)]).to_json())
+    with pytest.raises(UserError, match="computed for model 'other'"):
+        resolve_dims(str(path), model, "mine")
+    assert resolve_dims(str(path), model, "other") == [4, 4, 4]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_continues_the_state(family):
+    model = tiny_model(family)
+    linearize(model, dims=[6, 6, 6], seed=3)
+    prompt = ids(2, 23, seed=6)
+    with torch.no_grad():
+        whole = model.generate(prompt, max_new_tokens=8, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0)
+        chunked = model.generate(prompt, max_new_tokens=8, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0, prefill_chunk_size=5)
+    torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(whole.logits), rtol=1e-4, atol=1e-4)
+    assert chunked.past_key_values.layers[0].seen == 23 + 7
