@@ -84,3 +84,44 @@ def test_console_script_exit_code(tmp_path, model_dirs):
                            "--out", str(tmp_path / "x.json")], capture_output=True, text=True, env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("dofattn: error: cannot load model")
+
+
+def test_generate_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--model", "--prompt", "--max-new-tokens", "--dims", "--feature"):
+        assert option in out
+
+
+def test_generate_linearized_tiny_model(capsys, model_dirs):
+    code, out, err = run(capsys, "generate", "--model", str(model_dirs["gpt_neox"]), "--dims", "fix:8",
+                         "--prompt", "The quick brown", "--max-new-tokens", "5")
+    assert code == 0, err
+    assert out.startswith("The quick brown") and "untrained prf features" in err
+
+
+def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
+    from dofattn.hf import load_model
+    from dofattn.student import StudentConfig, fingerprint, linearize, save_student
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, [4, 4, 4], "hedgehog")
+    folder = save_student(model, tmp_path / "run", StudentConfig(str(model_dirs["llama"]), "hedgehog", [4, 4, 4],
+                                                                 [0, 1, 2], base=fingerprint(model)))
+    code, out, err = run(capsys, "generate", "--model", str(folder), "--max-new-tokens", "3", "--prompt", "fox")
+    assert code == 0, err
+    assert "student of" in err and "hedgehog" in err
+    code, _, err = run(capsys, "generate", "--model", str(folder), "--dims", "fix")
+    assert code == 2 and "already a student" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--dims", "fix:0"], "bad --dims"),
+    (["--dims", "fix", "--feature", "cosine"], "unknown feature map"),
+])
+def test_generate_bad_input(capsys, model_dirs, args, message):
+    code, _, err = run(capsys, "generate", "--model", str(model_dirs["llama"]), *args)
+    assert code == 2 and message in err

@@ -67,3 +67,47 @@ def test_gguf_file_loads_like_the_builtin_alias():
     ids = torch.tensor([[1, 504, 3458, 314, 253, 1345]])
     with torch.no_grad():
         assert torch.equal(direct(ids).logits, cached(ids).logits)
+
+
+def test_smoke_generate_with_linearized_smollm2(capsys):
+    code = main(["generate", "--dims", "fix", "--max-new-tokens", "8", "--prompt", "Albedo is"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out.startswith("Albedo is") and "8 tokens" in captured.err
+
+
+@pytest.mark.parametrize("kind", ["prf", "performer"])
+def test_features_on_real_activations_are_finite_in_fp32_and_bf16(kind):
+    """The layer whose feature exponents are largest on SmolLM2, through the feature map and the ops, fp32/bf16."""
+    from dofattn.capture import capture, run_forward
+    from dofattn.data import token_blocks
+    from dofattn.features import make_feature_map
+    from dofattn.hf import load_model
+    from dofattn.ops import linear_attention
+
+    model, tokenizer = load_model("smollm2-135m")
+    blocks = token_blocks("wiki-sample", tokenizer, seq_len=128, num_blocks=2)
+    captured = {}
+    with capture(model, lambda a: captured.__setitem__(a.layer, (a.query.clone(), a.key.clone(), a.value.clone(),
+                                                                   a.scaling))):
+        run_forward(model, blocks)
+    fmap = make_feature_map(kind, 9, 64, 64, captured[0][3])
+
+    def largest_exponent(layer):  # |log φ| before any shift, queries and keys
+        q, k, _, _ = captured[layer]
+        return max(fmap.exponent(q).abs().max().item(), fmap.exponent(k.repeat_interleave(3, 2)).abs().max().item())
+
+    layer = max(captured, key=largest_exponent)
+    assert largest_exponent(layer) > 88.7  # outside float32's exp range (on SmolLM2 the underflow side)
+    q, k, v, _ = captured[layer]
+    k, v = k.repeat_interleave(3, 2), v.repeat_interleave(3, 2)
+    # reference: float64, no shifts at all (e^97 is fine in float64)
+    ref, _ = linear_attention(torch.exp(fmap.exponent(q).double()), torch.exp(fmap.exponent(k).double()), v.double(),
+                              backend="naive")
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        phi_q, phi_k = fmap(q.to(dtype), "query"), fmap(k.to(dtype), "key")
+        out, state = linear_attention(phi_q, phi_k, v.to(dtype), output_final_state=True)
+        assert torch.isfinite(phi_q).all() and torch.isfinite(phi_k).all()
+        assert torch.isfinite(out).all() and torch.isfinite(state).all()
+        error = ((out.double() - ref).norm() / ref.norm()).item()
+        assert error < tolerance, (dtype, error)
