@@ -158,7 +158,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def run_dof(args: DofArgs) -> int:
     """The `dof` verb: capture, spectra, allocation, table, JSON, plot."""
     from dofattn.data import SPLITS, check_source, token_blocks
-    from dofattn.dof import allocate_dims, sample_points
+    from dofattn.dof import allocate_dims, check_sample_size, sample_points
     from dofattn.hf import load_model, parse_dtype
 
     # everything that can be checked without the model is checked before it loads
@@ -175,10 +175,7 @@ def run_dof(args: DofArgs) -> int:
         raise UserError(f"unknown --split {args.split!r}; use one of {', '.join(SPLITS)}")
     if args.num_blocks < 1 or args.batch_size < 1:
         raise UserError("--num-blocks and --batch-size must be at least 1")
-    pool = 2 * args.num_blocks * (args.seq_len - 1)
-    if args.samples > pool:
-        raise UserError(f"--samples {args.samples} is more than the {pool} query/key points in {args.num_blocks} "
-                        f"blocks of {args.seq_len} tokens; lower --samples or raise --num-blocks/--seq-len")
+    check_sample_size(args.samples, args.num_blocks, args.seq_len)
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
 
     start = time.perf_counter()

@@ -73,6 +73,15 @@ def head_dof(points: torch.Tensor, scaling: float, lam: float, lam_scale: str = 
 
 # --- sampling points from a model -----------------------------------------------------------------------------
 
+def check_sample_size(samples: int, num_blocks: int, seq_len: int) -> int:
+    """The number of query/key points in the data (position 0 excluded); UserError if `samples` exceeds it."""
+    pool = 2 * num_blocks * (seq_len - 1)
+    if samples > pool:
+        raise UserError(f"--samples {samples} is more than the {pool} query/key points in {num_blocks} "
+                        f"blocks of {seq_len} tokens; lower --samples or raise --num-blocks/--seq-len")
+    return pool
+
+
 class PointSampler:
     """Sink for `capture`: keeps, per (layer, head), `samples` points drawn uniformly without replacement from
     the head's queries and its kv head's keys over all blocks, position 0 excluded.
@@ -82,10 +91,7 @@ class PointSampler:
 
     def __init__(self, num_blocks: int, seq_len: int, samples: int, seed: int = 0):
         self.num_blocks, self.seq_len, self.samples, self.seed = num_blocks, seq_len, samples, seed
-        self.pool = 2 * num_blocks * (seq_len - 1)  # queries and keys at positions 1..T-1
-        if samples > self.pool:
-            raise UserError(f"--samples {samples} is more than the {self.pool} query/key points in {num_blocks} "
-                            f"blocks of {seq_len} tokens; lower --samples or raise --num-blocks/--seq-len")
+        self.pool = check_sample_size(samples, num_blocks, seq_len)  # queries and keys at positions 1..T-1
         self.offset = 0
         self.points: dict[int, torch.Tensor] = {}     # layer -> [H, J, D] float32
         self.scaling: dict[int, float] = {}
