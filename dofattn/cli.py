@@ -112,6 +112,64 @@ def run_generate(args: GenerateArgs) -> int:
     return 0
 
 
+@dataclass
+class DistillArgs:
+    """Distil a linear-attention student from its softmax teacher; the default job of dofattn.
+
+    Layerwise (--loss softmax or l2): every attention layer's feature map is trained alone on the teacher's own
+    queries and keys, then optionally the whole student end to end (--then-direct-steps). Direct (--loss direct):
+    end-to-end only. The run folder (--out) ends up a loadable student (`dofattn generate --model OUT`) with
+    log.json; rerunning the same command resumes an interrupted run. Ends with validation perplexity of the
+    teacher, the student and an untrained Performer of the same feature budget.
+    """
+
+    model: str = _opt("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
+    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
+    dims: str = _opt("dof", "feature dims per layer: dof (estimated here), clip (dof capped at the head size), "
+                            "fix, fix:C, or a dof.json file")
+    feature: str = _opt("prf", "feature map: prf, performer, hedgehog or dijiang")
+    loss: str = _opt("softmax", "softmax or l2 (layerwise), or direct (end to end)")
+    steps: int = _opt(150, "training steps per layer (layerwise) or in total (direct)")
+    tokens: int | None = _opt(None, "alternative to --steps: training tokens per layer / in total")
+    batch_size: int = _opt(4, "blocks per step")
+    seq_len: int = _opt(256, "tokens per block")
+    train_blocks: int = _opt(64, "training blocks drawn from the train split (steps sample from them)")
+    lr: float = _opt(0.02, "Adam learning rate of feature directions/projections (layerwise)")
+    lr_weights: float = _opt(0.2, "Adam learning rate of the PRF weights (layerwise)")
+    then_direct_steps: int = _opt(40, "after layerwise training, this many end-to-end steps")
+    direct_lr: float = _opt(2e-3, "Adam learning rate of the end-to-end phase")
+    kd_weight: float = _opt(1.0, "weight of KL(teacher || student) on the logits in the end-to-end phase")
+    checkpoint_every: int = _opt(10, "end-to-end steps between checkpoints")
+    lam: float = _opt(2.0 ** -8, "λ of the DoF estimate (trace-relative) when --dims is dof or clip")
+    eval_blocks: int = _opt(8, "validation blocks for the final perplexities")
+    eval_seq_len: int = _opt(512, "tokens per validation block")
+    seed: int = _opt(0, "seed for initialisation, data order and the DoF sample")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = _opt("float32", "model dtype: float32 or bfloat16")
+    out: str = _opt("runs/distill", "run folder: created, or resumed when it holds a run with the same arguments")
+
+
+def run_distill(args: DistillArgs) -> int:
+    """The `distill` verb."""
+    from dofattn.distill import run
+
+    args.device = _resolve_device(args.device)
+    log = run(args)
+    ev = log.get("evaluation")
+    if ev:
+        print(f"\nvalidation perplexity ({ev['tokens']} tokens, blocks of {ev['seq_len']}):")
+        print(f"  teacher                     {ev['teacher_ppl']:10.2f}")
+        print(f"  student ({args.feature}, {args.loss}{f' + {args.then_direct_steps} direct' if args.loss != 'direct' and args.then_direct_steps else ''})"
+              f"{'':<4}{ev['student_ppl']:10.2f}  ({ev['student_vs_teacher']:.2f}x teacher)")
+        print(f"  untrained performer ({ev['performer_dim']})    {ev['performer_ppl']:10.2f}  "
+              f"({ev['performer_vs_teacher']:.2f}x teacher)")
+        dims = log["dims"]
+        print(f"  dims per layer ({args.dims}): {' '.join(map(str, dims))}")
+        print(f"  wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in log["seconds"].items()))
+        print(f"student saved in {args.out} (dofattn generate --model {args.out})")
+    return 0
+
+
 def _add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -210,7 +268,7 @@ def format_table(result) -> str:
     return "\n".join(rows)
 
 
-VERBS = {"dof": (DofArgs, run_dof), "generate": (GenerateArgs, run_generate)}
+VERBS = {"dof": (DofArgs, run_dof), "distill": (DistillArgs, run_distill), "generate": (GenerateArgs, run_generate)}
 
 
 def build_parser() -> argparse.ArgumentParser:

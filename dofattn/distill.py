@@ -1,0 +1,497 @@
+"""Distillation of the linear student from its softmax teacher: layerwise, direct, or layerwise then direct.
+
+    dofattn distill                                       # the default job (SmolLM2, wiki-sample, DoF dims, PRF)
+    dofattn distill --loss l2 --dims fix --out runs/fix-l2
+    torchrun --nproc_per_node 2 -m dofattn distill ...   # layers split across processes, DDP for direct
+
+Stages, each resumable from the run folder (`--out`):
+1. dims: `dof`/`clip` run the DoF estimate on the training split and save it as `dof.json` in the run folder;
+   `fix[:C]` or a dof.json path give them directly.
+2. teacher activations: one teacher forward per batch of training blocks; each layer's q/k/v are streamed to its
+   own float32 file (`teacher/layer_XX.npy`), so memory holds one batch, never all layers.
+3. layerwise (`--loss softmax|l2`): each layer's feature map is trained alone on its teacher's q/k/v, Adam with
+   the paper's learning rates (directions 0.02, weights 0.2). softmax: KL between the teacher's causal attention
+   rows and the student's normalised linear-attention rows. l2: squared error of kernel values on causal pairs,
+   each query's row scaled by its largest exact kernel value (raw values reach e^15 and would swamp the mean).
+   Each layer's result is saved to `layers/layer_XX.safetensors` as soon as it is done.
+4. direct (`--loss direct`, or `--then-direct-steps N` after layerwise): next-token cross-entropy of the whole
+   student, plus `--kd-weight` × KL(teacher ‖ student) on the logits; only feature parameters train. Checkpoints
+   (features, Adam state, step) every `--checkpoint-every` steps.
+5. the student is saved (`dofattn.json`, `features.safetensors`) and evaluated on the validation split next to
+   the teacher and an untrained Performer of the same budget.
+
+Determinism: layer l trains with a generator seeded by (seed, l) and direct step i draws its batch from (seed, i),
+so a run killed at any point and restarted with the same arguments ends with the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from dofattn.attention import LinearAttention
+from dofattn.capture import AttentionInputs, capture, run_forward
+from dofattn.errors import UserError
+from dofattn.evaluate import perplexity, teacher_mode
+from dofattn.features import FEATURES, PositiveRandomFeatures
+from dofattn.student import attention_modules, head_layout
+
+LOSSES = ("softmax", "l2", "direct")
+TINY = torch.finfo(torch.float32).tiny
+
+
+# --- teacher activations --------------------------------------------------------------------------------------
+
+class TeacherCache:
+    """q/k/v of every layer on the training blocks, one float32 file per layer: [N, T, H + 2·Hkv, D]."""
+
+    def __init__(self, folder: Path, num_layers: int, shape: tuple[int, int], heads: tuple[int, int, int]):
+        self.folder, self.num_layers = folder, num_layers
+        (self.N, self.T), (self.H, self.Hkv, self.D) = shape, heads
+
+    def path(self, layer: int) -> Path:
+        return self.folder / f"layer_{layer:02d}.npy"
+
+    @property
+    def done(self) -> bool:
+        return (self.folder / "done").is_file()
+
+    def build(self, model, blocks: torch.Tensor, batch_size: int, progress: bool = True) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        width = self.H + 2 * self.Hkv
+        files = [np.lib.format.open_memmap(self.path(i), mode="w+", dtype=np.float32,
+                                           shape=(self.N, self.T, width, self.D)) for i in range(self.num_layers)]
+        offset = 0
+
+        def sink(a: AttentionInputs) -> None:
+            qkv = torch.cat([a.query, a.key, a.value], dim=2).float().cpu().numpy()  # [B, T, H+2Hkv, D]
+            files[a.layer][offset:offset + qkv.shape[0]] = qkv
+
+        device = next(model.parameters()).device
+        with teacher_mode(model), capture(model, sink):
+            for offset in tqdm(range(0, self.N, batch_size), desc="teacher q/k/v", unit="batch",
+                               disable=not progress):
+                run_forward(model, blocks[offset:offset + batch_size].to(device))
+        for f in files:
+            f.flush()
+        (self.folder / "done").write_text("ok")
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [N, T, H, D], k and v [N, T, Hkv, D] of `layer` (read from disk)."""
+        qkv = torch.from_numpy(np.load(self.path(layer)))
+        return qkv[:, :, :self.H], qkv[:, :, self.H:self.H + self.Hkv], qkv[:, :, self.H + self.Hkv:]
+
+
+# --- layerwise losses -------------------------------------------------------------------------------------------
+
+def _causal(T: int, device) -> torch.Tensor:
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Mean KL(teacher row ‖ student row) over causal attention rows. q [B, T, H, D], k [B, T, H, D]."""
+    fmap = linear.feature_map
+    phi_q, phi_k = fmap(q, "query"), fmap(k, "key")                               # [B, T, H, M]
+    mask = _causal(q.shape[1], q.device)
+    scores = torch.einsum("bthm,bshm->bhts", phi_q, phi_k).masked_fill(~mask, 0)  # [B, H, T, T]
+    log_student = torch.log(scores.clamp_min(TINY)) - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY))
+    logits = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
+    log_teacher = torch.log_softmax(logits, -1)
+    teacher = log_teacher.exp()
+    kl = (teacher * (log_teacher - log_student)).masked_fill(~mask, 0).sum(-1)    # [B, H, T]
+    return kl.mean()
+
+
+def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Mean squared kernel error on causal pairs, each row scaled by its largest exact kernel value (PRF only)."""
+    fmap = linear.feature_map
+    if not isinstance(fmap, PositiveRandomFeatures):
+        raise UserError("--loss l2 compares kernel values and needs prf or performer features")
+    e_q, e_k = fmap.exponent(q), fmap.exponent(k)                                 # [B, T, H, M]
+    c_q = e_q.amax(-1, keepdim=True).detach()
+    c_k = e_k.amax(dim=(0, 1, 3), keepdim=True).detach()
+    dot = torch.einsum("bthm,bshm->bhts", torch.exp(e_q - c_q), torch.exp(e_k - c_k))
+    log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
+                      + c_k.reshape(1, -1, 1, 1) - math.log(fmap.dim))               # [B, H, T, T]
+    mask = _causal(q.shape[1], q.device)
+    log_kernel = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
+    row_max = log_kernel.amax(-1, keepdim=True)
+    diff = (torch.exp(log_kernel - row_max) - torch.exp(log_kernel_hat - row_max)).masked_fill(~mask, 0)
+    return diff.square().sum() / (mask.sum() * q.shape[0] * q.shape[2])
+
+
+LAYER_LOSSES = {"softmax": softmax_loss, "l2": l2_loss}
+
+
+def param_groups(linear: LinearAttention, lr: float, lr_weights: float) -> list[dict]:
+    """PRF weights (log α) at `lr_weights`, every other trainable feature parameter at `lr`."""
+    weights, rest = [], []
+    for name, p in linear.named_parameters():
+        if p.requires_grad:
+            (weights if name.endswith("log_weights") else rest).append(p)
+    return [g for g in ({"params": rest, "lr": lr}, {"params": weights, "lr": lr_weights}) if g["params"]]
+
+
+def train_layer(linear: LinearAttention, acts, scaling: float, loss: str, steps: int, batch_size: int, lr: float,
+                lr_weights: float, seed: int, desc: str = "", progress: bool = True) -> dict:
+    """Adam on one layer's feature map against its teacher activations (q, k, v) [N, T, ...]; returns a log."""
+    q_all, k_all, _ = acts
+    group = q_all.shape[2] // k_all.shape[2]
+    loss_fn = LAYER_LOSSES[loss]
+    groups = param_groups(linear, lr, lr_weights)
+    gen = torch.Generator().manual_seed(seed)
+    device = next(iter(linear.buffers()), torch.empty(0)).device
+    first = None
+    losses = []
+    start = time.perf_counter()
+    if not groups:  # nothing to train (performer): just report the loss
+        steps = 0
+    optimizer = torch.optim.Adam(groups) if groups else None
+    linear.train()
+    bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False)
+    for _ in bar:
+        idx = torch.randint(len(q_all), (batch_size,), generator=gen)
+        q = q_all[idx].to(device)
+        k = k_all[idx].repeat_interleave(group, dim=2).to(device)
+        value = loss_fn(linear, q, k, scaling)
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        optimizer.step()
+        losses.append(value.item())
+        first = losses[0]
+        bar.set_postfix(loss=f"{value.item():.4f}")
+    linear.eval()
+    with torch.no_grad():  # the loss on a fixed batch, for the log
+        idx = torch.arange(min(batch_size, len(q_all)))
+        final = loss_fn(linear, q_all[idx].to(device), k_all[idx].repeat_interleave(group, 2).to(device),
+                        scaling).item()
+    tail = losses[-max(1, len(losses) // 10):] if losses else [final]
+    return {"steps": steps, "first_loss": first if first is not None else final,
+            "last_loss": sum(tail) / len(tail), "fixed_batch_loss": final,
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+# --- direct training ---------------------------------------------------------------------------------------------
+
+def feature_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if ".dofattn." in n and p.requires_grad]
+
+
+def direct_loss(model, ids: torch.Tensor, kd_weight: float) -> torch.Tensor:
+    """Next-token cross-entropy of the student, plus kd_weight × KL(teacher ‖ student) per token."""
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    if kd_weight > 0:
+        with torch.no_grad(), teacher_mode(model):
+            teacher = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+        kl = F.kl_div(torch.log_softmax(logits, -1), torch.log_softmax(teacher, -1), log_target=True,
+                      reduction="none").sum(-1).mean()
+        loss = loss + kd_weight * kl
+    return loss
+
+
+def save_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path, step: int) -> None:
+    tensors = {}
+    for name, p in zip(names, [p for g in optimizer.param_groups for p in g["params"]]):
+        state = optimizer.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                tensors[f"{name}::{key}"] = state[key].contiguous()
+        if "step" in state:
+            tensors[f"{name}::step"] = torch.as_tensor(state["step"]).reshape(1).float()
+    save_file(tensors, str(path), metadata={"step": str(step)})
+
+
+def load_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path) -> None:
+    tensors = load_file(str(path))
+    for name, p in zip(names, [p for g in optimizer.param_groups for p in g["params"]]):
+        if f"{name}::exp_avg" in tensors:
+            optimizer.state[p] = {"step": tensors[f"{name}::step"].reshape(()),
+                                  "exp_avg": tensors[f"{name}::exp_avg"].to(p.device),
+                                  "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].to(p.device)}
+
+
+# --- the run --------------------------------------------------------------------------------------------------------
+
+@dataclass
+class RunLog:
+    """What `log.json` records."""
+
+    args: dict = field(default_factory=dict)
+    dims: list[int] = field(default_factory=list)
+    layers: dict = field(default_factory=dict)       # layer -> train_layer log
+    direct: dict = field(default_factory=dict)
+    evaluation: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size): torchrun's environment, or (0, 1)."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def barrier() -> None:
+    if world()[1] > 1:
+        dist.barrier()
+
+
+def layer_file(out: Path, layer: int) -> Path:
+    return out / "layers" / f"layer_{layer:02d}.safetensors"
+
+
+def save_layer(out: Path, layer: int, linear: LinearAttention, log: dict) -> None:
+    path = layer_file(out, layer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    state = {k: v.detach().contiguous() for k, v in linear.state_dict().items()}
+    save_file(state, str(tmp), metadata={"log": json.dumps(log)})
+    os.replace(tmp, path)
+
+
+def load_layer(out: Path, layer: int, linear: LinearAttention) -> dict:
+    from safetensors import safe_open
+
+    path = layer_file(out, layer)
+    linear.load_state_dict(load_file(str(path)))
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["log"])
+
+
+def layerwise(model, cache: TeacherCache, out: Path, loss: str, steps: int, batch_size: int, lr: float,
+              lr_weights: float, seed: int, progress: bool = True) -> dict:
+    """Train every linearized layer (this rank's share), resuming from finished layer files."""
+    rank, size = world()
+    modules = attention_modules(model)
+    logs = {}
+    for layer, module in enumerate(modules):
+        linear = getattr(module, "dofattn", None)
+        if linear is None or layer % size != rank:
+            continue
+        if layer_file(out, layer).is_file():
+            logs[layer] = load_layer(out, layer, linear)
+            continue
+        log = train_layer(linear, cache.layer(layer), module.scaling, loss, steps, batch_size, lr, lr_weights,
+                          seed=seed * 100_003 + layer, desc=f"layer {layer:2d} ({loss})", progress=progress)
+        if progress:
+            print(f"layer {layer:2d}: {loss} loss {log['first_loss']:.4f} -> {log['last_loss']:.4f} "
+                  f"({log['seconds']:.0f} s)", flush=True)
+        save_layer(out, layer, linear, log)
+        logs[layer] = log
+    barrier()
+    for layer, module in enumerate(modules):  # every rank ends with every layer
+        if getattr(module, "dofattn", None) is not None and layer not in logs:
+            logs[layer] = load_layer(out, layer, module.dofattn)
+    return logs
+
+
+def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, lr: float, kd_weight: float,
+           seed: int, checkpoint_every: int, progress: bool = True) -> dict:
+    """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`."""
+    rank, size = world()
+    named = feature_parameters(model)
+    if not named:
+        return {"steps": 0, "note": "no trainable feature parameters"}
+    names, params = [n for n, _ in named], [p for _, p in named]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    ckpt = out / "direct"
+    start_step, losses = 0, []
+    if (ckpt / "state.json").is_file():
+        meta = json.loads((ckpt / "state.json").read_text())
+        start_step, losses = meta["step"], meta["losses"]
+        state = load_file(str(ckpt / "features.safetensors"))
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(state[n])
+        load_optimizer(optimizer, names, ckpt / "optimizer.safetensors")
+    device = params[0].device
+    model.train()
+    started = time.perf_counter()
+    bar = tqdm(range(start_step, steps), desc="direct", unit="step", disable=not progress or rank != 0,
+               initial=start_step, total=steps)
+    for step in bar:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        idx = torch.randint(len(blocks), (batch_size * size,), generator=gen)[rank::size]
+        loss = direct_loss(model, blocks[idx].to(device), kd_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if size > 1:
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad /= size
+        optimizer.step()
+        losses.append(round(loss.item(), 5))
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        if rank == 0 and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
+            ckpt.mkdir(parents=True, exist_ok=True)
+            save_file({n: p.detach().contiguous() for n, p in named}, str(ckpt / "features.partial"))
+            save_optimizer(optimizer, names, ckpt / "optimizer.partial", step + 1)
+            os.replace(ckpt / "features.partial", ckpt / "features.safetensors")
+            os.replace(ckpt / "optimizer.partial", ckpt / "optimizer.safetensors")
+            tmp = ckpt / "state.partial"
+            tmp.write_text(json.dumps({"step": step + 1, "losses": losses}))
+            os.replace(tmp, ckpt / "state.json")
+    model.eval()
+    barrier()
+    return {"steps": steps, "first_loss": losses[0] if losses else None,
+            "last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None, "losses": losses,
+            "seconds": round(time.perf_counter() - started, 2)}
+
+
+# --- orchestration ------------------------------------------------------------------------------------------------
+
+RESUME_IRRELEVANT = ("device", "out")
+
+
+def check_run_folder(out: Path, args: dict) -> None:
+    """Refuse a run folder made with other arguments; record ours in a new one."""
+    record = {k: v for k, v in args.items() if k not in RESUME_IRRELEVANT}
+    path = out / "run.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        changed = sorted(k for k in set(before) | set(record) if before.get(k) != record.get(k))
+        if changed:
+            raise UserError(f"run folder {out} holds a run with other arguments ({', '.join(changed)}); "
+                            f"give another --out, or delete the folder to start over")
+        return
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} exists and is not a dofattn run folder; give another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+
+
+def validate(args) -> None:
+    if args.loss not in LOSSES:
+        raise UserError(f"unknown --loss {args.loss!r}; use one of {', '.join(LOSSES)}")
+    if args.feature not in FEATURES:
+        raise UserError(f"unknown feature map {args.feature!r}; use one of {', '.join(FEATURES)}")
+    if args.loss == "l2" and args.feature not in ("prf", "performer"):
+        raise UserError("--loss l2 compares kernel values and needs --feature prf or performer")
+    for name in ("steps", "batch_size", "seq_len", "train_blocks", "eval_blocks", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.then_direct_steps < 0 or args.kd_weight < 0 or args.lr <= 0 or args.lr_weights <= 0:
+        raise UserError("--then-direct-steps and --kd-weight must be >= 0, --lr and --lr-weights > 0")
+    if args.tokens is not None and args.tokens < args.batch_size * args.seq_len:
+        raise UserError(f"--tokens {args.tokens} is less than one batch ({args.batch_size} x {args.seq_len})")
+    dims = args.dims
+    if not (dims in ("dof", "clip") or dims == "fix" or dims.startswith("fix:") or dims.endswith(".json")):
+        raise UserError(f"bad --dims {dims!r}; use dof, clip, fix, fix:C, or a dof.json file")
+
+
+def resolve_run_dims(args, model, tokenizer, out: Path) -> list[int]:
+    """Dims per layer; for `dof`/`clip` the DoF estimate runs once (rank 0) and is kept as out/dof.json."""
+    from dofattn.data import token_blocks
+    from dofattn.dof import allocate_dims, sample_points
+    from dofattn.student import resolve_dims
+
+    if args.dims not in ("dof", "clip"):
+        return resolve_dims(args.dims, model, args.model)
+    path = out / "dof.json"
+    if world()[0] == 0 and not path.is_file():
+        blocks = token_blocks(args.data, tokenizer, 256, 32, split="train", seed=args.seed)
+        sample = sample_points(model, blocks, samples=1024, seed=args.seed)
+        _, _, head_dim = head_layout(model)
+        result = allocate_dims(sample, args.lam, head_dim, clip=args.dims == "clip", progress=True,
+                               model=args.model, data=args.data, num_blocks=32, seq_len=256)
+        for warning in result.warnings():
+            print(f"WARNING: {warning}", flush=True)
+        tmp = path.with_suffix(".partial")
+        tmp.write_text(result.to_json())
+        os.replace(tmp, path)
+    barrier()
+    return resolve_dims(str(path), model, args.model)
+
+
+def run(args) -> dict:
+    """The whole `dofattn distill` job; returns the run log (also written to out/log.json)."""
+    from dofattn.data import check_source, token_blocks
+    from dofattn.hf import load_model, parse_dtype
+    from dofattn.student import StudentConfig, fingerprint, linearize, resolve_dims, save_student
+
+    validate(args)
+    check_source(args.data)
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+        from datetime import timedelta
+
+        backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(hours=4))
+    rank, size = world()
+    out = Path(args.out)
+    device = args.device
+    if device.startswith("cuda") and size > 1:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    torch.manual_seed(args.seed)
+    log = RunLog(args=asdict(args))
+    timer = time.perf_counter()
+
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
+    if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
+        check_run_folder(out, asdict(args))
+    barrier()
+    dims = resolve_run_dims(args, model, tokenizer, out)
+    log.dims = dims
+    linearize(model, dims, args.feature, seed=args.seed)
+    for name, p in model.named_parameters():  # only feature parameters ever train
+        p.requires_grad_(".dofattn." in name)
+    log.seconds["setup"] = round(time.perf_counter() - timer, 1)
+
+    steps = args.steps if args.tokens is None else math.ceil(args.tokens / (args.batch_size * args.seq_len))
+    train = token_blocks(args.data, tokenizer, args.seq_len, args.train_blocks, split="train", seed=args.seed)
+    if args.loss in LAYER_LOSSES:
+        timer = time.perf_counter()
+        heads = head_layout(model)
+        cache = TeacherCache(out / "teacher", len(dims), tuple(train.shape), heads)
+        if rank == 0 and not cache.done:
+            cache.build(model, train, args.batch_size, progress=True)
+        barrier()
+        log.layers = layerwise(model, cache, out, args.loss, steps, args.batch_size, args.lr, args.lr_weights,
+                               args.seed, progress=rank == 0)
+        log.seconds["layerwise"] = round(time.perf_counter() - timer, 1)
+    direct_steps = steps if args.loss == "direct" else args.then_direct_steps
+    if direct_steps:
+        timer = time.perf_counter()
+        log.direct = direct(model, train, out, direct_steps, args.batch_size, args.direct_lr, args.kd_weight,
+                            args.seed, args.checkpoint_every, progress=rank == 0)
+        log.seconds["direct"] = round(time.perf_counter() - timer, 1)
+    if rank == 0:
+        config = StudentConfig(args.model, args.feature, dims, [i for i, m in enumerate(attention_modules(model))
+                                                                if hasattr(m, "dofattn")], args.seed,
+                               fingerprint(model))
+        save_student(model, out, config)
+        timer = time.perf_counter()
+        log.evaluation = evaluate_run(args, model, tokenizer, dims)
+        log.seconds["evaluate"] = round(time.perf_counter() - timer, 1)
+        (out / "log.json").write_text(json.dumps(asdict(log), indent=2))
+    barrier()
+    return asdict(log)
+
+
+def evaluate_run(args, model, tokenizer, dims: list[int]) -> dict:
+    """Validation perplexity of the teacher, the student and an untrained Performer with the same budget."""
+    from dofattn.data import token_blocks
+    from dofattn.hf import load_model, parse_dtype
+    from dofattn.student import linearize
+
+    device = next(model.parameters()).device
+    blocks = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
+    with teacher_mode(model):
+        teacher = perplexity(model, blocks, desc="teacher ppl")
+    student = perplexity(model, blocks, desc="student ppl")
+    baseline_model, _ = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
+    budget = round(sum(dims) / len(dims))
+    linearize(baseline_model, [budget] * len(dims), "performer", seed=args.seed)
+    performer = perplexity(baseline_model, blocks, desc="performer ppl")
+    return {"tokens": blocks.numel(), "seq_len": args.eval_seq_len, "teacher_ppl": teacher, "student_ppl": student,
+            "performer_ppl": performer, "performer_dim": budget, "student_vs_teacher": student / teacher,
+            "performer_vs_teacher": performer / teacher}
