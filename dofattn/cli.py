@@ -136,7 +136,8 @@ class DistillArgs:
     train_blocks: int = _opt(64, "training blocks drawn from the train split (steps sample from them)")
     lr: float = _opt(0.02, "Adam learning rate of feature directions/projections (layerwise)")
     lr_weights: float = _opt(0.2, "Adam learning rate of the PRF weights (layerwise)")
-    then_direct_steps: int = _opt(40, "after layerwise training, this many end-to-end steps")
+    then_direct_steps: int = _opt(30, "after layerwise training, this many end-to-end steps")
+    direct_batch_size: int = _opt(2, "blocks per end-to-end step")
     direct_lr: float = _opt(2e-3, "Adam learning rate of the end-to-end phase")
     kd_weight: float = _opt(1.0, "weight of KL(teacher || student) on the logits in the end-to-end phase")
     checkpoint_every: int = _opt(10, "end-to-end steps between checkpoints")
@@ -159,6 +160,9 @@ def run_distill(args: DistillArgs) -> int:
     if ev:
         print(f"\nvalidation perplexity ({ev['tokens']} tokens, blocks of {ev['seq_len']}):")
         print(f"  teacher                     {ev['teacher_ppl']:10.2f}")
+        if "layerwise_student_ppl" in ev:
+            print(f"  student after layerwise only{ev['layerwise_student_ppl']:10.2f}  "
+                  f"({ev['layerwise_vs_teacher']:.2f}x teacher)")
         print(f"  student ({args.feature}, {args.loss}{f' + {args.then_direct_steps} direct' if args.loss != 'direct' and args.then_direct_steps else ''})"
               f"{'':<4}{ev['student_ppl']:10.2f}  ({ev['student_vs_teacher']:.2f}x teacher)")
         print(f"  untrained performer ({ev['performer_dim']})    {ev['performer_ppl']:10.2f}  "

@@ -377,7 +377,8 @@ def validate(args) -> None:
         raise UserError(f"unknown feature map {args.feature!r}; use one of {', '.join(FEATURES)}")
     if args.loss == "l2" and args.feature not in ("prf", "performer"):
         raise UserError("--loss l2 compares kernel values and needs --feature prf or performer")
-    for name in ("steps", "batch_size", "seq_len", "train_blocks", "eval_blocks", "checkpoint_every"):
+    for name in ("steps", "batch_size", "direct_batch_size", "seq_len", "train_blocks", "eval_blocks",
+                 "checkpoint_every"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.then_direct_steps < 0 or args.kd_weight < 0 or args.lr <= 0 or args.lr_weights <= 0:
@@ -459,10 +460,15 @@ def run(args) -> dict:
                                args.seed, progress=rank == 0)
         log.seconds["layerwise"] = round(time.perf_counter() - timer, 1)
     direct_steps = steps if args.loss == "direct" else args.then_direct_steps
+    if direct_steps and args.loss in LAYER_LOSSES and rank == 0:  # what layerwise training alone reached
+        from dofattn.data import token_blocks as blocks_of
+
+        valid = blocks_of(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
+        log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
     if direct_steps:
         timer = time.perf_counter()
-        log.direct = direct(model, train, out, direct_steps, args.batch_size, args.direct_lr, args.kd_weight,
-                            args.seed, args.checkpoint_every, progress=rank == 0)
+        log.direct = direct(model, train, out, direct_steps, args.direct_batch_size, args.direct_lr,
+                            args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0)
         log.seconds["direct"] = round(time.perf_counter() - timer, 1)
     if rank == 0:
         config = StudentConfig(args.model, args.feature, dims, [i for i, m in enumerate(attention_modules(model))
@@ -470,7 +476,10 @@ def run(args) -> dict:
                                fingerprint(model))
         save_student(model, out, config)
         timer = time.perf_counter()
-        log.evaluation = evaluate_run(args, model, tokenizer, dims)
+        log.evaluation.update(evaluate_run(args, model, tokenizer, dims))
+        if "layerwise_student_ppl" in log.evaluation:
+            log.evaluation["layerwise_vs_teacher"] = (log.evaluation["layerwise_student_ppl"]
+                                                      / log.evaluation["teacher_ppl"])
         log.seconds["evaluate"] = round(time.perf_counter() - timer, 1)
         (out / "log.json").write_text(json.dumps(asdict(log), indent=2))
     barrier()
