@@ -26,6 +26,7 @@ so a run killed at any point and restarted with the same arguments ends with the
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -151,7 +152,7 @@ def train_layer(linear: LinearAttention, acts, scaling: float, loss: str, steps:
     loss_fn = LAYER_LOSSES[loss]
     groups = param_groups(linear, lr, lr_weights)
     gen = torch.Generator().manual_seed(seed)
-    device = next(iter(linear.buffers()), torch.empty(0)).device
+    device = next(itertools.chain(linear.parameters(), linear.buffers())).device
     first = None
     losses = []
     start = time.perf_counter()
@@ -295,6 +296,22 @@ def layerwise(model, cache: TeacherCache, out: Path, loss: str, steps: int, batc
     return logs
 
 
+def save_direct_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: list, optimizer, names) -> None:
+    """A complete checkpoint in its own folder, then `state.json` pointing at it (atomic), then old folders go."""
+    folder = f"step_{step:06d}"
+    (ckpt / folder).mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().contiguous() for n, t in tensors}, str(ckpt / folder / "features.safetensors"))
+    save_optimizer(optimizer, names, ckpt / folder / "optimizer.safetensors", step)
+    tmp = ckpt / "state.partial"
+    tmp.write_text(json.dumps({"step": step, "folder": folder, "losses": losses}))
+    os.replace(tmp, ckpt / "state.json")
+    for old in ckpt.glob("step_*"):
+        if old.name != folder:
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+
+
 def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, lr: float, kd_weight: float,
            seed: int, checkpoint_every: int, progress: bool = True) -> dict:
     """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`."""
@@ -303,19 +320,22 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
     if not named:
         return {"steps": 0, "note": "no trainable feature parameters"}
     names, params = [n for n, _ in named], [p for _, p in named]
+    buffers = [(n, b) for n, b in model.named_buffers() if ".dofattn." in n]  # PRF key shifts move in training too
     optimizer = torch.optim.Adam(params, lr=lr)
     ckpt = out / "direct"
     start_step, losses = 0, []
-    if (ckpt / "state.json").is_file():
+    if (ckpt / "state.json").is_file():  # written last: it names a complete checkpoint folder
         meta = json.loads((ckpt / "state.json").read_text())
         start_step, losses = meta["step"], meta["losses"]
-        state = load_file(str(ckpt / "features.safetensors"))
+        state = load_file(str(ckpt / meta["folder"] / "features.safetensors"))
         with torch.no_grad():
-            for n, p in named:
-                p.copy_(state[n])
-        load_optimizer(optimizer, names, ckpt / "optimizer.safetensors")
+            for n, t in named + buffers:
+                t.copy_(state[n])
+        load_optimizer(optimizer, names, ckpt / meta["folder"] / "optimizer.safetensors")
     device = params[0].device
-    model.train()
+    linears = [m.dofattn for m in attention_modules(model) if hasattr(m, "dofattn")]
+    for linear in linears:  # the base model stays in eval mode: no dropout, a deterministic KD teacher
+        linear.train()
     started = time.perf_counter()
     bar = tqdm(range(start_step, steps), desc="direct", unit="step", disable=not progress or rank != 0,
                initial=start_step, total=steps)
@@ -333,15 +353,9 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
         losses.append(round(loss.item(), 5))
         bar.set_postfix(loss=f"{loss.item():.4f}")
         if rank == 0 and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
-            ckpt.mkdir(parents=True, exist_ok=True)
-            save_file({n: p.detach().contiguous() for n, p in named}, str(ckpt / "features.partial"))
-            save_optimizer(optimizer, names, ckpt / "optimizer.partial", step + 1)
-            os.replace(ckpt / "features.partial", ckpt / "features.safetensors")
-            os.replace(ckpt / "optimizer.partial", ckpt / "optimizer.safetensors")
-            tmp = ckpt / "state.partial"
-            tmp.write_text(json.dumps({"step": step + 1, "losses": losses}))
-            os.replace(tmp, ckpt / "state.json")
-    model.eval()
+            save_direct_checkpoint(ckpt, step + 1, losses, named + buffers, optimizer, names)
+    for linear in linears:
+        linear.eval()
     barrier()
     return {"steps": steps, "first_loss": losses[0] if losses else None,
             "last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None, "losses": losses,
@@ -437,6 +451,8 @@ def run(args) -> dict:
     timer = time.perf_counter()
 
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
+    if args.dims not in ("dof", "clip"):  # a bad --dims (fix:0, another model's dof.json) leaves no folder either
+        resolve_dims(args.dims, model, args.model)
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         check_run_folder(out, asdict(args))
     barrier()

