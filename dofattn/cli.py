@@ -158,20 +158,28 @@ def run_distill(args: DistillArgs) -> int:
     log = run(args)
     ev = log.get("evaluation")
     if ev:
-        print(f"\nvalidation perplexity ({ev['tokens']} tokens, blocks of {ev['seq_len']}):")
-        print(f"  teacher                     {ev['teacher_ppl']:10.2f}")
-        if "layerwise_student_ppl" in ev:
-            print(f"  student after layerwise only{ev['layerwise_student_ppl']:10.2f}  "
-                  f"({ev['layerwise_vs_teacher']:.2f}x teacher)")
-        print(f"  student ({args.feature}, {args.loss}{f' + {args.then_direct_steps} direct' if args.loss != 'direct' and args.then_direct_steps else ''})"
-              f"{'':<4}{ev['student_ppl']:10.2f}  ({ev['student_vs_teacher']:.2f}x teacher)")
-        print(f"  untrained performer ({ev['performer_dim']})    {ev['performer_ppl']:10.2f}  "
-              f"({ev['performer_vs_teacher']:.2f}x teacher)")
-        dims = log["dims"]
-        print(f"  dims per layer ({args.dims}): {' '.join(map(str, dims))}")
-        print(f"  wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in log["seconds"].items()))
+        print(format_evaluation(args, log))
         print(f"student saved in {args.out} (dofattn generate --model {args.out})")
     return 0
+
+
+def format_evaluation(args: DistillArgs, log: dict) -> str:
+    """The perplexity table `dofattn distill` ends with."""
+    ev = log["evaluation"]
+    trained = f"student ({args.feature}, {args.loss}"
+    if args.loss != "direct" and args.then_direct_steps:
+        trained += f" + {args.then_direct_steps} direct"
+    rows = [("teacher", ev["teacher_ppl"], None)]
+    if "layerwise_student_ppl" in ev:
+        rows.append(("student after layerwise only", ev["layerwise_student_ppl"], ev["layerwise_vs_teacher"]))
+    rows.append((trained + ")", ev["student_ppl"], ev["student_vs_teacher"]))
+    rows.append((f"untrained performer ({ev['performer_dim']})", ev["performer_ppl"], ev["performer_vs_teacher"]))
+    lines = [f"\nvalidation perplexity ({ev['tokens']} tokens, blocks of {ev['seq_len']}):"]
+    for label, ppl, ratio in rows:
+        lines.append(f"  {label:<40}{ppl:10.2f}" + (f"  ({ratio:.2f}x teacher)" if ratio else ""))
+    lines.append(f"  dims per layer ({args.dims}): {' '.join(map(str, log['dims']))}")
+    lines.append("  wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in log["seconds"].items()))
+    return "\n".join(lines)
 
 
 def _add_arguments(parser: argparse.ArgumentParser, cls) -> None:

@@ -18,7 +18,8 @@ Stages, each resumable from the run folder (`--out`):
    student, plus `--kd-weight` × KL(teacher ‖ student) on the logits; only feature parameters train. Checkpoints
    (features, Adam state, step) every `--checkpoint-every` steps.
 5. the student is saved (`dofattn.json`, `features.safetensors`) and evaluated on the validation split next to
-   the teacher and an untrained Performer of the same budget.
+   the teacher and an untrained Performer of the same budget; `log.json` is written and the teacher activations
+   (about 1 GB for the default job) are deleted. Rerunning a finished run prints its results.
 
 Determinism: layer l trains with a generator seeded by (seed, l) and direct step i draws its batch from (seed, i),
 so a run killed at any point and restarted with the same arguments ends with the same weights.
@@ -30,6 +31,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -456,6 +458,10 @@ def run(args) -> dict:
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         check_run_folder(out, asdict(args))
     barrier()
+    if (out / "log.json").is_file():  # finished before, with these arguments
+        if rank == 0:
+            print(f"{out} holds a finished run with these arguments; its results:", flush=True)
+        return json.loads((out / "log.json").read_text())
     dims = resolve_run_dims(args, model, tokenizer, out)
     log.dims = dims
     linearize(model, dims, args.feature, seed=args.seed)
@@ -497,7 +503,10 @@ def run(args) -> dict:
             log.evaluation["layerwise_vs_teacher"] = (log.evaluation["layerwise_student_ppl"]
                                                       / log.evaluation["teacher_ppl"])
         log.seconds["evaluate"] = round(time.perf_counter() - timer, 1)
-        (out / "log.json").write_text(json.dumps(asdict(log), indent=2))
+        tmp = out / "log.partial"
+        tmp.write_text(json.dumps(asdict(log), indent=2))
+        os.replace(tmp, out / "log.json")
+        shutil.rmtree(out / "teacher", ignore_errors=True)  # ~1 GB, only needed to resume layerwise training
     barrier()
     return asdict(log)
 

@@ -123,10 +123,15 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
     assert sorted(log["layers"]) == [str(i) for i in range(LAYERS)] and log["direct"] == {}
 
     # the logged loss on the fixed batch (the first `batch_size` blocks) against the untrained features' loss on it
-    model, _ = load_model(str(teachers[teacher]))
+    assert not (out / "teacher").exists()  # a finished run deletes its teacher activations
+    from dofattn.data import token_blocks
+
+    model, tok = load_model(str(teachers[teacher]))
     linearize(model, [8] * LAYERS, feature, seed=0)  # what the run started from (--seed 0)
     heads = head_layout(model)
-    cache = TeacherCache(out / "teacher", LAYERS, (8, 32), heads)
+    blocks = token_blocks(str(corpus), tok, 32, 8, split="train", seed=0)  # the run's training blocks
+    cache = TeacherCache(tmp_path / "teacher", LAYERS, (8, 32), heads)
+    cache.build(model, blocks, batch_size=2, progress=False)
     for layer, module in enumerate(attention_modules(model)):
         entry = log["layers"][str(layer)]
         q, k, _ = cache.layer(layer)
