@@ -182,6 +182,75 @@ def format_evaluation(args: DistillArgs, log: dict) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class EvalArgs:
+    """Evaluate a linearized student against its teacher on held-out text.
+
+    Reports perplexity of both, the mean per-token KL(teacher || student), top-1 agreement of their next-token
+    predictions, and per layer (on the teacher's own queries, keys and values) the relative error of the linear
+    attention output against softmax attention and the L2 kernel error of PRF features. Writes everything to
+    --out and, with --plot, a figure of the per-layer errors. Without --teacher the teacher is the student's own
+    base model.
+    """
+
+    model: str = _opt("runs/distill", "student folder (from dofattn distill), or any supported model")
+    teacher: str | None = _opt(None, "another model to compare against (same tokenizer); default: the base model")
+    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
+    split: str | None = _opt(None, "train, validation or all (default: validation for wiki-sample and hf:, all for files)")
+    seq_len: int = _opt(512, "tokens per block")
+    num_blocks: int = _opt(8, "blocks to evaluate")
+    layer_blocks: int = _opt(2, "blocks used for the per-layer errors")
+    batch_size: int = _opt(2, "blocks per forward pass")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = _opt("float32", "model dtype: float32 or bfloat16")
+    out: str = _opt("eval.json", "where to write the JSON result")
+    plot: str | None = _opt(None, "also write a figure of the per-layer errors (.png, .pdf or .svg)")
+
+
+def run_eval(args: EvalArgs) -> int:
+    """The `eval` verb."""
+    import json
+
+    from dofattn.data import check_source, token_blocks
+    from dofattn.evaluate import compare, layer_errors
+    from dofattn.hf import load_model, parse_dtype
+    from dofattn.student import is_student, load_student
+
+    out = _check_output(args.out, "--out", (".json",))
+    plot = _check_output(args.plot, "--plot", (".png", ".pdf", ".svg")) if args.plot else None
+    check_source(args.data)
+    if args.num_blocks < 1 or args.layer_blocks < 0 or args.batch_size < 1:
+        raise UserError("--num-blocks and --batch-size must be >= 1, --layer-blocks >= 0")
+    split = args.split or ("validation" if args.data == "wiki-sample" or args.data.startswith("hf:") else "all")
+    device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
+    if is_student(args.model):
+        model, tokenizer, _ = load_student(args.model, dtype=dtype, device=device)
+    else:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    teacher = load_model(args.teacher, dtype=dtype, device=device)[0] if args.teacher else None
+    blocks = token_blocks(args.data, tokenizer, args.seq_len, args.num_blocks, split=split, seed=0)
+    result = {"model": args.model, "teacher": args.teacher or "base model", "data": args.data, "split": split,
+              "seq_len": args.seq_len, **compare(model, blocks, teacher, args.batch_size)}
+    errors = layer_errors(model, blocks[:args.layer_blocks]) if args.layer_blocks else {}
+    result.update(errors)
+    print(f"{'':>22}{'student':>12}{'teacher':>12}")
+    print(f"{'perplexity':>22}{result['ppl']:12.2f}{result['teacher_ppl']:12.2f}   ({result['ppl'] / result['teacher_ppl']:.2f}x)")
+    print(f"{'KL(teacher||student)':>22}{result['kl']:12.4f}")
+    print(f"{'top-1 agreement':>22}{result['top1_agreement']:12.3f}")
+    if errors:
+        print(f"\n{'layer':>5}  {'output error':>12}  {'kernel error':>12}")
+        for i, (o, k) in enumerate(zip(errors["output_error"], errors["kernel_error"])):
+            print(f"{i:>5}  {'softmax' if o is None else f'{o:.4f}':>12}  {'-' if k is None else f'{k:.3g}':>12}")
+    _write_atomic(out, json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    if plot and errors:
+        from dofattn.plots import plot_layer_errors
+
+        plot_layer_errors(errors, plot, title=f"{args.model} vs {result['teacher']}")
+        print(f"wrote {plot}")
+    return 0
+
+
 def _add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -280,7 +349,8 @@ def format_table(result) -> str:
     return "\n".join(rows)
 
 
-VERBS = {"dof": (DofArgs, run_dof), "distill": (DistillArgs, run_distill), "generate": (GenerateArgs, run_generate)}
+VERBS = {"dof": (DofArgs, run_dof), "distill": (DistillArgs, run_distill), "eval": (EvalArgs, run_eval),
+         "generate": (GenerateArgs, run_generate)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,3 +49,72 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int = 4, desc: str = "pe
         total += nll.item()
         count += ids[:, 1:].numel()
     return math.exp(total / count)
+
+
+@torch.no_grad()
+def compare(student, blocks: torch.Tensor, teacher=None, batch_size: int = 4, progress: bool = True) -> dict:
+    """Student vs teacher on `blocks` [N, T]: both perplexities, mean per-token KL(teacher ‖ student) and top-1
+    agreement of their next-token predictions. `teacher=None`: the student's own base model (`teacher_mode`)."""
+    device = next(student.parameters()).device
+    sums = {"student_nll": 0.0, "teacher_nll": 0.0, "kl": 0.0, "agree": 0.0}
+    count = 0
+    for start in tqdm(range(0, len(blocks), batch_size), desc="student vs teacher", unit="batch",
+                      disable=not progress, leave=False):
+        ids = blocks[start:start + batch_size].to(device)
+        targets = ids[:, 1:].reshape(-1)
+        log_s = torch.log_softmax(student(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
+        if teacher is None:
+            with teacher_mode(student):
+                log_t = torch.log_softmax(student(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
+        else:
+            log_t = torch.log_softmax(teacher(input_ids=ids.to(next(teacher.parameters()).device),
+                                              use_cache=False).logits[:, :-1].float().to(device), -1)
+        log_s, log_t = log_s.reshape(-1, log_s.shape[-1]), log_t.reshape(-1, log_t.shape[-1])
+        sums["student_nll"] += -log_s.gather(1, targets[:, None]).sum().item()
+        sums["teacher_nll"] += -log_t.gather(1, targets[:, None]).sum().item()
+        sums["kl"] += (log_t.exp() * (log_t - log_s)).sum().item()
+        sums["agree"] += (log_s.argmax(-1) == log_t.argmax(-1)).sum().item()
+        count += targets.numel()
+    return {"ppl": math.exp(sums["student_nll"] / count), "teacher_ppl": math.exp(sums["teacher_nll"] / count),
+            "kl": sums["kl"] / count, "top1_agreement": sums["agree"] / count, "tokens": count}
+
+
+@torch.no_grad()
+def layer_errors(student, blocks: torch.Tensor, batch_size: int = 2, progress: bool = True) -> dict:
+    """Per layer, on the teacher's own q/k/v: relative error of the linear attention output against softmax
+    attention (‖o_lin − o_soft‖ / ‖o_soft‖), and the row-scaled L2 kernel error of PRF maps (the distillation's
+    l2 loss; None for other maps). The kernel error is only comparable between students trained with the l2 loss:
+    the softmax loss leaves the kernel's overall scale free. Layers left as softmax get None."""
+    from dofattn.capture import capture, run_forward
+    from dofattn.distill import l2_loss
+    from dofattn.features import PositiveRandomFeatures
+    from dofattn.student import attention_modules
+
+    modules = attention_modules(student)
+    num, den = [0.0] * len(modules), [0.0] * len(modules)
+    kernel = [[] for _ in modules]
+
+    def sink(a) -> None:
+        linear = getattr(modules[a.layer], "dofattn", None)
+        if linear is None:
+            return
+        group = a.num_heads // a.num_kv_heads
+        k, v = a.key.repeat_interleave(group, 2), a.value.repeat_interleave(group, 2)
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            a.query.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(), is_causal=True,
+            scale=a.scaling).transpose(1, 2)                                   # [B, T, H, D]
+        approx, _ = linear(a.query, a.key, a.value)
+        num[a.layer] += (approx.float() - exact).square().sum().item()
+        den[a.layer] += exact.square().sum().item()
+        if isinstance(linear.feature_map, PositiveRandomFeatures):
+            kernel[a.layer].append(l2_loss(linear, a.query, k, a.scaling).item())
+
+    device = next(student.parameters()).device
+    with teacher_mode(student), capture(student, sink):
+        for start in tqdm(range(0, len(blocks), batch_size), desc="layer errors", unit="batch",
+                          disable=not progress, leave=False):
+            run_forward(student, blocks[start:start + batch_size].to(device))
+    linear_layers = [hasattr(m, "dofattn") for m in modules]
+    return {"output_error": [math.sqrt(n / d) if lin and d > 0 else None
+                             for n, d, lin in zip(num, den, linear_layers)],
+            "kernel_error": [sum(k) / len(k) if k else None for k in kernel]}

@@ -35,3 +35,24 @@ def plot_dof(result: DofResult, path: str | Path) -> None:
     bottom.legend(loc="upper right", fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_layer_errors(errors: dict, path: str | Path, title: str = "") -> None:
+    """Per-layer attention-output error and L2 kernel error (layers without a value are left empty)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in ("output_error", "kernel_error") if any(v is not None for v in errors.get(k, []))]
+    fig, axes = plt.subplots(len(keys) or 1, 1, figsize=(9, 3 * max(len(keys), 1)), sharex=True,
+                             constrained_layout=True, squeeze=False)
+    labels = {"output_error": "attention output error (relative)", "kernel_error": "L2 kernel error (row-scaled)"}
+    for ax, key in zip(axes[:, 0], keys):
+        values = errors[key]
+        ax.bar([i for i, v in enumerate(values) if v is not None], [v for v in values if v is not None])
+        ax.set_ylabel(labels[key])
+    axes[-1, 0].set_xlabel("layer")
+    axes[0, 0].set_title(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,67 @@
+"""Evaluation metrics: perplexity by hand, KL and agreement of identical models, per-layer errors, the eval verb."""
+
+import json
+import math
+
+import torch
+
+from dofattn.cli import main
+from dofattn.evaluate import compare, layer_errors, perplexity, teacher_mode
+from dofattn.student import linearize
+from tests.conftest import tiny_model
+
+
+def blocks(n=3, length=17, seed=0):
+    return torch.randint(3, 300, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_perplexity_matches_hand_computation():
+    model, ids = tiny_model("gpt2"), blocks()
+    with torch.no_grad():
+        logits = model(ids).logits
+    nll = [-torch.log_softmax(logits[b, t], -1)[ids[b, t + 1]].item() for b in range(3) for t in range(16)]
+    expected = math.exp(sum(nll) / len(nll))
+    assert math.isclose(perplexity(model, ids, batch_size=2, progress=False), expected, rel_tol=1e-6)
+    result = compare(model, ids, progress=False)
+    assert math.isclose(result["ppl"], expected, rel_tol=1e-6) and result["tokens"] == 48
+
+
+def test_identical_models_have_zero_kl_and_full_agreement():
+    model, ids = tiny_model("llama"), blocks()
+    result = compare(model, ids, teacher=tiny_model("llama"), progress=False)
+    assert result["kl"] == 0.0 and result["top1_agreement"] == 1.0 and result["ppl"] == result["teacher_ppl"]
+
+
+def test_student_vs_its_base_model():
+    model, ids = tiny_model("gpt_neox"), blocks()
+    with torch.no_grad():
+        stock = perplexity(model, ids, progress=False)
+    linearize(model, [8, 8, 8], layers=[0, 2])
+    result = compare(model, ids, progress=False)
+    assert math.isclose(result["teacher_ppl"], stock, rel_tol=1e-6)
+    assert result["kl"] > 0 and result["ppl"] != stock
+    with teacher_mode(model):
+        assert math.isclose(perplexity(model, ids, progress=False), stock, rel_tol=1e-6)
+    errors = layer_errors(model, ids, progress=False)
+    assert errors["output_error"][1] is None and errors["kernel_error"][1] is None
+    assert all(0 < errors[k][i] < math.inf for k in ("output_error", "kernel_error") for i in (0, 2))
+
+
+def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
+    from dofattn.hf import load_model
+    from dofattn.student import StudentConfig, fingerprint, save_student
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, [4, 6, 8], "prf")
+    folder = save_student(model, tmp_path / "run", StudentConfig(str(model_dirs["llama"]), "prf", [4, 6, 8],
+                                                                 [0, 1, 2], base=fingerprint(model)))
+    out, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    code = main(["eval", "--model", str(folder), "--data", str(text_file), "--seq-len", "32", "--num-blocks", "3",
+                 "--out", str(out), "--plot", str(png)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["split"] == "all"  # a plain file is evaluated whole
+    assert {"ppl", "teacher_ppl", "kl", "top1_agreement", "output_error", "kernel_error"} <= set(result)
+    assert len(result["output_error"]) == 3 and png.stat().st_size > 1000
+    code = main(["eval", "--model", str(folder), "--data", str(tmp_path / "missing.txt"), "--out", str(out)])
+    assert code == 2
