@@ -196,7 +196,8 @@ class EvalArgs:
     model: str = _opt("runs/distill", "student folder (from dofattn distill), or any supported model")
     teacher: str | None = _opt(None, "another model to compare against (same tokenizer); default: the base model")
     data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
-    split: str | None = _opt(None, "train, validation or all (default: validation for wiki-sample and hf:, all for files)")
+    split: str | None = _opt(None, "train, validation or all (default: validation for wiki-sample and hf:, "
+                                   "all for files)")
     seq_len: int = _opt(512, "tokens per block")
     num_blocks: int = _opt(8, "blocks to evaluate")
     layer_blocks: int = _opt(2, "blocks used for the per-layer errors")
@@ -234,7 +235,8 @@ def run_eval(args: EvalArgs) -> int:
     errors = layer_errors(model, blocks[:args.layer_blocks]) if args.layer_blocks else {}
     result.update(errors)
     print(f"{'':>22}{'student':>12}{'teacher':>12}")
-    print(f"{'perplexity':>22}{result['ppl']:12.2f}{result['teacher_ppl']:12.2f}   ({result['ppl'] / result['teacher_ppl']:.2f}x)")
+    ratio = result["ppl"] / result["teacher_ppl"]
+    print(f"{'perplexity':>22}{result['ppl']:12.2f}{result['teacher_ppl']:12.2f}   ({ratio:.2f}x)")
     print(f"{'KL(teacher||student)':>22}{result['kl']:12.4f}")
     print(f"{'top-1 agreement':>22}{result['top1_agreement']:12.3f}")
     if errors:
