@@ -204,6 +204,10 @@ class EvalArgs:
     batch_size: int = _opt(2, "blocks per forward pass")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
     dtype: str = _opt("float32", "model dtype: float32 or bfloat16")
+    tasks: str | None = _opt(None, "also run zero-shot lm-eval tasks, comma-separated (piqa,arc_easy,arc_challenge,"
+                                   "winogrande,logiqa,wsc273,mmlu need the hub; local ones via --task-path)")
+    task_path: str | None = _opt(None, "folder of local lm-eval task YAMLs")
+    limit: int | None = _opt(None, "evaluate at most this many examples per lm-eval task")
     out: str = _opt("eval.json", "where to write the JSON result")
     plot: str | None = _opt(None, "also write a figure of the per-layer errors (.png, .pdf or .svg)")
 
@@ -220,6 +224,8 @@ def run_eval(args: EvalArgs) -> int:
     out = _check_output(args.out, "--out", (".json",))
     plot = _check_output(args.plot, "--plot", (".png", ".pdf", ".svg")) if args.plot else None
     check_source(args.data)
+    if args.task_path and not Path(args.task_path).is_dir():
+        raise UserError(f"--task-path {args.task_path} is not a folder of lm-eval task YAMLs")
     if args.num_blocks < 1 or args.layer_blocks < 0 or args.batch_size < 1:
         raise UserError("--num-blocks and --batch-size must be >= 1, --layer-blocks >= 0")
     split = args.split or ("validation" if args.data == "wiki-sample" or args.data.startswith("hf:") else "all")
@@ -243,6 +249,14 @@ def run_eval(args: EvalArgs) -> int:
         print(f"\n{'layer':>5}  {'output error':>12}  {'kernel error':>12}")
         for i, (o, k) in enumerate(zip(errors["output_error"], errors["kernel_error"])):
             print(f"{i:>5}  {'softmax' if o is None else f'{o:.4f}':>12}  {'-' if k is None else f'{k:.3g}':>12}")
+    if args.tasks:
+        from dofattn.evaluate import lm_eval_tasks
+
+        result["tasks"] = lm_eval_tasks(model, tokenizer, [t.strip() for t in args.tasks.split(",") if t.strip()],
+                                        args.task_path, args.limit, args.batch_size)
+        print()
+        for task, metrics in result["tasks"].items():
+            print(f"{task:>22}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     _write_atomic(out, json.dumps(result, indent=2))
     print(f"wrote {out}")
     if plot and errors:

@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dofattn.attention import IMPLEMENTATION
+from dofattn.errors import UserError
 
 
 @contextlib.contextmanager
@@ -118,3 +119,40 @@ def layer_errors(student, blocks: torch.Tensor, batch_size: int = 2, progress: b
     return {"output_error": [math.sqrt(n / d) if lin and d > 0 else None
                              for n, d, lin in zip(num, den, linear_layers)],
             "kernel_error": [sum(k) / len(k) if k else None for k in kernel]}
+
+
+HUB_TASKS = ("piqa", "arc_easy", "arc_challenge", "winogrande", "logiqa", "wsc273", "mmlu")
+
+
+def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
+                  batch_size: int = 4) -> dict[str, dict[str, float]]:
+    """Zero-shot lm-evaluation-harness tasks on the in-memory `model`: {task: {metric: value}}.
+
+    `include_path` adds a folder of local task YAMLs. Tasks that are not local need their datasets from the
+    Hugging Face hub; without a network they fail up front with a one-line error.
+    """
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise UserError("--tasks needs lm-evaluation-harness: pip install 'dofattn[eval]'") from None
+    from dofattn.hf import _hub_reachable
+
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; e.g. {', '.join(HUB_TASKS)}, or a local "
+                        f"task YAML in --task-path")
+    local = set(TaskManager(include_path=include_path, include_defaults=False).all_tasks) if include_path else set()
+    remote = [t for t in tasks if t not in local]
+    if remote and not _hub_reachable():
+        raise UserError(f"task(s) {', '.join(remote)} need their datasets from the Hugging Face hub, which cannot "
+                        f"be reached; run with a network, or give local tasks with --task-path")
+    device = str(next(model.parameters()).device)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                                      log_samples=False, bootstrap_iters=0)
+    return {task: {name.split(",")[0]: value for name, value in metrics.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "sample_len"}
+            for task, metrics in results["results"].items()}

@@ -65,3 +65,39 @@ def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
     assert len(result["output_error"]) == 3 and png.stat().st_size > 1000
     code = main(["eval", "--model", str(folder), "--data", str(tmp_path / "missing.txt"), "--out", str(out)])
     assert code == 2
+
+
+def local_task(folder):
+    """A four-question multiple-choice task in lm-eval's YAML + jsonl format."""
+    rows = [{"question": "The sky on a clear day is", "choices": [" blue", " green", " loud"], "answer": 0},
+            {"question": "Two plus two equals", "choices": [" four", " seven", " purple"], "answer": 0},
+            {"question": "Water freezes into", "choices": [" ice", " fire", " music"], "answer": 0},
+            {"question": "A cat is an", "choices": [" animal", " equation", " country"], "answer": 0}]
+    (folder / "mini.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "mini.yaml").write_text(
+        "task: dofattn_mini_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {folder / 'mini.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n")
+    return folder
+
+
+def test_lm_eval_bridge_on_a_local_task(tmp_path, tokenizer, monkeypatch):
+    from huggingface_hub import constants
+
+    from dofattn.errors import UserError
+    from dofattn.evaluate import lm_eval_tasks
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    model = tiny_model("llama")
+    linearize(model, [8, 8, 8])
+    folder = local_task(tmp_path)
+    result = lm_eval_tasks(model, tokenizer, ["dofattn_mini_mc"], include_path=str(folder))
+    assert set(result) == {"dofattn_mini_mc"} and 0.0 <= result["dofattn_mini_mc"]["acc"] <= 1.0
+    import pytest
+
+    with pytest.raises(UserError, match="piqa need their datasets from the Hugging Face hub"):
+        lm_eval_tasks(model, tokenizer, ["piqa"], include_path=str(folder))
+    with pytest.raises(UserError, match="unknown lm-eval task"):
+        lm_eval_tasks(model, tokenizer, ["no_such_task"], include_path=str(folder))
