@@ -406,14 +406,12 @@ def validate(args) -> None:
         raise UserError(f"bad --dims {dims!r}; use dof, clip, fix, fix:C, or a dof.json file")
 
 
-def resolve_run_dims(args, model, tokenizer, out: Path) -> list[int]:
-    """Dims per layer; for `dof`/`clip` the DoF estimate runs once (rank 0) and is kept as out/dof.json."""
+def estimate_dims(args, model, tokenizer, out: Path) -> list[int]:
+    """Dims per layer for `--dims dof|clip`: the DoF estimate runs once (rank 0) and is kept as out/dof.json."""
     from dofattn.data import token_blocks
     from dofattn.dof import allocate_dims, sample_points
     from dofattn.student import resolve_dims
 
-    if args.dims not in ("dof", "clip"):
-        return resolve_dims(args.dims, model, args.model)
     path = out / "dof.json"
     if world()[0] == 0 and not path.is_file():
         blocks = token_blocks(args.data, tokenizer, 256, 32, split="train", seed=args.seed)
@@ -453,8 +451,8 @@ def run(args) -> dict:
     timer = time.perf_counter()
 
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
-    if args.dims not in ("dof", "clip"):  # a bad --dims (fix:0, another model's dof.json) leaves no folder either
-        resolve_dims(args.dims, model, args.model)
+    # fixed dims are resolved before the run folder exists: a bad --dims (fix:0, another model's dof.json) leaves none
+    dims = None if args.dims in ("dof", "clip") else resolve_dims(args.dims, model, args.model)
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         check_run_folder(out, asdict(args))
     barrier()
@@ -462,7 +460,8 @@ def run(args) -> dict:
         if rank == 0:
             print(f"{out} holds a finished run with these arguments; its results:", flush=True)
         return json.loads((out / "log.json").read_text())
-    dims = resolve_run_dims(args, model, tokenizer, out)
+    if dims is None:
+        dims = estimate_dims(args, model, tokenizer, out)
     log.dims = dims
     linearize(model, dims, args.feature, seed=args.seed)
     for name, p in model.named_parameters():  # only feature parameters ever train
@@ -483,9 +482,7 @@ def run(args) -> dict:
         log.seconds["layerwise"] = round(time.perf_counter() - timer, 1)
     direct_steps = steps if args.loss == "direct" else args.then_direct_steps
     if direct_steps and args.loss in LAYER_LOSSES and rank == 0:  # what layerwise training alone reached
-        from dofattn.data import token_blocks as blocks_of
-
-        valid = blocks_of(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
+        valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
         log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
     if direct_steps:
         timer = time.perf_counter()
