@@ -7,7 +7,7 @@
 Rows: performer (untrained, fixed dims), dijiang, fix (learned PRF, head-size dims everywhere), dof (learned PRF,
 DoF dims), dof+clip. Columns: l2 and softmax (layerwise, no direct phase) and direct (end to end only). Each cell
 is one `dofattn distill` run in its own folder under `--runs`, then evaluated against the teacher on the
-validation split: perplexity, KL(teacher ‖ student), top-1 agreement, and the distill wall time. Cells that make
+validation split by the run itself: perplexity, KL(teacher ‖ student), top-1 agreement, wall time. Cells that make
 no sense are skipped and say why (l2 needs kernel-estimating features; performer trains nothing). Runs resume.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,9 +48,6 @@ def skip_reason(row: str, loss: str) -> str | None:
 
 def run_cell(base_args, row: str, loss: str, runs: Path, device: str) -> dict:
     from dofattn.distill import run
-    from dofattn.evaluate import compare
-    from dofattn.data import token_blocks
-    from dofattn.student import load_student
 
     feature, dims = ROWS[row]
     folder = runs / f"{row.replace('+', '-')}-{loss}"
@@ -64,14 +60,11 @@ def run_cell(base_args, row: str, loss: str, runs: Path, device: str) -> dict:
         args = replace(args, steps=DIRECT_STEPS[base_args.scale_name])
     else:
         args = replace(args, then_direct_steps=0)
-    started = time.perf_counter()
-    log = run(args)
-    seconds = round(time.perf_counter() - started, 1)
-    model, tokenizer, _ = load_student(folder, device=device)
-    blocks = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
-    metrics = compare(model, blocks, progress=False)
-    return {"row": row, "loss": loss, **metrics, "dims": log["dims"],
-            "distill_seconds": sum(log["seconds"].values()) if log.get("seconds") else seconds}
+    log = run(args)  # a finished cell's folder just returns its log
+    ev = log["evaluation"]
+    return {"row": row, "loss": loss, "ppl": ev["student_ppl"], "teacher_ppl": ev["teacher_ppl"], "kl": ev["kl"],
+            "top1_agreement": ev["top1_agreement"], "tokens": ev["tokens"], "dims": log["dims"],
+            "distill_seconds": round(sum(log["seconds"].values()), 1)}
 
 
 def markdown(cells: list[dict], teacher_ppl: float) -> str:

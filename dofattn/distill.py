@@ -481,8 +481,8 @@ def run(args) -> dict:
                                args.seed, progress=rank == 0)
         log.seconds["layerwise"] = round(time.perf_counter() - timer, 1)
     direct_steps = steps if args.loss == "direct" else args.then_direct_steps
+    valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
     if direct_steps and args.loss in LAYER_LOSSES and rank == 0:  # what layerwise training alone reached
-        valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
         log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
     if direct_steps:
         timer = time.perf_counter()
@@ -495,7 +495,7 @@ def run(args) -> dict:
                                fingerprint(model))
         save_student(model, out, config)
         timer = time.perf_counter()
-        log.evaluation.update(evaluate_run(args, model, tokenizer, dims))
+        log.evaluation.update(evaluate_run(args, model, valid, dims))
         if "layerwise_student_ppl" in log.evaluation:
             log.evaluation["layerwise_vs_teacher"] = (log.evaluation["layerwise_student_ppl"]
                                                       / log.evaluation["teacher_ppl"])
@@ -508,21 +508,21 @@ def run(args) -> dict:
     return asdict(log)
 
 
-def evaluate_run(args, model, tokenizer, dims: list[int]) -> dict:
-    """Validation perplexity of the teacher, the student and an untrained Performer with the same budget."""
-    from dofattn.data import token_blocks
+def evaluate_run(args, model, blocks: torch.Tensor, dims: list[int]) -> dict:
+    """On validation `blocks`: perplexity of the teacher, the student and an untrained Performer with the same
+    budget, and the student's KL to the teacher and top-1 agreement."""
+    from dofattn.evaluate import compare
     from dofattn.hf import load_model, parse_dtype
     from dofattn.student import linearize
 
     device = next(model.parameters()).device
-    blocks = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
-    with teacher_mode(model):
-        teacher = perplexity(model, blocks, desc="teacher ppl")
-    student = perplexity(model, blocks, desc="student ppl")
+    against = compare(model, blocks)
+    teacher, student = against["teacher_ppl"], against["ppl"]
     baseline_model, _ = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
     budget = round(sum(dims) / len(dims))
     linearize(baseline_model, [budget] * len(dims), "performer", seed=args.seed)
     performer = perplexity(baseline_model, blocks, desc="performer ppl")
     return {"tokens": blocks.numel(), "seq_len": args.eval_seq_len, "teacher_ppl": teacher, "student_ppl": student,
             "performer_ppl": performer, "performer_dim": budget, "student_vs_teacher": student / teacher,
-            "performer_vs_teacher": performer / teacher}
+            "performer_vs_teacher": performer / teacher, "kl": against["kl"],
+            "top1_agreement": against["top1_agreement"]}

@@ -35,6 +35,17 @@ def teacher_mode(model) -> Iterator[None]:
         model.set_attn_implementation(current)
 
 
+def _log_probs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities [B·(T−1), vocab] of `model` on ids [B, T], in float32."""
+    log_p = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
+    return log_p.reshape(-1, log_p.shape[-1])
+
+
+def _nll(log_p: torch.Tensor, targets: torch.Tensor) -> float:
+    """Summed negative log-likelihood of `targets` [N] under `log_p` [N, vocab]."""
+    return -log_p.gather(1, targets[:, None]).sum().item()
+
+
 @torch.no_grad()
 def perplexity(model, blocks: torch.Tensor, batch_size: int = 4, desc: str = "perplexity",
                progress: bool = True) -> float:
@@ -44,10 +55,7 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int = 4, desc: str = "pe
     for start in tqdm(range(0, len(blocks), batch_size), desc=desc, unit="batch", disable=not progress,
                       leave=False):
         ids = blocks[start:start + batch_size].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="sum")
-        total += nll.item()
+        total += _nll(_log_probs(model, ids), ids[:, 1:].reshape(-1))
         count += ids[:, 1:].numel()
     return math.exp(total / count)
 
@@ -63,16 +71,14 @@ def compare(student, blocks: torch.Tensor, teacher=None, batch_size: int = 4, pr
                       disable=not progress, leave=False):
         ids = blocks[start:start + batch_size].to(device)
         targets = ids[:, 1:].reshape(-1)
-        log_s = torch.log_softmax(student(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
+        log_s = _log_probs(student, ids)
         if teacher is None:
             with teacher_mode(student):
-                log_t = torch.log_softmax(student(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
+                log_t = _log_probs(student, ids)
         else:
-            log_t = torch.log_softmax(teacher(input_ids=ids.to(next(teacher.parameters()).device),
-                                              use_cache=False).logits[:, :-1].float().to(device), -1)
-        log_s, log_t = log_s.reshape(-1, log_s.shape[-1]), log_t.reshape(-1, log_t.shape[-1])
-        sums["student_nll"] += -log_s.gather(1, targets[:, None]).sum().item()
-        sums["teacher_nll"] += -log_t.gather(1, targets[:, None]).sum().item()
+            log_t = _log_probs(teacher, ids.to(next(teacher.parameters()).device)).to(device)
+        sums["student_nll"] += _nll(log_s, targets)
+        sums["teacher_nll"] += _nll(log_t, targets)
         sums["kl"] += (log_t.exp() * (log_t - log_s)).sum().item()
         sums["agree"] += (log_s.argmax(-1) == log_t.argmax(-1)).sum().item()
         count += targets.numel()
