@@ -6,8 +6,8 @@ child module `dofattn` (a `LinearAttention`). The model's attention implementati
 
 Generation: a linear layer needs no KV cache, only its recurrent state [B, H, M, V+1]. A forward pre-hook on each
 linearized module finds the HF `Cache` it is called with (`past_key_values`, or `layer_past` in GPT-NeoX) and puts
-a `LinearStateLayer` in that layer's slot: it stores no keys or values, only the state and the token count, so
-memory stays flat in context length. `model.generate()` needs nothing special.
+a `LinearStateLayer` in that layer's slot: it stores only the state and the token count (plus, for a window hybrid,
+the last W keys and values), so memory stays flat in context length. `model.generate()` needs nothing special.
 """
 
 from __future__ import annotations
@@ -22,32 +22,74 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from dofattn.errors import UserError
 from dofattn.features import FeatureMap
 from dofattn.ops import linear_attention
+from dofattn.ops.window import window_linear_attention
 
 IMPLEMENTATION = "dofattn"
 
 
 class LinearAttention(nn.Module):
-    """One layer's causal linear attention with a learned (or fixed) feature map."""
+    """One layer's causal linear attention with a learned (or fixed) feature map, optionally beside a softmax window.
 
-    def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int):
+    window = 0: pure linear attention. window = W > 0: exact softmax over the last W keys and linear attention
+    beyond, in one normalisation (`ops.window`); `log_gain` [H] (learned, init 0) scales the linear part's mass.
+    """
+
+    def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int, window: int = 0):
         super().__init__()
+        if window < 0:
+            raise UserError(f"window must be >= 0 tokens (0: no softmax window), got {window}")
         self.feature_map = feature_map
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.num_heads, self.num_kv_heads, self.window = num_heads, num_kv_heads, int(window)
+        if self.window:
+            self.log_gain = nn.Parameter(torch.zeros(num_heads))                       # [H]
         self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
 
+    def extra_repr(self) -> str:
+        return f"window={self.window}" if self.window else ""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
-                state: torch.Tensor | None = None, output_final_state: bool = False,
-                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
-        """q [B, T, H, D], k and v [B, T, Hkv, D], key_valid [B, T] -> o [B, T, H, D], state [B, H, M, D+1]."""
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+                cache: LinearStateLayer | None = None, backend: str = "auto") -> torch.Tensor:
+        """q [B, T, H, D], k and v [B, T, Hkv, D], key_valid [B, T] -> o [B, T, H, D].
+
+        With a `cache` (generation), the call continues from its state (and window of past keys) and updates it.
+        """
+        if self.window:
+            return self._window_forward(q, k, v, key_valid, cache, backend)
+        k, v = self._expand(k), self._expand(v)
         phi_q = self.feature_map(q, "query")                                       # [B, T, H, M]
         phi_k = self.feature_map(k, "key")                                         # [B, T, H, M]
         if key_valid is not None:
             phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
-        return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
-                                backend=backend)
+        state = None if cache is None else cache.state
+        o, state = linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=cache is not None,
+                                    backend=backend)
+        if cache is not None:
+            cache.state = state
+        return o
+
+    def _expand(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.num_heads // self.num_kv_heads
+        return x.repeat_interleave(group, dim=2) if group > 1 else x
+
+    def _window_forward(self, q, k, v, key_valid, cache, backend) -> torch.Tensor:
+        if cache is not None and cache.keys is not None:   # past keys still inside the window come first
+            if key_valid is None:
+                key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
+            k, v = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
+            key_valid = torch.cat([cache.key_valid, key_valid], 1)
+        kx, vx = self._expand(k), self._expand(v)
+        phi_q, q_scale = self.feature_map.features(q, "query")                     # [B, T, H, M], [B, T, H]
+        phi_k, k_scale = self.feature_map.features(kx, "key")                      # [B, Tk, H, M], [H]
+        state = None if cache is None else cache.state
+        o, state = window_linear_attention(q, kx, vx, phi_q, phi_k, q_scale, k_scale + self.log_gain,
+                                           self.feature_map.scaling, self.window, key_valid, state,
+                                           output_final_state=cache is not None, backend=backend)
+        if cache is not None:
+            keep = slice(max(k.shape[1] - self.window, 0), None)
+            cache.state, cache.keys, cache.values = state, k[:, keep], v[:, keep]
+            cache.key_valid = (torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if key_valid is None
+                               else key_valid)[:, keep]
+        return o
 
 
 class LinearStateLayer(CacheLayerMixin):
@@ -61,6 +103,15 @@ class LinearStateLayer(CacheLayerMixin):
         super().__init__()
         self.state: torch.Tensor | None = None   # [B, H, M, V+1], float32
         self.seen = 0
+        # Window hybrids only: the last W keys and values (after RoPE, kv heads) and whether each is a real token.
+        self.keys: torch.Tensor | None = None        # [B, ≤W, Hkv, D]
+        self.values: torch.Tensor | None = None      # [B, ≤W, Hkv, D]
+        self.key_valid: torch.Tensor | None = None   # [B, ≤W] bool
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
+
+    TENSORS = ("state", "keys", "values", "key_valid")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -82,27 +133,30 @@ class LinearStateLayer(CacheLayerMixin):
         return -1
 
     def offload(self):
-        if self.state is not None:
-            self.state = self.state.to("cpu", non_blocking=True)
+        for name, t in self.tensors().items():
+            setattr(self, name, t.to("cpu", non_blocking=True))
 
     def prefetch(self):
-        if self.state is not None and self.is_initialized and self.state.device != self.device:
-            self.state = self.state.to(self.device, non_blocking=True)
+        if self.is_initialized:
+            for name, t in self.tensors().items():
+                if t.device != self.device:
+                    setattr(self, name, t.to(self.device, non_blocking=True))
 
     def reset(self) -> None:
-        self.state, self.seen = None, 0
+        self.state = self.keys = self.values = self.key_valid = None
+        self.seen = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.state is not None:
-            self.state = self.state.index_select(0, beam_idx.to(self.state.device))
+        for name, t in self.tensors().items():
+            setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.state is not None:
-            self.state = self.state.repeat_interleave(repeats, dim=0)
+        for name, t in self.tensors().items():
+            setattr(self, name, t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.state is not None:
-            self.state = self.state[indices]
+        for name, t in self.tensors().items():
+            setattr(self, name, t[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")
@@ -153,12 +207,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                         f"{query.shape[2]} queries: a KV cache of past tokens; use the default DynamicCache")
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     key_valid = _key_padding(attention_mask, k.shape[1])
-    slot = linear.cache_layer
-    if slot is None:
-        out, _ = linear(q, k, v, key_valid)
-    else:
-        out, slot.state = linear(q, k, v, key_valid, state=slot.state, output_final_state=True)
-    return out, None
+    return linear(q, k, v, key_valid, cache=linear.cache_layer), None
 
 
 def install(model: nn.Module) -> None:

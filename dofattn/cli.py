@@ -136,6 +136,8 @@ class DistillArgs:
     train_blocks: int = _opt(64, "training blocks drawn from the train split (steps sample from them)")
     lr: float = _opt(0.02, "Adam learning rate of feature directions/projections (layerwise)")
     lr_weights: float = _opt(0.2, "Adam learning rate of the PRF weights (layerwise)")
+    window: int = _opt(0, "exact softmax attention over the last W tokens beside the linear part, in one "
+                          "normalisation (0: pure linear attention); generation keeps W keys plus the state")
     then_direct_steps: int = _opt(30, "after layerwise training, this many end-to-end steps")
     direct_batch_size: int = _opt(2, "blocks per end-to-end step")
     direct_lr: float = _opt(2e-3, "Adam learning rate of the end-to-end phase")

@@ -48,6 +48,7 @@ from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
 from dofattn.features import FEATURES, PositiveRandomFeatures
+from dofattn.ops.window import window_logits
 from dofattn.student import attention_modules, head_layout
 
 LOSSES = ("softmax", "l2", "direct")
@@ -103,7 +104,12 @@ def _causal(T: int, device) -> torch.Tensor:
 
 
 def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Mean KL(teacher row ‖ student row) over causal attention rows. q [B, T, H, D], k [B, T, H, D]."""
+    """Mean KL(teacher row ‖ student row) over causal attention rows. q [B, T, H, D], k [B, T, H, D].
+
+    For a window hybrid the student's row is the hybrid's: exact weights on the last W keys, linear beyond.
+    """
+    if linear.window:
+        return _window_softmax_loss(linear, q, k, scaling)
     fmap = linear.feature_map
     phi_q, phi_k = fmap(q, "query"), fmap(k, "key")                               # [B, T, H, M]
     mask = _causal(q.shape[1], q.device)
@@ -113,6 +119,18 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scal
     log_teacher = torch.log_softmax(logits, -1)
     teacher = log_teacher.exp()
     kl = (teacher * (log_teacher - log_student)).masked_fill(~mask, 0).sum(-1)    # [B, H, T]
+    return kl.mean()
+
+
+def _window_softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    phi_q, q_scale = linear.feature_map.features(q, "query")
+    phi_k, k_scale = linear.feature_map.features(k, "key")
+    logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + linear.log_gain, scaling, linear.window)
+    mask = _causal(q.shape[1], q.device)
+    log_student = torch.log_softmax(logits, -1).clamp_min(math.log(TINY))       # [B, H, T, T]
+    teacher_logits = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
+    log_teacher = torch.log_softmax(teacher_logits, -1)
+    kl = (log_teacher.exp() * (log_teacher - log_student)).masked_fill(~mask, 0).sum(-1)
     return kl.mean()
 
 
@@ -128,9 +146,14 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: 
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
                       + c_k.reshape(1, -1, 1, 1) - math.log(fmap.dim))               # [B, H, T, T]
     mask = _causal(q.shape[1], q.device)
+    if linear.window:  # the features only ever see pairs beyond the window
+        mask = mask.tril(-linear.window)
+        if not mask.any():
+            raise UserError(f"--loss l2 with --window {linear.window} needs --seq-len > {linear.window}")
     log_kernel = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
-    row_max = log_kernel.amax(-1, keepdim=True)
-    diff = (torch.exp(log_kernel - row_max) - torch.exp(log_kernel_hat - row_max)).masked_fill(~mask, 0)
+    row_max = log_kernel.amax(-1, keepdim=True).clamp_min(-1e30)                    # rows with no pair: finite
+    log_kernel_hat = log_kernel_hat.masked_fill(~mask, -math.inf)
+    diff = torch.exp(log_kernel - row_max) - torch.exp(log_kernel_hat - row_max)   # 0 off the mask
     return diff.square().sum() / (mask.sum() * q.shape[0] * q.shape[2])
 
 
@@ -367,6 +390,8 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
 # --- orchestration ------------------------------------------------------------------------------------------------
 
 RESUME_IRRELEVANT = ("device", "out")
+# Options added later, with the value that reproduces a run folder written before they existed.
+LATER_OPTIONS = {"window": 0}
 
 
 def check_run_folder(out: Path, args: dict) -> None:
@@ -375,7 +400,8 @@ def check_run_folder(out: Path, args: dict) -> None:
     path = out / "run.json"
     if path.is_file():
         before = json.loads(path.read_text())
-        changed = sorted(k for k in set(before) | set(record) if before.get(k) != record.get(k))
+        changed = sorted(k for k in set(before) | set(record)
+                         if before.get(k, LATER_OPTIONS.get(k)) != record.get(k, LATER_OPTIONS.get(k)))
         if changed:
             raise UserError(f"run folder {out} holds a run with other arguments ({', '.join(changed)}); "
                             f"give another --out, or delete the folder to start over")
@@ -397,6 +423,8 @@ def validate(args) -> None:
                  "checkpoint_every"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.window < 0:
+        raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
     if args.then_direct_steps < 0 or args.kd_weight < 0 or args.lr <= 0 or args.lr_weights <= 0:
         raise UserError("--then-direct-steps and --kd-weight must be >= 0, --lr and --lr-weights > 0")
     if args.tokens is not None and args.tokens < args.batch_size * args.seq_len:
@@ -463,7 +491,7 @@ def run(args) -> dict:
     if dims is None:
         dims = estimate_dims(args, model, tokenizer, out)
     log.dims = dims
-    linearize(model, dims, args.feature, seed=args.seed)
+    linearize(model, dims, args.feature, seed=args.seed, window=args.window)
     for name, p in model.named_parameters():  # only feature parameters ever train
         p.requires_grad_(".dofattn." in name)
     log.seconds["setup"] = round(time.perf_counter() - timer, 1)
@@ -492,7 +520,7 @@ def run(args) -> dict:
     if rank == 0:
         config = StudentConfig(args.model, args.feature, dims, [i for i, m in enumerate(attention_modules(model))
                                                                 if hasattr(m, "dofattn")], args.seed,
-                               fingerprint(model))
+                               fingerprint(model), window=args.window)
         save_student(model, out, config)
         timer = time.perf_counter()
         log.evaluation.update(evaluate_run(args, model, valid, dims))

@@ -110,7 +110,7 @@ def layer_errors(student, blocks: torch.Tensor, batch_size: int = 2, progress: b
         exact = torch.nn.functional.scaled_dot_product_attention(
             a.query.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(), is_causal=True,
             scale=a.scaling).transpose(1, 2)                                   # [B, T, H, D]
-        approx, _ = linear(a.query, a.key, a.value)
+        approx = linear(a.query, a.key, a.value)
         num[a.layer] += (approx.float() - exact).square().sum().item()
         den[a.layer] += exact.square().sum().item()
         if isinstance(linear.feature_map, PositiveRandomFeatures):

@@ -51,6 +51,18 @@ class FeatureMap(nn.Module):
     def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:  # [B, T, H, D] -> [B, T, H, M]
         raise NotImplementedError
 
+    def features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(φ [B, T, H, M], log-scale): φ(q)·φ(k)·exp(scale_q + scale_k) is this map's kernel estimate.
+
+        The scale is [B, T, H] for queries and [H] for keys (one constant per head, so states can be summed).
+        For `prf`/`performer` the estimate is of exp(s·qᵀk) itself (the shifts and 1/M are undone); for maps
+        that only approximate the softmax's shape (hedgehog, dijiang) the scale is 0 and a window hybrid learns
+        a per-head gain instead.
+        """
+        phi = self(x, role)
+        shape = phi.shape[:3] if role == "query" else phi.shape[2:3]
+        return phi, phi.new_zeros(shape)
+
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
 
@@ -96,11 +108,16 @@ class PositiveRandomFeatures(FeatureMap):
             self.key_shift.copy_(torch.maximum(self.key_shift, seen))
 
     def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        return self.features(x, role)[0]
+
+    def features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.exponent(x)
+        half_log_m = 0.5 * math.log(self.dim)
         if role == "query":
-            return torch.exp(e - e.amax(-1, keepdim=True).detach())
+            shift = e.amax(-1, keepdim=True).detach()
+            return torch.exp(e - shift), shift[..., 0] - half_log_m
         self._update_key_shift(e)
-        return torch.exp((e - self.key_shift[:, None]).clamp(max=MAX_KEY_EXCESS))
+        return torch.exp((e - self.key_shift[:, None]).clamp(max=MAX_KEY_EXCESS)), self.key_shift - half_log_m
 
 
 class HedgehogFeatures(FeatureMap):

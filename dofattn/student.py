@@ -102,6 +102,7 @@ class StudentConfig:
     layers: list[int]
     seed: int = 0
     base: dict = field(default_factory=dict)
+    window: int = 0
     dofattn_version: str = __version__
 
     def to_json(self) -> str:
@@ -109,10 +110,11 @@ class StudentConfig:
 
 
 def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: list[int] | None = None,
-              seed: int = 0) -> nn.Module:
+              seed: int = 0, window: int = 0) -> nn.Module:
     """Replace softmax attention by linear attention in `layers` (all by default), in place; returns `model`.
 
-    `dims[i]` is the feature dimension of layer i (entries of layers not linearized are ignored).
+    `dims[i]` is the feature dimension of layer i (entries of layers not linearized are ignored). `window` > 0
+    keeps exact softmax attention over the last `window` tokens beside the linear part (`ops.window`).
     """
     if feature not in FEATURES:
         raise UserError(f"unknown feature map {feature!r}; use one of {', '.join(FEATURES)}")
@@ -124,7 +126,7 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: l
     param = next(model.parameters())
     for i in layers:
         fmap = make_feature_map(feature, heads, head_dim, dims[i], modules[i].scaling, seed=seed * 1000 + i)
-        linear = LinearAttention(fmap, heads, kv_heads).to(param.device).train(modules[i].training)
+        linear = LinearAttention(fmap, heads, kv_heads, window).to(param.device).train(modules[i].training)
         modules[i].add_module("dofattn", linear)
     install(model)
     return model
@@ -176,7 +178,7 @@ def attach_student(model: nn.Module, folder: str | Path, config: StudentConfig |
     if mismatch:
         raise UserError(f"{folder} was trained on base model {config.base_model!r} and does not fit this model "
                         f"(differs in {', '.join(mismatch)}); load it with its own base model")
-    linearize(model, config.dims, config.feature, config.layers, config.seed)
+    linearize(model, config.dims, config.feature, config.layers, config.seed, config.window)
     state = load_file(str(Path(folder) / WEIGHTS_FILE), device=str(next(model.parameters()).device))
     own = student_state(model)
     if set(state) != set(own):

@@ -15,7 +15,8 @@ def test_matrix_toy_scale(tmp_path, model_dirs):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join([TEXT] * 60))  # enough train text for the DoF sample (32 x 256 tokens)
     out, table = tmp_path / "matrix.json", tmp_path / "matrix.md"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "matrix.py"), "--scale", "toy", "--model",
                            str(model_dirs["llama"]), "--data", str(corpus), "--runs", str(tmp_path / "runs"),
                            "--out", str(out), "--markdown", str(table)], capture_output=True, text=True, env=env,

@@ -52,12 +52,14 @@ def pick_backend(phi_q: torch.Tensor, backend: str = "auto") -> str:
 
 def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-                     backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+                     backend: str = "auto", normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention with the chosen backend (see the module docstring).
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
     Returns o [B, T, H, V] in v.dtype and the final state [B, H, M, V+1] if output_final_state, else None.
+    normalize=False returns the unnormalised [num, den] [B, T, H, V+1] (float32, float64 for float64 inputs) for o.
     """
     check_inputs(phi_q, phi_k, v, initial_state)
     name = pick_backend(phi_q, backend)
-    return BACKENDS[name](phi_q, phi_k, v, initial_state=initial_state, output_final_state=output_final_state)
+    return BACKENDS[name](phi_q, phi_k, v, initial_state=initial_state, output_final_state=output_final_state,
+                          normalize=normalize)

@@ -47,7 +47,7 @@ def states_before_chunks(kv: torch.Tensor, initial_state: torch.Tensor | None) -
 
 def chunk_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-                           chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           chunk_size: int = 64, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention, chunked: equal to `naive_linear_attention` up to float rounding.
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
@@ -75,4 +75,5 @@ def chunk_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
         final_state = kv.sum(dim=2)                                    # [B, H, M, V+1]
         if S0 is not None:
             final_state = final_state + S0
-    return normalise(from_chunks(o_aug, T), v.dtype), final_state
+    o_aug = from_chunks(o_aug, T)                                      # [B, T, H, V+1]
+    return (normalise(o_aug, v.dtype) if normalize else o_aug), final_state

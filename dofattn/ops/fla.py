@@ -50,7 +50,8 @@ def fla_kwargs(chunk_linear_attn: Callable) -> dict:
 
 def fla_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                          initial_state: torch.Tensor | None = None,
-                         output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         output_final_state: bool = False,
+                         normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention with fla's chunked Triton kernel (CUDA only).
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
@@ -75,5 +76,6 @@ def fla_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tens
     o_aug, final_state = chunk_linear_attn(q=q, k=k, v=v_aug, scale=1.0, initial_state=S0,
                                            output_final_state=output_final_state, normalize=False,
                                            **fla_kwargs(chunk_linear_attn))
-    o = normalise(o_aug[:, :T], v.dtype)                               # [B, T, H, V]
+    o_aug = o_aug[:, :T].float()                                       # [B, T, H, V+1]
+    o = normalise(o_aug, v.dtype) if normalize else o_aug              # [B, T, H, V] or [num, den]
     return o, (final_state.float() if output_final_state else None)

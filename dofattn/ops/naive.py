@@ -68,12 +68,14 @@ def normalise(o_aug: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def naive_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                            initial_state: torch.Tensor | None = None,
-                           output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           output_final_state: bool = False,
+                           normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention by the quadratic masked form.
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
     Returns o [B, T, H, V] in v.dtype and, if output_final_state, the state [B, H, M, V+1] (float32, or float64
-    for float64 inputs), else None.
+    for float64 inputs), else None. normalize=False returns [num, den] [B, T, H, V+1] in the compute dtype instead
+    of o (for callers that combine the linear part with other attention mass, e.g. `ops.window`).
     """
     check_inputs(phi_q, phi_k, v, initial_state)
     dtype = compute_dtype(phi_q, phi_k, v, initial_state)
@@ -93,4 +95,4 @@ def naive_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
         final_state = torch.einsum("bthm,bthv->bhmv", k, v_aug)       # [B, H, M, V+1]
         if initial_state is not None:
             final_state = final_state + initial_state.to(dtype)
-    return normalise(o_aug, v.dtype), final_state
+    return (normalise(o_aug, v.dtype) if normalize else o_aug), final_state

@@ -17,7 +17,8 @@ from dofattn.ops.naive import augment_values, check_inputs, compute_dtype, norma
 
 def recurrent_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                                initial_state: torch.Tensor | None = None,
-                               output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               output_final_state: bool = False,
+                               normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention, one token at a time: equal to `naive_linear_attention` up to float rounding.
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
@@ -38,4 +39,4 @@ def recurrent_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torc
         S = S + k[:, t, :, :, None] * v_aug[:, t, :, None, :]          # [B, H, M, V+1]
         outputs.append(torch.einsum("bhm,bhmv->bhv", q[:, t], S))     # [B, H, V+1]
     o_aug = torch.stack(outputs, dim=1)                                # [B, T, H, V+1]
-    return normalise(o_aug, v.dtype), (S if output_final_state else None)
+    return (normalise(o_aug, v.dtype) if normalize else o_aug), (S if output_final_state else None)

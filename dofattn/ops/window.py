@@ -1,0 +1,203 @@
+"""Sliding-window hybrid attention: exact softmax over the last W keys, linear attention beyond, one normalisation.
+
+    o, state = window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window=64)
+
+For the query at position t (keys at positions s ≤ t), every key gets one unnormalised weight:
+    s > t − W:   exp(scaling · q_t·k_s)                                   (exact, the softmax kernel)
+    s ≤ t − W:   φq_t·φk_s · exp(q_log_scale_t + log_offset_h)           (the feature-map estimate of it)
+plus the state's mass φq_t·S_0[den] · exp(q_log_scale_t + log_offset_h) for keys before this call, and
+o_t = Σ weight·v / Σ weight. `q_log_scale` [B, T, H] and `log_offset` [H] undo the feature map's numerical shifts
+(see `FeatureMap.features`) and carry a learned per-head gain, so both parts are on one scale. The key shift is one
+constant per head, so it lives in `log_offset` and the state never mixes shifts.
+
+Layout: q [B, T, H, D] (raw, after RoPE); k, v [B, Tk, H, D] with Tk ≥ T: the queries are the last T positions,
+the first P = Tk − T keys are a cache of past keys still inside the window (generation). phi_q [B, T, H, M], phi_k
+[B, Tk, H, M]; key_valid [B, Tk] (False: padding, never attended); initial_state [B, H, M, V+1] holds every key
+before the Tk given ones. The final state [B, H, M, V+1] holds every key except the last W: the caller keeps
+those W keys (and values) as the next call's cache, so generation memory is O(W + M·V), flat in context length.
+
+Two implementations with the same signature:
+    naive_window_linear_attention   the spec: one [T, Tk] logit matrix (plus a column for the state), row softmax
+    window_linear_attention         the fast form: banded exact attention in blocks of W plus the linear op run on
+                                    keys delayed by W (any `ops` backend), mixed in log space: with ō_w, λ_w the
+                                    window's softmax output and log-mass and ō_l, λ_l the linear part's,
+                                    o = σ(λ_w − λ_l)·ō_w + σ(λ_l − λ_w)·ō_l.
+Both compute in float32 (float64 if any input is), return o in v.dtype, and give 0 for a query with no valid key.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dofattn.ops import linear_attention
+from dofattn.ops.naive import TINY, compute_dtype
+
+__all__ = ["naive_window_linear_attention", "window_linear_attention", "window_logits", "check_window_inputs"]
+
+
+def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state) -> None:
+    """ValueError saying what is wrong unless the shapes follow the layout in the module docstring."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    B, T, H, D = q.shape
+    Tk = k.shape[1]
+    if k.shape != (B, Tk, H, D) or v.shape[:3] != (B, Tk, H) or Tk < T:
+        raise ValueError(f"k must be [B, Tk, H, D] and v [B, Tk, H, V] with Tk >= T, for q {tuple(q.shape)}; got "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if phi_q.shape[:3] != (B, T, H) or phi_k.shape[:3] != (B, Tk, H) or phi_q.shape[-1] != phi_k.shape[-1]:
+        raise ValueError(f"phi_q must be [B, T, H, M] and phi_k [B, Tk, H, M]; got {tuple(phi_q.shape)}, "
+                         f"{tuple(phi_k.shape)}")
+    if q_log_scale.shape != (B, T, H) or log_offset.shape != (H,):
+        raise ValueError(f"q_log_scale must be [B, T, H] and log_offset [H]; got {tuple(q_log_scale.shape)}, "
+                         f"{tuple(log_offset.shape)}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if key_valid is not None and key_valid.shape != (B, Tk):
+        raise ValueError(f"key_valid must be [B, Tk] = {(B, Tk)}, got {tuple(key_valid.shape)}")
+    expected = (B, H, phi_q.shape[-1], v.shape[-1] + 1)
+    if initial_state is not None and tuple(initial_state.shape) != expected:
+        raise ValueError(f"initial_state must be [B, H, M, V+1] = {expected}, got {tuple(initial_state.shape)}")
+
+
+def _log(x: torch.Tensor) -> torch.Tensor:
+    """log x with −inf (and a zero gradient, not NaN) where x == 0."""
+    return torch.where(x > 0, torch.log(x.clamp_min(TINY)), -torch.inf)
+
+
+def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
+                  key_valid=None, initial_state=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-weights of the spec: [B, H, T, Tk] over keys (−inf where masked), and [B, H, T] for the state.
+
+    The layerwise softmax loss uses these rows directly; `naive_window_linear_attention` normalises them.
+    """
+    dtype = compute_dtype(q, k, phi_q, phi_k, initial_state)
+    B, T, H, _ = q.shape
+    Tk = k.shape[1]
+    pos_q = torch.arange(Tk - T, Tk, device=q.device)[:, None]           # [T, 1] query positions among the keys
+    pos_k = torch.arange(Tk, device=q.device)[None, :]                   # [1, Tk]
+    near = (pos_k <= pos_q) & (pos_k > pos_q - window)                   # [T, Tk]
+    far = pos_k <= pos_q - window
+    shift = q_log_scale.to(dtype).permute(0, 2, 1)[..., None] + log_offset.to(dtype)[None, :, None, None]
+    exact = scaling * torch.einsum("bthd,bshd->bhts", q.to(dtype), k.to(dtype))
+    linear = _log(torch.einsum("bthm,bshm->bhts", phi_q.to(dtype), phi_k.to(dtype))) + shift
+    logits = torch.where(near, exact, torch.where(far, linear, -torch.inf))
+    if key_valid is not None:
+        logits = logits.masked_fill(~key_valid[:, None, None, :], -torch.inf)
+    state_logit = None
+    if initial_state is not None:
+        den = torch.einsum("bthm,bhm->bht", phi_q.to(dtype), initial_state[..., -1].to(dtype))
+        state_logit = _log(den) + shift[..., 0]                         # [B, H, T]
+    return logits, state_logit
+
+
+def naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
+                                  key_valid=None, initial_state=None, output_final_state: bool = False):
+    """The spec: softmax over one row of log-weights per query (see the module docstring). O(T·Tk) memory."""
+    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state)
+    dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
+    logits, state_logit = window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling, window, key_valid,
+                                        initial_state)
+    values = v.to(dtype).transpose(1, 2)                                 # [B, H, Tk, V]
+    Tk = k.shape[1]
+    if state_logit is not None:
+        S0 = initial_state.to(dtype)
+        num = torch.einsum("bthm,bhmv->bhtv", phi_q.to(dtype), S0[..., :-1])
+        den = torch.einsum("bthm,bhm->bht", phi_q.to(dtype), S0[..., -1])
+        state_value = num / den.clamp_min(TINY)[..., None]               # [B, H, T, V]
+        logits = torch.cat([logits, state_logit[..., None]], dim=-1)     # [B, H, T, Tk+1]
+    row_max = logits.amax(-1, keepdim=True)
+    weights = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, 0))
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(TINY)   # all-masked rows stay 0
+    o = torch.einsum("bhts,bhsv->bthv", weights[..., :Tk], values)
+    if state_logit is not None:
+        o = o + (weights[..., Tk:] * state_value).transpose(1, 2)
+    final_state = _fold_state(phi_k, v, window, key_valid, initial_state, dtype) if output_final_state else None
+    return o.to(v.dtype), final_state
+
+
+def _fold_state(phi_k, v, window, key_valid, initial_state, dtype):
+    """S_0 plus every key but the last `window`: [B, H, M, V+1]."""
+    keep = max(phi_k.shape[1] - window, 0)
+    pk = phi_k[:, :keep].to(dtype)
+    if key_valid is not None:
+        pk = pk * key_valid[:, :keep, None, None].to(dtype)
+    va = v[:, :keep].to(dtype)
+    va = torch.cat([va, torch.ones_like(va[..., :1])], dim=-1)
+    state = torch.einsum("bthm,bthv->bhmv", pk, va)
+    return state if initial_state is None else state + initial_state.to(dtype)
+
+
+def _banded_softmax(q, k, v, scaling: float, window: int, key_valid):
+    """Exact softmax over keys (t − W, t], in blocks of W: (ō [B, T, H, V], log-mass [B, T, H], any-key [B, T, H])."""
+    B, T, H, D = q.shape
+    C = window
+    N = -(-T // C)
+
+    def blocks(x, front):                                                # [B, T, ...] -> [B, N+front, C, ...]
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (front * C, N * C - T))
+        return x.view(B, N + front, C, *x.shape[2:])
+
+    qb = blocks(q, 0)                                                    # [B, N, C, H, D]
+    kb, vb = blocks(k, 1), blocks(v, 1)                                  # [B, N+1, C, H, *]
+    valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_valid is None else key_valid
+    validb = blocks(valid[..., None], 1)[..., 0]                         # [B, N+1, C], front block False
+    kw = torch.cat([kb[:, :-1], kb[:, 1:]], dim=2)                       # [B, N, 2C, H, D]: previous + own block
+    vw = torch.cat([vb[:, :-1], vb[:, 1:]], dim=2)
+    validw = torch.cat([validb[:, :-1], validb[:, 1:]], dim=2)           # [B, N, 2C]
+    i = torch.arange(C, device=q.device)[:, None]
+    j = torch.arange(2 * C, device=q.device)[None, :]
+    band = (j > i) & (j <= i + C)                                        # key j − C in (i − W, i]
+    scores = scaling * torch.einsum("bnihd,bnjhd->bnhij", qb, kw)        # [B, N, H, C, 2C]
+    mask = band[None, None, None] & validw[:, :, None, None, :]
+    scores = scores.masked_fill(~mask, -torch.inf)
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0).detach()   # a constant: log-mass adds it back
+    p = torch.exp(scores - row_max)
+    mass = p.sum(-1)                                                     # [B, N, H, C]
+    o = torch.einsum("bnhij,bnjhv->bnihv", p, vw) / mass.clamp_min(TINY).transpose(2, 3)[..., None]
+    any_key = mask.any(-1).expand_as(mass)
+    log_mass = torch.where(any_key, torch.log(mass.clamp_min(TINY)) + row_max[..., 0], 0)
+
+    def unblock(x):                                                      # [B, N, C, H, ...] -> [B, T, H, ...]
+        return x.reshape(B, N * C, *x.shape[3:])[:, :T]
+
+    return unblock(o), unblock(log_mass.transpose(2, 3)), unblock(any_key.transpose(2, 3))
+
+
+def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
+                            key_valid=None, initial_state=None, output_final_state: bool = False,
+                            backend: str = "auto"):
+    """The fast form of `naive_window_linear_attention` (same arguments and result up to float rounding).
+
+    `backend` picks the linear op (`ops.linear_attention`); the window part is plain PyTorch, O(T·W) memory.
+    """
+    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state)
+    dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
+    B, T, H, _ = q.shape
+    Tk, P = k.shape[1], k.shape[1] - q.shape[1]
+    # Every tensor is laid out over the Tk key positions; the P cached positions get zero queries, dropped at the end.
+    qf = F.pad(q.to(dtype), (0, 0, 0, 0, P, 0))
+    o_win, lam_win, has_win = _banded_softmax(qf, k.to(dtype), v.to(dtype), scaling, window, key_valid)
+
+    phi_k = phi_k.to(dtype)
+    if key_valid is not None:
+        phi_k = phi_k * key_valid[:, :, None, None].to(dtype)
+    delayed_k = F.pad(phi_k, (0, 0, 0, 0, window, 0))[:, :Tk]            # key s arrives at position s + W
+    delayed_v = F.pad(v.to(dtype), (0, 0, 0, 0, window, 0))[:, :Tk]
+    phi_qf = F.pad(phi_q.to(dtype), (0, 0, 0, 0, P, 0))
+    o_aug, final_state = linear_attention(phi_qf, delayed_k, delayed_v, initial_state=initial_state,
+                                          output_final_state=output_final_state, backend=backend, normalize=False)
+    den = o_aug[..., -1]                                                 # [B, Tk, H]
+    has_lin = den > 0
+    o_lin = o_aug[..., :-1] / den.clamp_min(TINY)[..., None]
+    shift = F.pad(q_log_scale.to(dtype), (0, 0, P, 0)) + log_offset.to(dtype)
+    lam_lin = torch.where(has_lin, torch.log(den.clamp_min(TINY)) + shift, 0)
+
+    both = has_win & has_lin
+    w_win = torch.where(both, torch.sigmoid(lam_win - lam_lin), has_win.to(dtype))[..., None]
+    o = w_win * o_win + (1 - w_win) * o_lin
+    if final_state is not None:
+        final_state = final_state.to(dtype)
+    return o[:, P:].to(v.dtype), final_state
