@@ -425,6 +425,9 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.window < 0:
         raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
+    if args.loss == "l2" and args.window >= args.seq_len:
+        raise UserError(f"--loss l2 with --window {args.window} needs --seq-len > {args.window}: the features "
+                        f"are fitted only on pairs farther apart than the window")
     if args.then_direct_steps < 0 or args.kd_weight < 0 or args.lr <= 0 or args.lr_weights <= 0:
         raise UserError("--then-direct-steps and --kd-weight must be >= 0, --lr and --lr-weights > 0")
     if args.tokens is not None and args.tokens < args.batch_size * args.seq_len:

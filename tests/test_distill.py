@@ -108,16 +108,19 @@ def teachers(model_dirs, trained_llama) -> dict[str, Path]:
     return {**model_dirs, "trained-llama": trained_llama}
 
 
-@pytest.mark.parametrize("teacher,feature,loss", [
-    ("llama", "prf", "softmax"), ("gpt2", "prf", "softmax"), ("gpt_neox", "prf", "softmax"),
-    ("gpt2", "prf", "l2"),
-    ("trained-llama", "prf", "softmax"), ("trained-llama", "prf", "l2"),
-    ("trained-llama", "hedgehog", "softmax"), ("trained-llama", "dijiang", "softmax"),
+@pytest.mark.parametrize("teacher,feature,loss,window", [
+    ("llama", "prf", "softmax", 0), ("gpt2", "prf", "softmax", 0), ("gpt_neox", "prf", "softmax", 0),
+    ("gpt2", "prf", "l2", 0),
+    ("trained-llama", "prf", "softmax", 0), ("trained-llama", "prf", "l2", 0),
+    ("trained-llama", "hedgehog", "softmax", 0), ("trained-llama", "dijiang", "softmax", 0),
+    ("trained-llama", "prf", "softmax", 8), ("trained-llama", "prf", "l2", 8),
+    ("trained-llama", "hedgehog", "softmax", 8),
 ])
-def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, tmp_path, teacher, feature, loss):
+def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, tmp_path, teacher, feature, loss,
+                                                     window):
     out = tmp_path / "run"
     code, _, err = run(capsys, *distill_argv(teachers[teacher], corpus, out, "--feature", feature, "--loss", loss,
-                                             "--steps", 150))
+                                             "--steps", 150, "--window", window))
     assert code == 0, err
     log = json.loads((out / "log.json").read_text())
     assert sorted(log["layers"]) == [str(i) for i in range(LAYERS)] and log["direct"] == {}
@@ -127,7 +130,7 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
     from dofattn.data import token_blocks
 
     model, tok = load_model(str(teachers[teacher]))
-    linearize(model, [8] * LAYERS, feature, seed=0)  # what the run started from (--seed 0)
+    linearize(model, [8] * LAYERS, feature, seed=0, window=window)  # what the run started from (--seed 0)
     heads = head_layout(model)
     blocks = token_blocks(str(corpus), tok, 32, 8, split="train", seed=0)  # the run's training blocks
     cache = TeacherCache(tmp_path / "teacher", LAYERS, (8, 32), heads)
@@ -275,6 +278,8 @@ def other_model_dims(folder: Path) -> Path:
     (["--dims", "fix:0"], "bad --dims"),
     (["--dims", "{tmp}/missing.json"], "does not exist"),
     (["--steps", "0"], "--steps must be at least 1"),
+    (["--window", "-1"], "--window must be >= 0"),
+    (["--loss", "l2", "--window", "32"], "needs --seq-len > 32"),
     (["--data", "{tmp}/missing.txt"], "neither 'wiki-sample'"),
     (["--model", "{tmp}/no-such-model"], "does not exist"),
 ])
@@ -306,6 +311,12 @@ def test_run_folder_with_other_arguments_is_refused_and_untouched(capsys, model_
     code, _, err = run(capsys, *argv)
     assert code == 0, err
     assert_identical(features(out), reference)
+    # a folder written before --window existed resumes as a window-0 run, and only as one
+    record = json.loads((out / "run.json").read_text())
+    del record["window"]
+    (out / "run.json").write_text(json.dumps(record))
+    assert run(capsys, *argv)[0] == 0
+    assert run(capsys, *argv, "--window", "4")[0] == 2
 
 
 def test_out_folder_that_is_not_a_run_is_refused(capsys, model_dirs, corpus, tmp_path):

@@ -1,0 +1,182 @@
+"""The sliding-window hybrid (`ops.window`): fast form against the spec, the spec against its definition, streaming
+against one call, numerics at exponent 195, and the hybrid inside HF models (generation, padding, save/load)."""
+
+import math
+
+import pytest
+import torch
+
+from dofattn.attention import LinearAttention, LinearStateLayer
+from dofattn.features import make_feature_map
+from dofattn.ops.window import naive_window_linear_attention, window_linear_attention
+from dofattn.student import StudentConfig, fingerprint, linearize, load_student, save_student
+from tests.conftest import tiny_model
+
+# (B, T, P, H, D, V, M, W): odd lengths, windows larger and smaller than T, a window of 1, cached keys (P > 0)
+SHAPES = [(1, 17, 0, 2, 4, 5, 5, 4), (2, 33, 0, 3, 8, 3, 7, 8), (2, 9, 5, 2, 4, 4, 3, 5), (1, 1, 4, 2, 4, 4, 3, 4),
+          (1, 1, 0, 1, 4, 2, 1, 4), (2, 40, 0, 1, 3, 3, 2, 64), (2, 40, 0, 1, 3, 2, 2, 1), (1, 70, 3, 2, 6, 7, 9, 16)]
+
+
+def inputs(B, T, P, H, D, V, M, W, dtype=torch.float64, seed=0, padded=False, state=False):
+    g = torch.Generator().manual_seed(seed)
+    Tk = T + P
+    q, k = torch.randn(B, T, H, D, generator=g), torch.randn(B, Tk, H, D, generator=g)
+    v = torch.randn(B, Tk, H, V, generator=g)
+    phi_q, phi_k = torch.rand(B, T, H, M, generator=g), torch.rand(B, Tk, H, M, generator=g)
+    q_scale, offset = torch.randn(B, T, H, generator=g), torch.randn(H, generator=g)
+    tensors = [x.to(dtype).requires_grad_(True) for x in (q, k, v, phi_q, phi_k, q_scale, offset)]
+    valid = None
+    if padded:
+        valid = torch.ones(B, Tk, dtype=torch.bool)
+        valid[0, :min(3, Tk)] = False                                  # left padding in the first row
+    S0 = torch.rand(B, H, M, V + 1, generator=g).to(dtype) if state else None
+    return tensors, valid, S0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("padded,state", [(False, False), (True, True)])
+def test_fast_form_matches_the_spec(shape, padded, state):
+    B, T, P, H, D, V, M, W = shape
+    tensors, valid, S0 = inputs(*shape, padded=padded, state=state)
+    ref, ref_state = naive_window_linear_attention(*tensors, 0.3, W, valid, S0, output_final_state=True)
+    out, out_state = window_linear_attention(*tensors, 0.3, W, valid, S0, output_final_state=True, backend="chunk")
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out_state, ref_state, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(9))
+    grads_ref = torch.autograd.grad((ref * weights).sum(), tensors)
+    grads = torch.autograd.grad((out * weights).sum(), tensors)
+    for name, a, b in zip(("q", "k", "v", "phi_q", "phi_k", "q_log_scale", "log_offset"), grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_fast_form_matches_in_float32_with_every_backend():
+    tensors, valid, S0 = inputs(2, 37, 0, 3, 8, 8, 6, 8, dtype=torch.float32, padded=True, state=True)
+    ref, _ = naive_window_linear_attention(*tensors, 0.3, 8, valid, S0)
+    for backend in ("naive", "chunk", "recurrent"):
+        out, _ = window_linear_attention(*tensors, 0.3, 8, valid, S0, backend=backend)
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-6, msg=backend)
+
+
+def test_spec_follows_its_definition_query_by_query():
+    (q, k, v, phi_q, phi_k, q_scale, offset), _, S0 = inputs(1, 9, 0, 1, 4, 3, 5, 3, state=True)
+    q, k, v, phi_q, phi_k, q_scale, offset = (x.detach() for x in (q, k, v, phi_q, phi_k, q_scale, offset))
+    out, _ = naive_window_linear_attention(q, k, v, phi_q, phi_k, q_scale, offset, 0.5, 3, initial_state=S0)
+    for t in range(9):
+        weights, values = [], []
+        for s in range(t + 1):
+            if s > t - 3:
+                weights.append(math.exp(0.5 * float(q[0, t, 0] @ k[0, s, 0])))
+            else:
+                weights.append(float(phi_q[0, t, 0] @ phi_k[0, s, 0]) * math.exp(q_scale[0, t, 0] + offset[0]))
+            values.append(v[0, s, 0])
+        state_mass = float(phi_q[0, t, 0] @ S0[0, 0, :, -1]) * math.exp(q_scale[0, t, 0] + offset[0])
+        weights.append(state_mass)
+        values.append((phi_q[0, t, 0] @ S0[0, 0, :, :-1]) / float(phi_q[0, t, 0] @ S0[0, 0, :, -1]))
+        expected = sum(w * x for w, x in zip(weights, values)) / sum(weights)
+        torch.testing.assert_close(out[0, t, 0], expected.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_window_covering_everything_is_softmax_attention():
+    (q, k, v, phi_q, phi_k, q_scale, offset), _, _ = inputs(2, 21, 0, 3, 8, 8, 4, 32)
+    out, _ = window_linear_attention(q, k, v, phi_q, phi_k, q_scale, offset, 0.25, 32)
+    exact = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                             is_causal=True, scale=0.25).transpose(1, 2)
+    torch.testing.assert_close(out, exact, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("pieces", [[1] * 13, [5, 1, 7], [13], [2, 9, 2]])
+def test_streaming_in_pieces_equals_one_call(pieces):
+    torch.manual_seed(0)
+    fmap = make_feature_map("prf", 2, 8, 6, scaling=8 ** -0.5, seed=1)
+    linear = LinearAttention(fmap, num_heads=2, num_kv_heads=1, window=4).eval()
+    with torch.no_grad():
+        linear.log_gain.copy_(torch.tensor([0.3, -0.2]))
+    q, k, v = torch.randn(2, 13, 2, 8), torch.randn(2, 13, 1, 8), torch.randn(2, 13, 1, 8)
+    valid = torch.ones(2, 13, dtype=torch.bool)
+    valid[1, :2] = False
+    whole = linear(q, k, v, valid)
+    cache, outs, start = LinearStateLayer(), [], 0
+    for n in pieces:
+        outs.append(linear(q[:, start:start + n], k[:, start:start + n], v[:, start:start + n],
+                           valid[:, start:start + n], cache=cache))
+        start += n
+    torch.testing.assert_close(torch.cat(outs, 1), whole, rtol=1e-5, atol=1e-6)
+    assert cache.keys.shape == (2, 4, 1, 8) and cache.key_valid.shape == (2, 4)
+    assert cache.state.shape == (2, 2, 6, 9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_at_exponent_195(dtype):
+    D = 64
+    fmap = make_feature_map("prf", 1, D, 16, scaling=D ** -0.5, seed=0).eval()
+    linear = LinearAttention(fmap, 1, 1, window=4).eval()
+    x = torch.randn(1, 40, 1, D)
+    x = x / x.norm(dim=-1, keepdim=True) * math.sqrt(195 * math.sqrt(D))  # s·qᵀq ≈ 195 on the diagonal
+    with torch.no_grad():
+        out = linear(x.to(dtype), x.to(dtype), torch.randn(1, 40, 1, D).to(dtype))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+
+
+def test_window_must_be_nonnegative():
+    from dofattn.errors import UserError
+
+    with pytest.raises(UserError, match="window must be >= 0"):
+        LinearAttention(make_feature_map("prf", 1, 4, 4, 0.5), 1, 1, window=-1)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        window_linear_attention(*inputs(1, 3, 0, 1, 4, 4, 2, 2)[0], 0.5, 0)
+
+
+# --- inside HF models -----------------------------------------------------------------------------------------------
+
+def ids(batch, length, seed):
+    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_generation_with_a_window_matches_the_full_forward(family):
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], seed=1, window=6)
+    prompt = ids(1, 11, seed=1)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0, prefill_chunk_size=4)
+        full = model(out.sequences, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
+    layer = out.past_key_values.layers[0]
+    assert isinstance(layer, LinearStateLayer) and layer.keys.shape[1] == 6   # W keys, whatever the context
+
+
+def test_left_padded_batch_with_a_window_equals_one_by_one():
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    linearize(model, dims=[8, 8, 8], seed=2, window=4)
+    prompts = [ids(1, 3, seed=3)[0], ids(1, 12, seed=4)[0], ids(1, 9, seed=5)[0]]
+    with torch.no_grad():
+        singles = [model.generate(p[None], max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):]
+                   for p in prompts]
+        width = max(len(p) for p in prompts)
+        batch = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(batch)
+        for i, p in enumerate(prompts):
+            batch[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    for i, single in enumerate(singles):
+        assert torch.equal(together[i, width:], single)
+
+
+def test_window_student_round_trip(tmp_path, model_dirs):
+    from dofattn.hf import load_model
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, [5, 7, 3], seed=4, window=8)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LinearAttention):
+                m.log_gain.uniform_(-1, 1)
+    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 7, 3], [0, 1, 2], 4, fingerprint(model), window=8)
+    save_student(model, tmp_path / "s", config)
+    loaded, _, cfg = load_student(tmp_path / "s")
+    assert cfg.window == 8
+    x = ids(2, 19, seed=7)
+    with torch.no_grad():
+        assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
