@@ -53,43 +53,43 @@ class LinearAttention(nn.Module):
 
         With a `cache` (generation), the call continues from its state (and window of past keys) and updates it.
         """
-        if self.window:
-            return self._window_forward(q, k, v, key_valid, cache, backend)
-        k, v = self._expand(k), self._expand(v)
-        phi_q = self.feature_map(q, "query")                                       # [B, T, H, M]
-        phi_k = self.feature_map(k, "key")                                         # [B, T, H, M]
-        if key_valid is not None:
-            phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
-        state = None if cache is None else cache.state
-        o, state = linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=cache is not None,
-                                    backend=backend)
-        if cache is not None:
-            cache.state = state
-        return o
-
-    def _expand(self, x: torch.Tensor) -> torch.Tensor:
-        group = self.num_heads // self.num_kv_heads
-        return x.repeat_interleave(group, dim=2) if group > 1 else x
-
-    def _window_forward(self, q, k, v, key_valid, cache, backend) -> torch.Tensor:
-        if cache is not None and cache.keys is not None:   # past keys still inside the window come first
+        if cache is None:
+            return self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, backend=backend)[0]
+        if self.window and cache.keys is not None:  # past keys still inside the window come first
             if key_valid is None:
                 key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
             k, v = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
             key_valid = torch.cat([cache.key_valid, key_valid], 1)
-        kx, vx = self._expand(k), self._expand(v)
-        phi_q, q_scale = self.feature_map.features(q, "query")                     # [B, T, H, M], [B, T, H]
-        phi_k, k_scale = self.feature_map.features(kx, "key")                      # [B, Tk, H, M], [H]
-        state = None if cache is None else cache.state
-        o, state = window_linear_attention(q, kx, vx, phi_q, phi_k, q_scale, k_scale + self.log_gain,
-                                           self.feature_map.scaling, self.window, key_valid, state,
-                                           output_final_state=cache is not None, backend=backend)
-        if cache is not None:
+        o, cache.state = self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, cache.state, True, backend)
+        if self.window:
             keep = slice(max(k.shape[1] - self.window, 0), None)
-            cache.state, cache.keys, cache.values = state, k[:, keep], v[:, keep]
+            cache.keys, cache.values = k[:, keep], v[:, keep]
             cache.key_valid = (torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if key_valid is None
                                else key_valid)[:, keep]
         return o
+
+    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, Hkv, D] -> [B, T, H, D]: each kv head repeated for its group of query heads."""
+        group = self.num_heads // self.num_kv_heads
+        return x.repeat_interleave(group, dim=2) if group > 1 else x
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
+               state: torch.Tensor | None = None, output_final_state: bool = False,
+               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention on query-head layout: q [B, T, H, D], k and v [B, Tk, H, D] (Tk > T only for a window
+        hybrid's cached keys), key_valid [B, Tk] -> (o [B, T, H, D], state or None)."""
+        if self.window:
+            phi_q, q_scale = self.feature_map.features(q, "query")                 # [B, T, H, M], [B, T, H]
+            phi_k, k_scale = self.feature_map.features(k, "key")                   # [B, Tk, H, M], [H]
+            return window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + self.log_gain,
+                                           self.feature_map.scaling, self.window, key_valid, state,
+                                           output_final_state=output_final_state, backend=backend)
+        phi_q = self.feature_map(q, "query")                                       # [B, T, H, M]
+        phi_k = self.feature_map(k, "key")                                         # [B, T, H, M]
+        if key_valid is not None:
+            phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
+        return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
+                                backend=backend)
 
 
 class LinearStateLayer(CacheLayerMixin):

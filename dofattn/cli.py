@@ -128,7 +128,8 @@ class DistillArgs:
     dims: str = _opt("dof", "feature dims per layer: dof (estimated here), clip (dof capped at the head size), "
                             "fix, fix:C, or a dof.json file")
     feature: str = _opt("prf", "feature map: prf, performer, hedgehog or dijiang")
-    loss: str = _opt("softmax", "softmax or l2 (layerwise), or direct (end to end)")
+    loss: str = _opt("softmax", "layerwise: softmax (KL of attention rows), l2 (kernel values), output (the "
+                                "attention output's squared error) or softmax+output; or direct (end to end)")
     steps: int = _opt(150, "training steps per layer (layerwise) or in total (direct)")
     tokens: int | None = _opt(None, "alternative to --steps: training tokens per layer / in total")
     batch_size: int = _opt(4, "blocks per step")
@@ -138,6 +139,10 @@ class DistillArgs:
     lr_weights: float = _opt(0.2, "Adam learning rate of the PRF weights (layerwise)")
     window: int = _opt(0, "exact softmax attention over the last W tokens beside the linear part, in one "
                           "normalisation (0: pure linear attention); generation keeps W keys plus the state")
+    keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
+                                "linearized")
+    keep_by: str = _opt("dof", "which layers --keep-softmax keeps: dof (the K with the largest DoF), first (layers "
+                               "0..K-1) or random (K drawn with --seed)", choices=("dof", "first", "random"))
     then_direct_steps: int = _opt(30, "after layerwise training, this many end-to-end steps")
     direct_batch_size: int = _opt(2, "blocks per end-to-end step")
     direct_lr: float = _opt(2e-3, "Adam learning rate of the end-to-end phase")

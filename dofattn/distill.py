@@ -13,6 +13,8 @@ Stages, each resumable from the run folder (`--out`):
    the paper's learning rates (directions 0.02, weights 0.2). softmax: KL between the teacher's causal attention
    rows and the student's normalised linear-attention rows. l2: squared error of kernel values on causal pairs,
    each query's row scaled by its largest exact kernel value (raw values reach e^15 and would swamp the mean).
+   output: squared error of the layer's attention output against the teacher's (relative to its mean square);
+   softmax+output: the sum of the two. With `--window W` every loss sees the hybrid (l2: only pairs beyond W).
    Each layer's result is saved to `layers/layer_XX.safetensors` as soon as it is done.
 4. direct (`--loss direct`, or `--then-direct-steps N` after layerwise): next-token cross-entropy of the whole
    student, plus `--kd-weight` × KL(teacher ‖ student) on the logits; only feature parameters train. Checkpoints
@@ -51,7 +53,7 @@ from dofattn.features import FEATURES, PositiveRandomFeatures
 from dofattn.ops.window import window_logits
 from dofattn.student import attention_modules, head_layout
 
-LOSSES = ("softmax", "l2", "direct")
+LOSSES = ("softmax", "l2", "output", "softmax+output", "direct")
 TINY = torch.finfo(torch.float32).tiny
 
 
@@ -103,8 +105,9 @@ def _causal(T: int, device) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
-def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Mean KL(teacher row ‖ student row) over causal attention rows. q [B, T, H, D], k [B, T, H, D].
+def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+    """Mean KL(teacher row ‖ student row) over causal attention rows. q, k, v [B, T, H, D] (v unused).
 
     For a window hybrid the student's row is the hybrid's: exact weights on the last W keys, linear beyond.
     """
@@ -134,7 +137,8 @@ def _window_softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tens
     return kl.mean()
 
 
-def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            scaling: float) -> torch.Tensor:
     """Mean squared kernel error on causal pairs, each row scaled by its largest exact kernel value (PRF only)."""
     fmap = linear.feature_map
     if not isinstance(fmap, PositiveRandomFeatures):
@@ -157,7 +161,27 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: 
     return diff.square().sum() / (mask.sum() * q.shape[0] * q.shape[2])
 
 
-LAYER_LOSSES = {"softmax": softmax_loss, "l2": l2_loss}
+def output_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+    """Squared error of the attention output against the teacher's, relative to the teacher output's mean square.
+
+    q, k, v [B, T, H, D]: the student attends with the teacher's own inputs (not its earlier layers' outputs).
+    """
+    o = linear.attend(q, k, v)[0].float()                                          # [B, T, H, D]
+    with torch.no_grad():
+        exact = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k.transpose(1, 2).float(),
+                                               v.transpose(1, 2).float(), is_causal=True,
+                                               scale=scaling).transpose(1, 2)
+    return (o - exact).square().mean() / exact.square().mean().clamp_min(TINY)
+
+
+def softmax_output_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scaling: float) -> torch.Tensor:
+    """softmax_loss + output_loss: the rows' shape and what they produce."""
+    return softmax_loss(linear, q, k, v, scaling) + output_loss(linear, q, k, v, scaling)
+
+
+LAYER_LOSSES = {"softmax": softmax_loss, "l2": l2_loss, "output": output_loss, "softmax+output": softmax_output_loss}
 
 
 def param_groups(linear: LinearAttention, lr: float, lr_weights: float) -> list[dict]:
@@ -172,7 +196,7 @@ def param_groups(linear: LinearAttention, lr: float, lr_weights: float) -> list[
 def train_layer(linear: LinearAttention, acts, scaling: float, loss: str, steps: int, batch_size: int, lr: float,
                 lr_weights: float, seed: int, desc: str = "", progress: bool = True) -> dict:
     """Adam on one layer's feature map against its teacher activations (q, k, v) [N, T, ...]; returns a log."""
-    q_all, k_all, _ = acts
+    q_all, k_all, v_all = acts
     group = q_all.shape[2] // k_all.shape[2]
     loss_fn = LAYER_LOSSES[loss]
     groups = param_groups(linear, lr, lr_weights)
@@ -190,7 +214,8 @@ def train_layer(linear: LinearAttention, acts, scaling: float, loss: str, steps:
         idx = torch.randint(len(q_all), (batch_size,), generator=gen)
         q = q_all[idx].to(device)
         k = k_all[idx].repeat_interleave(group, dim=2).to(device)
-        value = loss_fn(linear, q, k, scaling)
+        v = v_all[idx].repeat_interleave(group, dim=2).to(device)
+        value = loss_fn(linear, q, k, v, scaling)
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         optimizer.step()
@@ -201,7 +226,7 @@ def train_layer(linear: LinearAttention, acts, scaling: float, loss: str, steps:
     with torch.no_grad():  # the loss on a fixed batch, for the log
         idx = torch.arange(min(batch_size, len(q_all)))
         final = loss_fn(linear, q_all[idx].to(device), k_all[idx].repeat_interleave(group, 2).to(device),
-                        scaling).item()
+                        v_all[idx].repeat_interleave(group, 2).to(device), scaling).item()
     tail = losses[-max(1, len(losses) // 10):] if losses else [final]
     return {"steps": steps, "first_loss": first if first is not None else final,
             "last_loss": sum(tail) / len(tail), "fixed_batch_loss": final,
@@ -256,6 +281,7 @@ class RunLog:
 
     args: dict = field(default_factory=dict)
     dims: list[int] = field(default_factory=list)
+    softmax_layers: list[int] = field(default_factory=list)   # kept as softmax attention (--keep-softmax)
     layers: dict = field(default_factory=dict)       # layer -> train_layer log
     direct: dict = field(default_factory=dict)
     evaluation: dict = field(default_factory=dict)
@@ -391,7 +417,8 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
 
 RESUME_IRRELEVANT = ("device", "out")
 # Options added later, with the value that reproduces a run folder written before they existed.
-LATER_OPTIONS = {"window": 0}
+LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof"}
+KEEP_BY = ("dof", "first", "random")
 
 
 def check_run_folder(out: Path, args: dict) -> None:
@@ -425,6 +452,9 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.window < 0:
         raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
+    if args.keep_softmax < 0 or args.keep_by not in KEEP_BY:
+        raise UserError(f"--keep-softmax must be >= 0 and --keep-by one of {', '.join(KEEP_BY)}; got "
+                        f"{args.keep_softmax} and {args.keep_by!r}")
     if args.loss == "l2" and args.window >= args.seq_len:
         raise UserError(f"--loss l2 with --window {args.window} needs --seq-len > {args.window}: the features "
                         f"are fitted only on pairs farther apart than the window")
@@ -437,12 +467,14 @@ def validate(args) -> None:
         raise UserError(f"bad --dims {dims!r}; use dof, clip, fix, fix:C, or a dof.json file")
 
 
-def estimate_dims(args, model, tokenizer, out: Path) -> list[int]:
-    """Dims per layer for `--dims dof|clip`: the DoF estimate runs once (rank 0) and is kept as out/dof.json."""
+def dof_estimate(args, model, tokenizer, out: Path):
+    """The DoF estimate (`DofResult`) for `--dims dof|clip` or `--keep-by dof`: read from `--dims` when that is a
+    dof.json file, else computed once (rank 0) on the training split and kept as out/dof.json."""
     from dofattn.data import token_blocks
-    from dofattn.dof import allocate_dims, sample_points
-    from dofattn.student import resolve_dims
+    from dofattn.dof import DofResult, allocate_dims, sample_points
 
+    if args.dims.endswith(".json"):
+        return DofResult.from_json(Path(args.dims).read_text())
     path = out / "dof.json"
     if world()[0] == 0 and not path.is_file():
         blocks = token_blocks(args.data, tokenizer, 256, 32, split="train", seed=args.seed)
@@ -456,7 +488,24 @@ def estimate_dims(args, model, tokenizer, out: Path) -> list[int]:
         tmp.write_text(result.to_json())
         os.replace(tmp, path)
     barrier()
-    return resolve_dims(str(path), model, args.model)
+    return DofResult.from_json(path.read_text())
+
+
+def softmax_layers(args, num_layers: int, dof=None) -> list[int]:
+    """The layers `--keep-softmax K --keep-by dof|first|random` leaves as softmax attention, sorted.
+
+    dof: the K layers with the largest DoF (ties: the earlier layer); first: layers 0..K-1; random: K layers drawn
+    with `--seed`.
+    """
+    K = args.keep_softmax
+    if K == 0:
+        return []
+    if args.keep_by == "first":
+        return list(range(K))
+    if args.keep_by == "random":
+        return sorted(torch.randperm(num_layers, generator=torch.Generator().manual_seed(args.seed))[:K].tolist())
+    order = sorted(range(num_layers), key=lambda i: (-dof.layers[i].dof, i))
+    return sorted(order[:K])
 
 
 def run(args) -> dict:
@@ -484,6 +533,9 @@ def run(args) -> dict:
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
     # fixed dims are resolved before the run folder exists: a bad --dims (fix:0, another model's dof.json) leaves none
     dims = None if args.dims in ("dof", "clip") else resolve_dims(args.dims, model, args.model)
+    if args.keep_softmax >= len(attention_modules(model)):
+        raise UserError(f"--keep-softmax {args.keep_softmax} leaves no layer to linearize: the model has "
+                        f"{len(attention_modules(model))} layers")
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         check_run_folder(out, asdict(args))
     barrier()
@@ -491,10 +543,17 @@ def run(args) -> dict:
         if rank == 0:
             print(f"{out} holds a finished run with these arguments; its results:", flush=True)
         return json.loads((out / "log.json").read_text())
+    num_layers = len(attention_modules(model))
+    dof = None
+    if args.dims in ("dof", "clip") or (args.keep_softmax and args.keep_by == "dof"):
+        dof = dof_estimate(args, model, tokenizer, out)
     if dims is None:
-        dims = estimate_dims(args, model, tokenizer, out)
+        dims = resolve_dims(dof.dims, model, args.model)
     log.dims = dims
-    linearize(model, dims, args.feature, seed=args.seed, window=args.window)
+    kept = softmax_layers(args, num_layers, dof)
+    log.softmax_layers = kept
+    linearize(model, dims, args.feature, layers=[i for i in range(num_layers) if i not in kept], seed=args.seed,
+              window=args.window)
     for name, p in model.named_parameters():  # only feature parameters ever train
         p.requires_grad_(".dofattn." in name)
     log.seconds["setup"] = round(time.perf_counter() - timer, 1)

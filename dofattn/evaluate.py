@@ -114,7 +114,7 @@ def layer_errors(student, blocks: torch.Tensor, batch_size: int = 2, progress: b
         num[a.layer] += (approx.float() - exact).square().sum().item()
         den[a.layer] += exact.square().sum().item()
         if isinstance(linear.feature_map, PositiveRandomFeatures):
-            kernel[a.layer].append(l2_loss(linear, a.query, k, a.scaling).item())
+            kernel[a.layer].append(l2_loss(linear, a.query, k, v, a.scaling).item())
 
     device = next(student.parameters()).device
     with teacher_mode(student), capture(student, sink):

@@ -115,6 +115,7 @@ def teachers(model_dirs, trained_llama) -> dict[str, Path]:
     ("trained-llama", "hedgehog", "softmax", 0), ("trained-llama", "dijiang", "softmax", 0),
     ("trained-llama", "prf", "softmax", 8), ("trained-llama", "prf", "l2", 8),
     ("trained-llama", "hedgehog", "softmax", 8),
+    ("trained-llama", "prf", "output", 0), ("trained-llama", "prf", "softmax+output", 8),
 ])
 def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, tmp_path, teacher, feature, loss,
                                                      window):
@@ -137,10 +138,11 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
     cache.build(model, blocks, batch_size=2, progress=False)
     for layer, module in enumerate(attention_modules(model)):
         entry = log["layers"][str(layer)]
-        q, k, _ = cache.layer(layer)
-        k = k.repeat_interleave(heads[0] // heads[1], dim=2)  # kv heads -> query heads, as train_layer does
+        q, k, v = cache.layer(layer)
+        # kv heads -> query heads, as train_layer does
+        k, v = (x.repeat_interleave(heads[0] // heads[1], dim=2) for x in (k, v))
         with torch.no_grad():
-            before = LAYER_LOSSES[loss](module.dofattn.eval(), q[:2], k[:2], module.scaling).item()
+            before = LAYER_LOSSES[loss](module.dofattn.eval(), q[:2], k[:2], v[:2], module.scaling).item()
         assert entry["steps"] == 150
         assert entry["fixed_batch_loss"] < 0.7 * before, (layer, entry, before)
         assert entry["last_loss"] < 0.7 * entry["first_loss"], (layer, entry)
@@ -279,6 +281,8 @@ def other_model_dims(folder: Path) -> Path:
     (["--dims", "{tmp}/missing.json"], "does not exist"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--window", "-1"], "--window must be >= 0"),
+    (["--keep-softmax", "3"], "--keep-softmax 3 leaves no layer to linearize"),
+    (["--keep-softmax", "-1"], "--keep-softmax must be >= 0"),
     (["--loss", "l2", "--window", "32"], "needs --seq-len > 32"),
     (["--data", "{tmp}/missing.txt"], "neither 'wiki-sample'"),
     (["--model", "{tmp}/no-such-model"], "does not exist"),
@@ -353,3 +357,24 @@ def test_run_folder_is_a_loadable_student(capsys, model_dirs, corpus, tmp_path, 
     code, text, err = run(capsys, "generate", "--model", str(out), "--max-new-tokens", "3", "--prompt", "The fox")
     assert code == 0, err
     assert text.startswith("The fox") and "student of" in err
+
+
+@pytest.mark.parametrize("keep_by", ["dof", "first", "random"])
+def test_keep_softmax_leaves_the_chosen_layers_exact(capsys, model_dirs, corpus, tmp_path, keep_by):
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["gpt2"], corpus, out, "--steps", 3, "--keep-softmax", 2,
+                                             "--keep-by", keep_by))
+    assert code == 0, err
+    log = json.loads((out / "log.json").read_text())
+    kept = log["softmax_layers"]
+    assert len(kept) == 2 and sorted(log["layers"]) == [str(i) for i in range(LAYERS) if i not in kept]
+    if keep_by == "first":
+        assert kept == [0, 1]
+    if keep_by == "dof":  # the two layers with the largest DoF in the run's own estimate
+        dof = [layer["dof"] for layer in json.loads((out / "dof.json").read_text())["layers"]]
+        assert sorted(kept) == sorted(sorted(range(LAYERS), key=lambda i: -dof[i])[:2])
+        assert log["dims"] == [8] * LAYERS  # --dims fix:8 still gives the dims; the estimate only chooses layers
+    student, _, config = load_student(out)
+    assert config.layers == [i for i in range(LAYERS) if i not in kept]
+    modules = attention_modules(student)
+    assert [hasattr(m, "dofattn") for m in modules] == [i not in kept for i in range(LAYERS)]
