@@ -82,6 +82,34 @@ def markdown(cells: list[dict], teacher_ppl: float) -> str:
     return "\n".join(lines)
 
 
+def figures(args, cells: list[dict], teacher_ppl: float, runs: Path) -> dict:
+    """The DoF allocation, per-layer errors of the l2-trained students, and perplexity bars; returns the errors."""
+    from dofattn.data import token_blocks
+    from dofattn.dof import DofResult
+    from dofattn.evaluate import layer_errors
+    from dofattn.plots import plot_dof, plot_layer_error_comparison, plot_ppl_bars
+    from dofattn.student import load_student
+
+    prefix = args.figures
+    dof_json = runs / "dof-softmax" / "dof.json"
+    if dof_json.is_file():
+        plot_dof(DofResult.from_json(dof_json.read_text()), f"{prefix}-dof.png")
+    errors = {}
+    for row in ("fix", "dof", "dof+clip"):
+        folder = runs / f"{row.replace('+', '-')}-l2"
+        if not (folder / "log.json").is_file():
+            continue
+        student, tokenizer, _ = load_student(folder, device=args.device)
+        blocks = token_blocks(args.data, tokenizer, SCALES[args.scale]["eval_seq_len"], 2, split="validation")
+        errors[row] = layer_errors(student, blocks)
+    if errors:
+        plot_layer_error_comparison(errors, f"{prefix}-layer-errors.png",
+                                    title="l2-trained students on 2 validation blocks (teacher q/k/v)")
+    entries = [(f"{c['row']} / {c['loss']}", c["ppl"]) for c in cells if "skipped" not in c]
+    plot_ppl_bars(entries, teacher_ppl, f"{prefix}-ppl.png", title=f"{args.model}, {args.scale} matrix")
+    return errors
+
+
 def main() -> None:
     from dofattn.cli import DistillArgs
 
@@ -93,6 +121,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="matrix.json")
     parser.add_argument("--markdown", help="also write the table as markdown to this file")
+    parser.add_argument("--figures", help="also write figures PREFIX-dof.png, PREFIX-layer-errors.png (l2 students "
+                                          "of fix, dof and dof+clip) and PREFIX-ppl.png")
     args = parser.parse_args()
 
     base = DistillArgs(model=args.model, data=args.data, **SCALES[args.scale])
@@ -111,6 +141,8 @@ def main() -> None:
     teacher_ppl = measured[0]["teacher_ppl"]
     result = {"scale": args.scale, "model": args.model, "data": args.data, "teacher_ppl": teacher_ppl,
               "distill_args": {k: v for k, v in vars(base).items() if k != "scale_name"}, "cells": cells}
+    if args.figures:
+        result["layer_errors"] = figures(args, cells, teacher_ppl, runs)
     Path(args.out).write_text(json.dumps(result, indent=2))
     table = markdown(cells, teacher_ppl)
     print(f"\nteacher ppl {teacher_ppl:.2f}\n{table}\nwrote {args.out}")

@@ -36,7 +36,7 @@ def inputs(B, T, P, H, D, V, M, W, dtype=torch.float64, seed=0, padded=False, st
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("padded,state", [(False, False), (True, True)])
 def test_fast_form_matches_the_spec(shape, padded, state):
-    B, T, P, H, D, V, M, W = shape
+    W = shape[-1]
     tensors, valid, S0 = inputs(*shape, padded=padded, state=state)
     ref, ref_state = naive_window_linear_attention(*tensors, 0.3, W, valid, S0, output_final_state=True)
     out, out_state = window_linear_attention(*tensors, 0.3, W, valid, S0, output_final_state=True, backend="chunk")

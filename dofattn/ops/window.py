@@ -73,7 +73,7 @@ def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, w
     The layerwise softmax loss uses these rows directly; `naive_window_linear_attention` normalises them.
     """
     dtype = compute_dtype(q, k, phi_q, phi_k, initial_state)
-    B, T, H, _ = q.shape
+    T = q.shape[1]
     Tk = k.shape[1]
     pos_q = torch.arange(Tk - T, Tk, device=q.device)[:, None]           # [T, 1] query positions among the keys
     pos_k = torch.arange(Tk, device=q.device)[None, :]                   # [1, Tk]
@@ -131,7 +131,7 @@ def _fold_state(phi_k, v, window, key_valid, initial_state, dtype):
 
 def _banded_softmax(q, k, v, scaling: float, window: int, key_valid):
     """Exact softmax over keys (t − W, t], in blocks of W: (ō [B, T, H, V], log-mass [B, T, H], any-key [B, T, H])."""
-    B, T, H, D = q.shape
+    B, T = q.shape[:2]
     C = window
     N = -(-T // C)
 
@@ -175,7 +175,6 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     """
     check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state)
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
-    B, T, H, _ = q.shape
     Tk, P = k.shape[1], k.shape[1] - q.shape[1]
     # Every tensor is laid out over the Tk key positions; the P cached positions get zero queries, dropped at the end.
     qf = F.pad(q.to(dtype), (0, 0, 0, 0, P, 0))
