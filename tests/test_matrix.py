@@ -1,4 +1,4 @@
-"""benchmarks/matrix.py at toy scale: every cell runs, skipped cells say why, the JSON, table and figures are written."""
+"""benchmarks/matrix.py at toy scale: every cell runs, skipped cells say why, JSON, table and figures are written."""
 
 import json
 import os
