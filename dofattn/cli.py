@@ -89,7 +89,7 @@ def run_generate(args: GenerateArgs) -> int:
     if is_student(args.model):
         if args.dims:
             raise UserError(f"{args.model} is already a student; drop --dims")
-        model, tokenizer, config = load_student(args.model, dtype=dtype, device=device)
+        model, tokenizer, config = load_student(args.model, dtype=dtype, device=device, merge_lora=True)
         what = f"student of {config.base_model} ({config.feature}, dims {min(config.dims)}-{max(config.dims)})"
     else:
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
@@ -143,6 +143,8 @@ class DistillArgs:
                                 "linearized")
     keep_by: str = _opt("dof", "which layers --keep-softmax keeps: dof (the K with the largest DoF), first (layers "
                                "0..K-1) or random (K drawn with --seed)", choices=("dof", "first", "random"))
+    lora_rank: int = _opt(0, "LoRA adapters of this rank on the attention projections (q, k, v, o), trained in the "
+                             "end-to-end phase with the features and saved with the student (needs peft)")
     then_direct_steps: int = _opt(30, "after layerwise training, this many end-to-end steps")
     direct_batch_size: int = _opt(2, "blocks per end-to-end step")
     direct_lr: float = _opt(2e-3, "Adam learning rate of the end-to-end phase")

@@ -236,7 +236,10 @@ def train_layer(linear: LinearAttention, acts, scaling: float, loss: str, steps:
 # --- direct training ---------------------------------------------------------------------------------------------
 
 def feature_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if ".dofattn." in n and p.requires_grad]
+    """What the direct phase trains: feature maps, window gains and LoRA adapters."""
+    from dofattn.student import is_student_tensor
+
+    return [(n, p) for n, p in model.named_parameters() if is_student_tensor(n) and p.requires_grad]
 
 
 def direct_loss(model, ids: torch.Tensor, kd_weight: float) -> torch.Tensor:
@@ -417,7 +420,7 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
 
 RESUME_IRRELEVANT = ("device", "out")
 # Options added later, with the value that reproduces a run folder written before they existed.
-LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof"}
+LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0}
 KEEP_BY = ("dof", "first", "random")
 
 
@@ -452,6 +455,11 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.window < 0:
         raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
+    if args.lora_rank < 0:
+        raise UserError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
+    if args.lora_rank and args.loss != "direct" and args.then_direct_steps == 0:
+        raise UserError("--lora-rank adapters train only in the end-to-end phase: use --loss direct or "
+                        "--then-direct-steps N > 0")
     if args.keep_softmax < 0 or args.keep_by not in KEEP_BY:
         raise UserError(f"--keep-softmax must be >= 0 and --keep-by one of {', '.join(KEEP_BY)}; got "
                         f"{args.keep_softmax} and {args.keep_by!r}")
@@ -512,7 +520,7 @@ def run(args) -> dict:
     """The whole `dofattn distill` job; returns the run log (also written to out/log.json)."""
     from dofattn.data import check_source, token_blocks
     from dofattn.hf import load_model, parse_dtype
-    from dofattn.student import StudentConfig, fingerprint, linearize, resolve_dims, save_student
+    from dofattn.student import StudentConfig, fingerprint, is_student_tensor, linearize, resolve_dims, save_student
 
     validate(args)
     check_source(args.data)
@@ -554,8 +562,12 @@ def run(args) -> dict:
     log.softmax_layers = kept
     linearize(model, dims, args.feature, layers=[i for i in range(num_layers) if i not in kept], seed=args.seed,
               window=args.window)
-    for name, p in model.named_parameters():  # only feature parameters ever train
-        p.requires_grad_(".dofattn." in name)
+    if args.lora_rank:
+        from dofattn.lora import add_lora
+
+        add_lora(model, args.lora_rank, seed=args.seed)
+    for name, p in model.named_parameters():  # only feature parameters (and LoRA adapters) ever train
+        p.requires_grad_(is_student_tensor(name))
     log.seconds["setup"] = round(time.perf_counter() - timer, 1)
 
     steps = args.steps if args.tokens is None else math.ceil(args.tokens / (args.batch_size * args.seq_len))
@@ -582,7 +594,8 @@ def run(args) -> dict:
     if rank == 0:
         config = StudentConfig(args.model, args.feature, dims, [i for i, m in enumerate(attention_modules(model))
                                                                 if hasattr(m, "dofattn")], args.seed,
-                               fingerprint(model), window=args.window)
+                               fingerprint(model), window=args.window, lora_rank=args.lora_rank,
+                               lora_alpha=float(args.lora_rank))
         save_student(model, out, config)
         timer = time.perf_counter()
         log.evaluation.update(evaluate_run(args, model, valid, dims))

@@ -23,16 +23,22 @@ from dofattn.errors import UserError
 
 @contextlib.contextmanager
 def teacher_mode(model) -> Iterator[None]:
-    """While active, `model` computes softmax attention in every layer (its linear layers are ignored)."""
+    """While active, `model` is its base model: softmax attention in every layer (its linear layers are ignored)
+    and LoRA adapters, if any, switched off."""
+    from dofattn.lora import set_lora_enabled
+
     current = model.config._attn_implementation
     if current != IMPLEMENTATION:
         yield
         return
+    has_lora = set_lora_enabled(model, False)
     model.set_attn_implementation("sdpa")
     try:
         yield
     finally:
         model.set_attn_implementation(current)
+        if has_lora:
+            set_lora_enabled(model, True)
 
 
 def _log_probs(model, ids: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,8 @@ class StudentConfig:
     seed: int = 0
     base: dict = field(default_factory=dict)
     window: int = 0
+    lora_rank: int = 0          # LoRA adapters on the attention projections (0: none)
+    lora_alpha: float = 0.0
     dofattn_version: str = __version__
 
     def to_json(self) -> str:
@@ -132,10 +134,15 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: l
     return model
 
 
+def is_student_tensor(name: str) -> bool:
+    """Whether a parameter/buffer name belongs to the student (feature maps, window gains, LoRA adapters)."""
+    return ".dofattn." in name or ".lora_" in name
+
+
 def student_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The feature-map parameters and buffers, by their names in `model`."""
+    """The feature-map parameters and buffers (and LoRA adapters), by their names in `model`."""
     return {name: t.detach().contiguous() for name, t in
-            list(model.named_parameters()) + list(model.named_buffers()) if ".dofattn." in name}
+            list(model.named_parameters()) + list(model.named_buffers()) if is_student_tensor(name)}
 
 
 def save_student(model: nn.Module, folder: str | Path, config: StudentConfig) -> Path:
@@ -179,6 +186,10 @@ def attach_student(model: nn.Module, folder: str | Path, config: StudentConfig |
         raise UserError(f"{folder} was trained on base model {config.base_model!r} and does not fit this model "
                         f"(differs in {', '.join(mismatch)}); load it with its own base model")
     linearize(model, config.dims, config.feature, config.layers, config.seed, config.window)
+    if config.lora_rank:
+        from dofattn.lora import add_lora
+
+        add_lora(model, config.lora_rank, config.lora_alpha or None)
     state = load_file(str(Path(folder) / WEIGHTS_FILE), device=str(next(model.parameters()).device))
     own = student_state(model)
     if set(state) != set(own):
@@ -199,10 +210,17 @@ def attach_student(model: nn.Module, folder: str | Path, config: StudentConfig |
     return model
 
 
-def load_student(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model, tokenizer, config) of the student saved in `folder`."""
+def load_student(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 merge_lora: bool = False):
+    """(model, tokenizer, config) of the student saved in `folder`; `merge_lora` folds LoRA adapters into the
+    weights (faster inference, but the base model, i.e. the teacher, is gone)."""
     from dofattn.hf import load_model
 
     config = read_config(folder)
     model, tokenizer = load_model(config.base_model, dtype=dtype, device=device)
-    return attach_student(model, folder, config), tokenizer, config
+    attach_student(model, folder, config)
+    if merge_lora and config.lora_rank:
+        from dofattn.lora import merge_lora as merge
+
+        merge(model)
+    return model, tokenizer, config

@@ -1,0 +1,91 @@
+"""LoRA adapters on the attention projections (q, k, v, o) of a linearized student, through peft.
+
+    add_lora(model, rank=8)          # in place: the projections gain lora_A/lora_B (B = 0, so nothing changes yet)
+    lora_parameters(model)           # what the direct phase trains beside the feature maps
+    merge_lora(model)                # fold B·A into the projection weights for inference
+
+The adapters are injected into the HF modules where they are (`peft.inject_adapter_in_model`), not by wrapping the
+model, so parameter names keep their place (`...self_attn.q_proj.lora_A.default.weight`) and a student folder saves
+them with the feature maps. Only the attention projections of every layer are targeted, by family:
+
+    llama, mistral, qwen2   self_attn.{q,k,v,o}_proj
+    gpt2                    attn.c_attn (q, k and v in one matrix) and attn.c_proj
+    gpt_neox                attention.query_key_value and attention.dense
+
+`teacher_mode` (evaluate.py) switches the adapters off, so the teacher inside a LoRA student is the base model.
+A merged student has no adapters left to switch off: it cannot serve as its own teacher.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dofattn.errors import UserError
+
+TARGETS = {
+    "llama": r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
+    "mistral": r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
+    "qwen2": r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
+    "gpt2": r".*\.attn\.(c_attn|c_proj)",
+    "gpt_neox": r".*\.attention\.(query_key_value|dense)",
+}
+MARK = ".lora_"
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise UserError("LoRA needs peft: pip install 'peft>=0.13' (or install dofattn with the [lora] extra)") \
+            from None
+    return peft
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float | None = None, seed: int = 0) -> nn.Module:
+    """Inject rank-`rank` LoRA adapters (scale alpha/rank, alpha = rank by default) into the attention projections."""
+    import torch
+
+    if rank < 1:
+        raise UserError(f"LoRA rank must be >= 1, got {rank}")
+    model_type = model.config.model_type
+    if model_type not in TARGETS:
+        raise UserError(f"no LoRA targets known for model type {model_type!r}; supported: {', '.join(TARGETS)}")
+    peft = _peft()
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha or rank, lora_dropout=0.0, target_modules=TARGETS[model_type],
+                             fan_in_fan_out=model_type == "gpt2")  # GPT-2's Conv1D stores weights transposed
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft.inject_adapter_in_model(config, model)
+    return model
+
+
+def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if MARK in n]
+
+
+def lora_layers(model: nn.Module) -> list[nn.Module]:
+    peft = _peft() if any(MARK in n for n, _ in model.named_parameters()) else None
+    if peft is None:
+        return []
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Fold every adapter into its projection weight (in place); returns how many projections were merged."""
+    layers = lora_layers(model)
+    for layer in layers:
+        layer.merge()
+    return len(layers)
+
+
+def set_lora_enabled(model: nn.Module, enabled: bool) -> bool:
+    """Switch every adapter on or off; returns whether any adapter exists. Merged adapters cannot be switched off."""
+    layers = lora_layers(model)
+    for layer in layers:
+        if layer.merged and not enabled:
+            raise UserError("this student's LoRA adapters are merged into the weights, so its base model (the "
+                            "teacher) is gone; load the student without merging to compare with the teacher")
+        layer.enable_adapters(enabled)
+    return bool(layers)

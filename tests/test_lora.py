@@ -1,0 +1,87 @@
+"""LoRA adapters on the attention projections: placement per family, teacher mode switches them off, merging,
+and a distilled LoRA student that saves, loads and generates."""
+
+import json
+
+import pytest
+import torch
+
+from dofattn.cli import main
+from dofattn.errors import UserError
+from dofattn.evaluate import teacher_mode
+from dofattn.lora import add_lora, lora_layers, lora_parameters, merge_lora
+from dofattn.student import linearize, load_student
+from tests.conftest import TEXT, tiny_model
+
+pytest.importorskip("peft")
+
+# projections adapted per layer: llama q, k, v, o; gpt2 c_attn, c_proj; neox query_key_value, dense
+PER_LAYER = {"llama": 4, "gpt2": 2, "gpt_neox": 2}
+
+
+def ids(batch=2, length=13, seed=0):
+    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def perturb(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in lora_parameters(model):
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("family", sorted(PER_LAYER))
+def test_adapters_sit_on_attention_projections_and_teacher_mode_removes_them(family):
+    stock = tiny_model(family)
+    model = tiny_model(family)
+    linearize(model, [6, 6, 6], seed=0)
+    x = ids()
+    with torch.no_grad():
+        before = model(x, use_cache=False).logits
+        add_lora(model, rank=2)
+        assert len(lora_layers(model)) == 3 * PER_LAYER[family]
+        assert not any("mlp" in n for n, _ in lora_parameters(model))
+        torch.testing.assert_close(model(x, use_cache=False).logits, before)  # B = 0: nothing changes yet
+        perturb(model)
+        assert not torch.allclose(model(x, use_cache=False).logits, before, atol=1e-4)
+        with teacher_mode(model):
+            torch.testing.assert_close(model(x, use_cache=False).logits, stock(x, use_cache=False).logits)
+        merged_ref = model(x, use_cache=False).logits
+        assert merge_lora(model) == 3 * PER_LAYER[family]
+        torch.testing.assert_close(model(x, use_cache=False).logits, merged_ref, rtol=1e-5, atol=1e-5)
+        with pytest.raises(UserError, match="merged"), teacher_mode(model):
+            pass
+
+
+def test_distilled_lora_student_round_trip(capsys, model_dirs, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join([TEXT] * 60))
+    out = tmp_path / "run"
+    argv = ["distill", "--model", str(model_dirs["llama"]), "--data", str(corpus), "--out", str(out), "--device",
+            "cpu", "--seq-len", "32", "--train-blocks", "8", "--batch-size", "2", "--direct-batch-size", "2",
+            "--eval-blocks", "2", "--eval-seq-len", "32", "--dims", "fix:8", "--steps", "3",
+            "--then-direct-steps", "4", "--direct-lr", "0.01", "--lora-rank", "2"]
+    assert main(argv) == 0, capsys.readouterr().err
+    log = json.loads((out / "log.json").read_text())
+    assert log["direct"]["steps"] == 4
+    student, _, config = load_student(out)
+    assert config.lora_rank == 2
+    names = [n for n, _ in lora_parameters(student)]
+    assert len(names) == 2 * 3 * 4 and any(p.abs().sum() > 0 for n, p in lora_parameters(student) if "lora_B" in n)
+    merged, _, _ = load_student(out, merge_lora=True)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x, use_cache=False).logits, student(x, use_cache=False).logits,
+                                   rtol=1e-4, atol=1e-4)
+    assert main(["generate", "--model", str(out), "--max-new-tokens", "3", "--device", "cpu"]) == 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+    (["--lora-rank", "2", "--then-direct-steps", "0"], "train only in the end-to-end phase"),
+])
+def test_bad_lora_input_is_one_line_error(capsys, model_dirs, tmp_path, extra, message):
+    out = tmp_path / "run"
+    code = main(["distill", "--model", str(model_dirs["llama"]), "--out", str(out), *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and not out.exists()
