@@ -38,6 +38,8 @@ class DofArgs:
     data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
     split: str = _opt("train", "data split to sample from: train, validation or all")
     samples: int = _opt(1024, "J: query/key points sampled per head (cost grows as J^3)")
+    repeats: int = _opt(1, "pool R estimates on R disjoint sets of J points each (R·J points are sampled): the "
+                           "allocation uses the mean DoF and the table shows its spread; R=4 steadies the dims")
     lam: float = _opt(2.0 ** -8, "λ; with --lam-scale trace it is relative to the Gram matrix's trace")
     lam_scale: str = _opt("trace", "trace: λ relative to tr G (scale-free, default); raw: the paper's absolute λ",
                           choices=("trace", "raw"))
@@ -339,16 +341,18 @@ def run_dof(args: DofArgs) -> int:
         raise UserError(f"unknown --split {args.split!r}; use one of {', '.join(SPLITS)}")
     if args.num_blocks < 1 or args.batch_size < 1:
         raise UserError("--num-blocks and --batch-size must be at least 1")
-    check_sample_size(args.samples, args.num_blocks, args.seq_len)
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+    check_sample_size(args.samples * args.repeats, args.num_blocks, args.seq_len)
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
 
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     blocks = token_blocks(args.data, tokenizer, args.seq_len, args.num_blocks, split=args.split, seed=args.seed)
-    sample = sample_points(model, blocks, args.samples, args.batch_size, args.seed)
+    sample = sample_points(model, blocks, args.samples * args.repeats, args.batch_size, args.seed)
     budget = args.budget or sample.head_dim
-    result = allocate_dims(sample, args.lam, budget, args.clip, args.lam_scale, progress=True, model=args.model,
-                           data=args.data, num_blocks=args.num_blocks, seq_len=args.seq_len)
+    result = allocate_dims(sample, args.lam, budget, args.clip, args.lam_scale, progress=True, repeats=args.repeats,
+                           model=args.model, data=args.data, num_blocks=args.num_blocks, seq_len=args.seq_len)
     elapsed = time.perf_counter() - start
 
     print(format_table(result))
@@ -367,10 +371,14 @@ def run_dof(args: DofArgs) -> int:
 
 
 def format_table(result) -> str:
-    rows = [f"{'layer':>5}  {'DoF max':>8}  {'DoF min':>8}  {'dim':>5}  {'head dims':>12}"]
+    spread = result.repeats > 1
+    std_header = f"  {'± std':>6}" if spread else ""
+    rows = [f"{'layer':>5}  {'DoF max':>8}{std_header}  {'DoF min':>8}  {'dim':>5}  {'head dims':>12}"]
     for layer in result.layers:
         heads = f"{min(layer.head_dims)}-{max(layer.head_dims)}"
-        rows.append(f"{layer.layer:>5}  {layer.dof:>8.2f}  {min(layer.head_dof):>8.2f}  {layer.dim:>5}  {heads:>12}")
+        std = f"  {layer.dof_std:>6.2f}" if spread else ""
+        rows.append(f"{layer.layer:>5}  {layer.dof:>8.2f}{std}  {min(layer.head_dof):>8.2f}  {layer.dim:>5}  "
+                    f"{heads:>12}")
     return "\n".join(rows)
 
 

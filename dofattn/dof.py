@@ -190,6 +190,7 @@ class LayerDof:
     head_dof: list[float]
     dim: int
     head_dims: list[int]
+    dof_std: float = 0.0   # spread of the layer DoF over the `repeats` disjoint point sets (0 for one set)
 
 
 @dataclass
@@ -206,6 +207,7 @@ class DofResult:
     data: str = ""
     num_blocks: int = 0
     seq_len: int = 0
+    repeats: int = 1
     layers: list[LayerDof] = field(default_factory=list)
 
     @property
@@ -248,11 +250,25 @@ def _ranges(items: list[int]) -> str:
 
 
 def allocate_dims(sample: PointSample, lam: float, budget: int, clip: bool = False, lam_scale: str = "trace",
-                  progress: bool = False, **meta) -> DofResult:
-    """Algorithm 1: head DoF -> layer DoF (max over heads) -> dims with mean `budget` (capped if `clip`)."""
+                  progress: bool = False, repeats: int = 1, **meta) -> DofResult:
+    """Algorithm 1: head DoF -> layer DoF (max over heads) -> dims with mean `budget` (capped if `clip`).
+
+    repeats = R > 1 pools R estimates: the sample's points are split into R disjoint sets of J/R points (a uniform
+    sample split at random is R independent uniform samples), DoF is computed on each, and the allocation uses
+    the mean head DoF; each layer records the standard deviation of its DoF over the R sets.
+    """
     if budget < 1:
         raise UserError(f"--budget is the mean feature dimension per layer and must be >= 1, got {budget}")
-    head_dof = sample.head_dof(lam, lam_scale, progress)
+    if repeats < 1 or sample.samples % repeats or sample.samples // repeats < 2:
+        raise UserError(f"--repeats {repeats} must divide the {sample.samples} points per head into sets of >= 2")
+    J = sample.samples // repeats
+    parts = [sample] if repeats == 1 else [
+        PointSample([p[:, r * J:(r + 1) * J] for p in sample.points], sample.scaling, J, sample.head_dim)
+        for r in range(repeats)]
+    runs = [torch.tensor(part.head_dof(lam, lam_scale, progress), dtype=torch.float64) for part in parts]  # [L, H]
+    per_run = torch.stack(runs)                                                    # [R, L, H]
+    head_dof = per_run.mean(0).tolist()
+    layer_std = per_run.amax(-1).std(0).tolist() if repeats > 1 else [0.0] * per_run.shape[1]
     layer_dof = [max(h) for h in head_dof]
     dims = allocate(layer_dof, budget * len(layer_dof))
     flat = [d for h in head_dof for d in h]
@@ -262,7 +278,8 @@ def allocate_dims(sample: PointSample, lam: float, budget: int, clip: bool = Fal
         flat_dims = [min(d, sample.head_dim) for d in flat_dims]
     layers, i = [], 0
     for layer, heads in enumerate(head_dof):
-        layers.append(LayerDof(layer, layer_dof[layer], heads, dims[layer], flat_dims[i:i + len(heads)]))
+        layers.append(LayerDof(layer, layer_dof[layer], heads, dims[layer], flat_dims[i:i + len(heads)],
+                               layer_std[layer]))
         i += len(heads)
-    return DofResult(lam=lam, samples=sample.samples, budget=budget, clip=clip, lam_scale=lam_scale,
-                     head_dim=sample.head_dim, layers=layers, **meta)
+    return DofResult(lam=lam, samples=J, budget=budget, clip=clip, lam_scale=lam_scale, head_dim=sample.head_dim,
+                     repeats=repeats, layers=layers, **meta)

@@ -51,8 +51,21 @@ def test_clip_and_budget(capsys, model_dirs, text_file, tmp_path):
     assert result["clip"] and all(layer["dim"] <= 16 for layer in result["layers"])
 
 
+def test_repeats_pool_and_show_the_spread(capsys, model_dirs, text_file, tmp_path):
+    out_json = tmp_path / "dof.json"
+    code, out, err = run(capsys, "dof", "--model", str(model_dirs["llama"]), "--data", str(text_file),
+                         "--split", "all", "--samples", "32", "--repeats", "3", "--num-blocks", "4", "--seq-len", "32",
+                         "--out", str(out_json))
+    assert code == 0, err
+    result = json.loads(out_json.read_text())
+    assert result["samples"] == 32 and result["repeats"] == 3
+    assert all(layer["dof_std"] > 0 for layer in result["layers"]) and "± std" in out
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "{tmp}/no-such-model"], "does not exist"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--repeats", "1000"], "more than the"),
     (["--model", "{bert}"], "does not support"),
     (["--data", "{tmp}/missing.txt"], "neither 'wiki-sample'"),
     (["--samples", "100000"], "more than the"),

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dofattn.capture import AttentionInputs
-from dofattn.dof import DofResult, LayerDof, PointSampler, allocate, allocate_dims, head_dof, sample_points
+from dofattn.dof import (DofResult, LayerDof, PointSample, PointSampler, allocate, allocate_dims, head_dof,
+                         sample_points)
 from dofattn.errors import UserError
 from tests.conftest import tiny_model
 
@@ -185,7 +186,7 @@ def test_result_json_schema_and_warnings():
     result = allocate_dims(preset([[32, 31], [32, 32]]), lam=1e-9, budget=4, model="m")
     raw = json.loads(result.to_json())
     assert {"model", "lam", "samples", "budget", "clip", "layers"} <= set(raw)
-    assert set(raw["layers"][0]) == {"layer", "dof", "head_dof", "dim", "head_dims"}
+    assert set(raw["layers"][0]) == {"layer", "dof", "head_dof", "dim", "head_dims", "dof_std"}
     assert DofResult.from_json(result.to_json()) == result
     text = " ".join(result.warnings())
     assert "saturates" in text and "flat" in text
@@ -196,3 +197,19 @@ def test_result_json_schema_and_warnings():
 def test_layer_dof_record():
     layer = LayerDof(0, 2.0, [1.0, 2.0], 3, [1, 2])
     assert layer.dim == 3
+
+
+def test_repeats_pool_disjoint_point_sets():
+    g = torch.Generator().manual_seed(0)
+    points = [torch.randn(2, 24, 4, generator=g) * torch.tensor([0.3, 2.0])[:, None, None] for _ in range(3)]
+    sample = PointSample(points, [0.5] * 3, 24, 4)
+    pooled = allocate_dims(sample, lam=1e-3, budget=8, repeats=3)
+    parts = [PointSample([p[:, 8 * r:8 * (r + 1)] for p in points], [0.5] * 3, 8, 4).head_dof(1e-3) for r in range(3)]
+    per_run = torch.tensor(parts, dtype=torch.float64)                                   # [R, L, H]
+    expected = per_run.mean(0).amax(-1)
+    assert torch.allclose(torch.tensor([layer.dof for layer in pooled.layers], dtype=torch.float64), expected)
+    assert torch.allclose(torch.tensor([layer.dof_std for layer in pooled.layers], dtype=torch.float64),
+                          per_run.amax(-1).std(0))
+    assert pooled.samples == 8 and pooled.repeats == 3 and sum(pooled.dims) == 24
+    with pytest.raises(UserError, match="--repeats 5"):
+        allocate_dims(sample, lam=1e-3, budget=8, repeats=5)
