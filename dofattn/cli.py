@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -41,6 +42,9 @@ class DofArgs:
     repeats: int = _opt(1, "pool R estimates on R disjoint sets of J points each (R·J points are sampled): the "
                            "allocation uses the mean DoF and the table shows its spread; R=4 steadies the dims")
     lam: float = _opt(2.0 ** -8, "λ; with --lam-scale trace it is relative to the Gram matrix's trace")
+    lam_auto: bool = _opt(False, "choose λ (trace-relative, 2^-2 ... 2^-14) whose dims give the least kernel error "
+                                 "of random features at the budget, on 512 held-out points per head (uniform "
+                                 "dims are shown for comparison); --lam is then ignored")
     lam_scale: str = _opt("trace", "trace: λ relative to tr G (scale-free, default); raw: the paper's absolute λ",
                           choices=("trace", "raw"))
     budget: int | None = _opt(None, "mean feature dimension per layer; the total budget x layers is kept exactly "
@@ -324,7 +328,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def run_dof(args: DofArgs) -> int:
     """The `dof` verb: capture, spectra, allocation, table, JSON, plot."""
     from dofattn.data import SPLITS, check_source, token_blocks
-    from dofattn.dof import allocate_dims, check_sample_size, sample_points
+    from dofattn.dof import HELDOUT_POINTS, allocate_dims, allocate_dims_auto, check_sample_size, sample_points
     from dofattn.hf import load_model, parse_dtype
 
     # everything that can be checked without the model is checked before it loads
@@ -343,16 +347,25 @@ def run_dof(args: DofArgs) -> int:
         raise UserError("--num-blocks and --batch-size must be at least 1")
     if args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
-    check_sample_size(args.samples * args.repeats, args.num_blocks, args.seq_len)
+    if args.lam_auto and args.lam_scale != "trace":
+        raise UserError("--lam-auto searches trace-relative λ; drop --lam-scale raw")
+    heldout = HELDOUT_POINTS if args.lam_auto else 0
+    check_sample_size(args.samples * args.repeats + heldout, args.num_blocks, args.seq_len)
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
 
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     blocks = token_blocks(args.data, tokenizer, args.seq_len, args.num_blocks, split=args.split, seed=args.seed)
-    sample = sample_points(model, blocks, args.samples * args.repeats, args.batch_size, args.seed)
+    sample = sample_points(model, blocks, args.samples * args.repeats + heldout, args.batch_size, args.seed)
     budget = args.budget or sample.head_dim
-    result = allocate_dims(sample, args.lam, budget, args.clip, args.lam_scale, progress=True, repeats=args.repeats,
-                           model=args.model, data=args.data, num_blocks=args.num_blocks, seq_len=args.seq_len)
+    meta = {"model": args.model, "data": args.data, "num_blocks": args.num_blocks, "seq_len": args.seq_len}
+    if args.lam_auto:
+        train, held = sample.split(args.samples * args.repeats)
+        result = allocate_dims_auto(train, held, budget, args.clip, args.repeats, progress=True, **meta)
+        print(format_lam_search(result))
+    else:
+        result = allocate_dims(sample, args.lam, budget, args.clip, args.lam_scale, progress=True,
+                               repeats=args.repeats, **meta)
     elapsed = time.perf_counter() - start
 
     print(format_table(result))
@@ -368,6 +381,16 @@ def run_dof(args: DofArgs) -> int:
         plot_dof(result, plot)
         print(f"wrote {plot}")
     return 0
+
+
+def format_lam_search(result) -> str:
+    rows = [f"{'λ':>10}  {'held-out attention error':>24}  {'DoF max/min':>11}  {'dims':>9}"]
+    for row in result.lam_search:
+        lam = "uniform" if row["lam"] is None else f"2^{math.log2(row['lam']):.0f}"
+        mark = " <- chosen" if row["lam"] == result.lam else ""
+        rows.append(f"{lam:>10}  {row['attention_error']:>24.4g}  {row['dof_spread']:>11.2f}  "
+                    f"{min(row['dims']):>4}-{max(row['dims']):<4}{mark}")
+    return "\n".join(rows)
 
 
 def format_table(result) -> str:

@@ -131,6 +131,11 @@ class PointSample:
     samples: int
     head_dim: int
 
+    def split(self, first: int) -> tuple[PointSample, PointSample]:
+        """The first `first` points per head and the rest: two disjoint uniform samples."""
+        return (PointSample([p[:, :first] for p in self.points], self.scaling, first, self.head_dim),
+                PointSample([p[:, first:] for p in self.points], self.scaling, self.samples - first, self.head_dim))
+
     def head_dof(self, lam: float, lam_scale: str = "trace", progress: bool = False) -> list[list[float]]:
         """DoF per layer and head [L][H]."""
         layers = zip(self.points, self.scaling)
@@ -209,6 +214,7 @@ class DofResult:
     seq_len: int = 0
     repeats: int = 1
     layers: list[LayerDof] = field(default_factory=list)
+    lam_search: list[dict] = field(default_factory=list)   # --lam-auto: every λ tried and its predicted error
 
     @property
     def dims(self) -> list[int]:
@@ -283,3 +289,67 @@ def allocate_dims(sample: PointSample, lam: float, budget: int, clip: bool = Fal
         i += len(heads)
     return DofResult(lam=lam, samples=J, budget=budget, clip=clip, lam_scale=lam_scale, head_dim=sample.head_dim,
                      repeats=repeats, layers=layers, **meta)
+
+
+# --- choosing λ --------------------------------------------------------------------------------------------------
+
+LAM_GRID = tuple(2.0 ** -k for k in range(2, 15, 2))   # 2⁻² ... 2⁻¹⁴, trace-relative
+HELDOUT_POINTS = 512   # points per head kept out of the DoF estimate to measure kernel error
+
+
+class HeldoutAttentionError:
+    """Attention error of untrained positive random features on held-out points, for any dims per layer.
+
+    error(l, M): each held-out point attends to all of layer l's held-out points (as keys) with the exact kernel
+    and with M random features; the error is the total-variation distance between the two normalised rows,
+    ½ Σⱼ |p̂ᵢⱼ − pᵢⱼ| ∈ [0, 1], averaged over rows, summed over heads, averaged over `draws` feature draws.
+    Rows, not raw kernel values: the PRF estimate of a peaked kernel has heavy tails, so its squared error on
+    kernel values is dominated by rare draws and is not even monotone in M on SmolLM2-like points. The features
+    for dimension M are the first M of one fixed pool per draw (common random numbers), so dims are compared on
+    the same randomness. Computed in float64 with exponents shifted per row (they reach ~195).
+    """
+
+    def __init__(self, heldout: PointSample, draws: int = 4, seed: int = 0):
+        self.sample, self.draws, self.seed = heldout, draws, seed
+        self._cache: dict[tuple[int, int], float] = {}
+
+    def layer(self, layer: int, dim: int) -> float:
+        key = (layer, dim)
+        if key not in self._cache:
+            u = self.sample.points[layer].to(torch.float64) * math.sqrt(self.sample.scaling[layer])   # [H, J, D]
+            exact = torch.softmax(u @ u.transpose(-1, -2), -1)                     # [H, J, J] rows
+            g = torch.Generator().manual_seed(self.seed * 1009 + layer)
+            total = 0.0
+            for _ in range(self.draws):
+                z = torch.randn(u.shape[0], 4096, u.shape[-1], generator=g, dtype=torch.float64)[:, :dim]
+                log_phi = u @ z.transpose(-1, -2) - 0.5 * (u * u).sum(-1, keepdim=True)   # [H, J, M]
+                phi_q = torch.exp(log_phi - log_phi.amax(-1, keepdim=True))        # per-row shift: cancels
+                phi_k = torch.exp(log_phi - log_phi.amax((-1, -2), keepdim=True))  # one shift for all keys
+                scores = phi_q @ phi_k.transpose(-1, -2)                           # [H, J, J]
+                rows = scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+                total += 0.5 * (rows - exact).abs().sum(-1).mean(-1).sum().item()
+            self._cache[key] = total / self.draws
+        return self._cache[key]
+
+    def __call__(self, dims: list[int]) -> float:
+        return sum(self.layer(layer, dim) for layer, dim in enumerate(dims))
+
+
+def allocate_dims_auto(sample: PointSample, heldout: PointSample, budget: int, clip: bool = False,
+                       repeats: int = 1, grid: tuple[float, ...] = LAM_GRID, progress: bool = False,
+                       **meta) -> DofResult:
+    """`allocate_dims` at the trace-relative λ from `grid` whose dims give the least held-out attention error of
+    untrained random features (`HeldoutAttentionError` on `heldout`, points disjoint from `sample`). Every λ tried,
+    and uniform dims for comparison, are recorded in `lam_search`."""
+    error = HeldoutAttentionError(heldout)
+    best, best_error, table = None, math.inf, []
+    for lam in tqdm(grid, desc="λ search", unit="λ", disable=not progress):
+        result = allocate_dims(sample, lam, budget, clip, "trace", False, repeats, **meta)
+        value = error(result.dims)
+        table.append({"lam": lam, "attention_error": value, "dims": result.dims,
+                      "dof_spread": max(x.dof for x in result.layers) / min(x.dof for x in result.layers)})
+        if value < best_error:
+            best, best_error = result, value
+    uniform = [budget] * len(sample.points)
+    best.lam_search = table + [{"lam": None, "attention_error": error(uniform), "dims": uniform, "dof_spread": 1.0}]
+    return best

@@ -62,8 +62,20 @@ def test_repeats_pool_and_show_the_spread(capsys, model_dirs, text_file, tmp_pat
     assert all(layer["dof_std"] > 0 for layer in result["layers"]) and "± std" in out
 
 
+def test_lam_auto(capsys, model_dirs, text_file, tmp_path):
+    out_json = tmp_path / "dof.json"
+    code, out, err = run(capsys, "dof", "--model", str(model_dirs["gpt2"]), "--data", str(text_file),
+                         "--split", "all", "--samples", "32", "--lam-auto", "--num-blocks", "4", "--seq-len", "128",
+                         "--out", str(out_json))
+    assert code == 0, err
+    result = json.loads(out_json.read_text())
+    assert len(result["lam_search"]) == 8 and result["lam"] in [row["lam"] for row in result["lam_search"]]
+    assert "<- chosen" in out and "uniform" in out
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "{tmp}/no-such-model"], "does not exist"),
+    (["--lam-auto", "--lam-scale", "raw"], "--lam-auto searches trace-relative"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--repeats", "1000"], "more than the"),
     (["--model", "{bert}"], "does not support"),

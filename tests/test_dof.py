@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dofattn.capture import AttentionInputs
-from dofattn.dof import (DofResult, LayerDof, PointSample, PointSampler, allocate, allocate_dims, head_dof,
-                         sample_points)
+from dofattn.dof import (DofResult, HeldoutAttentionError, LayerDof, PointSample, PointSampler, allocate,
+                         allocate_dims, allocate_dims_auto, head_dof, sample_points)
 from dofattn.errors import UserError
 from tests.conftest import tiny_model
 
@@ -213,3 +213,32 @@ def test_repeats_pool_disjoint_point_sets():
     assert pooled.samples == 8 and pooled.repeats == 3 and sum(pooled.dims) == 24
     with pytest.raises(UserError, match="--repeats 5"):
         allocate_dims(sample, lam=1e-3, budget=8, repeats=5)
+
+
+def spread_sample(J=96, seed=0):
+    """Three layers of 2 heads whose point norms (and so kernel difficulty) grow with the layer."""
+    g = torch.Generator().manual_seed(seed)
+    return PointSample([torch.randn(2, J, 8, generator=g) * scale for scale in (0.4, 1.0, 1.6)], [8 ** -0.5] * 3,
+                       J, 8)
+
+
+def test_heldout_attention_error_falls_with_dims_and_grows_with_peakedness():
+    error = HeldoutAttentionError(spread_sample())
+    for layer in range(3):
+        values = [error.layer(layer, d) for d in (4, 32, 256)]
+        assert values[0] > values[1] > values[2] > 0, (layer, values)
+    assert error.layer(0, 32) < error.layer(1, 32) < error.layer(2, 32) <= 2  # 2 heads, each a TV distance <= 1
+    assert error([4, 4, 4]) == sum(error.layer(i, 4) for i in range(3))
+    same = PointSample([torch.ones(1, 16, 4)], [0.5], 16, 4)   # identical points: every row is uniform, exactly
+    assert HeldoutAttentionError(same).layer(0, 3) < 1e-12
+
+
+def test_lam_auto_picks_the_least_error_and_reports_uniform():
+    train, held = spread_sample(seed=1), spread_sample(seed=2)
+    result = allocate_dims_auto(train, held, budget=16, grid=(2.0 ** -2, 2.0 ** -6, 2.0 ** -10))
+    tried = [row for row in result.lam_search if row["lam"] is not None]
+    assert [row["lam"] for row in tried] == [2.0 ** -2, 2.0 ** -6, 2.0 ** -10]
+    best = min(tried, key=lambda row: row["attention_error"])
+    assert result.lam == best["lam"] and result.dims == best["dims"] and sum(result.dims) == 48
+    assert result.lam_search[-1]["lam"] is None and result.lam_search[-1]["dims"] == [16, 16, 16]
+    assert DofResult.from_json(result.to_json()) == result
