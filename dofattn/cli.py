@@ -156,6 +156,8 @@ class DistillArgs:
     direct_lr: float = _opt(2e-3, "Adam learning rate of the end-to-end phase")
     kd_weight: float = _opt(1.0, "weight of KL(teacher || student) on the logits in the end-to-end phase")
     checkpoint_every: int = _opt(10, "end-to-end steps between checkpoints")
+    eval_every: int = _opt(0, "measure validation perplexity every N end-to-end steps (log.json: direct.curve, "
+                              "perplexity against training tokens); 0: only at the end")
     lam: float = _opt(2.0 ** -8, "λ of the DoF estimate (trace-relative) when --dims is dof or clip")
     eval_blocks: int = _opt(8, "validation blocks for the final perplexities")
     eval_seq_len: int = _opt(512, "tokens per validation block")

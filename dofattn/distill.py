@@ -350,14 +350,15 @@ def layerwise(model, cache: TeacherCache, out: Path, loss: str, steps: int, batc
     return logs
 
 
-def save_direct_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: list, optimizer, names) -> None:
+def save_direct_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: list, optimizer, names,
+                           curve: list[dict] | None = None) -> None:
     """A complete checkpoint in its own folder, then `state.json` pointing at it (atomic), then old folders go."""
     folder = f"step_{step:06d}"
     (ckpt / folder).mkdir(parents=True, exist_ok=True)
     save_file({n: t.detach().contiguous() for n, t in tensors}, str(ckpt / folder / "features.safetensors"))
     save_optimizer(optimizer, names, ckpt / folder / "optimizer.safetensors", step)
     tmp = ckpt / "state.partial"
-    tmp.write_text(json.dumps({"step": step, "folder": folder, "losses": losses}))
+    tmp.write_text(json.dumps({"step": step, "folder": folder, "losses": losses, "curve": curve or []}))
     os.replace(tmp, ckpt / "state.json")
     for old in ckpt.glob("step_*"):
         if old.name != folder:
@@ -367,8 +368,13 @@ def save_direct_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: 
 
 
 def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, lr: float, kd_weight: float,
-           seed: int, checkpoint_every: int, progress: bool = True) -> dict:
-    """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`."""
+           seed: int, checkpoint_every: int, progress: bool = True, eval_blocks: torch.Tensor | None = None,
+           eval_every: int = 0) -> dict:
+    """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`.
+
+    With `eval_every` > 0, the validation perplexity on `eval_blocks` is measured every that many steps (rank 0)
+    and returned as `curve`: [{"step", "tokens", "ppl"}], tokens counting every process's training tokens.
+    """
     rank, size = world()
     named = feature_parameters(model)
     if not named:
@@ -377,10 +383,10 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
     buffers = [(n, b) for n, b in model.named_buffers() if ".dofattn." in n]  # PRF key shifts move in training too
     optimizer = torch.optim.Adam(params, lr=lr)
     ckpt = out / "direct"
-    start_step, losses = 0, []
+    start_step, losses, curve = 0, [], []
     if (ckpt / "state.json").is_file():  # written last: it names a complete checkpoint folder
         meta = json.loads((ckpt / "state.json").read_text())
-        start_step, losses = meta["step"], meta["losses"]
+        start_step, losses, curve = meta["step"], meta["losses"], meta.get("curve", [])
         state = load_file(str(ckpt / meta["folder"] / "features.safetensors"))
         with torch.no_grad():
             for n, t in named + buffers:
@@ -406,21 +412,29 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
         optimizer.step()
         losses.append(round(loss.item(), 5))
         bar.set_postfix(loss=f"{loss.item():.4f}")
+        if rank == 0 and eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            for linear in linears:  # eval mode: validation text must not move the PRF key shifts
+                linear.eval()
+            ppl = perplexity(model, eval_blocks, progress=False)
+            for linear in linears:
+                linear.train()
+            curve.append({"step": step + 1, "tokens": (step + 1) * batch_size * size * blocks.shape[1], "ppl": ppl})
+            bar.set_postfix(loss=f"{loss.item():.4f}", ppl=f"{ppl:.1f}")
         if rank == 0 and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
-            save_direct_checkpoint(ckpt, step + 1, losses, named + buffers, optimizer, names)
+            save_direct_checkpoint(ckpt, step + 1, losses, named + buffers, optimizer, names, curve)
     for linear in linears:
         linear.eval()
     barrier()
     return {"steps": steps, "first_loss": losses[0] if losses else None,
             "last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None, "losses": losses,
-            "seconds": round(time.perf_counter() - started, 2)}
+            "curve": curve, "seconds": round(time.perf_counter() - started, 2)}
 
 
 # --- orchestration ------------------------------------------------------------------------------------------------
 
 RESUME_IRRELEVANT = ("device", "out")
 # Options added later, with the value that reproduces a run folder written before they existed.
-LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0}
+LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0}
 KEEP_BY = ("dof", "first", "random")
 
 
@@ -455,6 +469,8 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.window < 0:
         raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
+    if args.eval_every < 0:
+        raise UserError(f"--eval-every must be >= 0 (0: only at the end), got {args.eval_every}")
     if args.lora_rank < 0:
         raise UserError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
     if args.lora_rank and args.loss != "direct" and args.then_direct_steps == 0:
@@ -589,7 +605,8 @@ def run(args) -> dict:
     if direct_steps:
         timer = time.perf_counter()
         log.direct = direct(model, train, out, direct_steps, args.direct_batch_size, args.direct_lr,
-                            args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0)
+                            args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0,
+                            eval_blocks=valid, eval_every=args.eval_every)
         log.seconds["direct"] = round(time.perf_counter() - timer, 1)
     if rank == 0:
         config = StudentConfig(args.model, args.feature, dims, [i for i, m in enumerate(attention_modules(model))

@@ -378,3 +378,15 @@ def test_keep_softmax_leaves_the_chosen_layers_exact(capsys, model_dirs, corpus,
     assert config.layers == [i for i in range(LAYERS) if i not in kept]
     modules = attention_modules(student)
     assert [hasattr(m, "dofattn") for m in modules] == [i not in kept for i in range(LAYERS)]
+
+
+def test_direct_phase_curve_of_perplexity_against_tokens(capsys, model_dirs, corpus, tmp_path):
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "--loss", "direct", "--steps", 4,
+                                             "--eval-every", 2, "--checkpoint-every", 3))
+    assert code == 0, err
+    log = json.loads((out / "log.json").read_text())
+    curve = log["direct"]["curve"]
+    assert [(c["step"], c["tokens"]) for c in curve] == [(2, 2 * 2 * 32), (4, 4 * 2 * 32)]
+    # the last point is the finished student on the same validation blocks as the final evaluation
+    assert math.isclose(curve[-1]["ppl"], log["evaluation"]["student_ppl"], rel_tol=1e-5)
