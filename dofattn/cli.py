@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -407,8 +408,59 @@ def format_table(result) -> str:
     return "\n".join(rows)
 
 
+@dataclass
+class BenchArgs:
+    """Time the student's attention and generation against softmax attention (SDPA) on this machine.
+
+    Prefill: one layer's causal attention over T tokens (SDPA vs PRF features + linear attention, the linear op
+    alone, and the sliding-window hybrid). Decode: one token against a context of T (SDPA over a KV cache vs one
+    step on the constant-size state). Generation: --model and its linearized student (untrained features; speed
+    does not depend on training) prefill a prompt and generate greedily. Medians of --repeats runs; a JSON with the
+    hardware goes to --out.
+    """
+
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = _opt("auto", "float32 or bfloat16; auto: bfloat16 on CUDA, float32 on CPU")
+    seq_lens: str = _opt("auto", "comma-separated T for prefill and decode; auto: 512,2048 on CPU, "
+                                 "2048,8192,32768,131072 on CUDA")
+    heads: int = _opt(9, "attention heads of the op benchmarks")
+    head_dim: int = _opt(64, "head size of the op benchmarks")
+    features: int = _opt(64, "feature dimension M of the student")
+    window: int = _opt(64, "window of the hybrid row (0: skip it)")
+    decode_batch: int = _opt(1, "batch size of the decode benchmark")
+    repeats: int = _opt(5, "timed runs per measurement (the median is reported)")
+    model: str = _opt("smollm2-135m", "model for the generation benchmark; 'none' skips it")
+    gen_contexts: str = _opt("auto", "comma-separated prompt lengths for generation; auto: 512 on CPU, 2048,8192,32768 "
+                                     "on CUDA")
+    new_tokens: int = _opt(16, "tokens generated after each prompt")
+    out: str = _opt("bench.json", "where to write the JSON result")
+
+
+def run_bench(args: BenchArgs) -> int:
+    """The `bench` verb."""
+    from dofattn.bench import BenchConfig, bench, format_tables, parse_ints
+
+    out = _check_output(args.out, "--out", (".json",))
+    device = _resolve_device(args.device)
+    cuda = device.startswith("cuda")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    seq_lens = parse_ints(args.seq_lens if args.seq_lens != "auto" else
+                          ("2048,8192,32768,131072" if cuda else "512,2048"), "--seq-lens")
+    contexts = parse_ints(args.gen_contexts if args.gen_contexts != "auto" else
+                          ("2048,8192,32768" if cuda else "512"), "--gen-contexts")
+    cfg = BenchConfig(device=device, dtype=dtype, seq_lens=seq_lens, heads=args.heads, head_dim=args.head_dim,
+                      features=args.features, window=args.window, decode_batch=args.decode_batch,
+                      repeats=args.repeats, model=None if args.model == "none" else args.model,
+                      gen_contexts=contexts, new_tokens=args.new_tokens)
+    result = bench(cfg)
+    print(format_tables(result))
+    _write_atomic(out, json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
 VERBS = {"dof": (DofArgs, run_dof), "distill": (DistillArgs, run_distill), "eval": (EvalArgs, run_eval),
-         "generate": (GenerateArgs, run_generate)}
+         "generate": (GenerateArgs, run_generate), "bench": (BenchArgs, run_bench)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,241 @@
+"""`dofattn bench`: the linear student's attention and generation against softmax attention, on one machine.
+
+    results = bench(BenchConfig(device="cpu", seq_lens=[512, 2048]))
+
+Three measurements, each the median of `repeats` timed runs after one warm-up (CUDA is synchronised around each):
+1. prefill op: one layer's causal attention over T tokens. SDPA (softmax) against the student's attention on the
+   same q/k/v: PRF feature map + causal linear attention (`ops`, backend picked as in training/prefill), and, with
+   a window, the sliding-window hybrid. Also the linear op alone on precomputed features.
+2. decode step: one new query against a context of T tokens at batch B. SDPA over a KV cache of T keys against one
+   recurrent step on the [B, H, M, V+1] state (constant in T).
+3. generation: a model and its linearized student (untrained PRF features: speed does not depend on training)
+   prefill a prompt of T tokens and greedily generate `new_tokens`; decode tokens/s, and the cache each holds at
+   the end (KV cache against state; plus the peak CUDA memory on CUDA).
+Every result row carries its shapes; the JSON also records the hardware and software versions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from dofattn.errors import UserError
+
+
+@dataclass
+class BenchConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    seq_lens: list[int] = field(default_factory=lambda: [512, 2048])
+    heads: int = 9
+    head_dim: int = 64
+    features: int = 64
+    window: int = 64
+    decode_batch: int = 1
+    repeats: int = 5
+    model: str | None = "smollm2-135m"     # None: skip the generation benchmark
+    gen_contexts: list[int] = field(default_factory=lambda: [512])
+    new_tokens: int = 16
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeats: int) -> float:
+    """Median wall time of fn() in milliseconds, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _linear_layer(cfg: BenchConfig, window: int):
+    from dofattn.attention import LinearAttention
+    from dofattn.features import make_feature_map
+
+    fmap = make_feature_map("prf", cfg.heads, cfg.head_dim, cfg.features, scaling=cfg.head_dim ** -0.5)
+    return LinearAttention(fmap, cfg.heads, cfg.heads, window).to(cfg.device).eval()
+
+
+@torch.no_grad()
+def bench_prefill(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
+    from dofattn.ops import linear_attention, pick_backend
+
+    rows = []
+    linear, hybrid = _linear_layer(cfg, 0), _linear_layer(cfg, cfg.window) if cfg.window else None
+    for T in cfg.seq_lens:
+        g = torch.Generator(device=cfg.device).manual_seed(T)
+        q, k, v = (torch.randn(1, T, cfg.heads, cfg.head_dim, generator=g, device=cfg.device, dtype=dtype)
+                   for _ in range(3))
+        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+        phi_q, phi_k = linear.feature_map(q, "query"), linear.feature_map(k, "key")
+        row = {"T": T, "batch": 1, "heads": cfg.heads, "head_dim": cfg.head_dim, "features": cfg.features,
+               "backend": pick_backend(phi_q),
+               "sdpa_ms": timed(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True), cfg.device,
+                                cfg.repeats),
+               "linear_op_ms": timed(lambda: linear_attention(phi_q, phi_k, v), cfg.device, cfg.repeats),
+               "student_ms": timed(lambda: linear.attend(q, k, v), cfg.device, cfg.repeats)}
+        if hybrid is not None:
+            row["window"] = cfg.window
+            row["hybrid_ms"] = timed(lambda: hybrid.attend(q, k, v), cfg.device, cfg.repeats)
+        row["speedup_student_vs_sdpa"] = row["sdpa_ms"] / row["student_ms"]
+        rows.append(row)
+    return rows
+
+
+@torch.no_grad()
+def bench_decode(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
+    rows = []
+    linear = _linear_layer(cfg, 0)
+    B, H, D, M = cfg.decode_batch, cfg.heads, cfg.head_dim, cfg.features
+    for T in cfg.seq_lens:
+        g = torch.Generator(device=cfg.device).manual_seed(T)
+        q = torch.randn(B, H, 1, D, generator=g, device=cfg.device, dtype=dtype)
+        k_cache, v_cache = (torch.randn(B, H, T, D, generator=g, device=cfg.device, dtype=dtype) for _ in range(2))
+        q1, k1, v1 = (torch.randn(B, 1, H, D, generator=g, device=cfg.device, dtype=dtype) for _ in range(3))
+        state = torch.rand(B, H, M, D + 1, generator=g, device=cfg.device)
+        linear.feature_map(k1, "key")  # calibrate the key shift once, as a prefill would
+        row = {"T": T, "batch": B, "heads": H, "head_dim": D, "features": M,
+               "sdpa_ms": timed(lambda: F.scaled_dot_product_attention(q, k_cache, v_cache), cfg.device,
+                                cfg.repeats),
+               "student_ms": timed(lambda: linear.attend(q1, k1, v1, state=state, output_final_state=True),
+                                   cfg.device, cfg.repeats),
+               "kv_cache_bytes": 2 * k_cache.numel() * k_cache.element_size(),
+               "state_bytes": state.numel() * state.element_size()}
+        row["speedup_student_vs_sdpa"] = row["sdpa_ms"] / row["student_ms"]
+        rows.append(row)
+    return rows
+
+
+def _cache_bytes(cache) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values", "state", "key_valid"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+@torch.no_grad()
+def bench_generate(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
+    from dofattn.hf import load_model
+    from dofattn.student import attention_modules, linearize
+
+    rows = []
+    for linearized in (False, True):
+        model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
+        if linearized:
+            linearize(model, [cfg.features] * len(attention_modules(model)), "prf")
+        vocab = model.get_input_embeddings().weight.shape[0]
+        for T in cfg.gen_contexts:
+            ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(cfg.device)
+            kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id or 0}
+            if cfg.device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            prefill_ms = timed(lambda: model.generate(ids, max_new_tokens=1, **kwargs), cfg.device, 1)
+            total_ms, out = None, None
+
+            def generate():
+                nonlocal out
+                out = model.generate(ids, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
+                                     return_dict_in_generate=True, **kwargs)
+
+            total_ms = timed(generate, cfg.device, 1)
+            decode_s = max(total_ms - prefill_ms, 1e-6) / 1e3
+            row = {"model": cfg.model, "student": linearized, "context": T, "new_tokens": cfg.new_tokens,
+                   "prefill_ms": prefill_ms, "decode_tokens_per_s": (cfg.new_tokens - 1) / decode_s,
+                   "cache_bytes": _cache_bytes(out.past_key_values)}
+            if cfg.device.startswith("cuda"):
+                row["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+            rows.append(row)
+        del model
+    return rows
+
+
+def hardware(device: str) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or
+            platform.machine(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": device}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def validate(cfg: BenchConfig) -> None:
+    if not cfg.seq_lens or min(cfg.seq_lens) < 1 or (cfg.model and (not cfg.gen_contexts or
+                                                                       min(cfg.gen_contexts) < 1)):
+        raise UserError("--seq-lens and --gen-contexts need positive token counts, e.g. 512,2048")
+    for name in ("heads", "head_dim", "features", "decode_batch", "repeats", "new_tokens"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.window < 0:
+        raise UserError(f"--window must be >= 0 (0: no hybrid row), got {cfg.window}")
+
+
+def bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    """All three measurements; a JSON-ready dict."""
+    from dofattn.hf import parse_dtype
+
+    validate(cfg)
+    dtype = parse_dtype(cfg.dtype)
+    say = print if progress else (lambda *a, **k: None)
+    say("prefill op ...", flush=True)
+    prefill = bench_prefill(cfg, dtype)
+    say("decode step ...", flush=True)
+    decode = bench_decode(cfg, dtype)
+    generation = []
+    if cfg.model:
+        say("generation ...", flush=True)
+        generation = bench_generate(cfg, dtype)
+    return {"config": asdict(cfg), "hardware": hardware(cfg.device), "prefill": prefill, "decode": decode,
+            "generation": generation}
+
+
+def format_tables(result: dict) -> str:
+    lines = ["prefill (one layer, ms):",
+             f"{'T':>7} {'SDPA':>9} {'linear op':>10} {'student':>9} {'hybrid':>9} {'student/SDPA':>13}"]
+    for r in result["prefill"]:
+        hybrid = f"{r['hybrid_ms']:>9.3f}" if "hybrid_ms" in r else f"{'-':>9}"
+        lines.append(f"{r['T']:>7} {r['sdpa_ms']:>9.3f} {r['linear_op_ms']:>10.3f} {r['student_ms']:>9.3f} "
+                     f"{hybrid} {r['speedup_student_vs_sdpa']:>12.2f}x")
+    lines += ["decode step (one layer, ms):", f"{'T':>7} {'batch':>5} {'SDPA':>9} {'student':>9} {'speed-up':>9}"]
+    for r in result["decode"]:
+        lines.append(f"{r['T']:>7} {r['batch']:>5} {r['sdpa_ms']:>9.3f} {r['student_ms']:>9.3f} "
+                     f"{r['speedup_student_vs_sdpa']:>8.2f}x")
+    if result["generation"]:
+        lines += ["generation:", f"{'model':>8} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} {'cache MB':>9}"]
+        for r in result["generation"]:
+            lines.append(f"{'student' if r['student'] else 'teacher':>8} {r['context']:>8} {r['prefill_ms']:>11.1f} "
+                         f"{r['decode_tokens_per_s']:>13.1f} {r['cache_bytes'] / 2 ** 20:>9.2f}")
+    return "\n".join(lines)
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{what} takes comma-separated token counts like 512,2048, got {text!r}") from None
+    if not values or min(values) < 1 or any(not math.isfinite(v) for v in values):
+        raise UserError(f"{what} takes positive token counts like 512,2048, got {text!r}")
+    return values

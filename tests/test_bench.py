@@ -1,0 +1,39 @@
+"""`dofattn bench` at toy sizes: every measurement runs and is reported with its shapes; bad input is one line."""
+
+import json
+
+import pytest
+
+from dofattn.cli import main
+
+
+def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--device", "cpu", "--seq-lens", "33,70", "--heads", "2", "--head-dim", "8",
+                 "--features", "5", "--window", "16", "--repeats", "1", "--model", str(model_dirs["llama"]),
+                 "--gen-contexts", "12", "--new-tokens", "3", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert [r["T"] for r in result["prefill"]] == [33, 70] and [r["T"] for r in result["decode"]] == [33, 70]
+    for row in result["prefill"]:
+        assert min(row["sdpa_ms"], row["linear_op_ms"], row["student_ms"], row["hybrid_ms"]) > 0
+        assert row["backend"] == "chunk" and row["window"] == 16
+    assert all(r["state_bytes"] == 1 * 2 * 5 * 9 * 4 for r in result["decode"])
+    assert result["decode"][1]["kv_cache_bytes"] == 2 * 1 * 2 * 70 * 8 * 4
+    gen = {r["student"]: r for r in result["generation"]}
+    assert set(gen) == {False, True} and all(r["decode_tokens_per_s"] > 0 for r in gen.values())
+    assert gen[True]["cache_bytes"] == 3 * 4 * 5 * 17 * 4        # 3 layers of [1, 4, 5, 16 + 1] float32
+    assert result["hardware"]["device"] == "cpu" and "prefill (one layer, ms)" in printed
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seq-lens", "0"], "positive token counts"),
+    (["--seq-lens", "1k"], "comma-separated token counts"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--out", "bench.txt"], "--out"),
+])
+def test_bench_bad_input(capsys, tmp_path, args, message):
+    code = main(["bench", "--device", "cpu", "--model", "none", "--out", str(tmp_path / "b.json"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and not (tmp_path / "b.json").exists()
