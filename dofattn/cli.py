@@ -150,6 +150,8 @@ class DistillArgs:
                                 "linearized")
     keep_by: str = _opt("dof", "which layers --keep-softmax keeps: dof (the K with the largest DoF), first (layers "
                                "0..K-1) or random (K drawn with --seed)", choices=("dof", "first", "random"))
+    progressive: bool = _opt(False, "layerwise training in layer order on the student's own q/k/v (earlier layers "
+                                    "already linear) instead of the teacher's: each layer sees what it will get")
     lora_rank: int = _opt(0, "LoRA adapters of this rank on the attention projections (q, k, v, o), trained in the "
                              "end-to-end phase with the features and saved with the student (needs peft)")
     then_direct_steps: int = _opt(30, "after layerwise training, this many end-to-end steps")

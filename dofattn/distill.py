@@ -323,9 +323,32 @@ def load_layer(out: Path, layer: int, linear: LinearAttention) -> dict:
         return json.loads(f.metadata()["log"])
 
 
-def layerwise(model, cache: TeacherCache, out: Path, loss: str, steps: int, batch_size: int, lr: float,
-              lr_weights: float, seed: int, progress: bool = True) -> dict:
-    """Train every linearized layer (this rank's share), resuming from finished layer files."""
+@torch.no_grad()
+def student_activations(model, blocks: torch.Tensor, layer: int, batch_size: int,
+                        progress: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, T, H, D], k and v [N, T, Hkv, D] (float32, CPU) entering `layer` of the model as it is now: the
+    layers before it already linearized and trained. The forward stops after `layer`."""
+    parts = []
+    device = next(model.parameters()).device
+
+    def sink(a: AttentionInputs) -> None:
+        parts.append(tuple(x.float().cpu() for x in (a.query, a.key, a.value)))
+
+    with capture(model, sink, layers=[layer]):
+        for start in tqdm(range(0, len(blocks), batch_size), desc=f"student q/k/v for layer {layer}",
+                          unit="batch", disable=not progress, leave=False):
+            run_forward(model, blocks[start:start + batch_size].to(device))
+    return tuple(torch.cat(xs) for xs in zip(*parts))
+
+
+def layerwise(model, cache: TeacherCache | None, out: Path, loss: str, steps: int, batch_size: int, lr: float,
+              lr_weights: float, seed: int, progress: bool = True, blocks: torch.Tensor | None = None) -> dict:
+    """Train every linearized layer (this rank's share), resuming from finished layer files.
+
+    With a teacher `cache`, each layer trains on the teacher's q/k/v. Without one (`--progressive`), layers train
+    in order on the q/k/v the student itself produces from `blocks`, its earlier layers already linear, so each
+    layer learns to work on the inputs it will really see (one process only).
+    """
     rank, size = world()
     modules = attention_modules(model)
     logs = {}
@@ -336,7 +359,9 @@ def layerwise(model, cache: TeacherCache, out: Path, loss: str, steps: int, batc
         if layer_file(out, layer).is_file():
             logs[layer] = load_layer(out, layer, linear)
             continue
-        log = train_layer(linear, cache.layer(layer), module.scaling, loss, steps, batch_size, lr, lr_weights,
+        acts = cache.layer(layer) if cache is not None else student_activations(model, blocks, layer, batch_size,
+                                                                                progress)
+        log = train_layer(linear, acts, module.scaling, loss, steps, batch_size, lr, lr_weights,
                           seed=seed * 100_003 + layer, desc=f"layer {layer:2d} ({loss})", progress=progress)
         if progress:
             print(f"layer {layer:2d}: {loss} loss {log['first_loss']:.4f} -> {log['last_loss']:.4f} "
@@ -434,7 +459,8 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
 
 RESUME_IRRELEVANT = ("device", "out")
 # Options added later, with the value that reproduces a run folder written before they existed.
-LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0}
+LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
+                 "progressive": False}
 KEEP_BY = ("dof", "first", "random")
 
 
@@ -469,6 +495,11 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.window < 0:
         raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
+    if args.progressive and args.loss not in LAYER_LOSSES:
+        raise UserError("--progressive is a layerwise mode; use it with --loss softmax, l2, output or softmax+output")
+    if args.progressive and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--progressive trains the layers in order, each on the output of the ones before: run it "
+                        "in one process, without torchrun")
     if args.eval_every < 0:
         raise UserError(f"--eval-every must be >= 0 (0: only at the end), got {args.eval_every}")
     if args.lora_rank < 0:
@@ -590,13 +621,14 @@ def run(args) -> dict:
     train = token_blocks(args.data, tokenizer, args.seq_len, args.train_blocks, split="train", seed=args.seed)
     if args.loss in LAYER_LOSSES:
         timer = time.perf_counter()
-        heads = head_layout(model)
-        cache = TeacherCache(out / "teacher", len(dims), tuple(train.shape), heads)
-        if rank == 0 and not cache.done:
-            cache.build(model, train, args.batch_size, progress=True)
+        cache = None
+        if not args.progressive:
+            cache = TeacherCache(out / "teacher", len(dims), tuple(train.shape), head_layout(model))
+            if rank == 0 and not cache.done:
+                cache.build(model, train, args.batch_size, progress=True)
         barrier()
         log.layers = layerwise(model, cache, out, args.loss, steps, args.batch_size, args.lr, args.lr_weights,
-                               args.seed, progress=rank == 0)
+                               args.seed, progress=rank == 0, blocks=train)
         log.seconds["layerwise"] = round(time.perf_counter() - timer, 1)
     direct_steps = steps if args.loss == "direct" else args.then_direct_steps
     valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)

@@ -390,3 +390,29 @@ def test_direct_phase_curve_of_perplexity_against_tokens(capsys, model_dirs, cor
     assert [(c["step"], c["tokens"]) for c in curve] == [(2, 2 * 2 * 32), (4, 4 * 2 * 32)]
     # the last point is the finished student on the same validation blocks as the final evaluation
     assert math.isclose(curve[-1]["ppl"], log["evaluation"]["student_ppl"], rel_tol=1e-5)
+
+
+def test_progressive_layers_train_on_the_students_own_inputs(capsys, trained_llama, corpus, tmp_path, tokenizer):
+    from dofattn.data import token_blocks
+    from dofattn.distill import student_activations
+
+    model, tok = load_model(str(trained_llama))
+    blocks = token_blocks(str(corpus), tok, 32, 4, split="train", seed=0)
+    teacher = TeacherCache(tmp_path / "teacher", LAYERS, (4, 32), head_layout(model))
+    teacher.build(model, blocks, batch_size=2, progress=False)
+    linearize(model, [8] * LAYERS, seed=0, layers=[0])
+    first = student_activations(model, blocks, 0, batch_size=2, progress=False)
+    second = student_activations(model, blocks, 1, batch_size=2, progress=False)
+    for mine, theirs in zip(first, teacher.layer(0)):   # layer 0's inputs do not depend on any attention
+        torch.testing.assert_close(mine, theirs)
+    assert not torch.allclose(second[0], teacher.layer(1)[0], atol=1e-3)   # layer 1 sees a linear layer 0
+
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(trained_llama, corpus, out, "--progressive", "--steps", 40))
+    assert code == 0, err
+    log = json.loads((out / "log.json").read_text())
+    assert not (out / "teacher").exists() and sorted(log["layers"]) == ["0", "1", "2"]
+    assert all(entry["last_loss"] < entry["first_loss"] for entry in log["layers"].values())
+    code, _, err = run(capsys, *distill_argv(trained_llama, corpus, tmp_path / "r2", "--progressive", "--loss",
+                                             "direct"))
+    assert code == 2 and "--progressive is a layerwise mode" in err
