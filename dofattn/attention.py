@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from dofattn.errors import UserError
 from dofattn.features import FeatureMap
 from dofattn.ops import linear_attention
-from dofattn.ops.window import window_linear_attention
+from dofattn.ops.window import window_linear_attention, window_logits
 
 IMPLEMENTATION = "dofattn"
 
@@ -67,6 +67,25 @@ class LinearAttention(nn.Module):
             cache.key_valid = (torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if key_valid is None
                                else key_valid)[:, keep]
         return o
+
+    @torch.no_grad()
+    def calibrate_gain(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Set `log_gain` so that, per head, the linear part's mass beyond the window matches the exact kernel's on
+        average (in log space) over these queries and keys [B, T, H, D] (k on query heads). For maps whose scale is
+        not the kernel's own (hedgehog, dijiang), whose estimate can be off by e^50 at the start; PRF needs none."""
+        if not self.window or q.shape[1] <= self.window:
+            return
+        phi_q, q_scale = self.feature_map.features(q, "query")
+        phi_k, k_scale = self.feature_map.features(k, "key")
+        logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale, self.feature_map.scaling, self.window)
+        T = q.shape[1]
+        far = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-self.window)         # s <= t - W
+        exact = (self.feature_map.scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float()))
+        exact_mass = torch.logsumexp(exact.masked_fill(~far, -torch.inf), -1)                  # [B, H, T]
+        linear_mass = torch.logsumexp(logits.masked_fill(~far, -torch.inf), -1)
+        rows = torch.isfinite(exact_mass) & torch.isfinite(linear_mass)
+        gap = torch.where(rows, exact_mass - linear_mass, 0).sum((0, 2)) / rows.sum((0, 2)).clamp_min(1)
+        self.log_gain.copy_(gap)
 
     def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, Hkv, D] -> [B, T, H, D]: each kv head repeated for its group of query heads."""

@@ -209,6 +209,9 @@ def train_layer(linear: LinearAttention, acts, scaling: float, loss: str, steps:
         steps = 0
     optimizer = torch.optim.Adam(groups) if groups else None
     linear.train()
+    if linear.window and not linear.feature_map.estimates_kernel:  # put the linear part on the window's scale
+        idx = torch.arange(min(batch_size, len(q_all)))
+        linear.calibrate_gain(q_all[idx].to(device), k_all[idx].repeat_interleave(group, 2).to(device))
     bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False)
     for _ in bar:
         idx = torch.randint(len(q_all), (batch_size,), generator=gen)

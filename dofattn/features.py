@@ -41,6 +41,7 @@ class FeatureMap(nn.Module):
     """Base: one layer's map with `num_heads` heads of size `head_dim` to `dim` features."""
 
     kind = ""
+    estimates_kernel = False   # φ(q)·φ(k)·exp(scales) estimates exp(s·qᵀk) itself (not only the softmax's shape)
 
     def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float):
         super().__init__()
@@ -78,6 +79,8 @@ def _orthogonal_rows(rows: int, cols: int, generator: torch.Generator) -> torch.
 
 class PositiveRandomFeatures(FeatureMap):
     """`prf` (learned) and `performer` (fixed orthogonal FAVOR+) positive random features."""
+
+    estimates_kernel = True
 
     def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float, learned: bool = True,
                  generator: torch.Generator | None = None):

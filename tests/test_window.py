@@ -180,3 +180,22 @@ def test_window_student_round_trip(tmp_path, model_dirs):
     x = ids(2, 19, seed=7)
     with torch.no_grad():
         assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
+
+
+def test_gain_calibration_puts_a_scale_free_map_on_the_kernels_scale():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 48, 2, 8) * 2, torch.randn(2, 48, 2, 8) * 2
+    linear = LinearAttention(make_feature_map("hedgehog", 2, 8, 6, scaling=8 ** -0.5), 2, 2, window=8)
+    linear.calibrate_gain(q, k)
+    assert linear.log_gain.abs().min() > 1.0         # softmax features sit far from exp(s·qᵀk) at the start
+    from dofattn.ops.window import window_logits
+
+    with torch.no_grad():                             # calibrated: the mean log-mass gap beyond the window is 0
+        phi_q, q_scale = linear.feature_map.features(q, "query")
+        phi_k, k_scale = linear.feature_map.features(k, "key")
+        logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + linear.log_gain, 8 ** -0.5, 8)
+    far = torch.ones(48, 48, dtype=torch.bool).tril(-8)
+    exact = torch.einsum("bthd,bshd->bhts", q, k) * 8 ** -0.5
+    gap = (torch.logsumexp(exact.masked_fill(~far, -torch.inf), -1)
+           - torch.logsumexp(logits.masked_fill(~far, -torch.inf), -1))[..., 8:]          # rows with far keys
+    torch.testing.assert_close(gap.mean((0, 2)), torch.zeros(2), rtol=0, atol=1e-4)
