@@ -145,7 +145,9 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
             before = LAYER_LOSSES[loss](module.dofattn.eval(), q[:2], k[:2], v[:2], module.scaling).item()
         assert entry["steps"] == 150
         assert entry["fixed_batch_loss"] < 0.7 * before, (layer, entry, before)
-        assert entry["last_loss"] < 0.7 * entry["first_loss"], (layer, entry)
+        # a window hybrid with a scale-free map starts from a calibrated gain: a better first loss, a smaller drop
+        drop = 0.8 if window and feature != "prf" else 0.7
+        assert entry["last_loss"] < drop * entry["first_loss"], (layer, entry)
 
 
 # --- direct training -----------------------------------------------------------------------------------------------
