@@ -135,6 +135,8 @@ class DistillArgs:
     dims: str = _opt("dof", "feature dims per layer: dof (estimated here), clip (dof capped at the head size), "
                             "fix, fix:C, or a dof.json file")
     feature: str = _opt("prf", "feature map: prf, performer, hedgehog or dijiang")
+    per_head: bool = _opt(False, "give every head its own feature count from the DoF allocation over all heads "
+                                 "(same total budget); each layer computes its largest (prf, performer)")
     loss: str = _opt("softmax", "layerwise: softmax (KL of attention rows), l2 (kernel values), output (the "
                                 "attention output's squared error) or softmax+output; or direct (end to end)")
     steps: int = _opt(150, "training steps per layer (layerwise) or in total (direct)")

@@ -148,7 +148,7 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     c_k = e_k.amax(dim=(0, 1, 3), keepdim=True).detach()
     dot = torch.einsum("bthm,bshm->bhts", torch.exp(e_q - c_q), torch.exp(e_k - c_k))
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
-                      + c_k.reshape(1, -1, 1, 1) - math.log(fmap.dim))               # [B, H, T, T]
+                      + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, T, T]
     mask = _causal(q.shape[1], q.device)
     if linear.window:  # the features only ever see pairs beyond the window
         mask = mask.tril(-linear.window)
@@ -463,7 +463,7 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
 RESUME_IRRELEVANT = ("device", "out")
 # Options added later, with the value that reproduces a run folder written before they existed.
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
-                 "progressive": False}
+                 "progressive": False, "per_head": False}
 KEEP_BY = ("dof", "first", "random")
 
 
@@ -498,6 +498,11 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.window < 0:
         raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
+    if args.per_head and (args.dims == "fix" or args.dims.startswith("fix:")):
+        raise UserError("--per-head takes its per-head dims from a DoF allocation: use --dims dof, clip or a "
+                        "dof.json file")
+    if args.per_head and args.feature not in ("prf", "performer"):
+        raise UserError(f"--per-head needs --feature prf or performer, not {args.feature!r}")
     if args.progressive and args.loss not in LAYER_LOSSES:
         raise UserError("--progressive is a layerwise mode; use it with --loss softmax, l2, output or softmax+output")
     if args.progressive and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -603,15 +608,19 @@ def run(args) -> dict:
         return json.loads((out / "log.json").read_text())
     num_layers = len(attention_modules(model))
     dof = None
-    if args.dims in ("dof", "clip") or (args.keep_softmax and args.keep_by == "dof"):
+    if args.dims in ("dof", "clip") or args.per_head or (args.keep_softmax and args.keep_by == "dof"):
         dof = dof_estimate(args, model, tokenizer, out)
     if dims is None:
         dims = resolve_dims(dof.dims, model, args.model)
+    head_dims = None
+    if args.per_head:  # each head its own count from the allocation over all heads; the layer holds the largest
+        head_dims = [layer.head_dims for layer in dof.layers]
+        dims = [max(h) for h in head_dims]
     log.dims = dims
     kept = softmax_layers(args, num_layers, dof)
     log.softmax_layers = kept
     linearize(model, dims, args.feature, layers=[i for i in range(num_layers) if i not in kept], seed=args.seed,
-              window=args.window)
+              window=args.window, head_dims=head_dims)
     if args.lora_rank:
         from dofattn.lora import add_lora
 
@@ -647,7 +656,7 @@ def run(args) -> dict:
         config = StudentConfig(args.model, args.feature, dims, [i for i, m in enumerate(attention_modules(model))
                                                                 if hasattr(m, "dofattn")], args.seed,
                                fingerprint(model), window=args.window, lora_rank=args.lora_rank,
-                               lora_alpha=float(args.lora_rank))
+                               lora_alpha=float(args.lora_rank), head_dims=head_dims)
         save_student(model, out, config)
         timer = time.perf_counter()
         log.evaluation.update(evaluate_run(args, model, valid, dims))

@@ -65,7 +65,9 @@ class FeatureMap(nn.Module):
         return phi, phi.new_zeros(shape)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
+        per_head = getattr(self, "head_dims", None)
+        return (f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
+                + (f", head_dims={per_head}" if per_head else ""))
 
 
 def _orthogonal_rows(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -78,13 +80,24 @@ def _orthogonal_rows(rows: int, cols: int, generator: torch.Generator) -> torch.
 
 
 class PositiveRandomFeatures(FeatureMap):
-    """`prf` (learned) and `performer` (fixed orthogonal FAVOR+) positive random features."""
+    """`prf` (learned) and `performer` (fixed orthogonal FAVOR+) positive random features.
+
+    Per-head dims (`head_dims`, each ≤ M): head h uses only its first head_dims[h] features; the rest have
+    exponent −inf (feature 0, no gradient) and the 1/M of the estimate becomes 1/head_dims[h].
+    """
 
     estimates_kernel = True
 
     def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float, learned: bool = True,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, head_dims: list[int] | None = None):
         super().__init__(num_heads, head_dim, dim, scaling)
+        if head_dims is not None and (len(head_dims) != num_heads or min(head_dims) < 1 or max(head_dims) > dim):
+            raise UserError(f"head_dims must give each of the {num_heads} heads between 1 and {dim} features, "
+                            f"got {head_dims}")
+        counts = torch.tensor(head_dims if head_dims is not None else [dim] * num_heads, dtype=torch.float32)
+        self.head_dims = None if head_dims is None else [int(d) for d in head_dims]
+        self.register_buffer("active", torch.arange(dim)[None, :] < counts[:, None], persistent=False)  # [H, M]
+        self.register_buffer("log_dims", counts.log(), persistent=False)                              # [H]
         self.kind = "prf" if learned else "performer"
         g = generator or torch.Generator().manual_seed(0)
         if learned:
@@ -102,7 +115,8 @@ class PositiveRandomFeatures(FeatureMap):
         """log φ before any shift: [B, T, H, D] -> [B, T, H, M], float32."""
         u = x.float() * math.sqrt(self.scaling)                                      # [B, T, H, D]
         proj = torch.einsum("bthd,hmd->bthm", u, self.directions.float())
-        return proj - 0.5 * u.square().sum(-1, keepdim=True) + 0.5 * self.log_weights.float()
+        e = proj - 0.5 * u.square().sum(-1, keepdim=True) + 0.5 * self.log_weights.float()
+        return e if self.head_dims is None else e.masked_fill(~self.active, -math.inf)
 
     @torch.no_grad()
     def _update_key_shift(self, exponent: torch.Tensor) -> None:
@@ -115,7 +129,7 @@ class PositiveRandomFeatures(FeatureMap):
 
     def features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.exponent(x)
-        half_log_m = 0.5 * math.log(self.dim)
+        half_log_m = 0.5 * self.log_dims                                             # [H]
         if role == "query":
             shift = e.amax(-1, keepdim=True).detach()
             return torch.exp(e - shift), shift[..., 0] - half_log_m
@@ -178,13 +192,18 @@ class DiJiangFeatures(FeatureMap):
 
 
 def make_feature_map(kind: str, num_heads: int, head_dim: int, dim: int, scaling: float,
-                     seed: int = 0) -> FeatureMap:
-    """A fresh feature map of `kind` (one of FEATURES) for one layer."""
+                     seed: int = 0, head_dims: list[int] | None = None) -> FeatureMap:
+    """A fresh feature map of `kind` (one of FEATURES) for one layer; `head_dims` (prf, performer) gives each head
+    its own number of features, at most `dim`."""
     g = torch.Generator().manual_seed(seed)
+    if head_dims is not None and kind not in ("prf", "performer"):
+        raise UserError(f"per-head dims need prf or performer features, not {kind!r}")
     if kind == "prf":
-        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=True, generator=g)
+        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=True, generator=g,
+                                      head_dims=head_dims)
     if kind == "performer":
-        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=False, generator=g)
+        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=False, generator=g,
+                                      head_dims=head_dims)
     if kind == "hedgehog":
         return HedgehogFeatures(num_heads, head_dim, dim, scaling, generator=g)
     if kind == "dijiang":

@@ -418,3 +418,22 @@ def test_progressive_layers_train_on_the_students_own_inputs(capsys, trained_lla
     code, _, err = run(capsys, *distill_argv(trained_llama, corpus, tmp_path / "r2", "--progressive", "--loss",
                                              "direct"))
     assert code == 2 and "--progressive is a layerwise mode" in err
+
+
+def test_per_head_dims_from_the_dof_allocation(capsys, model_dirs, corpus, tmp_path):
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "--steps", 3, "--dims", "dof",
+                                             "--per-head"))
+    assert code == 0, err
+    dof = json.loads((out / "dof.json").read_text())
+    student, _, config = load_student(out)
+    assert config.head_dims == [layer["head_dims"] for layer in dof["layers"]]
+    assert config.dims == [max(h) for h in config.head_dims]
+    assert sum(map(sum, config.head_dims)) == 16 * 4 * LAYERS   # mean budget (the head size) over every head
+    fmap = attention_modules(student)[0].dofattn.feature_map
+    assert fmap.head_dims == config.head_dims[0]
+    for extra, message in ((["--dims", "fix"], "--per-head takes its per-head dims"),
+                           (["--feature", "hedgehog"], "--per-head needs --feature prf")):
+        code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, tmp_path / "bad", "--dims", "dof",
+                                                 "--per-head", *extra))
+        assert code == 2 and message in err and not (tmp_path / "bad").exists()
