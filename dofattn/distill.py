@@ -408,7 +408,8 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
     if not named:
         return {"steps": 0, "note": "no trainable feature parameters"}
     names, params = [n for n, _ in named], [p for _, p in named]
-    buffers = [(n, b) for n, b in model.named_buffers() if ".dofattn." in n]  # PRF key shifts move in training too
+    persistent = model.state_dict().keys()  # PRF key shifts move in training too; masks are fixed
+    buffers = [(n, b) for n, b in model.named_buffers() if ".dofattn." in n and n in persistent]
     optimizer = torch.optim.Adam(params, lr=lr)
     ckpt = out / "direct"
     start_step, losses, curve = 0, [], []

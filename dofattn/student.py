@@ -143,9 +143,10 @@ def is_student_tensor(name: str) -> bool:
 
 
 def student_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The feature-map parameters and buffers (and LoRA adapters), by their names in `model`."""
-    return {name: t.detach().contiguous() for name, t in
-            list(model.named_parameters()) + list(model.named_buffers()) if is_student_tensor(name)}
+    """The feature-map parameters and persistent buffers (and LoRA adapters), by their names in `model`.
+
+    Non-persistent buffers (e.g. per-head feature masks) are rebuilt from `dofattn.json`, not saved."""
+    return {name: t.detach().contiguous() for name, t in model.state_dict().items() if is_student_tensor(name)}
 
 
 def save_student(model: nn.Module, folder: str | Path, config: StudentConfig) -> Path:

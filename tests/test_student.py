@@ -244,3 +244,20 @@ def test_per_head_dims_equal_separate_maps_of_those_sizes():
         make_feature_map("prf", 3, 8, 7, scaling=0.3, head_dims=[7, 8, 1])
     with pytest.raises(UserError, match="per-head dims need prf"):
         make_feature_map("hedgehog", 3, 8, 7, scaling=0.3, head_dims=[7, 2, 4])
+
+
+def test_student_file_holds_only_trained_state(tmp_path, model_dirs):
+    from dofattn.hf import load_model
+    from dofattn.student import student_state
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, [5, 7, 3], seed=4, head_dims=[[5, 1, 2, 5], [7, 7, 7, 7], [1, 1, 3, 2]])
+    names = sorted(student_state(model))
+    assert names and all(n.rsplit(".", 1)[-1] in ("directions", "log_weights", "key_shift") for n in names)
+    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 7, 3], [0, 1, 2], 4, fingerprint(model),
+                           head_dims=[[5, 1, 2, 5], [7, 7, 7, 7], [1, 1, 3, 2]])
+    save_student(model, tmp_path / "s", config)
+    loaded, _, _ = load_student(tmp_path / "s")
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
