@@ -164,6 +164,8 @@ class DistillArgs:
     eval_every: int = _opt(0, "measure validation perplexity every N end-to-end steps (log.json: direct.curve, "
                               "perplexity against training tokens); 0: only at the end")
     lam: float = _opt(2.0 ** -8, "λ of the DoF estimate (trace-relative) when --dims is dof or clip")
+    dof_repeats: int = _opt(1, "pool the DoF estimate over this many disjoint sets of 1024 points per head "
+                               "(like `dofattn dof --repeats`)")
     eval_blocks: int = _opt(8, "validation blocks for the final perplexities")
     eval_seq_len: int = _opt(512, "tokens per validation block")
     seed: int = _opt(0, "seed for initialisation, data order and the DoF sample")

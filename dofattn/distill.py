@@ -464,7 +464,7 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
 RESUME_IRRELEVANT = ("device", "out")
 # Options added later, with the value that reproduces a run folder written before they existed.
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
-                 "progressive": False, "per_head": False}
+                 "progressive": False, "per_head": False, "dof_repeats": 1}
 KEEP_BY = ("dof", "first", "random")
 
 
@@ -509,6 +509,8 @@ def validate(args) -> None:
     if args.progressive and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("--progressive trains the layers in order, each on the output of the ones before: run it "
                         "in one process, without torchrun")
+    if not 1 <= args.dof_repeats <= 8:
+        raise UserError(f"--dof-repeats must be between 1 and 8 (sets of 1024 points each), got {args.dof_repeats}")
     if args.eval_every < 0:
         raise UserError(f"--eval-every must be >= 0 (0: only at the end), got {args.eval_every}")
     if args.lora_rank < 0:
@@ -542,10 +544,11 @@ def dof_estimate(args, model, tokenizer, out: Path):
     path = out / "dof.json"
     if world()[0] == 0 and not path.is_file():
         blocks = token_blocks(args.data, tokenizer, 256, 32, split="train", seed=args.seed)
-        sample = sample_points(model, blocks, samples=1024, seed=args.seed)
+        sample = sample_points(model, blocks, samples=1024 * args.dof_repeats, seed=args.seed)
         _, _, head_dim = head_layout(model)
         result = allocate_dims(sample, args.lam, head_dim, clip=args.dims == "clip", progress=True,
-                               model=args.model, data=args.data, num_blocks=32, seq_len=256)
+                               repeats=args.dof_repeats, model=args.model, data=args.data, num_blocks=32,
+                               seq_len=256)
         for warning in result.warnings():
             print(f"WARNING: {warning}", flush=True)
         tmp = path.with_suffix(".partial")

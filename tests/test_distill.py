@@ -283,6 +283,7 @@ def other_model_dims(folder: Path) -> Path:
     (["--dims", "{tmp}/missing.json"], "does not exist"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--window", "-1"], "--window must be >= 0"),
+    (["--dof-repeats", "0"], "--dof-repeats must be between 1 and 8"),
     (["--keep-softmax", "3"], "--keep-softmax 3 leaves no layer to linearize"),
     (["--keep-softmax", "-1"], "--keep-softmax must be >= 0"),
     (["--loss", "l2", "--window", "32"], "needs --seq-len > 32"),
