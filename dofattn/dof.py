@@ -300,8 +300,9 @@ HELDOUT_POINTS = 512   # points per head kept out of the DoF estimate to measure
 class HeldoutAttentionError:
     """Attention error of untrained positive random features on held-out points, for any dims per layer.
 
-    error(l, M): each held-out point attends to all of layer l's held-out points (as keys) with the exact kernel
-    and with M random features; the error is the total-variation distance between the two normalised rows,
+    error(l, M): each held-out point attends to all of layer l's other held-out points (as keys; never to itself,
+    whose exp(s·‖x‖²) would make every row one-hot) with the exact kernel and with M random features; the error is
+    the total-variation distance between the two normalised rows,
     ½ Σⱼ |p̂ᵢⱼ − pᵢⱼ| ∈ [0, 1], averaged over rows, summed over heads, averaged over `draws` feature draws.
     Rows, not raw kernel values: the PRF estimate of a peaked kernel has heavy tails, so its squared error on
     kernel values is dominated by rare draws and is not even monotone in M on SmolLM2-like points. The features
@@ -317,7 +318,9 @@ class HeldoutAttentionError:
         key = (layer, dim)
         if key not in self._cache:
             u = self.sample.points[layer].to(torch.float64) * math.sqrt(self.sample.scaling[layer])   # [H, J, D]
-            exact = torch.softmax(u @ u.transpose(-1, -2), -1)                     # [H, J, J] rows
+            J = u.shape[1]
+            self_pair = torch.eye(J, dtype=torch.bool)                             # a point never attends to itself
+            exact = torch.softmax((u @ u.transpose(-1, -2)).masked_fill(self_pair, -torch.inf), -1)   # [H, J, J]
             g = torch.Generator().manual_seed(self.seed * 1009 + layer)
             total = 0.0
             for _ in range(self.draws):
@@ -325,7 +328,7 @@ class HeldoutAttentionError:
                 log_phi = u @ z.transpose(-1, -2) - 0.5 * (u * u).sum(-1, keepdim=True)   # [H, J, M]
                 phi_q = torch.exp(log_phi - log_phi.amax(-1, keepdim=True))        # per-row shift: cancels
                 phi_k = torch.exp(log_phi - log_phi.amax((-1, -2), keepdim=True))  # one shift for all keys
-                scores = phi_q @ phi_k.transpose(-1, -2)                           # [H, J, J]
+                scores = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(self_pair, 0)   # [H, J, J]
                 rows = scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
                 total += 0.5 * (rows - exact).abs().sum(-1).mean(-1).sum().item()
             self._cache[key] = total / self.draws
