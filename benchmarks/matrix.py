@@ -125,7 +125,7 @@ def main() -> None:
                                           "of fix, dof and dof+clip) and PREFIX-ppl.png")
     args = parser.parse_args()
 
-    base = DistillArgs(model=args.model, data=args.data, **SCALES[args.scale])
+    base = DistillArgs(model=args.model, data=args.data, recipe="paper", **SCALES[args.scale])  # the paper's grid
     base.scale_name = args.scale  # read by run_cell; not a DistillArgs field, so not part of run.json
     runs = Path(args.runs) / args.scale
     cells = []

@@ -146,8 +146,12 @@ class DistillArgs:
     train_blocks: int = _opt(64, "training blocks drawn from the train split (steps sample from them)")
     lr: float = _opt(0.02, "Adam learning rate of feature directions/projections (layerwise)")
     lr_weights: float = _opt(0.2, "Adam learning rate of the PRF weights (layerwise)")
-    window: int = _opt(0, "exact softmax attention over the last W tokens beside the linear part, in one "
-                          "normalisation (0: pure linear attention); generation keeps W keys plus the state")
+    recipe: str = _opt("dofattn", "dofattn: the paper's method plus the softmax window that closes most of the gap "
+                                  "to the teacher (--window 64); paper: the paper's recipe as published (pure "
+                                  "linear attention, --window 0)", choices=("dofattn", "paper"))
+    window: int | None = _opt(None, "exact softmax attention over the last W tokens beside the linear part, in one "
+                                    "normalisation (0: pure linear attention); generation keeps W keys plus the "
+                                    "state. Default: set by --recipe (64 for dofattn, 0 for paper)")
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
     keep_by: str = _opt("dof", "which layers --keep-softmax keeps: dof (the K with the largest DoF), first (layers "

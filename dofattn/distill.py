@@ -464,8 +464,20 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
 RESUME_IRRELEVANT = ("device", "out")
 # Options added later, with the value that reproduces a run folder written before they existed.
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
-                 "progressive": False, "per_head": False, "dof_repeats": 1}
+                 "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper"}
 KEEP_BY = ("dof", "first", "random")
+# What each --recipe sets for options left unset (None). "paper" is the published method; "dofattn" adds what
+# measurably closes the gap to the teacher (docs/RESULTS.md).
+RECIPES = {"dofattn": {"window": 64}, "paper": {"window": 0}}
+
+
+def resolve_recipe(args) -> None:
+    """Fill the options the user left unset (None) from `args.recipe`, in place."""
+    if args.recipe not in RECIPES:
+        raise UserError(f"unknown --recipe {args.recipe!r}; use one of {', '.join(RECIPES)}")
+    for name, value in RECIPES[args.recipe].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def check_run_folder(out: Path, args: dict) -> None:
@@ -581,6 +593,7 @@ def run(args) -> dict:
     from dofattn.hf import load_model, parse_dtype
     from dofattn.student import StudentConfig, fingerprint, is_student_tensor, linearize, resolve_dims, save_student
 
+    resolve_recipe(args)
     validate(args)
     check_source(args.data)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():

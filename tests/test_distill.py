@@ -76,7 +76,7 @@ def distill_argv(model, data, out, *extra) -> list[str]:
     return ["distill", "--model", str(model), "--data", str(data), "--out", str(out), "--device", "cpu",
             "--seq-len", "32", "--train-blocks", "8", "--batch-size", "2", "--direct-batch-size", "2",
             "--eval-blocks", "2", "--eval-seq-len", "32", "--dims", "fix:8", "--then-direct-steps", "0",
-            *map(str, extra)]
+            "--recipe", "paper", *map(str, extra)]
 
 
 def run(capsys, *argv):
@@ -438,3 +438,14 @@ def test_per_head_dims_from_the_dof_allocation(capsys, model_dirs, corpus, tmp_p
         code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, tmp_path / "bad", "--dims", "dof",
                                                  "--per-head", *extra))
         assert code == 2 and message in err and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("extra,window", [([], 64), (["--recipe", "dofattn"], 64), (["--recipe", "paper"], 0),
+                                          (["--recipe", "dofattn", "--window", "8"], 8)])
+def test_recipe_sets_the_window_unless_given(capsys, model_dirs, corpus, tmp_path, extra, window):
+    out = tmp_path / "run"
+    argv = [a for a in distill_argv(model_dirs["gpt2"], corpus, out, "--steps", 2) if a not in ("--recipe", "paper")]
+    code, _, err = run(capsys, *argv, *extra)
+    assert code == 0, err
+    assert json.loads((out / "run.json").read_text())["window"] == window
+    assert load_student(out)[2].window == window
