@@ -2,7 +2,7 @@
 
     python benchmarks/runs_table.py runs/distill runs/window64 runs/keep3-dof --out docs/results/fidelity.json
 
-One row per run folder: what differs from the default job (read from run.json), validation perplexity after
+One row per run folder: what differs from its recipe's defaults (read from run.json), validation perplexity after
 layerwise training and at the end (and the ratio to the teacher's), KL(teacher ‖ student) per token, top-1
 agreement, the softmax layers kept, and the run's own stage timings. The JSON collects the same rows.
 """
@@ -13,16 +13,18 @@ import argparse
 import json
 from pathlib import Path
 
-SHOWN = ("dims", "feature", "loss", "window", "keep_softmax", "keep_by", "progressive", "per_head", "lora_rank",
+SHOWN = ("recipe", "dims", "feature", "loss", "window", "keep_softmax", "keep_by", "progressive", "per_head", "lora_rank",
          "steps", "then_direct_steps")
 
 
 def describe(folder: Path) -> dict:
     from dofattn.cli import DistillArgs
+    from dofattn.distill import LATER_OPTIONS, resolve_recipe
 
     args = json.loads((folder / "run.json").read_text())
     log = json.loads((folder / "log.json").read_text())
-    defaults = DistillArgs()
+    defaults = DistillArgs(recipe=args.get("recipe", LATER_OPTIONS["recipe"]))  # that recipe's defaults
+    resolve_recipe(defaults)
     changed = {k: args[k] for k in SHOWN if k in args and args[k] != getattr(defaults, k)}
     ev = log["evaluation"]
     return {"run": folder.name, "changed": changed, "dims": [min(log["dims"]), max(log["dims"])],
@@ -34,10 +36,10 @@ def describe(folder: Path) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| run | differs from the default job | ppl after layerwise | final ppl (× teacher) | KL | agreement | "
+    lines = ["| run | differs from its recipe's defaults | ppl after layerwise | final ppl (× teacher) | KL | agreement | "
              "softmax layers |", "|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
-        changed = ", ".join(f"{k}={v}" for k, v in r["changed"].items()) or "(the default job)"
+        changed = ", ".join(f"{k}={v}" for k, v in r["changed"].items()) or "(its recipe's defaults)"
         layerwise = f"{r['layerwise_ppl']:.1f}" if r["layerwise_ppl"] else "–"
         kl = "–" if r["kl"] is None else f"{r['kl']:.3f}"
         agreement = "–" if r["top1_agreement"] is None else f"{r['top1_agreement']:.3f}"
