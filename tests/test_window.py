@@ -84,15 +84,16 @@ def test_a_window_covering_everything_is_softmax_attention():
     torch.testing.assert_close(out, exact, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("pieces", [[1] * 13, [5, 1, 7], [13], [2, 9, 2]])
+@pytest.mark.parametrize("pieces", [[1] * 13, [5, 1, 7], [13], [2, 9, 2], [1, 20, 1, 17], [39]])
 def test_streaming_in_pieces_equals_one_call(pieces):
     torch.manual_seed(0)
     fmap = make_feature_map("prf", 2, 8, 6, scaling=8 ** -0.5, seed=1)
     linear = LinearAttention(fmap, num_heads=2, num_kv_heads=1, window=4).eval()
     with torch.no_grad():
         linear.log_gain.copy_(torch.tensor([0.3, -0.2]))
-    q, k, v = torch.randn(2, 13, 2, 8), torch.randn(2, 13, 1, 8), torch.randn(2, 13, 1, 8)
-    valid = torch.ones(2, 13, dtype=torch.bool)
+    T = sum(pieces)   # 13: dense form throughout; 39: the fast form for the whole and for pieces > 16
+    q, k, v = torch.randn(2, T, 2, 8), torch.randn(2, T, 1, 8), torch.randn(2, T, 1, 8)
+    valid = torch.ones(2, T, dtype=torch.bool)
     valid[1, :2] = False
     whole = linear(q, k, v, valid)
     cache, outs, start = LinearStateLayer(), [], 0

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from dofattn.ops import linear_attention
 from dofattn.ops.naive import TINY, compute_dtype
 
+DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
+
 __all__ = ["naive_window_linear_attention", "window_linear_attention", "window_logits", "check_window_inputs"]
 
 
@@ -172,8 +174,13 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     """The fast form of `naive_window_linear_attention` (same arguments and result up to float rounding).
 
     `backend` picks the linear op (`ops.linear_attention`); the window part is plain PyTorch, O(T·W) memory.
+    With backend "auto", a call with few queries (decode: T = 1 against W cached keys) runs the spec's dense form,
+    which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions.
     """
     check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state)
+    if backend == "auto" and q.shape[1] <= DENSE_QUERIES:
+        return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
+                                             key_valid, initial_state, output_final_state)
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
     Tk, P = k.shape[1], k.shape[1] - q.shape[1]
     # Every tensor is laid out over the Tk key positions; the P cached positions get zero queries, dropped at the end.
