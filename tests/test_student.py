@@ -112,10 +112,11 @@ def test_generation_matches_full_forward_for_64_steps(family, feature):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_left_padded_generation_equals_one_by_one(family, tokenizer):
+@pytest.mark.parametrize("window", [0, 4])   # 4: the window hybrid's cached keys carry their padding mask too
+def test_batched_left_padded_generation_equals_one_by_one(family, tokenizer, window):
     model = tiny_model(family)
     model.generation_config.eos_token_id = None  # every row generates all 12 tokens
-    linearize(model, dims=[16, 16, 16], seed=2)
+    linearize(model, dims=[16, 16, 16], seed=2, window=window)
     prompts = [ids(1, 5, seed=3)[0], ids(1, 12, seed=4)[0], ids(1, 9, seed=5)[0]]
     singles = []
     with torch.no_grad():

@@ -147,24 +147,6 @@ def test_generation_with_a_window_matches_the_full_forward(family):
     assert isinstance(layer, LinearStateLayer) and layer.keys.shape[1] == 6   # W keys, whatever the context
 
 
-def test_left_padded_batch_with_a_window_equals_one_by_one():
-    model = tiny_model("llama")
-    model.generation_config.eos_token_id = None
-    linearize(model, dims=[8, 8, 8], seed=2, window=4)
-    prompts = [ids(1, 3, seed=3)[0], ids(1, 12, seed=4)[0], ids(1, 9, seed=5)[0]]
-    with torch.no_grad():
-        singles = [model.generate(p[None], max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):]
-                   for p in prompts]
-        width = max(len(p) for p in prompts)
-        batch = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros_like(batch)
-        for i, p in enumerate(prompts):
-            batch[i, width - len(p):], mask[i, width - len(p):] = p, 1
-        together = model.generate(batch, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    for i, single in enumerate(singles):
-        assert torch.equal(together[i, width:], single)
-
-
 def test_window_student_round_trip(tmp_path, model_dirs):
     from dofattn.hf import load_model
 
