@@ -294,6 +294,7 @@ def allocate_dims(sample: PointSample, lam: float, budget: int, clip: bool = Fal
 # --- choosing λ --------------------------------------------------------------------------------------------------
 
 LAM_GRID = tuple(2.0 ** -k for k in range(2, 15, 2))   # 2⁻² ... 2⁻¹⁴, trace-relative
+FEATURE_POOL = 4096    # random features drawn per head and draw; larger dims draw more
 HELDOUT_POINTS = 512   # points per head kept out of the DoF estimate to measure kernel error
 
 
@@ -324,7 +325,8 @@ class HeldoutAttentionError:
             g = torch.Generator().manual_seed(self.seed * 1009 + layer)
             total = 0.0
             for _ in range(self.draws):
-                z = torch.randn(u.shape[0], 4096, u.shape[-1], generator=g, dtype=torch.float64)[:, :dim]
+                pool = max(FEATURE_POOL, dim)   # every dim up to the pool reads the same first features
+                z = torch.randn(u.shape[0], pool, u.shape[-1], generator=g, dtype=torch.float64)[:, :dim]
                 log_phi = u @ z.transpose(-1, -2) - 0.5 * (u * u).sum(-1, keepdim=True)   # [H, J, M]
                 phi_q = torch.exp(log_phi - log_phi.amax(-1, keepdim=True))        # per-row shift: cancels
                 phi_k = torch.exp(log_phi - log_phi.amax((-1, -2), keepdim=True))  # one shift for all keys

@@ -64,9 +64,10 @@ def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def lora_layers(model: nn.Module) -> list[nn.Module]:
-    peft = _peft() if any(MARK in n for n, _ in model.named_parameters()) else None
-    if peft is None:
+    """The projections carrying adapters (none, without importing peft, for a model that has no LoRA)."""
+    if not any(MARK in n for n, _ in model.named_parameters()):
         return []
+    _peft()
     from peft.tuners.lora import LoraLayer
 
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
