@@ -55,17 +55,16 @@ class LinearAttention(nn.Module):
         """
         if cache is None:
             return self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, backend=backend)[0]
-        if self.window and cache.keys is not None:  # past keys still inside the window come first
+        if self.window:  # the cache keeps each key's padding flag beside it
             if key_valid is None:
                 key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
-            k, v = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
-            key_valid = torch.cat([cache.key_valid, key_valid], 1)
+            if cache.keys is not None:  # past keys still inside the window come first
+                k, v = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
+                key_valid = torch.cat([cache.key_valid, key_valid], 1)
         o, cache.state = self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, cache.state, True, backend)
         if self.window:
             keep = slice(max(k.shape[1] - self.window, 0), None)
-            cache.keys, cache.values = k[:, keep], v[:, keep]
-            cache.key_valid = (torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if key_valid is None
-                               else key_valid)[:, keep]
+            cache.keys, cache.values, cache.key_valid = k[:, keep], v[:, keep], key_valid[:, keep]
         return o
 
     @torch.no_grad()
