@@ -613,9 +613,10 @@ def run(args) -> dict:
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
     # fixed dims are resolved before the run folder exists: a bad --dims (fix:0, another model's dof.json) leaves none
     dims = None if args.dims in ("dof", "clip") else resolve_dims(args.dims, model, args.model)
-    if args.keep_softmax >= len(attention_modules(model)):
+    num_layers = len(attention_modules(model))
+    if args.keep_softmax >= num_layers:
         raise UserError(f"--keep-softmax {args.keep_softmax} leaves no layer to linearize: the model has "
-                        f"{len(attention_modules(model))} layers")
+                        f"{num_layers} layers")
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         check_run_folder(out, asdict(args))
     barrier()
@@ -623,7 +624,6 @@ def run(args) -> dict:
         if rank == 0:
             print(f"{out} holds a finished run with these arguments; its results:", flush=True)
         return json.loads((out / "log.json").read_text())
-    num_layers = len(attention_modules(model))
     dof = None
     if args.dims in ("dof", "clip") or args.per_head or (args.keep_softmax and args.keep_by == "dof"):
         dof = dof_estimate(args, model, tokenizer, out)
