@@ -5,8 +5,16 @@ Real-model tests that take minutes are marked `slow` and deselected by default (
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton (if installed) runs its kernels in the interpreter on CPU; the flag must be set before anything imports
+    # triton (transformers does), see tests/test_fused.py.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast)
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Linear attention keeps a state of fixed size. "

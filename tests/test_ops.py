@@ -206,8 +206,8 @@ def test_dispatch():
 
 def test_dispatch_errors():
     phi_q, phi_k, v, state = make_inputs(2, 7, 3, 5, 16)
-    with pytest.raises(ValueError, match="unknown backend 'triton'.*auto.*naive.*chunk.*recurrent.*fla"):
-        linear_attention(phi_q, phi_k, v, backend="triton")
+    with pytest.raises(ValueError, match="unknown backend 'cuda'.*auto.*naive.*chunk.*recurrent.*triton.*fla"):
+        linear_attention(phi_q, phi_k, v, backend="cuda")
     bad = {
         "phi_q and phi_k must have the same shape": (phi_q, phi_k[..., :4], v, None),
         "phi_q and phi_k must have the same shape.*2, 6": (phi_q, phi_k[:, :6], v, None),
@@ -219,7 +219,7 @@ def test_dispatch_errors():
         "T, M and V must be positive": (phi_q[:, :0], phi_k[:, :0], v[:, :0], None),
     }
     for message, args in bad.items():
-        for backend in ("auto", "naive", "chunk", "recurrent", "fla"):
+        for backend in ("auto", "naive", "chunk", "recurrent", "triton", "fla"):
             with pytest.raises(ValueError, match=message):
                 linear_attention(*args, backend=backend)
     with pytest.raises(ValueError, match="chunk_size"):

@@ -13,11 +13,15 @@ Backends, all with the same signature and result (`naive.py` is the spec the oth
     naive       quadratic masked form, O(T²) memory: the reference
     chunk       chunked parallel form in pure PyTorch, CPU and CUDA
     recurrent   token by token: the decode path
+    triton      dofattn's own Triton kernels (`fused.py`; CUDA, needs the `triton` package), forward and backward
     fla         flash-linear-attention's Triton kernel (CUDA, `pip install fla-core`)
-    auto        recurrent when T == 1, fla for CUDA inputs when fla imports, else chunk
+    auto        for CUDA inputs triton when it imports (its decode step for T = 1); else recurrent when T == 1;
+                else fla for CUDA inputs when it imports; else chunk
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -26,15 +30,43 @@ from dofattn.ops.fla import fla_available, fla_linear_attention
 from dofattn.ops.naive import check_inputs, naive_linear_attention
 from dofattn.ops.recurrent import recurrent_linear_attention
 
+
+
+@functools.cache
+def load_fused():
+    """dofattn's Triton module (`ops.fused`) and '' if it imports, else (None, why not)."""
+    try:
+        from dofattn.ops import fused
+    except Exception as error:                                         # ImportError, or Triton failing to load
+        return None, f"{type(error).__name__}: {error}"
+    return fused, ""
+
+
+def triton_available() -> bool:
+    """True if Triton imports and CUDA is available (the `triton` backend can run)."""
+    return torch.cuda.is_available() and load_fused()[0] is not None
+
+
+def triton_linear_attention(phi_q, phi_k, v, initial_state=None, output_final_state=False, normalize=True):
+    """`ops.fused.triton_linear_attention` (CUDA, Triton), imported on first use; RuntimeError without Triton."""
+    fused, why = load_fused()
+    if fused is None:
+        raise RuntimeError(f"backend 'triton' needs the triton package, which did not import ({why}); "
+                           f"use backend='chunk' instead")
+    return fused.triton_linear_attention(phi_q, phi_k, v, initial_state, output_final_state, normalize)
+
+
 BACKENDS = {
     "naive": naive_linear_attention,
     "chunk": chunk_linear_attention,
     "recurrent": recurrent_linear_attention,
+    "triton": triton_linear_attention,
     "fla": fla_linear_attention,
 }
 
 __all__ = ["linear_attention", "naive_linear_attention", "chunk_linear_attention", "recurrent_linear_attention",
-           "fla_linear_attention", "fla_available", "pick_backend", "BACKENDS"]
+           "triton_linear_attention", "fla_linear_attention", "fla_available", "triton_available", "load_fused",
+           "pick_backend", "BACKENDS"]
 
 
 def pick_backend(phi_q: torch.Tensor, backend: str = "auto") -> str:
@@ -43,6 +75,8 @@ def pick_backend(phi_q: torch.Tensor, backend: str = "auto") -> str:
         raise ValueError(f"unknown backend {backend!r}; choose one of {['auto', *BACKENDS]}")
     if backend != "auto":
         return backend
+    if phi_q.is_cuda and triton_available():
+        return "triton"                                                 # T = 1 included: the one-kernel step
     if phi_q.shape[1] == 1:
         return "recurrent"
     if phi_q.is_cuda and fla_available():

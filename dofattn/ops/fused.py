@@ -1,0 +1,311 @@
+"""Causal linear attention on CUDA in dofattn's own Triton kernels: prefill/training (forward and backward) and the
+decode step.
+
+    o, state = triton_linear_attention(phi_q, phi_k, v, initial_state=None, output_final_state=True)
+    o = triton_decode_step(phi_q1, phi_k1, v1, state)          # T = 1, the state [B, H, M, V+1] updated in place
+
+Same layout, math and result as `naive.py` (the spec): phi_q, phi_k [B, T, H, M], v [B, T, H, V], state
+[B, H, M, V+1] float32, o [B, T, H, V] in v.dtype. Any M and V (not only powers of two: tiles are padded and masked).
+
+How the prefill is cut: the sequence is split into blocks of L tokens (L a multiple of the chunk C = 64, chosen so
+that blocks × heads fill the GPU). Three steps:
+1. `_block_state`: every block's own state Σ φk ⊗ v [M, V] and normaliser Σ φk [M], all blocks in parallel.
+2. an exclusive prefix sum over blocks in PyTorch (tiny: blocks × M × V per head), plus the initial state.
+3. `_block_scan`: every block in parallel walks its chunks in order with the state in registers:
+   o_c = φq_c·S + tril(φq_c φk_cᵀ)·v_c, den_c = φq_c·z + rowsum(tril(φq_c φk_cᵀ)), then S += φk_cᵀ v_c, z += Σ φk_c.
+Every input is read twice at most and the output written once; nothing of size T × M × V reaches device memory.
+
+The same two kernels, run right to left (`reverse`), give the backward: with g = [∂num, ∂den] and v̄ = [v, 1],
+    ∂φq_t = Σ_{s≤t} (g_t·v̄_s) φk_s,   ∂φk_s = Σ_{t≥s} (v̄_s·g_t) φq_t,   ∂v_s = Σ_{t≥s} (φk_s·φq_t) ∂num_t,
+three more scans of the same shape (queries g, keys v̄, values φk, and so on).
+
+Dots run in bf16/fp16 when φq, φk and v are all 16-bit, else in tf32x3 (about float32 accuracy); the state,
+sums and outputs are float32. Triton is imported here, and this module is imported only on first use
+(`ops.triton_available`), so importing dofattn never needs Triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dofattn.ops.naive import TINY, check_inputs
+
+CHUNK = 64           # tokens per chunk inside a block (the tril product is C × C)
+MAX_TILE = 128 * 64  # state elements a program keeps in registers: M_pad × V_tile
+
+
+@triton.jit
+def _block_state(k_ptr, v_ptr, s_ptr, z_ptr, T, H, K, V, L: tl.constexpr,
+                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_Z: tl.constexpr, DOT: tl.constexpr,
+                 PREC: tl.constexpr):
+    """One block's Σ k ⊗ v [K, V] (and Σ k [K]) -> s_ptr [B·H, NB, K, V], z_ptr [B·H, NB, K]."""
+    blk, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NB = (T + L - 1) // L
+    b, h = bh // H, bh % H
+    ok, ov, oc = tl.arange(0, BK), iv * BV + tl.arange(0, BV), tl.arange(0, C)
+    mk, mv = ok < K, ov < V
+    k_base = k_ptr + (b.to(tl.int64) * T * H + h) * K
+    v_base = v_ptr + (b.to(tl.int64) * T * H + h) * V
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    for i in range(0, L // C):
+        rows = blk * L + i * C + oc
+        mr = rows < T
+        kc = tl.load(k_base + rows[:, None].to(tl.int64) * H * K + ok[None, :], mask=mr[:, None] & mk[None, :],
+                     other=0.0).to(DOT)                                                        # [C, BK]
+        vc = tl.load(v_base + rows[:, None].to(tl.int64) * H * V + ov[None, :], mask=mr[:, None] & mv[None, :],
+                     other=0.0).to(DOT)                                                        # [C, BV]
+        S += tl.dot(tl.trans(kc), vc, input_precision=PREC)
+        if HAS_Z:
+            z += tl.sum(kc.to(tl.float32), 0)
+    out = (bh.to(tl.int64) * NB + blk) * K
+    tl.store(s_ptr + (out + ok[:, None]) * V + ov[None, :], S, mask=mk[:, None] & mv[None, :])
+    if HAS_Z:
+        if iv == 0:
+            tl.store(z_ptr + out + ok, z, mask=mk)
+
+
+@triton.jit
+def _block_scan(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr, d_ptr, T, H, K, V, L: tl.constexpr,
+                C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_Z: tl.constexpr, REVERSE: tl.constexpr,
+                DOT: tl.constexpr, PREC: tl.constexpr):
+    """One block's outputs o_t = Σ_s (q_t·k_s) v_s [and d_t = Σ_s q_t·k_s] over s ≤ t (s ≥ t if REVERSE), starting
+    from the state of everything before (after) the block: s_ptr [B·H, NB, K, V], z_ptr [B·H, NB, K]."""
+    blk, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NB = (T + L - 1) // L
+    b, h = bh // H, bh % H
+    ok, ov, oc = tl.arange(0, BK), iv * BV + tl.arange(0, BV), tl.arange(0, C)
+    mk, mv = ok < K, ov < V
+    row0 = b.to(tl.int64) * T * H + h
+    q_base, k_base = q_ptr + row0 * K, k_ptr + row0 * K
+    v_base, o_base = v_ptr + row0 * V, o_ptr + row0 * V
+    state = (bh.to(tl.int64) * NB + blk) * K
+    S = tl.load(s_ptr + (state + ok[:, None]) * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    z = tl.zeros([BK], dtype=tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + state + ok, mask=mk, other=0.0)
+    if REVERSE:
+        keep = oc[:, None] <= oc[None, :]                                                      # s ≥ t
+    else:
+        keep = oc[:, None] >= oc[None, :]                                                      # s ≤ t
+    for i in range(0, L // C):                                                                 # chunks past T are all masked
+        if REVERSE:
+            rows = blk * L + (L // C - 1 - i) * C + oc
+        else:
+            rows = blk * L + i * C + oc
+        mr = rows < T
+        qc = tl.load(q_base + rows[:, None].to(tl.int64) * H * K + ok[None, :], mask=mr[:, None] & mk[None, :],
+                     other=0.0).to(DOT)                                                        # [C, BK]
+        kc = tl.load(k_base + rows[:, None].to(tl.int64) * H * K + ok[None, :], mask=mr[:, None] & mk[None, :],
+                     other=0.0).to(DOT)                                                        # [C, BK]
+        vc = tl.load(v_base + rows[:, None].to(tl.int64) * H * V + ov[None, :], mask=mr[:, None] & mv[None, :],
+                     other=0.0).to(DOT)                                                        # [C, BV]
+        A = tl.dot(qc, tl.trans(kc), input_precision=PREC)                                     # [C, C]
+        A = tl.where(keep, A, 0.0)
+        o = tl.dot(qc, S.to(DOT), input_precision=PREC) + tl.dot(A.to(DOT), vc, input_precision=PREC)
+        tl.store(o_base + rows[:, None].to(tl.int64) * H * V + ov[None, :], o, mask=mr[:, None] & mv[None, :])
+        if HAS_Z:
+            if iv == 0:
+                d = tl.sum(qc.to(tl.float32) * z[None, :], 1) + tl.sum(A, 1)                    # [C]
+                tl.store(d_ptr + row0 + rows.to(tl.int64) * H, d, mask=mr)
+            z += tl.sum(kc.to(tl.float32), 0)
+        S += tl.dot(tl.trans(kc), vc, input_precision=PREC)
+
+
+@triton.jit
+def _decode_step(q_ptr, k_ptr, v_ptr, s_ptr, s_out_ptr, o_ptr, H, K, V,
+                 BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr):
+    """One token per (batch, head): S' = S + k ⊗ [v, 1] (s_out may be s: in place), then o = (q·S')[:V] / max((q·S')[V],
+    tiny), or [num, den] if not NORMALIZE."""
+    bh = tl.program_id(0)
+    ok, ov = tl.arange(0, BK), tl.arange(0, BV)
+    mk, mv, mv1 = ok < K, ov < V, ov <= V
+    q = tl.load(q_ptr + bh * K + ok, mask=mk, other=0.0).to(tl.float32)                       # [BK]
+    k = tl.load(k_ptr + bh * K + ok, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + bh * V + ov, mask=mv, other=0.0).to(tl.float32)                       # [BV]
+    v = tl.where(ov == V, 1.0, v)                                                              # [v, 1]
+    s_off = bh.to(tl.int64) * K * (V + 1) + ok[:, None] * (V + 1) + ov[None, :]
+    S = tl.load(s_ptr + s_off, mask=mk[:, None] & mv1[None, :], other=0.0) + k[:, None] * v[None, :]
+    tl.store(s_out_ptr + s_off, S, mask=mk[:, None] & mv1[None, :])
+    num = tl.sum(q[:, None] * S, 0)                                                            # [BV]
+    if NORMALIZE:
+        den = tl.sum(tl.where(ov == V, num, 0.0), 0)
+        tl.store(o_ptr + bh * V + ov, num / tl.maximum(den, 1.1754943508222875e-38), mask=mv)
+    else:
+        tl.store(o_ptr + bh * (V + 1) + ov, num, mask=mv1)
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1: the kernels then run on CPU tensors (slowly), for tests without a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _plan(T: int, BH: int, K: int, V: int, device: torch.device, block: int | None = None) -> tuple[int, int, int]:
+    """(L, BK, BV): block length (a power-of-two multiple of CHUNK, or `block`), padded feature tile, value tile."""
+    BK = _pow2(K)
+    BV = min(_pow2(V), max(16, MAX_TILE // BK))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    if block is not None:
+        if block < CHUNK or block & (block - 1):
+            raise ValueError(f"block must be a power of two >= {CHUNK}, got {block}")
+        return block, BK, BV
+    L = CHUNK
+    while L < 1024 and -(-T // (2 * L)) * BH >= 2 * sms:   # longer blocks while two programs per SM remain
+        L *= 2
+    return L, BK, BV
+
+
+def _dot_dtype(*xs: torch.Tensor):
+    half = all(x.dtype in (torch.bfloat16, torch.float16) for x in xs) and len({x.dtype for x in xs}) == 1
+    if half:
+        return (tl.bfloat16 if xs[0].dtype == torch.bfloat16 else tl.float16), "tf32"   # PREC unused for 16-bit
+    return tl.float32, "tf32x3"
+
+
+def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: torch.Tensor | None = None,
+         z0: torch.Tensor | None = None, with_den: bool = False, reverse: bool = False,
+         final_state: bool = False, block: int | None = None):
+    """o_t = Σ_{s≤t} (q_t·k_s) v_s (s ≥ t if reverse) plus the state s0 [B, H, K, V] (z0 [B, H, K] for the den).
+
+    q, k [B, T, H, K], v [B, T, H, V] -> (o [B, T, H, V] float32, den [B, T, H] float32 or None,
+    (S [B, H, K, V], z [B, H, K]) after all tokens, or None). `block` fixes the block length (tests).
+    """
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    L, BK, BV = _plan(T, B * H, K, V, q.device, block)
+    NB, NV = triton.cdiv(T, L), triton.cdiv(V, BV)
+    DOT, PREC = _dot_dtype(q, k, v)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    grid = (NB, B * H, NV)
+
+    if NB > 1 or final_state:
+        blocks = torch.empty(B * H, NB, K, V, **f32)
+        zb = torch.empty(B * H, NB, K, **f32) if with_den else blocks
+        _block_state[grid](k, v, blocks, zb, T, H, K, V, L, C=CHUNK, BK=BK, BV=BV, HAS_Z=with_den, DOT=DOT,
+                           PREC=PREC)
+        blocks = blocks.view(B, H, NB, K, V)
+        zb = zb.view(B, H, NB, K) if with_den else None
+    else:
+        blocks = zb = None
+
+    def before(x, x0, shape):             # state entering each block (exclusive prefix or suffix sum) + x0
+        if x is None:
+            out = torch.zeros(shape, **f32)
+        else:
+            dim = 2
+            if reverse:
+                out = x.flip(dim).cumsum(dim).flip(dim) - x
+            else:
+                out = x.cumsum(dim) - x
+        if x0 is not None:
+            out = out + x0.float().unsqueeze(2)
+        return out.contiguous()
+
+    s_in = before(blocks, s0, (B, H, NB, K, V))
+    z_in = before(zb, z0, (B, H, NB, K)) if with_den else s_in
+    o = torch.empty(B, T, H, V, **f32)
+    den = torch.empty(B, T, H, **f32) if with_den else o
+    _block_scan[grid](q, k, v, s_in, z_in, o, den, T, H, K, V, L, C=CHUNK, BK=BK, BV=BV, HAS_Z=with_den,
+                      REVERSE=reverse, DOT=DOT, PREC=PREC)
+    state = None
+    if final_state:
+        S = blocks.sum(2) + (0 if s0 is None else s0.float())
+        z = zb.sum(2) + (0 if z0 is None else z0.float()) if with_den else None
+        state = (S, z)
+    return o, (den if with_den else None), state
+
+
+class LinearScan(torch.autograd.Function):
+    """[num, den] of causal linear attention with the initial state S0 [B, H, M, V+1], and the final state."""
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, v, S0, want_state: bool):
+        s0, z0 = (None, None) if S0 is None else (S0[..., :-1], S0[..., -1])
+        num, den, state = scan(phi_q, phi_k, v, s0, z0, with_den=True, final_state=want_state)
+        final = torch.cat([state[0], state[1][..., None]], -1) if want_state else None        # [B, H, M, V+1]
+        ctx.save_for_backward(phi_q, phi_k, v, S0)
+        return torch.cat([num, den[..., None]], -1), final                                     # [B, T, H, V+1]
+
+    @staticmethod
+    def backward(ctx, g_aug, g_state):
+        phi_q, phi_k, v, S0 = ctx.saved_tensors
+        g_aug = g_aug.float()
+        dtype = phi_q.dtype if phi_q.dtype == phi_k.dtype == v.dtype else torch.float32
+        g = g_aug.to(dtype)                                                                    # [B, T, H, V+1]
+        v_aug = torch.cat([v, torch.ones_like(v[..., :1])], -1).to(dtype)                     # [B, T, H, V+1]
+        dq = scan(g, v_aug, phi_k.to(dtype))[0]                                                # [B, T, H, M]
+        dk = scan(v_aug, g, phi_q.to(dtype), reverse=True)[0]                                  # [B, T, H, M]
+        dv = scan(phi_k.to(dtype), phi_q.to(dtype), g[..., :-1], reverse=True)[0]              # [B, T, H, V]
+        dS0 = None
+        if S0 is not None:
+            dq = dq + torch.einsum("bthv,bhmv->bthm", g_aug, S0.float())
+            dS0 = torch.einsum("bthm,bthv->bhmv", phi_q.float(), g_aug)
+        if g_state is not None:                       # the final state S0 + Σ φk ⊗ v̄ is differentiable too
+            g_state = g_state.float()
+            dk = dk + torch.einsum("bthv,bhmv->bthm", v_aug.float(), g_state)
+            dv = dv + torch.einsum("bthm,bhmv->bthv", phi_k.float(), g_state[..., :-1])
+            dS0 = None if S0 is None else dS0 + g_state
+        return dq.to(phi_q.dtype), dk.to(phi_k.dtype), dv.to(v.dtype), dS0, None
+
+
+def triton_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                            normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal linear attention with dofattn's Triton kernels (CUDA; forward and backward).
+
+    phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
+    Returns o [B, T, H, V] in v.dtype (or [num, den] [B, T, H, V+1] float32 if not normalize) and the final state
+    [B, H, M, V+1] float32 if output_final_state, else None. Gradients flow to φq, φk, v and the initial state
+    from both outputs.
+    """
+    check_inputs(phi_q, phi_k, v, initial_state)
+    if not (phi_q.is_cuda or interpreting()):
+        raise RuntimeError(f"triton_linear_attention needs CUDA tensors, got {phi_q.device}; use backend='chunk'")
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (phi_q, phi_k, v, initial_state))
+    if phi_q.shape[1] == 1 and not grad:                              # decode: one kernel, a new state
+        B, _, H, M = phi_q.shape
+        S0 = (torch.zeros(B, H, M, v.shape[-1] + 1, device=v.device) if initial_state is None
+              else initial_state.float().contiguous())
+        S1 = torch.empty_like(S0)
+        o = triton_decode_step(phi_q, phi_k, v, S0, S1, normalize=normalize)
+        return (o.to(v.dtype) if normalize else o), (S1 if output_final_state else None)
+    S0 = None if initial_state is None else initial_state.float().contiguous()
+    o_aug, final = LinearScan.apply(phi_q, phi_k, v, S0, output_final_state)
+    if not normalize:
+        return o_aug, final
+    o = o_aug[..., :-1] / o_aug[..., -1:].clamp_min(TINY)
+    return o.to(v.dtype), final
+
+
+def triton_decode_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+                       out_state: torch.Tensor | None = None, normalize: bool = True) -> torch.Tensor:
+    """One decode step in one kernel: out_state = state + φk ⊗ [v, 1] and the output read from it.
+
+    phi_q, phi_k [B, 1, H, M]; v [B, 1, H, V]; state [B, H, M, V+1] float32 contiguous; out_state: where the new
+    state goes (pass `state` itself to update in place). Returns o [B, 1, H, V] float32, or [num, den]
+    [B, 1, H, V+1] if not normalize. No autograd: for training use `triton_linear_attention`.
+    """
+    check_inputs(phi_q, phi_k, v, state)
+    if phi_q.shape[1] != 1 or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"triton_decode_step takes one token (T = 1) and a contiguous float32 state, got "
+                         f"T = {phi_q.shape[1]}, state {state.dtype}")
+    if out_state is None:
+        out_state = torch.empty_like(state)
+    elif out_state.shape != state.shape or out_state.dtype != torch.float32 or not out_state.is_contiguous():
+        raise ValueError(f"out_state must be a contiguous float32 tensor shaped like the state "
+                         f"{tuple(state.shape)}, got {tuple(out_state.shape)} {out_state.dtype}")
+    B, _, H, K = phi_q.shape
+    V = v.shape[-1]
+    o = torch.empty(B, 1, H, V + (0 if normalize else 1), device=v.device, dtype=torch.float32)
+    _decode_step[(B * H,)](phi_q.contiguous(), phi_k.contiguous(), v.contiguous(), state, out_state, o, H, K, V,
+                           BK=_pow2(K), BV=_pow2(V + 1), NORMALIZE=normalize)
+    return o

@@ -1,0 +1,151 @@
+"""dofattn's Triton kernels (`ops/fused.py`) against the naive reference: outputs, states and gradients.
+
+    python -m pytest tests/test_fused.py -q
+
+On CUDA the compiled kernels run. Without a GPU but with the `triton` package installed, the same kernels run in
+Triton's interpreter (TRITON_INTERPRET=1, set here before the kernels are defined) on CPU tensors, slowly, so the
+cases stay small. Without Triton every test here skips.
+"""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton", reason="needs the triton package")
+
+from dofattn.ops import fused, linear_attention, naive_linear_attention, pick_backend   # noqa: E402
+from tests.test_ops import assert_close, forward_backward, make_inputs                # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA and Triton's interpreter is off", allow_module_level=True)
+
+# (B, T, H, M, V, with_initial_state): odd T, M and V that are not powers of two, M above 128 (value tiles).
+CASES = [
+    (1, 1, 1, 1, 1, False),
+    (1, 7, 3, 5, 16, True),
+    (2, 63, 2, 64, 64, False),
+    (1, 65, 1, 130, 16, True),
+    (2, 130, 3, 20, 65, True),
+    (1, 200, 2, 257, 33, False),
+]
+if CUDA:
+    CASES += [(2, 500, 3, 128, 64, True), (1, 3000, 2, 203, 64, False), (1, 4099, 12, 64, 64, True)]
+CASE_IDS = [f"B{b}-T{t}-H{h}-M{m}-V{v}{'-S0' if s else ''}" for b, t, h, m, v, s in CASES]
+# Float32 dots run as tf32x3 on the GPU (about float32 accuracy); the interpreter computes in float32.
+RATIO = 2e-4
+
+
+def on_device(inputs):
+    return [None if x is None else x.to(DEVICE) for x in inputs]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_matches_naive(case):
+    B, T, H, M, V, with_state = case
+    inputs = on_device(make_inputs(B, T, H, M, V, with_state))
+    ref_o, ref_s, ref_grads = forward_backward(naive_linear_attention, *[x.double() if x is not None else None
+                                                                          for x in inputs])
+    tri_o, tri_s, tri_grads = forward_backward(fused.triton_linear_attention, *inputs)
+    assert tri_o.dtype == torch.float32 and tri_s.dtype == torch.float32
+    assert_close("o", ref_o, tri_o, RATIO)
+    assert_close("ht", ref_s, tri_s, RATIO)
+    for name in ref_grads:
+        floor = ref_grads["dk"].norm().item() if (name == "dq" and M == 1) else 1e-8
+        assert_close(name, ref_grads[name], tri_grads[name], RATIO, floor)
+
+
+@pytest.mark.parametrize("block", [64, 128, 256])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_blocks_and_direction(block, reverse):
+    """The raw scan with several blocks per sequence, left to right and right to left, with and without the den."""
+    phi_q, phi_k, v, _ = on_device(make_inputs(2, 300, 3, 20, 24, with_state=False))
+    A = torch.einsum("bthm,bshm->bhts", phi_q.double(), phi_k.double())
+    mask = torch.ones(300, 300, dtype=torch.bool, device=DEVICE)
+    A = A * (mask.triu() if reverse else mask.tril())
+    ref_o = torch.einsum("bhts,bshv->bthv", A, v.double())
+    ref_d = A.sum(-1).transpose(1, 2)
+    o, d, _ = fused.scan(phi_q, phi_k, v, with_den=True, reverse=reverse, block=block)
+    assert_close("o", ref_o, o, RATIO)
+    assert_close("den", ref_d, d, RATIO)
+    o, d, _ = fused.scan(phi_q, phi_k, v, reverse=reverse, block=block)
+    assert d is None
+    assert_close("o", ref_o, o, RATIO)
+
+
+def test_bad_block():
+    phi_q, phi_k, v, _ = on_device(make_inputs(1, 10, 1, 4, 4, with_state=False))
+    with pytest.raises(ValueError, match="block must be a power of two >= 64"):
+        fused.scan(phi_q, phi_k, v, block=96)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs(dtype):
+    """16-bit inputs: the dots run in 16 bit, sums and state in float32; near the float32 result."""
+    if not CUDA and dtype == torch.bfloat16:
+        pytest.skip("Triton 3.6's interpreter gets bf16 dots wrong (off by 1e9 on a plain 16×16 product)")
+    phi_q, phi_k, v, state = on_device(make_inputs(2, 150, 3, 64, 32))
+    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True)
+    o, s = fused.triton_linear_attention(phi_q.to(dtype), phi_k.to(dtype), v.to(dtype), state,
+                                         output_final_state=True)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    assert_close("o", ref_o, o, 2e-2)
+    assert_close("ht", ref_s, s, 2e-2)
+
+
+def test_zero_keys_and_tiny_features():
+    phi_q, phi_k, v, _ = on_device(make_inputs(1, 70, 2, 5, 16, with_state=False))
+    o, s = fused.triton_linear_attention(phi_q, torch.zeros_like(phi_k), v, output_final_state=True)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.equal(s, torch.zeros_like(s))
+    ref_o, _ = naive_linear_attention(phi_q, phi_k, v)
+    o, _ = fused.triton_linear_attention(phi_q * 1e-10, phi_k * 1e-10, v)
+    assert_close("o", ref_o, o, RATIO)
+
+
+def test_prefill_then_decode_steps():
+    """Triton prefill, then the one-kernel decode step in place, equal to the full naive run."""
+    phi_q, phi_k, v, _ = on_device(make_inputs(2, 80, 3, 37, 16, with_state=False))
+    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, output_final_state=True)
+    o, s = fused.triton_linear_attention(phi_q[:, :70], phi_k[:, :70], v[:, :70], output_final_state=True)
+    outputs = [o]
+    for t in range(70, 80):
+        outputs.append(fused.triton_decode_step(phi_q[:, t:t + 1], phi_k[:, t:t + 1], v[:, t:t + 1], s, s))  # in place
+    assert_close("o", ref_o, torch.cat(outputs, 1), RATIO)
+    assert_close("ht", ref_s, s, RATIO)
+
+
+def test_decode_step_rejects_bad_state():
+    phi_q, phi_k, v, state = on_device(make_inputs(1, 1, 2, 5, 16))
+    with pytest.raises(ValueError, match="one token .T = 1. and a contiguous float32 state"):
+        fused.triton_decode_step(phi_q, phi_k, v, state.double())
+    with pytest.raises(ValueError, match="initial_state must be"):
+        fused.triton_decode_step(phi_q, phi_k, v, state[..., :4].contiguous())
+
+
+@pytest.mark.skipif(not CUDA, reason="dispatch to triton needs CUDA")
+def test_auto_picks_triton_on_cuda():
+    phi_q, phi_k, v, state = on_device(make_inputs(1, 100, 3, 16, 16))
+    assert pick_backend(phi_q) == "triton"
+    ref_o, _ = naive_linear_attention(phi_q, phi_k, v, state)
+    assert_close("o", ref_o, linear_attention(phi_q, phi_k, v, state)[0], RATIO)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_one_token_without_grad_is_the_decode_step(with_state):
+    """T = 1 outside autograd takes the one-kernel step; the input state is left as it was."""
+    phi_q, phi_k, v, state = on_device(make_inputs(2, 1, 3, 10, 16, with_state))
+    before = None if state is None else state.clone()
+    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True)
+    with torch.no_grad():
+        o, s = fused.triton_linear_attention(phi_q, phi_k, v, state, output_final_state=True)
+        aug, _ = fused.triton_linear_attention(phi_q, phi_k, v, state, normalize=False)
+    ref_aug, _ = naive_linear_attention(phi_q, phi_k, v, state, normalize=False)
+    assert_close("o", ref_o, o, RATIO)
+    assert_close("ht", ref_s, s, RATIO)
+    assert_close("aug", ref_aug, aug, RATIO)
+    if state is not None:
+        assert torch.equal(state, before)
