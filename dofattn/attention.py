@@ -99,11 +99,15 @@ class LinearAttention(nn.Module):
         if self.window:
             phi_q, q_scale = self.feature_map.features(q, "query")                 # [B, T, H, M], [B, T, H]
             phi_k, k_scale = self.feature_map.features(k, "key")                   # [B, Tk, H, M], [H]
+            if q.dtype in (torch.bfloat16, torch.float16):
+                phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(q.dtype)
             return window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + self.log_gain,
                                            self.feature_map.scaling, self.window, key_valid, state,
                                            output_final_state=output_final_state, backend=backend)
         phi_q = self.feature_map(q, "query")                                       # [B, T, H, M]
         phi_k = self.feature_map(k, "key")                                         # [B, T, H, M]
+        if q.dtype in (torch.bfloat16, torch.float16):   # 16-bit model: 16-bit features, float32 sums in the op
+            phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(q.dtype)
         if key_valid is not None:
             phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
         return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,

@@ -50,8 +50,17 @@ def _sync(device: str) -> None:
 
 
 def timed(fn, device: str, repeats: int) -> float:
-    """Median wall time of fn() in milliseconds, after one warm-up call."""
+    """Median time of fn() in milliseconds after one warm-up call: CUDA events on CUDA, the wall clock elsewhere."""
     fn()
+    if device.startswith("cuda"):
+        fn()                                                     # a second warm-up: Triton autotuning, allocator
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -70,6 +79,25 @@ def _linear_layer(cfg: BenchConfig, window: int):
     return LinearAttention(fmap, cfg.heads, cfg.heads, window).to(cfg.device).eval()
 
 
+def op_backends(device: str) -> list[str]:
+    """The linear-op backends worth timing on this device."""
+    from dofattn.ops import fla_available, triton_available
+
+    if not device.startswith("cuda"):
+        return ["chunk"]
+    return [name for name, ok in (("triton", triton_available()), ("fla", fla_available()), ("chunk", True)) if ok]
+
+
+def try_timed(fn, device: str, repeats: int) -> float | str:
+    """`timed`, or the error's one-line text (out of memory at long T, a backend that fails) instead of a time."""
+    try:
+        return timed(fn, device, repeats)
+    except (RuntimeError, torch.OutOfMemoryError) as error:
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
 @torch.no_grad()
 def bench_prefill(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
     from dofattn.ops import linear_attention, pick_backend
@@ -81,23 +109,32 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
         q, k, v = (torch.randn(1, T, cfg.heads, cfg.head_dim, generator=g, device=cfg.device, dtype=dtype)
                    for _ in range(3))
         qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-        phi_q, phi_k = linear.feature_map(q, "query"), linear.feature_map(k, "key")
+        phi_q, phi_k = (linear.feature_map(x, role).to(dtype) for x, role in ((q, "query"), (k, "key")))
         row = {"T": T, "batch": 1, "heads": cfg.heads, "head_dim": cfg.head_dim, "features": cfg.features,
-               "backend": pick_backend(phi_q),
+               "dtype": str(dtype).removeprefix("torch."), "backend": pick_backend(phi_q),
                "sdpa_ms": timed(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True), cfg.device,
                                 cfg.repeats),
                "linear_op_ms": timed(lambda: linear_attention(phi_q, phi_k, v), cfg.device, cfg.repeats),
                "student_ms": timed(lambda: linear.attend(q, k, v), cfg.device, cfg.repeats)}
+        row["op_ms"] = {name: try_timed(lambda name=name: linear_attention(phi_q, phi_k, v, backend=name),
+                                        cfg.device, cfg.repeats) for name in op_backends(cfg.device)}
         if hybrid is not None:
             row["window"] = cfg.window
             row["hybrid_ms"] = timed(lambda: hybrid.attend(q, k, v), cfg.device, cfg.repeats)
+            row["hybrid_vs_student"] = row["hybrid_ms"] / row["student_ms"]
+        row["speedup_op_vs_sdpa"] = row["sdpa_ms"] / row["linear_op_ms"]
         row["speedup_student_vs_sdpa"] = row["sdpa_ms"] / row["student_ms"]
         rows.append(row)
+        del q, k, v, qh, kh, vh, phi_q, phi_k
+        if cfg.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return rows
 
 
 @torch.no_grad()
 def bench_decode(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
+    from dofattn.ops import linear_attention
+
     rows = []
     linear = _linear_layer(cfg, 0)
     B, H, D, M = cfg.decode_batch, cfg.heads, cfg.head_dim, cfg.features
@@ -108,7 +145,10 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
         q1, k1, v1 = (torch.randn(B, 1, H, D, generator=g, device=cfg.device, dtype=dtype) for _ in range(3))
         state = torch.rand(B, H, M, D + 1, generator=g, device=cfg.device)
         linear.feature_map(k1, "key")  # calibrate the key shift once, as a prefill would
+        phi_q1, phi_k1 = (linear.feature_map(x, role).to(dtype) for x, role in ((q1, "query"), (k1, "key")))
         row = {"T": T, "batch": B, "heads": H, "head_dim": D, "features": M,
+               "op_ms": timed(lambda: linear_attention(phi_q1, phi_k1, v1, state, output_final_state=True),
+                              cfg.device, cfg.repeats),
                "sdpa_ms": timed(lambda: F.scaled_dot_product_attention(q, k_cache, v_cache), cfg.device,
                                 cfg.repeats),
                "student_ms": timed(lambda: linear.attend(q1, k1, v1, state=state, output_final_state=True),
@@ -117,6 +157,7 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
                "state_bytes": state.numel() * state.element_size()}
         row["speedup_student_vs_sdpa"] = row["sdpa_ms"] / row["student_ms"]
         rows.append(row)
+        del k_cache, v_cache
     return rows
 
 
@@ -136,10 +177,11 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
     from dofattn.student import attention_modules, linearize
 
     rows = []
-    for linearized in (False, True):
+    students = [(False, 0), (True, 0)] + ([(True, cfg.window)] if cfg.window else [])
+    for linearized, window in students:
         model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
         if linearized:
-            linearize(model, [cfg.features] * len(attention_modules(model)), "prf")
+            linearize(model, [cfg.features] * len(attention_modules(model)), "prf", window=window)
         vocab = model.get_input_embeddings().weight.shape[0]
         for T in cfg.gen_contexts:
             ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(cfg.device)
@@ -156,13 +198,16 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
 
             total_ms = timed(generate, cfg.device, 1)
             decode_s = max(total_ms - prefill_ms, 1e-6) / 1e3
-            row = {"model": cfg.model, "student": linearized, "context": T, "new_tokens": cfg.new_tokens,
+            row = {"model": cfg.model, "student": linearized, "window": window, "context": T,
+                   "new_tokens": cfg.new_tokens,
                    "prefill_ms": prefill_ms, "decode_tokens_per_s": (cfg.new_tokens - 1) / decode_s,
                    "cache_bytes": _cache_bytes(out.past_key_values)}
             if cfg.device.startswith("cuda"):
                 row["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
             rows.append(row)
         del model
+        if cfg.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -211,22 +256,33 @@ def bench(cfg: BenchConfig, progress: bool = True) -> dict:
             "generation": generation}
 
 
+def _ms(x) -> str:
+    return f"{x:>9.3f}" if isinstance(x, float) else f"{'failed':>9}"
+
+
 def format_tables(result: dict) -> str:
+    backends = list(result["prefill"][0]["op_ms"]) if result["prefill"] else []
     lines = ["prefill (one layer, ms):",
-             f"{'T':>7} {'SDPA':>9} {'linear op':>10} {'student':>9} {'hybrid':>9} {'student/SDPA':>13}"]
+             f"{'T':>7} {'SDPA':>9} " + " ".join(f"{'op:' + b:>9}" for b in backends)
+             + f" {'student':>9} {'hybrid':>9} {'op/SDPA':>8} {'student/SDPA':>13}"]
     for r in result["prefill"]:
         hybrid = f"{r['hybrid_ms']:>9.3f}" if "hybrid_ms" in r else f"{'-':>9}"
-        lines.append(f"{r['T']:>7} {r['sdpa_ms']:>9.3f} {r['linear_op_ms']:>10.3f} {r['student_ms']:>9.3f} "
-                     f"{hybrid} {r['speedup_student_vs_sdpa']:>12.2f}x")
-    lines += ["decode step (one layer, ms):", f"{'T':>7} {'batch':>5} {'SDPA':>9} {'student':>9} {'speed-up':>9}"]
+        ops = " ".join(_ms(r["op_ms"][b]) for b in backends)
+        lines.append(f"{r['T']:>7} {r['sdpa_ms']:>9.3f} {ops} {r['student_ms']:>9.3f} {hybrid} "
+                     f"{r['speedup_op_vs_sdpa']:>7.2f}x {r['speedup_student_vs_sdpa']:>12.2f}x")
+    lines += ["decode step (one layer, ms):",
+              f"{'T':>7} {'batch':>5} {'SDPA':>9} {'op':>9} {'student':>9} {'speed-up':>9}"]
     for r in result["decode"]:
-        lines.append(f"{r['T']:>7} {r['batch']:>5} {r['sdpa_ms']:>9.3f} {r['student_ms']:>9.3f} "
+        lines.append(f"{r['T']:>7} {r['batch']:>5} {r['sdpa_ms']:>9.3f} {r['op_ms']:>9.3f} {r['student_ms']:>9.3f} "
                      f"{r['speedup_student_vs_sdpa']:>8.2f}x")
     if result["generation"]:
-        lines += ["generation:", f"{'model':>8} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} {'cache MB':>9}"]
+        lines += ["generation:", f"{'model':>12} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} "
+                                 f"{'cache MB':>9} {'peak MB':>9}"]
         for r in result["generation"]:
-            lines.append(f"{'student' if r['student'] else 'teacher':>8} {r['context']:>8} {r['prefill_ms']:>11.1f} "
-                         f"{r['decode_tokens_per_s']:>13.1f} {r['cache_bytes'] / 2 ** 20:>9.2f}")
+            name = ("student" + (f" w{r['window']}" if r.get("window") else "")) if r["student"] else "teacher"
+            peak = f"{r['peak_cuda_bytes'] / 2 ** 20:>9.0f}" if "peak_cuda_bytes" in r else f"{'-':>9}"
+            lines.append(f"{name:>12} {r['context']:>8} {r['prefill_ms']:>11.1f} {r['decode_tokens_per_s']:>13.1f} "
+                         f"{r['cache_bytes'] / 2 ** 20:>9.2f} {peak}")
     return "\n".join(lines)
 
 

@@ -21,9 +21,15 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path):
         assert row["backend"] == "chunk" and row["window"] == 16
     assert all(r["state_bytes"] == 1 * 2 * 5 * 9 * 4 for r in result["decode"])
     assert result["decode"][1]["kv_cache_bytes"] == 2 * 1 * 2 * 70 * 8 * 4
-    gen = {r["student"]: r for r in result["generation"]}
-    assert set(gen) == {False, True} and all(r["decode_tokens_per_s"] > 0 for r in gen.values())
-    assert gen[True]["cache_bytes"] == 3 * 4 * 5 * 17 * 4        # 3 layers of [1, 4, 5, 16 + 1] float32
+    for row in result["prefill"]:
+        assert set(row["op_ms"]) == {"chunk"} and row["op_ms"]["chunk"] > 0 and row["hybrid_vs_student"] > 0
+    assert all(r["op_ms"] > 0 for r in result["decode"])
+    gen = {(r["student"], r["window"]): r for r in result["generation"]}
+    assert set(gen) == {(False, 0), (True, 0), (True, 16)} and all(r["decode_tokens_per_s"] > 0 for r in gen.values())
+    assert gen[True, 0]["cache_bytes"] == 3 * 4 * 5 * 17 * 4     # 3 layers of [1, 4, 5, 16 + 1] float32
+    # the window student adds, per layer, the 14 (< 16) keys and values [1, 14, 2, 16] fed so far (12 of the prompt,
+    # 2 generated) and their flags
+    assert gen[True, 16]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 14 * 2 * 16 * 4 + 14)
     assert result["hardware"]["device"] == "cpu" and "prefill (one layer, ms)" in printed
 
 
