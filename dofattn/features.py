@@ -127,9 +127,23 @@ class PositiveRandomFeatures(FeatureMap):
     def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
         return self.features(x, role)[0]
 
+    def fused_ok(self, x: torch.Tensor, role: str) -> bool:
+        """True when the one-kernel Triton path (`ops.fused.prf_features`) gives this call's result: CUDA, no
+        autograd, and for keys a calibrated key shift that this call would not move (eval mode)."""
+        if not x.is_cuda or (torch.is_grad_enabled() and (x.requires_grad or self.directions.requires_grad)):
+            return False
+        if role != "query" and (self.training or not torch.isfinite(self.key_shift).all()):
+            return False
+        from dofattn.ops import load_fused, triton_available
+        return triton_available() and load_fused()[0] is not None
+
     def features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
-        e = self.exponent(x)
         half_log_m = 0.5 * self.log_dims                                             # [H]
+        if self.fused_ok(x, role):
+            from dofattn.ops import load_fused
+            phi, q_scale = load_fused()[0].prf_features(self, x, role, MAX_KEY_EXCESS)
+            return phi, (q_scale if role == "query" else self.key_shift - half_log_m)
+        e = self.exponent(x)
         if role == "query":
             shift = e.amax(-1, keepdim=True).detach()
             return torch.exp(e - shift), shift[..., 0] - half_log_m

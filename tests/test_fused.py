@@ -149,3 +149,81 @@ def test_one_token_without_grad_is_the_decode_step(with_state):
     assert_close("aug", ref_aug, aug, RATIO)
     if state is not None:
         assert torch.equal(state, before)
+
+
+def prf_map(H=3, D=16, M=37, head_dims=(37, 20, 5), seed=0):
+    """A learned PRF map with random log-weights and a key shift calibrated on large keys (exponents ~ 100)."""
+    from dofattn.features import make_feature_map
+
+    fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=seed, head_dims=list(head_dims)).to(DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        fmap.log_weights.copy_(torch.randn(H, M, generator=g).to(DEVICE))
+        fmap.features(6 * torch.randn(2, 50, H, D, generator=g).to(DEVICE), "key")   # training mode: calibrates
+    return fmap.eval()
+
+
+def torch_features(fmap, x, role):
+    """The map's PyTorch path (autograd on, so the fused path is never taken)."""
+    with torch.enable_grad():
+        phi, scale = fmap.features(x.detach().requires_grad_(), role)
+    return phi.detach(), scale.detach()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3, 16), (2, 70, 3, 16), (1, 130, 3, 16)])
+def test_prf_features_match_torch(shape):
+    from dofattn.features import MAX_KEY_EXCESS
+
+    fmap = prf_map()
+    x = 6 * torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    for role in ("query", "key"):
+        ref_phi, ref_scale = torch_features(fmap, x, role)
+        phi, scale = fused.prf_features(fmap, x, role, MAX_KEY_EXCESS)
+        assert_close(role, ref_phi, phi, RATIO)
+        assert torch.equal(phi[..., 5:][:, :, 2], torch.zeros_like(phi[..., 5:][:, :, 2]))   # head 2: 5 features
+        if role == "query":
+            assert_close("scale", ref_scale, scale, 1e-6)
+        else:
+            assert scale is None
+
+
+def test_prf_decode_step_matches_the_layer():
+    """The one-kernel step (features + state update + output, GQA) against features + the naive op."""
+    from dofattn.features import MAX_KEY_EXCESS
+
+    fmap = prf_map(H=4, M=24, head_dims=(24, 24, 10, 3))
+    g = torch.Generator().manual_seed(2)
+    B, H, Hkv, D, V = 2, 4, 2, 16, 16
+    q = 3 * torch.randn(B, 1, H, D, generator=g).to(DEVICE)
+    k, v = (3 * torch.randn(B, 1, Hkv, D, generator=g).to(DEVICE) for _ in range(2))
+    state = torch.rand(B, H, 24, V + 1, generator=g).to(DEVICE)
+    k_h, v_h = k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
+    ref_o, ref_s = naive_linear_attention(torch_features(fmap, q, "query")[0], torch_features(fmap, k_h, "key")[0],
+                                          v_h, state, output_final_state=True)
+    o = fused.prf_decode_step(fmap, q, k, v, state, MAX_KEY_EXCESS)
+    assert_close("o", ref_o, o, RATIO)
+    assert_close("ht", ref_s, state, RATIO)                                            # updated in place
+    with pytest.raises(ValueError, match="contiguous float32 state"):
+        fused.prf_decode_step(fmap, q, k, v, state.double(), MAX_KEY_EXCESS)
+
+
+@pytest.mark.skipif(not CUDA, reason="the one-kernel decode path runs on CUDA")
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_generation_on_cuda_takes_one_kernel_steps(family, monkeypatch):
+    """Greedy generation on CUDA: every step of every layer is one `prf_decode_step`, and the logits equal a full
+    forward over the generated sequence (Triton prefill) up to float rounding."""
+    from dofattn.student import linearize
+    from tests.conftest import tiny_model
+
+    model = tiny_model(family).cuda()
+    linearize(model, dims=[9, 16, 5], feature="prf", seed=1)
+    calls = []
+    step = fused.prf_decode_step
+    monkeypatch.setattr(fused, "prf_decode_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    prompt = torch.randint(3, 300, (1, 11), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences, use_cache=False).logits
+    assert len(calls) == 3 * 19
+    torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-3, atol=1e-3)

@@ -68,8 +68,8 @@ def forward_backward(op, phi_q, phi_k, v, state, seed=1, **kwargs):
     o, final = op(leaves["dq"], leaves["dk"], leaves["dv"], initial_state=leaves.get("dh0"),
                   output_final_state=True, **kwargs)
     g = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)
-    dht = torch.randn(final.shape, generator=g, dtype=torch.float64).to(final.dtype)
+    do = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device, o.dtype)
+    dht = torch.randn(final.shape, generator=g, dtype=torch.float64).to(final.device, final.dtype)
     ((o * do).sum() + (final * dht).sum()).backward()
     return o, final, {name: x.grad for name, x in leaves.items()}
 

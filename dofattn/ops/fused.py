@@ -139,6 +139,68 @@ def _decode_step(q_ptr, k_ptr, v_ptr, s_ptr, s_out_ptr, o_ptr, H, K, V,
         tl.store(o_ptr + bh * (V + 1) + ov, num, mask=mv1)
 
 
+@triton.jit
+def _prf_features(x_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, phi_ptr, qs_ptr, T, H, D, M, root_s, max_excess,
+                  BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, QUERY: tl.constexpr):
+    """PRF features of BT tokens of one head: e = W·u − ‖u‖²/2 + ½ log α (u = √s·x), masked past the head's count;
+    queries φ = exp(e − max e) and their log-scale max e − ½ log count; keys φ = exp(min(e − key_shift, cap))."""
+    it, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = it * BT + tl.arange(0, BT)
+    od, om = tl.arange(0, BD), tl.arange(0, BM)
+    mr, md = rows < T, od < D
+    count = tl.load(cnt_ptr + h)
+    mm = om < count
+    x_rows = (b.to(tl.int64) * T + rows) * H + h                                               # [BT] token-head rows
+    u = tl.load(x_ptr + x_rows[:, None] * D + od[None, :], mask=mr[:, None] & md[None, :], other=0.0)
+    u = u.to(tl.float32) * root_s                                                              # [BT, BD]
+    w = tl.load(w_ptr + (h * M + om[:, None]) * D + od[None, :], mask=mm[:, None] & md[None, :], other=0.0)
+    lw = tl.load(lw_ptr + h * M + om, mask=mm, other=0.0)                                      # [BM]
+    e = tl.dot(u, tl.trans(w.to(tl.float32)), input_precision="ieee")                         # [BT, BM]
+    e = e - 0.5 * tl.sum(u * u, 1)[:, None] + 0.5 * lw[None, :]
+    e = tl.where(mm[None, :], e, float("-inf"))
+    if QUERY:
+        shift = tl.max(e, 1)                                                                   # [BT]
+        phi = tl.exp(e - shift[:, None])
+        tl.store(qs_ptr + x_rows, shift - 0.5 * tl.log(count.to(tl.float32)), mask=mr)
+    else:
+        phi = tl.exp(tl.minimum(e - tl.load(ks_ptr + h), max_excess))
+    tl.store(phi_ptr + x_rows[:, None] * M + om[None, :], phi.to(phi_ptr.dtype.element_ty),
+             mask=mr[:, None] & (om < M)[None, :])
+
+
+@triton.jit
+def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr, o_ptr, H, G, D, M, V, root_s,
+                     max_excess, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr):
+    """A whole linear-attention decode step for one (batch, head): PRF features of the new query and key (k, v on
+    kv head h // G), S += φk ⊗ [v, 1] in place, o = (φq·S)[:V] / max((φq·S)[V], tiny)."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    bkv = b * (H // G) + h // G
+    od, om, ov = tl.arange(0, BD), tl.arange(0, BM), tl.arange(0, BV)
+    md, mv, mv1 = od < D, ov < V, ov <= V
+    count = tl.load(cnt_ptr + h)
+    mm = om < count
+    w = tl.load(w_ptr + (h * M + om[:, None]) * D + od[None, :], mask=mm[:, None] & md[None, :], other=0.0)
+    lw = tl.load(lw_ptr + h * M + om, mask=mm, other=0.0)                                      # [BM]
+    uq = tl.load(q_ptr + bh * D + od, mask=md, other=0.0).to(tl.float32) * root_s              # [BD]
+    uk = tl.load(k_ptr + bkv * D + od, mask=md, other=0.0).to(tl.float32) * root_s
+    eq = tl.sum(w * uq[None, :], 1) - 0.5 * tl.sum(uq * uq, 0) + 0.5 * lw                      # [BM]
+    ek = tl.sum(w * uk[None, :], 1) - 0.5 * tl.sum(uk * uk, 0) + 0.5 * lw
+    eq = tl.where(mm, eq, float("-inf"))
+    pq = tl.exp(eq - tl.max(eq, 0))
+    pk = tl.where(mm, tl.exp(tl.minimum(ek - tl.load(ks_ptr + h), max_excess)), 0.0)
+    v = tl.load(v_ptr + bkv * V + ov, mask=mv, other=0.0).to(tl.float32)
+    v = tl.where(ov == V, 1.0, v)                                                              # [v, 1]
+    s_off = bh.to(tl.int64) * M * (V + 1) + om[:, None] * (V + 1) + ov[None, :]
+    ms = (om < M)[:, None] & mv1[None, :]
+    S = tl.load(s_ptr + s_off, mask=ms, other=0.0) + pk[:, None] * v[None, :]
+    tl.store(s_ptr + s_off, S, mask=ms)
+    num = tl.sum(pq[:, None] * S, 0)                                                           # [BV]
+    den = tl.sum(tl.where(ov == V, num, 0.0), 0)
+    tl.store(o_ptr + bh * V + ov, num / tl.maximum(den, 1.1754943508222875e-38), mask=mv)
+
+
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1: the kernels then run on CPU tensors (slowly), for tests without a GPU."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -308,4 +370,53 @@ def triton_decode_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor
     o = torch.empty(B, 1, H, V + (0 if normalize else 1), device=v.device, dtype=torch.float32)
     _decode_step[(B * H,)](phi_q.contiguous(), phi_k.contiguous(), v.contiguous(), state, out_state, o, H, K, V,
                            BK=_pow2(K), BV=_pow2(V + 1), NORMALIZE=normalize)
+    return o
+
+
+def _prf_args(fmap):
+    """Directions [H, M, D], log-weights [H, M] (float32, contiguous) and per-head counts [H] (int32) of a PRF map."""
+    counts = fmap.head_dims if fmap.head_dims is not None else [fmap.dim] * fmap.num_heads
+    cache = getattr(fmap, "_fused_counts", None)
+    if cache is None or cache.device != fmap.directions.device:
+        cache = torch.tensor(counts, dtype=torch.int32, device=fmap.directions.device)
+        fmap._fused_counts = cache
+    return fmap.directions.detach().float().contiguous(), fmap.log_weights.detach().float().contiguous(), cache
+
+
+def prf_features(fmap, x: torch.Tensor, role: str, max_excess: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`PositiveRandomFeatures.features` in one kernel, without autograd: x [B, T, H, D] -> (φ [B, T, H, M] in x's
+    dtype if 16-bit else float32, the query log-scale [B, T, H] float32 or None for keys). Keys use the map's current
+    `key_shift`, which must be finite (calibrated)."""
+    B, T, H, D = x.shape
+    M = fmap.dim
+    w, lw, counts = _prf_args(fmap)
+    dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    phi = torch.empty(B, T, H, M, device=x.device, dtype=dtype)
+    query = role == "query"
+    scale = torch.empty(B, T, H, device=x.device, dtype=torch.float32) if query else phi
+    BM = _pow2(M)
+    BT = 64 if BM <= 128 else 32
+    grid = (triton.cdiv(T, BT), B * H)
+    _prf_features[grid](x.contiguous(), w, lw, counts, fmap.key_shift, phi, scale, T, H, D, M,
+                        fmap.scaling ** 0.5, max_excess, BT=BT, BD=_pow2(D), BM=BM, QUERY=query)
+    return phi, (scale if query else None)
+
+
+def prf_decode_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+                    max_excess: float) -> torch.Tensor:
+    """One decode step of a PRF linear-attention layer in one kernel, the state updated in place.
+
+    q [B, 1, H, D] (after RoPE); k, v [B, 1, Hkv, D] on kv heads (H a multiple of Hkv); state [B, H, M, V+1]
+    float32 contiguous. Returns o [B, 1, H, V] float32. The map's key_shift must be finite (set by the prefill).
+    """
+    B, _, H, D = q.shape
+    Hkv, V, M = k.shape[2], v.shape[-1], fmap.dim
+    if state.shape != (B, H, M, V + 1) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"prf_decode_step needs a contiguous float32 state [B, H, M, V+1] = {(B, H, M, V + 1)}, got "
+                         f"{tuple(state.shape)} {state.dtype}")
+    w, lw, counts = _prf_args(fmap)
+    o = torch.empty(B, 1, H, V, device=q.device, dtype=torch.float32)
+    _prf_decode_step[(B * H,)](q.contiguous(), k.contiguous(), v.contiguous(), w, lw, counts, fmap.key_shift, state, o,
+                               H, H // Hkv, D, M, V, fmap.scaling ** 0.5, max_excess, BD=_pow2(D), BM=_pow2(M),
+                               BV=_pow2(V + 1))
     return o
