@@ -6,8 +6,9 @@ Three measurements, each the median of `repeats` timed runs after one warm-up (C
 1. prefill op: one layer's causal attention over T tokens. SDPA (softmax) against the student's attention on the
    same q/k/v: PRF feature map + causal linear attention (`ops`, backend picked as in training/prefill), and, with
    a window, the sliding-window hybrid. Also the linear op alone on precomputed features.
-2. decode step: one new query against a context of T tokens at batch B. SDPA over a KV cache of T keys against one
-   recurrent step on the [B, H, M, V+1] state (constant in T).
+2. decode step: one new query against a context of T tokens at batch B. SDPA over a KV cache of T keys against the
+   student layer's generation step on the [B, H, M, V+1] state (constant in T; on CUDA one Triton kernel with the
+   feature map inside), and the linear op's step alone on precomputed features.
 3. generation: a model and its linearized student (untrained PRF features: speed does not depend on training)
    prefill a prompt of T tokens and greedily generate `new_tokens`; decode tokens/s, and the cache each holds at
    the end (KV cache against state; plus the peak CUDA memory on CUDA).
@@ -133,6 +134,7 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
 
 @torch.no_grad()
 def bench_decode(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
+    from dofattn.attention import LinearStateLayer
     from dofattn.ops import linear_attention
 
     rows = []
@@ -146,13 +148,14 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
         state = torch.rand(B, H, M, D + 1, generator=g, device=cfg.device)
         linear.feature_map(k1, "key")  # calibrate the key shift once, as a prefill would
         phi_q1, phi_k1 = (linear.feature_map(x, role).to(dtype) for x, role in ((q1, "query"), (k1, "key")))
+        cache = LinearStateLayer()                 # the layer's generation step, as `generate` runs it
+        cache.state = state.clone()
         row = {"T": T, "batch": B, "heads": H, "head_dim": D, "features": M,
                "op_ms": timed(lambda: linear_attention(phi_q1, phi_k1, v1, state, output_final_state=True),
                               cfg.device, cfg.repeats),
                "sdpa_ms": timed(lambda: F.scaled_dot_product_attention(q, k_cache, v_cache), cfg.device,
                                 cfg.repeats),
-               "student_ms": timed(lambda: linear.attend(q1, k1, v1, state=state, output_final_state=True),
-                                   cfg.device, cfg.repeats),
+               "student_ms": timed(lambda: linear(q1, k1, v1, cache=cache), cfg.device, cfg.repeats),
                "kv_cache_bytes": 2 * k_cache.numel() * k_cache.element_size(),
                "state_bytes": state.numel() * state.element_size()}
         row["speedup_student_vs_sdpa"] = row["sdpa_ms"] / row["student_ms"]

@@ -72,15 +72,31 @@ def test_scan_blocks_and_direction(block, reverse):
     o, d, _ = fused.scan(phi_q, phi_k, v, with_den=True, reverse=reverse, block=block)
     assert_close("o", ref_o, o, RATIO)
     assert_close("den", ref_d, d, RATIO)
+    o, _, _ = fused.scan(phi_q, phi_k, v, with_den=True, reverse=reverse, normalize=True, block=block)
+    assert_close("o/den", ref_o / ref_d[..., None], o, RATIO)
     o, d, _ = fused.scan(phi_q, phi_k, v, reverse=reverse, block=block)
     assert d is None
     assert_close("o", ref_o, o, RATIO)
+
+
+def test_scan_states_over_blocks():
+    """Final state over several blocks, from an initial state, with and without the normaliser column."""
+    phi_q, phi_k, v, state = on_device(make_inputs(2, 300, 3, 20, 24))
+    _, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True)
+    for block in (64, 128, 512):
+        _, _, s = fused.scan(phi_q, phi_k, v, state, with_den=True, final_state=True, block=block)
+        assert_close("ht", ref_s, s, RATIO)
+        _, _, s = fused.scan(phi_q, phi_k, v, state, final_state=True, block=block)
+        assert_close("ht[:V]", ref_s[..., :-1], s[..., :-1], RATIO)
+        assert torch.equal(s[..., -1], torch.zeros_like(s[..., -1]))
 
 
 def test_bad_block():
     phi_q, phi_k, v, _ = on_device(make_inputs(1, 10, 1, 4, 4, with_state=False))
     with pytest.raises(ValueError, match="block must be a power of two >= 64"):
         fused.scan(phi_q, phi_k, v, block=96)
+    with pytest.raises(ValueError, match="normalize needs with_den"):
+        fused.scan(phi_q, phi_k, v, normalize=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

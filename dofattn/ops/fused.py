@@ -70,11 +70,53 @@ def _block_state(k_ptr, v_ptr, s_ptr, z_ptr, T, H, K, V, L: tl.constexpr,
 
 
 @triton.jit
+def _prefix_states(s_ptr, z_ptr, s0_ptr, f_ptr, NB, K, V, BK: tl.constexpr, BV: tl.constexpr,
+                   HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, REVERSE: tl.constexpr, FINAL: tl.constexpr):
+    """In place over one (batch·head, value tile): the blocks' own states s_ptr [B·H, NB, K, V] (z_ptr [B·H, NB, K])
+    become the states entering each block (exclusive prefix sum from the left, or suffix sum if REVERSE) plus the
+    initial state s0_ptr [B·H, K, V+1]; the total goes to f_ptr [B·H, K, V+1] if FINAL."""
+    bh, iv = tl.program_id(0), tl.program_id(1)
+    ok, ov = tl.arange(0, BK), iv * BV + tl.arange(0, BV)
+    mk, mv = ok < K, ov < V
+    ms = mk[:, None] & mv[None, :]
+    s_tile = ok[:, None] * V + ov[None, :]
+    aug_tile = ok[:, None] * (V + 1) + ov[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    if HAS_S0:
+        S = tl.load(s0_ptr + bh.to(tl.int64) * K * (V + 1) + aug_tile, mask=ms, other=0.0)
+        if HAS_Z:
+            z = tl.load(s0_ptr + bh.to(tl.int64) * K * (V + 1) + ok * (V + 1) + V, mask=mk, other=0.0)
+    i = 0
+    while i < NB:                                      # a while loop: Triton's interpreter rejects range(runtime int)
+        if REVERSE:
+            blk = NB - 1 - i
+        else:
+            blk = i
+        i += 1
+        base = (bh.to(tl.int64) * NB + blk) * K
+        x = tl.load(s_ptr + base * V + s_tile, mask=ms, other=0.0)
+        tl.store(s_ptr + base * V + s_tile, S, mask=ms)
+        S += x
+        if HAS_Z:
+            if iv == 0:
+                xz = tl.load(z_ptr + base + ok, mask=mk, other=0.0)
+                tl.store(z_ptr + base + ok, z, mask=mk)
+                z += xz
+    if FINAL:
+        tl.store(f_ptr + bh.to(tl.int64) * K * (V + 1) + aug_tile, S, mask=ms)
+        if HAS_Z:
+            if iv == 0:
+                tl.store(f_ptr + bh.to(tl.int64) * K * (V + 1) + ok * (V + 1) + V, z, mask=mk)
+
+
+@triton.jit
 def _block_scan(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr, d_ptr, T, H, K, V, L: tl.constexpr,
                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_Z: tl.constexpr, REVERSE: tl.constexpr,
-                DOT: tl.constexpr, PREC: tl.constexpr):
+                NORMALIZE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """One block's outputs o_t = Σ_s (q_t·k_s) v_s [and d_t = Σ_s q_t·k_s] over s ≤ t (s ≥ t if REVERSE), starting
-    from the state of everything before (after) the block: s_ptr [B·H, NB, K, V], z_ptr [B·H, NB, K]."""
+    from the state of everything before (after) the block: s_ptr [B·H, NB, K, V], z_ptr [B·H, NB, K].
+    NORMALIZE (needs HAS_Z): o_t / max(d_t, tiny) is stored instead of o_t, in o_ptr's dtype."""
     blk, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB = (T + L - 1) // L
     b, h = bh // H, bh % H
@@ -107,12 +149,15 @@ def _block_scan(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr, d_ptr, T, H, K, V, L: 
         A = tl.dot(qc, tl.trans(kc), input_precision=PREC)                                     # [C, C]
         A = tl.where(keep, A, 0.0)
         o = tl.dot(qc, S.to(DOT), input_precision=PREC) + tl.dot(A.to(DOT), vc, input_precision=PREC)
-        tl.store(o_base + rows[:, None].to(tl.int64) * H * V + ov[None, :], o, mask=mr[:, None] & mv[None, :])
         if HAS_Z:
+            d = tl.sum(qc.to(tl.float32) * z[None, :], 1) + tl.sum(A, 1)                        # [C]
             if iv == 0:
-                d = tl.sum(qc.to(tl.float32) * z[None, :], 1) + tl.sum(A, 1)                    # [C]
                 tl.store(d_ptr + row0 + rows.to(tl.int64) * H, d, mask=mr)
+            if NORMALIZE:
+                o = o / tl.maximum(d, 1.1754943508222875e-38)[:, None]
             z += tl.sum(kc.to(tl.float32), 0)
+        tl.store(o_base + rows[:, None].to(tl.int64) * H * V + ov[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=mr[:, None] & mv[None, :])
         S += tl.dot(tl.trans(kc), vc, input_precision=PREC)
 
 
@@ -232,14 +277,18 @@ def _dot_dtype(*xs: torch.Tensor):
     return tl.float32, "tf32x3"
 
 
-def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: torch.Tensor | None = None,
-         z0: torch.Tensor | None = None, with_den: bool = False, reverse: bool = False,
-         final_state: bool = False, block: int | None = None):
-    """o_t = Σ_{s≤t} (q_t·k_s) v_s (s ≥ t if reverse) plus the state s0 [B, H, K, V] (z0 [B, H, K] for the den).
+def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | None = None,
+         with_den: bool = False, reverse: bool = False, final_state: bool = False, normalize: bool = False,
+         out_dtype: torch.dtype = torch.float32, block: int | None = None):
+    """o_t = Σ_{s≤t} (q_t·k_s) v_s (s ≥ t if reverse), from the initial state S0 [B, H, K, V+1] (its last column:
+    the normaliser, used with `with_den`).
 
-    q, k [B, T, H, K], v [B, T, H, V] -> (o [B, T, H, V] float32, den [B, T, H] float32 or None,
-    (S [B, H, K, V], z [B, H, K]) after all tokens, or None). `block` fixes the block length (tests).
+    q, k [B, T, H, K], v [B, T, H, V] -> (o [B, T, H, V] in out_dtype, divided by max(den, tiny) if normalize;
+    den [B, T, H] float32 or None; the state after all tokens [B, H, K, V+1] float32 (last column Σ k, with_den
+    only) or None). `block` fixes the block length (tests).
     """
+    if normalize and not with_den:
+        raise ValueError("normalize needs with_den")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -248,59 +297,60 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: torch.Tensor | N
     DOT, PREC = _dot_dtype(q, k, v)
     f32 = dict(device=q.device, dtype=torch.float32)
     grid = (NB, B * H, NV)
+    if S0 is not None:
+        S0 = S0.float().contiguous()
 
-    if NB > 1 or final_state:
-        blocks = torch.empty(B * H, NB, K, V, **f32)
-        zb = torch.empty(B * H, NB, K, **f32) if with_den else blocks
-        _block_state[grid](k, v, blocks, zb, T, H, K, V, L, C=CHUNK, BK=BK, BV=BV, HAS_Z=with_den, DOT=DOT,
-                           PREC=PREC)
-        blocks = blocks.view(B, H, NB, K, V)
-        zb = zb.view(B, H, NB, K) if with_den else None
-    else:
-        blocks = zb = None
-
-    def before(x, x0, shape):             # state entering each block (exclusive prefix or suffix sum) + x0
-        if x is None:
-            out = torch.zeros(shape, **f32)
+    final = torch.empty(B, H, K, V + 1, **f32) if final_state else None
+    if NB == 1 and not final_state:                                    # one block: it starts from S0 (or zeros)
+        if S0 is None:
+            s_in = torch.zeros(B * H, 1, K, V, **f32)
+            z_in = torch.zeros(B * H, 1, K, **f32) if with_den else s_in
         else:
-            dim = 2
-            if reverse:
-                out = x.flip(dim).cumsum(dim).flip(dim) - x
-            else:
-                out = x.cumsum(dim) - x
-        if x0 is not None:
-            out = out + x0.float().unsqueeze(2)
-        return out.contiguous()
-
-    s_in = before(blocks, s0, (B, H, NB, K, V))
-    z_in = before(zb, z0, (B, H, NB, K)) if with_den else s_in
-    o = torch.empty(B, T, H, V, **f32)
+            s_in = S0[..., :V].reshape(B * H, 1, K, V).contiguous()
+            z_in = S0[..., V].reshape(B * H, 1, K).contiguous() if with_den else s_in
+    else:
+        s_in = torch.empty(B * H, NB, K, V, **f32)
+        z_in = torch.empty(B * H, NB, K, **f32) if with_den else s_in
+        _block_state[grid](k, v, s_in, z_in, T, H, K, V, L, C=CHUNK, BK=BK, BV=BV, HAS_Z=with_den, DOT=DOT,
+                           PREC=PREC)
+        _prefix_states[(B * H, NV)](s_in, z_in, S0 if S0 is not None else s_in, final if final_state else s_in,
+                                    NB, K, V, BK=BK, BV=BV, HAS_Z=with_den, HAS_S0=S0 is not None, REVERSE=reverse,
+                                    FINAL=final_state)
+        if final_state and not with_den:
+            final[..., V] = 0.0
+    o = torch.empty(B, T, H, V, device=q.device, dtype=out_dtype)
     den = torch.empty(B, T, H, **f32) if with_den else o
     _block_scan[grid](q, k, v, s_in, z_in, o, den, T, H, K, V, L, C=CHUNK, BK=BK, BV=BV, HAS_Z=with_den,
-                      REVERSE=reverse, DOT=DOT, PREC=PREC)
-    state = None
-    if final_state:
-        S = blocks.sum(2) + (0 if s0 is None else s0.float())
-        z = zb.sum(2) + (0 if z0 is None else z0.float()) if with_den else None
-        state = (S, z)
-    return o, (den if with_den else None), state
+                      REVERSE=reverse, NORMALIZE=normalize, DOT=DOT, PREC=PREC)
+    return o, (den if with_den else None), final
 
 
 class LinearScan(torch.autograd.Function):
-    """[num, den] of causal linear attention with the initial state S0 [B, H, M, V+1], and the final state."""
+    """Causal linear attention from the initial state S0 [B, H, M, V+1]: o [B, T, H, V] in v.dtype (normalize) or
+    [num, den] [B, T, H, V+1] float32, and the final state [B, H, M, V+1] (want_state) or None."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, S0, want_state: bool):
-        s0, z0 = (None, None) if S0 is None else (S0[..., :-1], S0[..., -1])
-        num, den, state = scan(phi_q, phi_k, v, s0, z0, with_den=True, final_state=want_state)
-        final = torch.cat([state[0], state[1][..., None]], -1) if want_state else None        # [B, H, M, V+1]
+    def forward(ctx, phi_q, phi_k, v, S0, want_state: bool, normalize: bool):
+        o, den, final = scan(phi_q, phi_k, v, S0, with_den=True, final_state=want_state, normalize=normalize,
+                             out_dtype=v.dtype if normalize else torch.float32)
+        ctx.normalize = normalize
+        if normalize:
+            ctx.save_for_backward(phi_q, phi_k, v, S0, o, den)
+            return o, final
         ctx.save_for_backward(phi_q, phi_k, v, S0)
-        return torch.cat([num, den[..., None]], -1), final                                     # [B, T, H, V+1]
+        return torch.cat([o, den[..., None]], -1), final                                       # [B, T, H, V+1]
 
     @staticmethod
-    def backward(ctx, g_aug, g_state):
-        phi_q, phi_k, v, S0 = ctx.saved_tensors
-        g_aug = g_aug.float()
+    def backward(ctx, g_out, g_state):
+        phi_q, phi_k, v, S0 = ctx.saved_tensors[:4]
+        if ctx.normalize:                             # o = num / max(den, tiny): back to ∂num, ∂den
+            o, den = ctx.saved_tensors[4:]
+            g_o = g_out.float()
+            den_c = den.clamp_min(TINY)[..., None]                                             # [B, T, H, 1]
+            g_den = torch.where(den[..., None] >= TINY, -(g_o * o.float()).sum(-1, keepdim=True) / den_c, 0.0)
+            g_aug = torch.cat([g_o / den_c, g_den], -1)                                        # [B, T, H, V+1]
+        else:
+            g_aug = g_out.float()
         dtype = phi_q.dtype if phi_q.dtype == phi_k.dtype == v.dtype else torch.float32
         g = g_aug.to(dtype)                                                                    # [B, T, H, V+1]
         v_aug = torch.cat([v, torch.ones_like(v[..., :1])], -1).to(dtype)                     # [B, T, H, V+1]
@@ -316,7 +366,7 @@ class LinearScan(torch.autograd.Function):
             dk = dk + torch.einsum("bthv,bhmv->bthm", v_aug.float(), g_state)
             dv = dv + torch.einsum("bthm,bhmv->bthv", phi_k.float(), g_state[..., :-1])
             dS0 = None if S0 is None else dS0 + g_state
-        return dq.to(phi_q.dtype), dk.to(phi_k.dtype), dv.to(v.dtype), dS0, None
+        return dq.to(phi_q.dtype), dk.to(phi_k.dtype), dv.to(v.dtype), dS0, None, None
 
 
 def triton_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
@@ -341,11 +391,7 @@ def triton_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
         o = triton_decode_step(phi_q, phi_k, v, S0, S1, normalize=normalize)
         return (o.to(v.dtype) if normalize else o), (S1 if output_final_state else None)
     S0 = None if initial_state is None else initial_state.float().contiguous()
-    o_aug, final = LinearScan.apply(phi_q, phi_k, v, S0, output_final_state)
-    if not normalize:
-        return o_aug, final
-    o = o_aug[..., :-1] / o_aug[..., -1:].clamp_min(TINY)
-    return o.to(v.dtype), final
+    return LinearScan.apply(phi_q, phi_k, v, S0, output_final_state, normalize)
 
 
 def triton_decode_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,

@@ -1,0 +1,139 @@
+"""The linear-attention op on CUDA, in detail: dofattn's Triton kernels against fla and SDPA, forward and training.
+
+    python benchmarks/cuda_ops.py --out docs/results/cuda-ops.json
+
+For every feature dim M and length T (bf16, B = 1, H = 12, V = 64, causal), the median of --repeats CUDA-event
+timings of:
+    sdpa, sdpa_train        softmax attention (flash), forward / forward + backward
+    triton, triton_graph    dofattn's op, eager / replayed from a CUDA graph (the difference is launch overhead)
+    triton_train            forward + backward
+    fla, fla_train          flash-linear-attention's chunk_linear_attn through `ops.fla` (if fla imports)
+plus the op's memory floor: reading φq, φk, v and writing o once, at the copy bandwidth measured here.
+Training rows stop at --max-train-T (SDPA's backward and the others' activations grow with T).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dofattn.bench import hardware  # noqa: E402
+from dofattn.ops import fla_available, linear_attention  # noqa: E402
+
+
+def cuda_time(fn, repeats: int) -> float:
+    """Median ms of fn() by CUDA events, after two warm-ups."""
+    fn()
+    fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def graphed(fn):
+    """fn captured into a CUDA graph; returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    src = torch.empty(2 ** 30, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = cuda_time(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() * 2 / (ms / 1e3)
+
+
+def safe(fn, repeats):
+    try:
+        return cuda_time(fn, repeats)
+    except (RuntimeError, torch.OutOfMemoryError) as error:
+        torch.cuda.empty_cache()
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+
+
+def run(dims, lengths, repeats, max_train_T, heads=12, V=64):
+    bandwidth = copy_bandwidth()
+    rows = []
+    for M in dims:
+        for T in lengths:
+            g = torch.Generator(device="cuda").manual_seed(T + M)
+            phi_q, phi_k = (torch.rand(1, T, heads, M, generator=g, device="cuda").bfloat16() for _ in range(2))
+            q, k, v = (torch.randn(1, T, heads, V, generator=g, device="cuda").bfloat16() for _ in range(3))
+            qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+            floor_ms = (2 * T * heads * M + 2 * T * heads * V) * 2 / bandwidth * 1e3
+            row = {"M": M, "T": T, "heads": heads, "V": V, "dtype": "bfloat16", "floor_ms": floor_ms,
+                   "sdpa": safe(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True), repeats),
+                   "triton": safe(lambda: linear_attention(phi_q, phi_k, v, backend="triton"), repeats)}
+            try:
+                row["triton_graph"] = cuda_time(graphed(lambda: linear_attention(phi_q, phi_k, v, backend="triton")),
+                                                repeats)
+            except RuntimeError as error:
+                row["triton_graph"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            if fla_available():
+                row["fla"] = safe(lambda: linear_attention(phi_q, phi_k, v, backend="fla"), repeats)
+            if T <= max_train_T:
+                leaves = [x.detach().clone().requires_grad_() for x in (phi_q, phi_k, v)]
+                heads_layout = [x.detach().clone().requires_grad_() for x in (qh, kh, vh)]
+
+                def train(backend):
+                    o, _ = linear_attention(*leaves, backend=backend)
+                    o.float().sum().backward()
+
+                def sdpa_train():
+                    F.scaled_dot_product_attention(*heads_layout, is_causal=True).float().sum().backward()
+
+                row["sdpa_train"] = safe(sdpa_train, repeats)
+                row["triton_train"] = safe(lambda: train("triton"), repeats)
+                if fla_available():
+                    row["fla_train"] = safe(lambda: train("fla"), repeats)
+            rows.append(row)
+            print(" ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+                           for key, value in row.items()), flush=True)
+            del phi_q, phi_k, q, k, v, qh, kh, vh
+            torch.cuda.empty_cache()
+    return {"copy_bandwidth_bytes_per_s": bandwidth, "rows": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", default="64,128,256")
+    parser.add_argument("--lengths", default="2048,8192,32768,131072")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--max-train-T", type=int, default=32768)
+    parser.add_argument("--out", default="cuda-ops.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("cuda_ops.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    result = run([int(x) for x in args.dims.split(",")], [int(x) for x in args.lengths.split(",")], args.repeats,
+                 args.max_train_T)
+    result["hardware"] = hardware("cuda")
+    result["command"] = " ".join(sys.argv)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
