@@ -55,9 +55,9 @@ class LinearAttention(nn.Module):
         """
         if cache is None:
             return self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, backend=backend)[0]
-        if self.one_kernel_step(q, cache, key_valid, backend):
+        if self.one_kernel_step(q, cache, backend):
             from dofattn.ops import load_fused
-            return load_fused()[0].prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS).to(q.dtype)
+            return load_fused()[0].prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS, key_valid)
         if self.window:  # the cache keeps each key's padding flag beside it
             if key_valid is None:
                 key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
@@ -70,15 +70,14 @@ class LinearAttention(nn.Module):
             cache.keys, cache.values, cache.key_valid = k[:, keep], v[:, keep], key_valid[:, keep]
         return o
 
-    def one_kernel_step(self, q: torch.Tensor, cache: LinearStateLayer, key_valid: torch.Tensor | None,
-                        backend: str) -> bool:
-        """True when this generation step can run as one Triton kernel (`ops.fused.prf_decode_step`): one real token,
-        CUDA, no autograd, a PRF map with a calibrated key shift, no window, a float32 state from the prefill."""
+    def one_kernel_step(self, q: torch.Tensor, cache: LinearStateLayer, backend: str) -> bool:
+        """True when this generation step can run as one Triton kernel (`ops.fused.prf_decode_step`): one token,
+        CUDA, no autograd, a PRF map with a calibrated key shift, no window, a float32 state from the prefill.
+        (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
         return (backend == "auto" and not self.window and q.shape[1] == 1 and q.is_cuda
                 and isinstance(fmap, PositiveRandomFeatures) and fmap.fused_ok(q, "key")
-                and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
-                and (key_valid is None or bool(key_valid.all())))
+                and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous())
 
     @torch.no_grad()
     def calibrate_gain(self, q: torch.Tensor, k: torch.Tensor) -> None:

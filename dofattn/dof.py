@@ -119,7 +119,7 @@ class PointSampler:
             b, t = block[mine] - self.offset, pos[mine]
             q = inputs.query[b, t, h]                                  # [n, D]
             k = inputs.key[b, t, inputs.kv_head(h)]                    # [n, D]
-            self.points[layer][h, mine] = torch.where(is_key[mine, None] == 1, k, q).float().cpu()
+            self.points[layer][h, mine] = torch.where(is_key[mine, None].to(k.device) == 1, k, q).float().cpu()
 
 
 @dataclass

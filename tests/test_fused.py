@@ -216,9 +216,15 @@ def test_prf_decode_step_matches_the_layer():
     k_h, v_h = k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
     ref_o, ref_s = naive_linear_attention(torch_features(fmap, q, "query")[0], torch_features(fmap, k_h, "key")[0],
                                           v_h, state, output_final_state=True)
+    before = state.clone()
     o = fused.prf_decode_step(fmap, q, k, v, state, MAX_KEY_EXCESS)
     assert_close("o", ref_o, o, RATIO)
     assert_close("ht", ref_s, state, RATIO)                                            # updated in place
+    # a padding token (row 1) leaves its state alone; row 0 steps as before
+    state = before.clone()
+    fused.prf_decode_step(fmap, q, k, v, state, MAX_KEY_EXCESS, torch.tensor([[True], [False]], device=DEVICE))
+    assert_close("ht0", ref_s[:1], state[:1], RATIO)
+    assert torch.equal(state[1], before[1])
     with pytest.raises(ValueError, match="contiguous float32 state"):
         fused.prf_decode_step(fmap, q, k, v, state.double(), MAX_KEY_EXCESS)
 

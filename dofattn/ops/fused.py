@@ -215,10 +215,12 @@ def _prf_features(x_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, phi_ptr, qs_ptr, T, H, 
 
 
 @triton.jit
-def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr, o_ptr, H, G, D, M, V, root_s,
-                     max_excess, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr):
+def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr, o_ptr, valid_ptr, H, G, D, M, V,
+                     root_s, max_excess, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+                     HAS_VALID: tl.constexpr):
     """A whole linear-attention decode step for one (batch, head): PRF features of the new query and key (k, v on
-    kv head h // G), S += φk ⊗ [v, 1] in place, o = (φq·S)[:V] / max((φq·S)[V], tiny)."""
+    kv head h // G), S += φk ⊗ [v, 1] in place (not for a padding token: valid_ptr [B] False), o = (φq·S)[:V] /
+    max((φq·S)[V], tiny) in o_ptr's dtype."""
     bh = tl.program_id(0)
     b, h = bh // H, bh % H
     bkv = b * (H // G) + h // G
@@ -235,6 +237,8 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
     eq = tl.where(mm, eq, float("-inf"))
     pq = tl.exp(eq - tl.max(eq, 0))
     pk = tl.where(mm, tl.exp(tl.minimum(ek - tl.load(ks_ptr + h), max_excess)), 0.0)
+    if HAS_VALID:
+        pk = tl.where(tl.load(valid_ptr + b) != 0, pk, 0.0)                                    # padding adds nothing
     v = tl.load(v_ptr + bkv * V + ov, mask=mv, other=0.0).to(tl.float32)
     v = tl.where(ov == V, 1.0, v)                                                              # [v, 1]
     s_off = bh.to(tl.int64) * M * (V + 1) + om[:, None] * (V + 1) + ov[None, :]
@@ -243,7 +247,8 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
     tl.store(s_ptr + s_off, S, mask=ms)
     num = tl.sum(pq[:, None] * S, 0)                                                           # [BV]
     den = tl.sum(tl.where(ov == V, num, 0.0), 0)
-    tl.store(o_ptr + bh * V + ov, num / tl.maximum(den, 1.1754943508222875e-38), mask=mv)
+    tl.store(o_ptr + bh * V + ov, (num / tl.maximum(den, 1.1754943508222875e-38)).to(o_ptr.dtype.element_ty),
+             mask=mv)
 
 
 def interpreting() -> bool:
@@ -297,6 +302,9 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     DOT, PREC = _dot_dtype(q, k, v)
     f32 = dict(device=q.device, dtype=torch.float32)
     grid = (NB, B * H, NV)
+    # Wide feature tiles: shorter chunks and no pipelining keep the chunk tiles inside shared memory (227 KB).
+    C = CHUNK if BK <= 128 else (32 if BK <= 256 else 16)
+    stages = 2 if BK <= 128 else 1
     if S0 is not None:
         S0 = S0.float().contiguous()
 
@@ -311,8 +319,8 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     else:
         s_in = torch.empty(B * H, NB, K, V, **f32)
         z_in = torch.empty(B * H, NB, K, **f32) if with_den else s_in
-        _block_state[grid](k, v, s_in, z_in, T, H, K, V, L, C=CHUNK, BK=BK, BV=BV, HAS_Z=with_den, DOT=DOT,
-                           PREC=PREC)
+        _block_state[grid](k, v, s_in, z_in, T, H, K, V, L, C=C, BK=BK, BV=BV, HAS_Z=with_den, DOT=DOT,
+                           PREC=PREC, num_stages=stages)
         _prefix_states[(B * H, NV)](s_in, z_in, S0 if S0 is not None else s_in, final if final_state else s_in,
                                     NB, K, V, BK=BK, BV=BV, HAS_Z=with_den, HAS_S0=S0 is not None, REVERSE=reverse,
                                     FINAL=final_state)
@@ -320,8 +328,8 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
             final[..., V] = 0.0
     o = torch.empty(B, T, H, V, device=q.device, dtype=out_dtype)
     den = torch.empty(B, T, H, **f32) if with_den else o
-    _block_scan[grid](q, k, v, s_in, z_in, o, den, T, H, K, V, L, C=CHUNK, BK=BK, BV=BV, HAS_Z=with_den,
-                      REVERSE=reverse, NORMALIZE=normalize, DOT=DOT, PREC=PREC)
+    _block_scan[grid](q, k, v, s_in, z_in, o, den, T, H, K, V, L, C=C, BK=BK, BV=BV, HAS_Z=with_den,
+                      REVERSE=reverse, NORMALIZE=normalize, DOT=DOT, PREC=PREC, num_stages=stages)
     return o, (den if with_den else None), final
 
 
@@ -420,13 +428,20 @@ def triton_decode_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor
 
 
 def _prf_args(fmap):
-    """Directions [H, M, D], log-weights [H, M] (float32, contiguous) and per-head counts [H] (int32) of a PRF map."""
-    counts = fmap.head_dims if fmap.head_dims is not None else [fmap.dim] * fmap.num_heads
-    cache = getattr(fmap, "_fused_counts", None)
-    if cache is None or cache.device != fmap.directions.device:
-        cache = torch.tensor(counts, dtype=torch.int32, device=fmap.directions.device)
-        fmap._fused_counts = cache
-    return fmap.directions.detach().float().contiguous(), fmap.log_weights.detach().float().contiguous(), cache
+    """Directions [H, M, D], log-weights [H, M] (float32, contiguous) and per-head counts [H] (int32) of a PRF map.
+
+    Kept on the map between calls (a decode step is launch-bound: no conversions per token) and rebuilt when the
+    parameters change (their version counter moves on every in-place update) or move."""
+    w, lw = fmap.directions, fmap.log_weights
+    key = (w.data_ptr(), w._version, lw.data_ptr(), lw._version, w.dtype, lw.dtype)
+    cached = getattr(fmap, "_fused_args", None)
+    if cached is None or cached[0] != key:
+        counts = fmap.head_dims if fmap.head_dims is not None else [fmap.dim] * fmap.num_heads
+        args = (w.detach().float().contiguous(), lw.detach().float().contiguous(),
+                torch.tensor(counts, dtype=torch.int32, device=w.device))
+        cached = (key, args)
+        fmap._fused_args = cached
+    return cached[1]
 
 
 def prf_features(fmap, x: torch.Tensor, role: str, max_excess: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -449,11 +464,12 @@ def prf_features(fmap, x: torch.Tensor, role: str, max_excess: float) -> tuple[t
 
 
 def prf_decode_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
-                    max_excess: float) -> torch.Tensor:
+                    max_excess: float, key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of a PRF linear-attention layer in one kernel, the state updated in place.
 
     q [B, 1, H, D] (after RoPE); k, v [B, 1, Hkv, D] on kv heads (H a multiple of Hkv); state [B, H, M, V+1]
-    float32 contiguous. Returns o [B, 1, H, V] float32. The map's key_shift must be finite (set by the prefill).
+    float32 contiguous; key_valid [B, 1] (False: a padding token, which leaves the state as it is) or None.
+    Returns o [B, 1, H, V] in q.dtype. The map's key_shift must be finite (set by the prefill).
     """
     B, _, H, D = q.shape
     Hkv, V, M = k.shape[2], v.shape[-1], fmap.dim
@@ -461,8 +477,9 @@ def prf_decode_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
         raise ValueError(f"prf_decode_step needs a contiguous float32 state [B, H, M, V+1] = {(B, H, M, V + 1)}, got "
                          f"{tuple(state.shape)} {state.dtype}")
     w, lw, counts = _prf_args(fmap)
-    o = torch.empty(B, 1, H, V, device=q.device, dtype=torch.float32)
+    o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
+    valid = None if key_valid is None else key_valid.reshape(B).contiguous()
     _prf_decode_step[(B * H,)](q.contiguous(), k.contiguous(), v.contiguous(), w, lw, counts, fmap.key_shift, state, o,
-                               H, H // Hkv, D, M, V, fmap.scaling ** 0.5, max_excess, BD=_pow2(D), BM=_pow2(M),
-                               BV=_pow2(V + 1))
+                               state if valid is None else valid, H, H // Hkv, D, M, V, fmap.scaling ** 0.5,
+                               max_excess, BD=_pow2(D), BM=_pow2(M), BV=_pow2(V + 1), HAS_VALID=valid is not None)
     return o
