@@ -136,6 +136,16 @@ def test_sample_points_on_tiny_model_does_not_depend_on_batching():
     assert len(dof) == 3 and all(0 < d <= 40 for heads in dof for d in heads)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sample_points_on_cuda_equal_cpu():
+    """The model on the GPU, the sample's bookkeeping on the CPU: same points as an all-CPU run."""
+    blocks = torch.randint(0, 300, (4, 12), generator=torch.Generator().manual_seed(0))
+    cpu = sample_points(tiny_model("llama"), blocks, samples=40, batch_size=3, progress=False)
+    gpu = sample_points(tiny_model("llama").cuda(), blocks.cuda(), samples=40, batch_size=3, progress=False)
+    for x, y in zip(cpu.points, gpu.points):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
 # --- allocation -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("weights,total", [([1.0, 2.0, 3.0], 64 * 3), ([5.0, 0.01, 0.01, 9.0], 10),
