@@ -249,3 +249,69 @@ def test_generation_on_cuda_takes_one_kernel_steps(family, monkeypatch):
         full = model(out.sequences, use_cache=False).logits
     assert len(calls) == 3 * 19
     torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-3, atol=1e-3)
+
+
+# (B, T, H, D, M, V, window, key padding, initial state, block)
+WINDOW_CASES = [
+    (1, 5, 1, 8, 5, 4, 16, False, False, None),
+    (2, 100, 2, 8, 20, 16, 16, True, True, 64),
+    (1, 300, 3, 16, 37, 8, 32, False, True, 128),
+    (1, 200, 1, 16, 24, 16, 64, True, False, None),
+    (2, 130, 2, 16, 128, 16, 64, True, True, 64),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=[f"T{c[1]}-M{c[4]}-W{c[6]}{'-pad' if c[7] else ''}"
+                                                     f"{'-S0' if c[8] else ''}" for c in WINDOW_CASES])
+def test_window_forward_matches_the_spec(case):
+    """The Triton hybrid against `naive_window_linear_attention`: outputs and the state left after the window."""
+    from dofattn.ops.window import naive_window_linear_attention
+
+    B, T, H, D, M, V, W, padded, with_state, block = case
+    g = torch.Generator().manual_seed(T + M)
+    q, k = (torch.randn(B, T, H, D, generator=g) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g)
+    phi_q, phi_k = (torch.rand(B, T, H, M, generator=g) for _ in range(2))
+    q_log_scale, log_offset = torch.randn(B, T, H, generator=g), torch.randn(H, generator=g)
+    key_valid = None
+    if padded:                                          # left padding, as batched generation makes it
+        key_valid = torch.ones(B, T, dtype=torch.bool)
+        key_valid[-1, :T // 3] = False
+    state = torch.rand(B, H, M, V + 1, generator=g) if with_state else None
+    args = on_device([q, k, v, phi_q, phi_k, q_log_scale, log_offset])
+    extra = on_device([key_valid, state])
+    ref_o, ref_s = naive_window_linear_attention(*args, 0.3, W, *extra, output_final_state=True)
+    o, s = fused.window_forward(*args, 0.3, W, *extra, output_final_state=True, block=block)
+    rows = slice(None) if key_valid is None else key_valid.to(DEVICE)    # padded queries' outputs are unused
+    assert_close("o", ref_o[rows], o[rows], RATIO)
+    assert_close("ht", ref_s, s, RATIO, floor=1.0)
+
+
+def test_window_forward_refuses_what_it_does_not_cover():
+    x = on_device([torch.rand(1, 10, 1, 8)])[0]
+    phi = on_device([torch.rand(1, 10, 1, 4)])[0]
+    scale, offset = on_device([torch.zeros(1, 10, 1), torch.zeros(1)])
+    with pytest.raises(ValueError, match="windows \\(16, 32, 64\\)"):
+        fused.window_forward(x, x, x, phi, phi, scale, offset, 0.3, 8)
+
+
+@pytest.mark.skipif(not CUDA, reason="dispatch to the fused hybrid needs CUDA")
+def test_window_dispatch_on_cuda(monkeypatch):
+    """Without autograd a CUDA prefill takes the Triton hybrid; with autograd the PyTorch form (it has a backward)."""
+    from dofattn.ops import window
+
+    calls = []
+    forward = fused.window_forward
+    monkeypatch.setattr(fused, "window_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 150, 2, 16, generator=g).cuda() for _ in range(3))
+    phi_q, phi_k = (torch.rand(1, 150, 2, 24, generator=g).cuda() for _ in range(2))
+    scale, offset = torch.randn(1, 150, 2, generator=g).cuda(), torch.randn(2, generator=g).cuda()
+    ref, _ = window.naive_window_linear_attention(q, k, v, phi_q, phi_k, scale, offset, 0.25, 64)
+    with torch.no_grad():
+        o, _ = window.window_linear_attention(q, k, v, phi_q, phi_k, scale, offset, 0.25, 64)
+    assert calls == [1]
+    assert_close("o", ref, o, RATIO)
+    o, _ = window.window_linear_attention(q, k, v, phi_q.requires_grad_(), phi_k, scale, offset, 0.25, 64)
+    assert calls == [1]
+    assert_close("o", ref, o, RATIO)

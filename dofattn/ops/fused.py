@@ -251,6 +251,78 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
              mask=mv)
 
 
+@triton.jit
+def _window_scan(q_ptr, k_ptr, v_ptr, pq_ptr, dk_ptr, dv_ptr, ls_ptr, off_ptr, valid_ptr, s_ptr, z_ptr, o_ptr,
+                 T, H, D, K, V, scaling, L: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, HAS_VALID: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """The sliding-window hybrid for one block (window W = C): query t takes exact softmax weights
+    exp(scaling·q_t·k_s) for s in (t − C, t] and linear weights φq_t·φk_s·exp(shift_t) for s ≤ t − C, in one
+    normalisation (shift_t = q_log_scale_t + log_offset_h). The linear part runs on the keys delayed by C
+    (dk_ptr, dv_ptr: key s at position s + C) from the delayed stream's state entering the block (s_ptr, z_ptr);
+    the exact part reads the raw keys of the query's chunk and the one before."""
+    blk, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NB = (T + L - 1) // L
+    b, h = bh // H, bh % H
+    od, ok, ov, oc = tl.arange(0, BD), tl.arange(0, BK), iv * BV + tl.arange(0, BV), tl.arange(0, C)
+    md, mk, mv = od < D, ok < K, ov < V
+    row0 = b.to(tl.int64) * T * H + h
+    state = (bh.to(tl.int64) * NB + blk) * K
+    S = tl.load(s_ptr + (state + ok[:, None]) * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    z = tl.load(z_ptr + state + ok, mask=mk, other=0.0)
+    log_offset = tl.load(off_ptr + h)
+    lower = oc[:, None] >= oc[None, :]                                                         # j ≤ i
+    for i in range(0, L // C):
+        t0 = blk * L + i * C
+        rows, prev = t0 + oc, t0 - C + oc
+        mr, mp = rows < T, (prev >= 0) & (prev < T)
+        if HAS_VALID:
+            vr = tl.load(valid_ptr + b.to(tl.int64) * T + rows, mask=mr, other=0) != 0
+            vp = tl.load(valid_ptr + b.to(tl.int64) * T + prev, mask=mp, other=0) != 0
+        else:
+            vr, vp = mr, mp
+        # exact part: raw q of this chunk against raw keys of the previous chunk (s > t − C) and this one (s ≤ t)
+        qc = tl.load(q_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
+                     mask=mr[:, None] & md[None, :], other=0.0).to(tl.float32)                  # [C, BD]
+        kp = tl.load(k_ptr + (row0 + prev[:, None].to(tl.int64) * H) * D + od[None, :],
+                     mask=mp[:, None] & md[None, :], other=0.0).to(tl.float32)
+        kc = tl.load(k_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
+                     mask=mr[:, None] & md[None, :], other=0.0).to(tl.float32)
+        l_prev = scaling * tl.dot(qc, tl.trans(kp), input_precision="ieee")                     # [C, C]
+        l_cur = scaling * tl.dot(qc, tl.trans(kc), input_precision="ieee")
+        l_prev = tl.where((oc[None, :] > oc[:, None]) & vp[None, :], l_prev, float("-inf"))
+        l_cur = tl.where(lower & vr[None, :], l_cur, float("-inf"))
+        # linear part on the delayed keys: the state plus this chunk's delayed keys with j ≤ i
+        pq = tl.load(pq_ptr + (row0 + rows[:, None].to(tl.int64) * H) * K + ok[None, :],
+                     mask=mr[:, None] & mk[None, :], other=0.0).to(DOT)                          # [C, BK]
+        dk = tl.load(dk_ptr + (row0 + rows[:, None].to(tl.int64) * H) * K + ok[None, :],
+                     mask=mr[:, None] & mk[None, :], other=0.0).to(DOT)
+        dv = tl.load(dv_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :],
+                     mask=mr[:, None] & mv[None, :], other=0.0).to(DOT)                          # [C, BV]
+        A = tl.where(lower, tl.dot(pq, tl.trans(dk), input_precision=PREC), 0.0)                # [C, C]
+        num = tl.dot(pq, S.to(DOT), input_precision=PREC) + tl.dot(A.to(DOT), dv, input_precision=PREC)
+        den = tl.sum(pq.to(tl.float32) * z[None, :], 1) + tl.sum(A, 1)                         # [C]
+        shift = tl.load(ls_ptr + row0 + rows.to(tl.int64) * H, mask=mr, other=0.0) + log_offset
+        has_lin = den > 0
+        lam = tl.where(has_lin, tl.log(tl.maximum(den, 1.1754943508222875e-38)) + shift, float("-inf"))
+        m = tl.maximum(tl.maximum(tl.max(l_prev, 1), tl.max(l_cur, 1)), lam)
+        m = tl.where(m == float("-inf"), 0.0, m)                                               # no key at all
+        p_prev = tl.exp(l_prev - m[:, None])
+        p_cur = tl.exp(l_cur - m[:, None])
+        w_lin = tl.where(has_lin, tl.exp(lam - m), 0.0)                                        # the linear mass
+        vpv = tl.load(v_ptr + (row0 + prev[:, None].to(tl.int64) * H) * V + ov[None, :],
+                      mask=mp[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        vcv = tl.load(v_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :],
+                      mask=mr[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        total = tl.sum(p_prev, 1) + tl.sum(p_cur, 1) + w_lin
+        o = (tl.dot(p_prev, vpv, input_precision="ieee") + tl.dot(p_cur, vcv, input_precision="ieee")
+             + (w_lin / tl.maximum(den, 1.1754943508222875e-38))[:, None] * num)
+        o = tl.where((total > 0)[:, None], o / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
+        tl.store(o_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=mr[:, None] & mv[None, :])
+        S += tl.dot(tl.trans(dk), dv, input_precision=PREC)
+        z += tl.sum(dk.to(tl.float32), 0)
+
+
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1: the kernels then run on CPU tensors (slowly), for tests without a GPU."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -483,3 +555,52 @@ def prf_decode_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
                                state if valid is None else valid, H, H // Hkv, D, M, V, fmap.scaling ** 0.5,
                                max_excess, BD=_pow2(D), BM=_pow2(M), BV=_pow2(V + 1), HAS_VALID=valid is not None)
     return o
+
+
+WINDOWS = (16, 32, 64)   # window sizes the fused hybrid takes (the window is its chunk)
+MAX_WINDOW_FEATURES = 128  # and feature dims up to this (the block's state stays in registers)
+
+
+def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
+                   key_valid=None, initial_state=None, output_final_state: bool = False, block: int | None = None):
+    """`ops.window.window_linear_attention` for a prefill (as many keys as queries) in Triton, forward only.
+
+    q, k [B, T, H, D]; v [B, T, H, V]; phi_q, phi_k [B, T, H, M]; q_log_scale [B, T, H]; log_offset [H]; key_valid
+    [B, T] or None; initial_state [B, H, M, V+1] or None. window must be one of WINDOWS. Returns o [B, T, H, V] in
+    v.dtype and the state of every key but the last `window` (float32) if output_final_state, else None.
+    """
+    B, T, H, D = q.shape
+    V, M = v.shape[-1], phi_q.shape[-1]
+    if window not in WINDOWS or k.shape[1] != T or M > MAX_WINDOW_FEATURES:
+        raise ValueError(f"window_forward takes windows {WINDOWS}, as many keys as queries and at most "
+                         f"{MAX_WINDOW_FEATURES} features; got window {window}, {k.shape[1]} keys for {T} queries, "
+                         f"{M} features")
+    feat = phi_k.dtype if phi_k.dtype == phi_q.dtype == v.dtype else torch.float32
+    pk = phi_k.to(feat)
+    if key_valid is not None:
+        pk = pk * key_valid[:, :, None, None].to(feat)
+    dk = torch.nn.functional.pad(pk, (0, 0, 0, 0, window, 0))[:, :T].contiguous()   # key s arrives at s + W
+    dv = torch.nn.functional.pad(v.to(feat), (0, 0, 0, 0, window, 0))[:, :T].contiguous()
+    pq = phi_q.to(feat).contiguous()
+    L, BK, BV = _plan(T, B * H, M, V, q.device, block)
+    BV = _pow2(V)                                  # the exact part's row sums need every value column at once
+    NB = triton.cdiv(T, L)
+    DOT, PREC = _dot_dtype(pq, dk, dv)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    S0 = None if initial_state is None else initial_state.float().contiguous()
+    s_in = torch.empty(B * H, NB, M, V, **f32)
+    z_in = torch.empty(B * H, NB, M, **f32)
+    final = torch.empty(B, H, M, V + 1, **f32) if output_final_state else None
+    _block_state[(NB, B * H, 1)](dk, dv, s_in, z_in, T, H, M, V, L, C=window, BK=BK, BV=BV, HAS_Z=True, DOT=DOT,
+                                 PREC=PREC)
+    _prefix_states[(B * H, 1)](s_in, z_in, S0 if S0 is not None else s_in, final if final is not None else s_in,
+                               NB, M, V, BK=BK, BV=BV, HAS_Z=True, HAS_S0=S0 is not None, REVERSE=False,
+                               FINAL=final is not None)
+    o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
+    valid = s_in if key_valid is None else key_valid.contiguous()
+    _window_scan[(NB, B * H, 1)](q.contiguous(), k.contiguous(), v.contiguous(), pq, dk, dv,
+                                 q_log_scale.float().contiguous(), log_offset.float().contiguous(), valid, s_in, z_in,
+                                 o, T, H, D, M, V, float(scaling), L=L, C=window, BD=_pow2(D), BK=BK, BV=BV,
+                                 HAS_VALID=key_valid is not None, DOT=DOT, PREC=PREC,
+                                 num_warps=8 if BK > 64 else 4, num_stages=1)
+    return o, final

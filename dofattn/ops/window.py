@@ -168,6 +168,23 @@ def _banded_softmax(q, k, v, scaling: float, window: int, key_valid):
     return unblock(o), unblock(log_mass.transpose(2, 3)), unblock(any_key.transpose(2, 3))
 
 
+def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend) -> bool:
+    """True when the Triton hybrid (`ops.fused.window_forward`, forward only) gives this call's result: backend
+    auto or triton, CUDA, no autograd, a prefill (as many keys as queries), a window in `fused.WINDOWS` and at most
+    `fused.MAX_WINDOW_FEATURES` features, no float64."""
+    from dofattn.ops import load_fused, triton_available
+
+    if backend not in ("auto", "triton") or not q.is_cuda or not triton_available():
+        return False
+    tensors = (q, k, v, phi_q, phi_k, q_log_scale, log_offset, initial_state)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
+        return False
+    if any(x is not None and x.dtype == torch.float64 for x in tensors) or k.shape[1] != q.shape[1]:
+        return False
+    fused = load_fused()[0]
+    return window in fused.WINDOWS and phi_q.shape[-1] <= fused.MAX_WINDOW_FEATURES
+
+
 def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                             key_valid=None, initial_state=None, output_final_state: bool = False,
                             backend: str = "auto"):
@@ -175,12 +192,17 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
 
     `backend` picks the linear op (`ops.linear_attention`); the window part is plain PyTorch, O(T·W) memory.
     With backend "auto", a call with few queries (decode: T = 1 against W cached keys) runs the spec's dense form,
-    which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions.
+    which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions. On CUDA without autograd, a
+    prefill with a window of 16, 32 or 64 runs both parts in one Triton kernel (`ops.fused.window_forward`).
     """
     check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state)
     if backend == "auto" and q.shape[1] <= DENSE_QUERIES:
         return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                              key_valid, initial_state, output_final_state)
+    if fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend):
+        from dofattn.ops import load_fused
+        return load_fused()[0].window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
+                                              key_valid, initial_state, output_final_state)
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
     Tk, P = k.shape[1], k.shape[1] - q.shape[1]
     # Every tensor is laid out over the Tk key positions; the P cached positions get zero queries, dropped at the end.
