@@ -118,6 +118,14 @@ class PositiveRandomFeatures(FeatureMap):
         e = proj - 0.5 * u.square().sum(-1, keepdim=True) + 0.5 * self.log_weights.float()
         return e if self.head_dims is None else e.masked_fill(~self.active, -math.inf)
 
+    def shift_calibrated(self) -> bool:
+        """True if every head's key shift is finite. Read from the GPU once per change of the buffer (its version
+        counter moves on every in-place write, loading included), not on every decode step: no sync per token."""
+        key = (self.key_shift.data_ptr(), self.key_shift._version)
+        if getattr(self, "_calibrated", (None, False))[0] != key:
+            self._calibrated = (key, bool(torch.isfinite(self.key_shift).all()))
+        return self._calibrated[1]
+
     @torch.no_grad()
     def _update_key_shift(self, exponent: torch.Tensor) -> None:
         seen = exponent.amax(dim=(0, 1, 3))                                          # [H]
@@ -132,7 +140,7 @@ class PositiveRandomFeatures(FeatureMap):
         autograd, and for keys a calibrated key shift that this call would not move (eval mode)."""
         if not x.is_cuda or (torch.is_grad_enabled() and (x.requires_grad or self.directions.requires_grad)):
             return False
-        if role != "query" and (self.training or not torch.isfinite(self.key_shift).all()):
+        if role != "query" and (self.training or not self.shift_calibrated()):
             return False
         from dofattn.ops import load_fused, triton_available
         return triton_available() and load_fused()[0] is not None

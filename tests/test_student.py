@@ -262,3 +262,17 @@ def test_student_file_holds_only_trained_state(tmp_path, model_dirs):
     x = ids()
     with torch.no_grad():
         assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
+
+
+def test_key_shift_calibration_flag_follows_the_buffer():
+    """`shift_calibrated` is cached per buffer version: calibrating, loading and resetting all move it."""
+    from dofattn.features import make_feature_map
+
+    fmap = make_feature_map("prf", 2, 8, 5, scaling=0.25)
+    assert not fmap.shift_calibrated()
+    fmap.features(torch.randn(1, 4, 2, 8), "key")                       # training mode: calibrates
+    assert fmap.shift_calibrated()
+    fmap.key_shift.fill_(-torch.inf)
+    assert not fmap.shift_calibrated()
+    fmap.load_state_dict({**fmap.state_dict(), "key_shift": torch.zeros(2)})
+    assert fmap.shift_calibrated()
