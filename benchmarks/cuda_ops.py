@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,21 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dofattn.bench import hardware  # noqa: E402
+from dofattn.bench import cuda_time, hardware  # noqa: E402
 from dofattn.ops import fla_available, linear_attention  # noqa: E402
-
-
-def cuda_time(fn, repeats: int) -> float:
-    """Median ms of fn() by CUDA events, after two warm-ups."""
-    fn()
-    fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def graphed(fn):

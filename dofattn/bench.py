@@ -50,18 +50,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device: str, repeats: int) -> float:
-    """Median time of fn() in milliseconds after one warm-up call: CUDA events on CUDA, the wall clock elsewhere."""
+def cuda_time(fn, repeats: int) -> float:
+    """Median milliseconds of fn() by CUDA events, after two warm-up calls (compilation, the allocator)."""
     fn()
+    fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def timed(fn, device: str, repeats: int) -> float:
+    """Median time of fn() in milliseconds: CUDA events on CUDA (`cuda_time`), else the wall clock after one
+    warm-up call."""
     if device.startswith("cuda"):
-        fn()                                                     # a second warm-up: Triton autotuning, allocator
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(start.elapsed_time(end) for start, end in events)
+        return cuda_time(fn, repeats)
+    fn()
     times = []
     for _ in range(repeats):
         _sync(device)
