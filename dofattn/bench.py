@@ -9,9 +9,11 @@ Three measurements, each the median of `repeats` timed runs after one warm-up (C
 2. decode step: one new query against a context of T tokens at batch B. SDPA over a KV cache of T keys against the
    student layer's generation step on the [B, H, M, V+1] state (constant in T; on CUDA one Triton kernel with the
    feature map inside), and the linear op's step alone on precomputed features.
-3. generation: a model and its linearized student (untrained PRF features: speed does not depend on training)
-   prefill a prompt of T tokens and greedily generate `new_tokens`; decode tokens/s, and the cache each holds at
-   the end (KV cache against state; plus the peak CUDA memory on CUDA).
+3. generation: a model and its linearized students (untrained PRF features: speed does not depend on training;
+   pure linear, and with the window) prefill a prompt of T tokens and greedily generate `new_tokens` with HF
+   `generate`; the pure linear student also with `engine.StaticDecoder` (static buffers, a CUDA graph per token
+   on CUDA). Decode tokens/s, and the cache each holds at the end (KV cache against state; plus the peak CUDA
+   memory on CUDA).
 Every result row carries its shapes; the JSON also records the hardware and software versions.
 """
 
@@ -182,7 +184,19 @@ def _cache_bytes(cache) -> int:
 
 
 @torch.no_grad()
+def _generation_row(cfg: BenchConfig, student: bool, window: int, T: int, engine: str, prefill_ms: float,
+                    total_ms: float, cache) -> dict:
+    decode_s = max(total_ms - prefill_ms, 1e-6) / 1e3
+    row = {"model": cfg.model, "student": student, "window": window, "engine": engine, "context": T,
+           "new_tokens": cfg.new_tokens, "prefill_ms": prefill_ms,
+           "decode_tokens_per_s": (cfg.new_tokens - 1) / decode_s, "cache_bytes": _cache_bytes(cache)}
+    if cfg.device.startswith("cuda"):
+        row["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+    return row
+
+
 def bench_generate(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
+    from dofattn.engine import StaticDecoder
     from dofattn.hf import load_model
     from dofattn.student import attention_modules, linearize
 
@@ -207,14 +221,15 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
                                      return_dict_in_generate=True, **kwargs)
 
             total_ms = timed(generate, cfg.device, 1)
-            decode_s = max(total_ms - prefill_ms, 1e-6) / 1e3
-            row = {"model": cfg.model, "student": linearized, "window": window, "context": T,
-                   "new_tokens": cfg.new_tokens,
-                   "prefill_ms": prefill_ms, "decode_tokens_per_s": (cfg.new_tokens - 1) / decode_s,
-                   "cache_bytes": _cache_bytes(out.past_key_values)}
-            if cfg.device.startswith("cuda"):
-                row["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
-            rows.append(row)
+            rows.append(_generation_row(cfg, linearized, window, T, "hf", prefill_ms, total_ms, out.past_key_values))
+            if linearized and not window:          # the same student on static buffers (a CUDA graph on CUDA)
+                decoder = StaticDecoder(model)
+                if cfg.device.startswith("cuda"):
+                    torch.cuda.reset_peak_memory_stats()
+                prefill_ms = timed(lambda: decoder.generate(ids, 1), cfg.device, 1)
+                total_ms = timed(lambda: decoder.generate(ids, cfg.new_tokens), cfg.device, 1)
+                engine = "static+graph" if decoder.graph else "static"
+                rows.append(_generation_row(cfg, linearized, window, T, engine, prefill_ms, total_ms, decoder.cache))
         del model
         if cfg.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -286,12 +301,13 @@ def format_tables(result: dict) -> str:
         lines.append(f"{r['T']:>7} {r['batch']:>5} {r['sdpa_ms']:>9.3f} {r['op_ms']:>9.3f} {r['student_ms']:>9.3f} "
                      f"{r['speedup_student_vs_sdpa']:>8.2f}x")
     if result["generation"]:
-        lines += ["generation:", f"{'model':>12} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} "
+        lines += ["generation:", f"{'model':>21} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} "
                                  f"{'cache MB':>9} {'peak MB':>9}"]
         for r in result["generation"]:
             name = ("student" + (f" w{r['window']}" if r.get("window") else "")) if r["student"] else "teacher"
+            name += "" if r.get("engine", "hf") == "hf" else f" {r['engine']}"
             peak = f"{r['peak_cuda_bytes'] / 2 ** 20:>9.0f}" if "peak_cuda_bytes" in r else f"{'-':>9}"
-            lines.append(f"{name:>12} {r['context']:>8} {r['prefill_ms']:>11.1f} {r['decode_tokens_per_s']:>13.1f} "
+            lines.append(f"{name:>21} {r['context']:>8} {r['prefill_ms']:>11.1f} {r['decode_tokens_per_s']:>13.1f} "
                          f"{r['cache_bytes'] / 2 ** 20:>9.2f} {peak}")
     return "\n".join(lines)
 

@@ -1,0 +1,102 @@
+"""Static greedy decoding for fully linear students: a fixed-size state, and on CUDA one graph replay per token.
+
+    tokens = StaticDecoder(student).generate(input_ids, max_new_tokens=64)      # [B, T + 64], greedy
+
+A student whose every attention layer is pure linear attention (no softmax layers kept, no window) carries a state
+of fixed shape [B, H, M, V+1] per layer, updated in place by the one-kernel decode step on CUDA. So one decode
+step is the same sequence of kernels on the same buffers every time: the next token, its position and the cache
+position live in static tensors, the step writes the argmax back into the token buffer, and the whole step is
+captured once in a CUDA graph and replayed, with no Python between tokens. HF `generate` instead spends host time
+on every layer of every token, which at 30 layers and batch 1 dominates.
+
+On CPU (or with graph=False) the same static step runs eagerly, token by token: the tokens are the same, which is
+what the tests check. Greedy only; no padding (every prompt the same length); no stopping at EOS inside the loop
+(that would need a host sync per token): `generate` cuts each row after its first `eos_token_id` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from dofattn.errors import UserError
+
+WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
+
+
+def check_static(model) -> None:
+    """UserError unless every attention layer of `model` is linear attention without a window."""
+    from dofattn.student import attention_modules
+
+    for i, module in enumerate(attention_modules(model)):
+        linear = getattr(module, "dofattn", None)
+        if linear is None:
+            raise UserError(f"static decoding needs every layer linear, but layer {i} is softmax attention (its KV "
+                            f"cache grows every token); use model.generate()")
+        if linear.window:
+            raise UserError(f"static decoding needs pure linear layers, but layer {i} keeps a {linear.window}-token "
+                            f"softmax window; use model.generate()")
+
+
+class StaticDecoder:
+    """Greedy decoding of a fully linear student on static buffers; `graph` (default: on CUDA) replays a CUDA graph."""
+
+    def __init__(self, model, graph: bool | None = None):
+        check_static(model)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.graph = self.device.type == "cuda" if graph is None else graph
+        if self.graph and self.device.type != "cuda":
+            raise UserError(f"CUDA graphs need the model on a CUDA device, not {self.device}; pass graph=False")
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> [B, T + max_new_tokens] (rows after their first EOS filled with EOS)."""
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        B, T = input_ids.shape
+        input_ids = input_ids.to(self.device)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        token = logits.argmax(-1, keepdim=True)                                        # [B, 1], static from here on
+        position = torch.full((B, 1), T, dtype=torch.long, device=self.device)        # [B, 1]
+        cache_position = torch.full((1,), T, dtype=torch.long, device=self.device)    # [1]
+        new = [token.clone()]
+
+        def step() -> None:
+            out = self.model(input_ids=token, position_ids=position, cache_position=cache_position,
+                             past_key_values=cache, use_cache=True)
+            token.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+            position.add_(1)
+            cache_position.add_(1)
+
+        remaining = max_new_tokens - 1
+        if not self.graph:
+            for _ in range(remaining):
+                step()
+                new.append(token.clone())
+        elif remaining:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(min(WARMUP_STEPS, remaining)):
+                    step()
+                    new.append(token.clone())
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            remaining -= min(WARMUP_STEPS, remaining)
+            if remaining:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()                        # recorded, not run: the replays below are the tokens
+                for _ in range(remaining):
+                    graph.replay()
+                    new.append(token.clone())
+        for layer in cache.layers:                # the captured step ran its Python bookkeeping once
+            layer.seen = T + max_new_tokens - 1
+        self.cache = cache
+        tokens = torch.cat([input_ids, *new], dim=1)
+        if eos_token_id is not None:
+            generated = tokens[:, T:]
+            after = (generated == eos_token_id).int().cumsum(1) - (generated == eos_token_id).int() > 0
+            tokens[:, T:] = generated.masked_fill(after, eos_token_id)
+        return tokens

@@ -1,0 +1,64 @@
+"""Static greedy decoding (`dofattn.engine`): the same tokens as HF generate, for every family; clear refusals.
+
+On CUDA the decoder replays a CUDA graph per token; on CPU it runs the same static step eagerly.
+"""
+
+import pytest
+import torch
+
+from dofattn.engine import StaticDecoder
+from dofattn.errors import UserError
+from dofattn.student import linearize
+from tests.conftest import tiny_model
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_same_tokens_as_hf_generate(family, device):
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], feature="prf", seed=1)
+    model.generation_config.eos_token_id = None
+    model = model.to(device)
+    prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    decoder = StaticDecoder(model)
+    assert decoder.graph == (device == "cuda")
+    tokens = decoder.generate(prompt, 20)
+    assert torch.equal(tokens, ref)
+    assert decoder.cache.get_seq_length() == 11 + 19
+    assert torch.equal(decoder.generate(prompt, 1), ref[:, :12])          # prefill only
+
+
+def test_rows_are_cut_after_their_first_eos():
+    model = tiny_model("llama")
+    linearize(model, dims=[8, 8, 8], seed=2)
+    prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(2))
+    tokens = StaticDecoder(model).generate(prompt, 12)
+    eos = int(tokens[0, 9])                                                  # call the third new token EOS
+    cut = StaticDecoder(model).generate(prompt, 12, eos_token_id=eos)
+    first = int((tokens[0, 7:] == eos).nonzero()[0])
+    assert torch.equal(cut[0, :7 + first + 1], tokens[0, :7 + first + 1])
+    assert (cut[0, 7 + first:] == eos).all()
+
+
+def test_refuses_what_it_cannot_keep_static():
+    model = tiny_model("llama")
+    with pytest.raises(UserError, match="layer 0 is softmax attention"):
+        StaticDecoder(model)
+    linearize(model, dims=[8, 8, 8], layers=[0, 2])
+    with pytest.raises(UserError, match="layer 1 is softmax attention"):
+        StaticDecoder(model)
+    model = tiny_model("llama")
+    linearize(model, dims=[8, 8, 8], window=4)
+    with pytest.raises(UserError, match="4-token softmax window"):
+        StaticDecoder(model)
+    model = tiny_model("llama")
+    linearize(model, dims=[8, 8, 8])
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="CUDA graphs need the model on a CUDA device"):
+            StaticDecoder(model, graph=True)
+    with pytest.raises(UserError, match="max_new_tokens must be at least 1"):
+        StaticDecoder(model).generate(torch.zeros(1, 3, dtype=torch.long), 0)
