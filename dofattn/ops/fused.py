@@ -1,27 +1,36 @@
-"""Causal linear attention on CUDA in dofattn's own Triton kernels: prefill/training (forward and backward) and the
-decode step.
+"""dofattn's Triton kernels (CUDA): causal linear attention for prefill and training (forward and backward), the
+PRF feature map, the decode step, and the sliding-window hybrid's prefill.
 
     o, state = triton_linear_attention(phi_q, phi_k, v, initial_state=None, output_final_state=True)
-    o = triton_decode_step(phi_q1, phi_k1, v1, state)          # T = 1, the state [B, H, M, V+1] updated in place
+    o = triton_decode_step(phi_q1, phi_k1, v1, state, state)   # T = 1, the state [B, H, M, V+1] updated in place
+    phi, q_log_scale = prf_features(fmap, q, "query", MAX_KEY_EXCESS)             # no autograd
+    o = prf_decode_step(fmap, q1, k1, v1, state, MAX_KEY_EXCESS)                 # features + step, one kernel
+    o, state = window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, 64)   # no autograd
 
-Same layout, math and result as `naive.py` (the spec): phi_q, phi_k [B, T, H, M], v [B, T, H, V], state
-[B, H, M, V+1] float32, o [B, T, H, V] in v.dtype. Any M and V (not only powers of two: tiles are padded and masked).
+Same layout, math and result as `naive.py` and `window.py` (the specs): phi_q, phi_k [B, T, H, M], v [B, T, H, V],
+state [B, H, M, V+1] float32, o [B, T, H, V] in v.dtype. Any M and V (not only powers of two: tiles are padded and
+masked).
 
-How the prefill is cut: the sequence is split into blocks of L tokens (L a multiple of the chunk C = 64, chosen so
-that blocks × heads fill the GPU). Three steps:
+How the prefill is cut: the sequence is split into blocks of L tokens (L a power-of-two multiple of the chunk C,
+chosen so that blocks × heads fill the GPU). Three launches:
 1. `_block_state`: every block's own state Σ φk ⊗ v [M, V] and normaliser Σ φk [M], all blocks in parallel.
-2. an exclusive prefix sum over blocks in PyTorch (tiny: blocks × M × V per head), plus the initial state.
+2. `_prefix_states`: the exclusive prefix sum over blocks, in place, plus the initial state; the total is the
+   final state.
 3. `_block_scan`: every block in parallel walks its chunks in order with the state in registers:
-   o_c = φq_c·S + tril(φq_c φk_cᵀ)·v_c, den_c = φq_c·z + rowsum(tril(φq_c φk_cᵀ)), then S += φk_cᵀ v_c, z += Σ φk_c.
+   o_c = φq_c·S + tril(φq_c φk_cᵀ)·v_c, den_c = φq_c·z + rowsum(tril(φq_c φk_cᵀ)), then S += φk_cᵀ v_c, z += Σ φk_c,
+   and writes o_c / den_c.
 Every input is read twice at most and the output written once; nothing of size T × M × V reaches device memory.
 
-The same two kernels, run right to left (`reverse`), give the backward: with g = [∂num, ∂den] and v̄ = [v, 1],
+The same kernels, run right to left (`reverse`), give the backward: with g = [∂num, ∂den] and v̄ = [v, 1],
     ∂φq_t = Σ_{s≤t} (g_t·v̄_s) φk_s,   ∂φk_s = Σ_{t≥s} (v̄_s·g_t) φq_t,   ∂v_s = Σ_{t≥s} (φk_s·φq_t) ∂num_t,
 three more scans of the same shape (queries g, keys v̄, values φk, and so on).
 
+The hybrid (`_window_scan`, window W = C) adds, per chunk, exact softmax logits against the raw keys of the chunk
+and the one before, and runs the linear part on the keys delayed by W; the two are combined per row in log space.
+
 Dots run in bf16/fp16 when φq, φk and v are all 16-bit, else in tf32x3 (about float32 accuracy); the state,
-sums and outputs are float32. Triton is imported here, and this module is imported only on first use
-(`ops.triton_available`), so importing dofattn never needs Triton.
+sums and outputs are float32; the feature projection and the exact logits are float32 dots. Triton is imported
+here, and this module is imported only on first use (`ops.load_fused`), so importing dofattn never needs Triton.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import triton.language as tl
 
 from dofattn.ops.naive import TINY, check_inputs
 
-CHUNK = 64           # tokens per chunk inside a block (the tril product is C × C)
+CHUNK = 64           # tokens per chunk inside a block (the tril product is C × C); 32/16 for wide features
 MAX_TILE = 128 * 64  # state elements a program keeps in registers: M_pad × V_tile
 
 
