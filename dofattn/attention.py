@@ -22,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from dofattn.errors import UserError
 from dofattn.features import MAX_KEY_EXCESS, FeatureMap, PositiveRandomFeatures
 from dofattn.ops import linear_attention
+from dofattn.ops.naive import TINY
 from dofattn.ops.window import window_linear_attention, window_logits
 
 IMPLEMENTATION = "dofattn"
@@ -55,6 +56,8 @@ class LinearAttention(nn.Module):
         """
         if cache is None:
             return self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, backend=backend)[0]
+        if isinstance(cache, RingWindowLayer):
+            return self.ring_step(q, k, v, cache)
         if self.one_kernel_step(q, cache, backend):
             from dofattn.ops import load_fused
             return load_fused()[0].prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS, key_valid)
@@ -78,6 +81,39 @@ class LinearAttention(nn.Module):
         return (backend == "auto" and not self.window and q.shape[1] == 1 and q.is_cuda
                 and isinstance(fmap, PositiveRandomFeatures) and fmap.fused_ok(q, "key")
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous())
+
+    def ring_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: RingWindowLayer) -> torch.Tensor:
+        """One static decode step of a window hybrid (the `naive_window_linear_attention` row for one query) on a ring
+        of W key slots: the key leaving the window is folded into the state, the new key takes its slot. Fixed shapes
+        and in-place updates only, with the position read from the cache's tensor, so a CUDA graph can replay it.
+        q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1, H, D]."""
+        fmap, W = self.feature_map, self.window
+        slot = cache.position.remainder(W)                                         # [1]
+        old_k, old_v = cache.keys.index_select(1, slot), cache.values.index_select(1, slot)   # [B, 1, Hkv, D]
+        old_valid = cache.key_valid.index_select(1, slot).float()                 # [B, 1]
+        phi_old, k_scale = fmap.features(self.expand_kv(old_k), "key")             # [B, 1, H, M], [H]
+        v_old = self.expand_kv(old_v).float()
+        v_old = torch.cat([v_old, torch.ones_like(v_old[..., :1])], -1)            # [B, 1, H, V+1]
+        cache.state.add_(torch.einsum("bthm,bthv->bhmv", phi_old.float() * old_valid[..., None, None], v_old))
+        cache.keys.index_copy_(1, slot, k)
+        cache.values.index_copy_(1, slot, v)
+        cache.key_valid.index_fill_(1, slot, True)
+
+        keys, values = self.expand_kv(cache.keys).float(), self.expand_kv(cache.values).float()   # [B, W, H, D]
+        logits = fmap.scaling * torch.einsum("bqhd,bshd->bhqs", q.float(), keys)                # [B, H, 1, W]
+        logits = logits.masked_fill(~cache.key_valid[:, None, None, :], -torch.inf)
+        phi_q, q_scale = fmap.features(q, "query")                                              # [B, 1, H, M]
+        shift = (q_scale + k_scale + self.log_gain).float().permute(0, 2, 1)                    # [B, H, 1]
+        num = torch.einsum("bqhm,bhmv->bhqv", phi_q.float(), cache.state[..., :-1])            # [B, H, 1, V]
+        den = torch.einsum("bqhm,bhm->bhq", phi_q.float(), cache.state[..., -1])                # [B, H, 1]
+        lam = torch.where(den > 0, torch.log(den.clamp_min(TINY)) + shift, -torch.inf)
+        m = torch.maximum(logits.amax(-1), lam)
+        m = torch.where(torch.isfinite(m), m, 0)
+        p = torch.exp(logits - m[..., None])                                                    # [B, H, 1, W]
+        w_lin = torch.where(den > 0, torch.exp(lam - m), 0)                                     # [B, H, 1]
+        o = torch.einsum("bhqs,bshv->bhqv", p, values) + (w_lin / den.clamp_min(TINY))[..., None] * num
+        o = o / (p.sum(-1) + w_lin).clamp_min(TINY)[..., None]
+        return o.transpose(1, 2).to(q.dtype)                                                    # [B, 1, H, V]
 
     @torch.no_grad()
     def calibrate_gain(self, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -194,6 +230,27 @@ class LinearStateLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")
+
+
+class RingWindowLayer(LinearStateLayer):
+    """A window hybrid's cache slot for static decoding (`engine.StaticDecoder`): the last W keys and values in a ring
+    of W slots (the key at position p in slot p mod W) instead of a growing-then-sliding list, and `position`, a
+    [1] tensor the decoder advances in place: the position of the token being decoded."""
+
+    @classmethod
+    def from_layer(cls, layer: LinearStateLayer, window: int, position: torch.Tensor) -> RingWindowLayer:
+        """The ring for `layer` after a prefill of `layer.seen` tokens (it holds their last ≤ W keys in order)."""
+        ring = cls()
+        ring.is_initialized = layer.is_initialized
+        ring.dtype, ring.device = getattr(layer, "dtype", None), getattr(layer, "device", None)
+        ring.seen, ring.state, ring.position = layer.seen, layer.state.float().contiguous(), position
+        B, n, Hkv, D = layer.keys.shape
+        slots = torch.arange(layer.seen - n, layer.seen, device=layer.keys.device) % window
+        ring.keys = layer.keys.new_zeros(B, window, Hkv, D).index_copy_(1, slots, layer.keys)
+        ring.values = layer.values.new_zeros(B, window, Hkv, layer.values.shape[-1]).index_copy_(1, slots,
+                                                                                                 layer.values)
+        ring.key_valid = layer.key_valid.new_zeros(B, window).index_copy_(1, slots, layer.key_valid)
+        return ring
 
 
 def state_layer(cache: Cache, layer_idx: int) -> LinearStateLayer:

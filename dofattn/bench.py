@@ -11,8 +11,7 @@ Three measurements, each the median of `repeats` timed runs after one warm-up (C
    feature map inside), and the linear op's step alone on precomputed features.
 3. generation: a model and its linearized students (untrained PRF features: speed does not depend on training;
    pure linear, and with the window) prefill a prompt of T tokens and greedily generate `new_tokens` with HF
-   `generate`; the pure linear student also with `engine.StaticDecoder` (static buffers, a CUDA graph per token
-   on CUDA). Decode tokens/s, and the cache each holds at the end (KV cache against state; plus the peak CUDA
+   `generate`; the students also with `engine.StaticDecoder` (static buffers, a CUDA graph per token on CUDA). Decode tokens/s, and the cache each holds at the end (KV cache against state; plus the peak CUDA
    memory on CUDA).
 Every result row carries its shapes; the JSON also records the hardware and software versions.
 """
@@ -222,7 +221,7 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
 
             total_ms = timed(generate, cfg.device, 1)
             rows.append(_generation_row(cfg, linearized, window, T, "hf", prefill_ms, total_ms, out.past_key_values))
-            if linearized and not window:          # the same student on static buffers (a CUDA graph on CUDA)
+            if linearized:                         # the same student on static buffers (a CUDA graph on CUDA)
                 decoder = StaticDecoder(model)
                 if cfg.device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()

@@ -1,10 +1,11 @@
-"""Static greedy decoding for fully linear students: a fixed-size state, and on CUDA one graph replay per token.
+"""Static greedy decoding for fully linear students: fixed-size buffers, and on CUDA one graph replay per token.
 
     tokens = StaticDecoder(student).generate(input_ids, max_new_tokens=64)      # [B, T + 64], greedy
 
-A student whose every attention layer is pure linear attention (no softmax layers kept, no window) carries a state
-of fixed shape [B, H, M, V+1] per layer, updated in place by the one-kernel decode step on CUDA. So one decode
-step is the same sequence of kernels on the same buffers every time: the next token, its position and the cache
+A student whose every attention layer is linear attention (no softmax layers kept) carries a cache of fixed shape
+per layer: the state [B, H, M, V+1], updated in place (by the one-kernel decode step on CUDA), and for a window
+hybrid the last W keys and values in a ring of W slots (`attention.RingWindowLayer`). So one decode step is the
+same sequence of kernels on the same buffers every time: the next token, its position and the cache
 position live in static tensors, the step writes the argmax back into the token buffer, and the whole step is
 captured once in a CUDA graph and replayed, with no Python between tokens. HF `generate` instead spends host time
 on every layer of every token, which at 30 layers and batch 1 dominates.
@@ -19,30 +20,31 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from dofattn.attention import RingWindowLayer
 from dofattn.errors import UserError
 
 WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
 
 
-def check_static(model) -> None:
-    """UserError unless every attention layer of `model` is linear attention without a window."""
+def check_static(model) -> dict[int, int]:
+    """{layer: window} of `model`'s linear layers; UserError if any layer is softmax attention."""
     from dofattn.student import attention_modules
 
+    windows = {}
     for i, module in enumerate(attention_modules(model)):
         linear = getattr(module, "dofattn", None)
         if linear is None:
             raise UserError(f"static decoding needs every layer linear, but layer {i} is softmax attention (its KV "
                             f"cache grows every token); use model.generate()")
-        if linear.window:
-            raise UserError(f"static decoding needs pure linear layers, but layer {i} keeps a {linear.window}-token "
-                            f"softmax window; use model.generate()")
+        windows[i] = linear.window
+    return windows
 
 
 class StaticDecoder:
     """Greedy decoding of a fully linear student on static buffers; `graph` (default: on CUDA) replays a CUDA graph."""
 
     def __init__(self, model, graph: bool | None = None):
-        check_static(model)
+        self.windows = check_static(model)
         self.model = model
         self.device = next(model.parameters()).device
         self.graph = self.device.type == "cuda" if graph is None else graph
@@ -62,6 +64,9 @@ class StaticDecoder:
         position = torch.full((B, 1), T, dtype=torch.long, device=self.device)        # [B, 1]
         cache_position = torch.full((1,), T, dtype=torch.long, device=self.device)    # [1]
         new = [token.clone()]
+        for i, window in self.windows.items():    # window hybrids: their last W keys go into a ring of W slots
+            if window:
+                cache.layers[i] = RingWindowLayer.from_layer(cache.layers[i], window, cache_position)
 
         def step() -> None:
             out = self.model(input_ids=token, position_ids=position, cache_position=cache_position,

@@ -25,13 +25,14 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path):
         assert set(row["op_ms"]) == {"chunk"} and row["op_ms"]["chunk"] > 0 and row["hybrid_vs_student"] > 0
     assert all(r["op_ms"] > 0 for r in result["decode"])
     gen = {(r["student"], r["window"], r["engine"]): r for r in result["generation"]}
-    assert set(gen) == {(False, 0, "hf"), (True, 0, "hf"), (True, 0, "static"), (True, 16, "hf")}
+    assert set(gen) == {(False, 0, "hf"), (True, 0, "hf"), (True, 0, "static"), (True, 16, "hf"), (True, 16, "static")}
     assert all(r["decode_tokens_per_s"] > 0 for r in gen.values())
     for engine in ("hf", "static"):
         assert gen[True, 0, engine]["cache_bytes"] == 3 * 4 * 5 * 17 * 4   # 3 layers of [1, 4, 5, 16 + 1] float32
     # the window student adds, per layer, the 14 (< 16) keys and values [1, 14, 2, 16] fed so far (12 of the prompt,
     # 2 generated) and their flags
     assert gen[True, 16, "hf"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 14 * 2 * 16 * 4 + 14)
+    assert gen[True, 16, "static"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 16 * 2 * 16 * 4 + 16)   # a full ring
     assert result["hardware"]["device"] == "cpu" and "prefill (one layer, ms)" in printed
 
 

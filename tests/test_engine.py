@@ -15,10 +15,11 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [0, 4, 16])       # 16: the 11-token prompt leaves the ring part empty
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
-def test_same_tokens_as_hf_generate(family, device):
+def test_same_tokens_as_hf_generate(family, window, device):
     model = tiny_model(family)
-    linearize(model, dims=[9, 16, 5], feature="prf", seed=1)
+    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=window)
     model.generation_config.eos_token_id = None
     model = model.to(device)
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
@@ -52,13 +53,38 @@ def test_refuses_what_it_cannot_keep_static():
     with pytest.raises(UserError, match="layer 1 is softmax attention"):
         StaticDecoder(model)
     model = tiny_model("llama")
-    linearize(model, dims=[8, 8, 8], window=4)
-    with pytest.raises(UserError, match="4-token softmax window"):
-        StaticDecoder(model)
-    model = tiny_model("llama")
     linearize(model, dims=[8, 8, 8])
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="CUDA graphs need the model on a CUDA device"):
             StaticDecoder(model, graph=True)
     with pytest.raises(UserError, match="max_new_tokens must be at least 1"):
         StaticDecoder(model).generate(torch.zeros(1, 3, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("window,prompt", [(4, 7), (4, 2), (16, 9)])
+def test_ring_step_equals_the_window_layer(window, prompt):
+    """Layer level: after a prefill, static ring steps give the same outputs and state as the growing-list cache."""
+    from dofattn.attention import LinearAttention, LinearStateLayer, RingWindowLayer
+    from dofattn.features import make_feature_map
+
+    torch.manual_seed(0)
+    layer = LinearAttention(make_feature_map("prf", 4, 8, 12, scaling=8 ** -0.5, seed=3), 4, 2, window)
+    with torch.no_grad():
+        layer.log_gain.copy_(torch.randn(4))
+    g = torch.Generator().manual_seed(1)
+    q = 2 * torch.randn(2, prompt + 10, 4, 8, generator=g)
+    k, v = (2 * torch.randn(2, prompt + 10, 2, 8, generator=g) for _ in range(2))
+    listed, ringed = LinearStateLayer(), LinearStateLayer()
+    with torch.no_grad():
+        layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache=listed)      # training mode: calibrates the shift
+        layer.eval()
+        layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache=ringed)
+        ringed.seen = prompt
+        position = torch.tensor([prompt])
+        ring = RingWindowLayer.from_layer(ringed, window, position)
+        for t in range(prompt, prompt + 10):
+            ref = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=listed)
+            out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+            position.add_(1)
+    torch.testing.assert_close(ring.state, listed.state, rtol=1e-5, atol=1e-6)
