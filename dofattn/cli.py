@@ -76,6 +76,8 @@ class GenerateArgs:
     dims: str | None = _opt(None, "linearize a base model first: fix, fix:C or a dof.json file")
     feature: str = _opt("prf", "feature map when linearizing with --dims: prf, performer, hedgehog or dijiang")
     temperature: float = _opt(0.0, "0 for greedy decoding, > 0 to sample")
+    static: bool = _opt(False, "greedy decoding on static buffers (dofattn.engine): a CUDA graph per token on CUDA; "
+                               "needs every layer linear and --temperature 0")
     seed: int = _opt(0, "seed for sampling and for untrained features")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
     dtype: str = _opt("float32", "model dtype: float32 or bfloat16")
@@ -92,6 +94,8 @@ def run_generate(args: GenerateArgs) -> int:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature:g}")
+    if args.static and args.temperature > 0:
+        raise UserError("--static decodes greedily; drop --temperature or --static")
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
     if is_student(args.model):
         if args.dims:
@@ -109,9 +113,15 @@ def run_generate(args: GenerateArgs) -> int:
     inputs = tokenizer(args.prompt, return_tensors="pt").to(device)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             **sampling)
+    if args.static:
+        from dofattn.engine import StaticDecoder
+
+        out = StaticDecoder(model).generate(inputs["input_ids"], args.max_new_tokens, tokenizer.eos_token_id)
+        what += ", static decoding" + (" with a CUDA graph" if device.startswith("cuda") else "")
+    else:
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                 **sampling)
     elapsed = time.perf_counter() - start
     new = out[0, inputs["input_ids"].shape[1]:]
     print(args.prompt + tokenizer.decode(new, skip_special_tokens=True))

@@ -126,6 +126,18 @@ def test_generate_linearized_tiny_model(capsys, model_dirs):
     assert out.startswith("The quick brown") and "untrained prf features" in err
 
 
+def test_generate_static_matches_hf(capsys, model_dirs):
+    args = ("generate", "--model", str(model_dirs["llama"]), "--dims", "fix:8", "--prompt", "The quick brown",
+            "--max-new-tokens", "6")
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    code, static_out, err = run(capsys, *args, "--static")
+    assert code == 0 and "static decoding" in err, err
+    assert static_out == out
+    code, _, err = run(capsys, "generate", "--model", str(model_dirs["llama"]), "--static")
+    assert code == 2 and "every layer linear" in err
+
+
 def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
     from dofattn.hf import load_model
     from dofattn.student import StudentConfig, fingerprint, linearize, save_student
@@ -144,6 +156,7 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--temperature", "-1"], "--temperature"),
+    (["--static", "--temperature", "0.7"], "--static decodes greedily"),
     (["--dims", "fix:0"], "bad --dims"),
     (["--dims", "fix", "--feature", "cosine"], "unknown feature map"),
 ])
