@@ -179,6 +179,9 @@ class DistillArgs:
     checkpoint_every: int = _opt(10, "end-to-end steps between checkpoints")
     eval_every: int = _opt(0, "measure validation perplexity every N end-to-end steps (log.json: direct.curve, "
                               "perplexity against training tokens); 0: only at the end")
+    time_limit: float = _opt(0.0, "stop the end-to-end phase after this many minutes of it, then save and evaluate "
+                                  "the student as it is (log.json: direct.stopped); the same command later goes "
+                                  "on to the remaining steps. 0: no limit")
     lam: float = _opt(2.0 ** -8, "λ of the DoF estimate (trace-relative) when --dims is dof or clip")
     dof_repeats: int = _opt(1, "pool the DoF estimate over this many disjoint sets of 1024 points per head "
                                "(like `dofattn dof --repeats`)")

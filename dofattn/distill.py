@@ -397,11 +397,13 @@ def save_direct_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: 
 
 def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, lr: float, kd_weight: float,
            seed: int, checkpoint_every: int, progress: bool = True, eval_blocks: torch.Tensor | None = None,
-           eval_every: int = 0) -> dict:
+           eval_every: int = 0, time_limit: float = 0.0) -> dict:
     """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`.
 
     With `eval_every` > 0, the validation perplexity on `eval_blocks` is measured every that many steps (rank 0)
     and returned as `curve`: [{"step", "tokens", "ppl"}], tokens counting every process's training tokens.
+    With `time_limit` > 0 (seconds), training stops after the first step that ends past it, checkpointed: the
+    result then has `stopped` = "time limit" and `steps` < the `target_steps` a rerun goes on to.
     """
     rank, size = world()
     named = feature_parameters(model)
@@ -449,19 +451,32 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
                 linear.train()
             curve.append({"step": step + 1, "tokens": (step + 1) * batch_size * size * blocks.shape[1], "ppl": ppl})
             bar.set_postfix(loss=f"{loss.item():.4f}", ppl=f"{ppl:.1f}")
-        if rank == 0 and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
+        out_of_time = bool(time_limit) and time.perf_counter() - started > time_limit and step + 1 < steps
+        if size > 1:                                  # rank 0's clock decides for everyone
+            flag = torch.tensor([float(out_of_time)], device=device if dist.get_backend() == "nccl" else "cpu")
+            dist.broadcast(flag, 0)
+            out_of_time = bool(flag.item())
+        if rank == 0 and ((step + 1) % checkpoint_every == 0 or step + 1 == steps or out_of_time):
             save_direct_checkpoint(ckpt, step + 1, losses, named + buffers, optimizer, names, curve)
+        if out_of_time:
+            done = step + 1
+            break
+    else:
+        done = steps
     for linear in linears:
         linear.eval()
     barrier()
-    return {"steps": steps, "first_loss": losses[0] if losses else None,
-            "last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None, "losses": losses,
-            "curve": curve, "seconds": round(time.perf_counter() - started, 2)}
+    result = {"steps": done, "first_loss": losses[0] if losses else None,
+              "last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None, "losses": losses,
+              "curve": curve, "seconds": round(time.perf_counter() - started, 2)}
+    if done < steps:
+        result.update(stopped="time limit", target_steps=steps)
+    return result
 
 
 # --- orchestration ------------------------------------------------------------------------------------------------
 
-RESUME_IRRELEVANT = ("device", "out")
+RESUME_IRRELEVANT = ("device", "out", "time_limit")
 # Options added later, with the value that reproduces a run folder written before they existed.
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper"}
@@ -525,6 +540,8 @@ def validate(args) -> None:
         raise UserError(f"--dof-repeats must be between 1 and 8 (sets of 1024 points each), got {args.dof_repeats}")
     if args.eval_every < 0:
         raise UserError(f"--eval-every must be >= 0 (0: only at the end), got {args.eval_every}")
+    if args.time_limit < 0:
+        raise UserError(f"--time-limit must be >= 0 minutes (0: none), got {args.time_limit:g}")
     if args.lora_rank < 0:
         raise UserError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
     if args.lora_rank and args.loss != "direct" and args.then_direct_steps == 0:
@@ -620,10 +637,14 @@ def run(args) -> dict:
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         check_run_folder(out, asdict(args))
     barrier()
-    if (out / "log.json").is_file():  # finished before, with these arguments
+    finished = json.loads((out / "log.json").read_text()) if (out / "log.json").is_file() else None
+    if finished and not finished.get("direct", {}).get("stopped"):  # finished before, with these arguments
         if rank == 0:
             print(f"{out} holds a finished run with these arguments; its results:", flush=True)
-        return json.loads((out / "log.json").read_text())
+        return finished
+    if finished and rank == 0:
+        print(f"{out}: the end-to-end phase stopped at its time limit after {finished['direct']['steps']} of "
+              f"{finished['direct']['target_steps']} steps; going on", flush=True)
     dof = None
     if args.dims in ("dof", "clip") or args.per_head or (args.keep_softmax and args.keep_by == "dof"):
         dof = dof_estimate(args, model, tokenizer, out)
@@ -648,7 +669,11 @@ def run(args) -> dict:
 
     steps = args.steps if args.tokens is None else math.ceil(args.tokens / (args.batch_size * args.seq_len))
     train = token_blocks(args.data, tokenizer, args.seq_len, args.train_blocks, split="train", seed=args.seed)
-    if args.loss in LAYER_LOSSES:
+    if finished:  # resuming an end-to-end phase that hit its time limit: the layerwise stage is done
+        log.layers, log.seconds = finished.get("layers", {}), {**finished["seconds"], **log.seconds}
+        if "layerwise_student_ppl" in finished.get("evaluation", {}):
+            log.evaluation["layerwise_student_ppl"] = finished["evaluation"]["layerwise_student_ppl"]
+    elif args.loss in LAYER_LOSSES:
         timer = time.perf_counter()
         cache = None
         if not args.progressive:
@@ -661,14 +686,15 @@ def run(args) -> dict:
         log.seconds["layerwise"] = round(time.perf_counter() - timer, 1)
     direct_steps = steps if args.loss == "direct" else args.then_direct_steps
     valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
-    if direct_steps and args.loss in LAYER_LOSSES and rank == 0:  # what layerwise training alone reached
+    if direct_steps and args.loss in LAYER_LOSSES and rank == 0 and not finished:  # what layerwise alone reached
         log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
     if direct_steps:
         timer = time.perf_counter()
         log.direct = direct(model, train, out, direct_steps, args.direct_batch_size, args.direct_lr,
                             args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0,
-                            eval_blocks=valid, eval_every=args.eval_every)
-        log.seconds["direct"] = round(time.perf_counter() - timer, 1)
+                            eval_blocks=valid, eval_every=args.eval_every, time_limit=60 * args.time_limit)
+        log.seconds["direct"] = round(time.perf_counter() - timer + (finished["seconds"].get("direct", 0)
+                                                                        if finished else 0), 1)
     if rank == 0:
         config = StudentConfig(args.model, args.feature, dims, [i for i, m in enumerate(attention_modules(model))
                                                                 if hasattr(m, "dofattn")], args.seed,

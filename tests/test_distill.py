@@ -283,6 +283,7 @@ def other_model_dims(folder: Path) -> Path:
     (["--dims", "{tmp}/missing.json"], "does not exist"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--window", "-1"], "--window must be >= 0"),
+    (["--time-limit", "-1"], "--time-limit must be >= 0 minutes"),
     (["--dof-repeats", "0"], "--dof-repeats must be between 1 and 8"),
     (["--keep-softmax", "3"], "--keep-softmax 3 leaves no layer to linearize"),
     (["--keep-softmax", "-1"], "--keep-softmax must be >= 0"),
@@ -393,6 +394,32 @@ def test_direct_phase_curve_of_perplexity_against_tokens(capsys, model_dirs, cor
     assert [(c["step"], c["tokens"]) for c in curve] == [(2, 2 * 2 * 32), (4, 4 * 2 * 32)]
     # the last point is the finished student on the same validation blocks as the final evaluation
     assert math.isclose(curve[-1]["ppl"], log["evaluation"]["student_ppl"], rel_tol=1e-5)
+
+
+def test_time_limit_stops_evaluates_and_the_same_command_goes_on(capsys, model_dirs, corpus, tmp_path):
+    """A tiny --time-limit stops the direct phase after its first step with a saved, evaluated student; the same
+    command (any limit) goes on from the checkpoint, and the finished run equals one that never stopped."""
+    extra = ("--steps", 3, "--then-direct-steps", 4, "--checkpoint-every", 10)
+    reference = tmp_path / "reference"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, reference, *extra))
+    assert code == 0, err
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, *extra, "--time-limit", 1e-9))
+    assert code == 0, err
+    log = json.loads((out / "log.json").read_text())
+    assert (log["direct"]["steps"], log["direct"]["target_steps"], log["direct"]["stopped"]) == (1, 4, "time limit")
+    assert (out / "features.safetensors").is_file() and log["evaluation"]["student_ppl"] > 0
+    code, printed, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, *extra, "--time-limit", 1e-9))
+    assert code == 0 and "stopped at its time limit after 1 of 4 steps" in printed, err
+    assert json.loads((out / "log.json").read_text())["direct"]["steps"] == 2
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, *extra))
+    assert code == 0, err
+    log, ref_log = (json.loads((f / "log.json").read_text()) for f in (out, reference))
+    assert log["direct"]["steps"] == 4 and "stopped" not in log["direct"]
+    assert log["direct"]["losses"] == ref_log["direct"]["losses"]
+    assert log["layers"] == ref_log["layers"]
+    assert log["evaluation"]["layerwise_student_ppl"] == ref_log["evaluation"]["layerwise_student_ppl"]
+    assert_identical(features(out), features(reference))
 
 
 def test_progressive_layers_train_on_the_students_own_inputs(capsys, trained_llama, corpus, tmp_path, tokenizer):
