@@ -315,3 +315,19 @@ def test_window_dispatch_on_cuda(monkeypatch):
     o, _ = window.window_linear_attention(q, k, v, phi_q.requires_grad_(), phi_k, scale, offset, 0.25, 64)
     assert calls == [1]
     assert_close("o", ref, o, RATIO)
+
+
+@pytest.mark.skipif(not CUDA, reason="Triton's interpreter gets bf16 dots wrong")
+def test_window_forward_bfloat16_near_float32():
+    from dofattn.ops.window import naive_window_linear_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k = (3 * torch.randn(2, 300, 3, 64, generator=g) for _ in range(2))
+    v = torch.randn(2, 300, 3, 64, generator=g)
+    phi_q, phi_k = (torch.rand(2, 300, 3, 96, generator=g) for _ in range(2))
+    scale, offset = torch.randn(2, 300, 3, generator=g), torch.randn(3, generator=g)
+    args = on_device([q, k, v, phi_q, phi_k, scale, offset])
+    ref, _ = naive_window_linear_attention(*args, 0.125, 64)
+    o, _ = fused.window_forward(*[x.bfloat16() if x.dim() == 4 else x for x in args], 0.125, 64)
+    assert o.dtype == torch.bfloat16
+    assert_close("o", ref, o, 2e-2)
