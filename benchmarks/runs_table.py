@@ -1,6 +1,7 @@
 """A markdown table of finished `dofattn distill` runs, read from their log.json files.
 
     python benchmarks/runs_table.py runs/distill runs/window64 runs/keep3-dof --out docs/results/fidelity.json
+    python benchmarks/runs_table.py runs/w64-dof-s* runs/w64-fix-s* --by-seed       # mean ± sd over seeds
 
 One row per run folder: what differs from its recipe's defaults (read from run.json), validation perplexity after
 layerwise training and at the end (and the ratio to the teacher's), KL(teacher ‖ student) per token, top-1
@@ -26,8 +27,14 @@ def describe(folder: Path) -> dict:
     defaults = DistillArgs(recipe=args.get("recipe", LATER_OPTIONS["recipe"]))  # that recipe's defaults
     resolve_recipe(defaults)
     changed = {k: args[k] for k in SHOWN if k in args and args[k] != getattr(defaults, k)}
+    # the same run described against one reference (the dofattn recipe), so that runs of either recipe that train
+    # the same student group together over seeds; "recipe" is only a preset and is left out
+    reference = DistillArgs(recipe="dofattn")
+    resolve_recipe(reference)
+    effective = {k: args.get(k, LATER_OPTIONS.get(k)) for k in SHOWN if k != "recipe"}
+    setting = {k: v for k, v in effective.items() if v != getattr(reference, k)}
     ev = log["evaluation"]
-    return {"run": folder.name, "changed": changed, "dims": [min(log["dims"]), max(log["dims"])],
+    return {"run": folder.name, "changed": changed, "setting": setting, "seed": args.get("seed", 0), "dims": [min(log["dims"]), max(log["dims"])],
             "softmax_layers": log.get("softmax_layers", []), "teacher_ppl": ev["teacher_ppl"],
             "layerwise_ppl": ev.get("layerwise_student_ppl"), "ppl": ev["student_ppl"],
             "vs_teacher": ev["student_ppl"] / ev["teacher_ppl"], "kl": ev.get("kl"),
@@ -48,15 +55,42 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def seed_summary(rows: list[dict]) -> list[dict]:
+    """Runs that train the same student but for --seed, pooled: mean and sample standard deviation of the final
+    ratio to the teacher, with the seeds. `changed` is against the dofattn recipe."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(json.dumps(r["setting"], sort_keys=True), []).append(r)
+    summary = []
+    for key, members in groups.items():
+        ratios = [m["vs_teacher"] for m in members]
+        mean = sum(ratios) / len(ratios)
+        sd = (sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1)) ** 0.5 if len(ratios) > 1 else 0.0
+        summary.append({"changed": json.loads(key), "seeds": [m["seed"] for m in members], "runs": len(members),
+                        "vs_teacher_mean": mean, "vs_teacher_sd": sd, "vs_teacher": ratios})
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="finished run folders")
     parser.add_argument("--out", help="also write the rows as JSON")
+    parser.add_argument("--by-seed", action="store_true", help="also pool runs that differ only in --seed: mean ± "
+                                                               "standard deviation of the ratio to the teacher")
     args = parser.parse_args()
     rows = [describe(Path(f)) for f in args.runs]
     print(f"teacher ppl {rows[0]['teacher_ppl']:.2f}\n{markdown(rows)}")
+    result = rows
+    if args.by_seed:
+        summary = seed_summary(rows)
+        print("\n| differs from the dofattn recipe | seeds | final ppl × teacher, mean ± sd | each |\n|---|---|---:|---|")
+        for g in summary:
+            changed = ", ".join(f"{k}={v}" for k, v in g["changed"].items()) or "(the dofattn recipe)"
+            each = ", ".join(f"{x:.3f}" for x in g["vs_teacher"])
+            print(f"| {changed} | {g['seeds']} | {g['vs_teacher_mean']:.3f} ± {g['vs_teacher_sd']:.3f} | {each} |")
+        result = {"runs": rows, "by_seed": summary}
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+        Path(args.out).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
