@@ -11,8 +11,9 @@ Three measurements, each the median of `repeats` timed runs after one warm-up (C
    feature map inside), and the linear op's step alone on precomputed features.
 3. generation: a model and its linearized students (untrained PRF features: speed does not depend on training;
    pure linear, and with the window) prefill a prompt of T tokens and greedily generate `new_tokens` with HF
-   `generate`; the students also with `engine.StaticDecoder` (static buffers, a CUDA graph per token on CUDA). Decode tokens/s, and the cache each holds at the end (KV cache against state; plus the peak CUDA
-   memory on CUDA).
+   `generate`; the students also with `engine.StaticDecoder` (static buffers, a CUDA graph per token on CUDA).
+   Decode tokens/s, and the cache each holds at the end (KV cache against state; plus the peak CUDA memory on
+   CUDA).
 Every result row carries its shapes; the JSON also records the hardware and software versions.
 """
 
@@ -182,7 +183,6 @@ def _cache_bytes(cache) -> int:
     return total
 
 
-@torch.no_grad()
 def _generation_row(cfg: BenchConfig, student: bool, window: int, T: int, engine: str, prefill_ms: float,
                     total_ms: float, cache) -> dict:
     decode_s = max(total_ms - prefill_ms, 1e-6) / 1e3
@@ -194,6 +194,7 @@ def _generation_row(cfg: BenchConfig, student: bool, window: int, T: int, engine
     return row
 
 
+@torch.no_grad()
 def bench_generate(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
     from dofattn.engine import StaticDecoder
     from dofattn.hf import load_model
