@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from dofattn.errors import UserError
 from dofattn.features import MAX_KEY_EXCESS, FeatureMap, PositiveRandomFeatures
 from dofattn.ops import linear_attention
-from dofattn.ops.naive import TINY
+from dofattn.ops.naive import TINY, augment_values
 from dofattn.ops.window import window_linear_attention, window_logits
 
 IMPLEMENTATION = "dofattn"
@@ -92,8 +92,7 @@ class LinearAttention(nn.Module):
         old_k, old_v = cache.keys.index_select(1, slot), cache.values.index_select(1, slot)   # [B, 1, Hkv, D]
         old_valid = cache.key_valid.index_select(1, slot).float()                 # [B, 1]
         phi_old, k_scale = fmap.features(self.expand_kv(old_k), "key")             # [B, 1, H, M], [H]
-        v_old = self.expand_kv(old_v).float()
-        v_old = torch.cat([v_old, torch.ones_like(v_old[..., :1])], -1)            # [B, 1, H, V+1]
+        v_old = augment_values(self.expand_kv(old_v), torch.float32)               # [B, 1, H, V+1]
         cache.state.add_(torch.einsum("bthm,bthv->bhmv", phi_old.float() * old_valid[..., None, None], v_old))
         cache.keys.index_copy_(1, slot, k)
         cache.values.index_copy_(1, slot, v)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dofattn.ops.naive import TINY, check_inputs
+from dofattn.ops.naive import TINY, augment_values, check_inputs
 
 CHUNK = 64           # tokens per chunk inside a block (the tril product is C × C); 32/16 for wide features
 MAX_TILE = 128 * 64  # state elements a program keeps in registers: M_pad × V_tile
@@ -442,7 +442,7 @@ class LinearScan(torch.autograd.Function):
             g_aug = g_out.float()
         dtype = phi_q.dtype if phi_q.dtype == phi_k.dtype == v.dtype else torch.float32
         g = g_aug.to(dtype)                                                                    # [B, T, H, V+1]
-        v_aug = torch.cat([v, torch.ones_like(v[..., :1])], -1).to(dtype)                     # [B, T, H, V+1]
+        v_aug = augment_values(v, dtype)                                                       # [B, T, H, V+1]
         dq = scan(g, v_aug, phi_k.to(dtype))[0]                                                # [B, T, H, M]
         dk = scan(v_aug, g, phi_q.to(dtype), reverse=True)[0]                                  # [B, T, H, M]
         dv = scan(phi_k.to(dtype), phi_q.to(dtype), g[..., :-1], reverse=True)[0]              # [B, T, H, V]
