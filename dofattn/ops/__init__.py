@@ -31,7 +31,6 @@ from dofattn.ops.naive import check_inputs, naive_linear_attention
 from dofattn.ops.recurrent import recurrent_linear_attention
 
 
-
 @functools.cache
 def load_fused():
     """dofattn's Triton module (`ops.fused`) and '' if it imports, else (None, why not)."""
