@@ -584,13 +584,9 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
         raise ValueError(f"window_forward takes windows {WINDOWS}, as many keys as queries and at most "
                          f"{MAX_WINDOW_FEATURES} features; got window {window}, {k.shape[1]} keys for {T} queries, "
                          f"{M} features")
-    feat = phi_k.dtype if phi_k.dtype == phi_q.dtype == v.dtype else torch.float32
-    pk = phi_k.to(feat)
-    if key_valid is not None:
-        pk = pk * key_valid[:, :, None, None].to(feat)
-    dk = torch.nn.functional.pad(pk, (0, 0, 0, 0, window, 0))[:, :T].contiguous()   # key s arrives at s + W
-    dv = torch.nn.functional.pad(v.to(feat), (0, 0, 0, 0, window, 0))[:, :T].contiguous()
-    pq = phi_q.to(feat).contiguous()
+    from dofattn.ops.window import delayed_keys
+
+    pq, dk, dv = (x.contiguous() for x in delayed_keys(phi_q, phi_k, v, key_valid, window, torch.float32))
     L, BK, BV = _plan(T, B * H, M, V, q.device, block)
     BV = _pow2(V)                                  # the exact part's row sums need every value column at once
     NB = triton.cdiv(T, L)

@@ -35,7 +35,8 @@ from dofattn.ops.naive import TINY, compute_dtype
 
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
-__all__ = ["naive_window_linear_attention", "window_linear_attention", "window_logits", "check_window_inputs"]
+__all__ = ["naive_window_linear_attention", "window_linear_attention", "window_logits", "check_window_inputs",
+           "delayed_keys"]
 
 
 def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state) -> None:
@@ -168,6 +169,21 @@ def _banded_softmax(q, k, v, scaling: float, window: int, key_valid):
     return unblock(o), unblock(log_mass.transpose(2, 3)), unblock(any_key.transpose(2, 3))
 
 
+def delayed_keys(phi_q, phi_k, v, key_valid, window: int, dtype: torch.dtype):
+    """The linear part's inputs: (φq, φk with padding keys zeroed and delayed by W, v delayed by W), the keys and
+    values over the same Tk positions (key s arrives at position s + W). The features keep their dtype when φq, φk
+    and v share one, since the linear ops sum in float32 whatever it is (16-bit dots on CUDA are faster); else
+    all go to `dtype`."""
+    feat = phi_k.dtype if phi_k.dtype == phi_q.dtype == v.dtype else dtype
+    phi_k = phi_k.to(feat)
+    if key_valid is not None:
+        phi_k = phi_k * key_valid[:, :, None, None].to(feat)
+    Tk = phi_k.shape[1]
+    delayed_k = F.pad(phi_k, (0, 0, 0, 0, window, 0))[:, :Tk]
+    delayed_v = F.pad(v.to(feat), (0, 0, 0, 0, window, 0))[:, :Tk]
+    return phi_q.to(feat), delayed_k, delayed_v
+
+
 def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend) -> bool:
     """True when the Triton hybrid (`ops.fused.window_forward`, forward only) gives this call's result: backend
     auto or triton, CUDA, no autograd, a prefill (as many keys as queries), a window in `fused.WINDOWS` and at most
@@ -204,19 +220,13 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
         return load_fused()[0].window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                               key_valid, initial_state, output_final_state)
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
-    Tk, P = k.shape[1], k.shape[1] - q.shape[1]
+    P = k.shape[1] - q.shape[1]
     # Every tensor is laid out over the Tk key positions; the P cached positions get zero queries, dropped at the end.
     qf = F.pad(q.to(dtype), (0, 0, 0, 0, P, 0))
     o_win, lam_win, has_win = _banded_softmax(qf, k.to(dtype), v.to(dtype), scaling, window, key_valid)
 
-    # The features keep their dtype: the linear ops sum in float32 whatever it is (16-bit dots on CUDA are faster).
-    feat = phi_k.dtype if phi_k.dtype == phi_q.dtype == v.dtype else dtype
-    phi_k = phi_k.to(feat)
-    if key_valid is not None:
-        phi_k = phi_k * key_valid[:, :, None, None].to(feat)
-    delayed_k = F.pad(phi_k, (0, 0, 0, 0, window, 0))[:, :Tk]            # key s arrives at position s + W
-    delayed_v = F.pad(v.to(feat), (0, 0, 0, 0, window, 0))[:, :Tk]
-    phi_qf = F.pad(phi_q.to(feat), (0, 0, 0, 0, P, 0))
+    phi_q, delayed_k, delayed_v = delayed_keys(phi_q, phi_k, v, key_valid, window, dtype)
+    phi_qf = F.pad(phi_q, (0, 0, 0, 0, P, 0))
     o_aug, final_state = linear_attention(phi_qf, delayed_k, delayed_v, initial_state=initial_state,
                                           output_final_state=output_final_state, backend=backend, normalize=False)
     o_aug = o_aug.to(dtype)
