@@ -452,7 +452,7 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
             curve.append({"step": step + 1, "tokens": (step + 1) * batch_size * size * blocks.shape[1], "ppl": ppl})
             bar.set_postfix(loss=f"{loss.item():.4f}", ppl=f"{ppl:.1f}")
         out_of_time = bool(time_limit) and time.perf_counter() - started > time_limit and step + 1 < steps
-        if size > 1:                                  # rank 0's clock decides for everyone
+        if size > 1 and time_limit:                   # rank 0's clock decides for everyone
             flag = torch.tensor([float(out_of_time)], device=device if dist.get_backend() == "nccl" else "cpu")
             dist.broadcast(flag, 0)
             out_of_time = bool(flag.item())

@@ -102,6 +102,7 @@ class StaticDecoder:
         tokens = torch.cat([input_ids, *new], dim=1)
         if eos_token_id is not None:
             generated = tokens[:, T:]
-            after = (generated == eos_token_id).int().cumsum(1) - (generated == eos_token_id).int() > 0
+            is_eos = (generated == eos_token_id).int()
+            after = is_eos.cumsum(1) - is_eos > 0                     # past the row's first EOS
             tokens[:, T:] = generated.masked_fill(after, eos_token_id)
         return tokens
