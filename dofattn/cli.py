@@ -174,6 +174,12 @@ class DistillArgs:
                              "end-to-end phase with the features and saved with the student (needs peft)")
     then_direct_steps: int = _opt(30, "after layerwise training, this many end-to-end steps")
     direct_batch_size: int = _opt(2, "blocks per end-to-end step")
+    direct_seq_len: int | None = _opt(None, "tokens per end-to-end block (default: --seq-len); training at the "
+                                            "evaluation length lets the linear part learn the distances it is "
+                                            "scored on")
+    direct_blocks: int | None = _opt(None, "training blocks of the end-to-end phase (default: --train-blocks); the "
+                                           "layerwise stage keeps the teacher's q/k/v for --train-blocks only, so "
+                                           "a long end-to-end phase can read far more text than it")
     direct_lr: float = _opt(2e-3, "Adam learning rate of the end-to-end phase")
     kd_weight: float = _opt(1.0, "weight of KL(teacher || student) on the logits in the end-to-end phase")
     checkpoint_every: int = _opt(10, "end-to-end steps between checkpoints")

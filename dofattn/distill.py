@@ -18,7 +18,9 @@ Stages, each resumable from the run folder (`--out`):
    Each layer's result is saved to `layers/layer_XX.safetensors` as soon as it is done.
 4. direct (`--loss direct`, or `--then-direct-steps N` after layerwise): next-token cross-entropy of the whole
    student, plus `--kd-weight` × KL(teacher ‖ student) on the logits; only feature parameters train. Checkpoints
-   (features, Adam state, step) every `--checkpoint-every` steps.
+   (features, Adam state, step) every `--checkpoint-every` steps. It reads `--direct-blocks` blocks of
+   `--direct-seq-len` tokens (default: the layerwise stage's own), so it can train at the evaluation length on
+   more text than the teacher cache holds.
 5. the student is saved (`dofattn.json`, `features.safetensors`) and evaluated on the validation split next to
    the teacher and an untrained Performer of the same budget; `log.json` is written and the teacher activations
    (about 1 GB for the default job) are deleted. Rerunning a finished run prints its results.
@@ -479,7 +481,8 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
 RESUME_IRRELEVANT = ("device", "out", "time_limit")
 # Options added later, with the value that reproduces a run folder written before they existed.
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
-                 "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper"}
+                 "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
+                 "direct_seq_len": None, "direct_blocks": None}
 KEEP_BY = ("dof", "first", "random")
 # What each --recipe sets for options left unset (None). "paper" is the published method; "dofattn" adds what
 # measurably closes the gap to the teacher (docs/RESULTS.md).
@@ -513,6 +516,13 @@ def check_run_folder(out: Path, args: dict) -> None:
     path.write_text(json.dumps(record, indent=2))
 
 
+def tokens_per_step(args) -> int:
+    """Training tokens in one step of the phase `--steps` / `--tokens` count: layerwise, or direct alone."""
+    if args.loss == "direct":
+        return args.direct_batch_size * (args.direct_seq_len or args.seq_len)
+    return args.batch_size * args.seq_len
+
+
 def validate(args) -> None:
     if args.loss not in LOSSES:
         raise UserError(f"unknown --loss {args.loss!r}; use one of {', '.join(LOSSES)}")
@@ -538,6 +548,11 @@ def validate(args) -> None:
                         "in one process, without torchrun")
     if not 1 <= args.dof_repeats <= 8:
         raise UserError(f"--dof-repeats must be between 1 and 8 (sets of 1024 points each), got {args.dof_repeats}")
+    for name in ("direct_seq_len", "direct_blocks"):
+        if getattr(args, name) is not None and getattr(args, name) < (2 if name == "direct_seq_len" else 1):
+            raise UserError(f"--{name.replace('_', '-')} must be at least {2 if name == 'direct_seq_len' else 1} "
+                            f"(leave it out to use --{'seq-len' if name == 'direct_seq_len' else 'train-blocks'}), "
+                            f"got {getattr(args, name)}")
     if args.eval_every < 0:
         raise UserError(f"--eval-every must be >= 0 (0: only at the end), got {args.eval_every}")
     if args.time_limit < 0:
@@ -555,8 +570,8 @@ def validate(args) -> None:
                         f"are fitted only on pairs farther apart than the window")
     if args.then_direct_steps < 0 or args.kd_weight < 0 or args.lr <= 0 or args.lr_weights <= 0:
         raise UserError("--then-direct-steps and --kd-weight must be >= 0, --lr and --lr-weights > 0")
-    if args.tokens is not None and args.tokens < args.batch_size * args.seq_len:
-        raise UserError(f"--tokens {args.tokens} is less than one batch ({args.batch_size} x {args.seq_len})")
+    if args.tokens is not None and args.tokens < tokens_per_step(args):
+        raise UserError(f"--tokens {args.tokens} is less than one step's batch ({tokens_per_step(args)} tokens)")
     dims = args.dims
     if not (dims in ("dof", "clip") or dims == "fix" or dims.startswith("fix:") or dims.endswith(".json")):
         raise UserError(f"bad --dims {dims!r}; use dof, clip, fix, fix:C, or a dof.json file")
@@ -667,7 +682,7 @@ def run(args) -> dict:
         p.requires_grad_(is_student_tensor(name))
     log.seconds["setup"] = round(time.perf_counter() - timer, 1)
 
-    steps = args.steps if args.tokens is None else math.ceil(args.tokens / (args.batch_size * args.seq_len))
+    steps = args.steps if args.tokens is None else math.ceil(args.tokens / tokens_per_step(args))
     train = token_blocks(args.data, tokenizer, args.seq_len, args.train_blocks, split="train", seed=args.seed)
     if finished:  # resuming an end-to-end phase that hit its time limit: the layerwise stage is done
         log.layers, log.seconds = finished.get("layers", {}), {**finished["seconds"], **log.seconds}
@@ -690,6 +705,9 @@ def run(args) -> dict:
         log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
     if direct_steps:
         timer = time.perf_counter()
+        shape = (args.direct_blocks or args.train_blocks, args.direct_seq_len or args.seq_len)
+        if shape != tuple(train.shape):
+            train = token_blocks(args.data, tokenizer, shape[1], shape[0], split="train", seed=args.seed)
         log.direct = direct(model, train, out, direct_steps, args.direct_batch_size, args.direct_lr,
                             args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0,
                             eval_blocks=valid, eval_every=args.eval_every, time_limit=60 * args.time_limit)

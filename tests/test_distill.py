@@ -285,6 +285,9 @@ def other_model_dims(folder: Path) -> Path:
     (["--window", "-1"], "--window must be >= 0"),
     (["--time-limit", "-1"], "--time-limit must be >= 0 minutes"),
     (["--dof-repeats", "0"], "--dof-repeats must be between 1 and 8"),
+    (["--direct-seq-len", "1"], "--direct-seq-len must be at least 2"),
+    (["--direct-blocks", "0"], "--direct-blocks must be at least 1"),
+    (["--loss", "direct", "--tokens", "40"], "less than one step's batch (64 tokens)"),
     (["--keep-softmax", "3"], "--keep-softmax 3 leaves no layer to linearize"),
     (["--keep-softmax", "-1"], "--keep-softmax must be >= 0"),
     (["--loss", "l2", "--window", "32"], "needs --seq-len > 32"),
@@ -394,6 +397,24 @@ def test_direct_phase_curve_of_perplexity_against_tokens(capsys, model_dirs, cor
     assert [(c["step"], c["tokens"]) for c in curve] == [(2, 2 * 2 * 32), (4, 4 * 2 * 32)]
     # the last point is the finished student on the same validation blocks as the final evaluation
     assert math.isclose(curve[-1]["ppl"], log["evaluation"]["student_ppl"], rel_tol=1e-5)
+
+
+def test_direct_phase_reads_its_own_blocks(capsys, model_dirs, corpus, tmp_path):
+    """--direct-seq-len / --direct-blocks shape the end-to-end phase's text, not the layerwise stage's, and
+    --tokens with --loss direct counts end-to-end tokens."""
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "--steps", 2, "--then-direct-steps",
+                                             3, "--direct-seq-len", 48, "--direct-blocks", 5, "--eval-every", 3))
+    assert code == 0, err
+    log = json.loads((out / "log.json").read_text())
+    assert log["direct"]["curve"][-1]["tokens"] == 3 * 2 * 48
+    assert all(layer["steps"] == 2 for layer in log["layers"].values())
+    out = tmp_path / "direct"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "--loss", "direct", "--tokens",
+                                             500, "--direct-seq-len", 40, "--eval-every", 1))
+    assert code == 0, err
+    curve = json.loads((out / "log.json").read_text())["direct"]["curve"]
+    assert [c["tokens"] for c in curve] == [80 * i for i in range(1, 8)]   # ceil(500 / (2 × 40)) = 7 steps
 
 
 def test_time_limit_stops_evaluates_and_the_same_command_goes_on(capsys, model_dirs, corpus, tmp_path):
