@@ -267,9 +267,21 @@ def test_window_forward_matches_the_spec(case):
     """The Triton hybrid against `naive_window_linear_attention`: outputs and the state left after the window."""
     from dofattn.ops.window import naive_window_linear_attention
 
+    W, block = case[6], case[9]
+    args, key_valid, state = window_case(case)
+    extra = [key_valid, state]
+    ref_o, ref_s = naive_window_linear_attention(*args, 0.3, W, *extra, output_final_state=True)
+    o, s = fused.window_forward(*args, 0.3, W, *extra, output_final_state=True, block=block)
+    rows = slice(None) if key_valid is None else key_valid    # padded queries' outputs are unused
+    assert_close("o", ref_o[rows], o[rows], RATIO)
+    assert_close("ht", ref_s, s, RATIO, floor=1.0)
+
+
+def window_case(case, logit_scale: float = 1.0):
+    """Inputs of a WINDOW_CASES row: ([q, k, v, phi_q, phi_k, q_log_scale, log_offset], key_valid, state)."""
     B, T, H, D, M, V, W, padded, with_state, block = case
     g = torch.Generator().manual_seed(T + M)
-    q, k = (torch.randn(B, T, H, D, generator=g) for _ in range(2))
+    q, k = (logit_scale * torch.randn(B, T, H, D, generator=g) for _ in range(2))
     v = torch.randn(B, T, H, V, generator=g)
     phi_q, phi_k = (torch.rand(B, T, H, M, generator=g) for _ in range(2))
     q_log_scale, log_offset = torch.randn(B, T, H, generator=g), torch.randn(H, generator=g)
@@ -278,13 +290,58 @@ def test_window_forward_matches_the_spec(case):
         key_valid = torch.ones(B, T, dtype=torch.bool)
         key_valid[-1, :T // 3] = False
     state = torch.rand(B, H, M, V + 1, generator=g) if with_state else None
-    args = on_device([q, k, v, phi_q, phi_k, q_log_scale, log_offset])
-    extra = on_device([key_valid, state])
-    ref_o, ref_s = naive_window_linear_attention(*args, 0.3, W, *extra, output_final_state=True)
-    o, s = fused.window_forward(*args, 0.3, W, *extra, output_final_state=True, block=block)
-    rows = slice(None) if key_valid is None else key_valid.to(DEVICE)    # padded queries' outputs are unused
+    return on_device([q, k, v, phi_q, phi_k, q_log_scale, log_offset]), *on_device([key_valid, state])
+
+
+def window_forward_backward(op, args, key_valid, state, W, **kwargs):
+    """op with random upstream gradients on o (valid rows) and on the final state: (o, state, grads)."""
+    names = ["q", "k", "v", "phi_q", "phi_k", "q_log_scale", "log_offset", "state"]
+    leaves = [x.detach().clone().requires_grad_() for x in [*args, state] if x is not None]
+    o, final = op(*leaves[:7], 0.3, W, key_valid, leaves[7] if state is not None else None,
+                  output_final_state=True, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=g).to(o.device)
+    if key_valid is not None:                           # padded queries' outputs are unused
+        do = do * key_valid[:, :, None, None]
+    dht = torch.randn(final.shape, generator=g).to(final.device)
+    ((o * do).sum() + (final * dht).sum()).backward()
+    return o, final, dict(zip(names, (x.grad for x in leaves)))
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=[f"T{c[1]}-M{c[4]}-W{c[6]}{'-pad' if c[7] else ''}"
+                                                     f"{'-S0' if c[8] else ''}" for c in WINDOW_CASES])
+def test_window_backward_matches_the_spec(case):
+    """Gradients of the Triton hybrid (exact-part kernel + the scan's backward on delayed keys) against autograd
+    through `naive_window_linear_attention`, for every input: q, k, v, both feature maps, the log-scales and the
+    initial state, from the output and the final state."""
+    from dofattn.ops.window import naive_window_linear_attention
+
+    W, block = case[6], case[9]
+    args, key_valid, state = window_case(case)
+    ref_o, ref_s, ref_g = window_forward_backward(naive_window_linear_attention, args, key_valid, state, W)
+    o, s, grads = window_forward_backward(fused.window_forward, args, key_valid, state, W, block=block)
+    rows = slice(None) if key_valid is None else key_valid
     assert_close("o", ref_o[rows], o[rows], RATIO)
     assert_close("ht", ref_s, s, RATIO, floor=1.0)
+    assert sorted(grads) == sorted(ref_g)
+    for name in grads:
+        assert_close(name, ref_g[name], grads[name], RATIO, floor=1.0)
+
+
+def test_window_backward_with_exponents_near_200():
+    """Exact logits up to ~200 (SmolLM2 reaches 195) against linear masses near e^0: nothing overflows and the
+    gradients still match the spec, which normalises by the row maximum."""
+    from dofattn.ops.window import naive_window_linear_attention
+
+    case = (1, 90, 2, 16, 12, 8, 16, True, True, None)
+    args, key_valid, state = window_case(case, logit_scale=6.0)
+    top = (0.3 * torch.einsum("bthd,bshd->bhts", args[0], args[1])).amax().item()
+    assert 150 < top < 260, top
+    ref_o, _, ref_g = window_forward_backward(naive_window_linear_attention, args, key_valid, state, 16)
+    o, _, grads = window_forward_backward(fused.window_forward, args, key_valid, state, 16)
+    assert_close("o", ref_o[key_valid], o[key_valid], RATIO)
+    for name in grads:
+        assert_close(name, ref_g[name], grads[name], 1e-3, floor=1.0)
 
 
 def test_window_forward_refuses_what_it_does_not_cover():
@@ -297,7 +354,8 @@ def test_window_forward_refuses_what_it_does_not_cover():
 
 @pytest.mark.skipif(not CUDA, reason="dispatch to the fused hybrid needs CUDA")
 def test_window_dispatch_on_cuda(monkeypatch):
-    """Without autograd a CUDA prefill takes the Triton hybrid; with autograd the PyTorch form (it has a backward)."""
+    """Without autograd a CUDA prefill takes the Triton hybrid; with autograd the PyTorch form, unless the Triton
+    backend is asked for by name."""
     from dofattn.ops import window
 
     calls = []
@@ -314,6 +372,9 @@ def test_window_dispatch_on_cuda(monkeypatch):
     assert_close("o", ref, o, RATIO)
     o, _ = window.window_linear_attention(q, k, v, phi_q.requires_grad_(), phi_k, scale, offset, 0.25, 64)
     assert calls == [1]
+    assert_close("o", ref, o, RATIO)
+    o, _ = window.window_linear_attention(q, k, v, phi_q, phi_k, scale, offset, 0.25, 64, backend="triton")
+    assert calls == [1, 1] and o.requires_grad
     assert_close("o", ref, o, RATIO)
 
 

@@ -262,13 +262,15 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
 
 @triton.jit
 def _window_scan(q_ptr, k_ptr, v_ptr, pq_ptr, dk_ptr, dv_ptr, ls_ptr, off_ptr, valid_ptr, s_ptr, z_ptr, o_ptr,
-                 T, H, D, K, V, scaling, L: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, HAS_VALID: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                 lse_ptr, T, H, D, K, V, scaling, L: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, HAS_VALID: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                 STORE_LSE: tl.constexpr):
     """The sliding-window hybrid for one block (window W = C): query t takes exact softmax weights
     exp(scaling·q_t·k_s) for s in (t − C, t] and linear weights φq_t·φk_s·exp(shift_t) for s ≤ t − C, in one
     normalisation (shift_t = q_log_scale_t + log_offset_h). The linear part runs on the keys delayed by C
     (dk_ptr, dv_ptr: key s at position s + C) from the delayed stream's state entering the block (s_ptr, z_ptr);
-    the exact part reads the raw keys of the query's chunk and the one before."""
+    the exact part reads the raw keys of the query's chunk and the one before. With STORE_LSE each row's log
+    total mass (−inf for a row with no key) goes to lse_ptr [B, T, H], for the backward."""
     blk, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB = (T + L - 1) // L
     b, h = bh // H, bh % H
@@ -328,8 +330,72 @@ def _window_scan(q_ptr, k_ptr, v_ptr, pq_ptr, dk_ptr, dv_ptr, ls_ptr, off_ptr, v
         o = tl.where((total > 0)[:, None], o / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
         tl.store(o_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=mr[:, None] & mv[None, :])
+        if STORE_LSE:
+            lse = tl.where(total > 0, m + tl.log(tl.maximum(total, 1.1754943508222875e-38)), float("-inf"))
+            tl.store(lse_ptr + row0 + rows.to(tl.int64) * H, lse, mask=mr)
         S += tl.dot(tl.trans(dk), dv, input_precision=PREC)
         z += tl.sum(dk.to(tl.float32), 0)
+
+
+@triton.jit
+def _rows(ptr, row0, rows, mr, H, W, cols, mc):
+    """Rows `rows` of a [B, T, H, W] tensor for one (b, h) as float32 [len(rows), len(cols)], 0 where masked."""
+    return tl.load(ptr + (row0 + rows[:, None].to(tl.int64) * H) * W + cols[None, :],
+                   mask=mr[:, None] & mc[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _exact_grads(qx, kx, vx, dox, lse, delta, mask, scaling):
+    """Softmax weights p = exp(scaling·q·kᵀ − lse) on `mask` (else 0) and the logit gradient p·(dO·vᵀ − delta)."""
+    logits = tl.where(mask, scaling * tl.dot(qx, tl.trans(kx), input_precision="ieee"), float("-inf"))
+    p = tl.exp(logits - lse[:, None])
+    return p, p * (tl.dot(dox, tl.trans(vx), input_precision="ieee") - delta[:, None])
+
+
+@triton.jit
+def _window_exact_backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, valid_ptr, dq_ptr, dk_ptr, dv_ptr,
+                           T, H, D, V, scaling, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+                           HAS_VALID: tl.constexpr):
+    """The hybrid's exact part, backward, for chunk j of C = W tokens: ∂q of the queries in chunk j (keys of
+    chunks j − 1 and j) and ∂k, ∂v of the keys in chunk j (queries of chunks j and j + 1), float32. The weights
+    are recomputed from the forward's row log-mass lse (one normalisation over both parts), and the logit
+    gradient is p·(∂o·v − delta) with delta = ∂o·o over the whole row."""
+    j, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    od, ov, oc = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, C)
+    md, mv = od < D, ov < V
+    row0 = b.to(tl.int64) * T * H + h
+    cur, prev, nxt = j * C + oc, j * C - C + oc, j * C + C + oc
+    mcur, mprev, mnxt = cur < T, (prev >= 0) & (prev < T), nxt < T
+    if HAS_VALID:
+        vcur = tl.load(valid_ptr + b.to(tl.int64) * T + cur, mask=mcur, other=0) != 0
+        vprev = tl.load(valid_ptr + b.to(tl.int64) * T + prev, mask=mprev, other=0) != 0
+    else:
+        vcur, vprev = mcur, mprev
+    lower = oc[:, None] >= oc[None, :]            # key j ≤ query i, same chunk
+    upper = oc[:, None] < oc[None, :]             # key c of the earlier chunk within the window of query i: c > i
+    qc, kc = _rows(q_ptr, row0, cur, mcur, H, D, od, md), _rows(k_ptr, row0, cur, mcur, H, D, od, md)
+    vc, doc = _rows(v_ptr, row0, cur, mcur, H, V, ov, mv), _rows(do_ptr, row0, cur, mcur, H, V, ov, mv)
+    lse_c = tl.load(lse_ptr + row0 + cur.to(tl.int64) * H, mask=mcur, other=float("inf"))
+    lse_c = tl.where(lse_c == float("-inf"), float("inf"), lse_c)    # a row without keys: every weight 0
+    delta_c = tl.load(delta_ptr + row0 + cur.to(tl.int64) * H, mask=mcur, other=0.0)
+    # ∂q of chunk j
+    kp, vp = _rows(k_ptr, row0, prev, mprev, H, D, od, md), _rows(v_ptr, row0, prev, mprev, H, V, ov, mv)
+    _, ds_prev = _exact_grads(qc, kp, vp, doc, lse_c, delta_c, upper & vprev[None, :], scaling)
+    p_cur, ds_cur = _exact_grads(qc, kc, vc, doc, lse_c, delta_c, lower & vcur[None, :], scaling)
+    dq = scaling * (tl.dot(ds_prev, kp, input_precision="ieee") + tl.dot(ds_cur, kc, input_precision="ieee"))
+    tl.store(dq_ptr + (row0 + cur[:, None].to(tl.int64) * H) * D + od[None, :], dq, mask=mcur[:, None] & md[None, :])
+    # ∂k, ∂v of chunk j: its own queries, then the next chunk's
+    qn, don = _rows(q_ptr, row0, nxt, mnxt, H, D, od, md), _rows(do_ptr, row0, nxt, mnxt, H, V, ov, mv)
+    lse_n = tl.load(lse_ptr + row0 + nxt.to(tl.int64) * H, mask=mnxt, other=float("inf"))
+    lse_n = tl.where(lse_n == float("-inf"), float("inf"), lse_n)
+    delta_n = tl.load(delta_ptr + row0 + nxt.to(tl.int64) * H, mask=mnxt, other=0.0)
+    p_n, ds_n = _exact_grads(qn, kc, vc, don, lse_n, delta_n, upper & vcur[None, :], scaling)
+    dv = tl.dot(tl.trans(p_cur), doc, input_precision="ieee") + tl.dot(tl.trans(p_n), don, input_precision="ieee")
+    dk = scaling * (tl.dot(tl.trans(ds_cur), qc, input_precision="ieee")
+                    + tl.dot(tl.trans(ds_n), qn, input_precision="ieee"))
+    tl.store(dk_ptr + (row0 + cur[:, None].to(tl.int64) * H) * D + od[None, :], dk, mask=mcur[:, None] & md[None, :])
+    tl.store(dv_ptr + (row0 + cur[:, None].to(tl.int64) * H) * V + ov[None, :], dv, mask=mcur[:, None] & mv[None, :])
 
 
 def interpreting() -> bool:
@@ -440,22 +506,30 @@ class LinearScan(torch.autograd.Function):
             g_aug = torch.cat([g_o / den_c, g_den], -1)                                        # [B, T, H, V+1]
         else:
             g_aug = g_out.float()
-        dtype = phi_q.dtype if phi_q.dtype == phi_k.dtype == v.dtype else torch.float32
-        g = g_aug.to(dtype)                                                                    # [B, T, H, V+1]
-        v_aug = augment_values(v, dtype)                                                       # [B, T, H, V+1]
-        dq = scan(g, v_aug, phi_k.to(dtype))[0]                                                # [B, T, H, M]
-        dk = scan(v_aug, g, phi_q.to(dtype), reverse=True)[0]                                  # [B, T, H, M]
-        dv = scan(phi_k.to(dtype), phi_q.to(dtype), g[..., :-1], reverse=True)[0]              # [B, T, H, V]
-        dS0 = None
-        if S0 is not None:
-            dq = dq + torch.einsum("bthv,bhmv->bthm", g_aug, S0.float())
-            dS0 = torch.einsum("bthm,bthv->bhmv", phi_q.float(), g_aug)
-        if g_state is not None:                       # the final state S0 + Σ φk ⊗ v̄ is differentiable too
-            g_state = g_state.float()
-            dk = dk + torch.einsum("bthv,bhmv->bthm", v_aug.float(), g_state)
-            dv = dv + torch.einsum("bthm,bhmv->bthv", phi_k.float(), g_state[..., :-1])
-            dS0 = None if S0 is None else dS0 + g_state
+        dq, dk, dv, dS0 = scan_grads(phi_q, phi_k, v, S0, g_aug, g_state)
         return dq.to(phi_q.dtype), dk.to(phi_k.dtype), dv.to(v.dtype), dS0, None, None
+
+
+def scan_grads(phi_q, phi_k, v, S0, g_aug, g_state):
+    """Gradients of the unnormalised scan [num, den]_t = φq_t·(S0 + Σ_{s≤t} φk_s ⊗ [v_s, 1]) and of its final
+    state, given g_aug = [∂num, ∂den] [B, T, H, V+1] float32 and g_state [B, H, M, V+1] or None:
+    (∂φq, ∂φk, ∂v, ∂S0 or None), three scans plus the initial state's terms."""
+    dtype = phi_q.dtype if phi_q.dtype == phi_k.dtype == v.dtype else torch.float32
+    g = g_aug.to(dtype)                                                                        # [B, T, H, V+1]
+    v_aug = augment_values(v, dtype)                                                           # [B, T, H, V+1]
+    dq = scan(g, v_aug, phi_k.to(dtype))[0]                                                    # [B, T, H, M]
+    dk = scan(v_aug, g, phi_q.to(dtype), reverse=True)[0]                                      # [B, T, H, M]
+    dv = scan(phi_k.to(dtype), phi_q.to(dtype), g[..., :-1], reverse=True)[0]                  # [B, T, H, V]
+    dS0 = None
+    if S0 is not None:
+        dq = dq + torch.einsum("bthv,bhmv->bthm", g_aug, S0.float())
+        dS0 = torch.einsum("bthm,bthv->bhmv", phi_q.float(), g_aug)
+    if g_state is not None:                           # the final state S0 + Σ φk ⊗ v̄ is differentiable too
+        g_state = g_state.float()
+        dk = dk + torch.einsum("bthv,bhmv->bthm", v_aug.float(), g_state)
+        dv = dv + torch.einsum("bthm,bhmv->bthv", phi_k.float(), g_state[..., :-1])
+        dS0 = None if S0 is None else dS0 + g_state
+    return dq, dk, dv, dS0
 
 
 def triton_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
@@ -572,27 +646,37 @@ MAX_WINDOW_FEATURES = 128  # and feature dims up to this (the block's state stay
 
 def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                    key_valid=None, initial_state=None, output_final_state: bool = False, block: int | None = None):
-    """`ops.window.window_linear_attention` for a prefill (as many keys as queries) in Triton, forward only.
+    """`ops.window.window_linear_attention` for a prefill (as many keys as queries) in Triton, forward and backward.
 
     q, k [B, T, H, D]; v [B, T, H, V]; phi_q, phi_k [B, T, H, M]; q_log_scale [B, T, H]; log_offset [H]; key_valid
     [B, T] or None; initial_state [B, H, M, V+1] or None. window must be one of WINDOWS. Returns o [B, T, H, V] in
     v.dtype and the state of every key but the last `window` (float32) if output_final_state, else None.
+    Gradients reach every floating input from both outputs (`WindowHybrid`).
     """
-    B, T, H, D = q.shape
-    V, M = v.shape[-1], phi_q.shape[-1]
-    if window not in WINDOWS or k.shape[1] != T or M > MAX_WINDOW_FEATURES:
+    M = phi_q.shape[-1]
+    if window not in WINDOWS or k.shape[1] != q.shape[1] or M > MAX_WINDOW_FEATURES:
         raise ValueError(f"window_forward takes windows {WINDOWS}, as many keys as queries and at most "
-                         f"{MAX_WINDOW_FEATURES} features; got window {window}, {k.shape[1]} keys for {T} queries, "
-                         f"{M} features")
+                         f"{MAX_WINDOW_FEATURES} features; got window {window}, {k.shape[1]} keys for "
+                         f"{q.shape[1]} queries, {M} features")
+    S0 = None if initial_state is None else initial_state.float().contiguous()
+    return WindowHybrid.apply(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, float(scaling), window,
+                              output_final_state, block)
+
+
+def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling: float, window: int,
+                   output_final_state: bool, block: int | None, store_lse: bool):
+    """The forward kernels: (o in v.dtype, final state or None, row log-mass [B, T, H] float32 or None, the
+    linear part's inputs (φq, delayed φk, delayed v) as the kernels read them)."""
     from dofattn.ops.window import delayed_keys
 
+    B, T, H, D = q.shape
+    V, M = v.shape[-1], phi_q.shape[-1]
     pq, dk, dv = (x.contiguous() for x in delayed_keys(phi_q, phi_k, v, key_valid, window, torch.float32))
     L, BK, BV = _plan(T, B * H, M, V, q.device, block)
     BV = _pow2(V)                                  # the exact part's row sums need every value column at once
     NB = triton.cdiv(T, L)
     DOT, PREC = _dot_dtype(pq, dk, dv)
     f32 = dict(device=q.device, dtype=torch.float32)
-    S0 = None if initial_state is None else initial_state.float().contiguous()
     s_in = torch.empty(B * H, NB, M, V, **f32)
     z_in = torch.empty(B * H, NB, M, **f32)
     final = torch.empty(B, H, M, V + 1, **f32) if output_final_state else None
@@ -602,10 +686,56 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
                                NB, M, V, BK=BK, BV=BV, HAS_Z=True, HAS_S0=S0 is not None, REVERSE=False,
                                FINAL=final is not None)
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
+    lse = torch.empty(B, T, H, **f32) if store_lse else o
     valid = s_in if key_valid is None else key_valid.contiguous()
     _window_scan[(NB, B * H, 1)](q.contiguous(), k.contiguous(), v.contiguous(), pq, dk, dv,
                                  q_log_scale.float().contiguous(), log_offset.float().contiguous(), valid, s_in, z_in,
-                                 o, T, H, D, M, V, float(scaling), L=L, C=window, BD=_pow2(D), BK=BK, BV=BV,
-                                 HAS_VALID=key_valid is not None, DOT=DOT, PREC=PREC,
+                                 o, lse, T, H, D, M, V, float(scaling), L=L, C=window, BD=_pow2(D), BK=BK, BV=BV,
+                                 HAS_VALID=key_valid is not None, DOT=DOT, PREC=PREC, STORE_LSE=store_lse,
                                  num_warps=8 if BK > 64 else 4, num_stages=1)
-    return o, final
+    return o, final, (lse if store_lse else None), (pq, dk, dv)
+
+
+class WindowHybrid(torch.autograd.Function):
+    """The Triton hybrid with its backward. With lse the row log-mass over both parts and delta = ∂o·o:
+    - the exact part is a banded softmax backward (`_window_exact_backward`), its weights recomputed from lse;
+    - the linear part's weights are φq_t·φk_s·c_t with c_t = exp(shift_t − lse_t), so it is the plain scan's
+      backward (`scan_grads`) on the delayed keys with g_t = c_t·[∂o_t, −delta_t], and
+      ∂shift_t = φq_t·∂φq_t (shift_t = q_log_scale_t + log_offset_h);
+    - the delayed key and value gradients move back by W, and padding keys get none."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling, window, want_state,
+                block):
+        o, final, lse, (pq, dk, dv) = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid,
+                                                     scaling, window, want_state, block, store_lse=True)
+        ctx.save_for_backward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse, pq, dk, dv)
+        ctx.scaling, ctx.window = scaling, window
+        return o, final
+
+    @staticmethod
+    def backward(ctx, g_o, g_state):
+        q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse, pq, dk, dv = ctx.saved_tensors
+        B, T, H, D = q.shape
+        V, W = v.shape[-1], ctx.window
+        g_o = torch.zeros_like(o, dtype=torch.float32) if g_o is None else g_o.float().contiguous()
+        delta = (g_o * o.float()).sum(-1).contiguous()                                         # [B, T, H]
+        f32 = dict(device=q.device, dtype=torch.float32)
+        dq_x, dk_x = torch.empty(B, T, H, D, **f32), torch.empty(B, T, H, D, **f32)
+        dv_x = torch.empty(B, T, H, V, **f32)
+        valid = lse if key_valid is None else key_valid.contiguous()
+        _window_exact_backward[(triton.cdiv(T, W), B * H)](
+            q.contiguous(), k.contiguous(), v.contiguous(), g_o, lse, delta, valid, dq_x, dk_x, dv_x, T, H, D, V,
+            ctx.scaling, C=W, BD=_pow2(D), BV=_pow2(V), HAS_VALID=key_valid is not None)
+        shift = q_log_scale.float() + log_offset.float()
+        c = torch.where(torch.isfinite(lse), torch.exp(shift - lse), 0.0)                     # [B, T, H]
+        g_lin = c[..., None] * torch.cat([g_o, -delta[..., None]], -1)                         # [B, T, H, V+1]
+        d_pq, d_dk, d_dv, dS0 = scan_grads(pq, dk, dv, S0, g_lin, g_state)
+        d_shift = (pq.float() * d_pq.float()).sum(-1)                                          # [B, T, H]
+        d_phi_k = torch.nn.functional.pad(d_dk.float()[:, W:], (0, 0, 0, 0, 0, min(W, T)))     # back by W
+        d_v = dv_x + torch.nn.functional.pad(d_dv.float()[:, W:], (0, 0, 0, 0, 0, min(W, T)))
+        if key_valid is not None:
+            d_phi_k = d_phi_k * key_valid[:, :, None, None]
+        return (dq_x.to(q.dtype), dk_x.to(k.dtype), d_v.to(v.dtype), d_pq.to(phi_q.dtype), d_phi_k.to(phi_k.dtype),
+                d_shift.to(q_log_scale.dtype), d_shift.sum((0, 1)).to(log_offset.dtype), dS0, None, None, None, None,
+                None)

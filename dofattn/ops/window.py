@@ -185,15 +185,17 @@ def delayed_keys(phi_q, phi_k, v, key_valid, window: int, dtype: torch.dtype):
 
 
 def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend) -> bool:
-    """True when the Triton hybrid (`ops.fused.window_forward`, forward only) gives this call's result: backend
-    auto or triton, CUDA, no autograd, a prefill (as many keys as queries), a window in `fused.WINDOWS` and at most
-    `fused.MAX_WINDOW_FEATURES` features, no float64."""
+    """True when the Triton hybrid (`ops.fused.window_forward`) gives this call's result: CUDA, a prefill (as many
+    keys as queries), a window in `fused.WINDOWS` and at most `fused.MAX_WINDOW_FEATURES` features, no float64,
+    and backend triton, or backend auto without autograd (training takes the Triton backward when asked for by
+    name: `backend="triton"`)."""
     from dofattn.ops import load_fused, triton_available
 
     if backend not in ("auto", "triton") or not q.is_cuda or not triton_available():
         return False
     tensors = (q, k, v, phi_q, phi_k, q_log_scale, log_offset, initial_state)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    if grad and backend != "triton":
         return False
     if any(x is not None and x.dtype == torch.float64 for x in tensors) or k.shape[1] != q.shape[1]:
         return False
@@ -209,7 +211,8 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     `backend` picks the linear op (`ops.linear_attention`); the window part is plain PyTorch, O(T·W) memory.
     With backend "auto", a call with few queries (decode: T = 1 against W cached keys) runs the spec's dense form,
     which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions. On CUDA without autograd, a
-    prefill with a window of 16, 32 or 64 runs both parts in one Triton kernel (`ops.fused.window_forward`).
+    prefill with a window of 16, 32 or 64 runs both parts in one Triton kernel (`ops.fused.window_forward`);
+    backend "triton" takes that kernel with autograd too (its backward is Triton as well).
     """
     check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state)
     if backend == "auto" and q.shape[1] <= DENSE_QUERIES:
