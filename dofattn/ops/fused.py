@@ -1,11 +1,11 @@
 """dofattn's Triton kernels (CUDA): causal linear attention for prefill and training (forward and backward), the
-PRF feature map, the decode step, and the sliding-window hybrid's prefill.
+PRF feature map, the decode step, and the sliding-window hybrid (forward and backward).
 
     o, state = triton_linear_attention(phi_q, phi_k, v, initial_state=None, output_final_state=True)
     o = triton_decode_step(phi_q1, phi_k1, v1, state, state)   # T = 1, the state [B, H, M, V+1] updated in place
     phi, q_log_scale = prf_features(fmap, q, "query", MAX_KEY_EXCESS)             # no autograd
     o = prf_decode_step(fmap, q1, k1, v1, state, MAX_KEY_EXCESS)                 # features + step, one kernel
-    o, state = window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, 64)   # no autograd
+    o, state = window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, 64)   # with autograd
 
 Same layout, math and result as `naive.py` and `window.py` (the specs): phi_q, phi_k [B, T, H, M], v [B, T, H, V],
 state [B, H, M, V+1] float32, o [B, T, H, V] in v.dtype. Any M and V (not only powers of two: tiles are padded and
@@ -27,6 +27,9 @@ three more scans of the same shape (queries g, keys v̄, values φk, and so on).
 
 The hybrid (`_window_scan`, window W = C) adds, per chunk, exact softmax logits against the raw keys of the chunk
 and the one before, and runs the linear part on the keys delayed by W; the two are combined per row in log space.
+Its backward (`WindowHybrid`) keeps each row's log total mass from the forward: the exact part's gradients come
+from one banded kernel that recomputes its weights (`_window_exact_backward`), and the linear part's are the scans
+above on the delayed keys, with the upstream gradient scaled per row by its share of the mass.
 
 Dots run in bf16/fp16 when φq, φk and v are all 16-bit, else in tf32x3 (about float32 accuracy); the state,
 sums and outputs are float32; the feature projection and the exact logits are float32 dots. Triton is imported
