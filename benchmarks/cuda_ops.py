@@ -8,6 +8,9 @@ timings of:
     triton, triton_graph    dofattn's op, eager / replayed from a CUDA graph (the difference is launch overhead)
     triton_train            forward + backward
     fla, fla_train          flash-linear-attention's chunk_linear_attn through `ops.fla` (if fla imports)
+    window, window_train    the sliding-window hybrid (--window W tokens exact + the linear op beyond) in
+                            dofattn's Triton kernels, forward / forward + backward (M ≤ 128)
+    window_torch[_train]    the same hybrid in its PyTorch form (banded blocks + the Triton linear op)
 plus the op's memory floor: reading φq, φk, v and writing o once, at the copy bandwidth measured here.
 Training rows stop at --max-train-T (SDPA's backward and the others' activations grow with T).
 """
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dofattn.bench import cuda_time, hardware  # noqa: E402
 from dofattn.ops import fla_available, linear_attention  # noqa: E402
+from dofattn.ops.window import blocked_window_linear_attention, window_linear_attention  # noqa: E402
 
 
 def graphed(fn):
@@ -58,7 +62,25 @@ def safe(fn, repeats):
         return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
 
 
-def run(dims, lengths, repeats, max_train_T, heads=12, V=64):
+def window_rows(q, k, v, phi_q, phi_k, window, repeats, train: bool) -> dict:
+    """The hybrid's timings: Triton kernels against the PyTorch form, forward and (train) forward + backward."""
+    B, T, H, _ = q.shape
+    scale = torch.zeros(B, T, H, device="cuda")
+    offset = torch.zeros(H, device="cuda")
+    inputs = (q, k, v, phi_q, phi_k, scale, offset)
+    forms = {"window": window_linear_attention, "window_torch": blocked_window_linear_attention}
+    row = {}
+    for name, op in forms.items():          # backend triton: the fused kernels, or the Triton linear op
+        with torch.no_grad():
+            row[name] = safe(lambda: op(*inputs, 0.125, window, backend="triton"), repeats)
+        if train:
+            leaves = [x.detach().clone().requires_grad_() for x in inputs]
+            row[name + "_train"] = safe(
+                lambda: op(*leaves, 0.125, window, backend="triton")[0].float().sum().backward(), repeats)
+    return row
+
+
+def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64):
     bandwidth = copy_bandwidth()
     rows = []
     for M in dims:
@@ -93,6 +115,8 @@ def run(dims, lengths, repeats, max_train_T, heads=12, V=64):
                 row["triton_train"] = safe(lambda: train("triton"), repeats)
                 if fla_available():
                     row["fla_train"] = safe(lambda: train("fla"), repeats)
+            if window and M <= 128:
+                row.update(window_rows(q, k, v, phi_q, phi_k, window, repeats, T <= max_train_T))
             rows.append(row)
             print(" ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                            for key, value in row.items()), flush=True)
@@ -107,13 +131,14 @@ def main() -> int:
     parser.add_argument("--lengths", default="2048,8192,32768,131072")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--max-train-T", type=int, default=32768)
+    parser.add_argument("--window", type=int, default=64, help="the hybrid's window (16, 32 or 64); 0: no rows")
     parser.add_argument("--out", default="cuda-ops.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("cuda_ops.py needs a CUDA GPU", file=sys.stderr)
         return 2
     result = run([int(x) for x in args.dims.split(",")], [int(x) for x in args.lengths.split(",")], args.repeats,
-                 args.max_train_T)
+                 args.max_train_T, args.window)
     result["hardware"] = hardware("cuda")
     result["command"] = " ".join(sys.argv)
     Path(args.out).write_text(json.dumps(result, indent=2))

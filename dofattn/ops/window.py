@@ -35,8 +35,8 @@ from dofattn.ops.naive import TINY, compute_dtype
 
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
-__all__ = ["naive_window_linear_attention", "window_linear_attention", "window_logits", "check_window_inputs",
-           "delayed_keys"]
+__all__ = ["naive_window_linear_attention", "window_linear_attention", "blocked_window_linear_attention",
+           "window_logits", "check_window_inputs", "delayed_keys"]
 
 
 def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state) -> None:
@@ -222,6 +222,15 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
         from dofattn.ops import load_fused
         return load_fused()[0].window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                               key_valid, initial_state, output_final_state)
+    return blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
+                                           key_valid, initial_state, output_final_state, backend)
+
+
+def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
+                                    key_valid=None, initial_state=None, output_final_state: bool = False,
+                                    backend: str = "auto"):
+    """The PyTorch form of the hybrid: banded exact attention in blocks of W, the linear op (`backend`) on keys
+    delayed by W, mixed in log space. Differentiable through autograd on any device."""
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
     P = k.shape[1] - q.shape[1]
     # Every tensor is laid out over the Tk key positions; the P cached positions get zero queries, dropped at the end.
