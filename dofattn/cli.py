@@ -189,6 +189,9 @@ class DistillArgs:
                                   "the student as it is (log.json: direct.stopped); the same command later goes "
                                   "on to the remaining steps. 0: no limit")
     lam: float = _opt(2.0 ** -8, "λ of the DoF estimate (trace-relative) when --dims is dof or clip")
+    lam_auto: bool = _opt(False, "choose the DoF estimate's λ instead (like `dofattn dof --lam-auto`): the one "
+                                 "whose dims give the least held-out attention error at the budget; printed and "
+                                 "kept in the run's dof.json")
     dof_repeats: int = _opt(1, "pool the DoF estimate over this many disjoint sets of 1024 points per head "
                                "(like `dofattn dof --repeats`)")
     eval_blocks: int = _opt(8, "validation blocks for the final perplexities")

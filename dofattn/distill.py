@@ -482,7 +482,7 @@ RESUME_IRRELEVANT = ("device", "out", "time_limit")
 # Options added later, with the value that reproduces a run folder written before they existed.
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
-                 "direct_seq_len": None, "direct_blocks": None}
+                 "direct_seq_len": None, "direct_blocks": None, "lam_auto": False}
 KEEP_BY = ("dof", "first", "random")
 # What each --recipe sets for options left unset (None). "paper" is the published method; "dofattn" adds what
 # measurably closes the gap to the teacher (docs/RESULTS.md).
@@ -553,6 +553,9 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least {2 if name == 'direct_seq_len' else 1} "
                             f"(leave it out to use --{'seq-len' if name == 'direct_seq_len' else 'train-blocks'}), "
                             f"got {getattr(args, name)}")
+    if args.lam_auto and args.dims not in ("dof", "clip") and not (args.keep_softmax and args.keep_by == "dof"):
+        raise UserError("--lam-auto chooses the λ of a DoF estimate made here: use it with --dims dof or clip, or "
+                        "--keep-softmax K --keep-by dof")
     if args.eval_every < 0:
         raise UserError(f"--eval-every must be >= 0 (0: only at the end), got {args.eval_every}")
     if args.time_limit < 0:
@@ -581,18 +584,26 @@ def dof_estimate(args, model, tokenizer, out: Path):
     """The DoF estimate (`DofResult`) for `--dims dof|clip` or `--keep-by dof`: read from `--dims` when that is a
     dof.json file, else computed once (rank 0) on the training split and kept as out/dof.json."""
     from dofattn.data import token_blocks
-    from dofattn.dof import DofResult, allocate_dims, sample_points
+    from dofattn.dof import HELDOUT_POINTS, DofResult, allocate_dims, allocate_dims_auto, sample_points
 
     if args.dims.endswith(".json"):
         return DofResult.from_json(Path(args.dims).read_text())
     path = out / "dof.json"
     if world()[0] == 0 and not path.is_file():
         blocks = token_blocks(args.data, tokenizer, 256, 32, split="train", seed=args.seed)
-        sample = sample_points(model, blocks, samples=1024 * args.dof_repeats, seed=args.seed)
+        points = 1024 * args.dof_repeats
+        sample = sample_points(model, blocks, samples=points + (HELDOUT_POINTS if args.lam_auto else 0),
+                               seed=args.seed)
         _, _, head_dim = head_layout(model)
-        result = allocate_dims(sample, args.lam, head_dim, clip=args.dims == "clip", progress=True,
-                               repeats=args.dof_repeats, model=args.model, data=args.data, num_blocks=32,
-                               seq_len=256)
+        meta = dict(model=args.model, data=args.data, num_blocks=32, seq_len=256)
+        if args.lam_auto:
+            train, heldout = sample.split(points)
+            result = allocate_dims_auto(train, heldout, head_dim, args.dims == "clip", args.dof_repeats,
+                                        progress=True, **meta)
+            print(f"--lam-auto chose λ = 2^{math.log2(result.lam):.0f} (trace-relative)", flush=True)
+        else:
+            result = allocate_dims(sample, args.lam, head_dim, clip=args.dims == "clip", progress=True,
+                                   repeats=args.dof_repeats, **meta)
         for warning in result.warnings():
             print(f"WARNING: {warning}", flush=True)
         tmp = path.with_suffix(".partial")

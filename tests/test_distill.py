@@ -286,6 +286,7 @@ def other_model_dims(folder: Path) -> Path:
     (["--time-limit", "-1"], "--time-limit must be >= 0 minutes"),
     (["--dof-repeats", "0"], "--dof-repeats must be between 1 and 8"),
     (["--direct-seq-len", "1"], "--direct-seq-len must be at least 2"),
+    (["--lam-auto"], "--lam-auto chooses the λ of a DoF estimate made here"),
     (["--direct-blocks", "0"], "--direct-blocks must be at least 1"),
     (["--loss", "direct", "--tokens", "40"], "less than one step's batch (64 tokens)"),
     (["--keep-softmax", "3"], "--keep-softmax 3 leaves no layer to linearize"),
@@ -486,6 +487,21 @@ def test_per_head_dims_from_the_dof_allocation(capsys, model_dirs, corpus, tmp_p
         code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, tmp_path / "bad", "--dims", "dof",
                                                  "--per-head", *extra))
         assert code == 2 and message in err and not (tmp_path / "bad").exists()
+
+
+def test_lam_auto_chooses_and_records_the_dof_lambda(capsys, model_dirs, corpus, tmp_path):
+    from dofattn.dof import LAM_GRID
+
+    out = tmp_path / "run"
+    code, printed, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "--steps", 2, "--dims", "dof",
+                                                   "--lam-auto"))
+    assert code == 0, err
+    dof = json.loads((out / "dof.json").read_text())
+    assert dof["lam"] in LAM_GRID and f"--lam-auto chose λ = 2^{math.log2(dof['lam']):.0f}" in printed
+    errors = {row["lam"]: row["attention_error"] for row in dof["lam_search"]}
+    assert set(errors) == {*LAM_GRID, None}                            # every λ tried, and uniform dims
+    assert errors[dof["lam"]] == min(v for lam, v in errors.items() if lam is not None)
+    assert load_student(out)[2].dims == [layer["dim"] for layer in dof["layers"]]
 
 
 @pytest.mark.parametrize("extra,window", [([], 64), (["--recipe", "dofattn"], 64), (["--recipe", "paper"], 0),
