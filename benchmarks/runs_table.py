@@ -15,7 +15,18 @@ import json
 from pathlib import Path
 
 SHOWN = ("recipe", "dims", "feature", "loss", "window", "keep_softmax", "keep_by", "progressive", "per_head", "lora_rank",
-         "steps", "then_direct_steps")
+         "steps", "then_direct_steps", "direct_seq_len", "direct_batch_size", "direct_blocks", "dof_repeats",
+         "lam_auto")
+
+
+def effective(args: dict) -> dict:
+    """The run's options with what a None stands for spelled out (the direct phase's blocks: the layerwise ones)."""
+    from dofattn.distill import LATER_OPTIONS
+
+    out = {k: args.get(k, LATER_OPTIONS.get(k)) for k in SHOWN}
+    out["direct_seq_len"] = out["direct_seq_len"] or args.get("seq_len")
+    out["direct_blocks"] = out["direct_blocks"] or args.get("train_blocks")
+    return out
 
 
 def describe(folder: Path) -> dict:
@@ -26,13 +37,13 @@ def describe(folder: Path) -> dict:
     log = json.loads((folder / "log.json").read_text())
     defaults = DistillArgs(recipe=args.get("recipe", LATER_OPTIONS["recipe"]))  # that recipe's defaults
     resolve_recipe(defaults)
-    changed = {k: args[k] for k in SHOWN if k in args and args[k] != getattr(defaults, k)}
+    run = effective(args)
+    changed = {k: v for k, v in run.items() if v != effective(vars(defaults))[k]}
     # the same run described against one reference (the dofattn recipe), so that runs of either recipe that train
     # the same student group together over seeds; "recipe" is only a preset and is left out
     reference = DistillArgs(recipe="dofattn")
     resolve_recipe(reference)
-    effective = {k: args.get(k, LATER_OPTIONS.get(k)) for k in SHOWN if k != "recipe"}
-    setting = {k: v for k, v in effective.items() if v != getattr(reference, k)}
+    setting = {k: v for k, v in run.items() if k != "recipe" and v != effective(vars(reference))[k]}
     ev = log["evaluation"]
     return {"run": folder.name, "changed": changed, "setting": setting, "seed": args.get("seed", 0), "dims": [min(log["dims"]), max(log["dims"])],
             "softmax_layers": log.get("softmax_layers", []), "teacher_ppl": ev["teacher_ppl"],

@@ -173,10 +173,11 @@ class DistillArgs:
     lora_rank: int = _opt(0, "LoRA adapters of this rank on the attention projections (q, k, v, o), trained in the "
                              "end-to-end phase with the features and saved with the student (needs peft)")
     then_direct_steps: int = _opt(30, "after layerwise training, this many end-to-end steps")
-    direct_batch_size: int = _opt(2, "blocks per end-to-end step")
-    direct_seq_len: int | None = _opt(None, "tokens per end-to-end block (default: --seq-len); training at the "
-                                            "evaluation length lets the linear part learn the distances it is "
-                                            "scored on")
+    direct_batch_size: int | None = _opt(None, "blocks per end-to-end step. Default: set by --recipe (1 for "
+                                               "dofattn, 2 for paper)")
+    direct_seq_len: int | None = _opt(None, "tokens per end-to-end block; training at the evaluation length lets the "
+                                            "linear part learn the distances it is scored on. Default: set by "
+                                            "--recipe (--eval-seq-len for dofattn, --seq-len for paper)")
     direct_blocks: int | None = _opt(None, "training blocks of the end-to-end phase (default: --train-blocks); the "
                                            "layerwise stage keeps the teacher's q/k/v for --train-blocks only, so "
                                            "a long end-to-end phase can read far more text than it")

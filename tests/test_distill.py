@@ -504,12 +504,23 @@ def test_lam_auto_chooses_and_records_the_dof_lambda(capsys, model_dirs, corpus,
     assert load_student(out)[2].dims == [layer["dim"] for layer in dof["layers"]]
 
 
-@pytest.mark.parametrize("extra,window", [([], 64), (["--recipe", "dofattn"], 64), (["--recipe", "paper"], 0),
-                                          (["--recipe", "dofattn", "--window", "8"], 8)])
-def test_recipe_sets_the_window_unless_given(capsys, model_dirs, corpus, tmp_path, extra, window):
+@pytest.mark.parametrize("extra,window,direct", [
+    ([], 64, (32, 1)),
+    (["--recipe", "dofattn"], 64, (32, 1)),
+    (["--recipe", "paper"], 0, (None, 2)),
+    (["--recipe", "dofattn", "--window", "8", "--direct-seq-len", "24", "--direct-batch-size", "3"], 8, (24, 3)),
+    (["--recipe", "paper", "--direct-seq-len", "48"], 0, (48, 2)),
+])
+def test_recipe_sets_what_is_not_given(capsys, model_dirs, corpus, tmp_path, extra, window, direct):
+    """--recipe fills the window and the end-to-end phase's block length (dofattn: the evaluation length, 32 here)
+    and batch; options given on the command line win."""
     out = tmp_path / "run"
-    argv = [a for a in distill_argv(model_dirs["gpt2"], corpus, out, "--steps", 2) if a not in ("--recipe", "paper")]
+    argv = distill_argv(model_dirs["gpt2"], corpus, out, "--steps", 2)
+    for option in ("--recipe", "--direct-batch-size"):
+        at = argv.index(option)
+        del argv[at:at + 2]
     code, _, err = run(capsys, *argv, *extra)
     assert code == 0, err
-    assert json.loads((out / "run.json").read_text())["window"] == window
+    recorded = json.loads((out / "run.json").read_text())
+    assert (recorded["window"], (recorded["direct_seq_len"], recorded["direct_batch_size"])) == (window, direct)
     assert load_student(out)[2].window == window
