@@ -711,7 +711,8 @@ class WindowHybrid(torch.autograd.Function):
     def forward(ctx, q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling, window, want_state,
                 block):
         o, final, lse, (pq, dk, dv) = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid,
-                                                     scaling, window, want_state, block, store_lse=True)
+                                                     scaling, window, want_state, block,
+                                                     store_lse=any(ctx.needs_input_grad))
         ctx.save_for_backward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse, pq, dk, dv)
         ctx.scaling, ctx.window = scaling, window
         return o, final
