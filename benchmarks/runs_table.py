@@ -2,6 +2,7 @@
 
     python benchmarks/runs_table.py runs/distill runs/window64 runs/keep3-dof --out docs/results/fidelity.json
     python benchmarks/runs_table.py runs/w64-dof-s* runs/w64-fix-s* --by-seed       # mean ± sd over seeds
+    python benchmarks/runs_table.py runs/window64 runs/w64-lora8 --curves curves.png  # ppl against tokens
 
 One row per run folder: what differs from its recipe's defaults (read from run.json), validation perplexity after
 layerwise training and at the end (and the ratio to the teacher's), KL(teacher ‖ student) per token, top-1
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--out", help="also write the rows as JSON")
     parser.add_argument("--by-seed", action="store_true", help="also pool runs that differ only in --seed: mean ± "
                                                                "standard deviation of the ratio to the teacher")
+    parser.add_argument("--curves", help="also draw validation perplexity against end-to-end tokens (runs made "
+                                         "with --eval-every) into this image")
     args = parser.parse_args()
     rows = [describe(Path(f)) for f in args.runs]
     print(f"teacher ppl {rows[0]['teacher_ppl']:.2f}\n{markdown(rows)}")
@@ -102,6 +105,36 @@ def main() -> None:
         result = {"runs": rows, "by_seed": summary}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
+    if args.curves:
+        plot_curves(rows, args.curves)
+        print(f"wrote {args.curves}")
+
+
+def plot_curves(rows: list[dict], path: str) -> None:
+    """Validation perplexity / teacher's against end-to-end training tokens, one line per run (log-scale tokens);
+    the point at 0 tokens is the student after layerwise training alone."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
+    for r in rows:
+        if not r["curve"]:
+            continue
+        points = [(c["tokens"], c["ppl"]) for c in r["curve"]]
+        if r["layerwise_ppl"]:
+            points.insert(0, (0, r["layerwise_ppl"]))
+        tokens, ppl = zip(*points)
+        ax.plot(tokens, [p / r["teacher_ppl"] for p in ppl], marker="o", ms=3, label=r["run"])
+    ax.axhline(1.0, color="black", lw=1, ls="--", label="teacher")
+    ax.axhline(1.05, color="grey", lw=1, ls=":", label="1.05× (the window target)")
+    ax.set_xscale("symlog", linthresh=5000)
+    ax.set_xlabel("end-to-end training tokens")
+    ax.set_ylabel("validation perplexity / teacher's")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
