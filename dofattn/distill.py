@@ -18,9 +18,9 @@ Stages, each resumable from the run folder (`--out`):
    Each layer's result is saved to `layers/layer_XX.safetensors` as soon as it is done.
 4. direct (`--loss direct`, or `--then-direct-steps N` after layerwise): next-token cross-entropy of the whole
    student, plus `--kd-weight` × KL(teacher ‖ student) on the logits; only feature parameters train. Checkpoints
-   (features, Adam state, step) every `--checkpoint-every` steps. It reads `--direct-blocks` blocks of
-   `--direct-seq-len` tokens (default: the layerwise stage's own), so it can train at the evaluation length on
-   more text than the teacher cache holds.
+   (features, Adam state, step) every `--checkpoint-every` steps. It reads `--direct-blocks` blocks (default:
+   `--train-blocks`) of `--direct-seq-len` tokens (`--recipe dofattn`: the evaluation length; paper: `--seq-len`),
+   so it can train at the evaluation length on more text than the teacher cache holds.
 5. the student is saved (`dofattn.json`, `features.safetensors`) and evaluated on the validation split next to
    the teacher and an untrained Performer of the same budget; `log.json` is written and the teacher activations
    (about 1 GB for the default job) are deleted. Rerunning a finished run prints its results.
@@ -550,11 +550,11 @@ def validate(args) -> None:
                         "in one process, without torchrun")
     if not 1 <= args.dof_repeats <= 8:
         raise UserError(f"--dof-repeats must be between 1 and 8 (sets of 1024 points each), got {args.dof_repeats}")
-    for name in ("direct_seq_len", "direct_blocks"):
-        if getattr(args, name) is not None and getattr(args, name) < (2 if name == "direct_seq_len" else 1):
-            raise UserError(f"--{name.replace('_', '-')} must be at least {2 if name == 'direct_seq_len' else 1} "
-                            f"(leave it out to use --{'seq-len' if name == 'direct_seq_len' else 'train-blocks'}), "
-                            f"got {getattr(args, name)}")
+    if args.direct_seq_len is not None and args.direct_seq_len < 2:
+        raise UserError(f"--direct-seq-len must be at least 2 tokens, got {args.direct_seq_len}")
+    if args.direct_blocks is not None and args.direct_blocks < 1:
+        raise UserError(f"--direct-blocks must be at least 1 (leave it out to use --train-blocks), got "
+                        f"{args.direct_blocks}")
     if args.lam_auto and args.dims not in ("dof", "clip") and not (args.keep_softmax and args.keep_by == "dof"):
         raise UserError("--lam-auto chooses the λ of a DoF estimate made here: use it with --dims dof or clip, or "
                         "--keep-softmax K --keep-by dof")
@@ -662,6 +662,16 @@ def run(args) -> dict:
     if args.keep_softmax >= num_layers:
         raise UserError(f"--keep-softmax {args.keep_softmax} leaves no layer to linearize: the model has "
                         f"{num_layers} layers")
+    steps = args.steps if args.tokens is None else math.ceil(args.tokens / tokens_per_step(args))
+    direct_steps = steps if args.loss == "direct" else args.then_direct_steps
+    # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
+    train = token_blocks(args.data, tokenizer, args.seq_len, args.train_blocks, split="train", seed=args.seed)
+    direct_train = train                              # the end-to-end phase's blocks
+    direct_shape = (args.direct_blocks or args.train_blocks, args.direct_seq_len or args.seq_len)
+    if direct_steps and direct_shape != tuple(train.shape):
+        direct_train = token_blocks(args.data, tokenizer, direct_shape[1], direct_shape[0], split="train",
+                                    seed=args.seed)
+    valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         check_run_folder(out, asdict(args))
     barrier()
@@ -695,8 +705,6 @@ def run(args) -> dict:
         p.requires_grad_(is_student_tensor(name))
     log.seconds["setup"] = round(time.perf_counter() - timer, 1)
 
-    steps = args.steps if args.tokens is None else math.ceil(args.tokens / tokens_per_step(args))
-    train = token_blocks(args.data, tokenizer, args.seq_len, args.train_blocks, split="train", seed=args.seed)
     if finished:  # resuming an end-to-end phase that hit its time limit: the layerwise stage is done
         log.layers, log.seconds = finished.get("layers", {}), {**finished["seconds"], **log.seconds}
         if "layerwise_student_ppl" in finished.get("evaluation", {}):
@@ -712,16 +720,11 @@ def run(args) -> dict:
         log.layers = layerwise(model, cache, out, args.loss, steps, args.batch_size, args.lr, args.lr_weights,
                                args.seed, progress=rank == 0, blocks=train)
         log.seconds["layerwise"] = round(time.perf_counter() - timer, 1)
-    direct_steps = steps if args.loss == "direct" else args.then_direct_steps
-    valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
     if direct_steps and args.loss in LAYER_LOSSES and rank == 0 and not finished:  # what layerwise alone reached
         log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
     if direct_steps:
         timer = time.perf_counter()
-        shape = (args.direct_blocks or args.train_blocks, args.direct_seq_len or args.seq_len)
-        if shape != tuple(train.shape):
-            train = token_blocks(args.data, tokenizer, shape[1], shape[0], split="train", seed=args.seed)
-        log.direct = direct(model, train, out, direct_steps, args.direct_batch_size, args.direct_lr,
+        log.direct = direct(model, direct_train, out, direct_steps, args.direct_batch_size, args.direct_lr,
                             args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0,
                             eval_blocks=valid, eval_every=args.eval_every, time_limit=60 * args.time_limit)
         log.seconds["direct"] = round(time.perf_counter() - timer + (finished["seconds"].get("direct", 0)
