@@ -130,6 +130,7 @@ def plot_curves(rows: list[dict], path: str) -> None:
     ax.axhline(1.0, color="black", lw=1, ls="--", label="teacher")
     ax.axhline(1.05, color="grey", lw=1, ls=":", label="1.05× (the window target)")
     ax.set_xscale("symlog", linthresh=5000)
+    ax.set_xlim(left=0)
     ax.set_xlabel("end-to-end training tokens")
     ax.set_ylabel("validation perplexity / teacher's")
     ax.legend(fontsize=8)
