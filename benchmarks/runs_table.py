@@ -22,11 +22,12 @@ SHOWN = ("recipe", "dims", "feature", "loss", "window", "keep_softmax", "keep_by
 
 def effective(args: dict) -> dict:
     """The run's options with what a None stands for spelled out (the direct phase's blocks: the layerwise ones)."""
-    from dofattn.distill import LATER_OPTIONS
+    from types import SimpleNamespace
+
+    from dofattn.distill import LATER_OPTIONS, direct_shape
 
     out = {k: args.get(k, LATER_OPTIONS.get(k)) for k in SHOWN}
-    out["direct_seq_len"] = out["direct_seq_len"] or args.get("seq_len")
-    out["direct_blocks"] = out["direct_blocks"] or args.get("train_blocks")
+    out["direct_blocks"], out["direct_seq_len"] = direct_shape(SimpleNamespace(**{**args, **out}))
     return out
 
 
@@ -38,13 +39,14 @@ def describe(folder: Path) -> dict:
     log = json.loads((folder / "log.json").read_text())
     defaults = DistillArgs(recipe=args.get("recipe", LATER_OPTIONS["recipe"]))  # that recipe's defaults
     resolve_recipe(defaults)
-    run = effective(args)
-    changed = {k: v for k, v in run.items() if v != effective(vars(defaults))[k]}
+    run, default = effective(args), effective(vars(defaults))
+    changed = {k: v for k, v in run.items() if v != default[k]}
     # the same run described against one reference (the dofattn recipe), so that runs of either recipe that train
     # the same student group together over seeds; "recipe" is only a preset and is left out
     reference = DistillArgs(recipe="dofattn")
     resolve_recipe(reference)
-    setting = {k: v for k, v in run.items() if k != "recipe" and v != effective(vars(reference))[k]}
+    reference = effective(vars(reference))
+    setting = {k: v for k, v in run.items() if k != "recipe" and v != reference[k]}
     ev = log["evaluation"]
     return {"run": folder.name, "changed": changed, "setting": setting, "seed": args.get("seed", 0), "dims": [min(log["dims"]), max(log["dims"])],
             "softmax_layers": log.get("softmax_layers", []), "teacher_ppl": ev["teacher_ppl"],

@@ -518,10 +518,15 @@ def check_run_folder(out: Path, args: dict) -> None:
     path.write_text(json.dumps(record, indent=2))
 
 
+def direct_shape(args) -> tuple[int, int]:
+    """(blocks, tokens per block) of the end-to-end phase's text: unset options mean the layerwise stage's."""
+    return args.direct_blocks or args.train_blocks, args.direct_seq_len or args.seq_len
+
+
 def tokens_per_step(args) -> int:
     """Training tokens in one step of the phase `--steps` / `--tokens` count: layerwise, or direct alone."""
     if args.loss == "direct":
-        return args.direct_batch_size * (args.direct_seq_len or args.seq_len)
+        return args.direct_batch_size * direct_shape(args)[1]
     return args.batch_size * args.seq_len
 
 
@@ -667,10 +672,9 @@ def run(args) -> dict:
     # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
     train = token_blocks(args.data, tokenizer, args.seq_len, args.train_blocks, split="train", seed=args.seed)
     direct_train = train                              # the end-to-end phase's blocks
-    direct_shape = (args.direct_blocks or args.train_blocks, args.direct_seq_len or args.seq_len)
-    if direct_steps and direct_shape != tuple(train.shape):
-        direct_train = token_blocks(args.data, tokenizer, direct_shape[1], direct_shape[0], split="train",
-                                    seed=args.seed)
+    blocks, length = direct_shape(args)
+    if direct_steps and (blocks, length) != tuple(train.shape):
+        direct_train = token_blocks(args.data, tokenizer, length, blocks, split="train", seed=args.seed)
     valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         check_run_folder(out, asdict(args))

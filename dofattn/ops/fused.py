@@ -348,6 +348,15 @@ def _rows(ptr, row0, rows, mr, H, W, cols, mc):
 
 
 @triton.jit
+def _row_stats(lse_ptr, delta_ptr, row0, rows, mr, H):
+    """Per-row log total mass and delta = ∂o·o for `rows` of one (b, h); a row without keys (or past T) gets
+    lse = +inf, so that every weight it recomputes is 0."""
+    lse = tl.load(lse_ptr + row0 + rows.to(tl.int64) * H, mask=mr, other=float("inf"))
+    delta = tl.load(delta_ptr + row0 + rows.to(tl.int64) * H, mask=mr, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse), delta
+
+
+@triton.jit
 def _exact_grads(qx, kx, vx, dox, lse, delta, mask, scaling):
     """Softmax weights p = exp(scaling·q·kᵀ − lse) on `mask` (else 0) and the logit gradient p·(dO·vᵀ − delta)."""
     logits = tl.where(mask, scaling * tl.dot(qx, tl.trans(kx), input_precision="ieee"), float("-inf"))
@@ -379,9 +388,7 @@ def _window_exact_backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, vali
     upper = oc[:, None] < oc[None, :]             # key c of the earlier chunk within the window of query i: c > i
     qc, kc = _rows(q_ptr, row0, cur, mcur, H, D, od, md), _rows(k_ptr, row0, cur, mcur, H, D, od, md)
     vc, doc = _rows(v_ptr, row0, cur, mcur, H, V, ov, mv), _rows(do_ptr, row0, cur, mcur, H, V, ov, mv)
-    lse_c = tl.load(lse_ptr + row0 + cur.to(tl.int64) * H, mask=mcur, other=float("inf"))
-    lse_c = tl.where(lse_c == float("-inf"), float("inf"), lse_c)    # a row without keys: every weight 0
-    delta_c = tl.load(delta_ptr + row0 + cur.to(tl.int64) * H, mask=mcur, other=0.0)
+    lse_c, delta_c = _row_stats(lse_ptr, delta_ptr, row0, cur, mcur, H)
     # ∂q of chunk j
     kp, vp = _rows(k_ptr, row0, prev, mprev, H, D, od, md), _rows(v_ptr, row0, prev, mprev, H, V, ov, mv)
     _, ds_prev = _exact_grads(qc, kp, vp, doc, lse_c, delta_c, upper & vprev[None, :], scaling)
@@ -390,9 +397,7 @@ def _window_exact_backward(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, vali
     tl.store(dq_ptr + (row0 + cur[:, None].to(tl.int64) * H) * D + od[None, :], dq, mask=mcur[:, None] & md[None, :])
     # ∂k, ∂v of chunk j: its own queries, then the next chunk's
     qn, don = _rows(q_ptr, row0, nxt, mnxt, H, D, od, md), _rows(do_ptr, row0, nxt, mnxt, H, V, ov, mv)
-    lse_n = tl.load(lse_ptr + row0 + nxt.to(tl.int64) * H, mask=mnxt, other=float("inf"))
-    lse_n = tl.where(lse_n == float("-inf"), float("inf"), lse_n)
-    delta_n = tl.load(delta_ptr + row0 + nxt.to(tl.int64) * H, mask=mnxt, other=0.0)
+    lse_n, delta_n = _row_stats(lse_ptr, delta_ptr, row0, nxt, mnxt, H)
     p_n, ds_n = _exact_grads(qn, kc, vc, don, lse_n, delta_n, upper & vcur[None, :], scaling)
     dv = tl.dot(tl.trans(p_cur), doc, input_precision="ieee") + tl.dot(tl.trans(p_n), don, input_precision="ieee")
     dk = scaling * (tl.dot(tl.trans(ds_cur), qc, input_precision="ieee")
