@@ -270,12 +270,16 @@ def state_layer(cache: Cache, layer_idx: int) -> LinearStateLayer:
 
 
 def _bind_cache(module: nn.Module, args, kwargs) -> None:
-    cache = kwargs.get("past_key_values", kwargs.get("layer_past"))
-    module.dofattn.cache_layer = None if cache is None else state_layer(cache, module.layer_idx)
+    linear = getattr(module, "dofattn", None)       # None: the linear part taken off, softmax again
+    if linear is not None:
+        cache = kwargs.get("past_key_values", kwargs.get("layer_past"))
+        linear.cache_layer = None if cache is None else state_layer(cache, module.layer_idx)
 
 
 def _unbind_cache(module: nn.Module, args, kwargs, output) -> None:
-    module.dofattn.cache_layer = None
+    linear = getattr(module, "dofattn", None)
+    if linear is not None:
+        linear.cache_layer = None
 
 
 def _key_padding(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:

@@ -87,6 +87,19 @@ def test_one_layer_swap_changes_only_that_layer(family):
     assert [hasattr(m, "dofattn") for m in attention_modules(student)] == [False, True, False]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_taking_the_linear_part_off_gives_the_layer_softmax_back(family):
+    whole, partial = tiny_model(family), tiny_model(family)
+    linearize(whole, dims=[8, 8, 8])
+    linearize(partial, dims=[8, 8, 8], layers=[0, 2])
+    del attention_modules(whole)[1].dofattn            # e.g. benchmarks/layer_sensitivity.py
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(whole(x, use_cache=False).logits, partial(x, use_cache=False).logits)
+        got = whole.generate(x, max_new_tokens=5, do_sample=False)
+        assert torch.equal(got, partial.generate(x, max_new_tokens=5, do_sample=False))
+
+
 # --- generation ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,0 +1,192 @@
+"""Which layers does linear attention hurt most end to end, and does the DoF predict it?
+
+    python benchmarks/layer_sensitivity.py runs/fix --dof runs/default/dof.json \
+        --out docs/results/layer-sensitivity.json --plot docs/results/layer-sensitivity.png
+
+For a trained pure-linear student (every layer linear, `dofattn distill --window 0`), on blocks of its run's
+training split (so that choosing layers by it stays honest on held-out text):
+    restore i     the student with layer i given back its exact softmax attention, every other layer linear:
+                  how much of the student's KL to the teacher that one layer accounts for
+    alone i       the teacher with only layer i linear: the layer's damage in isolation
+Then on the validation blocks its run evaluated on, with no retraining, the student with three layers restored:
+the three with the largest restore gain, the first three, the three with the largest DoF, and three random ones
+(drawn as `dofattn distill --keep-by random` draws them). The rank correlation of DoF with each layer's
+gain says whether "hard to approximate in isolation" is the signal `--keep-softmax` should follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@contextlib.contextmanager
+def softmax_layers(modules, layers):
+    """While active, the attention modules in `layers` run their exact softmax attention (linear part detached)."""
+    stash = {i: modules[i]._modules.pop("dofattn") for i in layers}
+    try:
+        yield
+    finally:
+        for i, linear in stash.items():
+            modules[i].add_module("dofattn", linear)
+
+
+@contextlib.contextmanager
+def only_linear(modules, layer):
+    """While active, only `layer` is linear; every other layer runs softmax attention."""
+    with softmax_layers(modules, [i for i in range(len(modules)) if i != layer]):
+        yield
+
+
+class Scorer:
+    """Perplexity, KL(teacher ‖ model) and top-1 agreement on fixed blocks; the teacher's log-probs computed once."""
+
+    def __init__(self, model, blocks: torch.Tensor, batch_size: int = 2):
+        from dofattn.evaluate import _log_probs, teacher_mode
+
+        self.model, self.batch_size = model, batch_size
+        self.batches = [blocks[s:s + batch_size] for s in range(0, len(blocks), batch_size)]
+        with torch.no_grad(), teacher_mode(model):
+            self.teacher = [_log_probs(model, ids) for ids in self.batches]
+        self.teacher_ppl = self._score(self.teacher)["ppl"]
+
+    def _score(self, log_ps) -> dict:
+        nll = kl = agree = count = 0.0
+        for ids, log_s, log_t in zip(self.batches, log_ps, self.teacher):
+            targets = ids[:, 1:].reshape(-1)
+            nll -= log_s.gather(1, targets[:, None]).sum().item()
+            kl += (log_t.exp() * (log_t - log_s)).sum().item()
+            agree += (log_s.argmax(-1) == log_t.argmax(-1)).sum().item()
+            count += targets.numel()
+        return {"ppl": math.exp(nll / count), "kl": kl / count, "top1_agreement": agree / count}
+
+    @torch.no_grad()
+    def __call__(self) -> dict:
+        from dofattn.evaluate import _log_probs
+
+        return self._score([_log_probs(self.model, ids) for ids in self.batches])
+
+
+def ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        out[i] = float(rank)
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+
+
+def top(values: list[float], k: int) -> list[int]:
+    return sorted(sorted(range(len(values)), key=lambda i: -values[i])[:k])
+
+
+def main() -> int:
+    from tqdm.auto import tqdm
+
+    from dofattn.data import token_blocks
+    from dofattn.dof import DofResult
+    from dofattn.student import attention_modules, load_student
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", type=Path, help="a pure-linear student's run folder")
+    parser.add_argument("--dof", type=Path, required=True, help="dof.json with the per-layer DoF to compare against")
+    parser.add_argument("--blocks", type=int, default=2, help="training blocks for the per-layer sweep")
+    parser.add_argument("--final-blocks", type=int, default=8, help="validation blocks for the keep-3 comparison")
+    parser.add_argument("--keep", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="the random draw of --keep layers")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+
+    run = json.loads((args.run / "run.json").read_text())
+    model, tokenizer, config = load_student(args.run)
+    model.eval()
+    modules = attention_modules(model)
+    if config.window or len(config.layers) != len(modules):
+        raise SystemExit(f"{args.run} is not a pure-linear student with every layer linear")
+    dof = [layer.dof for layer in DofResult.from_json(args.dof.read_text()).layers]
+    train = token_blocks(run["data"], tokenizer, run["eval_seq_len"], args.blocks, split="train", seed=run["seed"])
+    valid = token_blocks(run["data"], tokenizer, run["eval_seq_len"], args.final_blocks, split="validation", seed=0)
+
+    sweep = Scorer(model, train)
+    student = sweep()
+    restore, alone = [], []
+    for i in tqdm(range(len(modules)), desc="layers", unit="layer"):
+        with softmax_layers(modules, [i]):
+            restore.append(sweep())
+        with only_linear(modules, i):
+            alone.append(sweep())
+    gain = [student["kl"] - r["kl"] for r in restore]
+    damage = [a["kl"] for a in alone]
+
+    final = Scorer(model, valid)
+    drawn = torch.randperm(len(modules), generator=torch.Generator().manual_seed(args.seed))[:args.keep]
+    choices = {"largest restore gain": top(gain, args.keep), "first": list(range(args.keep)),
+               "largest DoF": top(dof, args.keep), f"random (seed {args.seed})": sorted(drawn.tolist())}
+    kept = {"none": {"layers": [], **final()}}
+    for name, layers in choices.items():
+        with softmax_layers(modules, layers):
+            kept[name] = {"layers": layers, **final()}
+
+    corr = {"dof vs restore gain": spearman(dof, gain), "dof vs alone damage": spearman(dof, damage),
+            "alone damage vs restore gain": spearman(damage, gain),
+            "depth vs restore gain": spearman([-float(i) for i in range(len(modules))], gain)}
+    print(f"teacher ppl {sweep.teacher_ppl:.2f}, student ppl {student['ppl']:.2f} KL {student['kl']:.3f} "
+          f"({args.blocks} training blocks)")
+    print("| layer | DoF | KL with it restored | gain | KL with only it linear |")
+    print("|---:|---:|---:|---:|---:|")
+    for i in range(len(modules)):
+        print(f"| {i} | {dof[i]:.1f} | {restore[i]['kl']:.3f} | {gain[i]:.3f} | {damage[i]:.4f} |")
+    print(f"\nkeep {args.keep} as softmax without retraining ({args.final_blocks} validation blocks, teacher ppl "
+          f"{final.teacher_ppl:.2f}):")
+    print("| chosen by | layers | ppl (× teacher) | KL | agreement |")
+    print("|---|---|---:|---:|---:|")
+    for name, row in kept.items():
+        print(f"| {name} | {', '.join(map(str, row['layers'])) or '–'} | {row['ppl']:.1f} "
+              f"({row['ppl'] / final.teacher_ppl:.2f}×) | {row['kl']:.3f} | {row['top1_agreement']:.3f} |")
+    print("\nSpearman rank correlations: " + ", ".join(f"{k} {v:+.2f}" for k, v in corr.items()))
+
+    if args.out:
+        args.out.write_text(json.dumps({
+            "command": " ".join(sys.argv), "run": str(args.run), "dof_file": str(args.dof), "dof": dof,
+            "sweep_blocks": args.blocks, "final_blocks": args.final_blocks, "teacher_ppl": sweep.teacher_ppl,
+            "student": student, "restore": restore, "restore_gain": gain, "alone": alone, "keep": kept,
+            "final_teacher_ppl": final.teacher_ppl, "spearman": corr}, indent=2))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        layers = list(range(len(modules)))
+        fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+        axes[0].bar(layers, gain, color="tab:red")
+        axes[0].set_ylabel("KL gain from\nrestoring softmax")
+        axes[1].bar(layers, damage, color="tab:orange")
+        axes[1].set_ylabel("KL with only\nthis layer linear")
+        axes[2].bar(layers, dof, color="tab:blue")
+        axes[2].set_ylabel("DoF")
+        axes[2].set_xlabel("layer")
+        fig.suptitle(f"{args.run}: per-layer sensitivity against DoF "
+                     f"(Spearman DoF vs gain {corr['dof vs restore gain']:+.2f})")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
