@@ -17,7 +17,6 @@ gain says whether "hard to approximate in isolation" is the signal `--keep-softm
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
@@ -26,24 +25,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-@contextlib.contextmanager
-def softmax_layers(modules, layers):
-    """While active, the attention modules in `layers` run their exact softmax attention (linear part detached)."""
-    stash = {i: modules[i]._modules.pop("dofattn") for i in layers}
-    try:
-        yield
-    finally:
-        for i, linear in stash.items():
-            modules[i].add_module("dofattn", linear)
-
-
-@contextlib.contextmanager
-def only_linear(modules, layer):
-    """While active, only `layer` is linear; every other layer runs softmax attention."""
-    with softmax_layers(modules, [i for i in range(len(modules)) if i != layer]):
-        yield
 
 
 class Scorer:
@@ -99,7 +80,7 @@ def main() -> int:
 
     from dofattn.data import token_blocks
     from dofattn.dof import DofResult
-    from dofattn.student import attention_modules, load_student
+    from dofattn.student import attention_modules, load_student, softmax_in
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="a pure-linear student's run folder")
@@ -126,9 +107,9 @@ def main() -> int:
     student = sweep()
     restore, alone = [], []
     for i in tqdm(range(len(modules)), desc="layers", unit="layer"):
-        with softmax_layers(modules, [i]):
+        with softmax_in(model, [i]):
             restore.append(sweep())
-        with only_linear(modules, i):
+        with softmax_in(model, [j for j in range(len(modules)) if j != i]):      # only layer i linear
             alone.append(sweep())
     gain = [student["kl"] - r["kl"] for r in restore]
     damage = [a["kl"] for a in alone]
@@ -139,7 +120,7 @@ def main() -> int:
                "largest DoF": top(dof, args.keep), f"random (seed {args.seed})": sorted(drawn.tolist())}
     kept = {"none": {"layers": [], **final()}}
     for name, layers in choices.items():
-        with softmax_layers(modules, layers):
+        with softmax_in(model, layers):
             kept[name] = {"layers": layers, **final()}
 
     corr = {"dof vs restore gain": spearman(dof, gain), "dof vs alone damage": spearman(dof, damage),

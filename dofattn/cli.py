@@ -168,7 +168,9 @@ class DistillArgs:
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
     keep_by: str = _opt("dof", "which layers --keep-softmax keeps: dof (the K with the largest DoF), first (layers "
-                               "0..K-1) or random (K drawn with --seed)", choices=("dof", "first", "random"))
+                               "0..K-1), random (K drawn with --seed) or gain (measured after layerwise training: "
+                               "the K whose exact attention, given back alone, lowers the student's KL to the "
+                               "teacher most on training text)", choices=("dof", "first", "random", "gain"))
     progressive: bool = _opt(False, "layerwise training in layer order on the student's own q/k/v (earlier layers "
                                     "already linear) instead of the teacher's: each layer sees what it will get")
     lora_rank: int = _opt(0, "LoRA adapters of this rank on the attention projections (q, k, v, o), trained in the "

@@ -483,7 +483,8 @@ RESUME_IRRELEVANT = ("device", "out", "time_limit")
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False}
-KEEP_BY = ("dof", "first", "random")
+KEEP_BY = ("dof", "first", "random", "gain")
+GAIN_BLOCKS = 4          # training blocks on which --keep-by gain measures each layer
 # What each --recipe sets for options left unset (None); a callable reads the value off the other options. "paper"
 # is the published method; "dofattn" adds what measurably closes the gap to the teacher (docs/RESULTS.md): the
 # 64-token window, and the end-to-end phase on blocks as long as the evaluation's, one per step (the same tokens).
@@ -575,6 +576,10 @@ def validate(args) -> None:
     if args.keep_softmax < 0 or args.keep_by not in KEEP_BY:
         raise UserError(f"--keep-softmax must be >= 0 and --keep-by one of {', '.join(KEEP_BY)}; got "
                         f"{args.keep_softmax} and {args.keep_by!r}")
+    if args.keep_softmax and args.keep_by == "gain" and (args.loss not in LAYER_LOSSES or args.progressive):
+        raise UserError("--keep-by gain measures the layers of the layerwise-trained student, each trained on the "
+                        "teacher's inputs: use a layerwise --loss (softmax, l2, output, softmax+output) without "
+                        "--progressive, or another --keep-by")
     if args.loss == "l2" and args.window >= args.seq_len:
         raise UserError(f"--loss l2 with --window {args.window} needs --seq-len > {args.window}: the features "
                         f"are fitted only on pairs farther apart than the window")
@@ -624,10 +629,10 @@ def softmax_layers(args, num_layers: int, dof=None) -> list[int]:
     """The layers `--keep-softmax K --keep-by dof|first|random` leaves as softmax attention, sorted.
 
     dof: the K layers with the largest DoF (ties: the earlier layer); first: layers 0..K-1; random: K layers drawn
-    with `--seed`.
+    with `--seed`. gain: none yet; `keep_by_gain` chooses them after layerwise training.
     """
     K = args.keep_softmax
-    if K == 0:
+    if K == 0 or args.keep_by == "gain":
         return []
     if args.keep_by == "first":
         return list(range(K))
@@ -635,6 +640,29 @@ def softmax_layers(args, num_layers: int, dof=None) -> list[int]:
         return sorted(torch.randperm(num_layers, generator=torch.Generator().manual_seed(args.seed))[:K].tolist())
     order = sorted(range(num_layers), key=lambda i: (-dof.layers[i].dof, i))
     return sorted(order[:K])
+
+
+def keep_by_gain(args, model, blocks: torch.Tensor, out: Path) -> list[int]:
+    """`--keep-by gain`: the K layers whose exact softmax attention, given back alone to the layerwise-trained
+    student, lowers its KL to the teacher most on `GAIN_BLOCKS` training blocks (ties: the earlier layer). Measured
+    once and kept in out/keep.json, so a resumed run keeps the same layers; their linear parts are taken off."""
+    from dofattn.evaluate import restore_gains
+    from dofattn.student import restore_softmax
+
+    path = out / "keep.json"
+    if world()[0] == 0 and not path.is_file():
+        gains = restore_gains(model, blocks[:GAIN_BLOCKS])
+        order = sorted((i for i, g in enumerate(gains) if g is not None), key=lambda i: (-gains[i], i))
+        tmp = path.with_suffix(".partial")
+        tmp.write_text(json.dumps({"layers": sorted(order[:args.keep_softmax]), "kl_gain": gains,
+                                   "blocks": min(GAIN_BLOCKS, len(blocks))}, indent=2))
+        os.replace(tmp, path)
+    barrier()
+    kept = json.loads(path.read_text())["layers"]
+    restore_softmax(model, kept)
+    if world()[0] == 0:
+        print(f"--keep-by gain: layers {', '.join(map(str, kept))} keep softmax attention", flush=True)
+    return kept
 
 
 def run(args) -> dict:
@@ -724,6 +752,9 @@ def run(args) -> dict:
         log.layers = layerwise(model, cache, out, args.loss, steps, args.batch_size, args.lr, args.lr_weights,
                                args.seed, progress=rank == 0, blocks=train)
         log.seconds["layerwise"] = round(time.perf_counter() - timer, 1)
+    if args.keep_softmax and args.keep_by == "gain":
+        log.softmax_layers = keep_by_gain(args, model, train, out)
+        log.layers = {k: v for k, v in log.layers.items() if int(k) not in log.softmax_layers}
     if direct_steps and args.loss in LAYER_LOSSES and rank == 0 and not finished:  # what layerwise alone reached
         log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
     if direct_steps:

@@ -93,6 +93,35 @@ def compare(student, blocks: torch.Tensor, teacher=None, batch_size: int = 4, pr
 
 
 @torch.no_grad()
+def restore_gains(student, blocks: torch.Tensor, batch_size: int = 2, progress: bool = True) -> list[float | None]:
+    """Per layer, how much the student's mean per-token KL(teacher ‖ student) on `blocks` [N, T] falls when that
+    one layer gets its exact softmax attention back, every other layer as it is (None: the layer is not linear).
+    The teacher's log-probabilities are computed once; each linear layer costs one forward pass over `blocks`."""
+    from dofattn.student import attention_modules, softmax_in
+
+    device = next(student.parameters()).device
+    batches = [blocks[s:s + batch_size].to(device) for s in range(0, len(blocks), batch_size)]
+    with teacher_mode(student):
+        teacher = [_log_probs(student, ids) for ids in batches]
+
+    def kl() -> float:
+        total = count = 0
+        for ids, log_t in zip(batches, teacher):
+            total += (log_t.exp() * (log_t - _log_probs(student, ids))).sum().item()
+            count += log_t.shape[0]
+        return total / count
+
+    base = kl()
+    linear = [hasattr(m, "dofattn") for m in attention_modules(student)]
+    gains: list[float | None] = [None] * len(linear)
+    for i in tqdm([i for i, lin in enumerate(linear) if lin], desc="softmax restored per layer", unit="layer",
+                  disable=not progress, leave=False):
+        with softmax_in(student, [i]):
+            gains[i] = base - kl()
+    return gains
+
+
+@torch.no_grad()
 def layer_errors(student, blocks: torch.Tensor, batch_size: int = 2, progress: bool = True) -> dict:
     """Per layer, on the teacher's own q/k/v: relative error of the linear attention output against softmax
     attention (‖o_lin − o_soft‖ / ‖o_soft‖), and the row-scaled L2 kernel error of PRF maps (the distillation's

@@ -12,8 +12,10 @@ model's weights are loaded from `base_model`). No pickle anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -135,6 +137,30 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: l
         modules[i].add_module("dofattn", linear)
     install(model)
     return model
+
+
+def restore_softmax(model: nn.Module, layers: list[int]) -> dict[int, LinearAttention]:
+    """Take the linear part off the attention layers in `layers`: they run their exact softmax attention again.
+    Returns the parts taken off, by layer (`linear_parts_back` puts them back)."""
+    modules = attention_modules(model)
+    return {i: modules[i]._modules.pop("dofattn") for i in layers if hasattr(modules[i], "dofattn")}
+
+
+def linear_parts_back(model: nn.Module, parts: dict[int, LinearAttention]) -> None:
+    modules = attention_modules(model)
+    for i, linear in parts.items():
+        modules[i].add_module("dofattn", linear)
+
+
+@contextlib.contextmanager
+def softmax_in(model: nn.Module, layers: list[int]) -> Iterator[None]:
+    """While active, the attention layers in `layers` run exact softmax attention; their linear parts come back
+    after."""
+    parts = restore_softmax(model, layers)
+    try:
+        yield
+    finally:
+        linear_parts_back(model, parts)
 
 
 def is_student_tensor(name: str) -> bool:

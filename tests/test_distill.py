@@ -292,6 +292,8 @@ def other_model_dims(folder: Path) -> Path:
     (["--loss", "direct", "--tokens", "40"], "less than one step's batch (64 tokens)"),
     (["--keep-softmax", "3"], "--keep-softmax 3 leaves no layer to linearize"),
     (["--keep-softmax", "-1"], "--keep-softmax must be >= 0"),
+    (["--keep-softmax", "1", "--keep-by", "gain", "--loss", "direct"], "--keep-by gain measures the layers"),
+    (["--keep-softmax", "1", "--keep-by", "gain", "--progressive"], "--keep-by gain measures the layers"),
     (["--loss", "l2", "--window", "32"], "needs --seq-len > 32"),
     (["--data", "{tmp}/missing.txt"], "neither 'wiki-sample'"),
     (["--model", "{tmp}/no-such-model"], "does not exist"),
@@ -368,7 +370,7 @@ def test_run_folder_is_a_loadable_student(capsys, model_dirs, corpus, tmp_path, 
     assert text.startswith("The fox") and "student of" in err
 
 
-@pytest.mark.parametrize("keep_by", ["dof", "first", "random"])
+@pytest.mark.parametrize("keep_by", ["dof", "first", "random", "gain"])
 def test_keep_softmax_leaves_the_chosen_layers_exact(capsys, model_dirs, corpus, tmp_path, keep_by):
     out = tmp_path / "run"
     code, _, err = run(capsys, *distill_argv(model_dirs["gpt2"], corpus, out, "--steps", 3, "--keep-softmax", 2,
@@ -383,6 +385,10 @@ def test_keep_softmax_leaves_the_chosen_layers_exact(capsys, model_dirs, corpus,
         dof = [layer["dof"] for layer in json.loads((out / "dof.json").read_text())["layers"]]
         assert sorted(kept) == sorted(sorted(range(LAYERS), key=lambda i: -dof[i])[:2])
         assert log["dims"] == [8] * LAYERS  # --dims fix:8 still gives the dims; the estimate only chooses layers
+    if keep_by == "gain":  # the two largest measured gains, all layers measured after layerwise training
+        gains = json.loads((out / "keep.json").read_text())["kl_gain"]
+        assert len(gains) == LAYERS and all(isinstance(g, float) for g in gains)
+        assert kept == sorted(sorted(range(LAYERS), key=lambda i: -gains[i])[:2])
     student, _, config = load_student(out)
     assert config.layers == [i for i in range(LAYERS) if i not in kept]
     modules = attention_modules(student)
@@ -419,10 +425,12 @@ def test_direct_phase_reads_its_own_blocks(capsys, model_dirs, corpus, tmp_path)
     assert [c["tokens"] for c in curve] == [80 * i for i in range(1, 8)]   # ceil(500 / (2 × 40)) = 7 steps
 
 
-def test_time_limit_stops_evaluates_and_the_same_command_goes_on(capsys, model_dirs, corpus, tmp_path):
+@pytest.mark.parametrize("keep", [(), ("--keep-softmax", 1, "--keep-by", "gain")])
+def test_time_limit_stops_evaluates_and_the_same_command_goes_on(capsys, model_dirs, corpus, tmp_path, keep):
     """A tiny --time-limit stops the direct phase after its first step with a saved, evaluated student; the same
-    command (any limit) goes on from the checkpoint, and the finished run equals one that never stopped."""
-    extra = ("--steps", 3, "--then-direct-steps", 4, "--checkpoint-every", 10)
+    command (any limit) goes on from the checkpoint, and the finished run equals one that never stopped (with
+    --keep-by gain: the same layers kept, measured once)."""
+    extra = ("--steps", 3, "--then-direct-steps", 4, "--checkpoint-every", 10, *keep)
     reference = tmp_path / "reference"
     code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, reference, *extra))
     assert code == 0, err
@@ -444,6 +452,7 @@ def test_time_limit_stops_evaluates_and_the_same_command_goes_on(capsys, model_d
                for x in (log, ref_log)]
     assert untimed[0] == untimed[1]                   # the layerwise results, not their wall time
     assert log["evaluation"]["layerwise_student_ppl"] == ref_log["evaluation"]["layerwise_student_ppl"]
+    assert log["softmax_layers"] == ref_log["softmax_layers"] and len(log["softmax_layers"]) == len(keep) // 4
     assert_identical(features(out), features(reference))
 
 
