@@ -8,6 +8,7 @@ training split (so that choosing layers by it stays honest on held-out text):
     restore i     the student with layer i given back its exact softmax attention, every other layer linear:
                   how much of the student's KL to the teacher that one layer accounts for
     alone i       the teacher with only layer i linear: the layer's damage in isolation
+    attention     where the teacher's attention in layer i goes: the first token, the last 4, the last 64
 Then on the validation blocks its run evaluated on, with no retraining, the student with three layers restored:
 the three with the largest restore gain, the first three, the three with the largest DoF, and three random ones
 (drawn as `dofattn distill --keep-by random` draws them). The rank correlation of DoF with each layer's
@@ -54,6 +55,32 @@ class Scorer:
         from dofattn.evaluate import _log_probs
 
         return self._score([_log_probs(self.model, ids) for ids in self.batches])
+
+
+@torch.no_grad()
+def attention_profile(model, ids: torch.Tensor, start: int = 64) -> list[dict]:
+    """Per layer, where the teacher's attention goes, averaged over heads and the queries at positions >= `start`
+    of `ids` [B, T]: the mass on the first token (the sink), on the last 4 tokens and on the last 64 (what a
+    64-token window covers)."""
+    from dofattn.capture import capture, run_forward
+    from dofattn.evaluate import teacher_mode
+
+    rows: dict[int, dict] = {}
+
+    def sink(x) -> None:
+        q = x.query.float().transpose(1, 2)                                         # [B, H, T, D]
+        k = x.key.float().transpose(1, 2).repeat_interleave(x.num_heads // x.num_kv_heads, 1)
+        T = q.shape[2]
+        dist = torch.arange(T)[:, None] - torch.arange(T)[None, :]                  # query − key
+        p = torch.softmax((x.scaling * q @ k.transpose(-1, -2)).masked_fill(dist < 0, float("-inf")), -1)
+        p = p[:, :, start:]
+        dist = dist[start:]
+        rows[x.layer] = {"sink": p[..., 0].mean().item(), "last_4": (p * (dist < 4)).sum(-1).mean().item(),
+                         "last_64": (p * (dist < 64)).sum(-1).mean().item()}
+
+    with teacher_mode(model), capture(model, sink):
+        run_forward(model, ids)
+    return [rows[i] for i in sorted(rows)]
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -112,6 +139,7 @@ def main() -> int:
         with softmax_in(model, [j for j in range(len(modules)) if j != i]):      # only layer i linear
             alone.append(sweep())
     gain = [student["kl"] - r["kl"] for r in restore]
+    profile = attention_profile(model, train[:1])
     damage = [a["kl"] for a in alone]
 
     final = Scorer(model, valid)
@@ -125,13 +153,16 @@ def main() -> int:
 
     corr = {"dof vs restore gain": spearman(dof, gain), "dof vs alone damage": spearman(dof, damage),
             "alone damage vs restore gain": spearman(damage, gain),
-            "depth vs restore gain": spearman([-float(i) for i in range(len(modules))], gain)}
+            "depth vs restore gain": spearman([-float(i) for i in range(len(modules))], gain),
+            "mass on the last 4 tokens vs restore gain": spearman([r["last_4"] for r in profile], gain)}
     print(f"teacher ppl {sweep.teacher_ppl:.2f}, student ppl {student['ppl']:.2f} KL {student['kl']:.3f} "
           f"({args.blocks} training blocks)")
-    print("| layer | DoF | KL with it restored | gain | KL with only it linear |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| layer | DoF | KL with it restored | gain | KL with only it linear | teacher's mass: sink, last 4, "
+          "last 64 |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for i in range(len(modules)):
-        print(f"| {i} | {dof[i]:.1f} | {restore[i]['kl']:.3f} | {gain[i]:.3f} | {damage[i]:.4f} |")
+        print(f"| {i} | {dof[i]:.1f} | {restore[i]['kl']:.3f} | {gain[i]:.3f} | {damage[i]:.4f} | "
+              f"{profile[i]['sink']:.2f}, {profile[i]['last_4']:.2f}, {profile[i]['last_64']:.2f} |")
     print(f"\nkeep {args.keep} as softmax without retraining ({args.final_blocks} validation blocks, teacher ppl "
           f"{final.teacher_ppl:.2f}):")
     print("| chosen by | layers | ppl (× teacher) | KL | agreement |")
@@ -145,7 +176,8 @@ def main() -> int:
         args.out.write_text(json.dumps({
             "command": " ".join(sys.argv), "run": str(args.run), "dof_file": str(args.dof), "dof": dof,
             "sweep_blocks": args.blocks, "final_blocks": args.final_blocks, "teacher_ppl": sweep.teacher_ppl,
-            "student": student, "restore": restore, "restore_gain": gain, "alone": alone, "keep": kept,
+            "student": student, "restore": restore, "restore_gain": gain, "alone": alone, "attention": profile,
+            "keep": kept,
             "final_teacher_ppl": final.teacher_ppl, "spearman": corr}, indent=2))
     if args.plot:
         import matplotlib
