@@ -121,6 +121,7 @@ def plot_curves(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
+    highest = 1.0
     for r in rows:
         if not r["curve"]:
             continue
@@ -128,9 +129,14 @@ def plot_curves(rows: list[dict], path: str) -> None:
         if r["layerwise_ppl"]:
             points.insert(0, (0, r["layerwise_ppl"]))
         tokens, ppl = zip(*points)
-        ax.plot(tokens, [p / r["teacher_ppl"] for p in ppl], marker="o", ms=3, label=r["run"])
+        ratios = [p / r["teacher_ppl"] for p in ppl]
+        highest = max(highest, *ratios)
+        ax.plot(tokens, ratios, marker="o", ms=3, label=r["run"])
     ax.axhline(1.0, color="black", lw=1, ls="--", label="teacher")
     ax.axhline(1.05, color="grey", lw=1, ls=":", label="1.05× (the window target)")
+    if highest > 2:  # pure linear students next to window ones: a log scale shows both
+        ax.axhline(1.5, color="grey", lw=1, ls="-.", label="1.5× (the pure-linear target)")
+        ax.set_yscale("log")
     ax.set_xscale("symlog", linthresh=5000)
     ax.set_xlim(left=0)
     ax.set_xlabel("end-to-end training tokens")
