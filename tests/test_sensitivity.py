@@ -1,0 +1,40 @@
+"""benchmarks/layer_sensitivity.py's measurements: where attention goes, and the rank correlation."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_model
+
+spec = importlib.util.spec_from_file_location(
+    "layer_sensitivity", Path(__file__).resolve().parents[1] / "benchmarks" / "layer_sensitivity.py")
+sensitivity = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sensitivity)
+
+
+def test_spearman_of_monotone_and_reversed_orders():
+    a = [0.3, 1.0, -2.0, 5.0, 4.0]
+    assert sensitivity.spearman(a, [x ** 3 for x in a]) == pytest.approx(1.0)
+    assert sensitivity.spearman(a, [-x for x in a]) == pytest.approx(-1.0)
+    assert sensitivity.top(a, 2) == [3, 4]
+
+
+def test_uniform_attention_profile_is_the_share_of_keys():
+    """With the query projection at zero every row is uniform over its t + 1 keys: the mass on token 0, the last 4
+    and the last 64 keys is 1/(t+1), min(4, t+1)/(t+1) and min(64, t+1)/(t+1), averaged over t >= start."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.zero_()
+    T, start = 90, 10
+    ids = torch.randint(3, 300, (2, T), generator=torch.Generator().manual_seed(0))
+    rows = sensitivity.attention_profile(model, ids, start=start)
+    t = torch.arange(start, T, dtype=torch.float64)
+    expected = {"sink": (1 / (t + 1)).mean().item(), "last_4": (t.clamp(max=3) + 1).div(t + 1).mean().item(),
+                "last_64": (t.clamp(max=63) + 1).div(t + 1).mean().item()}
+    assert len(rows) == len(model.model.layers)
+    for row in rows:
+        for key, value in expected.items():
+            assert row[key] == pytest.approx(value, rel=1e-5)
