@@ -28,35 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-class Scorer:
-    """Perplexity, KL(teacher ‖ model) and top-1 agreement on fixed blocks; the teacher's log-probs computed once."""
-
-    def __init__(self, model, blocks: torch.Tensor, batch_size: int = 2):
-        from dofattn.evaluate import _log_probs, teacher_mode
-
-        self.model, self.batch_size = model, batch_size
-        self.batches = [blocks[s:s + batch_size] for s in range(0, len(blocks), batch_size)]
-        with torch.no_grad(), teacher_mode(model):
-            self.teacher = [_log_probs(model, ids) for ids in self.batches]
-        self.teacher_ppl = self._score(self.teacher)["ppl"]
-
-    def _score(self, log_ps) -> dict:
-        nll = kl = agree = count = 0.0
-        for ids, log_s, log_t in zip(self.batches, log_ps, self.teacher):
-            targets = ids[:, 1:].reshape(-1)
-            nll -= log_s.gather(1, targets[:, None]).sum().item()
-            kl += (log_t.exp() * (log_t - log_s)).sum().item()
-            agree += (log_s.argmax(-1) == log_t.argmax(-1)).sum().item()
-            count += targets.numel()
-        return {"ppl": math.exp(nll / count), "kl": kl / count, "top1_agreement": agree / count}
-
-    @torch.no_grad()
-    def __call__(self) -> dict:
-        from dofattn.evaluate import _log_probs
-
-        return self._score([_log_probs(self.model, ids) for ids in self.batches])
-
-
 @torch.no_grad()
 def attention_profile(model, ids: torch.Tensor, start: int = 64) -> list[dict]:
     """Per layer, where the teacher's attention goes, averaged over heads and the queries at positions >= `start`
@@ -107,6 +78,7 @@ def main() -> int:
 
     from dofattn.data import token_blocks
     from dofattn.dof import DofResult
+    from dofattn.evaluate import AgainstTeacher
     from dofattn.student import attention_modules, load_student, softmax_in
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -130,7 +102,7 @@ def main() -> int:
     train = token_blocks(run["data"], tokenizer, run["eval_seq_len"], args.blocks, split="train", seed=run["seed"])
     valid = token_blocks(run["data"], tokenizer, run["eval_seq_len"], args.final_blocks, split="validation", seed=0)
 
-    sweep = Scorer(model, train)
+    sweep = AgainstTeacher(model, train)
     student = sweep()
     restore, alone = [], []
     for i in tqdm(range(len(modules)), desc="layers", unit="layer"):
@@ -142,11 +114,12 @@ def main() -> int:
     profile = attention_profile(model, train[:1])
     damage = [a["kl"] for a in alone]
 
-    final = Scorer(model, valid)
+    final = AgainstTeacher(model, valid)
     drawn = torch.randperm(len(modules), generator=torch.Generator().manual_seed(args.seed))[:args.keep]
     choices = {"largest restore gain": top(gain, args.keep), "first": list(range(args.keep)),
                "largest DoF": top(dof, args.keep), f"random (seed {args.seed})": sorted(drawn.tolist())}
     kept = {"none": {"layers": [], **final()}}
+    final_teacher_ppl = kept["none"]["teacher_ppl"]
     for name, layers in choices.items():
         with softmax_in(model, layers):
             kept[name] = {"layers": layers, **final()}
@@ -155,7 +128,7 @@ def main() -> int:
             "alone damage vs restore gain": spearman(damage, gain),
             "depth vs restore gain": spearman([-float(i) for i in range(len(modules))], gain),
             "mass on the last 4 tokens vs restore gain": spearman([r["last_4"] for r in profile], gain)}
-    print(f"teacher ppl {sweep.teacher_ppl:.2f}, student ppl {student['ppl']:.2f} KL {student['kl']:.3f} "
+    print(f"teacher ppl {student['teacher_ppl']:.2f}, student ppl {student['ppl']:.2f} KL {student['kl']:.3f} "
           f"({args.blocks} training blocks)")
     print("| layer | DoF | KL with it restored | gain | KL with only it linear | teacher's mass: sink, last 4, "
           "last 64 |")
@@ -164,21 +137,21 @@ def main() -> int:
         print(f"| {i} | {dof[i]:.1f} | {restore[i]['kl']:.3f} | {gain[i]:.3f} | {damage[i]:.4f} | "
               f"{profile[i]['sink']:.2f}, {profile[i]['last_4']:.2f}, {profile[i]['last_64']:.2f} |")
     print(f"\nkeep {args.keep} as softmax without retraining ({args.final_blocks} validation blocks, teacher ppl "
-          f"{final.teacher_ppl:.2f}):")
+          f"{final_teacher_ppl:.2f}):")
     print("| chosen by | layers | ppl (× teacher) | KL | agreement |")
     print("|---|---|---:|---:|---:|")
     for name, row in kept.items():
         print(f"| {name} | {', '.join(map(str, row['layers'])) or '–'} | {row['ppl']:.1f} "
-              f"({row['ppl'] / final.teacher_ppl:.2f}×) | {row['kl']:.3f} | {row['top1_agreement']:.3f} |")
+              f"({row['ppl'] / final_teacher_ppl:.2f}×) | {row['kl']:.3f} | {row['top1_agreement']:.3f} |")
     print("\nSpearman rank correlations: " + ", ".join(f"{k} {v:+.2f}" for k, v in corr.items()))
 
     if args.out:
         args.out.write_text(json.dumps({
             "command": " ".join(sys.argv), "run": str(args.run), "dof_file": str(args.dof), "dof": dof,
-            "sweep_blocks": args.blocks, "final_blocks": args.final_blocks, "teacher_ppl": sweep.teacher_ppl,
+            "sweep_blocks": args.blocks, "final_blocks": args.final_blocks, "teacher_ppl": student["teacher_ppl"],
             "student": student, "restore": restore, "restore_gain": gain, "alone": alone, "attention": profile,
             "keep": kept,
-            "final_teacher_ppl": final.teacher_ppl, "spearman": corr}, indent=2))
+            "final_teacher_ppl": final_teacher_ppl, "spearman": corr}, indent=2))
     if args.plot:
         import matplotlib
 

@@ -626,7 +626,7 @@ def dof_estimate(args, model, tokenizer, out: Path):
 
 
 def softmax_layers(args, num_layers: int, dof=None) -> list[int]:
-    """The layers `--keep-softmax K --keep-by dof|first|random` leaves as softmax attention, sorted.
+    """The layers `--keep-softmax K --keep-by dof|first|random` leaves as softmax attention, sorted (gain: later).
 
     dof: the K layers with the largest DoF (ties: the earlier layer); first: layers 0..K-1; random: K layers drawn
     with `--seed`. gain: none yet; `keep_by_gain` chooses them after layerwise training.
@@ -649,8 +649,8 @@ def keep_by_gain(args, model, blocks: torch.Tensor, out: Path) -> list[int]:
     from dofattn.evaluate import restore_gains
     from dofattn.student import restore_softmax
 
-    path = out / "keep.json"
-    if world()[0] == 0 and not path.is_file():
+    path, rank = out / "keep.json", world()[0]
+    if rank == 0 and not path.is_file():
         gains = restore_gains(model, blocks[:GAIN_BLOCKS])
         order = sorted((i for i, g in enumerate(gains) if g is not None), key=lambda i: (-gains[i], i))
         tmp = path.with_suffix(".partial")
@@ -660,7 +660,7 @@ def keep_by_gain(args, model, blocks: torch.Tensor, out: Path) -> list[int]:
     barrier()
     kept = json.loads(path.read_text())["layers"]
     restore_softmax(model, kept)
-    if world()[0] == 0:
+    if rank == 0:
         print(f"--keep-by gain: layers {', '.join(map(str, kept))} keep softmax attention", flush=True)
     return kept
 

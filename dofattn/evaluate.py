@@ -66,30 +66,63 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int = 4, desc: str = "pe
     return math.exp(total / count)
 
 
+class _Tally:
+    """Running sums of the student-vs-teacher numbers over batches of next-token log-probs [N, vocab]."""
+
+    def __init__(self):
+        self.student_nll = self.teacher_nll = self.kl = self.agree = 0.0
+        self.count = 0
+
+    def add(self, log_s: torch.Tensor, log_t: torch.Tensor, targets: torch.Tensor) -> None:
+        self.student_nll += _nll(log_s, targets)
+        self.teacher_nll += _nll(log_t, targets)
+        self.kl += (log_t.exp() * (log_t - log_s)).sum().item()
+        self.agree += (log_s.argmax(-1) == log_t.argmax(-1)).sum().item()
+        self.count += targets.numel()
+
+    def result(self) -> dict:
+        n = self.count
+        return {"ppl": math.exp(self.student_nll / n), "teacher_ppl": math.exp(self.teacher_nll / n),
+                "kl": self.kl / n, "top1_agreement": self.agree / n, "tokens": n}
+
+
 @torch.no_grad()
 def compare(student, blocks: torch.Tensor, teacher=None, batch_size: int = 4, progress: bool = True) -> dict:
     """Student vs teacher on `blocks` [N, T]: both perplexities, mean per-token KL(teacher ‖ student) and top-1
     agreement of their next-token predictions. `teacher=None`: the student's own base model (`teacher_mode`)."""
     device = next(student.parameters()).device
-    sums = {"student_nll": 0.0, "teacher_nll": 0.0, "kl": 0.0, "agree": 0.0}
-    count = 0
+    tally = _Tally()
     for start in tqdm(range(0, len(blocks), batch_size), desc="student vs teacher", unit="batch",
                       disable=not progress, leave=False):
         ids = blocks[start:start + batch_size].to(device)
-        targets = ids[:, 1:].reshape(-1)
         log_s = _log_probs(student, ids)
         if teacher is None:
             with teacher_mode(student):
                 log_t = _log_probs(student, ids)
         else:
             log_t = _log_probs(teacher, ids.to(next(teacher.parameters()).device)).to(device)
-        sums["student_nll"] += _nll(log_s, targets)
-        sums["teacher_nll"] += _nll(log_t, targets)
-        sums["kl"] += (log_t.exp() * (log_t - log_s)).sum().item()
-        sums["agree"] += (log_s.argmax(-1) == log_t.argmax(-1)).sum().item()
-        count += targets.numel()
-    return {"ppl": math.exp(sums["student_nll"] / count), "teacher_ppl": math.exp(sums["teacher_nll"] / count),
-            "kl": sums["kl"] / count, "top1_agreement": sums["agree"] / count, "tokens": count}
+        tally.add(log_s, log_t, ids[:, 1:].reshape(-1))
+    return tally.result()
+
+
+class AgainstTeacher:
+    """`compare` of a student against its own base model, repeated on fixed `blocks` [N, T] while the student
+    changes (layers switched back to softmax, say): the teacher's log-probabilities are computed once and held
+    in memory (N·(T−1)·vocab floats)."""
+
+    def __init__(self, student, blocks: torch.Tensor, batch_size: int = 2):
+        device = next(student.parameters()).device
+        self.student = student
+        self.batches = [blocks[s:s + batch_size].to(device) for s in range(0, len(blocks), batch_size)]
+        with torch.no_grad(), teacher_mode(student):
+            self.teacher = [_log_probs(student, ids) for ids in self.batches]
+
+    @torch.no_grad()
+    def __call__(self) -> dict:
+        tally = _Tally()
+        for ids, log_t in zip(self.batches, self.teacher):
+            tally.add(_log_probs(self.student, ids), log_t, ids[:, 1:].reshape(-1))
+        return tally.result()
 
 
 @torch.no_grad()
@@ -99,25 +132,14 @@ def restore_gains(student, blocks: torch.Tensor, batch_size: int = 2, progress: 
     The teacher's log-probabilities are computed once; each linear layer costs one forward pass over `blocks`."""
     from dofattn.student import attention_modules, softmax_in
 
-    device = next(student.parameters()).device
-    batches = [blocks[s:s + batch_size].to(device) for s in range(0, len(blocks), batch_size)]
-    with teacher_mode(student):
-        teacher = [_log_probs(student, ids) for ids in batches]
-
-    def kl() -> float:
-        total = count = 0
-        for ids, log_t in zip(batches, teacher):
-            total += (log_t.exp() * (log_t - _log_probs(student, ids))).sum().item()
-            count += log_t.shape[0]
-        return total / count
-
-    base = kl()
+    score = AgainstTeacher(student, blocks, batch_size)
+    base = score()["kl"]
     linear = [hasattr(m, "dofattn") for m in attention_modules(student)]
     gains: list[float | None] = [None] * len(linear)
     for i in tqdm([i for i, lin in enumerate(linear) if lin], desc="softmax restored per layer", unit="layer",
                   disable=not progress, leave=False):
         with softmax_in(student, [i]):
-            gains[i] = base - kl()
+            gains[i] = base - score()["kl"]
     return gains
 
 
