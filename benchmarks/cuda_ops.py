@@ -56,7 +56,9 @@ def copy_bandwidth() -> float:
 
 def safe(fn, repeats):
     try:
-        return cuda_time(fn, repeats)
+        ms = cuda_time(fn, repeats)
+        print(f" {ms:.3f}", end="", flush=True)           # as it goes: a run cut short still shows its numbers
+        return ms
     except (RuntimeError, torch.OutOfMemoryError) as error:
         torch.cuda.empty_cache()
         return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
@@ -89,6 +91,7 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64):
             phi_q, phi_k = (torch.rand(1, T, heads, M, generator=g, device="cuda").bfloat16() for _ in range(2))
             q, k, v = (torch.randn(1, T, heads, V, generator=g, device="cuda").bfloat16() for _ in range(3))
             qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+            print(f"M={M} T={T}:", end="", flush=True)
             floor_ms = (2 * T * heads * M + 2 * T * heads * V) * 2 / bandwidth * 1e3
             row = {"M": M, "T": T, "heads": heads, "V": V, "dtype": "bfloat16", "floor_ms": floor_ms,
                    "sdpa": safe(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True), repeats),
@@ -118,7 +121,7 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64):
             if window and M <= 128:
                 row.update(window_rows(q, k, v, phi_q, phi_k, window, repeats, T <= max_train_T))
             rows.append(row)
-            print(" ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+            print("\n" + " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                            for key, value in row.items()), flush=True)
             del phi_q, phi_k, q, k, v, qh, kh, vh
             torch.cuda.empty_cache()

@@ -109,7 +109,7 @@ def try_timed(fn, device: str, repeats: int) -> float | str:
 
 
 @torch.no_grad()
-def bench_prefill(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
+def bench_prefill(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     from dofattn.ops import linear_attention, pick_backend
 
     rows = []
@@ -135,6 +135,7 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
         row["speedup_op_vs_sdpa"] = row["sdpa_ms"] / row["linear_op_ms"]
         row["speedup_student_vs_sdpa"] = row["sdpa_ms"] / row["student_ms"]
         rows.append(row)
+        report(row)
         del q, k, v, qh, kh, vh, phi_q, phi_k
         if cfg.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -142,7 +143,7 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
 
 
 @torch.no_grad()
-def bench_decode(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
+def bench_decode(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     from dofattn.attention import LinearStateLayer
     from dofattn.ops import linear_attention
 
@@ -169,6 +170,7 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
                "state_bytes": state.numel() * state.element_size()}
         row["speedup_student_vs_sdpa"] = row["sdpa_ms"] / row["student_ms"]
         rows.append(row)
+        report(row)
         del k_cache, v_cache
     return rows
 
@@ -195,7 +197,7 @@ def _generation_row(cfg: BenchConfig, student: bool, window: int, T: int, engine
 
 
 @torch.no_grad()
-def bench_generate(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
+def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     from dofattn.engine import StaticDecoder
     from dofattn.hf import load_model
     from dofattn.student import attention_modules, linearize
@@ -222,6 +224,7 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
 
             total_ms = timed(generate, cfg.device, 1)
             rows.append(_generation_row(cfg, linearized, window, T, "hf", prefill_ms, total_ms, out.past_key_values))
+            report(rows[-1])
             if linearized:                         # the same student on static buffers (a CUDA graph on CUDA)
                 decoder = StaticDecoder(model)
                 if cfg.device.startswith("cuda"):
@@ -230,6 +233,7 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype) -> list[dict]:
                 total_ms = timed(lambda: decoder.generate(ids, cfg.new_tokens), cfg.device, 1)
                 engine = "static+graph" if decoder.graph else "static"
                 rows.append(_generation_row(cfg, linearized, window, T, engine, prefill_ms, total_ms, decoder.cache))
+                report(rows[-1])
         del model
         if cfg.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -269,16 +273,28 @@ def bench(cfg: BenchConfig, progress: bool = True) -> dict:
     validate(cfg)
     dtype = parse_dtype(cfg.dtype)
     say = print if progress else (lambda *a, **k: None)
+
+    def report(row: dict) -> None:          # each row as it is measured: a long run that is cut short keeps them
+        say("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.items()), flush=True)
+
     say("prefill op ...", flush=True)
-    prefill = bench_prefill(cfg, dtype)
+    prefill = bench_prefill(cfg, dtype, report)
     say("decode step ...", flush=True)
-    decode = bench_decode(cfg, dtype)
+    decode = bench_decode(cfg, dtype, report)
     generation = []
     if cfg.model:
         say("generation ...", flush=True)
-        generation = bench_generate(cfg, dtype)
+        generation = bench_generate(cfg, dtype, report)
     return {"config": asdict(cfg), "hardware": hardware(cfg.device), "prefill": prefill, "decode": decode,
             "generation": generation}
+
+
+def _short(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in x.items()) + "}"
+    return str(x)
 
 
 def _ms(x) -> str:

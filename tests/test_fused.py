@@ -99,12 +99,18 @@ def test_bad_block():
         fused.scan(phi_q, phi_k, v, normalize=True)
 
 
+# (M, V): narrow values (a 16-bit dot against a 32-column value tile faulted on an H100), and wide features
+# (float32 dots instead)
+HALF_SHAPES = [(64, 32), (20, 16)] + ([(203, 64), (256, 16)] if CUDA else [])
+
+
+@pytest.mark.parametrize("shape", HALF_SHAPES, ids=[f"M{m}-V{v}" for m, v in HALF_SHAPES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_inputs(dtype):
+def test_half_inputs(dtype, shape):
     """16-bit inputs: the dots run in 16 bit, sums and state in float32; near the float32 result."""
     if not CUDA and dtype == torch.bfloat16:
         pytest.skip("Triton 3.6's interpreter gets bf16 dots wrong (off by 1e9 on a plain 16×16 product)")
-    phi_q, phi_k, v, state = on_device(make_inputs(2, 150, 3, 64, 32))
+    phi_q, phi_k, v, state = on_device(make_inputs(2, 150, 3, *shape))
     ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True)
     o, s = fused.triton_linear_attention(phi_q.to(dtype), phi_k.to(dtype), v.to(dtype), state,
                                          output_final_state=True)

@@ -31,7 +31,8 @@ Its backward (`WindowHybrid`) keeps each row's log total mass from the forward: 
 from one banded kernel that recomputes its weights (`_window_exact_backward`), and the linear part's are the scans
 above on the delayed keys, with the upstream gradient scaled per row by its share of the mass.
 
-Dots run in bf16/fp16 when φq, φk and v are all 16-bit, else in tf32x3 (about float32 accuracy); the state,
+Dots run in bf16/fp16 when φq, φk and v are all 16-bit (with value tiles of at least 64 columns; features wider
+than 128 run in float32), else in tf32x3 (about float32 accuracy); the state,
 sums and outputs are float32; the feature projection and the exact logits are float32 dots. Triton is imported
 here, and this module is imported only on first use (`ops.load_fused`), so importing dofattn never needs Triton.
 """
@@ -453,8 +454,19 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     B, T, H, K = q.shape
     V = v.shape[-1]
     L, BK, BV = _plan(T, B * H, K, V, q.device, block)
-    NB, NV = triton.cdiv(T, L), triton.cdiv(V, BV)
     DOT, PREC = _dot_dtype(q, k, v)
+    cast_to = None
+    if DOT != tl.float32:
+        # 16-bit dots against a value tile under 64 columns fault (illegal address) or go wrong on an H100 with
+        # Triton 3.6. Narrow values get a tile of 64 (masked); wide features, whose tile would not fit in
+        # registers at 64, run the float32 path instead.
+        if BK * 64 <= MAX_TILE:
+            BV = max(BV, 64)
+        else:
+            cast_to, out_dtype = out_dtype, torch.float32
+            q, k, v = q.float(), k.float(), v.float()
+            DOT, PREC = _dot_dtype(q, k, v)
+    NB, NV = triton.cdiv(T, L), triton.cdiv(V, BV)
     f32 = dict(device=q.device, dtype=torch.float32)
     grid = (NB, B * H, NV)
     # Wide feature tiles: shorter chunks and no pipelining keep the chunk tiles inside shared memory (227 KB).
@@ -485,6 +497,8 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     den = torch.empty(B, T, H, **f32) if with_den else o
     _block_scan[grid](q, k, v, s_in, z_in, o, den, T, H, K, V, L, C=C, BK=BK, BV=BV, HAS_Z=with_den,
                       REVERSE=reverse, NORMALIZE=normalize, DOT=DOT, PREC=PREC, num_stages=stages)
+    if cast_to is not None:
+        o = o.to(cast_to)
     return o, (den if with_den else None), final
 
 
