@@ -698,6 +698,8 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
     BV = _pow2(V)                                  # the exact part's row sums need every value column at once
     NB = triton.cdiv(T, L)
     DOT, PREC = _dot_dtype(pq, dk, dv)
+    if DOT != tl.float32:
+        BV = max(BV, 64)                           # 16-bit dots need value tiles of 64 or more (see `scan`)
     f32 = dict(device=q.device, dtype=torch.float32)
     s_in = torch.empty(B * H, NB, M, V, **f32)
     z_in = torch.empty(B * H, NB, M, **f32)
