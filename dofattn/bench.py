@@ -45,6 +45,10 @@ class BenchConfig:
     model: str | None = "smollm2-135m"     # None: skip the generation benchmark
     gen_contexts: list[int] = field(default_factory=lambda: [512])
     new_tokens: int = 16
+    parts: list[str] = field(default_factory=lambda: list(PARTS))
+
+
+PARTS = ("prefill", "decode", "generation")
 
 
 def _sync(device: str) -> None:
@@ -264,10 +268,14 @@ def validate(cfg: BenchConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.window < 0:
         raise UserError(f"--window must be >= 0 (0: no hybrid row), got {cfg.window}")
+    unknown = [p for p in cfg.parts if p not in PARTS]
+    if unknown or not cfg.parts:
+        raise UserError(f"--parts takes some of {','.join(PARTS)} (comma-separated), got {','.join(cfg.parts)!r}")
 
 
-def bench(cfg: BenchConfig, progress: bool = True) -> dict:
-    """All three measurements; a JSON-ready dict."""
+def bench(cfg: BenchConfig, progress: bool = True, save=None) -> dict:
+    """The measurements in `cfg.parts`; a JSON-ready dict. `save(result)`, if given, gets the result so far after
+    each part, so that a run stopped partway keeps what it measured."""
     from dofattn.hf import parse_dtype
 
     validate(cfg)
@@ -277,16 +285,19 @@ def bench(cfg: BenchConfig, progress: bool = True) -> dict:
     def report(row: dict) -> None:          # each row as it is measured: a long run that is cut short keeps them
         say("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.items()), flush=True)
 
-    say("prefill op ...", flush=True)
-    prefill = bench_prefill(cfg, dtype, report)
-    say("decode step ...", flush=True)
-    decode = bench_decode(cfg, dtype, report)
-    generation = []
-    if cfg.model:
-        say("generation ...", flush=True)
-        generation = bench_generate(cfg, dtype, report)
-    return {"config": asdict(cfg), "hardware": hardware(cfg.device), "prefill": prefill, "decode": decode,
-            "generation": generation}
+    result = {"config": asdict(cfg), "hardware": hardware(cfg.device), "prefill": [], "decode": [],
+              "generation": []}
+    parts = {"prefill": ("prefill op", bench_prefill), "decode": ("decode step", bench_decode),
+             "generation": ("generation", bench_generate)}
+    for name in PARTS:
+        if name not in cfg.parts or (name == "generation" and not cfg.model):
+            continue
+        title, measure = parts[name]
+        say(f"{title} ...", flush=True)
+        result[name] = measure(cfg, dtype, report)
+        if save is not None:
+            save(result)
+    return result
 
 
 def _short(x) -> str:
@@ -303,16 +314,19 @@ def _ms(x) -> str:
 
 def format_tables(result: dict) -> str:
     backends = list(result["prefill"][0]["op_ms"]) if result["prefill"] else []
-    lines = ["prefill (one layer, ms):",
-             f"{'T':>7} {'SDPA':>9} " + " ".join(f"{'op:' + b:>9}" for b in backends)
-             + f" {'student':>9} {'hybrid':>9} {'op/SDPA':>8} {'student/SDPA':>13}"]
+    lines = []
+    if result["prefill"]:
+        lines += ["prefill (one layer, ms):",
+                  f"{'T':>7} {'SDPA':>9} " + " ".join(f"{'op:' + b:>9}" for b in backends)
+                  + f" {'student':>9} {'hybrid':>9} {'op/SDPA':>8} {'student/SDPA':>13}"]
     for r in result["prefill"]:
         hybrid = f"{r['hybrid_ms']:>9.3f}" if "hybrid_ms" in r else f"{'-':>9}"
         ops = " ".join(_ms(r["op_ms"][b]) for b in backends)
         lines.append(f"{r['T']:>7} {r['sdpa_ms']:>9.3f} {ops} {r['student_ms']:>9.3f} {hybrid} "
                      f"{r['speedup_op_vs_sdpa']:>7.2f}x {r['speedup_student_vs_sdpa']:>12.2f}x")
-    lines += ["decode step (one layer, ms):",
-              f"{'T':>7} {'batch':>5} {'SDPA':>9} {'op':>9} {'student':>9} {'speed-up':>9}"]
+    if result["decode"]:
+        lines += ["decode step (one layer, ms):",
+                  f"{'T':>7} {'batch':>5} {'SDPA':>9} {'op':>9} {'student':>9} {'speed-up':>9}"]
     for r in result["decode"]:
         lines.append(f"{r['T']:>7} {r['batch']:>5} {r['sdpa_ms']:>9.3f} {r['op_ms']:>9.3f} {r['student_ms']:>9.3f} "
                      f"{r['speedup_student_vs_sdpa']:>8.2f}x")

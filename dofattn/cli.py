@@ -471,7 +471,8 @@ class BenchArgs:
     gen_contexts: str = _opt("auto", "comma-separated prompt lengths for generation; auto: 512 on CPU, 2048,8192,32768 "
                                      "on CUDA")
     new_tokens: int = _opt(16, "tokens generated after each prompt")
-    out: str = _opt("bench.json", "where to write the JSON result")
+    parts: str = _opt("prefill,decode,generation", "which measurements to run (comma-separated)")
+    out: str = _opt("bench.json", "where to write the JSON result (rewritten after each part)")
 
 
 def run_bench(args: BenchArgs) -> int:
@@ -489,8 +490,9 @@ def run_bench(args: BenchArgs) -> int:
     cfg = BenchConfig(device=device, dtype=dtype, seq_lens=seq_lens, heads=args.heads, head_dim=args.head_dim,
                       features=args.features, window=args.window, decode_batch=args.decode_batch,
                       repeats=args.repeats, model=None if args.model == "none" else args.model,
-                      gen_contexts=contexts, new_tokens=args.new_tokens)
-    result = bench(cfg)
+                      gen_contexts=contexts, new_tokens=args.new_tokens,
+                      parts=[p.strip() for p in args.parts.split(",") if p.strip()])
+    result = bench(cfg, save=lambda partial: _write_atomic(out, json.dumps(partial, indent=2)))
     print(format_tables(result))
     _write_atomic(out, json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -36,7 +36,19 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path):
     assert result["hardware"]["device"] == "cpu" and "prefill (one layer, ms)" in printed
 
 
+def test_bench_runs_only_the_parts_asked_for(capsys, model_dirs, tmp_path):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--device", "cpu", "--seq-lens", "20", "--heads", "2", "--head-dim", "8", "--features", "5",
+                 "--repeats", "1", "--model", str(model_dirs["gpt2"]), "--gen-contexts", "9", "--new-tokens", "2",
+                 "--parts", "decode,generation", "--out", str(out)])
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert code == 0 and result["prefill"] == [] and "prefill (one layer" not in printed
+    assert [r["T"] for r in result["decode"]] == [20] and len(result["generation"]) == 5
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--parts", "prefill,train"], "--parts takes some of prefill,decode,generation"),
     (["--seq-lens", "0"], "positive token counts"),
     (["--seq-lens", "1k"], "comma-separated token counts"),
     (["--repeats", "0"], "--repeats must be at least 1"),
