@@ -11,6 +11,10 @@ timings of:
     window, window_train    the sliding-window hybrid (--window W tokens exact + the linear op beyond) in
                             dofattn's Triton kernels, forward / forward + backward (M ≤ 128)
     window_torch[_train]    the same hybrid in its PyTorch form (banded blocks + the Triton linear op)
+    features                the PRF feature map of the queries in one Triton kernel (`fused.prf_features`)
+    window@P, features@P    with --exact P,...: the same with the exponent dots (the window's logits and weights ×
+                            values, the feature projection) at input precision P instead of "ieee", and
+                            *_err: the largest difference from the "ieee" result, relative to its largest entry
 plus the op's memory floor: reading φq, φk, v and writing o once, at the copy bandwidth measured here.
 Training rows stop at --max-train-T (SDPA's backward and the others' activations grow with T).
 """
@@ -82,7 +86,48 @@ def window_rows(q, k, v, phi_q, phi_k, window, repeats, train: bool) -> dict:
     return row
 
 
-def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64):
+def exact_rows(q, k, v, phi_q, phi_k, M, window, repeats, precisions) -> dict:
+    """The feature map's forward (and with `precisions` the hybrid's) at the default exponent precision
+    (fused.EXACT) and at each of `precisions`, with each one's largest difference from the default."""
+    from dofattn.features import MAX_KEY_EXCESS, make_feature_map
+    from dofattn.ops import load_fused
+
+    fused = load_fused()[0]
+    B, T, H, D = q.shape
+    fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5).to(q.device)
+    scale = torch.zeros(B, T, H, device=q.device)
+    offset = torch.zeros(H, device=q.device)
+    with_window = window and M <= fused.MAX_WINDOW_FEATURES
+
+    def features():
+        return fused.prf_features(fmap, q, "query", MAX_KEY_EXCESS)[0]
+
+    def hybrid():
+        return window_linear_attention(q, k, v, phi_q, phi_k, scale, offset, 0.125, window, backend="triton")[0]
+
+    default, row, ref = fused.EXACT, {}, {}
+    try:
+        for precision in [default, *precisions]:
+            fused.EXACT = precision
+            suffix = "" if precision == default else "@" + precision
+            with torch.no_grad():
+                row["features" + suffix] = safe(features, repeats)
+                out = {"features": features().float()}
+                if with_window and precisions:
+                    if precision != default:        # the default's time is window_rows' "window"
+                        row["window" + suffix] = safe(hybrid, repeats)
+                    out["window"] = hybrid().float()
+            for name, x in out.items():
+                if precision == default:
+                    ref[name] = x
+                else:
+                    row[f"{name}{suffix}_err"] = float((x - ref[name]).abs().max() / ref[name].abs().max())
+    finally:
+        fused.EXACT = default
+    return row
+
+
+def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisions=()):
     bandwidth = copy_bandwidth()
     rows = []
     for M in dims:
@@ -120,6 +165,7 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64):
                     row["fla_train"] = safe(lambda: train("fla"), repeats)
             if window and M <= 128:
                 row.update(window_rows(q, k, v, phi_q, phi_k, window, repeats, T <= max_train_T))
+            row.update(exact_rows(q, k, v, phi_q, phi_k, M, window, repeats, precisions))
             rows.append(row)
             print("\n" + " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                            for key, value in row.items()), flush=True)
@@ -135,13 +181,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--max-train-T", type=int, default=32768)
     parser.add_argument("--window", type=int, default=64, help="the hybrid's window (16, 32 or 64); 0: no rows")
+    parser.add_argument("--exact", default="", help="comma-separated input precisions (e.g. tf32x3) to time the "
+                        "exponent dots at, against ieee")
     parser.add_argument("--out", default="cuda-ops.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("cuda_ops.py needs a CUDA GPU", file=sys.stderr)
         return 2
     result = run([int(x) for x in args.dims.split(",")], [int(x) for x in args.lengths.split(",")], args.repeats,
-                 args.max_train_T, args.window)
+                 args.max_train_T, args.window, precisions=[p for p in args.exact.split(",") if p])
     result["hardware"] = hardware("cuda")
     result["command"] = " ".join(sys.argv)
     Path(args.out).write_text(json.dumps(result, indent=2))

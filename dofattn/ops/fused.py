@@ -49,6 +49,10 @@ from dofattn.ops.naive import TINY, augment_values, check_inputs
 
 CHUNK = 64           # tokens per chunk inside a block (the tril product is C × C); 32/16 for wide features
 MAX_TILE = 128 * 64  # state elements a program keeps in registers: M_pad × V_tile
+# Precision of the float32 dots whose inputs are exponents: the PRF projection and the window's exact logits and
+# weights × values (forward). "ieee" keeps them exact to float32 rounding at exponents near 200; "tf32x3" (tensor
+# cores, about float32 accuracy) is what `benchmarks/cuda_ops.py --exact tf32x3` compares against it.
+EXACT = "ieee"
 
 
 @triton.jit
@@ -199,7 +203,8 @@ def _decode_step(q_ptr, k_ptr, v_ptr, s_ptr, s_out_ptr, o_ptr, H, K, V,
 
 @triton.jit
 def _prf_features(x_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, phi_ptr, qs_ptr, T, H, D, M, root_s, max_excess,
-                  BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, QUERY: tl.constexpr):
+                  BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, QUERY: tl.constexpr,
+                  EXACT_PREC: tl.constexpr):
     """PRF features of BT tokens of one head: e = W·u − ‖u‖²/2 + ½ log α (u = √s·x), masked past the head's count;
     queries φ = exp(e − max e) and their log-scale max e − ½ log count; keys φ = exp(min(e − key_shift, cap))."""
     it, bh = tl.program_id(0), tl.program_id(1)
@@ -214,7 +219,7 @@ def _prf_features(x_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, phi_ptr, qs_ptr, T, H, 
     u = u.to(tl.float32) * root_s                                                              # [BT, BD]
     w = tl.load(w_ptr + (h * M + om[:, None]) * D + od[None, :], mask=mm[:, None] & md[None, :], other=0.0)
     lw = tl.load(lw_ptr + h * M + om, mask=mm, other=0.0)                                      # [BM]
-    e = tl.dot(u, tl.trans(w.to(tl.float32)), input_precision="ieee")                         # [BT, BM]
+    e = tl.dot(u, tl.trans(w.to(tl.float32)), input_precision=EXACT_PREC)                     # [BT, BM]
     e = e - 0.5 * tl.sum(u * u, 1)[:, None] + 0.5 * lw[None, :]
     e = tl.where(mm[None, :], e, float("-inf"))
     if QUERY:
@@ -268,7 +273,7 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
 def _window_scan(q_ptr, k_ptr, v_ptr, pq_ptr, dk_ptr, dv_ptr, ls_ptr, off_ptr, valid_ptr, s_ptr, z_ptr, o_ptr,
                  lse_ptr, T, H, D, K, V, scaling, L: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, HAS_VALID: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                 STORE_LSE: tl.constexpr):
+                 STORE_LSE: tl.constexpr, EXACT_PREC: tl.constexpr):
     """The sliding-window hybrid for one block (window W = C): query t takes exact softmax weights
     exp(scaling·q_t·k_s) for s in (t − C, t] and linear weights φq_t·φk_s·exp(shift_t) for s ≤ t − C, in one
     normalisation (shift_t = q_log_scale_t + log_offset_h). The linear part runs on the keys delayed by C
@@ -302,8 +307,8 @@ def _window_scan(q_ptr, k_ptr, v_ptr, pq_ptr, dk_ptr, dv_ptr, ls_ptr, off_ptr, v
                      mask=mp[:, None] & md[None, :], other=0.0).to(tl.float32)
         kc = tl.load(k_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
                      mask=mr[:, None] & md[None, :], other=0.0).to(tl.float32)
-        l_prev = scaling * tl.dot(qc, tl.trans(kp), input_precision="ieee")                     # [C, C]
-        l_cur = scaling * tl.dot(qc, tl.trans(kc), input_precision="ieee")
+        l_prev = scaling * tl.dot(qc, tl.trans(kp), input_precision=EXACT_PREC)                 # [C, C]
+        l_cur = scaling * tl.dot(qc, tl.trans(kc), input_precision=EXACT_PREC)
         l_prev = tl.where((oc[None, :] > oc[:, None]) & vp[None, :], l_prev, float("-inf"))
         l_cur = tl.where(lower & vr[None, :], l_cur, float("-inf"))
         # linear part on the delayed keys: the state plus this chunk's delayed keys with j ≤ i
@@ -329,7 +334,7 @@ def _window_scan(q_ptr, k_ptr, v_ptr, pq_ptr, dk_ptr, dv_ptr, ls_ptr, off_ptr, v
         vcv = tl.load(v_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :],
                       mask=mr[:, None] & mv[None, :], other=0.0).to(tl.float32)
         total = tl.sum(p_prev, 1) + tl.sum(p_cur, 1) + w_lin
-        o = (tl.dot(p_prev, vpv, input_precision="ieee") + tl.dot(p_cur, vcv, input_precision="ieee")
+        o = (tl.dot(p_prev, vpv, input_precision=EXACT_PREC) + tl.dot(p_cur, vcv, input_precision=EXACT_PREC)
              + (w_lin / tl.maximum(den, 1.1754943508222875e-38))[:, None] * num)
         o = tl.where((total > 0)[:, None], o / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
         tl.store(o_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :], o.to(o_ptr.dtype.element_ty),
@@ -636,7 +641,7 @@ def prf_features(fmap, x: torch.Tensor, role: str, max_excess: float) -> tuple[t
     BT = 64 if BM <= 128 else 32
     grid = (triton.cdiv(T, BT), B * H)
     _prf_features[grid](x.contiguous(), w, lw, counts, fmap.key_shift, phi, scale, T, H, D, M,
-                        fmap.scaling ** 0.5, max_excess, BT=BT, BD=_pow2(D), BM=BM, QUERY=query)
+                        fmap.scaling ** 0.5, max_excess, BT=BT, BD=_pow2(D), BM=BM, QUERY=query, EXACT_PREC=EXACT)
     return phi, (scale if query else None)
 
 
@@ -716,7 +721,7 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
                                  q_log_scale.float().contiguous(), log_offset.float().contiguous(), valid, s_in, z_in,
                                  o, lse, T, H, D, M, V, float(scaling), L=L, C=window, BD=_pow2(D), BK=BK, BV=BV,
                                  HAS_VALID=key_valid is not None, DOT=DOT, PREC=PREC, STORE_LSE=store_lse,
-                                 num_warps=8 if BK > 64 else 4, num_stages=1)
+                                 EXACT_PREC=EXACT, num_warps=8 if BK > 64 else 4, num_stages=1)
     return o, final, (lse if store_lse else None), (pq, dk, dv)
 
 
