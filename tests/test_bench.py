@@ -58,3 +58,14 @@ def test_bench_bad_input(capsys, tmp_path, args, message):
     code = main(["bench", "--device", "cpu", "--model", "none", "--out", str(tmp_path / "b.json"), *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and not (tmp_path / "b.json").exists()
+
+
+def test_bench_hands_over_the_result_after_each_part():
+    """A long run cut short keeps what it measured: `save` gets the result so far after every part."""
+    from dofattn.bench import BenchConfig, bench
+
+    saved = []
+    cfg = BenchConfig(seq_lens=[16], heads=1, head_dim=4, features=3, window=0, repeats=1, model=None)
+    result = bench(cfg, progress=False, save=lambda partial: saved.append(json.loads(json.dumps(partial))))
+    assert [len(s["prefill"]) + 10 * len(s["decode"]) for s in saved] == [1, 11]
+    assert saved[-1] == json.loads(json.dumps(result))
