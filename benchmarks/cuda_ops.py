@@ -13,8 +13,9 @@ timings of:
     window_torch[_train]    the same hybrid in its PyTorch form (banded blocks + the Triton linear op)
     features                the PRF feature map of the queries in one Triton kernel (`fused.prf_features`)
     window@P, features@P    with --exact P,...: the same with the exponent dots (the window's logits and weights ×
-                            values, the feature projection) at input precision P instead of "ieee", and
-                            *_err: the largest difference from the "ieee" result, relative to its largest entry
+                            values, the feature projection) at input precision P instead of the default for bf16
+                            (`fused.EXACT_HALF`), and *_err: the largest difference from the default's result,
+                            relative to its largest entry
 plus the op's memory floor: reading φq, φk, v and writing o once, at the copy bandwidth measured here.
 Training rows stop at --max-train-T (SDPA's backward and the others' activations grow with T).
 """
@@ -87,8 +88,9 @@ def window_rows(q, k, v, phi_q, phi_k, window, repeats, train: bool) -> dict:
 
 
 def exact_rows(q, k, v, phi_q, phi_k, M, window, repeats, precisions) -> dict:
-    """The feature map's forward (and with `precisions` the hybrid's) at the default exponent precision
-    (fused.EXACT) and at each of `precisions`, with each one's largest difference from the default."""
+    """The feature map's forward (and with `precisions` the hybrid's) at the default exponent precision for q's
+    dtype (`fused.exact_precision`) and at each of `precisions`, with each one's largest difference from the
+    default."""
     from dofattn.features import MAX_KEY_EXCESS, make_feature_map
     from dofattn.ops import load_fused
 
@@ -105,10 +107,11 @@ def exact_rows(q, k, v, phi_q, phi_k, M, window, repeats, precisions) -> dict:
     def hybrid():
         return window_linear_attention(q, k, v, phi_q, phi_k, scale, offset, 0.125, window, backend="triton")[0]
 
-    default, row, ref = fused.EXACT, {}, {}
+    default, row, ref = fused.exact_precision(q), {}, {}
+    saved = fused.EXACT, fused.EXACT_HALF
     try:
         for precision in [default, *precisions]:
-            fused.EXACT = precision
+            fused.EXACT = fused.EXACT_HALF = precision
             suffix = "" if precision == default else "@" + precision
             with torch.no_grad():
                 row["features" + suffix] = safe(features, repeats)
@@ -123,7 +126,7 @@ def exact_rows(q, k, v, phi_q, phi_k, M, window, repeats, precisions) -> dict:
                 else:
                     row[f"{name}{suffix}_err"] = float((x - ref[name]).abs().max() / ref[name].abs().max())
     finally:
-        fused.EXACT = default
+        fused.EXACT, fused.EXACT_HALF = saved
     return row
 
 

@@ -33,7 +33,8 @@ above on the delayed keys, with the upstream gradient scaled per row by its shar
 
 Dots run in bf16/fp16 when φq, φk and v are all 16-bit (with value tiles of at least 64 columns; features wider
 than 128 run in float32), else in tf32x3 (about float32 accuracy); the state,
-sums and outputs are float32; the feature projection and the exact logits are float32 dots. Triton is imported
+sums and outputs are float32; the feature projection and the exact logits are float32 dots (`EXACT`: ieee for
+float32 inputs, tf32x3 for 16-bit ones). Triton is imported
 here, and this module is imported only on first use (`ops.load_fused`), so importing dofattn never needs Triton.
 """
 
@@ -49,10 +50,17 @@ from dofattn.ops.naive import TINY, augment_values, check_inputs
 
 CHUNK = 64           # tokens per chunk inside a block (the tril product is C × C); 32/16 for wide features
 MAX_TILE = 128 * 64  # state elements a program keeps in registers: M_pad × V_tile
-# Precision of the float32 dots whose inputs are exponents: the PRF projection and the window's exact logits and
-# weights × values (forward). "ieee" keeps them exact to float32 rounding at exponents near 200; "tf32x3" (tensor
-# cores, about float32 accuracy) is what `benchmarks/cuda_ops.py --exact tf32x3` compares against it.
+# Precision of the float32 dots that make exponents (the PRF projection, the window's exact logits) or weigh values
+# by them (the window's exact weights × values), forward. Float32 inputs: "ieee", exact to float32 rounding at
+# exponents near 200 (on the FMA units: slow, and its operand tiles spill registers). 16-bit inputs: "tf32x3"
+# (tensor cores, three tf32 products: a relative error near 1e-6, far under 16-bit rounding, and a third of the
+# spills in ptxas' report, `benchmarks/kernel_registers.py`). `benchmarks/cuda_ops.py --exact` times alternatives.
 EXACT = "ieee"
+EXACT_HALF = "tf32x3"
+
+
+def exact_precision(x: torch.Tensor) -> str:
+    return EXACT_HALF if x.dtype in (torch.bfloat16, torch.float16) else EXACT
 
 
 @triton.jit
@@ -641,7 +649,8 @@ def prf_features(fmap, x: torch.Tensor, role: str, max_excess: float) -> tuple[t
     BT = 64 if BM <= 128 else 32
     grid = (triton.cdiv(T, BT), B * H)
     _prf_features[grid](x.contiguous(), w, lw, counts, fmap.key_shift, phi, scale, T, H, D, M,
-                        fmap.scaling ** 0.5, max_excess, BT=BT, BD=_pow2(D), BM=BM, QUERY=query, EXACT_PREC=EXACT)
+                        fmap.scaling ** 0.5, max_excess, BT=BT, BD=_pow2(D), BM=BM, QUERY=query,
+                        EXACT_PREC=exact_precision(x), num_warps=8)
     return phi, (scale if query else None)
 
 
@@ -721,7 +730,7 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
                                  q_log_scale.float().contiguous(), log_offset.float().contiguous(), valid, s_in, z_in,
                                  o, lse, T, H, D, M, V, float(scaling), L=L, C=window, BD=_pow2(D), BK=BK, BV=BV,
                                  HAS_VALID=key_valid is not None, DOT=DOT, PREC=PREC, STORE_LSE=store_lse,
-                                 EXACT_PREC=EXACT, num_warps=8 if BK > 64 else 4, num_stages=1)
+                                 EXACT_PREC=exact_precision(q), num_warps=8, num_stages=1)
     return o, final, (lse if store_lse else None), (pq, dk, dv)
 
 

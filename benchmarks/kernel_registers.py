@@ -1,0 +1,123 @@
+"""Registers and spills of dofattn's Triton kernels on an H100, read from ptxas without a GPU.
+
+    python benchmarks/kernel_registers.py --out docs/results/kernel-registers.json
+
+Each kernel is compiled for sm_90 (Triton's own ptxas, `-v`) at the tile sizes and warps its launcher in
+`dofattn/ops/fused.py` uses for M features (bf16 inputs, head size 64), and with `--variants` also at other warps
+and exponent-dot precisions. A program that spills keeps part of its tiles in local memory: every chunk then reads
+them back through the cache, which is the usual reason a kernel is far from its memory floor. Registers are per
+thread (255 at most); spills are bytes per thread. No timing here: `benchmarks/cuda_ops.py` times on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)   # the compiler, not the interpreter
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dofattn.ops import fused  # noqa: E402
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+TARGET = GPUTarget("cuda", 90, 32)
+BF16, F32 = "*bf16", "*fp32"
+
+
+def ptxas_report(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """{registers, spill_stores, spill_loads, stack} per thread of `kernel` compiled for sm_90."""
+    for name in constexprs:
+        signature[name] = "constexpr"
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET,
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        text = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "kernel.cubin")],
+                              capture_output=True, text=True, check=True).stderr
+
+    def number(pattern: str) -> int:
+        match = re.search(pattern, text)
+        return int(match.group(1)) if match else 0
+
+    return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"), "stack": number(r"(\d+) bytes stack frame")}
+
+
+def window_scan(M: int, precision: str, warps: int) -> dict:
+    signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, pq_ptr=BF16, dk_ptr=BF16, dv_ptr=BF16, ls_ptr=F32,
+                     off_ptr=F32, valid_ptr=F32, s_ptr=F32, z_ptr=F32, o_ptr=BF16, lse_ptr=F32, T="i32", H="i32",
+                     D="i32", K="i32", V="i32", scaling="fp32")
+    constexprs = dict(L=1024, C=64, BD=64, BK=fused._pow2(M), BV=64, HAS_VALID=False, DOT=tl.bfloat16, PREC="tf32",
+                      STORE_LSE=False, EXACT_PREC=precision)
+    return ptxas_report(fused._window_scan, signature, constexprs, warps, 1)
+
+
+def prf_features(M: int, precision: str, warps: int) -> dict:
+    signature = dict(x_ptr=BF16, w_ptr=F32, lw_ptr=F32, cnt_ptr="*i32", ks_ptr=F32, phi_ptr=BF16, qs_ptr=F32,
+                     T="i32", H="i32", D="i32", M="i32", root_s="fp32", max_excess="fp32")
+    BM = fused._pow2(M)
+    constexprs = dict(BT=64 if BM <= 128 else 32, BD=64, BM=BM, QUERY=True, EXACT_PREC=precision)
+    return ptxas_report(fused._prf_features, signature, constexprs, warps, 3)
+
+
+def block_scan(M: int, warps: int) -> dict:
+    signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, T="i32",
+                     H="i32", K="i32", V="i32")
+    BK = fused._pow2(M)
+    constexprs = dict(L=1024, C=fused.CHUNK if BK <= 128 else 32, BK=BK, BV=min(64, fused.MAX_TILE // BK), HAS_Z=True,
+                      REVERSE=False, NORMALIZE=True, DOT=tl.bfloat16, PREC="tf32")
+    return ptxas_report(fused._block_scan, signature, constexprs, warps, 2 if BK <= 128 else 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--variants", action="store_true", help="also other warps and exponent-dot precisions")
+    parser.add_argument("--out", default="kernel-registers.json")
+    args = parser.parse_args()
+    dims = [int(x) for x in args.dims.split(",")]
+    half = fused.EXACT_HALF
+    rows = []
+    for M in dims:             # as launched (bf16 inputs)
+        rows.append({"kernel": "_block_scan", "M": M, "warps": 4, **block_scan(M, 4)})
+        for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
+            rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": 8,
+                         **prf_features(M, precision, 8)})
+        if M <= fused.MAX_WINDOW_FEATURES:
+            rows.append({"kernel": "_window_scan", "M": M, "precision": half, "warps": 8, **window_scan(M, half, 8)})
+    if args.variants:
+        for M in dims:
+            rows.append({"kernel": "_block_scan", "M": M, "warps": 8, "variant": True, **block_scan(M, 8)})
+        for M, precision, warps in itertools.product(dims, ("ieee", "tf32x3", "tf32"), (4, 8)):
+            rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": warps, "variant": True,
+                         **prf_features(M, precision, warps)})
+            if M <= fused.MAX_WINDOW_FEATURES:
+                rows.append({"kernel": "_window_scan", "M": M, "precision": precision, "warps": warps,
+                             "variant": True, **window_scan(M, precision, warps)})
+    for row in rows:
+        print(f"{row['kernel']:>14} M={row['M']:<4} {row.get('precision', ''):>7} warps={row['warps']:<2} "
+              f"registers={row['registers']:<4} spill stores={row['spill_stores']:<5} loads={row['spill_loads']}",
+              flush=True)
+    result = {"target": "sm_90", "triton": triton.__version__, "ptxas": str(PTXAS.name), "rows": rows,
+              "command": " ".join(sys.argv)}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
