@@ -12,10 +12,9 @@ timings of:
                             dofattn's Triton kernels, forward / forward + backward (M ≤ 128)
     window_torch[_train]    the same hybrid in its PyTorch form (banded blocks + the Triton linear op)
     features                the PRF feature map of the queries in one Triton kernel (`fused.prf_features`)
-    window@P, features@P    with --exact P,...: the same with the exponent dots (the window's logits and weights ×
-                            values, the feature projection) at input precision P instead of the default for bf16
-                            (`fused.EXACT_HALF`), and *_err: the largest difference from the default's result,
-                            relative to its largest entry
+    features@P              with --exact P,...: the same with its projection at input precision P instead of the
+                            default for bf16 (`fused.EXACT_HALF`), and features@P_err: the largest difference from
+                            the default's result, relative to its largest entry
 plus the op's memory floor: reading φq, φk, v and writing o once, at the copy bandwidth measured here.
 Training rows stop at --max-train-T (SDPA's backward and the others' activations grow with T).
 """
@@ -87,27 +86,20 @@ def window_rows(q, k, v, phi_q, phi_k, window, repeats, train: bool) -> dict:
     return row
 
 
-def exact_rows(q, k, v, phi_q, phi_k, M, window, repeats, precisions) -> dict:
-    """The feature map's forward (and with `precisions` the hybrid's) at the default exponent precision for q's
-    dtype (`fused.exact_precision`) and at each of `precisions`, with each one's largest difference from the
-    default."""
+def exact_rows(q, M, repeats, precisions) -> dict:
+    """The PRF feature map's forward (queries, one kernel) at the default projection precision for q's dtype
+    (`fused.exact_precision`) and at each of `precisions`, with each one's largest difference from the default."""
     from dofattn.features import MAX_KEY_EXCESS, make_feature_map
     from dofattn.ops import load_fused
 
     fused = load_fused()[0]
-    B, T, H, D = q.shape
+    H, D = q.shape[2:]
     fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5).to(q.device)
-    scale = torch.zeros(B, T, H, device=q.device)
-    offset = torch.zeros(H, device=q.device)
-    with_window = window and M <= fused.MAX_WINDOW_FEATURES
 
     def features():
         return fused.prf_features(fmap, q, "query", MAX_KEY_EXCESS)[0]
 
-    def hybrid():
-        return window_linear_attention(q, k, v, phi_q, phi_k, scale, offset, 0.125, window, backend="triton")[0]
-
-    default, row, ref = fused.exact_precision(q), {}, {}
+    default, row, ref = fused.exact_precision(q), {}, None
     saved = fused.EXACT, fused.EXACT_HALF
     try:
         for precision in [default, *precisions]:
@@ -115,16 +107,11 @@ def exact_rows(q, k, v, phi_q, phi_k, M, window, repeats, precisions) -> dict:
             suffix = "" if precision == default else "@" + precision
             with torch.no_grad():
                 row["features" + suffix] = safe(features, repeats)
-                out = {"features": features().float()}
-                if with_window and precisions:
-                    if precision != default:        # the default's time is window_rows' "window"
-                        row["window" + suffix] = safe(hybrid, repeats)
-                    out["window"] = hybrid().float()
-            for name, x in out.items():
-                if precision == default:
-                    ref[name] = x
-                else:
-                    row[f"{name}{suffix}_err"] = float((x - ref[name]).abs().max() / ref[name].abs().max())
+                out = features().float()
+            if ref is None:
+                ref = out
+            else:
+                row[f"features{suffix}_err"] = float((out - ref).abs().max() / ref.abs().max())
     finally:
         fused.EXACT, fused.EXACT_HALF = saved
     return row
@@ -168,7 +155,7 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
                     row["fla_train"] = safe(lambda: train("fla"), repeats)
             if window and M <= 128:
                 row.update(window_rows(q, k, v, phi_q, phi_k, window, repeats, T <= max_train_T))
-            row.update(exact_rows(q, k, v, phi_q, phi_k, M, window, repeats, precisions))
+            row.update(exact_rows(q, M, repeats, precisions))
             rows.append(row)
             print("\n" + " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                            for key, value in row.items()), flush=True)
@@ -184,8 +171,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--max-train-T", type=int, default=32768)
     parser.add_argument("--window", type=int, default=64, help="the hybrid's window (16, 32 or 64); 0: no rows")
-    parser.add_argument("--exact", default="", help="comma-separated input precisions (e.g. tf32x3) to time the "
-                        "exponent dots at, against ieee")
+    parser.add_argument("--exact", default="", help="comma-separated input precisions (ieee, tf32) to time the "
+                        "feature map's projection at, against the default")
     parser.add_argument("--out", default="cuda-ops.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():

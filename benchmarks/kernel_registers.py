@@ -4,7 +4,7 @@
 
 Each kernel is compiled for sm_90 (Triton's own ptxas, `-v`) at the tile sizes and warps its launcher in
 `dofattn/ops/fused.py` uses for M features (bf16 inputs, head size 64), and with `--variants` also at other warps
-and exponent-dot precisions. A program that spills keeps part of its tiles in local memory: every chunk then reads
+and exponent-dot precisions (for the window's exact part, "bf16" is the 16-bit dot it takes on bf16 inputs). A program that spills keeps part of its tiles in local memory: every chunk then reads
 them back through the cache, which is the usual reason a kernel is far from its memory floor. Registers are per
 thread (255 at most); spills are bytes per thread. No timing here: `benchmarks/cuda_ops.py` times on a GPU.
 """
@@ -58,11 +58,13 @@ def ptxas_report(kernel, signature: dict, constexprs: dict, num_warps: int, num_
 
 
 def window_scan(M: int, precision: str, warps: int) -> dict:
+    """precision "bf16": the exact part's dots in bf16, as launched for bf16 inputs; else float32 dots at it."""
+    exact_dot = tl.bfloat16 if precision == "bf16" else tl.float32
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, pq_ptr=BF16, dk_ptr=BF16, dv_ptr=BF16, ls_ptr=F32,
                      off_ptr=F32, valid_ptr=F32, s_ptr=F32, z_ptr=F32, o_ptr=BF16, lse_ptr=F32, T="i32", H="i32",
                      D="i32", K="i32", V="i32", scaling="fp32")
     constexprs = dict(L=1024, C=64, BD=64, BK=fused._pow2(M), BV=64, HAS_VALID=False, DOT=tl.bfloat16, PREC="tf32",
-                      STORE_LSE=False, EXACT_PREC=precision)
+                      STORE_LSE=False, EXACT_DOT=exact_dot, EXACT_PREC="tf32" if precision == "bf16" else precision)
     return ptxas_report(fused._window_scan, signature, constexprs, warps, 1)
 
 
@@ -98,13 +100,15 @@ def main() -> int:
             rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": 8,
                          **prf_features(M, precision, 8)})
         if M <= fused.MAX_WINDOW_FEATURES:
-            rows.append({"kernel": "_window_scan", "M": M, "precision": half, "warps": 8, **window_scan(M, half, 8)})
+            rows.append({"kernel": "_window_scan", "M": M, "precision": "bf16", "warps": 8,
+                         **window_scan(M, "bf16", 8)})
     if args.variants:
         for M in dims:
             rows.append({"kernel": "_block_scan", "M": M, "warps": 8, "variant": True, **block_scan(M, 8)})
-        for M, precision, warps in itertools.product(dims, ("ieee", "tf32x3", "tf32"), (4, 8)):
-            rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": warps, "variant": True,
-                         **prf_features(M, precision, warps)})
+        for M, precision, warps in itertools.product(dims, ("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
+            if precision != "bf16":          # the projection's directions are float32
+                rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": warps,
+                             "variant": True, **prf_features(M, precision, warps)})
             if M <= fused.MAX_WINDOW_FEATURES:
                 rows.append({"kernel": "_window_scan", "M": M, "precision": precision, "warps": warps,
                              "variant": True, **window_scan(M, precision, warps)})

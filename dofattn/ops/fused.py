@@ -50,11 +50,13 @@ from dofattn.ops.naive import TINY, augment_values, check_inputs
 
 CHUNK = 64           # tokens per chunk inside a block (the tril product is C × C); 32/16 for wide features
 MAX_TILE = 128 * 64  # state elements a program keeps in registers: M_pad × V_tile
-# Precision of the float32 dots that make exponents (the PRF projection, the window's exact logits) or weigh values
-# by them (the window's exact weights × values), forward. Float32 inputs: "ieee", exact to float32 rounding at
-# exponents near 200 (on the FMA units: slow, and its operand tiles spill registers). 16-bit inputs: "tf32x3"
-# (tensor cores, three tf32 products: a relative error near 1e-6, far under 16-bit rounding, and a third of the
-# spills in ptxas' report, `benchmarks/kernel_registers.py`). `benchmarks/cuda_ops.py --exact` times alternatives.
+# Precision of the float32 dots that make exponents: the PRF projection (16-bit x against float32 directions) and,
+# for float32 inputs, the window's exact logits and weights × values (forward). Float32 inputs: "ieee", exact to
+# float32 rounding at exponents near 200 (on the FMA units: slow, and its operand tiles spill registers). The
+# projection of 16-bit x: "tf32x3" (tensor cores, three tf32 products: a relative error near 1e-6, far under
+# 16-bit rounding; no spills in ptxas' report, `benchmarks/kernel_registers.py`). The window's exact part on
+# 16-bit q, k, v takes 16-bit dots instead: the products of 16-bit numbers are exact in float32, and the weights go
+# to 16 bits for the values' dot, as in FlashAttention. `benchmarks/cuda_ops.py --exact` times alternatives.
 EXACT = "ieee"
 EXACT_HALF = "tf32x3"
 
@@ -281,7 +283,7 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
 def _window_scan(q_ptr, k_ptr, v_ptr, pq_ptr, dk_ptr, dv_ptr, ls_ptr, off_ptr, valid_ptr, s_ptr, z_ptr, o_ptr,
                  lse_ptr, T, H, D, K, V, scaling, L: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, HAS_VALID: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                 STORE_LSE: tl.constexpr, EXACT_PREC: tl.constexpr):
+                 STORE_LSE: tl.constexpr, EXACT_DOT: tl.constexpr, EXACT_PREC: tl.constexpr):
     """The sliding-window hybrid for one block (window W = C): query t takes exact softmax weights
     exp(scaling·q_t·k_s) for s in (t − C, t] and linear weights φq_t·φk_s·exp(shift_t) for s ≤ t − C, in one
     normalisation (shift_t = q_log_scale_t + log_offset_h). The linear part runs on the keys delayed by C
@@ -308,18 +310,8 @@ def _window_scan(q_ptr, k_ptr, v_ptr, pq_ptr, dk_ptr, dv_ptr, ls_ptr, off_ptr, v
             vp = tl.load(valid_ptr + b.to(tl.int64) * T + prev, mask=mp, other=0) != 0
         else:
             vr, vp = mr, mp
-        # exact part: raw q of this chunk against raw keys of the previous chunk (s > t − C) and this one (s ≤ t)
-        qc = tl.load(q_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
-                     mask=mr[:, None] & md[None, :], other=0.0).to(tl.float32)                  # [C, BD]
-        kp = tl.load(k_ptr + (row0 + prev[:, None].to(tl.int64) * H) * D + od[None, :],
-                     mask=mp[:, None] & md[None, :], other=0.0).to(tl.float32)
-        kc = tl.load(k_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
-                     mask=mr[:, None] & md[None, :], other=0.0).to(tl.float32)
-        l_prev = scaling * tl.dot(qc, tl.trans(kp), input_precision=EXACT_PREC)                 # [C, C]
-        l_cur = scaling * tl.dot(qc, tl.trans(kc), input_precision=EXACT_PREC)
-        l_prev = tl.where((oc[None, :] > oc[:, None]) & vp[None, :], l_prev, float("-inf"))
-        l_cur = tl.where(lower & vr[None, :], l_cur, float("-inf"))
-        # linear part on the delayed keys: the state plus this chunk's delayed keys with j ≤ i
+        # linear part on the delayed keys: the state plus this chunk's delayed keys with j ≤ i; then the state
+        # takes this chunk, so that its tiles are dead before the exact part's
         pq = tl.load(pq_ptr + (row0 + rows[:, None].to(tl.int64) * H) * K + ok[None, :],
                      mask=mr[:, None] & mk[None, :], other=0.0).to(DOT)                          # [C, BK]
         dk = tl.load(dk_ptr + (row0 + rows[:, None].to(tl.int64) * H) * K + ok[None, :],
@@ -329,29 +321,46 @@ def _window_scan(q_ptr, k_ptr, v_ptr, pq_ptr, dk_ptr, dv_ptr, ls_ptr, off_ptr, v
         A = tl.where(lower, tl.dot(pq, tl.trans(dk), input_precision=PREC), 0.0)                # [C, C]
         num = tl.dot(pq, S.to(DOT), input_precision=PREC) + tl.dot(A.to(DOT), dv, input_precision=PREC)
         den = tl.sum(pq.to(tl.float32) * z[None, :], 1) + tl.sum(A, 1)                         # [C]
+        S += tl.dot(tl.trans(dk), dv, input_precision=PREC)
+        z += tl.sum(dk.to(tl.float32), 0)
         shift = tl.load(ls_ptr + row0 + rows.to(tl.int64) * H, mask=mr, other=0.0) + log_offset
         has_lin = den > 0
         lam = tl.where(has_lin, tl.log(tl.maximum(den, 1.1754943508222875e-38)) + shift, float("-inf"))
-        m = tl.maximum(tl.maximum(tl.max(l_prev, 1), tl.max(l_cur, 1)), lam)
-        m = tl.where(m == float("-inf"), 0.0, m)                                               # no key at all
-        p_prev = tl.exp(l_prev - m[:, None])
-        p_cur = tl.exp(l_cur - m[:, None])
-        w_lin = tl.where(has_lin, tl.exp(lam - m), 0.0)                                        # the linear mass
-        vpv = tl.load(v_ptr + (row0 + prev[:, None].to(tl.int64) * H) * V + ov[None, :],
-                      mask=mp[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        vcv = tl.load(v_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :],
-                      mask=mr[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        total = tl.sum(p_prev, 1) + tl.sum(p_cur, 1) + w_lin
-        o = (tl.dot(p_prev, vpv, input_precision=EXACT_PREC) + tl.dot(p_cur, vcv, input_precision=EXACT_PREC)
-             + (w_lin / tl.maximum(den, 1.1754943508222875e-38))[:, None] * num)
-        o = tl.where((total > 0)[:, None], o / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
+        # exact part, one key chunk at a time with a running max (m: −inf while a row has no key; s: m or 0):
+        # raw q of this chunk against raw keys of the previous chunk (s > t − C), then of this one (s ≤ t)
+        qc = tl.load(q_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
+                     mask=mr[:, None] & md[None, :], other=0.0).to(EXACT_DOT)                   # [C, BD]
+        kx = tl.load(k_ptr + (row0 + prev[:, None].to(tl.int64) * H) * D + od[None, :],
+                     mask=mp[:, None] & md[None, :], other=0.0).to(EXACT_DOT)
+        logits = scaling * tl.dot(qc, tl.trans(kx), input_precision=EXACT_PREC)                # [C, C]
+        logits = tl.where((oc[None, :] > oc[:, None]) & vp[None, :], logits, float("-inf"))
+        m_prev = tl.maximum(tl.max(logits, 1), lam)
+        s_prev = tl.where(m_prev == float("-inf"), 0.0, m_prev)
+        p = tl.exp(logits - s_prev[:, None])
+        vx = tl.load(v_ptr + (row0 + prev[:, None].to(tl.int64) * H) * V + ov[None, :],
+                     mask=mp[:, None] & mv[None, :], other=0.0).to(EXACT_DOT)
+        acc = tl.dot(p.to(EXACT_DOT), vx, input_precision=EXACT_PREC)                           # [C, BV]
+        total = tl.sum(p, 1)
+        kx = tl.load(k_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
+                     mask=mr[:, None] & md[None, :], other=0.0).to(EXACT_DOT)
+        logits = scaling * tl.dot(qc, tl.trans(kx), input_precision=EXACT_PREC)
+        logits = tl.where(lower & vr[None, :], logits, float("-inf"))
+        m = tl.maximum(m_prev, tl.max(logits, 1))
+        s_cur = tl.where(m == float("-inf"), 0.0, m)
+        alpha = tl.where(m_prev == float("-inf"), 0.0, tl.exp(s_prev - s_cur))                 # acc, total are 0
+        p = tl.exp(logits - s_cur[:, None])
+        vx = tl.load(v_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :],
+                     mask=mr[:, None] & mv[None, :], other=0.0).to(EXACT_DOT)
+        w_lin = tl.where(has_lin, tl.exp(lam - s_cur), 0.0)                                    # the linear mass
+        acc = (acc * alpha[:, None] + tl.dot(p.to(EXACT_DOT), vx, input_precision=EXACT_PREC)
+               + (w_lin / tl.maximum(den, 1.1754943508222875e-38))[:, None] * num)
+        total = total * alpha + tl.sum(p, 1) + w_lin
+        o = tl.where((total > 0)[:, None], acc / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
         tl.store(o_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=mr[:, None] & mv[None, :])
         if STORE_LSE:
-            lse = tl.where(total > 0, m + tl.log(tl.maximum(total, 1.1754943508222875e-38)), float("-inf"))
+            lse = tl.where(total > 0, s_cur + tl.log(tl.maximum(total, 1.1754943508222875e-38)), float("-inf"))
             tl.store(lse_ptr + row0 + rows.to(tl.int64) * H, lse, mask=mr)
-        S += tl.dot(tl.trans(dk), dv, input_precision=PREC)
-        z += tl.sum(dk.to(tl.float32), 0)
 
 
 @triton.jit
@@ -712,7 +721,8 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
     BV = _pow2(V)                                  # the exact part's row sums need every value column at once
     NB = triton.cdiv(T, L)
     DOT, PREC = _dot_dtype(pq, dk, dv)
-    if DOT != tl.float32:
+    exact_dot = _dot_dtype(q, k, v)[0]            # 16-bit q, k, v: their products are exact in the float32 sums
+    if DOT != tl.float32 or exact_dot != tl.float32:
         BV = max(BV, 64)                           # 16-bit dots need value tiles of 64 or more (see `scan`)
     f32 = dict(device=q.device, dtype=torch.float32)
     s_in = torch.empty(B * H, NB, M, V, **f32)
@@ -730,7 +740,8 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
                                  q_log_scale.float().contiguous(), log_offset.float().contiguous(), valid, s_in, z_in,
                                  o, lse, T, H, D, M, V, float(scaling), L=L, C=window, BD=_pow2(D), BK=BK, BV=BV,
                                  HAS_VALID=key_valid is not None, DOT=DOT, PREC=PREC, STORE_LSE=store_lse,
-                                 EXACT_PREC=exact_precision(q), num_warps=8, num_stages=1)
+                                 EXACT_DOT=exact_dot, EXACT_PREC=EXACT if exact_dot == tl.float32 else "tf32",
+                                 num_warps=8, num_stages=1)
     return o, final, (lse if store_lse else None), (pq, dk, dv)
 
 
