@@ -11,7 +11,8 @@ Three measurements, each the median of `repeats` timed runs after one warm-up (C
    feature map inside), and the linear op's step alone on precomputed features.
 3. generation: a model and its linearized students (untrained PRF features: speed does not depend on training;
    pure linear, and with the window) prefill a prompt of T tokens and greedily generate `new_tokens` with HF
-   `generate`; the students also with `engine.StaticDecoder` (static buffers, a CUDA graph per token on CUDA).
+   `generate`; the students also with `engine.StaticDecoder` (static buffers, a CUDA graph per token on CUDA; its
+   rows add the graph's capture time and the replays' own rate, which a long generation approaches).
    Decode tokens/s, and the cache each holds at the end (KV cache against state; plus the peak CUDA memory on
    CUDA).
 Every result row carries its shapes; the JSON also records the hardware and software versions.
@@ -56,10 +57,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def cuda_time(fn, repeats: int) -> float:
-    """Median milliseconds of fn() by CUDA events, after two warm-up calls (compilation, the allocator)."""
-    fn()
-    fn()
+def cuda_time(fn, repeats: int, warmups: int = 2) -> float:
+    """Median milliseconds of fn() by CUDA events, after `warmups` calls (compilation, the allocator)."""
+    for _ in range(warmups):
+        fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
     for start, end in events:
         start.record()
@@ -69,11 +70,11 @@ def cuda_time(fn, repeats: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def timed(fn, device: str, repeats: int) -> float:
-    """Median time of fn() in milliseconds: CUDA events on CUDA (`cuda_time`), else the wall clock after one
-    warm-up call."""
+def timed(fn, device: str, repeats: int, warmups: int = 2) -> float:
+    """Median time of fn() in milliseconds: CUDA events on CUDA (`cuda_time`, after `warmups` calls), else the
+    wall clock after one warm-up call."""
     if device.startswith("cuda"):
-        return cuda_time(fn, repeats)
+        return cuda_time(fn, repeats, warmups)
     fn()
     times = []
     for _ in range(repeats):
@@ -218,7 +219,7 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
             kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id or 0}
             if cfg.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
-            prefill_ms = timed(lambda: model.generate(ids, max_new_tokens=1, **kwargs), cfg.device, 1)
+            prefill_ms = timed(lambda: model.generate(ids, max_new_tokens=1, **kwargs), cfg.device, 1, warmups=1)
             out = None
 
             def generate():
@@ -226,17 +227,20 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
                 out = model.generate(ids, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
                                      return_dict_in_generate=True, **kwargs)
 
-            total_ms = timed(generate, cfg.device, 1)
+            total_ms = timed(generate, cfg.device, 1, warmups=1)
             rows.append(_generation_row(cfg, linearized, window, T, "hf", prefill_ms, total_ms, out.past_key_values))
             report(rows[-1])
             if linearized:                         # the same student on static buffers (a CUDA graph on CUDA)
                 decoder = StaticDecoder(model)
                 if cfg.device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()
-                prefill_ms = timed(lambda: decoder.generate(ids, 1), cfg.device, 1)
-                total_ms = timed(lambda: decoder.generate(ids, cfg.new_tokens), cfg.device, 1)
+                prefill_ms = timed(lambda: decoder.generate(ids, 1), cfg.device, 1, warmups=1)
+                total_ms = timed(lambda: decoder.generate(ids, cfg.new_tokens), cfg.device, 1, warmups=1)
                 engine = "static+graph" if decoder.graph else "static"
                 rows.append(_generation_row(cfg, linearized, window, T, engine, prefill_ms, total_ms, decoder.cache))
+                if decoder.timings:              # the replays alone: the rate of a long generation
+                    rows[-1]["graph_capture_ms"] = decoder.timings["capture_s"] * 1e3
+                    rows[-1]["graph_tokens_per_s"] = decoder.timings["replays"] / decoder.timings["replay_s"]
                 report(rows[-1])
         del model
         if cfg.device.startswith("cuda"):
@@ -331,14 +335,16 @@ def format_tables(result: dict) -> str:
         lines.append(f"{r['T']:>7} {r['batch']:>5} {r['sdpa_ms']:>9.3f} {r['op_ms']:>9.3f} {r['student_ms']:>9.3f} "
                      f"{r['speedup_student_vs_sdpa']:>8.2f}x")
     if result["generation"]:
-        lines += ["generation:", f"{'model':>21} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} "
-                                 f"{'cache MB':>9} {'peak MB':>9}"]
+        lines += ["generation (graph tok/s: the CUDA graph's replays alone, without its capture):",
+                  f"{'model':>21} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} {'graph tok/s':>12} "
+                  f"{'cache MB':>9} {'peak MB':>9}"]
         for r in result["generation"]:
             name = ("student" + (f" w{r['window']}" if r.get("window") else "")) if r["student"] else "teacher"
             name += "" if r.get("engine", "hf") == "hf" else f" {r['engine']}"
             peak = f"{r['peak_cuda_bytes'] / 2 ** 20:>9.0f}" if "peak_cuda_bytes" in r else f"{'-':>9}"
+            graph = f"{r['graph_tokens_per_s']:>12.1f}" if "graph_tokens_per_s" in r else f"{'-':>12}"
             lines.append(f"{name:>21} {r['context']:>8} {r['prefill_ms']:>11.1f} {r['decode_tokens_per_s']:>13.1f} "
-                         f"{r['cache_bytes'] / 2 ** 20:>9.2f} {peak}")
+                         f"{graph} {r['cache_bytes'] / 2 ** 20:>9.2f} {peak}")
     return "\n".join(lines)
 
 

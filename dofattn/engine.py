@@ -17,6 +17,8 @@ what the tests check. Greedy only; no padding (every prompt the same length); no
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import DynamicCache
 
@@ -44,6 +46,7 @@ class StaticDecoder:
     """Greedy decoding of a fully linear student on static buffers; `graph` (default: on CUDA) replays a CUDA graph."""
 
     def __init__(self, model, graph: bool | None = None):
+        self.timings: dict | None = None     # after a graphed generate: capture_s, replays, replay_s (host clock)
         self.windows = check_static(model)
         self.model = model
         self.device = next(model.parameters()).device
@@ -57,6 +60,7 @@ class StaticDecoder:
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         B, T = input_ids.shape
+        self.timings = None
         input_ids = input_ids.to(self.device)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1]
@@ -90,12 +94,19 @@ class StaticDecoder:
             torch.cuda.current_stream(self.device).wait_stream(side)
             remaining -= min(WARMUP_STEPS, remaining)
             if remaining:
+                torch.cuda.synchronize(self.device)
+                started = time.perf_counter()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     step()                        # recorded, not run: the replays below are the tokens
+                torch.cuda.synchronize(self.device)
+                captured = time.perf_counter()
                 for _ in range(remaining):
                     graph.replay()
                     new.append(token.clone())
+                torch.cuda.synchronize(self.device)
+                self.timings = {"capture_s": captured - started, "replays": remaining,
+                                "replay_s": time.perf_counter() - captured}
         for layer in cache.layers:                # the captured step ran its Python bookkeeping once
             layer.seen = T + max_new_tokens - 1
         self.cache = cache

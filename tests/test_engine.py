@@ -29,6 +29,10 @@ def test_same_tokens_as_hf_generate(family, window, device):
     assert decoder.graph == (device == "cuda")
     tokens = decoder.generate(prompt, 20)
     assert torch.equal(tokens, ref)
+    if decoder.graph:                     # 1 token from the prefill, 2 eager warm-up steps, the rest replays
+        assert decoder.timings["replays"] == 17 and decoder.timings["replay_s"] > 0
+    else:
+        assert decoder.timings is None
     assert decoder.cache.get_seq_length() == 11 + 19
     assert torch.equal(decoder.generate(prompt, 1), ref[:, :12])          # prefill only
 
