@@ -99,8 +99,8 @@ def test_bad_block():
         fused.scan(phi_q, phi_k, v, normalize=True)
 
 
-# (M, V): narrow values (a 16-bit dot against a 32-column value tile faulted on an H100), and wide features
-# (float32 dots instead)
+# (M, V): narrow values (a 16-bit dot against a 32-column value tile faulted on an H100), and wide features (whose
+# register budget used to narrow the tile)
 HALF_SHAPES = [(64, 32), (20, 16)] + ([(203, 64), (256, 16)] if CUDA else [])
 
 

@@ -31,11 +31,11 @@ Its backward (`WindowHybrid`) keeps each row's log total mass from the forward: 
 from one banded kernel that recomputes its weights (`_window_exact_backward`), and the linear part's are the scans
 above on the delayed keys, with the upstream gradient scaled per row by its share of the mass.
 
-Dots run in bf16/fp16 when φq, φk and v are all 16-bit (with value tiles of at least 64 columns; features wider
-than 128 run in float32), else in tf32x3 (about float32 accuracy); the state,
-sums and outputs are float32; the feature projection and the exact logits are float32 dots (`EXACT`: ieee for
-float32 inputs, tf32x3 for 16-bit ones). Triton is imported
-here, and this module is imported only on first use (`ops.load_fused`), so importing dofattn never needs Triton.
+Dots run in bf16/fp16 when φq, φk and v are all 16-bit (value tiles at least 64 wide), else in tf32x3 (about
+float32 accuracy); the state, sums and outputs are float32. Dots that make exponents stay near float32 accuracy
+(`EXACT`): the feature projection in ieee (float32 x) or tf32x3 (16-bit x); the window's exact logits in ieee
+(float32) or in 16-bit dots of the 16-bit q and k, whose products are exact. Triton is imported here, and this
+module is imported only on first use (`ops.load_fused`), so importing dofattn never needs Triton.
 """
 
 from __future__ import annotations
@@ -477,23 +477,17 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     V = v.shape[-1]
     L, BK, BV = _plan(T, B * H, K, V, q.device, block)
     DOT, PREC = _dot_dtype(q, k, v)
-    cast_to = None
     if DOT != tl.float32:
         # 16-bit dots against a value tile under 64 columns fault (illegal address) or go wrong on an H100 with
-        # Triton 3.6. Narrow values get a tile of 64 (masked); wide features, whose tile would not fit in
-        # registers at 64, run the float32 path instead.
-        if BK * 64 <= MAX_TILE:
-            BV = max(BV, 64)
-        else:
-            cast_to, out_dtype = out_dtype, torch.float32
-            q, k, v = q.float(), k.float(), v.float()
-            DOT, PREC = _dot_dtype(q, k, v)
+        # Triton 3.6: narrow values, and wide features (whose register budget would narrow the tile), get 64
+        BV = max(BV, 64)
     NB, NV = triton.cdiv(T, L), triton.cdiv(V, BV)
     f32 = dict(device=q.device, dtype=torch.float32)
     grid = (NB, B * H, NV)
     # Wide feature tiles: shorter chunks and no pipelining keep the chunk tiles inside shared memory (227 KB).
     C = CHUNK if BK <= 128 else (32 if BK <= 256 else 16)
     stages = 2 if BK <= 128 else 1
+    warps = 4 if BK <= 128 else 8          # wide tiles: 8 warps spill a fifth to a half as much (ptxas, sm_90)
     if S0 is not None:
         S0 = S0.float().contiguous()
 
@@ -509,18 +503,17 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
         s_in = torch.empty(B * H, NB, K, V, **f32)
         z_in = torch.empty(B * H, NB, K, **f32) if with_den else s_in
         _block_state[grid](k, v, s_in, z_in, T, H, K, V, L, C=C, BK=BK, BV=BV, HAS_Z=with_den, DOT=DOT,
-                           PREC=PREC, num_stages=stages)
+                           PREC=PREC, num_stages=stages, num_warps=warps)
         _prefix_states[(B * H, NV)](s_in, z_in, S0 if S0 is not None else s_in, final if final_state else s_in,
                                     NB, K, V, BK=BK, BV=BV, HAS_Z=with_den, HAS_S0=S0 is not None, REVERSE=reverse,
-                                    FINAL=final_state)
+                                    FINAL=final_state, num_warps=warps)
         if final_state and not with_den:
             final[..., V] = 0.0
     o = torch.empty(B, T, H, V, device=q.device, dtype=out_dtype)
     den = torch.empty(B, T, H, **f32) if with_den else o
     _block_scan[grid](q, k, v, s_in, z_in, o, den, T, H, K, V, L, C=C, BK=BK, BV=BV, HAS_Z=with_den,
-                      REVERSE=reverse, NORMALIZE=normalize, DOT=DOT, PREC=PREC, num_stages=stages)
-    if cast_to is not None:
-        o = o.to(cast_to)
+                      REVERSE=reverse, NORMALIZE=normalize, DOT=DOT, PREC=PREC, num_stages=stages,
+                      num_warps=warps)
     return o, (den if with_den else None), final
 
 
