@@ -80,14 +80,14 @@ def block_scan(M: int, warps: int) -> dict:
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, T="i32",
                      H="i32", K="i32", V="i32")
     BK = fused._pow2(M)
-    constexprs = dict(L=1024, C=fused.CHUNK if BK <= 128 else 32, BK=BK, BV=min(64, fused.MAX_TILE // BK), HAS_Z=True,
+    constexprs = dict(L=1024, C=fused.CHUNK if BK <= 128 else 32, BK=BK, BV=64, HAS_Z=True,   # 16-bit: 64 wide
                       REVERSE=False, NORMALIZE=True, DOT=tl.bfloat16, PREC="tf32")
     return ptxas_report(fused._block_scan, signature, constexprs, warps, 2 if BK <= 128 else 1)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--dims", default="64,128,256")
     parser.add_argument("--variants", action="store_true", help="also other warps and exponent-dot precisions")
     parser.add_argument("--out", default="kernel-registers.json")
     args = parser.parse_args()
@@ -95,7 +95,8 @@ def main() -> int:
     half = fused.EXACT_HALF
     rows = []
     for M in dims:             # as launched (bf16 inputs)
-        rows.append({"kernel": "_block_scan", "M": M, "warps": 4, **block_scan(M, 4)})
+        warps = 4 if M <= 128 else 8
+        rows.append({"kernel": "_block_scan", "M": M, "warps": warps, **block_scan(M, warps)})
         for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
             rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": 8,
                          **prf_features(M, precision, 8)})
@@ -104,7 +105,8 @@ def main() -> int:
                          **window_scan(M, "bf16", 8)})
     if args.variants:
         for M in dims:
-            rows.append({"kernel": "_block_scan", "M": M, "warps": 8, "variant": True, **block_scan(M, 8)})
+            other = 8 if M <= 128 else 4
+            rows.append({"kernel": "_block_scan", "M": M, "warps": other, "variant": True, **block_scan(M, other)})
         for M, precision, warps in itertools.product(dims, ("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
             if precision != "bf16":          # the projection's directions are float32
                 rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": warps,
