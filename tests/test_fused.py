@@ -209,6 +209,21 @@ def test_prf_features_match_torch(shape):
             assert scale is None
 
 
+def test_prf_features_of_bfloat16_inputs():
+    """16-bit x: the projection runs in tf32x3 on a GPU (near float32), the features come out in bf16."""
+    from dofattn.features import MAX_KEY_EXCESS
+
+    fmap = prf_map()
+    x = (6 * torch.randn(2, 70, 3, 16, generator=torch.Generator().manual_seed(2))).bfloat16().to(DEVICE)
+    for role in ("query", "key"):
+        ref_phi, ref_scale = torch_features(fmap, x.float(), role)
+        phi, scale = fused.prf_features(fmap, x, role, MAX_KEY_EXCESS)
+        assert phi.dtype == torch.bfloat16
+        assert_close(role, ref_phi, phi, 1e-2)
+        if role == "query":
+            assert_close("scale", ref_scale, scale, 1e-5)
+
+
 def test_prf_decode_step_matches_the_layer():
     """The one-kernel step (features + state update + output, GQA) against features + the naive op."""
     from dofattn.features import MAX_KEY_EXCESS
