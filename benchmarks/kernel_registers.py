@@ -3,10 +3,12 @@
     python benchmarks/kernel_registers.py --out docs/results/kernel-registers.json
 
 Each kernel is compiled for sm_90 (Triton's own ptxas, `-v`) at the tile sizes and warps its launcher in
-`dofattn/ops/fused.py` uses for M features (bf16 inputs, head size 64), and with `--variants` also at other warps
-and exponent-dot precisions (for the window's exact part, "bf16" is the 16-bit dot it takes on bf16 inputs). A program that spills keeps part of its tiles in local memory: every chunk then reads
-them back through the cache, which is the usual reason a kernel is far from its memory floor. Registers are per
-thread (255 at most); spills are bytes per thread. No timing here: `benchmarks/cuda_ops.py` times on a GPU.
+`dofattn/ops/fused.py` uses for M features (bf16 inputs, head size 64; the tiles come from the launchers' own
+helpers), and with `--variants` also at other warps and exponent-dot precisions (for the window's exact part,
+"bf16" is the 16-bit dot it takes on bf16 inputs). A program that spills keeps part of its tiles in local memory:
+every chunk then reads them back through the cache, which is the usual reason a kernel is far from its memory
+floor. Registers are per thread (255 at most); spills are bytes per thread. No timing here:
+`benchmarks/cuda_ops.py` times on a GPU.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def window_scan(M: int, precision: str, warps: int) -> dict:
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, pq_ptr=BF16, dk_ptr=BF16, dv_ptr=BF16, ls_ptr=F32,
                      off_ptr=F32, valid_ptr=F32, s_ptr=F32, z_ptr=F32, o_ptr=BF16, lse_ptr=F32, T="i32", H="i32",
                      D="i32", K="i32", V="i32", scaling="fp32")
-    constexprs = dict(L=1024, C=64, BD=64, BK=fused._pow2(M), BV=64, HAS_VALID=False, DOT=tl.bfloat16, PREC="tf32",
+    constexprs = dict(L=1024, C=64, BD=64, BK=fused._pow2(M), BV=fused._value_tile(64, tl.bfloat16), HAS_VALID=False,
+                      DOT=tl.bfloat16, PREC="tf32",
                       STORE_LSE=False, EXACT_DOT=exact_dot, EXACT_PREC="tf32" if precision == "bf16" else precision)
     return ptxas_report(fused._window_scan, signature, constexprs, warps, 1)
 
@@ -71,18 +74,20 @@ def window_scan(M: int, precision: str, warps: int) -> dict:
 def prf_features(M: int, precision: str, warps: int) -> dict:
     signature = dict(x_ptr=BF16, w_ptr=F32, lw_ptr=F32, cnt_ptr="*i32", ks_ptr=F32, phi_ptr=BF16, qs_ptr=F32,
                      T="i32", H="i32", D="i32", M="i32", root_s="fp32", max_excess="fp32")
-    BM = fused._pow2(M)
-    constexprs = dict(BT=64 if BM <= 128 else 32, BD=64, BM=BM, QUERY=True, EXACT_PREC=precision)
+    BM, BT = fused._prf_tiles(M)
+    constexprs = dict(BT=BT, BD=64, BM=BM, QUERY=True, EXACT_PREC=precision)
     return ptxas_report(fused._prf_features, signature, constexprs, warps, 3)
 
 
-def block_scan(M: int, warps: int) -> dict:
+def block_scan(M: int, warps: int | None = None) -> dict:
+    """At the launch's warps, or at `warps`."""
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, T="i32",
                      H="i32", K="i32", V="i32")
     BK = fused._pow2(M)
-    constexprs = dict(L=1024, C=fused.CHUNK if BK <= 128 else 32, BK=BK, BV=64, HAS_Z=True,   # 16-bit: 64 wide
-                      REVERSE=False, NORMALIZE=True, DOT=tl.bfloat16, PREC="tf32")
-    return ptxas_report(fused._block_scan, signature, constexprs, warps, 2 if BK <= 128 else 1)
+    chunk, stages, launch_warps = fused._scan_launch(BK)
+    constexprs = dict(L=1024, C=chunk, BK=BK, BV=fused._value_tile(min(64, fused.MAX_TILE // BK), tl.bfloat16),
+                      HAS_Z=True, REVERSE=False, NORMALIZE=True, DOT=tl.bfloat16, PREC="tf32")
+    return ptxas_report(fused._block_scan, signature, constexprs, warps or launch_warps, stages)
 
 
 def main() -> int:
@@ -95,17 +100,17 @@ def main() -> int:
     half = fused.EXACT_HALF
     rows = []
     for M in dims:             # as launched (bf16 inputs)
-        warps = 4 if M <= 128 else 8
-        rows.append({"kernel": "_block_scan", "M": M, "warps": warps, **block_scan(M, warps)})
+        rows.append({"kernel": "_block_scan", "M": M, "warps": fused._scan_launch(fused._pow2(M))[2],
+                     **block_scan(M)})
         for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
-            rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": 8,
-                         **prf_features(M, precision, 8)})
+            rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": fused.PRF_WARPS,
+                         **prf_features(M, precision, fused.PRF_WARPS)})
         if M <= fused.MAX_WINDOW_FEATURES:
-            rows.append({"kernel": "_window_scan", "M": M, "precision": "bf16", "warps": 8,
-                         **window_scan(M, "bf16", 8)})
+            rows.append({"kernel": "_window_scan", "M": M, "precision": "bf16", "warps": fused.WINDOW_WARPS,
+                         **window_scan(M, "bf16", fused.WINDOW_WARPS)})
     if args.variants:
         for M in dims:
-            other = 8 if M <= 128 else 4
+            other = 4 if fused._scan_launch(fused._pow2(M))[2] == 8 else 8
             rows.append({"kernel": "_block_scan", "M": M, "warps": other, "variant": True, **block_scan(M, other)})
         for M, precision, warps in itertools.product(dims, ("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
             if precision != "bf16":          # the projection's directions are float32

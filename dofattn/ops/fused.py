@@ -453,6 +453,31 @@ def _plan(T: int, BH: int, K: int, V: int, device: torch.device, block: int | No
     return L, BK, BV
 
 
+def _value_tile(BV: int, *dots) -> int:
+    """The value tile for kernels whose dots run in `dots`: 16-bit dots against a tile under 64 columns fault
+    (illegal address) or go wrong on an H100 with Triton 3.6, so those get 64 (masked)."""
+    return max(BV, 64) if any(dot != tl.float32 for dot in dots) else BV
+
+
+def _scan_launch(BK: int) -> tuple[int, int, int]:
+    """(chunk, pipeline stages, warps) of the scan's kernels for a feature tile of BK. Wide tiles: shorter chunks
+    and no pipelining keep the chunk tiles inside shared memory (227 KB), and 8 warps spill a fifth to a half as
+    much (ptxas, sm_90)."""
+    if BK <= 128:
+        return CHUNK, 2, 4
+    return (32 if BK <= 256 else 16), 1, 8
+
+
+def _prf_tiles(M: int) -> tuple[int, int]:
+    """(feature tile, token tile) of the feature-map kernel."""
+    BM = _pow2(M)
+    return BM, (64 if BM <= 128 else 32)
+
+
+PRF_WARPS = 8      # the feature map: no spills in ptxas' report at 8 warps with tf32x3 (sm_90)
+WINDOW_WARPS = 8   # the window kernel: its fewest spills at M = 128 (ptxas, sm_90)
+
+
 def _dot_dtype(*xs: torch.Tensor):
     half = all(x.dtype in (torch.bfloat16, torch.float16) for x in xs) and len({x.dtype for x in xs}) == 1
     if half:
@@ -477,17 +502,11 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     V = v.shape[-1]
     L, BK, BV = _plan(T, B * H, K, V, q.device, block)
     DOT, PREC = _dot_dtype(q, k, v)
-    if DOT != tl.float32:
-        # 16-bit dots against a value tile under 64 columns fault (illegal address) or go wrong on an H100 with
-        # Triton 3.6: narrow values, and wide features (whose register budget would narrow the tile), get 64
-        BV = max(BV, 64)
+    BV = _value_tile(BV, DOT)             # also for wide features, whose register budget would narrow the tile
     NB, NV = triton.cdiv(T, L), triton.cdiv(V, BV)
     f32 = dict(device=q.device, dtype=torch.float32)
     grid = (NB, B * H, NV)
-    # Wide feature tiles: shorter chunks and no pipelining keep the chunk tiles inside shared memory (227 KB).
-    C = CHUNK if BK <= 128 else (32 if BK <= 256 else 16)
-    stages = 2 if BK <= 128 else 1
-    warps = 4 if BK <= 128 else 8          # wide tiles: 8 warps spill a fifth to a half as much (ptxas, sm_90)
+    C, stages, warps = _scan_launch(BK)
     if S0 is not None:
         S0 = S0.float().contiguous()
 
@@ -647,12 +666,11 @@ def prf_features(fmap, x: torch.Tensor, role: str, max_excess: float) -> tuple[t
     phi = torch.empty(B, T, H, M, device=x.device, dtype=dtype)
     query = role == "query"
     scale = torch.empty(B, T, H, device=x.device, dtype=torch.float32) if query else phi
-    BM = _pow2(M)
-    BT = 64 if BM <= 128 else 32
+    BM, BT = _prf_tiles(M)
     grid = (triton.cdiv(T, BT), B * H)
     _prf_features[grid](x.contiguous(), w, lw, counts, fmap.key_shift, phi, scale, T, H, D, M,
                         fmap.scaling ** 0.5, max_excess, BT=BT, BD=_pow2(D), BM=BM, QUERY=query,
-                        EXACT_PREC=exact_precision(x), num_warps=8)
+                        EXACT_PREC=exact_precision(x), num_warps=PRF_WARPS)
     return phi, (scale if query else None)
 
 
@@ -715,8 +733,7 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
     NB = triton.cdiv(T, L)
     DOT, PREC = _dot_dtype(pq, dk, dv)
     exact_dot = _dot_dtype(q, k, v)[0]            # 16-bit q, k, v: their products are exact in the float32 sums
-    if DOT != tl.float32 or exact_dot != tl.float32:
-        BV = max(BV, 64)                           # 16-bit dots need value tiles of 64 or more (see `scan`)
+    BV = _value_tile(BV, DOT, exact_dot)
     f32 = dict(device=q.device, dtype=torch.float32)
     s_in = torch.empty(B * H, NB, M, V, **f32)
     z_in = torch.empty(B * H, NB, M, **f32)
@@ -734,7 +751,7 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
                                  o, lse, T, H, D, M, V, float(scaling), L=L, C=window, BD=_pow2(D), BK=BK, BV=BV,
                                  HAS_VALID=key_valid is not None, DOT=DOT, PREC=PREC, STORE_LSE=store_lse,
                                  EXACT_DOT=exact_dot, EXACT_PREC=EXACT if exact_dot == tl.float32 else "tf32",
-                                 num_warps=8, num_stages=1)
+                                 num_warps=WINDOW_WARPS, num_stages=1)
     return o, final, (lse if store_lse else None), (pq, dk, dv)
 
 
