@@ -53,8 +53,8 @@ MAX_TILE = 128 * 64  # state elements a program keeps in registers: M_pad × V_t
 # Precision of the float32 dots that make exponents: the PRF projection (16-bit x against float32 directions) and,
 # for float32 inputs, the window's exact logits and weights × values (forward). Float32 inputs: "ieee", exact to
 # float32 rounding at exponents near 200 (on the FMA units: slow, and its operand tiles spill registers). The
-# projection of 16-bit x: "tf32x3" (tensor cores, three tf32 products: a relative error near 1e-6, far under
-# 16-bit rounding; no spills in ptxas' report, `benchmarks/kernel_registers.py`). The window's exact part on
+# projection of 16-bit x: "tf32x3" (tensor cores, three tf32 products: near float32 accuracy, far under 16-bit
+# rounding; no spills in ptxas' report, `benchmarks/kernel_registers.py`). The window's exact part on
 # 16-bit q, k, v takes 16-bit dots instead: the products of 16-bit numbers are exact in float32, and the weights go
 # to 16 bits for the values' dot, as in FlashAttention. `benchmarks/cuda_ops.py --exact` times alternatives.
 EXACT = "ieee"
