@@ -3,6 +3,7 @@
     python benchmarks/runs_table.py runs/distill runs/window64 runs/keep3-dof --out docs/results/fidelity.json
     python benchmarks/runs_table.py runs/w64-dof-s* runs/w64-fix-s* --by-seed       # mean ± sd over seeds
     python benchmarks/runs_table.py runs/window64 runs/w64-lora8 --curves curves.png  # ppl against tokens
+    python benchmarks/runs_table.py runs/wl-* --by-seed --at-tokens 163840   # pooled at one point of the curves
 
 One row per run folder: what differs from its recipe's defaults (read from run.json), validation perplexity after
 layerwise training and at the end (and the ratio to the teacher's), KL(teacher ‖ student) per token, top-1
@@ -69,15 +70,29 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def seed_summary(rows: list[dict]) -> list[dict]:
+def at_tokens(row: dict, tokens: int) -> float:
+    """The run's validation perplexity / teacher's at `tokens` end-to-end tokens, read off its curve."""
+    for point in row["curve"]:
+        if point["tokens"] == tokens:
+            return point["ppl"] / row["teacher_ppl"]
+    have = ", ".join(str(p["tokens"]) for p in row["curve"]) or "none (run it with --eval-every)"
+    raise SystemExit(f"{row['run']} has no validation point at {tokens} end-to-end tokens; it has: {have}")
+
+
+def seed_summary(rows: list[dict], tokens: int | None = None) -> list[dict]:
     """Runs that train the same student but for --seed, pooled: mean and sample standard deviation of the final
-    ratio to the teacher, with the seeds. `changed` is against the dofattn recipe."""
+    ratio to the teacher, with the seeds. `changed` is against the dofattn recipe.
+
+    With `tokens`, the ratio is read off each run's curve at that many end-to-end tokens instead, and runs that
+    differ only in how many end-to-end steps they were given pool too: the end-to-end phase has a constant learning
+    rate and draws each step's blocks from (seed, step), so a shorter run is the start of a longer one."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        groups.setdefault(json.dumps(r["setting"], sort_keys=True), []).append(r)
+        setting = {k: v for k, v in r["setting"].items() if tokens is None or k != "then_direct_steps"}
+        groups.setdefault(json.dumps(setting, sort_keys=True), []).append(r)
     summary = []
     for key, members in groups.items():
-        ratios = [m["vs_teacher"] for m in members]
+        ratios = [m["vs_teacher"] if tokens is None else at_tokens(m, tokens) for m in members]
         mean = sum(ratios) / len(ratios)
         sd = (sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1)) ** 0.5 if len(ratios) > 1 else 0.0
         summary.append({"changed": json.loads(key), "seeds": [m["seed"] for m in members], "runs": len(members),
@@ -91,20 +106,25 @@ def main() -> None:
     parser.add_argument("--out", help="also write the rows as JSON")
     parser.add_argument("--by-seed", action="store_true", help="also pool runs that differ only in --seed: mean ± "
                                                                "standard deviation of the ratio to the teacher")
+    parser.add_argument("--at-tokens", type=int, help="with --by-seed: pool the ratio at this many end-to-end "
+                                                          "tokens, read off each run's curve, not the final one")
     parser.add_argument("--curves", help="also draw validation perplexity against end-to-end tokens (runs made "
                                          "with --eval-every) into this image")
     args = parser.parse_args()
     rows = [describe(Path(f)) for f in args.runs]
     print(f"teacher ppl {rows[0]['teacher_ppl']:.2f}\n{markdown(rows)}")
     result = rows
+    if args.at_tokens is not None and not args.by_seed:
+        parser.error("--at-tokens pools runs over seeds: add --by-seed")
     if args.by_seed:
-        summary = seed_summary(rows)
-        print("\n| differs from the dofattn recipe | seeds | final ppl × teacher, mean ± sd | each |\n|---|---|---:|---|")
+        summary = seed_summary(rows, args.at_tokens)
+        what = "final ppl" if args.at_tokens is None else f"ppl at {args.at_tokens} end-to-end tokens"
+        print(f"\n| differs from the dofattn recipe | seeds | {what} × teacher, mean ± sd | each |\n|---|---|---:|---|")
         for g in summary:
             changed = ", ".join(f"{k}={v}" for k, v in g["changed"].items()) or "(the dofattn recipe)"
             each = ", ".join(f"{x:.3f}" for x in g["vs_teacher"])
             print(f"| {changed} | {g['seeds']} | {g['vs_teacher_mean']:.3f} ± {g['vs_teacher_sd']:.3f} | {each} |")
-        result = {"runs": rows, "by_seed": summary}
+        result = {"runs": rows, "by_seed": summary, "at_tokens": args.at_tokens}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     if args.curves:
