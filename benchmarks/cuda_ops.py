@@ -9,7 +9,7 @@ timings of:
     triton_train            forward + backward
     fla, fla_train          flash-linear-attention's chunk_linear_attn through `ops.fla` (if fla imports)
     window, window_train    the sliding-window hybrid (--window W tokens exact + the linear op beyond) in
-                            dofattn's Triton kernels, forward / forward + backward (M ≤ 128)
+                            dofattn's Triton kernels, forward / forward + backward
     window_torch[_train]    the same hybrid in its PyTorch form (banded blocks + the Triton linear op)
     features                the PRF feature map of the queries in one Triton kernel (`fused.prf_features`)
     features@P              with --exact P,...: the same with its projection at input precision P instead of the
@@ -153,7 +153,7 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
                 row["triton_train"] = safe(lambda: train("triton"), repeats)
                 if fla_available():
                     row["fla_train"] = safe(lambda: train("fla"), repeats)
-            if window and M <= 128:
+            if window:
                 row.update(window_rows(q, k, v, phi_q, phi_k, window, repeats, T <= max_train_T))
             row.update(exact_rows(q, M, repeats, precisions))
             rows.append(row)

@@ -59,16 +59,15 @@ def ptxas_report(kernel, signature: dict, constexprs: dict, num_warps: int, num_
             "spill_loads": number(r"(\d+) bytes spill loads"), "stack": number(r"(\d+) bytes stack frame")}
 
 
-def window_scan(M: int, precision: str, warps: int) -> dict:
-    """precision "bf16": the exact part's dots in bf16, as launched for bf16 inputs; else float32 dots at it."""
+def window_exact(precision: str, warps: int) -> dict:
+    """The hybrid's exact part (its linear part is the scan, `block_scan`); it does not depend on M. precision
+    "bf16": its dots in bf16, as launched for bf16 inputs; else float32 dots at that precision."""
     exact_dot = tl.bfloat16 if precision == "bf16" else tl.float32
-    signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, pq_ptr=BF16, dk_ptr=BF16, dv_ptr=BF16, ls_ptr=F32,
-                     off_ptr=F32, valid_ptr=F32, s_ptr=F32, z_ptr=F32, o_ptr=BF16, lse_ptr=F32, T="i32", H="i32",
-                     D="i32", K="i32", V="i32", scaling="fp32")
-    constexprs = dict(L=1024, C=64, BD=64, BK=fused._pow2(M), BV=fused._value_tile(64, tl.bfloat16), HAS_VALID=False,
-                      DOT=tl.bfloat16, PREC="tf32",
-                      STORE_LSE=False, EXACT_DOT=exact_dot, EXACT_PREC="tf32" if precision == "bf16" else precision)
-    return ptxas_report(fused._window_scan, signature, constexprs, warps, 1)
+    signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, ol_ptr=F32, den_ptr=F32, ls_ptr=F32, off_ptr=F32,
+                     valid_ptr=F32, o_ptr=BF16, lse_ptr=F32, T="i32", H="i32", D="i32", V="i32", scaling="fp32")
+    constexprs = dict(C=64, BD=64, BV=fused._value_tile(64, exact_dot), HAS_VALID=False, STORE_LSE=False,
+                      EXACT_DOT=exact_dot, EXACT_PREC="tf32" if precision == "bf16" else precision)
+    return ptxas_report(fused._window_exact, signature, constexprs, warps, 1)
 
 
 def prf_features(M: int, precision: str, warps: int) -> dict:
@@ -105,9 +104,8 @@ def main() -> int:
         for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
             rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": fused.PRF_WARPS,
                          **prf_features(M, precision, fused.PRF_WARPS)})
-        if M <= fused.MAX_WINDOW_FEATURES:
-            rows.append({"kernel": "_window_scan", "M": M, "precision": "bf16", "warps": fused.WINDOW_WARPS,
-                         **window_scan(M, "bf16", fused.WINDOW_WARPS)})
+    rows.append({"kernel": "_window_exact", "M": "any", "precision": "bf16", "warps": fused.WINDOW_WARPS,
+                 **window_exact("bf16", fused.WINDOW_WARPS)})
     if args.variants:
         for M in dims:
             other = 4 if fused._scan_launch(fused._pow2(M))[2] == 8 else 8
@@ -116,11 +114,11 @@ def main() -> int:
             if precision != "bf16":          # the projection's directions are float32
                 rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": warps,
                              "variant": True, **prf_features(M, precision, warps)})
-            if M <= fused.MAX_WINDOW_FEATURES:
-                rows.append({"kernel": "_window_scan", "M": M, "precision": precision, "warps": warps,
-                             "variant": True, **window_scan(M, precision, warps)})
+        for precision, warps in itertools.product(("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
+            rows.append({"kernel": "_window_exact", "M": "any", "precision": precision, "warps": warps,
+                         "variant": True, **window_exact(precision, warps)})
     for row in rows:
-        print(f"{row['kernel']:>14} M={row['M']:<4} {row.get('precision', ''):>7} warps={row['warps']:<2} "
+        print(f"{row['kernel']:>14} M={str(row['M']):<4} {row.get('precision', ''):>7} warps={row['warps']:<2} "
               f"registers={row['registers']:<4} spill stores={row['spill_stores']:<5} loads={row['spill_loads']}",
               flush=True)
     result = {"target": "sm_90", "triton": triton.__version__, "ptxas": str(PTXAS.name), "rows": rows,

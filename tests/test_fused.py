@@ -279,6 +279,7 @@ WINDOW_CASES = [
     (1, 300, 3, 16, 37, 8, 32, False, True, 128),
     (1, 200, 1, 16, 24, 16, 64, True, False, None),
     (2, 130, 2, 16, 128, 16, 64, True, True, 64),
+    (1, 90, 1, 16, 203, 16, 32, True, True, 64),      # features past 128: the scan's wide-tile launch
 ]
 
 

@@ -25,8 +25,9 @@ The same kernels, run right to left (`reverse`), give the backward: with g = [�
     ∂φq_t = Σ_{s≤t} (g_t·v̄_s) φk_s,   ∂φk_s = Σ_{t≥s} (v̄_s·g_t) φq_t,   ∂v_s = Σ_{t≥s} (φk_s·φq_t) ∂num_t,
 three more scans of the same shape (queries g, keys v̄, values φk, and so on).
 
-The hybrid (`_window_scan`, window W = C) adds, per chunk, exact softmax logits against the raw keys of the chunk
-and the one before, and runs the linear part on the keys delayed by W; the two are combined per row in log space.
+The hybrid (window W) runs the linear part as the scan above on the keys delayed by W, then `_window_exact` adds,
+per chunk of W queries, exact softmax logits against the raw keys of the chunk and the one before; the two parts
+are combined per row in log space.
 Its backward (`WindowHybrid`) keeps each row's log total mass from the forward: the exact part's gradients come
 from one banded kernel that recomputes its weights (`_window_exact_backward`), and the linear part's are the scans
 above on the delayed keys, with the upstream gradient scaled per row by its share of the mass.
@@ -280,87 +281,66 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
 
 
 @triton.jit
-def _window_scan(q_ptr, k_ptr, v_ptr, pq_ptr, dk_ptr, dv_ptr, ls_ptr, off_ptr, valid_ptr, s_ptr, z_ptr, o_ptr,
-                 lse_ptr, T, H, D, K, V, scaling, L: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, HAS_VALID: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                 STORE_LSE: tl.constexpr, EXACT_DOT: tl.constexpr, EXACT_PREC: tl.constexpr):
-    """The sliding-window hybrid for one block (window W = C): query t takes exact softmax weights
-    exp(scaling·q_t·k_s) for s in (t − C, t] and linear weights φq_t·φk_s·exp(shift_t) for s ≤ t − C, in one
-    normalisation (shift_t = q_log_scale_t + log_offset_h). The linear part runs on the keys delayed by C
-    (dk_ptr, dv_ptr: key s at position s + C) from the delayed stream's state entering the block (s_ptr, z_ptr);
-    the exact part reads the raw keys of the query's chunk and the one before. With STORE_LSE each row's log
-    total mass (−inf for a row with no key) goes to lse_ptr [B, T, H], for the backward."""
-    blk, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NB = (T + L - 1) // L
+def _window_exact(q_ptr, k_ptr, v_ptr, ol_ptr, den_ptr, ls_ptr, off_ptr, valid_ptr, o_ptr, lse_ptr, T, H, D, V,
+                  scaling, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, HAS_VALID: tl.constexpr,
+                  STORE_LSE: tl.constexpr, EXACT_DOT: tl.constexpr, EXACT_PREC: tl.constexpr):
+    """The hybrid's forward for query chunk j of C = W tokens, once its linear part is done: query t takes exact
+    softmax weights exp(scaling·q_t·k_s) for s in (t − C, t] and the linear part's mass exp(log den_t + shift_t)
+    with its output ol_t (= num_t / den_t, the scan on the keys delayed by C: ol_ptr [B, T, H, V], den_ptr
+    [B, T, H]) in one normalisation (shift_t = q_log_scale_t + log_offset_h). With STORE_LSE each row's log total
+    mass (−inf for a row with no key) goes to lse_ptr [B, T, H], for the backward."""
+    j, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    od, ok, ov, oc = tl.arange(0, BD), tl.arange(0, BK), iv * BV + tl.arange(0, BV), tl.arange(0, C)
-    md, mk, mv = od < D, ok < K, ov < V
+    od, ov, oc = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, C)
+    md, mv = od < D, ov < V
     row0 = b.to(tl.int64) * T * H + h
-    state = (bh.to(tl.int64) * NB + blk) * K
-    S = tl.load(s_ptr + (state + ok[:, None]) * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    z = tl.load(z_ptr + state + ok, mask=mk, other=0.0)
-    log_offset = tl.load(off_ptr + h)
-    lower = oc[:, None] >= oc[None, :]                                                         # j ≤ i
-    for i in range(0, L // C):
-        t0 = blk * L + i * C
-        rows, prev = t0 + oc, t0 - C + oc
-        mr, mp = rows < T, (prev >= 0) & (prev < T)
-        if HAS_VALID:
-            vr = tl.load(valid_ptr + b.to(tl.int64) * T + rows, mask=mr, other=0) != 0
-            vp = tl.load(valid_ptr + b.to(tl.int64) * T + prev, mask=mp, other=0) != 0
-        else:
-            vr, vp = mr, mp
-        # linear part on the delayed keys: the state plus this chunk's delayed keys with j ≤ i; then the state
-        # takes this chunk, so that its tiles are dead before the exact part's
-        pq = tl.load(pq_ptr + (row0 + rows[:, None].to(tl.int64) * H) * K + ok[None, :],
-                     mask=mr[:, None] & mk[None, :], other=0.0).to(DOT)                          # [C, BK]
-        dk = tl.load(dk_ptr + (row0 + rows[:, None].to(tl.int64) * H) * K + ok[None, :],
-                     mask=mr[:, None] & mk[None, :], other=0.0).to(DOT)
-        dv = tl.load(dv_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :],
-                     mask=mr[:, None] & mv[None, :], other=0.0).to(DOT)                          # [C, BV]
-        A = tl.where(lower, tl.dot(pq, tl.trans(dk), input_precision=PREC), 0.0)                # [C, C]
-        num = tl.dot(pq, S.to(DOT), input_precision=PREC) + tl.dot(A.to(DOT), dv, input_precision=PREC)
-        den = tl.sum(pq.to(tl.float32) * z[None, :], 1) + tl.sum(A, 1)                         # [C]
-        S += tl.dot(tl.trans(dk), dv, input_precision=PREC)
-        z += tl.sum(dk.to(tl.float32), 0)
-        shift = tl.load(ls_ptr + row0 + rows.to(tl.int64) * H, mask=mr, other=0.0) + log_offset
-        has_lin = den > 0
-        lam = tl.where(has_lin, tl.log(tl.maximum(den, 1.1754943508222875e-38)) + shift, float("-inf"))
-        # exact part, one key chunk at a time with a running max (m: −inf while a row has no key; s: m or 0):
-        # raw q of this chunk against raw keys of the previous chunk (s > t − C), then of this one (s ≤ t)
-        qc = tl.load(q_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
-                     mask=mr[:, None] & md[None, :], other=0.0).to(EXACT_DOT)                   # [C, BD]
-        kx = tl.load(k_ptr + (row0 + prev[:, None].to(tl.int64) * H) * D + od[None, :],
-                     mask=mp[:, None] & md[None, :], other=0.0).to(EXACT_DOT)
-        logits = scaling * tl.dot(qc, tl.trans(kx), input_precision=EXACT_PREC)                # [C, C]
-        logits = tl.where((oc[None, :] > oc[:, None]) & vp[None, :], logits, float("-inf"))
-        m_prev = tl.maximum(tl.max(logits, 1), lam)
-        s_prev = tl.where(m_prev == float("-inf"), 0.0, m_prev)
-        p = tl.exp(logits - s_prev[:, None])
-        vx = tl.load(v_ptr + (row0 + prev[:, None].to(tl.int64) * H) * V + ov[None, :],
-                     mask=mp[:, None] & mv[None, :], other=0.0).to(EXACT_DOT)
-        acc = tl.dot(p.to(EXACT_DOT), vx, input_precision=EXACT_PREC)                           # [C, BV]
-        total = tl.sum(p, 1)
-        kx = tl.load(k_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
-                     mask=mr[:, None] & md[None, :], other=0.0).to(EXACT_DOT)
-        logits = scaling * tl.dot(qc, tl.trans(kx), input_precision=EXACT_PREC)
-        logits = tl.where(lower & vr[None, :], logits, float("-inf"))
-        m = tl.maximum(m_prev, tl.max(logits, 1))
-        s_cur = tl.where(m == float("-inf"), 0.0, m)
-        alpha = tl.where(m_prev == float("-inf"), 0.0, tl.exp(s_prev - s_cur))                 # acc, total are 0
-        p = tl.exp(logits - s_cur[:, None])
-        vx = tl.load(v_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :],
-                     mask=mr[:, None] & mv[None, :], other=0.0).to(EXACT_DOT)
-        w_lin = tl.where(has_lin, tl.exp(lam - s_cur), 0.0)                                    # the linear mass
-        acc = (acc * alpha[:, None] + tl.dot(p.to(EXACT_DOT), vx, input_precision=EXACT_PREC)
-               + (w_lin / tl.maximum(den, 1.1754943508222875e-38))[:, None] * num)
-        total = total * alpha + tl.sum(p, 1) + w_lin
-        o = tl.where((total > 0)[:, None], acc / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
-        tl.store(o_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=mr[:, None] & mv[None, :])
-        if STORE_LSE:
-            lse = tl.where(total > 0, s_cur + tl.log(tl.maximum(total, 1.1754943508222875e-38)), float("-inf"))
-            tl.store(lse_ptr + row0 + rows.to(tl.int64) * H, lse, mask=mr)
+    rows, prev = j * C + oc, j * C - C + oc
+    mr, mp = rows < T, (prev >= 0) & (prev < T)
+    if HAS_VALID:
+        vr = tl.load(valid_ptr + b.to(tl.int64) * T + rows, mask=mr, other=0) != 0
+        vp = tl.load(valid_ptr + b.to(tl.int64) * T + prev, mask=mp, other=0) != 0
+    else:
+        vr, vp = mr, mp
+    den = tl.load(den_ptr + row0 + rows.to(tl.int64) * H, mask=mr, other=0.0)
+    shift = tl.load(ls_ptr + row0 + rows.to(tl.int64) * H, mask=mr, other=0.0) + tl.load(off_ptr + h)
+    has_lin = den > 0
+    lam = tl.where(has_lin, tl.log(tl.maximum(den, 1.1754943508222875e-38)) + shift, float("-inf"))
+    # one key chunk at a time with a running max (m: −inf while a row has no key; s: m or 0): the raw keys of the
+    # previous chunk (s > t − C), then of this one (s ≤ t)
+    qc = tl.load(q_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
+                 mask=mr[:, None] & md[None, :], other=0.0).to(EXACT_DOT)                       # [C, BD]
+    kx = tl.load(k_ptr + (row0 + prev[:, None].to(tl.int64) * H) * D + od[None, :],
+                 mask=mp[:, None] & md[None, :], other=0.0).to(EXACT_DOT)
+    logits = scaling * tl.dot(qc, tl.trans(kx), input_precision=EXACT_PREC)                    # [C, C]
+    logits = tl.where((oc[None, :] > oc[:, None]) & vp[None, :], logits, float("-inf"))
+    m_prev = tl.maximum(tl.max(logits, 1), lam)
+    s_prev = tl.where(m_prev == float("-inf"), 0.0, m_prev)
+    p = tl.exp(logits - s_prev[:, None])
+    vx = tl.load(v_ptr + (row0 + prev[:, None].to(tl.int64) * H) * V + ov[None, :],
+                 mask=mp[:, None] & mv[None, :], other=0.0).to(EXACT_DOT)
+    acc = tl.dot(p.to(EXACT_DOT), vx, input_precision=EXACT_PREC)                               # [C, BV]
+    total = tl.sum(p, 1)
+    kx = tl.load(k_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
+                 mask=mr[:, None] & md[None, :], other=0.0).to(EXACT_DOT)
+    logits = scaling * tl.dot(qc, tl.trans(kx), input_precision=EXACT_PREC)
+    logits = tl.where((oc[:, None] >= oc[None, :]) & vr[None, :], logits, float("-inf"))
+    m = tl.maximum(m_prev, tl.max(logits, 1))
+    s_cur = tl.where(m == float("-inf"), 0.0, m)
+    alpha = tl.where(m_prev == float("-inf"), 0.0, tl.exp(s_prev - s_cur))                     # acc, total are 0
+    p = tl.exp(logits - s_cur[:, None])
+    vx = tl.load(v_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :],
+                 mask=mr[:, None] & mv[None, :], other=0.0).to(EXACT_DOT)
+    w_lin = tl.where(has_lin, tl.exp(lam - s_cur), 0.0)                                        # the linear mass
+    ol = tl.load(ol_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :],
+                 mask=mr[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(EXACT_DOT), vx, input_precision=EXACT_PREC) + w_lin[:, None] * ol
+    total = total * alpha + tl.sum(p, 1) + w_lin
+    o = tl.where((total > 0)[:, None], acc / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
+    tl.store(o_ptr + (row0 + rows[:, None].to(tl.int64) * H) * V + ov[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=mr[:, None] & mv[None, :])
+    if STORE_LSE:
+        lse = tl.where(total > 0, s_cur + tl.log(tl.maximum(total, 1.1754943508222875e-38)), float("-inf"))
+        tl.store(lse_ptr + row0 + rows.to(tl.int64) * H, lse, mask=mr)
 
 
 @triton.jit
@@ -475,7 +455,7 @@ def _prf_tiles(M: int) -> tuple[int, int]:
 
 
 PRF_WARPS = 8      # the feature map: no spills in ptxas' report at 8 warps with tf32x3 (sm_90)
-WINDOW_WARPS = 8   # the window kernel: its fewest spills at M = 128 (ptxas, sm_90)
+WINDOW_WARPS = 8   # the window's exact part: no spills at 8 warps on 16-bit inputs, 560 bytes at 4 (ptxas, sm_90)
 
 
 def _dot_dtype(*xs: torch.Tensor):
@@ -696,8 +676,7 @@ def prf_decode_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
     return o
 
 
-WINDOWS = (16, 32, 64)   # window sizes the fused hybrid takes (the window is its chunk)
-MAX_WINDOW_FEATURES = 128  # and feature dims up to this (the block's state stays in registers)
+WINDOWS = (16, 32, 64)   # window sizes the fused hybrid takes (the window is its exact part's chunk)
 
 
 def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
@@ -705,15 +684,13 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
     """`ops.window.window_linear_attention` for a prefill (as many keys as queries) in Triton, forward and backward.
 
     q, k [B, T, H, D]; v [B, T, H, V]; phi_q, phi_k [B, T, H, M]; q_log_scale [B, T, H]; log_offset [H]; key_valid
-    [B, T] or None; initial_state [B, H, M, V+1] or None. window must be one of WINDOWS. Returns o [B, T, H, V] in
+    [B, T] or None; initial_state [B, H, M, V+1] or None; any M. window must be one of WINDOWS. Returns o [B, T, H, V] in
     v.dtype and the state of every key but the last `window` (float32) if output_final_state, else None.
     Gradients reach every floating input from both outputs (`WindowHybrid`).
     """
-    M = phi_q.shape[-1]
-    if window not in WINDOWS or k.shape[1] != q.shape[1] or M > MAX_WINDOW_FEATURES:
-        raise ValueError(f"window_forward takes windows {WINDOWS}, as many keys as queries and at most "
-                         f"{MAX_WINDOW_FEATURES} features; got window {window}, {k.shape[1]} keys for "
-                         f"{q.shape[1]} queries, {M} features")
+    if window not in WINDOWS or k.shape[1] != q.shape[1]:
+        raise ValueError(f"window_forward takes windows {WINDOWS} and as many keys as queries; got window {window}, "
+                         f"{k.shape[1]} keys for {q.shape[1]} queries")
     S0 = None if initial_state is None else initial_state.float().contiguous()
     return WindowHybrid.apply(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, float(scaling), window,
                               output_final_state, block)
@@ -721,37 +698,29 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
 
 def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling: float, window: int,
                    output_final_state: bool, block: int | None, store_lse: bool):
-    """The forward kernels: (o in v.dtype, final state or None, row log-mass [B, T, H] float32 or None, the
-    linear part's inputs (φq, delayed φk, delayed v) as the kernels read them)."""
+    """The forward: the linear part is the scan on the delayed keys (its normalised output and mass, float32), then
+    `_window_exact` adds the exact part per chunk of W queries. Returns (o in v.dtype, final state or None, row
+    log-mass [B, T, H] float32 or None, the linear part's inputs (φq, delayed φk, delayed v) as the scan read them).
+
+    Two kernels, not one: a kernel that kept the linear state in registers beside the exact part's tiles spilled
+    registers (ptxas, sm_90), and the linear output's round trip through memory costs less than the scan's own
+    reads of φq and φk."""
     from dofattn.ops.window import delayed_keys
 
     B, T, H, D = q.shape
-    V, M = v.shape[-1], phi_q.shape[-1]
+    V = v.shape[-1]
     pq, dk, dv = (x.contiguous() for x in delayed_keys(phi_q, phi_k, v, key_valid, window, torch.float32))
-    L, BK, BV = _plan(T, B * H, M, V, q.device, block)
-    BV = _pow2(V)                                  # the exact part's row sums need every value column at once
-    NB = triton.cdiv(T, L)
-    DOT, PREC = _dot_dtype(pq, dk, dv)
+    o_lin, den, final = scan(pq, dk, dv, S0, with_den=True, final_state=output_final_state, normalize=True,
+                             block=block)
     exact_dot = _dot_dtype(q, k, v)[0]            # 16-bit q, k, v: their products are exact in the float32 sums
-    BV = _value_tile(BV, DOT, exact_dot)
-    f32 = dict(device=q.device, dtype=torch.float32)
-    s_in = torch.empty(B * H, NB, M, V, **f32)
-    z_in = torch.empty(B * H, NB, M, **f32)
-    final = torch.empty(B, H, M, V + 1, **f32) if output_final_state else None
-    _block_state[(NB, B * H, 1)](dk, dv, s_in, z_in, T, H, M, V, L, C=window, BK=BK, BV=BV, HAS_Z=True, DOT=DOT,
-                                 PREC=PREC)
-    _prefix_states[(B * H, 1)](s_in, z_in, S0 if S0 is not None else s_in, final if final is not None else s_in,
-                               NB, M, V, BK=BK, BV=BV, HAS_Z=True, HAS_S0=S0 is not None, REVERSE=False,
-                               FINAL=final is not None)
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
-    lse = torch.empty(B, T, H, **f32) if store_lse else o
-    valid = s_in if key_valid is None else key_valid.contiguous()
-    _window_scan[(NB, B * H, 1)](q.contiguous(), k.contiguous(), v.contiguous(), pq, dk, dv,
-                                 q_log_scale.float().contiguous(), log_offset.float().contiguous(), valid, s_in, z_in,
-                                 o, lse, T, H, D, M, V, float(scaling), L=L, C=window, BD=_pow2(D), BK=BK, BV=BV,
-                                 HAS_VALID=key_valid is not None, DOT=DOT, PREC=PREC, STORE_LSE=store_lse,
-                                 EXACT_DOT=exact_dot, EXACT_PREC=EXACT if exact_dot == tl.float32 else "tf32",
-                                 num_warps=WINDOW_WARPS, num_stages=1)
+    lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if store_lse else o
+    valid = den if key_valid is None else key_valid.contiguous()
+    _window_exact[(triton.cdiv(T, window), B * H)](
+        q.contiguous(), k.contiguous(), v.contiguous(), o_lin, den, q_log_scale.float().contiguous(),
+        log_offset.float().contiguous(), valid, o, lse, T, H, D, V, float(scaling), C=window, BD=_pow2(D),
+        BV=_value_tile(_pow2(V), exact_dot), HAS_VALID=key_valid is not None, STORE_LSE=store_lse,
+        EXACT_DOT=exact_dot, EXACT_PREC=EXACT if exact_dot == tl.float32 else "tf32", num_warps=WINDOW_WARPS)
     return o, final, (lse if store_lse else None), (pq, dk, dv)
 
 

@@ -186,9 +186,8 @@ def delayed_keys(phi_q, phi_k, v, key_valid, window: int, dtype: torch.dtype):
 
 def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend) -> bool:
     """True when the Triton hybrid (`ops.fused.window_forward`) gives this call's result: CUDA, a prefill (as many
-    keys as queries), a window in `fused.WINDOWS` and at most `fused.MAX_WINDOW_FEATURES` features, no float64,
-    and backend triton, or backend auto without autograd (training takes the Triton backward when asked for by
-    name: `backend="triton"`)."""
+    keys as queries), a window in `fused.WINDOWS`, no float64, and backend triton, or backend auto without autograd
+    (training takes the Triton backward when asked for by name: `backend="triton"`)."""
     from dofattn.ops import load_fused, triton_available
 
     if backend not in ("auto", "triton") or not q.is_cuda or not triton_available():
@@ -200,7 +199,7 @@ def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, init
     if any(x is not None and x.dtype == torch.float64 for x in tensors) or k.shape[1] != q.shape[1]:
         return False
     fused = load_fused()[0]
-    return window in fused.WINDOWS and phi_q.shape[-1] <= fused.MAX_WINDOW_FEATURES
+    return window in fused.WINDOWS
 
 
 def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
