@@ -15,6 +15,10 @@ timings of:
     features@P              with --exact P,...: the same with its projection at input precision P instead of the
                             default for bf16 (`fused.EXACT_HALF`), and features@P_err: the largest difference from
                             the default's result, relative to its largest entry
+    triton@C,S,W            with --scan-launch C,S,W;...: the op with its scan launched at chunk C, S pipeline
+                            stages and W warps instead of `fused._scan_launch`'s choice, and triton@C,S,W_err: its
+                            largest difference from the default's output (`kernel_registers.py` reports the spills
+                            of each launch)
 plus the op's memory floor: reading φq, φk, v and writing o once, at the copy bandwidth measured here.
 Training rows stop at --max-train-T (SDPA's backward and the others' activations grow with T).
 """
@@ -117,7 +121,28 @@ def exact_rows(q, M, repeats, precisions) -> dict:
     return row
 
 
-def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisions=()):
+def launch_rows(phi_q, phi_k, v, repeats, launches) -> dict:
+    """The op's forward with the scan's (chunk, stages, warps) forced to each of `launches`, and each one's largest
+    difference from the default launch's output, relative to its largest entry."""
+    from dofattn.ops import load_fused
+
+    fused = load_fused()[0]
+    ref = linear_attention(phi_q, phi_k, v, backend="triton")[0].float()
+    row, chosen = {}, fused._scan_launch
+    try:
+        for launch in launches:
+            name = "triton@" + ",".join(map(str, launch))
+            fused._scan_launch = lambda BK, launch=launch: launch
+            row[name] = safe(lambda: linear_attention(phi_q, phi_k, v, backend="triton"), repeats)
+            if isinstance(row[name], float):
+                out = linear_attention(phi_q, phi_k, v, backend="triton")[0].float()
+                row[name + "_err"] = float((out - ref).abs().max() / ref.abs().max())
+    finally:
+        fused._scan_launch = chosen
+    return row
+
+
+def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisions=(), launches=()):
     bandwidth = copy_bandwidth()
     rows = []
     for M in dims:
@@ -156,6 +181,7 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
             if window:
                 row.update(window_rows(q, k, v, phi_q, phi_k, window, repeats, T <= max_train_T))
             row.update(exact_rows(q, M, repeats, precisions))
+            row.update(launch_rows(phi_q, phi_k, v, repeats, launches))
             rows.append(row)
             print("\n" + " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                            for key, value in row.items()), flush=True)
@@ -173,13 +199,23 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=64, help="the hybrid's window (16, 32 or 64); 0: no rows")
     parser.add_argument("--exact", default="", help="comma-separated input precisions (ieee, tf32) to time the "
                         "feature map's projection at, against the default")
+    parser.add_argument("--scan-launch", default="", help="semicolon-separated chunk,stages,warps launches of the "
+                        "scan to time against its default, e.g. '32,1,8;64,2,8'")
     parser.add_argument("--out", default="cuda-ops.json")
     args = parser.parse_args()
+    try:
+        launches = [tuple(int(x) for x in item.split(",")) for item in args.scan_launch.split(";") if item]
+    except ValueError:
+        launches = [()]
+    if any(len(launch) != 3 or launch[0] not in (16, 32, 64) or min(launch) < 1 for launch in launches):
+        parser.error(f"--scan-launch takes chunk,stages,warps triples with a chunk of 16, 32 or 64, separated by ';'; "
+                     f"got {args.scan_launch!r}")
     if not torch.cuda.is_available():
         print("cuda_ops.py needs a CUDA GPU", file=sys.stderr)
         return 2
     result = run([int(x) for x in args.dims.split(",")], [int(x) for x in args.lengths.split(",")], args.repeats,
-                 args.max_train_T, args.window, precisions=[p for p in args.exact.split(",") if p])
+                 args.max_train_T, args.window, precisions=[p for p in args.exact.split(",") if p],
+                 launches=launches)
     result["hardware"] = hardware("cuda")
     result["command"] = " ".join(sys.argv)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -78,13 +78,14 @@ def prf_features(M: int, precision: str, warps: int) -> dict:
     return ptxas_report(fused._prf_features, signature, constexprs, warps, 3)
 
 
-def block_scan(M: int, warps: int | None = None) -> dict:
-    """At the launch's warps, or at `warps`."""
+def block_scan(M: int, warps: int | None = None, chunk: int | None = None) -> dict:
+    """At the launch's chunk and warps, or at `chunk` and `warps`."""
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, T="i32",
                      H="i32", K="i32", V="i32")
     BK = fused._pow2(M)
-    chunk, stages, launch_warps = fused._scan_launch(BK)
-    constexprs = dict(L=1024, C=chunk, BK=BK, BV=fused._value_tile(min(64, fused.MAX_TILE // BK), tl.bfloat16),
+    launch_chunk, stages, launch_warps = fused._scan_launch(BK)
+    constexprs = dict(L=1024, C=chunk or launch_chunk, BK=BK,
+                      BV=fused._value_tile(min(64, fused.MAX_TILE // BK), tl.bfloat16),
                       HAS_Z=True, REVERSE=False, NORMALIZE=True, DOT=tl.bfloat16, PREC="tf32")
     return ptxas_report(fused._block_scan, signature, constexprs, warps or launch_warps, stages)
 
@@ -99,17 +100,18 @@ def main() -> int:
     half = fused.EXACT_HALF
     rows = []
     for M in dims:             # as launched (bf16 inputs)
-        rows.append({"kernel": "_block_scan", "M": M, "warps": fused._scan_launch(fused._pow2(M))[2],
-                     **block_scan(M)})
+        chunk, _, warps = fused._scan_launch(fused._pow2(M))
+        rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "warps": warps, **block_scan(M)})
         for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
             rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": fused.PRF_WARPS,
                          **prf_features(M, precision, fused.PRF_WARPS)})
     rows.append({"kernel": "_window_exact", "M": "any", "precision": "bf16", "warps": fused.WINDOW_WARPS,
                  **window_exact("bf16", fused.WINDOW_WARPS)})
     if args.variants:
-        for M in dims:
-            other = 4 if fused._scan_launch(fused._pow2(M))[2] == 8 else 8
-            rows.append({"kernel": "_block_scan", "M": M, "warps": other, "variant": True, **block_scan(M, other)})
+        for M, chunk, warps in itertools.product(dims, (32, 64), (4, 8)):
+            if (chunk, warps) != tuple(fused._scan_launch(fused._pow2(M))[::2]):
+                rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "warps": warps, "variant": True,
+                             **block_scan(M, warps, chunk)})
         for M, precision, warps in itertools.product(dims, ("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
             if precision != "bf16":          # the projection's directions are float32
                 rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": warps,
@@ -118,7 +120,8 @@ def main() -> int:
             rows.append({"kernel": "_window_exact", "M": "any", "precision": precision, "warps": warps,
                          "variant": True, **window_exact(precision, warps)})
     for row in rows:
-        print(f"{row['kernel']:>14} M={str(row['M']):<4} {row.get('precision', ''):>7} warps={row['warps']:<2} "
+        print(f"{row['kernel']:>14} M={str(row['M']):<4} {row.get('precision', ''):>7} "
+              f"{'C=' + str(row['chunk']) if 'chunk' in row else '':>4} warps={row['warps']:<2} "
               f"registers={row['registers']:<4} spill stores={row['spill_stores']:<5} loads={row['spill_loads']}",
               flush=True)
     result = {"target": "sm_90", "triton": triton.__version__, "ptxas": str(PTXAS.name), "rows": rows,
