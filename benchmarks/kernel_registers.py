@@ -81,7 +81,7 @@ def prf_features(M: int, precision: str, warps: int) -> dict:
 def block_scan(M: int, warps: int | None = None, chunk: int | None = None) -> dict:
     """At the launch's chunk and warps, or at `chunk` and `warps`."""
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, T="i32",
-                     H="i32", K="i32", V="i32")
+                     H="i32", K="i32", V="i32", delay="i32")
     BK = fused._pow2(M)
     launch_chunk, stages, launch_warps = fused._scan_launch(BK)
     constexprs = dict(L=1024, C=chunk or launch_chunk, BK=BK,

@@ -91,12 +91,29 @@ def test_scan_states_over_blocks():
         assert torch.equal(s[..., -1], torch.zeros_like(s[..., -1]))
 
 
+@pytest.mark.parametrize("delay", [16, 64, 300])
+@pytest.mark.parametrize("block", [64, 256])
+def test_scan_with_delay_reads_keys_in_place(delay, block):
+    """`delay` W (the window hybrid's linear part) against the same scan on keys and values moved W positions
+    later by copying, zeros in front: outputs, normaliser and final state, from an initial state; W = 300 ≥ T
+    leaves no key at all."""
+    phi_q, phi_k, v, state = on_device(make_inputs(2, 250, 3, 20, 24))
+    moved_k, moved_v = (torch.nn.functional.pad(x, (0, 0, 0, 0, delay, 0))[:, :250].contiguous() for x in (phi_k, v))
+    ref_o, ref_d, ref_s = fused.scan(phi_q, moved_k, moved_v, state, with_den=True, final_state=True, block=block)
+    o, d, s = fused.scan(phi_q, phi_k, v, state, with_den=True, final_state=True, block=block, delay=delay)
+    assert_close("o", ref_o, o, RATIO)
+    assert_close("den", ref_d, d, RATIO)
+    assert_close("ht", ref_s, s, RATIO)
+
+
 def test_bad_block():
     phi_q, phi_k, v, _ = on_device(make_inputs(1, 10, 1, 4, 4, with_state=False))
     with pytest.raises(ValueError, match="block must be a power of two >= 64"):
         fused.scan(phi_q, phi_k, v, block=96)
     with pytest.raises(ValueError, match="normalize needs with_den"):
         fused.scan(phi_q, phi_k, v, normalize=True)
+    with pytest.raises(ValueError, match="delay is for the forward scan only"):
+        fused.scan(phi_q, phi_k, v, reverse=True, delay=4)
 
 
 # (M, V): narrow values (a 16-bit dot against a 32-column value tile faulted on an H100), and wide features (whose

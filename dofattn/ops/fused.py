@@ -25,7 +25,8 @@ The same kernels, run right to left (`reverse`), give the backward: with g = [�
     ∂φq_t = Σ_{s≤t} (g_t·v̄_s) φk_s,   ∂φk_s = Σ_{t≥s} (v̄_s·g_t) φq_t,   ∂v_s = Σ_{t≥s} (φk_s·φq_t) ∂num_t,
 three more scans of the same shape (queries g, keys v̄, values φk, and so on).
 
-The hybrid (window W) runs the linear part as the scan above on the keys delayed by W, then `_window_exact` adds,
+The hybrid (window W) runs the linear part as the scan above on the keys delayed by W (read in place, at an offset
+of W rows; the backward builds the delayed copies), then `_window_exact` adds,
 per chunk of W queries, exact softmax logits against the raw keys of the chunk and the one before; the two parts
 are combined per row in log space.
 Its backward (`WindowHybrid`) keeps each row's log total mass from the forward: the exact part's gradients come
@@ -67,10 +68,11 @@ def exact_precision(x: torch.Tensor) -> str:
 
 
 @triton.jit
-def _block_state(k_ptr, v_ptr, s_ptr, z_ptr, T, H, K, V, L: tl.constexpr,
+def _block_state(k_ptr, v_ptr, s_ptr, z_ptr, T, H, K, V, delay, L: tl.constexpr,
                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_Z: tl.constexpr, DOT: tl.constexpr,
                  PREC: tl.constexpr):
-    """One block's Σ k ⊗ v [K, V] (and Σ k [K]) -> s_ptr [B·H, NB, K, V], z_ptr [B·H, NB, K]."""
+    """One block's Σ k ⊗ v [K, V] (and Σ k [K]) -> s_ptr [B·H, NB, K, V], z_ptr [B·H, NB, K]. Position s takes
+    key and value s − delay (none before 0)."""
     blk, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB = (T + L - 1) // L
     b, h = bh // H, bh % H
@@ -81,8 +83,8 @@ def _block_state(k_ptr, v_ptr, s_ptr, z_ptr, T, H, K, V, L: tl.constexpr,
     S = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
     for i in range(0, L // C):
-        rows = blk * L + i * C + oc
-        mr = rows < T
+        rows = blk * L + i * C + oc - delay
+        mr = (rows >= 0) & (rows < T - delay)
         kc = tl.load(k_base + rows[:, None].to(tl.int64) * H * K + ok[None, :], mask=mr[:, None] & mk[None, :],
                      other=0.0).to(DOT)                                                        # [C, BK]
         vc = tl.load(v_base + rows[:, None].to(tl.int64) * H * V + ov[None, :], mask=mr[:, None] & mv[None, :],
@@ -139,12 +141,13 @@ def _prefix_states(s_ptr, z_ptr, s0_ptr, f_ptr, NB, K, V, BK: tl.constexpr, BV: 
 
 
 @triton.jit
-def _block_scan(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr, d_ptr, T, H, K, V, L: tl.constexpr,
+def _block_scan(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr, d_ptr, T, H, K, V, delay, L: tl.constexpr,
                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_Z: tl.constexpr, REVERSE: tl.constexpr,
                 NORMALIZE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """One block's outputs o_t = Σ_s (q_t·k_s) v_s [and d_t = Σ_s q_t·k_s] over s ≤ t (s ≥ t if REVERSE), starting
     from the state of everything before (after) the block: s_ptr [B·H, NB, K, V], z_ptr [B·H, NB, K].
-    NORMALIZE (needs HAS_Z): o_t / max(d_t, tiny) is stored instead of o_t, in o_ptr's dtype."""
+    NORMALIZE (needs HAS_Z): o_t / max(d_t, tiny) is stored instead of o_t, in o_ptr's dtype. Position s takes key
+    and value s − delay (none before 0; forward only)."""
     blk, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB = (T + L - 1) // L
     b, h = bh // H, bh % H
@@ -168,11 +171,13 @@ def _block_scan(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr, d_ptr, T, H, K, V, L: 
         else:
             rows = blk * L + i * C + oc
         mr = rows < T
+        keys = rows - delay
+        mkr = mr & (keys >= 0)
         qc = tl.load(q_base + rows[:, None].to(tl.int64) * H * K + ok[None, :], mask=mr[:, None] & mk[None, :],
                      other=0.0).to(DOT)                                                        # [C, BK]
-        kc = tl.load(k_base + rows[:, None].to(tl.int64) * H * K + ok[None, :], mask=mr[:, None] & mk[None, :],
+        kc = tl.load(k_base + keys[:, None].to(tl.int64) * H * K + ok[None, :], mask=mkr[:, None] & mk[None, :],
                      other=0.0).to(DOT)                                                        # [C, BK]
-        vc = tl.load(v_base + rows[:, None].to(tl.int64) * H * V + ov[None, :], mask=mr[:, None] & mv[None, :],
+        vc = tl.load(v_base + keys[:, None].to(tl.int64) * H * V + ov[None, :], mask=mkr[:, None] & mv[None, :],
                      other=0.0).to(DOT)                                                        # [C, BV]
         A = tl.dot(qc, tl.trans(kc), input_precision=PREC)                                     # [C, C]
         A = tl.where(keep, A, 0.0)
@@ -467,9 +472,10 @@ def _dot_dtype(*xs: torch.Tensor):
 
 def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | None = None,
          with_den: bool = False, reverse: bool = False, final_state: bool = False, normalize: bool = False,
-         out_dtype: torch.dtype = torch.float32, block: int | None = None):
+         out_dtype: torch.dtype = torch.float32, block: int | None = None, delay: int = 0):
     """o_t = Σ_{s≤t} (q_t·k_s) v_s (s ≥ t if reverse), from the initial state S0 [B, H, K, V+1] (its last column:
-    the normaliser, used with `with_den`).
+    the normaliser, used with `with_den`). With `delay` = W > 0 (forward only) position s holds key and value s − W
+    instead, none before W: the keys as the window hybrid's linear part sees them, read in place.
 
     q, k [B, T, H, K], v [B, T, H, V] -> (o [B, T, H, V] in out_dtype, divided by max(den, tiny) if normalize;
     den [B, T, H] float32 or None; the state after all tokens [B, H, K, V+1] float32 (last column Σ k, with_den
@@ -477,6 +483,8 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     """
     if normalize and not with_den:
         raise ValueError("normalize needs with_den")
+    if delay and reverse:
+        raise ValueError("delay is for the forward scan only")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -501,7 +509,7 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     else:
         s_in = torch.empty(B * H, NB, K, V, **f32)
         z_in = torch.empty(B * H, NB, K, **f32) if with_den else s_in
-        _block_state[grid](k, v, s_in, z_in, T, H, K, V, L, C=C, BK=BK, BV=BV, HAS_Z=with_den, DOT=DOT,
+        _block_state[grid](k, v, s_in, z_in, T, H, K, V, delay, L, C=C, BK=BK, BV=BV, HAS_Z=with_den, DOT=DOT,
                            PREC=PREC, num_stages=stages, num_warps=warps)
         _prefix_states[(B * H, NV)](s_in, z_in, S0 if S0 is not None else s_in, final if final_state else s_in,
                                     NB, K, V, BK=BK, BV=BV, HAS_Z=with_den, HAS_S0=S0 is not None, REVERSE=reverse,
@@ -510,7 +518,7 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
             final[..., V] = 0.0
     o = torch.empty(B, T, H, V, device=q.device, dtype=out_dtype)
     den = torch.empty(B, T, H, **f32) if with_den else o
-    _block_scan[grid](q, k, v, s_in, z_in, o, den, T, H, K, V, L, C=C, BK=BK, BV=BV, HAS_Z=with_den,
+    _block_scan[grid](q, k, v, s_in, z_in, o, den, T, H, K, V, delay, L, C=C, BK=BK, BV=BV, HAS_Z=with_den,
                       REVERSE=reverse, NORMALIZE=normalize, DOT=DOT, PREC=PREC, num_stages=stages,
                       num_warps=warps)
     return o, (den if with_den else None), final
@@ -698,20 +706,19 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
 
 def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling: float, window: int,
                    output_final_state: bool, block: int | None, store_lse: bool):
-    """The forward: the linear part is the scan on the delayed keys (its normalised output and mass, float32), then
-    `_window_exact` adds the exact part per chunk of W queries. Returns (o in v.dtype, final state or None, row
-    log-mass [B, T, H] float32 or None, the linear part's inputs (φq, delayed φk, delayed v) as the scan read them).
+    """The forward: the linear part is the scan with its keys and values delayed by W (read in place, `delay`),
+    normalised, float32; then `_window_exact` adds the exact part per chunk of W queries. Returns (o in v.dtype,
+    final state or None, row log-mass [B, T, H] float32 or None).
 
     Two kernels, not one: a kernel that kept the linear state in registers beside the exact part's tiles spilled
     registers (ptxas, sm_90), and the linear output's round trip through memory costs less than the scan's own
     reads of φq and φk."""
-    from dofattn.ops.window import delayed_keys
-
     B, T, H, D = q.shape
     V = v.shape[-1]
-    pq, dk, dv = (x.contiguous() for x in delayed_keys(phi_q, phi_k, v, key_valid, window, torch.float32))
-    o_lin, den, final = scan(pq, dk, dv, S0, with_den=True, final_state=output_final_state, normalize=True,
-                             block=block)
+    if key_valid is not None:                     # padding keys add nothing to the linear part
+        phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)
+    o_lin, den, final = scan(phi_q, phi_k, v, S0, with_den=True, final_state=output_final_state, normalize=True,
+                             block=block, delay=window)
     exact_dot = _dot_dtype(q, k, v)[0]            # 16-bit q, k, v: their products are exact in the float32 sums
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if store_lse else o
@@ -721,7 +728,7 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
         log_offset.float().contiguous(), valid, o, lse, T, H, D, V, float(scaling), C=window, BD=_pow2(D),
         BV=_value_tile(_pow2(V), exact_dot), HAS_VALID=key_valid is not None, STORE_LSE=store_lse,
         EXACT_DOT=exact_dot, EXACT_PREC=EXACT if exact_dot == tl.float32 else "tf32", num_warps=WINDOW_WARPS)
-    return o, final, (lse if store_lse else None), (pq, dk, dv)
+    return o, final, (lse if store_lse else None)
 
 
 class WindowHybrid(torch.autograd.Function):
@@ -735,16 +742,17 @@ class WindowHybrid(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling, window, want_state,
                 block):
-        o, final, lse, (pq, dk, dv) = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid,
-                                                     scaling, window, want_state, block,
-                                                     store_lse=any(ctx.needs_input_grad))
-        ctx.save_for_backward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse, pq, dk, dv)
+        o, final, lse = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling,
+                                       window, want_state, block, store_lse=any(ctx.needs_input_grad))
+        ctx.save_for_backward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse)
         ctx.scaling, ctx.window = scaling, window
         return o, final
 
     @staticmethod
     def backward(ctx, g_o, g_state):
-        q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse, pq, dk, dv = ctx.saved_tensors
+        from dofattn.ops.window import delayed_keys
+
+        q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse = ctx.saved_tensors
         B, T, H, D = q.shape
         V, W = v.shape[-1], ctx.window
         g_o = torch.zeros_like(o, dtype=torch.float32) if g_o is None else g_o.float().contiguous()
@@ -759,6 +767,7 @@ class WindowHybrid(torch.autograd.Function):
         shift = q_log_scale.float() + log_offset.float()
         c = torch.where(torch.isfinite(lse), torch.exp(shift - lse), 0.0)                     # [B, T, H]
         g_lin = c[..., None] * torch.cat([g_o, -delta[..., None]], -1)                         # [B, T, H, V+1]
+        pq, dk, dv = (x.contiguous() for x in delayed_keys(phi_q, phi_k, v, key_valid, W, torch.float32))
         d_pq, d_dk, d_dv, dS0 = scan_grads(pq, dk, dv, S0, g_lin, g_state)
         d_shift = (pq.float() * d_pq.float()).sum(-1)                                          # [B, T, H]
         d_phi_k = torch.nn.functional.pad(d_dk.float()[:, W:], (0, 0, 0, 0, 0, min(W, T)))     # back by W
