@@ -32,7 +32,8 @@ TARGETS = {
 MARK = ".lora_"
 
 
-def _peft():
+def require_peft():
+    """peft, or a UserError that says how to install it (called before any training that will need it)."""
     try:
         import peft
     except ImportError:
@@ -50,7 +51,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, seed: int 
     model_type = model.config.model_type
     if model_type not in TARGETS:
         raise UserError(f"no LoRA targets known for model type {model_type!r}; supported: {', '.join(TARGETS)}")
-    peft = _peft()
+    peft = require_peft()
     config = peft.LoraConfig(r=rank, lora_alpha=alpha or rank, lora_dropout=0.0, target_modules=TARGETS[model_type],
                              fan_in_fan_out=model_type == "gpt2")  # GPT-2's Conv1D stores weights transposed
     with torch.random.fork_rng(devices=[]):
@@ -67,7 +68,7 @@ def lora_layers(model: nn.Module) -> list[nn.Module]:
     """The projections carrying adapters (none, without importing peft, for a model that has no LoRA)."""
     if not any(MARK in n for n, _ in model.named_parameters()):
         return []
-    _peft()
+    require_peft()
     from peft.tuners.lora import LoraLayer
 
     return [m for m in model.modules() if isinstance(m, LoraLayer)]

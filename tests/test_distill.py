@@ -516,16 +516,17 @@ def test_lam_auto_chooses_and_records_the_dof_lambda(capsys, model_dirs, corpus,
     assert load_student(out)[2].dims == [layer["dim"] for layer in dof["layers"]]
 
 
-@pytest.mark.parametrize("extra,window,direct", [
-    ([], 64, (32, 1)),
-    (["--recipe", "dofattn"], 64, (32, 1)),
-    (["--recipe", "paper"], 0, (None, 2)),
-    (["--recipe", "dofattn", "--window", "8", "--direct-seq-len", "24", "--direct-batch-size", "3"], 8, (24, 3)),
-    (["--recipe", "paper", "--direct-seq-len", "48"], 0, (48, 2)),
+@pytest.mark.parametrize("extra,window,direct,lora", [
+    ([], 64, (32, 1), 0),
+    (["--recipe", "dofattn"], 64, (32, 1), 0),
+    (["--recipe", "paper"], 0, (None, 2), 0),
+    (["--recipe", "dofattn", "--window", "8", "--direct-seq-len", "24", "--direct-batch-size", "3"], 8, (24, 3), 0),
+    (["--recipe", "paper", "--direct-seq-len", "48"], 0, (48, 2), 0),
+    (["--recipe", "long", "--then-direct-steps", "1", "--direct-blocks", "4"], 64, (32, 2), 8),
 ])
-def test_recipe_sets_what_is_not_given(capsys, model_dirs, corpus, tmp_path, extra, window, direct):
-    """--recipe fills the window and the end-to-end phase's block length (dofattn: the evaluation length, 32 here)
-    and batch; options given on the command line win."""
+def test_recipe_sets_what_is_not_given(capsys, model_dirs, corpus, tmp_path, extra, window, direct, lora):
+    """--recipe fills the window, the end-to-end phase's block length (dofattn and long: the evaluation length, 32
+    here) and batch, and the LoRA rank; options given on the command line win."""
     out = tmp_path / "run"
     argv = distill_argv(model_dirs["gpt2"], corpus, out, "--steps", 2)
     for option in ("--recipe", "--direct-batch-size"):
@@ -535,4 +536,33 @@ def test_recipe_sets_what_is_not_given(capsys, model_dirs, corpus, tmp_path, ext
     assert code == 0, err
     recorded = json.loads((out / "run.json").read_text())
     assert (recorded["window"], (recorded["direct_seq_len"], recorded["direct_batch_size"])) == (window, direct)
+    assert recorded["lora_rank"] == lora
     assert load_student(out)[2].window == window
+    assert load_student(out)[2].lora_rank == lora
+
+
+def test_recipe_long_is_the_long_lora_run():
+    """--recipe long resolves to the configuration measured at 1.047x (docs/RESULTS.md, the long LoRA phase)."""
+    from dofattn.cli import DistillArgs
+    from dofattn.distill import resolve_recipe
+
+    args = DistillArgs(recipe="long")
+    resolve_recipe(args)
+    assert (args.window, args.lora_rank, args.then_direct_steps, args.direct_batch_size, args.direct_seq_len,
+            args.direct_blocks) == (64, 8, 400, 2, args.eval_seq_len, 1200)
+    for recipe in ("dofattn", "paper"):
+        args = DistillArgs(recipe=recipe)
+        resolve_recipe(args)
+        assert (args.lora_rank, args.then_direct_steps, args.direct_blocks) == (0, 30, None)
+
+
+def test_lora_without_peft_fails_before_training(capsys, model_dirs, corpus, tmp_path, monkeypatch):
+    """Without peft, a LoRA run stops at once with how to install it, and leaves no run folder."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)        # `import peft` raises ImportError
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["gpt2"], corpus, out, "--lora-rank", 2,
+                                             "--then-direct-steps", 1))
+    assert code != 0 and "LoRA needs peft: pip install" in err
+    assert not out.exists()
