@@ -181,8 +181,9 @@ class DistillArgs:
                                        "trained in the end-to-end phase with the features and saved with the "
                                        "student (needs peft; 0: none). Default: set by --recipe (8 for long, "
                                        "else 0)")
-    then_direct_steps: int | None = _opt(None, "after layerwise training, this many end-to-end steps. Default: set "
-                                               "by --recipe (400 for long, else 30)")
+    then_direct_steps: int | None = _opt(None, "after layerwise training, this many end-to-end steps; the same "
+                                               "command with a larger value goes on from a finished run. Default: "
+                                               "set by --recipe (400 for long, else 30)")
     direct_batch_size: int | None = _opt(None, "blocks per end-to-end step. Default: set by --recipe (1 for "
                                                "dofattn, 2 for long and paper)")
     direct_seq_len: int | None = _opt(None, "tokens per end-to-end block; training at the evaluation length lets the "

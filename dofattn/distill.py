@@ -507,15 +507,23 @@ def resolve_recipe(args) -> None:
 
 
 def check_run_folder(out: Path, args: dict) -> None:
-    """Refuse a run folder made with other arguments; record ours in a new one."""
+    """Refuse a run folder made with other arguments; record ours in a new one. More end-to-end steps than the
+    folder's run had (--then-direct-steps) are allowed: the run goes on to them (the end-to-end phase has a
+    constant learning rate and draws each step's blocks from seed and step, so the result is the longer run's)."""
     record = {k: v for k, v in args.items() if k not in RESUME_IRRELEVANT}
     path = out / "run.json"
     if path.is_file():
         before = json.loads(path.read_text())
         changed = sorted(k for k in set(before) | set(record)
                          if before.get(k, LATER_OPTIONS.get(k)) != record.get(k, LATER_OPTIONS.get(k)))
+        if changed == ["then_direct_steps"] and record["loss"] != "direct" and \
+                record["then_direct_steps"] > before["then_direct_steps"]:
+            path.write_text(json.dumps(record, indent=2))
+            return
         if changed:
-            raise UserError(f"run folder {out} holds a run with other arguments ({', '.join(changed)}); "
+            more = (" (--then-direct-steps can only grow)" if "then_direct_steps" in changed and
+                    record["then_direct_steps"] < before["then_direct_steps"] else "")
+            raise UserError(f"run folder {out} holds a run with other arguments ({', '.join(changed)}){more}; "
                             f"give another --out, or delete the folder to start over")
         return
     if out.exists() and any(out.iterdir()):
@@ -716,13 +724,14 @@ def run(args) -> dict:
         check_run_folder(out, asdict(args))
     barrier()
     finished = json.loads((out / "log.json").read_text()) if (out / "log.json").is_file() else None
-    if finished and not finished.get("direct", {}).get("stopped"):  # finished before, with these arguments
-        if rank == 0:
+    done_steps = finished.get("direct", {}).get("steps", 0) if finished else 0
+    if finished and not finished.get("direct", {}).get("stopped") and done_steps >= direct_steps:
+        if rank == 0:                                 # finished before, with these arguments
             print(f"{out} holds a finished run with these arguments; its results:", flush=True)
         return finished
     if finished and rank == 0:
-        print(f"{out}: the end-to-end phase stopped at its time limit after {finished['direct']['steps']} of "
-              f"{finished['direct']['target_steps']} steps; going on", flush=True)
+        why = ("stopped at its time limit" if finished.get("direct", {}).get("stopped") else "is asked for more")
+        print(f"{out}: the end-to-end phase {why} after {done_steps} of {direct_steps} steps; going on", flush=True)
     dof = None
     if args.dims in ("dof", "clip") or args.per_head or (args.keep_softmax and args.keep_by == "dof"):
         dof = dof_estimate(args, model, tokenizer, out)
@@ -745,10 +754,23 @@ def run(args) -> dict:
         p.requires_grad_(is_student_tensor(name))
     log.seconds["setup"] = round(time.perf_counter() - timer, 1)
 
-    if finished:  # resuming an end-to-end phase that hit its time limit: the layerwise stage is done
+    if finished:  # going on with an end-to-end phase (time limit, or more steps): the layerwise stage is done
         log.layers, log.seconds = finished.get("layers", {}), {**finished["seconds"], **log.seconds}
-        if "layerwise_student_ppl" in finished.get("evaluation", {}):
-            log.evaluation["layerwise_student_ppl"] = finished["evaluation"]["layerwise_student_ppl"]
+        before = finished.get("evaluation", {})
+        if "layerwise_student_ppl" in before:
+            log.evaluation["layerwise_student_ppl"] = before["layerwise_student_ppl"]
+        elif not done_steps and args.loss in LAYER_LOSSES and "student_ppl" in before:  # it had no end-to-end phase
+            log.evaluation["layerwise_student_ppl"] = before["student_ppl"]
+        if not done_steps:  # no end-to-end checkpoint to start from: the saved (layerwise) student
+            from safetensors.torch import load_file
+
+            from dofattn.student import WEIGHTS_FILE, student_state
+
+            saved = load_file(str(out / WEIGHTS_FILE))
+            if sorted(saved) != sorted(student_state(model)):
+                raise UserError(f"{out / WEIGHTS_FILE} does not hold this run's student; delete the folder to start "
+                                f"over")
+            model.load_state_dict(saved, strict=False)
     elif args.loss in LAYER_LOSSES:
         timer = time.perf_counter()
         cache = None

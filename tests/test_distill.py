@@ -456,6 +456,31 @@ def test_time_limit_stops_evaluates_and_the_same_command_goes_on(capsys, model_d
     assert_identical(features(out), features(reference))
 
 
+@pytest.mark.parametrize("first", [2, 0])
+def test_more_end_to_end_steps_go_on_from_a_finished_run(capsys, model_dirs, corpus, tmp_path, first):
+    """A finished run asked again with more --then-direct-steps goes on from where it ended (its end-to-end
+    checkpoint, or its saved layerwise student if it had no end-to-end phase) and equals the run made with that
+    many steps at once; fewer steps than before are refused."""
+    extra = ("--steps", 3, "--checkpoint-every", 10)
+    reference = tmp_path / "reference"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, reference, *extra, "--then-direct-steps", 4))
+    assert code == 0, err
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, *extra, "--then-direct-steps", first))
+    assert code == 0, err
+    code, printed, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, *extra, "--then-direct-steps", 4))
+    assert code == 0 and f"is asked for more after {first} of 4 steps; going on" in printed, err
+    log, ref_log = (json.loads((f / "log.json").read_text()) for f in (out, reference))
+    assert log["direct"]["steps"] == 4 and log["direct"]["losses"] == ref_log["direct"]["losses"]
+    assert log["evaluation"]["layerwise_student_ppl"] == pytest.approx(ref_log["evaluation"]["layerwise_student_ppl"])
+    assert json.loads((out / "run.json").read_text())["then_direct_steps"] == 4
+    assert_identical(features(out), features(reference))
+    before = snapshot(out)
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, *extra, "--then-direct-steps", 3))
+    assert code != 0 and "--then-direct-steps can only grow" in err
+    assert snapshot(out) == before
+
+
 def test_progressive_layers_train_on_the_students_own_inputs(capsys, trained_llama, corpus, tmp_path, tokenizer):
     from dofattn.data import token_blocks
     from dofattn.distill import student_activations
