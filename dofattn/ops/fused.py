@@ -25,10 +25,9 @@ The same kernels, run right to left (`reverse`), give the backward: with g = [�
     ∂φq_t = Σ_{s≤t} (g_t·v̄_s) φk_s,   ∂φk_s = Σ_{t≥s} (v̄_s·g_t) φq_t,   ∂v_s = Σ_{t≥s} (φk_s·φq_t) ∂num_t,
 three more scans of the same shape (queries g, keys v̄, values φk, and so on).
 
-The hybrid (window W) runs the linear part as the scan above on the keys delayed by W (read in place, at an offset
-of W rows; the backward builds the delayed copies), then `_window_exact` adds,
-per chunk of W queries, exact softmax logits against the raw keys of the chunk and the one before; the two parts
-are combined per row in log space.
+The hybrid (window W) runs the linear part as the scan above on the keys delayed by W (read in place, W rows back;
+the backward builds delayed copies), then `_window_exact` adds, per chunk of W queries, exact softmax logits
+against the raw keys of the chunk and the one before; the two parts are combined per row in log space.
 Its backward (`WindowHybrid`) keeps each row's log total mass from the forward: the exact part's gradients come
 from one banded kernel that recomputes its weights (`_window_exact_backward`), and the linear part's are the scans
 above on the delayed keys, with the upstream gradient scaled per row by its share of the mass.
