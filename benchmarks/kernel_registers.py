@@ -79,7 +79,7 @@ def prf_features(M: int, precision: str, warps: int) -> dict:
 
 
 def block_scan(M: int, warps: int | None = None, chunk: int | None = None) -> dict:
-    """At the launch's chunk and warps, or at `chunk` and `warps`."""
+    """At the launch's chunk and warps, or at `chunk` and `warps` (always the launch's pipeline stages)."""
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, T="i32",
                      H="i32", K="i32", V="i32", delay="i32")
     BK = fused._pow2(M)
@@ -100,8 +100,9 @@ def main() -> int:
     half = fused.EXACT_HALF
     rows = []
     for M in dims:             # as launched (bf16 inputs)
-        chunk, _, warps = fused._scan_launch(fused._pow2(M))
-        rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "warps": warps, **block_scan(M)})
+        chunk, stages, warps = fused._scan_launch(fused._pow2(M))
+        rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
+                     **block_scan(M)})
         for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
             rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": fused.PRF_WARPS,
                          **prf_features(M, precision, fused.PRF_WARPS)})
@@ -110,7 +111,8 @@ def main() -> int:
     if args.variants:
         for M, chunk, warps in itertools.product(dims, (32, 64), (4, 8)):
             if (chunk, warps) != tuple(fused._scan_launch(fused._pow2(M))[::2]):
-                rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "warps": warps, "variant": True,
+                rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk,
+                             "stages": fused._scan_launch(fused._pow2(M))[1], "warps": warps, "variant": True,
                              **block_scan(M, warps, chunk)})
         for M, precision, warps in itertools.product(dims, ("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
             if precision != "bf16":          # the projection's directions are float32

@@ -92,6 +92,11 @@ def seed_summary(rows: list[dict], tokens: int | None = None) -> list[dict]:
         groups.setdefault(json.dumps(setting, sort_keys=True), []).append(r)
     summary = []
     for key, members in groups.items():
+        seeds = [m["seed"] for m in members]
+        if len(set(seeds)) < len(seeds):   # with `tokens`, a shorter run of a seed is the start of a longer one
+            twice = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+            raise SystemExit(f"runs {', '.join(m['run'] for m in members if m['seed'] in twice)} train the same "
+                             f"student with the same seed ({twice}): give one folder per seed")
         ratios = [m["vs_teacher"] if tokens is None else at_tokens(m, tokens) for m in members]
         mean = sum(ratios) / len(ratios)
         sd = (sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1)) ** 0.5 if len(ratios) > 1 else 0.0
@@ -111,15 +116,16 @@ def main() -> None:
     parser.add_argument("--curves", help="also draw validation perplexity against end-to-end tokens (runs made "
                                          "with --eval-every) into this image")
     args = parser.parse_args()
+    if args.at_tokens is not None and not args.by_seed:
+        parser.error("--at-tokens pools runs over seeds: add --by-seed")
     rows = [describe(Path(f)) for f in args.runs]
     print(f"teacher ppl {rows[0]['teacher_ppl']:.2f}\n{markdown(rows)}")
     result = rows
-    if args.at_tokens is not None and not args.by_seed:
-        parser.error("--at-tokens pools runs over seeds: add --by-seed")
     if args.by_seed:
         summary = seed_summary(rows, args.at_tokens)
         what = "final ppl" if args.at_tokens is None else f"ppl at {args.at_tokens} end-to-end tokens"
-        print(f"\n| differs from the dofattn recipe | seeds | {what} × teacher, mean ± sd | each |\n|---|---|---:|---|")
+        print(f"\n| differs from the dofattn recipe | seeds | {what} × teacher, mean ± sd | each |\n"
+              "|---|---|---:|---|")
         for g in summary:
             changed = ", ".join(f"{k}={v}" for k, v in g["changed"].items()) or "(the dofattn recipe)"
             each = ", ".join(f"{x:.3f}" for x in g["vs_teacher"])

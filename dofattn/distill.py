@@ -509,7 +509,8 @@ def resolve_recipe(args) -> None:
 def check_run_folder(out: Path, args: dict) -> None:
     """Refuse a run folder made with other arguments; record ours in a new one. More end-to-end steps than the
     folder's run had (--then-direct-steps) are allowed: the run goes on to them (the end-to-end phase has a
-    constant learning rate and draws each step's blocks from seed and step, so the result is the longer run's)."""
+    constant learning rate and draws each step's blocks from seed, step and the number of processes, so with as
+    many processes as before the result is the longer run's)."""
     record = {k: v for k, v in args.items() if k not in RESUME_IRRELEVANT}
     path = out / "run.json"
     if path.is_file():
@@ -761,16 +762,6 @@ def run(args) -> dict:
             log.evaluation["layerwise_student_ppl"] = before["layerwise_student_ppl"]
         elif not done_steps and args.loss in LAYER_LOSSES and "student_ppl" in before:  # it had no end-to-end phase
             log.evaluation["layerwise_student_ppl"] = before["student_ppl"]
-        if not done_steps:  # no end-to-end checkpoint to start from: the saved (layerwise) student
-            from safetensors.torch import load_file
-
-            from dofattn.student import WEIGHTS_FILE, student_state
-
-            saved = load_file(str(out / WEIGHTS_FILE))
-            if sorted(saved) != sorted(student_state(model)):
-                raise UserError(f"{out / WEIGHTS_FILE} does not hold this run's student; delete the folder to start "
-                                f"over")
-            model.load_state_dict(saved, strict=False)
     elif args.loss in LAYER_LOSSES:
         timer = time.perf_counter()
         cache = None
@@ -785,6 +776,8 @@ def run(args) -> dict:
     if args.keep_softmax and args.keep_by == "gain":
         log.softmax_layers = keep_by_gain(args, model, train, out)
         log.layers = {k: v for k, v in log.layers.items() if int(k) not in log.softmax_layers}
+    if finished and not done_steps:  # more steps for a run without an end-to-end phase: its saved student
+        load_saved_student(model, out)
     if direct_steps and args.loss in LAYER_LOSSES and rank == 0 and not finished:  # what layerwise alone reached
         log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
     if direct_steps:
@@ -812,6 +805,18 @@ def run(args) -> dict:
         shutil.rmtree(out / "teacher", ignore_errors=True)  # ~1 GB, only needed to resume layerwise training
     barrier()
     return asdict(log)
+
+
+def load_saved_student(model, out: Path) -> None:
+    """The student tensors saved in `out` into `model` (linearized the same way, softmax layers kept)."""
+    from safetensors.torch import load_file
+
+    from dofattn.student import WEIGHTS_FILE, student_state
+
+    saved = load_file(str(out / WEIGHTS_FILE))
+    if sorted(saved) != sorted(student_state(model)):
+        raise UserError(f"{out / WEIGHTS_FILE} does not hold this run's student; delete the folder to start over")
+    model.load_state_dict(saved, strict=False)
 
 
 def evaluate_run(args, model, blocks: torch.Tensor, dims: list[int]) -> dict:

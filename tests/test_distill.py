@@ -456,12 +456,12 @@ def test_time_limit_stops_evaluates_and_the_same_command_goes_on(capsys, model_d
     assert_identical(features(out), features(reference))
 
 
-@pytest.mark.parametrize("first", [2, 0])
-def test_more_end_to_end_steps_go_on_from_a_finished_run(capsys, model_dirs, corpus, tmp_path, first):
+@pytest.mark.parametrize("first,keep", [(2, ()), (0, ()), (0, ("--keep-softmax", 1, "--keep-by", "gain"))])
+def test_more_end_to_end_steps_go_on_from_a_finished_run(capsys, model_dirs, corpus, tmp_path, first, keep):
     """A finished run asked again with more --then-direct-steps goes on from where it ended (its end-to-end
-    checkpoint, or its saved layerwise student if it had no end-to-end phase) and equals the run made with that
-    many steps at once; fewer steps than before are refused."""
-    extra = ("--steps", 3, "--checkpoint-every", 10)
+    checkpoint, or its saved layerwise student if it had no end-to-end phase, measured softmax layers kept) and
+    equals the run made with that many steps at once; fewer steps than before are refused."""
+    extra = ("--steps", 3, "--checkpoint-every", 10, *keep)
     reference = tmp_path / "reference"
     code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, reference, *extra, "--then-direct-steps", 4))
     assert code == 0, err
@@ -557,6 +557,8 @@ def test_recipe_sets_what_is_not_given(capsys, model_dirs, corpus, tmp_path, ext
     for option in ("--recipe", "--direct-batch-size"):
         at = argv.index(option)
         del argv[at:at + 2]
+    if lora:
+        pytest.importorskip("peft")
     code, _, err = run(capsys, *argv, *extra)
     assert code == 0, err
     recorded = json.loads((out / "run.json").read_text())

@@ -690,9 +690,10 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
                    key_valid=None, initial_state=None, output_final_state: bool = False, block: int | None = None):
     """`ops.window.window_linear_attention` for a prefill (as many keys as queries) in Triton, forward and backward.
 
-    q, k [B, T, H, D]; v [B, T, H, V]; phi_q, phi_k [B, T, H, M]; q_log_scale [B, T, H]; log_offset [H]; key_valid
-    [B, T] or None; initial_state [B, H, M, V+1] or None; any M. window must be one of WINDOWS. Returns o [B, T, H, V] in
-    v.dtype and the state of every key but the last `window` (float32) if output_final_state, else None.
+    q, k [B, T, H, D]; v [B, T, H, V]; phi_q, phi_k [B, T, H, M] (any M); q_log_scale [B, T, H]; log_offset [H];
+    key_valid [B, T] or None; initial_state [B, H, M, V+1] or None. window must be one of WINDOWS. Returns
+    o [B, T, H, V] in v.dtype and the state of every key but the last `window` (float32) if output_final_state,
+    else None.
     Gradients reach every floating input from both outputs (`WindowHybrid`).
     """
     if window not in WINDOWS or k.shape[1] != q.shape[1]:

@@ -210,8 +210,9 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     `backend` picks the linear op (`ops.linear_attention`); the window part is plain PyTorch, O(T·W) memory.
     With backend "auto", a call with few queries (decode: T = 1 against W cached keys) runs the spec's dense form,
     which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions. On CUDA without autograd, a
-    prefill with a window of 16, 32 or 64 runs both parts in one Triton kernel (`ops.fused.window_forward`);
-    backend "triton" takes that kernel with autograd too (its backward is Triton as well).
+    prefill with a window of 16, 32 or 64 runs in Triton (`ops.fused.window_forward`: the linear scan on the
+    delayed keys, then one kernel for the exact part and the shared normalisation); backend "triton" takes that
+    path with autograd too (its backward is Triton as well).
     """
     check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state)
     if backend == "auto" and q.shape[1] <= DENSE_QUERIES:
