@@ -62,6 +62,10 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (ms / 1e3)
 
 
+def error_text(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+
+
 def safe(fn, repeats):
     """The median time, or the error's one-line text: out of memory, or a launch Triton cannot fit (its
     OutOfResources is not a RuntimeError), must not end the run."""
@@ -71,7 +75,7 @@ def safe(fn, repeats):
         return ms
     except Exception as error:  # noqa: BLE001 - every failure becomes that row's text
         torch.cuda.empty_cache()
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        return error_text(error)
 
 
 def window_rows(q, k, v, phi_q, phi_k, window, repeats, train: bool) -> dict:
@@ -134,7 +138,7 @@ def launch_rows(phi_q, phi_k, v, repeats, launches) -> dict:
     try:
         ref = linear_attention(phi_q, phi_k, v, backend="triton")[0].float()
     except Exception as error:  # noqa: BLE001 - the default launch failed: nothing to compare against
-        return {"launches": f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"}
+        return {"launches": error_text(error)}
     row, chosen = {}, fused._scan_launch
     try:
         for launch in launches:
@@ -168,7 +172,7 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
                 row["triton_graph"] = cuda_time(graphed(lambda: linear_attention(phi_q, phi_k, v, backend="triton")),
                                                 repeats)
             except RuntimeError as error:
-                row["triton_graph"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                row["triton_graph"] = error_text(error)
             if fla_available():
                 row["fla"] = safe(lambda: linear_attention(phi_q, phi_k, v, backend="fla"), repeats)
             if T <= max_train_T:

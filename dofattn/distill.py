@@ -492,9 +492,9 @@ GAIN_BLOCKS = 4          # training blocks on which --keep-by gain measures each
 # teacher (DoF, Fix; seed 0) against 1.29x, at about 2 h against 9 min on a 2-core CPU.
 RECIPES = {"dofattn": {"window": 64, "direct_seq_len": lambda args: args.eval_seq_len, "direct_batch_size": 1,
                        "lora_rank": 0, "then_direct_steps": 30},
-           "long": {"window": 64, "direct_seq_len": lambda args: args.eval_seq_len, "direct_batch_size": 2,
-                    "lora_rank": 8, "then_direct_steps": 400, "direct_blocks": 1200},
            "paper": {"window": 0, "direct_batch_size": 2, "lora_rank": 0, "then_direct_steps": 30}}
+RECIPES["long"] = {**RECIPES["dofattn"], "direct_batch_size": 2, "lora_rank": 8, "then_direct_steps": 400,
+                   "direct_blocks": 1200}
 
 
 def resolve_recipe(args) -> None:
@@ -725,13 +725,14 @@ def run(args) -> dict:
         check_run_folder(out, asdict(args))
     barrier()
     finished = json.loads((out / "log.json").read_text()) if (out / "log.json").is_file() else None
-    done_steps = finished.get("direct", {}).get("steps", 0) if finished else 0
-    if finished and not finished.get("direct", {}).get("stopped") and done_steps >= direct_steps:
+    done = finished.get("direct", {}) if finished else {}
+    done_steps, stopped = done.get("steps", 0), bool(done.get("stopped"))
+    if finished and not stopped and done_steps >= direct_steps:
         if rank == 0:                                 # finished before, with these arguments
             print(f"{out} holds a finished run with these arguments; its results:", flush=True)
         return finished
     if finished and rank == 0:
-        why = ("stopped at its time limit" if finished.get("direct", {}).get("stopped") else "is asked for more")
+        why = "stopped at its time limit" if stopped else "is asked for more"
         print(f"{out}: the end-to-end phase {why} after {done_steps} of {direct_steps} steps; going on", flush=True)
     dof = None
     if args.dims in ("dof", "clip") or args.per_head or (args.keep_softmax and args.keep_by == "dof"):
@@ -777,7 +778,9 @@ def run(args) -> dict:
         log.softmax_layers = keep_by_gain(args, model, train, out)
         log.layers = {k: v for k, v in log.layers.items() if int(k) not in log.softmax_layers}
     if finished and not done_steps:  # more steps for a run without an end-to-end phase: its saved student
-        load_saved_student(model, out)
+        from dofattn.student import load_student_tensors
+
+        load_student_tensors(model, out)
     if direct_steps and args.loss in LAYER_LOSSES and rank == 0 and not finished:  # what layerwise alone reached
         log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
     if direct_steps:
@@ -805,18 +808,6 @@ def run(args) -> dict:
         shutil.rmtree(out / "teacher", ignore_errors=True)  # ~1 GB, only needed to resume layerwise training
     barrier()
     return asdict(log)
-
-
-def load_saved_student(model, out: Path) -> None:
-    """The student tensors saved in `out` into `model` (linearized the same way, softmax layers kept)."""
-    from safetensors.torch import load_file
-
-    from dofattn.student import WEIGHTS_FILE, student_state
-
-    saved = load_file(str(out / WEIGHTS_FILE))
-    if sorted(saved) != sorted(student_state(model)):
-        raise UserError(f"{out / WEIGHTS_FILE} does not hold this run's student; delete the folder to start over")
-    model.load_state_dict(saved, strict=False)
 
 
 def evaluate_run(args, model, blocks: torch.Tensor, dims: list[int]) -> dict:

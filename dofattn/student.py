@@ -220,6 +220,13 @@ def attach_student(model: nn.Module, folder: str | Path, config: StudentConfig |
         from dofattn.lora import add_lora
 
         add_lora(model, config.lora_rank, config.lora_alpha or None)
+    load_student_tensors(model, folder)
+    return model
+
+
+def load_student_tensors(model: nn.Module, folder: str | Path) -> None:
+    """The student tensors saved in `folder` into `model`, already linearized (and with LoRA) as they were saved;
+    a UserError if the names or shapes differ."""
     state = load_file(str(Path(folder) / WEIGHTS_FILE), device=str(next(model.parameters()).device))
     own = student_state(model)
     if set(state) != set(own):
@@ -237,7 +244,6 @@ def attach_student(model: nn.Module, folder: str | Path, config: StudentConfig |
         for name, tensor in model.named_buffers():
             if name in state:
                 tensor.copy_(state[name])
-    return model
 
 
 def load_student(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
