@@ -12,6 +12,8 @@ the last W keys and values), so memory stays flat in context length. `model.gene
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers import AttentionInterface
@@ -33,20 +35,34 @@ class LinearAttention(nn.Module):
 
     window = 0: pure linear attention. window = W > 0: exact softmax over the last W keys and linear attention
     beyond, in one normalisation (`ops.window`); `log_gain` [H] (learned, init 0) scales the linear part's mass.
+    decay (pure linear attention only): each head's state decays by a learned γ_h per token, so the pair (t, s)
+    weighs γ_h^(t-s) φq_t·φk_s. γ_h = exp(-exp(decay_rate_h)), started at half-lives from about 6 to 1400 tokens
+    across the heads (log γ from -1/8 to -1/2048).
     """
 
-    def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int, window: int = 0):
+    def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int, window: int = 0,
+                 decay: bool = False):
         super().__init__()
         if window < 0:
             raise UserError(f"window must be >= 0 tokens (0: no softmax window), got {window}")
+        if decay and window:
+            raise UserError(f"a decay is for pure linear attention; it cannot be combined with a softmax window "
+                            f"(got window {window}): use window 0 or no decay")
         self.feature_map = feature_map
         self.num_heads, self.num_kv_heads, self.window = num_heads, num_kv_heads, int(window)
         if self.window:
             self.log_gain = nn.Parameter(torch.zeros(num_heads))                       # [H]
+        self.decay = bool(decay)
+        if self.decay:   # log γ_h = -exp(rate_h): always < 0; rates spread over the heads, -ln 8 to -ln 2048
+            self.decay_rate = nn.Parameter(-math.log(2) * torch.linspace(3, 11, num_heads))   # [H]
         self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
 
     def extra_repr(self) -> str:
-        return f"window={self.window}" if self.window else ""
+        return ", ".join(([f"window={self.window}"] if self.window else []) + (["decay"] if self.decay else []))
+
+    def log_decay(self) -> torch.Tensor | None:
+        """[H] float32: log γ_h of each head (< 0), or None without a decay."""
+        return -torch.exp(self.decay_rate.float()) if self.decay else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
                 cache: LinearStateLayer | None = None, backend: str = "auto") -> torch.Tensor:
@@ -67,7 +83,12 @@ class LinearAttention(nn.Module):
             if cache.keys is not None:  # past keys still inside the window come first
                 k, v = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
                 key_valid = torch.cat([cache.key_valid, key_valid], 1)
-        o, cache.state = self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, cache.state, True, backend)
+        o, state = self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, cache.state, True, backend)
+        if (cache.state is not None and not torch.is_grad_enabled() and state.shape == cache.state.shape
+                and state.dtype == cache.state.dtype):
+            cache.state.copy_(state)    # in place: a captured CUDA graph (engine.StaticDecoder) keeps its buffer
+        else:
+            cache.state = state
         if self.window:
             keep = slice(max(k.shape[1] - self.window, 0), None)
             cache.keys, cache.values, cache.key_valid = k[:, keep], v[:, keep], key_valid[:, keep]
@@ -75,10 +96,10 @@ class LinearAttention(nn.Module):
 
     def one_kernel_step(self, q: torch.Tensor, cache: LinearStateLayer, backend: str) -> bool:
         """True when this generation step can run as one Triton kernel (`ops.fused.prf_decode_step`): one token,
-        CUDA, no autograd, a PRF map with a calibrated key shift, no window, a float32 state from the prefill.
+        CUDA, no autograd, a PRF map with a calibrated key shift, no window or decay, a float32 state.
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
-        return (backend == "auto" and not self.window and q.shape[1] == 1 and q.is_cuda
+        return (backend == "auto" and not self.window and not self.decay and q.shape[1] == 1 and q.is_cuda
                 and isinstance(fmap, PositiveRandomFeatures) and fmap.fused_ok(q, "key")
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous())
 
@@ -158,7 +179,7 @@ class LinearAttention(nn.Module):
         if key_valid is not None:
             phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
         return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
-                                backend=backend)
+                                backend=backend, log_decay=self.log_decay())
 
 
 class LinearStateLayer(CacheLayerMixin):

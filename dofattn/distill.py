@@ -52,6 +52,7 @@ from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
 from dofattn.features import FEATURES, PositiveRandomFeatures
+from dofattn.ops.naive import decay_matrix
 from dofattn.ops.window import window_logits
 from dofattn.student import attention_modules, head_layout
 
@@ -107,6 +108,12 @@ def _causal(T: int, device) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
+def _log_decay_matrix(linear: LinearAttention, T: int) -> torch.Tensor:
+    """[H, T, T]: log γ_h · (t - s) on causal pairs (0 elsewhere: those are masked by the caller)."""
+    distance = torch.arange(T, device=linear.decay_rate.device)
+    return linear.log_decay()[:, None, None] * (distance[:, None] - distance).clamp_min(0)
+
+
 def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scaling: float) -> torch.Tensor:
     """Mean KL(teacher row ‖ student row) over causal attention rows. q, k, v [B, T, H, D] (v unused).
@@ -119,7 +126,11 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
     phi_q, phi_k = fmap(q, "query"), fmap(k, "key")                               # [B, T, H, M]
     mask = _causal(q.shape[1], q.device)
     scores = torch.einsum("bthm,bshm->bhts", phi_q, phi_k).masked_fill(~mask, 0)  # [B, H, T, T]
-    log_student = torch.log(scores.clamp_min(TINY)) - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY))
+    log_scores = torch.log(scores.clamp_min(TINY))
+    if linear.decay:  # the weight of a pair is its score times γ^(t-s), taken in log space for far pairs
+        log_scores = log_scores + _log_decay_matrix(linear, q.shape[1])
+        scores = scores * decay_matrix(linear.log_decay(), q.shape[1])
+    log_student = log_scores - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY))
     logits = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
     log_teacher = torch.log_softmax(logits, -1)
     teacher = log_teacher.exp()
@@ -151,6 +162,8 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     dot = torch.einsum("bthm,bshm->bhts", torch.exp(e_q - c_q), torch.exp(e_k - c_k))
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
                       + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, T, T]
+    if linear.decay:  # the student's weight of a pair is its kernel estimate times γ^(t-s)
+        log_kernel_hat = log_kernel_hat + _log_decay_matrix(linear, q.shape[1])
     mask = _causal(q.shape[1], q.device)
     if linear.window:  # the features only ever see pairs beyond the window
         mask = mask.tril(-linear.window)
@@ -482,7 +495,7 @@ RESUME_IRRELEVANT = ("device", "out", "time_limit")
 # Options added later, with the value that reproduces a run folder written before they existed.
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
-                 "direct_seq_len": None, "direct_blocks": None, "lam_auto": False}
+                 "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False}
 KEEP_BY = ("dof", "first", "random", "gain")
 GAIN_BLOCKS = 4          # training blocks on which --keep-by gain measures each layer
 # What each --recipe sets for options left unset (None); a callable reads the value off the other options. "paper"
@@ -558,6 +571,9 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.window < 0:
         raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
+    if args.decay and args.window:
+        raise UserError(f"--decay is for pure linear attention and cannot be combined with --window {args.window}; "
+                        f"add --window 0 (or --recipe paper)")
     if args.per_head and (args.dims == "fix" or args.dims.startswith("fix:")):
         raise UserError("--per-head takes its per-head dims from a DoF allocation: use --dims dof, clip or a "
                         "dof.json file")
@@ -747,7 +763,7 @@ def run(args) -> dict:
     kept = softmax_layers(args, num_layers, dof)
     log.softmax_layers = kept
     linearize(model, dims, args.feature, layers=[i for i in range(num_layers) if i not in kept], seed=args.seed,
-              window=args.window, head_dims=head_dims)
+              window=args.window, head_dims=head_dims, decay=args.decay)
     if args.lora_rank:
         from dofattn.lora import add_lora
 
@@ -794,7 +810,7 @@ def run(args) -> dict:
         config = StudentConfig(args.model, args.feature, dims, [i for i, m in enumerate(attention_modules(model))
                                                                 if hasattr(m, "dofattn")], args.seed,
                                fingerprint(model), window=args.window, lora_rank=args.lora_rank,
-                               lora_alpha=float(args.lora_rank), head_dims=head_dims)
+                               lora_alpha=float(args.lora_rank), head_dims=head_dims, decay=args.decay)
         save_student(model, out, config)
         timer = time.perf_counter()
         log.evaluation.update(evaluate_run(args, model, valid, dims))

@@ -116,12 +116,15 @@ def teachers(model_dirs, trained_llama) -> dict[str, Path]:
     ("trained-llama", "prf", "softmax", 8), ("trained-llama", "prf", "l2", 8),
     ("trained-llama", "hedgehog", "softmax", 8),
     ("trained-llama", "prf", "output", 0), ("trained-llama", "prf", "softmax+output", 8),
+    ("trained-llama", "hedgehog", "softmax", "decay"), ("trained-llama", "prf", "l2", "decay"),
 ])
 def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, tmp_path, teacher, feature, loss,
                                                      window):
     out = tmp_path / "run"
+    decay = window == "decay"          # pure linear attention with a learned decay
+    window = 0 if decay else window
     code, _, err = run(capsys, *distill_argv(teachers[teacher], corpus, out, "--feature", feature, "--loss", loss,
-                                             "--steps", 150, "--window", window))
+                                             "--steps", 150, "--window", window, *(["--decay"] if decay else [])))
     assert code == 0, err
     log = json.loads((out / "log.json").read_text())
     assert sorted(log["layers"]) == [str(i) for i in range(LAYERS)] and log["direct"] == {}
@@ -131,7 +134,7 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
     from dofattn.data import token_blocks
 
     model, tok = load_model(str(teachers[teacher]))
-    linearize(model, [8] * LAYERS, feature, seed=0, window=window)  # what the run started from (--seed 0)
+    linearize(model, [8] * LAYERS, feature, seed=0, window=window, decay=decay)  # what the run started from
     heads = head_layout(model)
     blocks = token_blocks(str(corpus), tok, 32, 8, split="train", seed=0)  # the run's training blocks
     cache = TeacherCache(tmp_path / "teacher", LAYERS, (8, 32), heads)
@@ -283,6 +286,7 @@ def other_model_dims(folder: Path) -> Path:
     (["--dims", "{tmp}/missing.json"], "does not exist"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--window", "-1"], "--window must be >= 0"),
+    (["--decay", "--window", "8"], "--decay is for pure linear attention and cannot be combined with --window 8"),
     (["--time-limit", "-1"], "--time-limit must be >= 0 minutes"),
     (["--dof-repeats", "0"], "--dof-repeats must be between 1 and 8"),
     (["--direct-seq-len", "1"], "--direct-seq-len must be at least 2"),

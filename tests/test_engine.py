@@ -37,6 +37,21 @@ def test_same_tokens_as_hf_generate(family, window, device):
     assert torch.equal(decoder.generate(prompt, 1), ref[:, :12])          # prefill only
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("feature,decay", [("hedgehog", False), ("prf", True), ("hedgehog", True)])
+def test_same_tokens_without_the_one_kernel_step(feature, decay, device):
+    """Maps and decays that the one-kernel step does not take run the op's decode path, which updates the state in
+    place: on CUDA the replayed graph reads and writes the same buffer every token."""
+    model = tiny_model("llama")
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, decay=decay)
+    model.generation_config.eos_token_id = None
+    model = model.to(device)
+    prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(StaticDecoder(model).generate(prompt, 20), ref)
+
+
 def test_rows_are_cut_after_their_first_eos():
     model = tiny_model("llama")
     linearize(model, dims=[8, 8, 8], seed=2)

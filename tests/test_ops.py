@@ -249,3 +249,106 @@ def test_fla_matches_naive(case):
     assert_close("ht", ref_s, tri_s, 5e-3)
     for name in ref_grads:
         assert_close(name, ref_grads[name], tri_grads[name], 5e-3)
+
+
+# --- decay -----------------------------------------------------------------------------------------------------------
+
+DECAY_CASES = CASES[1::2]
+DECAY_IDS = CASE_IDS[1::2]
+
+
+def make_log_decay(H: int, dtype=torch.float32) -> torch.Tensor:
+    """Per-head log γ from strong (half-life under a token) to almost none."""
+    return torch.tensor([-2.0, -0.05, -1e-4][:H] + [-0.3] * max(0, H - 3), dtype=dtype)
+
+
+def compare_decay(op, case, dtype=torch.float32, ratio=1e-4, **kwargs):
+    """As `compare`, with a decay, and its gradient checked too."""
+    B, T, H, M, V, _, with_state = case
+    phi_q, phi_k, v, state = make_inputs(B, T, H, M, V, with_state, dtype)
+    log_decay = make_log_decay(H, dtype)
+    results = []
+    for fn, extra in ((naive_linear_attention, {}), (op, kwargs)):
+        decay = log_decay.clone().requires_grad_()
+        o, final, grads = forward_backward(fn, phi_q, phi_k, v, state, log_decay=decay, **extra)
+        results.append((o, final, grads, decay.grad))
+    (ref_o, ref_s, ref_grads, ref_dd), (o, s, grads, dd) = results
+    assert_close("o", ref_o, o, ratio)
+    assert_close("ht", ref_s, s, ratio)
+    for name in ref_grads:
+        floor = ref_grads["dk"].norm().item() if (name == "dq" and M == 1) else 1e-8
+        assert_close(name, ref_grads[name], grads[name], ratio, floor)
+    assert_close("dlog_decay", ref_dd, dd, ratio)
+
+
+@pytest.mark.parametrize("case", DECAY_CASES, ids=DECAY_IDS)
+def test_decay_chunk_matches_naive(case):
+    compare_decay(chunk_linear_attention, case, chunk_size=case[5])
+
+
+@pytest.mark.parametrize("case", DECAY_CASES, ids=DECAY_IDS)
+def test_decay_recurrent_matches_naive(case):
+    compare_decay(recurrent_linear_attention, case)
+
+
+def test_decay_chunk_loop_equals_chunk_matrix(monkeypatch):
+    """Past MATRIX_CHUNKS chunks the decayed prefix sum is a loop: the same numbers."""
+    import dofattn.ops.chunk as chunk
+
+    case = (2, 257, 3, 5, 16, 8, True)                       # 33 chunks
+    compare_decay(chunk_linear_attention, case, dtype=torch.float64, ratio=1e-12, chunk_size=8)
+    monkeypatch.setattr(chunk, "MATRIX_CHUNKS", 4)
+    compare_decay(chunk_linear_attention, case, dtype=torch.float64, ratio=1e-12, chunk_size=8)
+
+
+def test_decay_naive_by_hand():
+    """o_t = Σ_s γ^(t-s) φq_t·φk_s [v_s, 1] + γ^(t+1) φq_t·S_0, the ratio of its parts; the state likewise."""
+    B, T, H, M, V = 1, 6, 3, 4, 2
+    phi_q, phi_k, v, state = make_inputs(B, T, H, M, V, True, torch.float64)
+    log_decay = make_log_decay(H, torch.float64)
+    o, final = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True, log_decay=log_decay)
+    v_aug = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    for h in range(H):
+        gamma = log_decay[h].exp()
+        S = state[0, h].clone()
+        for t in range(T):
+            S = gamma * S + torch.outer(phi_k[0, t, h], v_aug[0, t, h])
+            weights = [gamma ** (t - s) * phi_q[0, t, h] @ phi_k[0, s, h] for s in range(t + 1)]
+            num = sum(w * v_aug[0, s, h] for s, w in enumerate(weights)) + gamma ** (t + 1) * phi_q[0, t, h] @ state[0, h]
+            torch.testing.assert_close(o[0, t, h], num[:V] / num[V], rtol=1e-12, atol=0)
+        torch.testing.assert_close(final[0, h], S, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunk", "recurrent"])
+def test_zero_decay_is_no_decay(backend):
+    phi_q, phi_k, v, state = make_inputs(2, 37, 3, 5, 16)
+    ref_o, ref_s = linear_attention(phi_q, phi_k, v, state, True, backend=backend)
+    o, s = linear_attention(phi_q, phi_k, v, state, True, backend=backend, log_decay=torch.zeros(3))
+    assert_close("o", ref_o, o, 1e-6)
+    assert_close("ht", ref_s, s, 1e-6)
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunk", "recurrent"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strong_decay_over_long_sequences_stays_finite(backend, dtype):
+    """γ = e^-200 (every past key gone) and e^-1e-6 (none), over 300 tokens: no overflow, no 0/0."""
+    phi_q, phi_k, v, state = make_inputs(1, 300, 2, 5, 4, True, dtype)
+    log_decay = torch.tensor([-200.0, -1e-6])
+    decay = log_decay.clone().requires_grad_()
+    o, s = linear_attention(phi_q, phi_k, v, state, True, backend=backend, log_decay=decay)
+    (o.float().sum() + s.sum()).backward()
+    assert torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(decay.grad).all()
+    # head 0 forgets everything before each token: its output is that token's own value
+    torch.testing.assert_close(o[0, :, 0].float(), v[0, :, 0].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_decay_dispatch_and_errors():
+    phi_q, phi_k, v, state = make_inputs(2, 7, 3, 5, 16)
+    assert pick_backend(phi_q, decay=True) == "chunk"
+    assert pick_backend(phi_q[:, :1], decay=True) == "recurrent"
+    for backend in ("triton", "fla"):
+        with pytest.raises(ValueError, match=f"backend '{backend}' has no decay; use one of"):
+            linear_attention(phi_q, phi_k, v, backend=backend, log_decay=torch.zeros(3))
+    for bad in (torch.zeros(2), torch.zeros(3, 1), torch.zeros(3, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"log_decay must be a floating-point \[H\] = \(3,\) tensor"):
+            linear_attention(phi_q, phi_k, v, log_decay=bad)

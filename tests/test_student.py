@@ -289,3 +289,49 @@ def test_key_shift_calibration_flag_follows_the_buffer():
     assert not fmap.shift_calibrated()
     fmap.load_state_dict({**fmap.state_dict(), "key_shift": torch.zeros(2)})
     assert fmap.shift_calibrated()
+
+
+# --- decay -------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("feature", ["prf", "hedgehog"])
+def test_decay_generation_matches_full_forward(family, feature):
+    """With a learned per-head decay the state still carries everything: 40 decode steps equal the full forward."""
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, decay=True)
+    with torch.no_grad():
+        for module in attention_modules(model):      # strong and weak decays, so the test sees them
+            module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
+    prompt = ids(batch=1, length=11, seed=1)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
+
+
+def test_decay_changes_the_output_and_round_trips(tmp_path, model_dirs):
+    from dofattn.hf import load_model
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    plain, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, dims=[5, 12, 7], decay=True, seed=2)
+    linearize(plain, dims=[5, 12, 7], seed=2)
+    with torch.no_grad():
+        for module in attention_modules(model):
+            module.dofattn.decay_rate.add_(torch.arange(module.dofattn.num_heads) * 0.1)   # not the init
+    x = ids()
+    with torch.no_grad():
+        logits = model(x, use_cache=False).logits
+        assert not torch.allclose(logits, plain(x, use_cache=False).logits)
+    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay=True)
+    folder = save_student(model, tmp_path / "s", config)
+    loaded, _, config = load_student(folder)
+    assert config.decay
+    with torch.no_grad():
+        assert torch.equal(loaded(x, use_cache=False).logits, logits)
+
+
+def test_decay_with_a_window_is_refused():
+    with pytest.raises(UserError, match="a decay is for pure linear attention.*window 4"):
+        linearize(tiny_model("llama"), dims=[8, 8, 8], window=4, decay=True)

@@ -17,6 +17,10 @@ Backends, all with the same signature and result (`naive.py` is the spec the oth
     fla         flash-linear-attention's Triton kernel (CUDA, `pip install fla-core`)
     auto        for CUDA inputs triton when it imports (its decode step for T = 1); else recurrent when T == 1;
                 else fla for CUDA inputs when it imports; else chunk
+
+A per-head decay (`log_decay` [H], see `naive.py`) runs on naive, chunk and recurrent; auto picks recurrent for
+T = 1 and chunk otherwise (on CUDA too: the Triton kernels have no decay yet), and asking triton or fla for a
+decay is a ValueError.
 """
 
 from __future__ import annotations
@@ -68,12 +72,20 @@ __all__ = ["linear_attention", "naive_linear_attention", "chunk_linear_attention
            "pick_backend", "BACKENDS"]
 
 
-def pick_backend(phi_q: torch.Tensor, backend: str = "auto") -> str:
-    """The backend `linear_attention` runs for these inputs ([B, T, H, M] queries); ValueError if unknown."""
+DECAY_BACKENDS = ("naive", "chunk", "recurrent")
+
+
+def pick_backend(phi_q: torch.Tensor, backend: str = "auto", decay: bool = False) -> str:
+    """The backend `linear_attention` runs for these inputs ([B, T, H, M] queries, with a decay or not);
+    ValueError if unknown or without decay support."""
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {['auto', *BACKENDS]}")
+    if decay and backend not in ("auto", *DECAY_BACKENDS):
+        raise ValueError(f"backend {backend!r} has no decay; use one of {list(DECAY_BACKENDS)} or 'auto'")
     if backend != "auto":
         return backend
+    if decay:
+        return "recurrent" if phi_q.shape[1] == 1 else "chunk"
     if phi_q.is_cuda and triton_available():
         return "triton"                                                 # T = 1 included: the one-kernel step
     if phi_q.shape[1] == 1:
@@ -85,14 +97,17 @@ def pick_backend(phi_q: torch.Tensor, backend: str = "auto") -> str:
 
 def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-                     backend: str = "auto", normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     backend: str = "auto", normalize: bool = True,
+                     log_decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention with the chosen backend (see the module docstring).
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
     Returns o [B, T, H, V] in v.dtype and the final state [B, H, M, V+1] if output_final_state, else None.
     normalize=False returns the unnormalised [num, den] [B, T, H, V+1] (float32, float64 for float64 inputs) for o.
+    log_decay: [H] (≤ 0) or None: each head's state decays by exp(log_decay) per token.
     """
-    check_inputs(phi_q, phi_k, v, initial_state)
-    name = pick_backend(phi_q, backend)
+    check_inputs(phi_q, phi_k, v, initial_state, log_decay)
+    name = pick_backend(phi_q, backend, decay=log_decay is not None)
+    decay = {} if log_decay is None else {"log_decay": log_decay}
     return BACKENDS[name](phi_q, phi_k, v, initial_state=initial_state, output_final_state=output_final_state,
-                          normalize=normalize)
+                          normalize=normalize, **decay)

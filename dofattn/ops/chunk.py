@@ -10,6 +10,12 @@ state and padded outputs are dropped). Within a chunk the masked quadratic form 
 ([C, C] per chunk); across chunks, the state before chunk n is S_0 + Σ_{m<n} φk_mᵀ [v_m, 1], an exclusive
 cumulative sum of the per-chunk states, applied with one more batched matmul. Cost O(T·C·(M+V) + T·M·V).
 
+With a decay (`log_decay` [H], see `naive.py`) the same three products carry factors of γ: within a chunk the
+[C, C] scores are scaled by γ^(t-s); a key enters its chunk's state scaled by γ^(C-1-s); the state entering
+chunk n is Σ_{m<n} γ^(C(n-1-m)) kv_m + γ^(nC) S_0 (a decayed prefix sum: an [N, N] matrix of factors for up to
+MATRIX_CHUNKS chunks, a loop beyond); query t reads it scaled by γ^(t+1). Every factor is exp(log γ × a distance
+≥ 0), so nothing overflows however strong the decay.
+
 Why a cumulative sum and not a loop over chunks: on a 2-core CPU at T=8192, H=9, M=V=64, C=64, the forward
 costs about the same either way (~70 ms), but forward+backward takes ~210 ms with the cumsum against ~600-900 ms
 with the loop (autograd through N small steps). Almost all the time is in the four batched matmuls.
@@ -20,7 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dofattn.ops.naive import augment_values, check_inputs, compute_dtype, normalise
+from dofattn.ops.naive import augment_values, check_inputs, compute_dtype, decay_factors, decay_matrix, normalise
+
+MATRIX_CHUNKS = 64   # decayed prefix sum over chunks: one [N, N] product up to this many chunks, a loop beyond
 
 
 def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -45,16 +53,40 @@ def states_before_chunks(kv: torch.Tensor, initial_state: torch.Tensor | None) -
     return before
 
 
+def decayed_states_before_chunks(kv: torch.Tensor, initial_state: torch.Tensor | None, log_decay: torch.Tensor,
+                                 chunk_size: int) -> torch.Tensor:
+    """Per-chunk states [B, H, N, M, V+1] (keys already scaled by γ^(C-1-s)) -> the state entering each chunk:
+    Σ_{m<n} γ^(C(n-1-m)) kv_m + γ^(nC) S_0."""
+    N = kv.shape[2]
+    chunk_log_decay = log_decay * chunk_size                           # [H]: log of one chunk's decay
+    if N <= MATRIX_CHUNKS:
+        weights = decay_matrix(chunk_log_decay, N, offset=-1)          # [H, N, N]: γ^(C(n-1-m)) for m < n
+        before = torch.einsum("hnm,bhmkv->bhnkv", weights, kv)
+    else:
+        carry, rows = torch.zeros_like(kv[:, :, 0]), []
+        factor = torch.exp(chunk_log_decay)[:, None, None]             # [H, 1, 1]
+        for n in range(N):
+            rows.append(carry)
+            carry = factor * carry + kv[:, :, n]
+        before = torch.stack(rows, dim=2)
+    if initial_state is not None:
+        reach = decay_factors(chunk_log_decay, torch.arange(N, device=kv.device))   # [N, H]: γ^(nC)
+        before = before + reach.T[None, :, :, None, None] * initial_state.unsqueeze(2)
+    return before
+
+
 def chunk_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-                           chunk_size: int = 64, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           chunk_size: int = 64, normalize: bool = True,
+                           log_decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention, chunked: equal to `naive_linear_attention` up to float rounding.
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
     chunk_size: tokens per chunk (any positive int; need not divide T, capped at T).
     Returns o [B, T, H, V] in v.dtype and the final state [B, H, M, V+1] if output_final_state, else None.
+    log_decay: [H] (≤ 0) or None, as in `naive_linear_attention`.
     """
-    check_inputs(phi_q, phi_k, v, initial_state)
+    check_inputs(phi_q, phi_k, v, initial_state, log_decay)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
     dtype = compute_dtype(phi_q, phi_k, v, initial_state)
@@ -66,6 +98,8 @@ def chunk_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
     k = to_chunks(phi_k.to(dtype), C)                                  # [B, H, N, C, M]
     v_aug = to_chunks(augment_values(v, dtype), C)                     # [B, H, N, C, V+1]
 
+    if log_decay is not None:
+        return _decayed(q, k, v_aug, S0, log_decay.to(dtype), T, output_final_state, normalize, v.dtype)
     A = (q @ k.transpose(-1, -2)).tril_()                              # [B, H, N, C, C], s ≤ t within a chunk
     kv = k.transpose(-1, -2) @ v_aug                                   # [B, H, N, M, V+1]
     o_aug = (q @ states_before_chunks(kv, S0)).add_(A @ v_aug)         # [B, H, N, C, V+1]
@@ -77,3 +111,28 @@ def chunk_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
             final_state = final_state + S0
     o_aug = from_chunks(o_aug, T)                                      # [B, T, H, V+1]
     return (normalise(o_aug, v.dtype) if normalize else o_aug), final_state
+
+
+def _decayed(q: torch.Tensor, k: torch.Tensor, v_aug: torch.Tensor, S0: torch.Tensor | None, log_decay: torch.Tensor,
+             T: int, output_final_state: bool, normalize: bool, out_dtype: torch.dtype):
+    """`chunk_linear_attention` with a decay, on chunked q, k [B, H, N, C, M] and v_aug [B, H, N, C, V+1]."""
+    C = q.shape[3]
+    steps = torch.arange(C + 1, device=q.device)
+    inside = decay_matrix(log_decay, C)[:, None]                       # [H, 1, C, C]: γ^(t-s), s ≤ t
+    A = (q @ k.transpose(-1, -2)) * inside                             # [B, H, N, C, C]
+    to_end = decay_factors(log_decay, steps[:C].flip(0)).T[:, None, :, None]   # [H, 1, C, 1]: γ^(C-1-s)
+    kv = (k * to_end).transpose(-1, -2) @ v_aug                        # [B, H, N, M, V+1]
+    from_start = decay_factors(log_decay, steps[1:]).T[:, None, :, None]       # [H, 1, C, 1]: γ^(t+1)
+    o_aug = ((q * from_start) @ decayed_states_before_chunks(kv, S0, log_decay, C)).add_(A @ v_aug)
+
+    final_state = None
+    if output_final_state:   # Σ_j γ^(T-1-j) φk_j [v_j, 1] + γ^T S_0; padding keys are zero (their factor is clamped)
+        N = q.shape[2]
+        position = torch.arange(N * C, device=q.device).view(N, C)
+        factor = decay_factors(log_decay, (T - 1 - position).clamp_min(0).flatten())   # [N·C, H]
+        factor = factor.T.reshape(-1, N, C)[..., None]                 # [H, N, C, 1]
+        final_state = torch.einsum("bhncm,bhncv->bhmv", k * factor, v_aug)
+        if S0 is not None:
+            final_state = final_state + torch.exp(log_decay * T)[:, None, None] * S0
+    o_aug = from_chunks(o_aug, T)                                      # [B, T, H, V+1]
+    return (normalise(o_aug, out_dtype) if normalize else o_aug), final_state

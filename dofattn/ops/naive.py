@@ -11,6 +11,10 @@ Layout, frozen for the whole package:
 Math: S_t = S_0 + Σ_{j≤t} φk_j ⊗ [v_j, 1], [num_t, den_t] = φq_t · S_t, o_t = num_t / max(den_t, tiny) with
 tiny = finfo(float32).tiny. Appending a column of ones to the values makes numerator and denominator one product.
 
+Decay (optional): log_decay [H], ≤ 0, the log of a per-head factor γ that the state is multiplied by before each
+token: S_t = γ S_{t-1} + φk_t ⊗ [v_t, 1], so the pair (t, s) is weighted γ^(t-s) φq_t·φk_s, and S_0 reaches token t
+as γ^(t+1) S_0. Every factor is computed as exp(log_decay × a nonnegative distance): ≤ 1, never an overflow.
+
 This file computes it the obvious, quadratic way: A = φq φkᵀ under a causal mask, plus φq·S_0. It is O(T²) in
 time and memory (B·H·T² floats) and exists to be read and tested against; the fast ops (`chunk`, `recurrent`, `fla`)
 import its small helpers (`check_inputs`, `augment_values`, `normalise`) so that every op shares one definition.
@@ -27,7 +31,7 @@ TINY = torch.finfo(torch.float32).tiny
 
 
 def check_inputs(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
-                 initial_state: torch.Tensor | None = None) -> None:
+                 initial_state: torch.Tensor | None = None, log_decay: torch.Tensor | None = None) -> None:
     """Raise ValueError, saying what is wrong, unless the shapes follow the frozen layout above."""
     for name, x in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
         if x.dim() != 4:
@@ -47,6 +51,24 @@ def check_inputs(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
         if tuple(initial_state.shape) != expected:
             raise ValueError(f"initial_state must be [B, H, M, V+1] = {expected} (last column: the normaliser "
                              f"Σ φk), got {tuple(initial_state.shape)}")
+    if log_decay is not None:
+        if tuple(log_decay.shape) != (H,) or not log_decay.is_floating_point():
+            raise ValueError(f"log_decay must be a floating-point [H] = ({H},) tensor (the log of each head's "
+                             f"decay), got {tuple(log_decay.shape)} {log_decay.dtype}")
+
+
+def decay_matrix(log_decay: torch.Tensor, rows: int, cols: int | None = None, offset: int = 0) -> torch.Tensor:
+    """[H, rows, cols]: exp(log_decay_h · (t - s)) where 0 ≤ t - s (t = i + offset, s = j), else 0."""
+    cols = rows if cols is None else cols
+    t = torch.arange(rows, device=log_decay.device)[:, None] + offset
+    distance = t - torch.arange(cols, device=log_decay.device)                     # [rows, cols]
+    factor = torch.exp(log_decay[:, None, None] * distance.clamp_min(0))
+    return factor.masked_fill(distance < 0, 0.0)
+
+
+def decay_factors(log_decay: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """[N, H]: exp(log_decay_h · distance_n) for nonnegative distances [N], shaped to scale [B, N, H, ·] rows."""
+    return torch.exp(distance.to(log_decay.dtype)[:, None] * log_decay)
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
@@ -69,30 +91,40 @@ def normalise(o_aug: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def naive_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                            initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False,
-                           normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           normalize: bool = True,
+                           log_decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention by the quadratic masked form.
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
     Returns o [B, T, H, V] in v.dtype and, if output_final_state, the state [B, H, M, V+1] (float32, or float64
     for float64 inputs), else None. normalize=False returns [num, den] [B, T, H, V+1] in the compute dtype instead
     of o (for callers that combine the linear part with other attention mass, e.g. `ops.window`).
+    log_decay: [H] (≤ 0) or None: each head's state decays by exp(log_decay) per token (module docstring).
     """
-    check_inputs(phi_q, phi_k, v, initial_state)
+    check_inputs(phi_q, phi_k, v, initial_state, log_decay)
     dtype = compute_dtype(phi_q, phi_k, v, initial_state)
     q, k = phi_q.to(dtype), phi_k.to(dtype)                           # [B, T, H, M]
     v_aug = augment_values(v, dtype)                                   # [B, T, H, V+1]
+    T = q.shape[1]
 
     A = torch.einsum("bthm,bshm->bhts", q, k)                         # [B, H, T, T]
     causal = torch.ones(A.shape[-2:], dtype=torch.bool, device=A.device).tril()   # s ≤ t
     A = A.masked_fill(~causal, 0.0)
+    if log_decay is not None:
+        log_decay = log_decay.to(dtype)
+        steps = torch.arange(T + 1, device=q.device)
+        A = A * decay_matrix(log_decay, T)                             # γ^(t-s)
     o_aug = torch.einsum("bhts,bshv->bthv", A, v_aug)                 # [B, T, H, V+1]
     if initial_state is not None:
         S0 = initial_state.to(dtype)                                   # [B, H, M, V+1]
-        o_aug = o_aug + torch.einsum("bthm,bhmv->bthv", q, S0)
+        q0 = q if log_decay is None else q * decay_factors(log_decay, steps[1:])[..., None]      # γ^(t+1)
+        o_aug = o_aug + torch.einsum("bthm,bhmv->bthv", q0, S0)
 
     final_state = None
     if output_final_state:
-        final_state = torch.einsum("bthm,bthv->bhmv", k, v_aug)       # [B, H, M, V+1]
+        k_last = k if log_decay is None else k * decay_factors(log_decay, steps[:T].flip(0))[..., None]  # γ^(T-1-j)
+        final_state = torch.einsum("bthm,bthv->bhmv", k_last, v_aug)  # [B, H, M, V+1]
         if initial_state is not None:
-            final_state = final_state + initial_state.to(dtype)
+            S0 = initial_state.to(dtype)
+            final_state = final_state + (S0 if log_decay is None else torch.exp(log_decay * T)[:, None, None] * S0)
     return (normalise(o_aug, v.dtype) if normalize else o_aug), final_state
