@@ -170,7 +170,7 @@ class DistillArgs:
                                     "normalisation (0: pure linear attention); generation keeps W keys plus the "
                                     "state. Default: set by --recipe (64 for dofattn and long, 0 for paper)")
     decay: bool = _opt(False, "pure linear attention only (--window 0): a learned decay per head, so each past "
-                              "token's weight shrinks by a factor γ per step (half-lives start at 6-1400 tokens); "
+                              "token's weight shrinks by a factor γ per step (half-lives start at 180-1400 tokens); "
                               "still O(1) state in generation")
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
