@@ -28,6 +28,7 @@ from dofattn.ops.naive import TINY, augment_values
 from dofattn.ops.window import window_linear_attention, window_logits
 
 IMPLEMENTATION = "dofattn"
+DECAY_START = (8, 11)   # a decay starts at log γ_h from -2^-8 to -2^-11 over the heads (half-lives 180-1400 tokens)
 
 
 class LinearAttention(nn.Module):
@@ -54,15 +55,15 @@ class LinearAttention(nn.Module):
             self.log_gain = nn.Parameter(torch.zeros(num_heads))                       # [H]
         self.decay = bool(decay)
         if self.decay:   # log γ_h = -exp(rate_h): always < 0; rates spread over the heads, -8 ln 2 to -11 ln 2
-            self.decay_rate = nn.Parameter(-math.log(2) * torch.linspace(8, 11, num_heads))   # [H]
+            self.decay_rate = nn.Parameter(-math.log(2) * torch.linspace(*DECAY_START, num_heads))   # [H]
         self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
 
     def extra_repr(self) -> str:
         return ", ".join(([f"window={self.window}"] if self.window else []) + (["decay"] if self.decay else []))
 
     def log_decay(self) -> torch.Tensor | None:
-        """[H] float32: log γ_h of each head (< 0), or None without a decay."""
-        return -torch.exp(self.decay_rate.float()) if self.decay else None
+        """[H] float32: log γ_h of each head (< 0, at least -1e4), or None without a decay."""
+        return -torch.exp(self.decay_rate.float()).clamp_max(1e4) if self.decay else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
                 cache: LinearStateLayer | None = None, backend: str = "auto") -> torch.Tensor:
@@ -84,9 +85,9 @@ class LinearAttention(nn.Module):
                 k, v = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
                 key_valid = torch.cat([cache.key_valid, key_valid], 1)
         o, state = self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, cache.state, True, backend)
-        if (cache.state is not None and not torch.is_grad_enabled() and state.shape == cache.state.shape
-                and state.dtype == cache.state.dtype):
-            cache.state.copy_(state)    # in place: a captured CUDA graph (engine.StaticDecoder) keeps its buffer
+        if (cache.state is not None and q.is_cuda and torch.cuda.is_current_stream_capturing()
+                and state.shape == cache.state.shape and state.dtype == cache.state.dtype):
+            cache.state.copy_(state)    # a CUDA graph being captured (engine.StaticDecoder): replays keep the buffer
         else:
             cache.state = state
         if self.window:
@@ -178,8 +179,23 @@ class LinearAttention(nn.Module):
             phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(q.dtype)
         if key_valid is not None:
             phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
+            if self.decay:
+                check_decay_padding(key_valid, state)
         return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
                                 backend=backend, log_decay=self.log_decay())
+
+
+def check_decay_padding(key_valid: torch.Tensor, state: torch.Tensor | None) -> None:
+    """A decay counts every position, padding included: padding is exact only on the left of a first chunk (the
+    state is still zero while it passes). UserError for padding after a real token or in a continued chunk."""
+    if key_valid.all():
+        return
+    if state is not None:
+        raise UserError("a layer with a decay cannot continue its state through padding tokens (each would still "
+                        "decay it); continue with unpadded chunks, or pad only the first chunk, on the left")
+    if (key_valid.int().diff(dim=1) < 0).any():
+        raise UserError("a layer with a decay needs left padding: a padding token after a real one would still "
+                        "decay the state; pad on the left (tokenizer.padding_side = 'left')")
 
 
 class LinearStateLayer(CacheLayerMixin):

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from dofattn.attention import LinearAttention
+from dofattn.attention import DECAY_START, LinearAttention
 from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
@@ -495,7 +495,8 @@ RESUME_IRRELEVANT = ("device", "out", "time_limit")
 # Options added later, with the value that reproduces a run folder written before they existed.
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
-                 "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False}
+                 "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
+                 "decay_start": None}
 KEEP_BY = ("dof", "first", "random", "gain")
 GAIN_BLOCKS = 4          # training blocks on which --keep-by gain measures each layer
 # What each --recipe sets for options left unset (None); a callable reads the value off the other options. "paper"
@@ -738,7 +739,7 @@ def run(args) -> dict:
         direct_train = token_blocks(args.data, tokenizer, length, blocks, split="train", seed=args.seed)
     valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
-        check_run_folder(out, asdict(args))
+        check_run_folder(out, {**asdict(args), "decay_start": list(DECAY_START) if args.decay else None})
     barrier()
     finished = json.loads((out / "log.json").read_text()) if (out / "log.json").is_file() else None
     done = finished.get("direct", {}) if finished else {}

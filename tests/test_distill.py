@@ -336,6 +336,12 @@ def test_run_folder_with_other_arguments_is_refused_and_untouched(capsys, model_
     (out / "run.json").write_text(json.dumps(record))
     assert run(capsys, *argv)[0] == 0
     assert run(capsys, *argv, "--window", "4")[0] == 2
+    # a decay run records where its decay started; one from before that (another start) is refused
+    record = json.loads((out / "run.json").read_text())
+    assert record["decay_start"] is None
+    (out / "run.json").write_text(json.dumps({**record, "decay": True}))
+    code, _, err = run(capsys, *argv, "--decay", "--window", "0")
+    assert code == 2 and "other arguments (decay_start)" in err, err
 
 
 def test_out_folder_that_is_not_a_run_is_refused(capsys, model_dirs, corpus, tmp_path):

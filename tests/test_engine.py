@@ -40,8 +40,9 @@ def test_same_tokens_as_hf_generate(family, window, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("feature,decay", [("hedgehog", False), ("prf", True), ("hedgehog", True)])
 def test_same_tokens_without_the_one_kernel_step(feature, decay, device):
-    """Maps and decays that the one-kernel step does not take run the op's decode path, which updates the state in
-    place: on CUDA the replayed graph reads and writes the same buffer every token."""
+    """Maps and decays that the one-kernel step does not take run the op's decode path. On CUDA its state update is
+    captured in place, so the replayed graph reads and writes the same buffer every token (what this checks there);
+    on CPU the static step runs eagerly."""
     model = tiny_model("llama")
     linearize(model, dims=[9, 16, 5], feature=feature, seed=1, decay=decay)
     model.generation_config.eos_token_id = None

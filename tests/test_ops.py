@@ -253,8 +253,9 @@ def test_fla_matches_naive(case):
 
 # --- decay -----------------------------------------------------------------------------------------------------------
 
-DECAY_CASES = CASES[1::2]
-DECAY_IDS = CASE_IDS[1::2]
+# every other case, and one where weak decays link many chunks and the initial state (float32)
+DECAY_CASES = CASES[1::2] + [(2, 257, 3, 5, 16, 16, True)]
+DECAY_IDS = CASE_IDS[1::2] + ["B2-T257-H3-M5-V16-C16-S0"]
 
 
 def make_log_decay(H: int, dtype=torch.float32) -> torch.Tensor:
@@ -340,6 +341,19 @@ def test_strong_decay_over_long_sequences_stays_finite(backend, dtype):
     assert torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(decay.grad).all()
     # head 0 forgets everything before each token: its output is that token's own value
     torch.testing.assert_close(o[0, :, 0].float(), v[0, :, 0].float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunk", "recurrent"])
+def test_decay_limits_are_clamped(backend):
+    """log γ = -inf (every past key gone) and a positive value (clamped to γ = 1): finite, and as at the limits."""
+    phi_q, phi_k, v, state = make_inputs(1, 70, 2, 5, 4)
+    o, s = linear_attention(phi_q, phi_k, v, state, True, backend=backend,
+                            log_decay=torch.tensor([-torch.inf, 3.0]))
+    ref_o, ref_s = linear_attention(phi_q, phi_k, v, state, True, backend="naive",
+                                    log_decay=torch.tensor([-1e4, 0.0]))
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert_close("o", ref_o, o, 1e-5)
+    assert_close("ht", ref_s, s, 1e-5)
 
 
 def test_decay_dispatch_and_errors():

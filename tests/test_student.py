@@ -125,11 +125,16 @@ def test_generation_matches_full_forward_for_64_steps(family, feature):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("window", [0, 4])   # 4: the window hybrid's cached keys carry their padding mask too
+@pytest.mark.parametrize("window", [0, 4, "decay"])   # 4: the window hybrid's cached keys carry their padding mask
 def test_batched_left_padded_generation_equals_one_by_one(family, tokenizer, window):
     model = tiny_model(family)
     model.generation_config.eos_token_id = None  # every row generates all 12 tokens
-    linearize(model, dims=[16, 16, 16], seed=2, window=window)
+    decay = window == "decay"      # left padding passes while the state is zero: the decay changes nothing there
+    linearize(model, dims=[16, 16, 16], seed=2, window=0 if decay else window, decay=decay)
+    if decay:
+        with torch.no_grad():
+            for module in attention_modules(model):
+                module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
     prompts = [ids(1, 5, seed=3)[0], ids(1, 12, seed=4)[0], ids(1, 9, seed=5)[0]]
     singles = []
     with torch.no_grad():
@@ -335,3 +340,15 @@ def test_decay_changes_the_output_and_round_trips(tmp_path, model_dirs):
 def test_decay_with_a_window_is_refused():
     with pytest.raises(UserError, match="a decay is for pure linear attention.*window 4"):
         linearize(tiny_model("llama"), dims=[8, 8, 8], window=4, decay=True)
+
+
+def test_decay_refuses_padding_it_would_count():
+    from dofattn.attention import check_decay_padding
+
+    left = torch.tensor([[False, True, True], [True, True, True]])
+    check_decay_padding(left, None)                                   # left padding of a first chunk: exact
+    check_decay_padding(torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 4, 5, 3))   # no padding: any state
+    with pytest.raises(UserError, match="needs left padding"):
+        check_decay_padding(torch.tensor([[True, False, True]]), None)
+    with pytest.raises(UserError, match="cannot continue its state through padding"):
+        check_decay_padding(left, torch.zeros(2, 4, 5, 3))

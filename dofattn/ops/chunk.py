@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dofattn.ops.naive import augment_values, check_inputs, compute_dtype, decay_factors, decay_matrix, normalise
+from dofattn.ops.naive import (augment_values, check_inputs, compute_dtype, decay_factors, decay_log, decay_matrix,
+                               normalise)
 
 MATRIX_CHUNKS = 64   # decayed prefix sum over chunks: one [N, N] product up to this many chunks, a loop beyond
 
@@ -99,7 +100,7 @@ def chunk_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
     v_aug = to_chunks(augment_values(v, dtype), C)                     # [B, H, N, C, V+1]
 
     if log_decay is not None:
-        return _decayed(q, k, v_aug, S0, log_decay.to(dtype), T, output_final_state, normalize, v.dtype)
+        return _decayed(q, k, v_aug, S0, decay_log(log_decay, dtype), T, output_final_state, normalize, v.dtype)
     A = (q @ k.transpose(-1, -2)).tril_()                              # [B, H, N, C, C], s ≤ t within a chunk
     kv = k.transpose(-1, -2) @ v_aug                                   # [B, H, N, M, V+1]
     o_aug = (q @ states_before_chunks(kv, S0)).add_(A @ v_aug)         # [B, H, N, C, V+1]

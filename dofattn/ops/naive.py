@@ -11,7 +11,7 @@ Layout, frozen for the whole package:
 Math: S_t = S_0 + Σ_{j≤t} φk_j ⊗ [v_j, 1], [num_t, den_t] = φq_t · S_t, o_t = num_t / max(den_t, tiny) with
 tiny = finfo(float32).tiny. Appending a column of ones to the values makes numerator and denominator one product.
 
-Decay (optional): log_decay [H], ≤ 0, the log of a per-head factor γ that the state is multiplied by before each
+Decay (optional): log_decay [H], ≤ 0 (clamped to [-1e4, 0]), the log of a per-head factor γ that the state is multiplied by before each
 token: S_t = γ S_{t-1} + φk_t ⊗ [v_t, 1], so the pair (t, s) is weighted γ^(t-s) φq_t·φk_s, and S_0 reaches token t
 as γ^(t+1) S_0. Every factor is computed as exp(log_decay × a nonnegative distance): ≤ 1, never an overflow.
 
@@ -55,6 +55,12 @@ def check_inputs(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
         if tuple(log_decay.shape) != (H,) or not log_decay.is_floating_point():
             raise ValueError(f"log_decay must be a floating-point [H] = ({H},) tensor (the log of each head's "
                              f"decay), got {tuple(log_decay.shape)} {log_decay.dtype}")
+
+
+def decay_log(log_decay: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """log_decay in the compute dtype, clamped to [-1e4, 0]: γ = 0 and γ = 1 are the limits (a -inf would give
+    0·inf = NaN at distance 0, a positive value an overflow)."""
+    return log_decay.to(dtype).clamp(-1e4, 0.0)
 
 
 def decay_matrix(log_decay: torch.Tensor, rows: int, cols: int | None = None, offset: int = 0) -> torch.Tensor:
@@ -111,7 +117,7 @@ def naive_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
     causal = torch.ones(A.shape[-2:], dtype=torch.bool, device=A.device).tril()   # s ≤ t
     A = A.masked_fill(~causal, 0.0)
     if log_decay is not None:
-        log_decay = log_decay.to(dtype)
+        log_decay = decay_log(log_decay, dtype)
         steps = torch.arange(T + 1, device=q.device)
         A = A * decay_matrix(log_decay, T)                             # γ^(t-s)
     o_aug = torch.einsum("bhts,bshv->bthv", A, v_aug)                 # [B, T, H, V+1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dofattn.ops.naive import augment_values, check_inputs, compute_dtype, normalise
+from dofattn.ops.naive import augment_values, check_inputs, compute_dtype, decay_log, normalise
 
 
 def recurrent_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
@@ -36,7 +36,7 @@ def recurrent_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torc
     else:
         S = initial_state.to(dtype)
 
-    gamma = None if log_decay is None else torch.exp(log_decay.to(dtype))[:, None, None]   # [H, 1, 1]
+    gamma = None if log_decay is None else torch.exp(decay_log(log_decay, dtype))[:, None, None]   # [H, 1, 1]
     outputs = []
     for t in range(T):
         if gamma is not None:
