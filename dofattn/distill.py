@@ -52,7 +52,7 @@ from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
 from dofattn.features import FEATURES, PositiveRandomFeatures
-from dofattn.ops.naive import decay_matrix
+from dofattn.ops.naive import log_decay_matrix
 from dofattn.ops.window import window_logits
 from dofattn.student import attention_modules, head_layout
 
@@ -108,12 +108,6 @@ def _causal(T: int, device) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
-def _log_decay_matrix(linear: LinearAttention, T: int) -> torch.Tensor:
-    """[H, T, T]: log γ_h · (t - s) on causal pairs (0 elsewhere: those are masked by the caller)."""
-    distance = torch.arange(T, device=linear.decay_rate.device)
-    return linear.log_decay()[:, None, None] * (distance[:, None] - distance).clamp_min(0)
-
-
 def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scaling: float) -> torch.Tensor:
     """Mean KL(teacher row ‖ student row) over causal attention rows. q, k, v [B, T, H, D] (v unused).
@@ -128,8 +122,9 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
     scores = torch.einsum("bthm,bshm->bhts", phi_q, phi_k).masked_fill(~mask, 0)  # [B, H, T, T]
     log_scores = torch.log(scores.clamp_min(TINY))
     if linear.decay:  # the weight of a pair is its score times γ^(t-s), taken in log space for far pairs
-        log_scores = log_scores + _log_decay_matrix(linear, q.shape[1])
-        scores = scores * decay_matrix(linear.log_decay(), q.shape[1])
+        log_factor = log_decay_matrix(linear.log_decay(), q.shape[1])[0]         # [H, T, T], 0 above the diagonal
+        log_scores = log_scores + log_factor
+        scores = scores * log_factor.exp()                                        # scores are 0 above it already
     log_student = log_scores - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY))
     logits = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
     log_teacher = torch.log_softmax(logits, -1)
@@ -163,7 +158,7 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
                       + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, T, T]
     if linear.decay:  # the student's weight of a pair is its kernel estimate times γ^(t-s)
-        log_kernel_hat = log_kernel_hat + _log_decay_matrix(linear, q.shape[1])
+        log_kernel_hat = log_kernel_hat + log_decay_matrix(linear.log_decay(), q.shape[1])[0]
     mask = _causal(q.shape[1], q.device)
     if linear.window:  # the features only ever see pairs beyond the window
         mask = mask.tril(-linear.window)

@@ -74,11 +74,15 @@ def forward_backward(op, phi_q, phi_k, v, state, seed=1, **kwargs):
     return o, final, {name: x.grad for name, x in leaves.items()}
 
 
-def compare(op, case, dtype=torch.float32, ratio=1e-4, **kwargs):
+def compare(op, case, dtype=torch.float32, ratio=1e-4, log_decay=None, **kwargs):
+    """op against the naive reference on `case`: outputs, final states and gradients (of log_decay too, if given)."""
     B, T, H, M, V, _, with_state = case
     inputs = make_inputs(B, T, H, M, V, with_state, dtype)
-    ref_o, ref_s, ref_grads = forward_backward(naive_linear_attention, *inputs)
-    tri_o, tri_s, tri_grads = forward_backward(op, *inputs, **kwargs)
+    decays = [None if log_decay is None else log_decay.clone().requires_grad_() for _ in range(2)]
+    ref_o, ref_s, ref_grads = forward_backward(naive_linear_attention, *inputs,
+                                               **({} if log_decay is None else {"log_decay": decays[0]}))
+    tri_o, tri_s, tri_grads = forward_backward(op, *inputs, **kwargs,
+                                               **({} if log_decay is None else {"log_decay": decays[1]}))
     assert tri_o.dtype == dtype and tri_s.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close("o", ref_o, tri_o, ratio)
     assert_close("ht", ref_s, tri_s, ratio)
@@ -86,6 +90,8 @@ def compare(op, case, dtype=torch.float32, ratio=1e-4, **kwargs):
         # With M = 1, φq cancels in the ratio and dq is rounding noise around 0: measure it on dk's scale.
         floor = ref_grads["dk"].norm().item() if (name == "dq" and M == 1) else 1e-8
         assert_close(name, ref_grads[name], tri_grads[name], ratio, floor)
+    if log_decay is not None:
+        assert_close("dlog_decay", decays[0].grad, decays[1].grad, ratio)
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -264,22 +270,8 @@ def make_log_decay(H: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def compare_decay(op, case, dtype=torch.float32, ratio=1e-4, **kwargs):
-    """As `compare`, with a decay, and its gradient checked too."""
-    B, T, H, M, V, _, with_state = case
-    phi_q, phi_k, v, state = make_inputs(B, T, H, M, V, with_state, dtype)
-    log_decay = make_log_decay(H, dtype)
-    results = []
-    for fn, extra in ((naive_linear_attention, {}), (op, kwargs)):
-        decay = log_decay.clone().requires_grad_()
-        o, final, grads = forward_backward(fn, phi_q, phi_k, v, state, log_decay=decay, **extra)
-        results.append((o, final, grads, decay.grad))
-    (ref_o, ref_s, ref_grads, ref_dd), (o, s, grads, dd) = results
-    assert_close("o", ref_o, o, ratio)
-    assert_close("ht", ref_s, s, ratio)
-    for name in ref_grads:
-        floor = ref_grads["dk"].norm().item() if (name == "dq" and M == 1) else 1e-8
-        assert_close(name, ref_grads[name], grads[name], ratio, floor)
-    assert_close("dlog_decay", ref_dd, dd, ratio)
+    """`compare` with a decay of every strength (`make_log_decay`)."""
+    compare(op, case, dtype, ratio, log_decay=make_log_decay(case[2], dtype), **kwargs)
 
 
 @pytest.mark.parametrize("case", DECAY_CASES, ids=DECAY_IDS)

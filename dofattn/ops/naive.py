@@ -11,9 +11,10 @@ Layout, frozen for the whole package:
 Math: S_t = S_0 + Σ_{j≤t} φk_j ⊗ [v_j, 1], [num_t, den_t] = φq_t · S_t, o_t = num_t / max(den_t, tiny) with
 tiny = finfo(float32).tiny. Appending a column of ones to the values makes numerator and denominator one product.
 
-Decay (optional): log_decay [H], ≤ 0 (clamped to [-1e4, 0]), the log of a per-head factor γ that the state is multiplied by before each
-token: S_t = γ S_{t-1} + φk_t ⊗ [v_t, 1], so the pair (t, s) is weighted γ^(t-s) φq_t·φk_s, and S_0 reaches token t
-as γ^(t+1) S_0. Every factor is computed as exp(log_decay × a nonnegative distance): ≤ 1, never an overflow.
+Decay (optional): log_decay [H], ≤ 0 (clamped to [-1e4, 0]), the log of a per-head factor γ that the state is
+multiplied by before each token: S_t = γ S_{t-1} + φk_t ⊗ [v_t, 1], so the pair (t, s) is weighted γ^(t-s)
+φq_t·φk_s, and S_0 reaches token t as γ^(t+1) S_0. Every factor is computed as exp(log_decay × a nonnegative
+distance): ≤ 1, never an overflow.
 
 This file computes it the obvious, quadratic way: A = φq φkᵀ under a causal mask, plus φq·S_0. It is O(T²) in
 time and memory (B·H·T² floats) and exists to be read and tested against; the fast ops (`chunk`, `recurrent`, `fla`)
@@ -63,13 +64,19 @@ def decay_log(log_decay: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return log_decay.to(dtype).clamp(-1e4, 0.0)
 
 
-def decay_matrix(log_decay: torch.Tensor, rows: int, cols: int | None = None, offset: int = 0) -> torch.Tensor:
-    """[H, rows, cols]: exp(log_decay_h · (t - s)) where 0 ≤ t - s (t = i + offset, s = j), else 0."""
+def log_decay_matrix(log_decay: torch.Tensor, rows: int, cols: int | None = None,
+                     offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """([H, rows, cols] log_decay_h · max(t - s, 0), [rows, cols] True where t - s < 0), t = i + offset, s = j."""
     cols = rows if cols is None else cols
     t = torch.arange(rows, device=log_decay.device)[:, None] + offset
     distance = t - torch.arange(cols, device=log_decay.device)                     # [rows, cols]
-    factor = torch.exp(log_decay[:, None, None] * distance.clamp_min(0))
-    return factor.masked_fill(distance < 0, 0.0)
+    return log_decay[:, None, None] * distance.clamp_min(0), distance < 0
+
+
+def decay_matrix(log_decay: torch.Tensor, rows: int, cols: int | None = None, offset: int = 0) -> torch.Tensor:
+    """[H, rows, cols]: exp(log_decay_h · (t - s)) where 0 ≤ t - s (t = i + offset, s = j), else 0."""
+    log_factor, before = log_decay_matrix(log_decay, rows, cols, offset)
+    return torch.exp(log_factor).masked_fill(before, 0.0)
 
 
 def decay_factors(log_decay: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
