@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 
 SHOWN = ("recipe", "dims", "feature", "loss", "window", "keep_softmax", "keep_by", "progressive", "per_head", "lora_rank",
-         "steps", "then_direct_steps", "direct_seq_len", "direct_batch_size", "direct_blocks", "dof_repeats",
-         "lam_auto", "decay", "decay_start")
+         "steps", "then_direct_steps", "direct_seq_len", "direct_batch_size", "direct_blocks", "direct_lr",
+         "kd_weight", "dof_repeats", "lam_auto", "decay", "decay_start")
 
 
 def effective(args: dict) -> dict:
@@ -36,6 +36,9 @@ def describe(folder: Path) -> dict:
     from dofattn.cli import DistillArgs
     from dofattn.distill import LATER_OPTIONS, resolve_recipe
 
+    for name in ("run.json", "log.json"):
+        if not (folder / name).is_file():
+            raise SystemExit(f"{folder} has no {name}: give the folders of finished `dofattn distill` runs")
     args = json.loads((folder / "run.json").read_text())
     log = json.loads((folder / "log.json").read_text())
     defaults = DistillArgs(recipe=args.get("recipe", LATER_OPTIONS["recipe"]))  # that recipe's defaults
@@ -105,6 +108,9 @@ def seed_summary(rows: list[dict], tokens: int | None = None) -> list[dict]:
     return summary
 
 
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="finished run folders")
@@ -118,6 +124,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.at_tokens is not None and not args.by_seed:
         parser.error("--at-tokens pools runs over seeds: add --by-seed")
+    for flag, path in (("--out", args.out), ("--curves", args.curves)):
+        if path and Path(path).is_dir():
+            parser.error(f"{flag} {path} is a folder; give a file name")
+    if args.curves and Path(args.curves).suffix.lower() not in IMAGE_SUFFIXES:
+        parser.error(f"--curves {args.curves}: give an image file name ending in {', '.join(IMAGE_SUFFIXES)}")
     rows = [describe(Path(f)) for f in args.runs]
     print(f"teacher ppl {rows[0]['teacher_ppl']:.2f}\n{markdown(rows)}")
     result = rows

@@ -1,0 +1,79 @@
+"""benchmarks/runs_table.py on hand-written run folders: what differs from a recipe, pooling over seeds, bad paths."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from dofattn.cli import DistillArgs
+from dofattn.distill import resolve_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "runs_table.py"
+spec = importlib.util.spec_from_file_location("runs_table", SCRIPT)
+runs_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(runs_table)
+
+
+def fake_run(folder: Path, ppl: float, curve: list[dict] | None = None, **options) -> Path:
+    """A run folder as `dofattn distill` leaves it, as far as the table reads it: run.json and log.json."""
+    args = DistillArgs(**options)
+    resolve_recipe(args)
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text(json.dumps(asdict(args)))
+    log = {"dims": [32, 96], "softmax_layers": [], "seconds": {"direct": 10.0},
+           "direct": {"curve": curve or []},
+           "evaluation": {"teacher_ppl": 20.0, "student_ppl": ppl, "layerwise_student_ppl": 2 * ppl, "kl": 0.5,
+                          "top1_agreement": 0.6}}
+    (folder / "log.json").write_text(json.dumps(log))
+    return folder
+
+
+def test_a_row_names_the_options_that_differ_from_its_recipe(tmp_path):
+    row = runs_table.describe(fake_run(tmp_path / "a", 30.0, window=0, direct_lr=0.006, lora_rank=8))
+    assert row["changed"] == {"window": 0, "lora_rank": 8, "direct_lr": 0.006}
+    assert row["vs_teacher"] == pytest.approx(1.5)
+    line = runs_table.markdown([row]).splitlines()[-1]
+    assert "direct_lr=0.006" in line and "30.0 (1.50×)" in line
+
+
+def test_seeds_pool_to_mean_and_sample_sd(tmp_path):
+    rows = [runs_table.describe(fake_run(tmp_path / f"s{seed}", ppl, seed=seed))
+            for seed, ppl in ((0, 22.0), (1, 26.0), (2, 24.0))]
+    [group] = runs_table.seed_summary(rows)
+    assert group["seeds"] == [0, 1, 2]
+    assert group["vs_teacher_mean"] == pytest.approx(1.2)
+    assert group["vs_teacher_sd"] == pytest.approx(0.1)
+
+
+def test_pooling_at_tokens_reads_the_curves(tmp_path):
+    rows = [runs_table.describe(fake_run(tmp_path / f"s{seed}", 25.0, seed=seed,
+                                         curve=[{"step": 10, "tokens": 5120, "ppl": ppl}]))
+            for seed, ppl in ((0, 30.0), (1, 34.0))]
+    [group] = runs_table.seed_summary(rows, tokens=5120)
+    assert group["vs_teacher"] == pytest.approx([1.5, 1.7])
+    with pytest.raises(SystemExit, match="no validation point at 999"):
+        runs_table.seed_summary(rows, tokens=999)
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+def test_bad_paths_are_refused_before_anything_is_written(tmp_path):
+    run = fake_run(tmp_path / "a", 30.0)
+    other = fake_run(tmp_path / "b", 31.0)
+    for args, message in (((str(run), "--curves", str(other)), "is a folder"),
+                          ((str(run), "--curves", str(tmp_path / "c.txt")), "give an image file name"),
+                          ((str(run), "--out", str(other)), "is a folder"),
+                          ((str(tmp_path),), "has no run.json")):
+        proc = run_script(*args)
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
+    assert sorted(p.name for p in other.iterdir()) == ["log.json", "run.json"]
+    assert not (tmp_path / "b.png").exists()
