@@ -36,9 +36,10 @@ class LinearAttention(nn.Module):
 
     window = 0: pure linear attention. window = W > 0: exact softmax over the last W keys and linear attention
     beyond, in one normalisation (`ops.window`); `log_gain` [H] (learned, init 0) scales the linear part's mass.
-    decay (pure linear attention only): each head's state decays by a learned γ_h per token, so the pair (t, s)
-    weighs γ_h^(t-s) φq_t·φk_s. γ_h = exp(-exp(decay_rate_h)), started weak: half-lives from about 180 to 1400
-    tokens across the heads (log γ from -2^-8 to -2^-11); training shortens those that need it.
+    decay: each head's state decays by a learned γ_h per token, so the pair (t, s) weighs γ_h^(t-s) φq_t·φk_s; beside
+    a window, the linear part's pairs weigh γ_h^(t-W-s) (counted from the window's edge; the exact part is the
+    teacher's kernel). γ_h = exp(-exp(decay_rate_h)), started weak: half-lives from about 180 to 1400 tokens across
+    the heads (log γ from -2^-8 to -2^-11); training shortens those that need it.
     """
 
     def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int, window: int = 0,
@@ -46,9 +47,6 @@ class LinearAttention(nn.Module):
         super().__init__()
         if window < 0:
             raise UserError(f"window must be >= 0 tokens (0: no softmax window), got {window}")
-        if decay and window:
-            raise UserError(f"a decay is for pure linear attention; it cannot be combined with a softmax window "
-                            f"(got window {window}): use window 0 or no decay")
         self.feature_map = feature_map
         self.num_heads, self.num_kv_heads, self.window = num_heads, num_kv_heads, int(window)
         if self.window:
@@ -115,6 +113,8 @@ class LinearAttention(nn.Module):
         old_valid = cache.key_valid.index_select(1, slot).float()                 # [B, 1]
         phi_old, k_scale = fmap.features(self.expand_kv(old_k), "key")             # [B, 1, H, M], [H]
         v_old = augment_values(self.expand_kv(old_v), torch.float32)               # [B, 1, H, V+1]
+        if self.decay:  # the state moves on by one step (as of the key now leaving the window)
+            cache.state.mul_(torch.exp(self.log_decay())[None, :, None, None])
         cache.state.add_(torch.einsum("bthm,bthv->bhmv", phi_old.float() * old_valid[..., None, None], v_old))
         cache.keys.index_copy_(1, slot, k)
         cache.values.index_copy_(1, slot, v)
@@ -145,7 +145,8 @@ class LinearAttention(nn.Module):
             return
         phi_q, q_scale = self.feature_map.features(q, "query")
         phi_k, k_scale = self.feature_map.features(k, "key")
-        logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale, self.feature_map.scaling, self.window)
+        logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale, self.feature_map.scaling, self.window,
+                                  log_decay=self.log_decay())
         T = q.shape[1]
         far = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-self.window)         # s <= t - W
         exact = (self.feature_map.scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float()))
@@ -170,9 +171,12 @@ class LinearAttention(nn.Module):
             phi_k, k_scale = self.feature_map.features(k, "key")                   # [B, Tk, H, M], [H]
             if q.dtype in (torch.bfloat16, torch.float16):
                 phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(q.dtype)
+            if self.decay and key_valid is not None:
+                check_window_decay_padding(key_valid)
             return window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + self.log_gain,
                                            self.feature_map.scaling, self.window, key_valid, state,
-                                           output_final_state=output_final_state, backend=backend)
+                                           output_final_state=output_final_state, backend=backend,
+                                           log_decay=self.log_decay())
         phi_q = self.feature_map(q, "query")                                       # [B, T, H, M]
         phi_k = self.feature_map(k, "key")                                         # [B, T, H, M]
         if q.dtype in (torch.bfloat16, torch.float16):   # 16-bit model: 16-bit features, float32 sums in the op
@@ -183,6 +187,15 @@ class LinearAttention(nn.Module):
                 check_decay_padding(key_valid, state)
         return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
                                 backend=backend, log_decay=self.log_decay())
+
+
+def check_window_decay_padding(key_valid: torch.Tensor) -> None:
+    """A window hybrid's decay counts every position too, but its calls see the cached keys before the new ones:
+    padding is exact wherever it precedes every real token (then the state before it holds nothing). UserError for
+    padding after a real token among the keys of this call, cached ones included."""
+    if not key_valid.all() and (key_valid.int().diff(dim=1) < 0).any():
+        raise UserError("a layer with a decay needs left padding: a padding token after a real one would still "
+                        "decay the state; pad on the left (tokenizer.padding_side = 'left')")
 
 
 def check_decay_padding(key_valid: torch.Tensor, state: torch.Tensor | None) -> None:

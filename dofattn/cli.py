@@ -169,9 +169,9 @@ class DistillArgs:
     window: int | None = _opt(None, "exact softmax attention over the last W tokens beside the linear part, in one "
                                     "normalisation (0: pure linear attention); generation keeps W keys plus the "
                                     "state. Default: set by --recipe (64 for dofattn and long, 0 for paper)")
-    decay: bool = _opt(False, "pure linear attention only (--window 0): a learned decay per head, so each past "
-                              "token's weight shrinks by a factor γ per step (half-lives start at 180-1400 tokens); "
-                              "still O(1) state in generation")
+    decay: bool = _opt(False, "a learned decay per head in the linear part: each past token's weight shrinks by a "
+                              "factor γ per step (beyond the window, if any; half-lives start at 180-1400 tokens); "
+                              "still O(1) state in generation. Batches must be padded on the left")
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
     keep_by: str = _opt("dof", "which layers --keep-softmax keeps: dof (the K with the largest DoF), first (layers "

@@ -136,7 +136,8 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
 def _window_softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     phi_q, q_scale = linear.feature_map.features(q, "query")
     phi_k, k_scale = linear.feature_map.features(k, "key")
-    logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + linear.log_gain, scaling, linear.window)
+    logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + linear.log_gain, scaling, linear.window,
+                              log_decay=linear.log_decay())
     mask = _causal(q.shape[1], q.device)
     log_student = torch.log_softmax(logits, -1).clamp_min(math.log(TINY))       # [B, H, T, T]
     teacher_logits = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
@@ -157,8 +158,8 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     dot = torch.einsum("bthm,bshm->bhts", torch.exp(e_q - c_q), torch.exp(e_k - c_k))
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
                       + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, T, T]
-    if linear.decay:  # the student's weight of a pair is its kernel estimate times γ^(t-s)
-        log_kernel_hat = log_kernel_hat + log_decay_matrix(linear.log_decay(), q.shape[1])[0]
+    if linear.decay:  # the student's weight of a pair is its kernel estimate times γ^(t-s), beside a window γ^(t-W-s)
+        log_kernel_hat = log_kernel_hat + log_decay_matrix(linear.log_decay(), q.shape[1], offset=-linear.window)[0]
     mask = _causal(q.shape[1], q.device)
     if linear.window:  # the features only ever see pairs beyond the window
         mask = mask.tril(-linear.window)
@@ -567,9 +568,6 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.window < 0:
         raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
-    if args.decay and args.window:
-        raise UserError(f"--decay is for pure linear attention and cannot be combined with --window {args.window}; "
-                        f"add --window 0 (or --recipe paper)")
     if args.per_head and (args.dims == "fix" or args.dims.startswith("fix:")):
         raise UserError("--per-head takes its per-head dims from a DoF allocation: use --dims dof, clip or a "
                         "dof.json file")

@@ -108,7 +108,7 @@ class StudentConfig:
     lora_rank: int = 0          # LoRA adapters on the attention projections (0: none)
     lora_alpha: float = 0.0
     head_dims: list[list[int]] | None = None   # per-head feature counts (each ≤ the layer's dim), or None
-    decay: bool = False         # a learned per-head decay of the linear state (pure linear attention)
+    decay: bool = False         # a learned per-head decay of the linear state (beyond the window, if any)
     dofattn_version: str = __version__
 
     def to_json(self) -> str:
@@ -123,7 +123,7 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: l
     `dims[i]` is the feature dimension of layer i (entries of layers not linearized are ignored). `window` > 0
     keeps exact softmax attention over the last `window` tokens beside the linear part (`ops.window`).
     `head_dims[i][h]` (prf/performer) gives head h of layer i its own number of features, at most `dims[i]`.
-    `decay` gives every linear layer a learned per-head decay of its state (`LinearAttention`; window 0 only).
+    `decay` gives every linear layer a learned per-head decay of its state (`LinearAttention`).
     """
     if feature not in FEATURES:
         raise UserError(f"unknown feature map {feature!r}; use one of {', '.join(FEATURES)}")

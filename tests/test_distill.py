@@ -117,12 +117,13 @@ def teachers(model_dirs, trained_llama) -> dict[str, Path]:
     ("trained-llama", "hedgehog", "softmax", 8),
     ("trained-llama", "prf", "output", 0), ("trained-llama", "prf", "softmax+output", 8),
     ("trained-llama", "hedgehog", "softmax", "decay"), ("trained-llama", "prf", "l2", "decay"),
+    ("trained-llama", "prf", "softmax", "8+decay"), ("trained-llama", "prf", "l2", "8+decay"),
 ])
 def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, tmp_path, teacher, feature, loss,
                                                      window):
     out = tmp_path / "run"
-    decay = window == "decay"          # pure linear attention with a learned decay
-    window = 0 if decay else window
+    decay = "decay" in str(window)     # a learned decay, in pure linear attention or beside an 8-token window
+    window = 8 if window == "8+decay" else 0 if decay else window
     code, _, err = run(capsys, *distill_argv(teachers[teacher], corpus, out, "--feature", feature, "--loss", loss,
                                              "--steps", 150, "--window", window, *(["--decay"] if decay else [])))
     assert code == 0, err
@@ -286,7 +287,6 @@ def other_model_dims(folder: Path) -> Path:
     (["--dims", "{tmp}/missing.json"], "does not exist"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--window", "-1"], "--window must be >= 0"),
-    (["--decay", "--window", "8"], "--decay is for pure linear attention and cannot be combined with --window 8"),
     (["--time-limit", "-1"], "--time-limit must be >= 0 minutes"),
     (["--dof-repeats", "0"], "--dof-repeats must be between 1 and 8"),
     (["--direct-seq-len", "1"], "--direct-seq-len must be at least 2"),

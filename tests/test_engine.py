@@ -8,7 +8,7 @@ import torch
 
 from dofattn.engine import StaticDecoder
 from dofattn.errors import UserError
-from dofattn.student import linearize
+from dofattn.student import attention_modules, linearize
 from tests.conftest import tiny_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -38,13 +38,18 @@ def test_same_tokens_as_hf_generate(family, window, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("feature,decay", [("hedgehog", False), ("prf", True), ("hedgehog", True)])
-def test_same_tokens_without_the_one_kernel_step(feature, decay, device):
-    """Maps and decays that the one-kernel step does not take run the op's decode path. On CUDA its state update is
-    captured in place, so the replayed graph reads and writes the same buffer every token (what this checks there);
-    on CPU the static step runs eagerly."""
+@pytest.mark.parametrize("feature,decay,window", [("hedgehog", False, 0), ("prf", True, 0), ("hedgehog", True, 0),
+                                                   ("prf", True, 4)])
+def test_same_tokens_without_the_one_kernel_step(feature, decay, window, device):
+    """Maps and decays that the one-kernel step does not take run the op's decode path (a window hybrid: the ring
+    step, which decays its state in place). On CUDA the state update is captured in place, so the replayed graph
+    reads and writes the same buffer every token (what this checks there); on CPU the static step runs eagerly."""
     model = tiny_model("llama")
-    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, decay=decay)
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, decay=decay, window=window)
+    if decay:      # strong decays, so that a step that skipped or doubled one would change the tokens
+        with torch.no_grad():
+            for module in attention_modules(model):
+                module.dofattn.decay_rate.copy_(torch.linspace(0.5, -4, module.dofattn.num_heads))
     model.generation_config.eos_token_id = None
     model = model.to(device)
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
@@ -81,16 +86,20 @@ def test_refuses_what_it_cannot_keep_static():
         StaticDecoder(model).generate(torch.zeros(1, 3, dtype=torch.long), 0)
 
 
-@pytest.mark.parametrize("window,prompt", [(4, 7), (4, 2), (16, 9)])
-def test_ring_step_equals_the_window_layer(window, prompt):
-    """Layer level: after a prefill, static ring steps give the same outputs and state as the growing-list cache."""
+@pytest.mark.parametrize("window,prompt,decay", [(4, 7, False), (4, 2, False), (16, 9, False), (4, 7, True),
+                                                 (4, 2, True)])
+def test_ring_step_equals_the_window_layer(window, prompt, decay):
+    """Layer level: after a prefill, static ring steps give the same outputs and state as the growing-list cache
+    (with a decay: the ring step moves the state on by one factor γ before the key leaving the window joins it)."""
     from dofattn.attention import LinearAttention, LinearStateLayer, RingWindowLayer
     from dofattn.features import make_feature_map
 
     torch.manual_seed(0)
-    layer = LinearAttention(make_feature_map("prf", 4, 8, 12, scaling=8 ** -0.5, seed=3), 4, 2, window)
+    layer = LinearAttention(make_feature_map("prf", 4, 8, 12, scaling=8 ** -0.5, seed=3), 4, 2, window, decay)
     with torch.no_grad():
         layer.log_gain.copy_(torch.randn(4))
+        if decay:
+            layer.decay_rate.copy_(torch.tensor([0.5, -1.0, -2.0, -4.0]))
     g = torch.Generator().manual_seed(1)
     q = 2 * torch.randn(2, prompt + 10, 4, 8, generator=g)
     k, v = (2 * torch.randn(2, prompt + 10, 2, 8, generator=g) for _ in range(2))

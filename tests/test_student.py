@@ -125,12 +125,13 @@ def test_generation_matches_full_forward_for_64_steps(family, feature):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("window", [0, 4, "decay"])   # 4: the window hybrid's cached keys carry their padding mask
+@pytest.mark.parametrize("window", [0, 4, "decay", "4+decay"])   # 4: the cached keys carry their padding mask
 def test_batched_left_padded_generation_equals_one_by_one(family, tokenizer, window):
     model = tiny_model(family)
     model.generation_config.eos_token_id = None  # every row generates all 12 tokens
-    decay = window == "decay"      # left padding passes while the state is zero: the decay changes nothing there
-    linearize(model, dims=[16, 16, 16], seed=2, window=0 if decay else window, decay=decay)
+    decay = "decay" in str(window)  # left padding passes while the state is zero: the decay changes nothing there
+    window = 4 if window == "4+decay" else 0 if window == "decay" else window
+    linearize(model, dims=[16, 16, 16], seed=2, window=window, decay=decay)
     if decay:
         with torch.no_grad():
             for module in attention_modules(model):
@@ -315,13 +316,14 @@ def test_decay_generation_matches_full_forward(family, feature):
     torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
 
 
-def test_decay_changes_the_output_and_round_trips(tmp_path, model_dirs):
+@pytest.mark.parametrize("window", [0, 4])
+def test_decay_changes_the_output_and_round_trips(tmp_path, model_dirs, window):
     from dofattn.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
     plain, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, dims=[5, 12, 7], decay=True, seed=2)
-    linearize(plain, dims=[5, 12, 7], seed=2)
+    linearize(model, dims=[5, 12, 7], decay=True, seed=2, window=window)
+    linearize(plain, dims=[5, 12, 7], seed=2, window=window)
     with torch.no_grad():
         for module in attention_modules(model):
             module.dofattn.decay_rate.add_(torch.arange(module.dofattn.num_heads) * 0.1)   # not the init
@@ -329,21 +331,17 @@ def test_decay_changes_the_output_and_round_trips(tmp_path, model_dirs):
     with torch.no_grad():
         logits = model(x, use_cache=False).logits
         assert not torch.allclose(logits, plain(x, use_cache=False).logits)
-    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay=True)
+    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay=True,
+                           window=window)
     folder = save_student(model, tmp_path / "s", config)
     loaded, _, config = load_student(folder)
-    assert config.decay
+    assert config.decay and config.window == window
     with torch.no_grad():
         assert torch.equal(loaded(x, use_cache=False).logits, logits)
 
 
-def test_decay_with_a_window_is_refused():
-    with pytest.raises(UserError, match="a decay is for pure linear attention.*window 4"):
-        linearize(tiny_model("llama"), dims=[8, 8, 8], window=4, decay=True)
-
-
 def test_decay_refuses_padding_it_would_count():
-    from dofattn.attention import check_decay_padding
+    from dofattn.attention import check_decay_padding, check_window_decay_padding
 
     left = torch.tensor([[False, True, True], [True, True, True]])
     check_decay_padding(left, None)                                   # left padding of a first chunk: exact
@@ -352,3 +350,16 @@ def test_decay_refuses_padding_it_would_count():
         check_decay_padding(torch.tensor([[True, False, True]]), None)
     with pytest.raises(UserError, match="cannot continue its state through padding"):
         check_decay_padding(left, torch.zeros(2, 4, 5, 3))
+    # beside a window a call sees its cached keys too: padding before every real one is exact, state or not
+    check_window_decay_padding(left)
+    with pytest.raises(UserError, match="needs left padding"):
+        check_window_decay_padding(torch.tensor([[True, True], [True, False]]))
+
+
+def test_window_decay_refuses_right_padding_in_a_model():
+    model = tiny_model("llama")
+    linearize(model, dims=[8, 8, 8], window=4, decay=True)
+    x, mask = ids(batch=2, length=9), torch.ones(2, 9, dtype=torch.long)
+    mask[1, -2:] = 0
+    with pytest.raises(UserError, match="needs left padding"), torch.no_grad():
+        model(x, attention_mask=mask, use_cache=False)

@@ -9,7 +9,7 @@ import torch
 from dofattn.attention import LinearAttention, LinearStateLayer
 from dofattn.features import make_feature_map
 from dofattn.ops.window import naive_window_linear_attention, window_linear_attention
-from dofattn.student import StudentConfig, fingerprint, linearize, load_student, save_student
+from dofattn.student import StudentConfig, attention_modules, fingerprint, linearize, load_student, save_student
 from tests.conftest import tiny_model
 
 # (B, T, P, H, D, V, M, W): odd lengths, windows larger and smaller than T, a window of 1, cached keys (P > 0)
@@ -49,6 +49,76 @@ def test_fast_form_matches_the_spec(shape, padded, state):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
 
 
+def strong_and_weak_decays(H: int, dtype=torch.float64) -> torch.Tensor:
+    """[H] log γ from -1.5 (gone in a few steps) to -0.01 (long memory)."""
+    return torch.linspace(-1.5, -0.01, H, dtype=dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("padded,state", [(False, False), (True, True)])
+def test_fast_form_matches_the_spec_with_a_decay(shape, padded, state):
+    """Outputs, final states and every gradient, the decay's included, on the same odd shapes."""
+    W, H = shape[-1], shape[3]
+    tensors, valid, S0 = inputs(*shape, padded=padded, state=state)
+    decays = [strong_and_weak_decays(H).requires_grad_(True) for _ in range(2)]
+    ref, ref_state = naive_window_linear_attention(*tensors, 0.3, W, valid, S0, output_final_state=True,
+                                                   log_decay=decays[0])
+    out, out_state = window_linear_attention(*tensors, 0.3, W, valid, S0, output_final_state=True, backend="chunk",
+                                             log_decay=decays[1])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out_state, ref_state, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(9))
+    grads_ref = torch.autograd.grad((ref * weights).sum(), [*tensors, decays[0]])
+    grads = torch.autograd.grad((out * weights).sum(), [*tensors, decays[1]])
+    for name, a, b in zip(("q", "k", "v", "phi_q", "phi_k", "q_log_scale", "log_offset", "log_decay"), grads,
+                          grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("P", [0, 2, 3])       # no cached keys, fewer than W, exactly W
+def test_spec_with_a_decay_follows_its_definition_query_by_query(P):
+    """The linear part's pair (t, s) weighs γ^(t − W − s), the state γ^(t + 1 − min(P, W)); the window is exact."""
+    W, T = 3, 8
+    (q, k, v, phi_q, phi_k, q_scale, offset), _, S0 = inputs(1, T, P, 1, 4, 3, 5, W, state=True)
+    q, k, v, phi_q, phi_k, q_scale, offset = (x.detach() for x in (q, k, v, phi_q, phi_k, q_scale, offset))
+    log_gamma = -0.4
+    out, _ = naive_window_linear_attention(q, k, v, phi_q, phi_k, q_scale, offset, 0.5, W, initial_state=S0,
+                                           log_decay=torch.tensor([log_gamma], dtype=torch.float64))
+    for i in range(T):
+        t = P + i                                                      # the query's position among the keys
+        weights, values = [], []
+        for s in range(t + 1):
+            if s > t - W:
+                weights.append(math.exp(0.5 * float(q[0, i, 0] @ k[0, s, 0])))
+            else:
+                weights.append(float(phi_q[0, i, 0] @ phi_k[0, s, 0]) * math.exp(q_scale[0, i, 0] + offset[0])
+                               * math.exp(log_gamma * (t - W - s)))
+            values.append(v[0, s, 0])
+        state_mass = (float(phi_q[0, i, 0] @ S0[0, 0, :, -1]) * math.exp(q_scale[0, i, 0] + offset[0])
+                      * math.exp(log_gamma * (t + 1 - min(P, W))))
+        weights.append(state_mass)
+        values.append((phi_q[0, i, 0] @ S0[0, 0, :, :-1]) / float(phi_q[0, i, 0] @ S0[0, 0, :, -1]))
+        expected = sum(w * x for w, x in zip(weights, values)) / sum(weights)
+        torch.testing.assert_close(out[0, i, 0], expected.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_zero_decay_is_no_decay():
+    tensors, valid, S0 = inputs(2, 37, 4, 3, 8, 5, 6, 8, padded=True, state=True)
+    plain = window_linear_attention(*tensors, 0.3, 8, valid, S0, output_final_state=True, backend="chunk")
+    zero = window_linear_attention(*tensors, 0.3, 8, valid, S0, output_final_state=True, backend="chunk",
+                                   log_decay=torch.zeros(3, dtype=torch.float64))
+    for a, b in zip(plain, zero):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_decay_is_refused_by_the_triton_backend_by_name():
+    tensors, _, _ = inputs(1, 20, 0, 2, 4, 4, 3, 4)
+    with pytest.raises(ValueError, match="backend 'triton' has no decay"):
+        window_linear_attention(*tensors, 0.3, 4, backend="triton", log_decay=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"log_decay must be a floating-point \[H\] = \(2,\) tensor"):
+        window_linear_attention(*tensors, 0.3, 4, log_decay=torch.zeros(3))
+
+
 def test_fast_form_matches_in_float32_with_every_backend():
     tensors, valid, S0 = inputs(2, 37, 0, 3, 8, 8, 6, 8, dtype=torch.float32, padded=True, state=True)
     ref, _ = naive_window_linear_attention(*tensors, 0.3, 8, valid, S0)
@@ -84,13 +154,16 @@ def test_a_window_covering_everything_is_softmax_attention():
     torch.testing.assert_close(out, exact, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("decay", [False, True])
 @pytest.mark.parametrize("pieces", [[1] * 13, [5, 1, 7], [13], [2, 9, 2], [1, 20, 1, 17], [39]])
-def test_streaming_in_pieces_equals_one_call(pieces):
+def test_streaming_in_pieces_equals_one_call(pieces, decay):
     torch.manual_seed(0)
     fmap = make_feature_map("prf", 2, 8, 6, scaling=8 ** -0.5, seed=1)
-    linear = LinearAttention(fmap, num_heads=2, num_kv_heads=1, window=4).eval()
+    linear = LinearAttention(fmap, num_heads=2, num_kv_heads=1, window=4, decay=decay).eval()
     with torch.no_grad():
         linear.log_gain.copy_(torch.tensor([0.3, -0.2]))
+        if decay:                                       # log γ = -e^0.3 and -e^-3: one strong, one weak
+            linear.decay_rate.copy_(torch.tensor([0.3, -3.0]))
     T = sum(pieces)   # 13: dense form throughout; 39: the fast form for the whole and for pieces > 16
     q, k, v = torch.randn(2, T, 2, 8), torch.randn(2, T, 1, 8), torch.randn(2, T, 1, 8)
     valid = torch.ones(2, T, dtype=torch.bool)
@@ -106,11 +179,12 @@ def test_streaming_in_pieces_equals_one_call(pieces):
     assert cache.state.shape == (2, 2, 6, 9)
 
 
+@pytest.mark.parametrize("decay", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_finite_at_exponent_195(dtype):
+def test_finite_at_exponent_195(dtype, decay):
     D = 64
     fmap = make_feature_map("prf", 1, D, 16, scaling=D ** -0.5, seed=0).eval()
-    linear = LinearAttention(fmap, 1, 1, window=4).eval()
+    linear = LinearAttention(fmap, 1, 1, window=4, decay=decay).eval()
     x = torch.randn(1, 40, 1, D)
     x = x / x.norm(dim=-1, keepdim=True) * math.sqrt(195 * math.sqrt(D))  # s·qᵀq ≈ 195 on the diagonal
     with torch.no_grad():
@@ -133,10 +207,20 @@ def ids(batch, length, seed):
     return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def strong_decays(model) -> None:
+    """Decays that change the output (a weak start would hide a wrong exponent): log γ from -e^0.5 to -e^-4."""
+    with torch.no_grad():
+        for module in attention_modules(model):
+            module.dofattn.decay_rate.copy_(torch.linspace(0.5, -4, module.dofattn.num_heads))
+
+
+@pytest.mark.parametrize("decay", [False, True])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
-def test_generation_with_a_window_matches_the_full_forward(family):
+def test_generation_with_a_window_matches_the_full_forward(family, decay):
     model = tiny_model(family)
-    linearize(model, dims=[9, 16, 5], seed=1, window=6)
+    linearize(model, dims=[9, 16, 5], seed=1, window=6, decay=decay)
+    if decay:
+        strong_decays(model)
     prompt = ids(1, 11, seed=1)
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False, output_logits=True,

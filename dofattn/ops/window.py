@@ -16,6 +16,13 @@ the first P = Tk − T keys are a cache of past keys still inside the window (ge
 before the Tk given ones. The final state [B, H, M, V+1] holds every key except the last W: the caller keeps
 those W keys (and values) as the next call's cache, so generation memory is O(W + M·V), flat in context length.
 
+Decay (optional): log_decay [H] (≤ 0, as in `ops.naive`) multiplies the linear part's weight of key s by
+γ_h^(t − W − s): the steps the key has spent beyond the window, so a key leaving the window enters the linear part
+at full weight, and the exact part is the teacher's kernel, undecayed. The state is kept as of the newest key it
+holds (the one that left the window last): it reaches the query at t as γ^(t + 1 − min(P, W)), with P = Tk − T the
+cached keys (P = W once the context is longer than the window), and the final state is as of key Tk − 1 − W. In
+the fast form this is the linear op's own decay run on the delayed keys, from position min(P, W) on.
+
 Two implementations with the same signature:
     naive_window_linear_attention   the spec: one [T, Tk] logit matrix (plus a column for the state), row softmax
     window_linear_attention         the fast form: banded exact attention in blocks of W plus the linear op run on
@@ -31,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from dofattn.ops import linear_attention
-from dofattn.ops.naive import TINY, compute_dtype
+from dofattn.ops.naive import TINY, compute_dtype, decay_factors, decay_log
 
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
@@ -39,7 +46,8 @@ __all__ = ["naive_window_linear_attention", "window_linear_attention", "blocked_
            "window_logits", "check_window_inputs", "delayed_keys"]
 
 
-def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state) -> None:
+def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state,
+                        log_decay=None) -> None:
     """ValueError saying what is wrong unless the shapes follow the layout in the module docstring."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -62,6 +70,9 @@ def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, 
     expected = (B, H, phi_q.shape[-1], v.shape[-1] + 1)
     if initial_state is not None and tuple(initial_state.shape) != expected:
         raise ValueError(f"initial_state must be [B, H, M, V+1] = {expected}, got {tuple(initial_state.shape)}")
+    if log_decay is not None and (tuple(log_decay.shape) != (H,) or not log_decay.is_floating_point()):
+        raise ValueError(f"log_decay must be a floating-point [H] = ({H},) tensor, got {tuple(log_decay.shape)} "
+                         f"{log_decay.dtype}")
 
 
 def _log(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +81,7 @@ def _log(x: torch.Tensor) -> torch.Tensor:
 
 
 def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
-                  key_valid=None, initial_state=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  key_valid=None, initial_state=None, log_decay=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-weights of the spec: [B, H, T, Tk] over keys (−inf where masked), and [B, H, T] for the state.
 
     The layerwise softmax loss uses these rows directly; `naive_window_linear_attention` normalises them.
@@ -85,6 +96,9 @@ def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, w
     shift = q_log_scale.to(dtype).permute(0, 2, 1)[..., None] + log_offset.to(dtype)[None, :, None, None]
     exact = scaling * torch.einsum("bthd,bshd->bhts", q.to(dtype), k.to(dtype))
     linear = _log(torch.einsum("bthm,bshm->bhts", phi_q.to(dtype), phi_k.to(dtype))) + shift
+    if log_decay is not None:                                            # γ^(t − W − s) beyond the window
+        log_decay = decay_log(log_decay, dtype)
+        linear = linear + log_decay[:, None, None] * (pos_q - window - pos_k).clamp_min(0)
     logits = torch.where(near, exact, torch.where(far, linear, -torch.inf))
     if key_valid is not None:
         logits = logits.masked_fill(~key_valid[:, None, None, :], -torch.inf)
@@ -92,16 +106,20 @@ def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, w
     if initial_state is not None:
         den = torch.einsum("bthm,bhm->bht", phi_q.to(dtype), initial_state[..., -1].to(dtype))
         state_logit = _log(den) + shift[..., 0]                         # [B, H, T]
+        if log_decay is not None:                                        # γ^(t + 1 − min(P, W))
+            steps = (pos_q[:, 0] + 1 - min(Tk - T, window)).to(dtype)   # [T], ≥ 1
+            state_logit = state_logit + log_decay[:, None] * steps
     return logits, state_logit
 
 
 def naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
-                                  key_valid=None, initial_state=None, output_final_state: bool = False):
+                                  key_valid=None, initial_state=None, output_final_state: bool = False,
+                                  log_decay=None):
     """The spec: softmax over one row of log-weights per query (see the module docstring). O(T·Tk) memory."""
-    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state)
+    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay)
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
     logits, state_logit = window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling, window, key_valid,
-                                        initial_state)
+                                        initial_state, log_decay)
     values = v.to(dtype).transpose(1, 2)                                 # [B, H, Tk, V]
     Tk = k.shape[1]
     if state_logit is not None:
@@ -116,20 +134,32 @@ def naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset
     o = torch.einsum("bhts,bhsv->bthv", weights[..., :Tk], values)
     if state_logit is not None:
         o = o + (weights[..., Tk:] * state_value).transpose(1, 2)
-    final_state = _fold_state(phi_k, v, window, key_valid, initial_state, dtype) if output_final_state else None
+    final_state = None
+    if output_final_state:
+        final_state = _fold_state(phi_k, v, window, key_valid, initial_state, dtype, log_decay, Tk - q.shape[1])
     return o.to(v.dtype), final_state
 
 
-def _fold_state(phi_k, v, window, key_valid, initial_state, dtype):
-    """S_0 plus every key but the last `window`: [B, H, M, V+1]."""
-    keep = max(phi_k.shape[1] - window, 0)
+def _fold_state(phi_k, v, window, key_valid, initial_state, dtype, log_decay=None, cached: int = 0):
+    """S_0 plus every key but the last `window`: [B, H, M, V+1]; with a decay, as of key Tk − 1 − W (the key s
+    weighs γ^(Tk − 1 − W − s), S_0 γ^(Tk − min(cached, W)))."""
+    Tk = phi_k.shape[1]
+    keep = max(Tk - window, 0)
     pk = phi_k[:, :keep].to(dtype)
     if key_valid is not None:
         pk = pk * key_valid[:, :keep, None, None].to(dtype)
+    if log_decay is not None:
+        log_decay = decay_log(log_decay, dtype)
+        pk = pk * decay_factors(log_decay, torch.arange(keep - 1, -1, -1, device=pk.device))[..., None]
     va = v[:, :keep].to(dtype)
     va = torch.cat([va, torch.ones_like(va[..., :1])], dim=-1)
     state = torch.einsum("bthm,bthv->bhmv", pk, va)
-    return state if initial_state is None else state + initial_state.to(dtype)
+    if initial_state is None:
+        return state
+    S0 = initial_state.to(dtype)
+    if log_decay is not None:
+        S0 = torch.exp(log_decay * (Tk - min(cached, window)))[:, None, None] * S0
+    return state + S0
 
 
 def _banded_softmax(q, k, v, scaling: float, window: int, key_valid):
@@ -204,7 +234,7 @@ def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, init
 
 def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                             key_valid=None, initial_state=None, output_final_state: bool = False,
-                            backend: str = "auto"):
+                            backend: str = "auto", log_decay=None):
     """The fast form of `naive_window_linear_attention` (same arguments and result up to float rounding).
 
     `backend` picks the linear op (`ops.linear_attention`); the window part is plain PyTorch, O(T·W) memory.
@@ -212,23 +242,25 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions. On CUDA without autograd, a
     prefill with a window of 16, 32 or 64 runs in Triton (`ops.fused.window_forward`: the linear scan on the
     delayed keys, then one kernel for the exact part and the shared normalisation); backend "triton" takes that
-    path with autograd too (its backward is Triton as well).
+    path with autograd too (its backward is Triton as well). A decay (`log_decay`) runs in PyTorch, on a linear
+    backend with a decay (`ops.pick_backend`).
     """
-    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state)
+    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay)
     if backend == "auto" and q.shape[1] <= DENSE_QUERIES:
         return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
-                                             key_valid, initial_state, output_final_state)
-    if fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend):
+                                             key_valid, initial_state, output_final_state, log_decay)
+    if log_decay is None and fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window,
+                                             initial_state, backend):
         from dofattn.ops import load_fused
         return load_fused()[0].window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                               key_valid, initial_state, output_final_state)
     return blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
-                                           key_valid, initial_state, output_final_state, backend)
+                                           key_valid, initial_state, output_final_state, backend, log_decay)
 
 
 def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                                     key_valid=None, initial_state=None, output_final_state: bool = False,
-                                    backend: str = "auto"):
+                                    backend: str = "auto", log_decay=None):
     """The PyTorch form of the hybrid: banded exact attention in blocks of W, the linear op (`backend`) on keys
     delayed by W, mixed in log space. Differentiable through autograd on any device."""
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
@@ -239,9 +271,14 @@ def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offs
 
     phi_q, delayed_k, delayed_v = delayed_keys(phi_q, phi_k, v, key_valid, window, dtype)
     phi_qf = F.pad(phi_q, (0, 0, 0, 0, P, 0))
-    o_aug, final_state = linear_attention(phi_qf, delayed_k, delayed_v, initial_state=initial_state,
-                                          output_final_state=output_final_state, backend=backend, normalize=False)
-    o_aug = o_aug.to(dtype)
+    # the first min(P, W) positions hold neither a query (cached keys) nor a delayed key (the pad): the op starts
+    # after them, so that with a decay S_0 sits where the last call's state ended (module docstring)
+    start = min(P, window)
+    decay = {} if log_decay is None else {"log_decay": log_decay}
+    o_aug, final_state = linear_attention(phi_qf[:, start:], delayed_k[:, start:], delayed_v[:, start:],
+                                          initial_state=initial_state, output_final_state=output_final_state,
+                                          backend=backend, normalize=False, **decay)
+    o_aug = F.pad(o_aug.to(dtype), (0, 0, 0, 0, start, 0))
     den = o_aug[..., -1]                                                 # [B, Tk, H]
     has_lin = den > 0
     o_lin = o_aug[..., :-1] / den.clamp_min(TINY)[..., None]
