@@ -189,13 +189,16 @@ class LinearAttention(nn.Module):
                                 backend=backend, log_decay=self.log_decay())
 
 
+NEEDS_LEFT_PADDING = ("a layer with a decay needs left padding: a padding token after a real one would still decay "
+                      "the state; pad on the left (tokenizer.padding_side = 'left')")
+
+
 def check_window_decay_padding(key_valid: torch.Tensor) -> None:
     """A window hybrid's decay counts every position too, but its calls see the cached keys before the new ones:
     padding is exact wherever it precedes every real token (then the state before it holds nothing). UserError for
     padding after a real token among the keys of this call, cached ones included."""
     if not key_valid.all() and (key_valid.int().diff(dim=1) < 0).any():
-        raise UserError("a layer with a decay needs left padding: a padding token after a real one would still "
-                        "decay the state; pad on the left (tokenizer.padding_side = 'left')")
+        raise UserError(NEEDS_LEFT_PADDING)
 
 
 def check_decay_padding(key_valid: torch.Tensor, state: torch.Tensor | None) -> None:
@@ -207,8 +210,7 @@ def check_decay_padding(key_valid: torch.Tensor, state: torch.Tensor | None) -> 
         raise UserError("a layer with a decay cannot continue its state through padding tokens (each would still "
                         "decay it); continue with unpadded chunks, or pad only the first chunk, on the left")
     if (key_valid.int().diff(dim=1) < 0).any():
-        raise UserError("a layer with a decay needs left padding: a padding token after a real one would still "
-                        "decay the state; pad on the left (tokenizer.padding_side = 'left')")
+        raise UserError(NEEDS_LEFT_PADDING)
 
 
 class LinearStateLayer(CacheLayerMixin):
