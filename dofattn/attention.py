@@ -171,8 +171,8 @@ class LinearAttention(nn.Module):
             phi_k, k_scale = self.feature_map.features(k, "key")                   # [B, Tk, H, M], [H]
             if q.dtype in (torch.bfloat16, torch.float16):
                 phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(q.dtype)
-            if self.decay and key_valid is not None:
-                check_window_decay_padding(key_valid)
+            if self.decay and key_valid is not None:   # the cached keys come first: left padding stays exact
+                check_left_padding(key_valid)
             return window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + self.log_gain,
                                            self.feature_map.scaling, self.window, key_valid, state,
                                            output_final_state=output_final_state, backend=backend,
@@ -189,16 +189,13 @@ class LinearAttention(nn.Module):
                                 backend=backend, log_decay=self.log_decay())
 
 
-NEEDS_LEFT_PADDING = ("a layer with a decay needs left padding: a padding token after a real one would still decay "
-                      "the state; pad on the left (tokenizer.padding_side = 'left')")
-
-
-def check_window_decay_padding(key_valid: torch.Tensor) -> None:
-    """A window hybrid's decay counts every position too, but its calls see the cached keys before the new ones:
-    padding is exact wherever it precedes every real token (then the state before it holds nothing). UserError for
-    padding after a real token among the keys of this call, cached ones included."""
+def check_left_padding(key_valid: torch.Tensor) -> None:
+    """A decay counts every position, padding included, so padding is exact only where it precedes every real token
+    (the state before it holds nothing). UserError for a padding token after a real one among these keys (for a
+    window hybrid: the cached keys and the new ones)."""
     if not key_valid.all() and (key_valid.int().diff(dim=1) < 0).any():
-        raise UserError(NEEDS_LEFT_PADDING)
+        raise UserError("a layer with a decay needs left padding: a padding token after a real one would still "
+                        "decay the state; pad on the left (tokenizer.padding_side = 'left')")
 
 
 def check_decay_padding(key_valid: torch.Tensor, state: torch.Tensor | None) -> None:
@@ -209,8 +206,7 @@ def check_decay_padding(key_valid: torch.Tensor, state: torch.Tensor | None) -> 
     if state is not None:
         raise UserError("a layer with a decay cannot continue its state through padding tokens (each would still "
                         "decay it); continue with unpadded chunks, or pad only the first chunk, on the left")
-    if (key_valid.int().diff(dim=1) < 0).any():
-        raise UserError(NEEDS_LEFT_PADDING)
+    check_left_padding(key_valid)
 
 
 class LinearStateLayer(CacheLayerMixin):

@@ -341,7 +341,7 @@ def test_decay_changes_the_output_and_round_trips(tmp_path, model_dirs, window):
 
 
 def test_decay_refuses_padding_it_would_count():
-    from dofattn.attention import check_decay_padding, check_window_decay_padding
+    from dofattn.attention import check_decay_padding, check_left_padding
 
     left = torch.tensor([[False, True, True], [True, True, True]])
     check_decay_padding(left, None)                                   # left padding of a first chunk: exact
@@ -351,9 +351,9 @@ def test_decay_refuses_padding_it_would_count():
     with pytest.raises(UserError, match="cannot continue its state through padding"):
         check_decay_padding(left, torch.zeros(2, 4, 5, 3))
     # beside a window a call sees its cached keys too: padding before every real one is exact, state or not
-    check_window_decay_padding(left)
+    check_left_padding(left)
     with pytest.raises(UserError, match="needs left padding"):
-        check_window_decay_padding(torch.tensor([[True, True], [True, False]]))
+        check_left_padding(torch.tensor([[True, True], [True, False]]))
 
 
 def test_window_decay_refuses_right_padding_in_a_model():

@@ -52,10 +52,14 @@ def check_inputs(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
         if tuple(initial_state.shape) != expected:
             raise ValueError(f"initial_state must be [B, H, M, V+1] = {expected} (last column: the normaliser "
                              f"Σ φk), got {tuple(initial_state.shape)}")
-    if log_decay is not None:
-        if tuple(log_decay.shape) != (H,) or not log_decay.is_floating_point():
-            raise ValueError(f"log_decay must be a floating-point [H] = ({H},) tensor (the log of each head's "
-                             f"decay), got {tuple(log_decay.shape)} {log_decay.dtype}")
+    check_log_decay(log_decay, H)
+
+
+def check_log_decay(log_decay: torch.Tensor | None, H: int) -> None:
+    """ValueError unless log_decay is None or a floating-point [H] tensor."""
+    if log_decay is not None and (tuple(log_decay.shape) != (H,) or not log_decay.is_floating_point()):
+        raise ValueError(f"log_decay must be a floating-point [H] = ({H},) tensor (the log of each head's decay), "
+                         f"got {tuple(log_decay.shape)} {log_decay.dtype}")
 
 
 def decay_log(log_decay: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

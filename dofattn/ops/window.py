@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from dofattn.ops import linear_attention
-from dofattn.ops.naive import TINY, compute_dtype, decay_factors, decay_log
+from dofattn.ops.naive import TINY, check_log_decay, compute_dtype, decay_factors, decay_log, log_decay_matrix
 
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
@@ -70,9 +70,7 @@ def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, 
     expected = (B, H, phi_q.shape[-1], v.shape[-1] + 1)
     if initial_state is not None and tuple(initial_state.shape) != expected:
         raise ValueError(f"initial_state must be [B, H, M, V+1] = {expected}, got {tuple(initial_state.shape)}")
-    if log_decay is not None and (tuple(log_decay.shape) != (H,) or not log_decay.is_floating_point()):
-        raise ValueError(f"log_decay must be a floating-point [H] = ({H},) tensor, got {tuple(log_decay.shape)} "
-                         f"{log_decay.dtype}")
+    check_log_decay(log_decay, H)
 
 
 def _log(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +96,7 @@ def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, w
     linear = _log(torch.einsum("bthm,bshm->bhts", phi_q.to(dtype), phi_k.to(dtype))) + shift
     if log_decay is not None:                                            # γ^(t − W − s) beyond the window
         log_decay = decay_log(log_decay, dtype)
-        linear = linear + log_decay[:, None, None] * (pos_q - window - pos_k).clamp_min(0)
+        linear = linear + log_decay_matrix(log_decay, T, Tk, offset=Tk - T - window)[0]
     logits = torch.where(near, exact, torch.where(far, linear, -torch.inf))
     if key_valid is not None:
         logits = logits.masked_fill(~key_valid[:, None, None, :], -torch.inf)
