@@ -7,9 +7,13 @@ timings of:
     sdpa, sdpa_train        softmax attention (flash), forward / forward + backward
     triton, triton_graph    dofattn's op, eager / replayed from a CUDA graph (the difference is launch overhead)
     triton_train            forward + backward
+    triton_decay[_train]    the same with a per-head decay (log γ from -2^-4 to -2^-11 over the heads)
+    chunk_decay[_train]     the decayed op in PyTorch (`ops.chunk`), what a decayed layer ran on CUDA before the
+                            Triton kernels had a decay (up to --max-train-T)
     fla, fla_train          flash-linear-attention's chunk_linear_attn through `ops.fla` (if fla imports)
     window, window_train    the sliding-window hybrid (--window W tokens exact + the linear op beyond) in
                             dofattn's Triton kernels, forward / forward + backward
+    window_decay[_train]    the same with the decay in its linear part
     window_torch[_train]    the same hybrid in its PyTorch form (banded blocks + the Triton linear op)
     features                the PRF feature map of the queries in one Triton kernel (`fused.prf_features`)
     features@P              with --exact P,...: the same with its projection at input precision P instead of the
@@ -79,21 +83,29 @@ def safe(fn, repeats):
 
 
 def window_rows(q, k, v, phi_q, phi_k, window, repeats, train: bool) -> dict:
-    """The hybrid's timings: Triton kernels against the PyTorch form, forward and (train) forward + backward."""
+    """The hybrid's timings: Triton kernels against the PyTorch form, forward and (train) forward + backward; the
+    Triton kernels with a decay too."""
     B, T, H, _ = q.shape
     scale = torch.zeros(B, T, H, device="cuda")
     offset = torch.zeros(H, device="cuda")
     inputs = (q, k, v, phi_q, phi_k, scale, offset)
-    forms = {"window": window_linear_attention, "window_torch": blocked_window_linear_attention}
+    forms = {"window": (window_linear_attention, None), "window_torch": (blocked_window_linear_attention, None),
+             "window_decay": (window_linear_attention, log_decays(H))}
     row = {}
-    for name, op in forms.items():          # backend triton: the fused kernels, or the Triton linear op
+    for name, (op, log_decay) in forms.items():   # backend triton: the fused kernels, or the Triton linear op
         with torch.no_grad():
-            row[name] = safe(lambda: op(*inputs, 0.125, window, backend="triton"), repeats)
+            row[name] = safe(lambda: op(*inputs, 0.125, window, backend="triton", log_decay=log_decay), repeats)
         if train:
             leaves = [x.detach().clone().requires_grad_() for x in inputs]
-            row[name + "_train"] = safe(
-                lambda: op(*leaves, 0.125, window, backend="triton")[0].float().sum().backward(), repeats)
+            decay = None if log_decay is None else log_decay.clone().requires_grad_()
+            row[name + "_train"] = safe(lambda: op(*leaves, 0.125, window, backend="triton", log_decay=decay)[0]
+                                        .float().sum().backward(), repeats)
     return row
+
+
+def log_decays(heads: int) -> torch.Tensor:
+    """log γ per head, -2^-4 to -2^-11: half-lives of about 11 to 1 400 tokens."""
+    return -torch.exp2(-torch.linspace(4, 11, heads, device="cuda"))
 
 
 def exact_rows(q, M, repeats, precisions) -> dict:
@@ -168,6 +180,9 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
             row = {"M": M, "T": T, "heads": heads, "V": V, "dtype": "bfloat16", "floor_ms": floor_ms,
                    "sdpa": safe(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True), repeats),
                    "triton": safe(lambda: linear_attention(phi_q, phi_k, v, backend="triton"), repeats)}
+            log_decay = log_decays(heads)
+            row["triton_decay"] = safe(lambda: linear_attention(phi_q, phi_k, v, backend="triton",
+                                                                log_decay=log_decay), repeats)
             try:
                 row["triton_graph"] = cuda_time(graphed(lambda: linear_attention(phi_q, phi_k, v, backend="triton")),
                                                 repeats)
@@ -179,8 +194,9 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
                 leaves = [x.detach().clone().requires_grad_() for x in (phi_q, phi_k, v)]
                 heads_layout = [x.detach().clone().requires_grad_() for x in (qh, kh, vh)]
 
-                def train(backend):
-                    o, _ = linear_attention(*leaves, backend=backend)
+                def train(backend, log_decay=None):
+                    decay = None if log_decay is None else log_decay.clone().requires_grad_()
+                    o, _ = linear_attention(*leaves, backend=backend, log_decay=decay)
                     o.float().sum().backward()
 
                 def sdpa_train():
@@ -188,6 +204,10 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
 
                 row["sdpa_train"] = safe(sdpa_train, repeats)
                 row["triton_train"] = safe(lambda: train("triton"), repeats)
+                row["triton_decay_train"] = safe(lambda: train("triton", log_decay), repeats)
+                row["chunk_decay"] = safe(lambda: linear_attention(phi_q, phi_k, v, backend="chunk",
+                                                                   log_decay=log_decay), repeats)
+                row["chunk_decay_train"] = safe(lambda: train("chunk", log_decay), repeats)
                 if fla_available():
                     row["fla_train"] = safe(lambda: train("fla"), repeats)
             if window:

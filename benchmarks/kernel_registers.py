@@ -4,7 +4,7 @@
 
 Each kernel is compiled for sm_90 (Triton's own ptxas, `-v`) at the tile sizes and warps its launcher in
 `dofattn/ops/fused.py` uses for M features (bf16 inputs, head size 64; the tiles come from the launchers' own
-helpers), and with `--variants` also at other warps and exponent-dot precisions (for the window's exact part,
+helpers; the scan with and without a decay), and with `--variants` also at other warps and exponent-dot precisions (for the window's exact part,
 "bf16" is the 16-bit dot it takes on bf16 inputs). A program that spills keeps part of its tiles in local memory:
 every chunk then reads them back through the cache, which is the usual reason a kernel is far from its memory
 floor. Registers are per thread (255 at most); spills are bytes per thread. No timing here:
@@ -34,7 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dofattn.ops import fused  # noqa: E402
 
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+def _ptxas() -> Path:
+    """The ptxas Triton itself runs for sm_90 (from Triton 3.7 its newer one, `ptxas-blackwell`)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return Path(get_ptxas(90).path)
+    except ImportError:                                            # Triton ≤ 3.6: one ptxas
+        return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+PTXAS = _ptxas()
 TARGET = GPUTarget("cuda", 90, 32)
 BF16, F32 = "*bf16", "*fp32"
 
@@ -78,15 +88,16 @@ def prf_features(M: int, precision: str, warps: int) -> dict:
     return ptxas_report(fused._prf_features, signature, constexprs, warps, 3)
 
 
-def block_scan(M: int, warps: int | None = None, chunk: int | None = None) -> dict:
-    """At the launch's chunk and warps, or at `chunk` and `warps` (always the launch's pipeline stages)."""
-    signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, T="i32",
-                     H="i32", K="i32", V="i32", delay="i32")
+def block_scan(M: int, warps: int | None = None, chunk: int | None = None, decay: bool = False) -> dict:
+    """At the launch's chunk and warps, or at `chunk` and `warps` (always the launch's pipeline stages); with a
+    per-head decay or without."""
+    signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, ld_ptr=F32,
+                     T="i32", H="i32", K="i32", V="i32", delay="i32")
     BK = fused._pow2(M)
     launch_chunk, stages, launch_warps = fused._scan_launch(BK)
     constexprs = dict(L=1024, C=chunk or launch_chunk, BK=BK,
                       BV=fused._value_tile(min(64, fused.MAX_TILE // BK), tl.bfloat16),
-                      HAS_Z=True, REVERSE=False, NORMALIZE=True, DOT=tl.bfloat16, PREC="tf32")
+                      HAS_Z=True, REVERSE=False, NORMALIZE=True, DOT=tl.bfloat16, PREC="tf32", HAS_DECAY=decay)
     return ptxas_report(fused._block_scan, signature, constexprs, warps or launch_warps, stages)
 
 
@@ -101,19 +112,20 @@ def main() -> int:
     rows = []
     for M in dims:             # as launched (bf16 inputs)
         chunk, stages, warps = fused._scan_launch(fused._pow2(M))
-        rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
-                     **block_scan(M)})
+        for decay in (False, True):
+            rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
+                         "decay": decay, **block_scan(M, decay=decay)})
         for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
             rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": fused.PRF_WARPS,
                          **prf_features(M, precision, fused.PRF_WARPS)})
     rows.append({"kernel": "_window_exact", "M": "any", "precision": "bf16", "warps": fused.WINDOW_WARPS,
                  **window_exact("bf16", fused.WINDOW_WARPS)})
     if args.variants:
-        for M, chunk, warps in itertools.product(dims, (32, 64), (4, 8)):
+        for M, chunk, warps, decay in itertools.product(dims, (32, 64), (4, 8), (False, True)):
             if (chunk, warps) != tuple(fused._scan_launch(fused._pow2(M))[::2]):
                 rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk,
-                             "stages": fused._scan_launch(fused._pow2(M))[1], "warps": warps, "variant": True,
-                             **block_scan(M, warps, chunk)})
+                             "stages": fused._scan_launch(fused._pow2(M))[1], "warps": warps, "decay": decay,
+                             "variant": True, **block_scan(M, warps, chunk, decay)})
         for M, precision, warps in itertools.product(dims, ("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
             if precision != "bf16":          # the projection's directions are float32
                 rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": warps,
@@ -123,6 +135,7 @@ def main() -> int:
                          "variant": True, **window_exact(precision, warps)})
     for row in rows:
         print(f"{row['kernel']:>14} M={str(row['M']):<4} {row.get('precision', ''):>7} "
+              f"{'decay' if row.get('decay') else '':>5} "
               f"{'C=' + str(row['chunk']) if 'chunk' in row else '':>4} warps={row['warps']:<2} "
               f"registers={row['registers']:<4} spill stores={row['spill_stores']:<5} loads={row['spill_loads']}",
               flush=True)

@@ -75,7 +75,8 @@ class LinearAttention(nn.Module):
             return self.ring_step(q, k, v, cache)
         if self.one_kernel_step(q, cache, backend):
             from dofattn.ops import load_fused
-            return load_fused()[0].prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS, key_valid)
+            return load_fused()[0].prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS, key_valid,
+                                                   self.log_decay())
         if self.window:  # the cache keeps each key's padding flag beside it
             if key_valid is None:
                 key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
@@ -95,10 +96,10 @@ class LinearAttention(nn.Module):
 
     def one_kernel_step(self, q: torch.Tensor, cache: LinearStateLayer, backend: str) -> bool:
         """True when this generation step can run as one Triton kernel (`ops.fused.prf_decode_step`): one token,
-        CUDA, no autograd, a PRF map with a calibrated key shift, no window or decay, a float32 state.
+        CUDA, no autograd, a PRF map with a calibrated key shift, no window, a float32 state (with or without a decay).
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
-        return (backend == "auto" and not self.window and not self.decay and q.shape[1] == 1 and q.is_cuda
+        return (backend == "auto" and not self.window and q.shape[1] == 1 and q.is_cuda
                 and isinstance(fmap, PositiveRandomFeatures) and fmap.fused_ok(q, "key")
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous())
 

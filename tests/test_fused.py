@@ -106,6 +106,136 @@ def test_scan_with_delay_reads_keys_in_place(delay, block):
     assert_close("ht", ref_s, s, RATIO)
 
 
+# --- decay ------------------------------------------------------------------------------------------------------------
+
+
+def decay_leaf(H: int) -> torch.Tensor:
+    """log γ per head, strong to almost none (`test_ops.make_log_decay`), on the device, as a leaf."""
+    from tests.test_ops import make_log_decay
+
+    return make_log_decay(H).to(DEVICE).requires_grad_()
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_decay_matches_naive(case):
+    """With a per-head decay: outputs, final state and the gradients of every input, log γ included."""
+    B, T, H, M, V, with_state = case
+    inputs = on_device(make_inputs(B, T, H, M, V, with_state))
+    ref_decay, tri_decay = decay_leaf(H), decay_leaf(H)
+    ref_o, ref_s, ref_grads = forward_backward(naive_linear_attention, *[x.double() if x is not None else None
+                                                                          for x in inputs], log_decay=ref_decay)
+    tri_o, tri_s, tri_grads = forward_backward(fused.triton_linear_attention, *inputs, log_decay=tri_decay)
+    assert_close("o", ref_o, tri_o, RATIO)
+    assert_close("ht", ref_s, tri_s, RATIO)
+    for name in ref_grads:
+        floor = ref_grads["dk"].norm().item() if (name == "dq" and M == 1) else 1e-8
+        assert_close(name, ref_grads[name], tri_grads[name], RATIO, floor)
+    assert_close("dlog_decay", ref_decay.grad, tri_decay.grad, RATIO)
+
+
+def decayed_pairs(T: int, log_decay: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """[H, T, T] float64: γ^|t − s| on s ≤ t (s ≥ t if reverse), else 0."""
+    t = torch.arange(T, device=log_decay.device)
+    distance = (t[:, None] - t[None, :]).abs().double()
+    keep = (t[:, None] <= t[None, :]) if reverse else (t[:, None] >= t[None, :])
+    return torch.exp(log_decay.double()[:, None, None] * distance) * keep
+
+
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_decay_scan_blocks_and_direction(block, reverse):
+    """The raw decayed scan over several blocks (the last one partial), both directions, with and without the den:
+    o_t = Σ γ^|t − s| (q_t·k_s) v_s."""
+    phi_q, phi_k, v, _ = on_device(make_inputs(2, 300, 3, 20, 24, with_state=False))
+    log_decay = decay_leaf(3).detach()
+    A = torch.einsum("bthm,bshm->bhts", phi_q.double(), phi_k.double()) * decayed_pairs(300, log_decay, reverse)
+    ref_o = torch.einsum("bhts,bshv->bthv", A, v.double())
+    ref_d = A.sum(-1).transpose(1, 2)
+    o, d, _ = fused.scan(phi_q, phi_k, v, with_den=True, reverse=reverse, block=block, log_decay=log_decay)
+    assert_close("o", ref_o, o, RATIO)
+    assert_close("den", ref_d, d, RATIO)
+    o, d, _ = fused.scan(phi_q, phi_k, v, reverse=reverse, block=block, log_decay=log_decay)
+    assert d is None
+    assert_close("o", ref_o, o, RATIO)
+
+
+@pytest.mark.parametrize("block", [64, 256])
+def test_decay_states_over_blocks_and_delay(block):
+    """Final state over several blocks from an initial state (γ^T S0 + Σ γ^(T−1−s) k ⊗ v), and `delay` W against
+    keys and values moved W later by copying: the decay counts positions, so key s reaches t as γ^(t − W − s)."""
+    phi_q, phi_k, v, state = on_device(make_inputs(2, 250, 3, 20, 24))
+    log_decay = decay_leaf(3).detach()
+    _, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True, log_decay=log_decay)
+    _, _, s = fused.scan(phi_q, phi_k, v, state, with_den=True, final_state=True, block=block, log_decay=log_decay)
+    assert_close("ht", ref_s, s, RATIO)
+    for delay in (16, 64, 300):
+        moved_k, moved_v = (torch.nn.functional.pad(x, (0, 0, 0, 0, delay, 0))[:, :250].contiguous()
+                            for x in (phi_k, v))
+        ref_o, ref_s = naive_linear_attention(phi_q, moved_k, moved_v, state, output_final_state=True,
+                                              normalize=False, log_decay=log_decay)
+        o, d, s = fused.scan(phi_q, phi_k, v, state, with_den=True, final_state=True, block=block, delay=delay,
+                             log_decay=log_decay)
+        assert_close("o", ref_o[..., :-1], o, RATIO, floor=1e-6)
+        assert_close("den", ref_o[..., -1], d, RATIO, floor=1e-6)
+        assert_close("ht", ref_s, s, RATIO)
+
+
+def test_decay_refuses_states_in_reverse():
+    phi_q, phi_k, v, state = on_device(make_inputs(1, 10, 1, 4, 4))
+    with pytest.raises(ValueError, match="with a decay, an initial or final state is for the forward scan only"):
+        fused.scan(phi_q, phi_k, v, state, reverse=True, log_decay=torch.zeros(1, device=DEVICE))
+
+
+def test_decay_limits_and_strong_decay_stay_finite():
+    """log γ = −inf and a positive value (clamped to γ = 0 and 1) and e^-200 over 300 tokens: finite outputs and
+    gradients, equal to the spec; a head that forgets everything outputs each token's own value."""
+    phi_q, phi_k, v, state = on_device(make_inputs(1, 300, 3, 5, 4))
+    for log_decay in (torch.tensor([-torch.inf, 3.0, -200.0]), torch.tensor([-1e4, 0.0, -1e-6])):
+        log_decay = log_decay.to(DEVICE)
+        ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, state, True, log_decay=log_decay)
+        decay = log_decay.clone().requires_grad_()
+        o, s, grads = forward_backward(fused.triton_linear_attention, phi_q, phi_k, v, state, log_decay=decay)
+        assert_close("o", ref_o, o, RATIO)
+        assert_close("ht", ref_s, s, RATIO)
+        assert all(torch.isfinite(g).all() for g in grads.values()) and torch.isfinite(decay.grad).all()
+        torch.testing.assert_close(o[0, :, 0], v[0, :, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_decay_prefill_then_decode_steps():
+    """Decayed Triton prefill, then the one-kernel decode step with the decay, in place: the full naive run."""
+    phi_q, phi_k, v, _ = on_device(make_inputs(2, 80, 3, 37, 16, with_state=False))
+    log_decay = decay_leaf(3).detach()
+    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, output_final_state=True, log_decay=log_decay)
+    o, s = fused.triton_linear_attention(phi_q[:, :70], phi_k[:, :70], v[:, :70], output_final_state=True,
+                                         log_decay=log_decay)
+    outputs = [o]
+    for t in range(70, 80):
+        outputs.append(fused.triton_decode_step(phi_q[:, t:t + 1], phi_k[:, t:t + 1], v[:, t:t + 1], s, s,
+                                                log_decay=log_decay))
+    assert_close("o", ref_o, torch.cat(outputs, 1), RATIO)
+    assert_close("ht", ref_s, s, RATIO)
+    with torch.no_grad():                              # T = 1 through the entry point: the same step, a new state
+        o1, s1 = fused.triton_linear_attention(phi_q[:, :1], phi_k[:, :1], v[:, :1], ref_s, True, log_decay=log_decay)
+    ref_o1, ref_s1 = naive_linear_attention(phi_q[:, :1], phi_k[:, :1], v[:, :1], ref_s, True, log_decay=log_decay)
+    assert_close("o1", ref_o1, o1, RATIO)
+    assert_close("ht1", ref_s1, s1, RATIO)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decay_half_inputs(dtype):
+    """16-bit inputs with a decay: the decayed keys go to 16 bits for the dots, sums and state stay float32."""
+    if not CUDA and dtype == torch.bfloat16:
+        pytest.skip("Triton 3.6's interpreter gets bf16 dots wrong (off by 1e9 on a plain 16×16 product)")
+    phi_q, phi_k, v, state = on_device(make_inputs(2, 150, 3, 64, 32))
+    log_decay = decay_leaf(3).detach()
+    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True, log_decay=log_decay)
+    o, s = fused.triton_linear_attention(phi_q.to(dtype), phi_k.to(dtype), v.to(dtype), state,
+                                         output_final_state=True, log_decay=log_decay)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    assert_close("o", ref_o, o, 2e-2)
+    assert_close("ht", ref_s, s, 2e-2)
+
+
 def test_bad_block():
     phi_q, phi_k, v, _ = on_device(make_inputs(1, 10, 1, 4, 4, with_state=False))
     with pytest.raises(ValueError, match="block must be a power of two >= 64"):
@@ -168,7 +298,7 @@ def test_decode_step_rejects_bad_state():
 @pytest.mark.skipif(not CUDA, reason="dispatch to triton needs CUDA")
 def test_auto_picks_triton_on_cuda():
     phi_q, phi_k, v, state = on_device(make_inputs(1, 100, 3, 16, 16))
-    assert pick_backend(phi_q) == "triton"
+    assert pick_backend(phi_q) == "triton" and pick_backend(phi_q, decay=True) == "triton"
     ref_o, _ = naive_linear_attention(phi_q, phi_k, v, state)
     assert_close("o", ref_o, linear_attention(phi_q, phi_k, v, state)[0], RATIO)
 
@@ -265,18 +395,34 @@ def test_prf_decode_step_matches_the_layer():
     assert torch.equal(state[1], before[1])
     with pytest.raises(ValueError, match="contiguous float32 state"):
         fused.prf_decode_step(fmap, q, k, v, state.double(), MAX_KEY_EXCESS)
+    # with a decay: γ S + φk ⊗ [v, 1]; a padding token adds no key, but its step still decays the state
+    log_decay = torch.tensor([-2.0, -0.05, -1e-4, -0.3], device=DEVICE)
+    ref_o, ref_s = naive_linear_attention(torch_features(fmap, q, "query")[0], torch_features(fmap, k_h, "key")[0],
+                                          v_h, before, output_final_state=True, log_decay=log_decay)
+    state = before.clone()
+    o = fused.prf_decode_step(fmap, q, k, v, state, MAX_KEY_EXCESS, torch.tensor([[True], [False]], device=DEVICE),
+                              log_decay=log_decay)
+    assert_close("o0", ref_o[:1], o[:1], RATIO)
+    assert_close("ht0", ref_s[:1], state[:1], RATIO)
+    assert_close("ht1", torch.exp(log_decay)[:, None, None] * before[1], state[1], RATIO)
 
 
 @pytest.mark.skipif(not CUDA, reason="the one-kernel decode path runs on CUDA")
+@pytest.mark.parametrize("decay", [False, True], ids=["", "decay"])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
-def test_generation_on_cuda_takes_one_kernel_steps(family, monkeypatch):
-    """Greedy generation on CUDA: every step of every layer is one `prf_decode_step`, and the logits equal a full
-    forward over the generated sequence (Triton prefill) up to float rounding."""
-    from dofattn.student import linearize
+def test_generation_on_cuda_takes_one_kernel_steps(family, decay, monkeypatch):
+    """Greedy generation on CUDA: every step of every layer is one `prf_decode_step` (with the layer's decay, if it
+    has one), and the logits equal a full forward over the generated sequence (Triton prefill) up to float
+    rounding."""
+    from dofattn.student import attention_modules, linearize
     from tests.conftest import tiny_model
 
     model = tiny_model(family).cuda()
-    linearize(model, dims=[9, 16, 5], feature="prf", seed=1)
+    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, decay=decay)
+    if decay:                                         # half-lives from under a token to hundreds
+        with torch.no_grad():
+            for module in attention_modules(model):
+                module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
     calls = []
     step = fused.prf_decode_step
     monkeypatch.setattr(fused, "prf_decode_step", lambda *a, **k: calls.append(1) or step(*a, **k))
@@ -365,6 +511,28 @@ def test_window_backward_matches_the_spec(case):
     assert sorted(grads) == sorted(ref_g)
     for name in grads:
         assert_close(name, ref_g[name], grads[name], RATIO, floor=1.0)
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES[1:5], ids=[f"T{c[1]}-M{c[4]}-W{c[6]}{'-pad' if c[7] else ''}"
+                                                          f"{'-S0' if c[8] else ''}" for c in WINDOW_CASES[1:5]])
+def test_window_decay_matches_the_spec(case):
+    """The Triton hybrid with a decay of the linear part (γ^(t − W − s) beyond the window, S0 as γ^(t+1)):
+    outputs, the final state and every gradient, log γ included, against autograd through the spec."""
+    from dofattn.ops.window import naive_window_linear_attention
+
+    W, block, H = case[6], case[9], case[2]
+    args, key_valid, state = window_case(case)
+    ref_decay, tri_decay = decay_leaf(H), decay_leaf(H)
+    ref_o, ref_s, ref_g = window_forward_backward(naive_window_linear_attention, args, key_valid, state, W,
+                                                  log_decay=ref_decay)
+    o, s, grads = window_forward_backward(fused.window_forward, args, key_valid, state, W, block=block,
+                                          log_decay=tri_decay)
+    rows = slice(None) if key_valid is None else key_valid
+    assert_close("o", ref_o[rows], o[rows], RATIO)
+    assert_close("ht", ref_s, s, RATIO, floor=1.0)
+    for name in grads:
+        assert_close(name, ref_g[name], grads[name], RATIO, floor=1.0)
+    assert_close("dlog_decay", ref_decay.grad, tri_decay.grad, RATIO, floor=1.0)
 
 
 def test_window_backward_with_exponents_near_200():

@@ -111,10 +111,10 @@ def test_a_zero_decay_is_no_decay():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_a_decay_is_refused_by_the_triton_backend_by_name():
+def test_a_decay_is_refused_by_the_fla_backend_by_name():
     tensors, _, _ = inputs(1, 20, 0, 2, 4, 4, 3, 4)
-    with pytest.raises(ValueError, match="backend 'triton' has no decay"):
-        window_linear_attention(*tensors, 0.3, 4, backend="triton", log_decay=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="backend 'fla' has no decay"):
+        window_linear_attention(*tensors, 0.3, 4, backend="fla", log_decay=torch.zeros(2, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"log_decay must be a floating-point \[H\] = \(2,\) tensor"):
         window_linear_attention(*tensors, 0.3, 4, log_decay=torch.zeros(3))
 

@@ -18,9 +18,9 @@ Backends, all with the same signature and result (`naive.py` is the spec the oth
     auto        for CUDA inputs triton when it imports (its decode step for T = 1); else recurrent when T == 1;
                 else fla for CUDA inputs when it imports; else chunk
 
-A per-head decay (`log_decay` [H], see `naive.py`) runs on naive, chunk and recurrent; auto picks recurrent for
-T = 1 and chunk otherwise (on CUDA too: the Triton kernels have no decay yet), and asking triton or fla for a
-decay is a ValueError.
+A per-head decay (`log_decay` [H], see `naive.py`) runs on naive, chunk, recurrent and triton; auto picks as
+without one but never fla (triton on CUDA when it imports, else recurrent for T = 1 and chunk otherwise), and
+asking fla for a decay is a ValueError.
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ def triton_available() -> bool:
     return torch.cuda.is_available() and load_fused()[0] is not None
 
 
-def triton_linear_attention(phi_q, phi_k, v, initial_state=None, output_final_state=False, normalize=True):
+def triton_linear_attention(phi_q, phi_k, v, initial_state=None, output_final_state=False, normalize=True,
+                            log_decay=None):
     """`ops.fused.triton_linear_attention` (CUDA, Triton), imported on first use; RuntimeError without Triton."""
     fused, why = load_fused()
     if fused is None:
         raise RuntimeError(f"backend 'triton' needs the triton package, which did not import ({why}); "
                            f"use backend='chunk' instead")
-    return fused.triton_linear_attention(phi_q, phi_k, v, initial_state, output_final_state, normalize)
+    return fused.triton_linear_attention(phi_q, phi_k, v, initial_state, output_final_state, normalize, log_decay)
 
 
 BACKENDS = {
@@ -72,7 +73,7 @@ __all__ = ["linear_attention", "naive_linear_attention", "chunk_linear_attention
            "pick_backend", "BACKENDS"]
 
 
-DECAY_BACKENDS = ("naive", "chunk", "recurrent")
+DECAY_BACKENDS = ("naive", "chunk", "recurrent", "triton")
 
 
 def pick_backend(phi_q: torch.Tensor, backend: str = "auto", decay: bool = False) -> str:
@@ -84,13 +85,11 @@ def pick_backend(phi_q: torch.Tensor, backend: str = "auto", decay: bool = False
         raise ValueError(f"backend {backend!r} has no decay; use one of {list(DECAY_BACKENDS)} or 'auto'")
     if backend != "auto":
         return backend
-    if decay:
-        return "recurrent" if phi_q.shape[1] == 1 else "chunk"
     if phi_q.is_cuda and triton_available():
         return "triton"                                                 # T = 1 included: the one-kernel step
     if phi_q.shape[1] == 1:
         return "recurrent"
-    if phi_q.is_cuda and fla_available():
+    if phi_q.is_cuda and fla_available() and not decay:
         return "fla"
     return "chunk"
 

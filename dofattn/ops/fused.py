@@ -6,6 +6,7 @@ PRF feature map, the decode step, and the sliding-window hybrid (forward and bac
     phi, q_log_scale = prf_features(fmap, q, "query", MAX_KEY_EXCESS)             # no autograd
     o = prf_decode_step(fmap, q1, k1, v1, state, MAX_KEY_EXCESS)                 # features + step, one kernel
     o, state = window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, 64)   # with autograd
+All but the feature map take an optional per-head decay, `log_decay` [H] (forward, backward and decode steps).
 
 Same layout, math and result as `naive.py` and `window.py` (the specs): phi_q, phi_k [B, T, H, M], v [B, T, H, V],
 state [B, H, M, V+1] float32, o [B, T, H, V] in v.dtype. Any M and V (not only powers of two: tiles are padded and
@@ -24,6 +25,15 @@ Every input is read twice at most and the output written once; nothing of size T
 The same kernels, run right to left (`reverse`), give the backward: with g = [∂num, ∂den] and v̄ = [v, 1],
     ∂φq_t = Σ_{s≤t} (g_t·v̄_s) φk_s,   ∂φk_s = Σ_{t≥s} (v̄_s·g_t) φq_t,   ∂v_s = Σ_{t≥s} (φk_s·φq_t) ∂num_t,
 three more scans of the same shape (queries g, keys v̄, values φk, and so on).
+
+A per-head decay (log γ [H], `naive.py`) weighs the pair (t, s) by γ^|t − s| in all of these: each block's own
+state is taken as of its last position (its first, right to left), the prefix sum multiplies the running state by
+γ^n before adding a block of n positions, and inside a block the state reaches a chunk's rows as γ^(c+1) (γ^(C−c)
+right to left), the chunk's pairs weigh γ^|i − j| and the state moves on by γ^C. Every factor is exp(log γ × a
+distance ≥ 0), so nothing overflows however strong the decay. The backward is the same three scans, decayed
+alike, and ∂log γ = Σ_t t φq_t·∂φq_t − Σ_s s φk_s·∂φk_s (each pair's (t − s) times its share of the loss), plus
+the initial and final states' terms (`scan_grads`). The decode steps multiply the state by γ before adding the
+new key.
 
 The hybrid (window W) runs the linear part as the scan above on the keys delayed by W (read in place, W rows back;
 the backward builds delayed copies), then `_window_exact` adds, per chunk of W queries, exact softmax logits
@@ -47,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dofattn.ops.naive import TINY, augment_values, check_inputs
+from dofattn.ops.naive import TINY, augment_values, check_inputs, decay_log
 
 CHUNK = 64           # tokens per chunk inside a block (the tril product is C × C); 32/16 for wide features
 MAX_TILE = 128 * 64  # state elements a program keeps in registers: M_pad × V_tile
@@ -67,11 +77,12 @@ def exact_precision(x: torch.Tensor) -> str:
 
 
 @triton.jit
-def _block_state(k_ptr, v_ptr, s_ptr, z_ptr, T, H, K, V, delay, L: tl.constexpr,
+def _block_state(k_ptr, v_ptr, s_ptr, z_ptr, ld_ptr, T, H, K, V, delay, L: tl.constexpr,
                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_Z: tl.constexpr, DOT: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, HAS_DECAY: tl.constexpr, REVERSE: tl.constexpr):
     """One block's Σ k ⊗ v [K, V] (and Σ k [K]) -> s_ptr [B·H, NB, K, V], z_ptr [B·H, NB, K]. Position s takes
-    key and value s − delay (none before 0)."""
+    key and value s − delay (none before 0). With a decay (ld_ptr [H], log γ) position s weighs γ^(e − s), e the
+    block's last position before T (γ^(s − f), f its first, if REVERSE)."""
     blk, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB = (T + L - 1) // L
     b, h = bh // H, bh % H
@@ -81,11 +92,22 @@ def _block_state(k_ptr, v_ptr, s_ptr, z_ptr, T, H, K, V, delay, L: tl.constexpr,
     v_base = v_ptr + (b.to(tl.int64) * T * H + h) * V
     S = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
+    log_decay = 0.0
+    if HAS_DECAY:
+        log_decay = tl.load(ld_ptr + h)
     for i in range(0, L // C):
-        rows = blk * L + i * C + oc - delay
+        pos = blk * L + i * C + oc
+        rows = pos - delay
         mr = (rows >= 0) & (rows < T - delay)
         kc = tl.load(k_base + rows[:, None].to(tl.int64) * H * K + ok[None, :], mask=mr[:, None] & mk[None, :],
-                     other=0.0).to(DOT)                                                        # [C, BK]
+                     other=0.0)                                                                # [C, BK]
+        if HAS_DECAY:
+            if REVERSE:
+                dist = pos - blk * L
+            else:
+                dist = tl.minimum(blk * L + L, T) - 1 - pos
+            kc = kc.to(tl.float32) * tl.exp(log_decay * tl.maximum(dist, 0).to(tl.float32))[:, None]
+        kc = kc.to(DOT)
         vc = tl.load(v_base + rows[:, None].to(tl.int64) * H * V + ov[None, :], mask=mr[:, None] & mv[None, :],
                      other=0.0).to(DOT)                                                        # [C, BV]
         S += tl.dot(tl.trans(kc), vc, input_precision=PREC)
@@ -99,12 +121,17 @@ def _block_state(k_ptr, v_ptr, s_ptr, z_ptr, T, H, K, V, delay, L: tl.constexpr,
 
 
 @triton.jit
-def _prefix_states(s_ptr, z_ptr, s0_ptr, f_ptr, NB, K, V, BK: tl.constexpr, BV: tl.constexpr,
-                   HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, REVERSE: tl.constexpr, FINAL: tl.constexpr):
+def _prefix_states(s_ptr, z_ptr, s0_ptr, f_ptr, ld_ptr, NB, T, H, K, V, L, BK: tl.constexpr, BV: tl.constexpr,
+                   HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, REVERSE: tl.constexpr, FINAL: tl.constexpr,
+                   HAS_DECAY: tl.constexpr):
     """In place over one (batch·head, value tile): the blocks' own states s_ptr [B·H, NB, K, V] (z_ptr [B·H, NB, K])
     become the states entering each block (exclusive prefix sum from the left, or suffix sum if REVERSE) plus the
-    initial state s0_ptr [B·H, K, V+1]; the total goes to f_ptr [B·H, K, V+1] if FINAL."""
+    initial state s0_ptr [B·H, K, V+1]; the total goes to f_ptr [B·H, K, V+1] if FINAL. With a decay (ld_ptr [H])
+    the running sum is multiplied by γ^n before each block of n positions is added (L, or what is left of T)."""
     bh, iv = tl.program_id(0), tl.program_id(1)
+    log_decay = 0.0
+    if HAS_DECAY:
+        log_decay = tl.load(ld_ptr + bh % H)
     ok, ov = tl.arange(0, BK), iv * BV + tl.arange(0, BV)
     mk, mv = ok < K, ov < V
     ms = mk[:, None] & mv[None, :]
@@ -126,12 +153,18 @@ def _prefix_states(s_ptr, z_ptr, s0_ptr, f_ptr, NB, K, V, BK: tl.constexpr, BV: 
         base = (bh.to(tl.int64) * NB + blk) * K
         x = tl.load(s_ptr + base * V + s_tile, mask=ms, other=0.0)
         tl.store(s_ptr + base * V + s_tile, S, mask=ms)
-        S += x
+        factor = 1.0
+        if HAS_DECAY:
+            if REVERSE:
+                factor = tl.exp(log_decay * L)
+            else:
+                factor = tl.exp(log_decay * tl.minimum(L, T - blk * L).to(tl.float32))
+        S = S * factor + x
         if HAS_Z:
             if iv == 0:
                 xz = tl.load(z_ptr + base + ok, mask=mk, other=0.0)
                 tl.store(z_ptr + base + ok, z, mask=mk)
-                z += xz
+                z = z * factor + xz
     if FINAL:
         tl.store(f_ptr + bh.to(tl.int64) * K * (V + 1) + aug_tile, S, mask=ms)
         if HAS_Z:
@@ -140,13 +173,15 @@ def _prefix_states(s_ptr, z_ptr, s0_ptr, f_ptr, NB, K, V, BK: tl.constexpr, BV: 
 
 
 @triton.jit
-def _block_scan(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr, d_ptr, T, H, K, V, delay, L: tl.constexpr,
+def _block_scan(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr, d_ptr, ld_ptr, T, H, K, V, delay, L: tl.constexpr,
                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_Z: tl.constexpr, REVERSE: tl.constexpr,
-                NORMALIZE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                NORMALIZE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, HAS_DECAY: tl.constexpr):
     """One block's outputs o_t = Σ_s (q_t·k_s) v_s [and d_t = Σ_s q_t·k_s] over s ≤ t (s ≥ t if REVERSE), starting
     from the state of everything before (after) the block: s_ptr [B·H, NB, K, V], z_ptr [B·H, NB, K].
     NORMALIZE (needs HAS_Z): o_t / max(d_t, tiny) is stored instead of o_t, in o_ptr's dtype. Position s takes key
-    and value s − delay (none before 0; forward only)."""
+    and value s − delay (none before 0; forward only). With a decay (ld_ptr [H], log γ) each pair weighs
+    γ^|t − s|: the state reaches the chunk's rows as γ^(c+1) (γ^(C−c) if REVERSE), the chunk's own pairs as
+    γ^|i − j|, and moves on by γ^C a chunk; every factor is exp(log γ × a distance ≥ 0) ≤ 1."""
     blk, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB = (T + L - 1) // L
     b, h = bh // H, bh % H
@@ -164,6 +199,15 @@ def _block_scan(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr, d_ptr, T, H, K, V, del
         keep = oc[:, None] <= oc[None, :]                                                      # s ≥ t
     else:
         keep = oc[:, None] >= oc[None, :]                                                      # s ≤ t
+    if HAS_DECAY:
+        log_decay = tl.load(ld_ptr + h)
+        ocf = oc.to(tl.float32)
+        if REVERSE:
+            q_factor, k_factor = tl.exp(log_decay * (C - ocf)), tl.exp(log_decay * ocf)        # [C]
+        else:
+            q_factor, k_factor = tl.exp(log_decay * (ocf + 1.0)), tl.exp(log_decay * (C - 1.0 - ocf))
+        inner = tl.where(keep, tl.exp(log_decay * tl.abs(ocf[:, None] - ocf[None, :])), 0.0)  # [C, C]
+        chunk_factor = tl.exp(log_decay * C)
     for i in range(0, L // C):                                                                 # chunks past T are all masked
         if REVERSE:
             rows = blk * L + (L // C - 1 - i) * C + oc
@@ -179,25 +223,39 @@ def _block_scan(q_ptr, k_ptr, v_ptr, s_ptr, z_ptr, o_ptr, d_ptr, T, H, K, V, del
         vc = tl.load(v_base + keys[:, None].to(tl.int64) * H * V + ov[None, :], mask=mkr[:, None] & mv[None, :],
                      other=0.0).to(DOT)                                                        # [C, BV]
         A = tl.dot(qc, tl.trans(kc), input_precision=PREC)                                     # [C, C]
-        A = tl.where(keep, A, 0.0)
-        o = tl.dot(qc, S.to(DOT), input_precision=PREC) + tl.dot(A.to(DOT), vc, input_precision=PREC)
+        if HAS_DECAY:
+            A = A * inner
+            o = tl.dot(qc, S.to(DOT), input_precision=PREC) * q_factor[:, None]
+            o += tl.dot(A.to(DOT), vc, input_precision=PREC)
+        else:
+            A = tl.where(keep, A, 0.0)
+            o = tl.dot(qc, S.to(DOT), input_precision=PREC) + tl.dot(A.to(DOT), vc, input_precision=PREC)
+        if HAS_DECAY:                                  # the chunk's keys as of its end (start if REVERSE)
+            kc = (kc.to(tl.float32) * k_factor[:, None]).to(DOT)
         if HAS_Z:
-            d = tl.sum(qc.to(tl.float32) * z[None, :], 1) + tl.sum(A, 1)                        # [C]
+            d = tl.sum(qc.to(tl.float32) * z[None, :], 1)                                      # [C]
+            if HAS_DECAY:
+                d = d * q_factor
+            d += tl.sum(A, 1)
             if iv == 0:
                 tl.store(d_ptr + row0 + rows.to(tl.int64) * H, d, mask=mr)
             if NORMALIZE:
                 o = o / tl.maximum(d, 1.1754943508222875e-38)[:, None]
+            if HAS_DECAY:
+                z = z * chunk_factor
             z += tl.sum(kc.to(tl.float32), 0)
         tl.store(o_base + rows[:, None].to(tl.int64) * H * V + ov[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=mr[:, None] & mv[None, :])
+        if HAS_DECAY:
+            S = S * chunk_factor
         S += tl.dot(tl.trans(kc), vc, input_precision=PREC)
 
 
 @triton.jit
-def _decode_step(q_ptr, k_ptr, v_ptr, s_ptr, s_out_ptr, o_ptr, H, K, V,
-                 BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr):
-    """One token per (batch, head): S' = S + k ⊗ [v, 1] (s_out may be s: in place), then o = (q·S')[:V] / max((q·S')[V],
-    tiny), or [num, den] if not NORMALIZE."""
+def _decode_step(q_ptr, k_ptr, v_ptr, s_ptr, s_out_ptr, o_ptr, ld_ptr, H, K, V,
+                 BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """One token per (batch, head): S' = γ S + k ⊗ [v, 1] (γ = exp(ld_ptr[h]) with a decay, else 1; s_out may be s:
+    in place), then o = (q·S')[:V] / max((q·S')[V], tiny), or [num, den] if not NORMALIZE."""
     bh = tl.program_id(0)
     ok, ov = tl.arange(0, BK), tl.arange(0, BV)
     mk, mv, mv1 = ok < K, ov < V, ov <= V
@@ -206,7 +264,10 @@ def _decode_step(q_ptr, k_ptr, v_ptr, s_ptr, s_out_ptr, o_ptr, H, K, V,
     v = tl.load(v_ptr + bh * V + ov, mask=mv, other=0.0).to(tl.float32)                       # [BV]
     v = tl.where(ov == V, 1.0, v)                                                              # [v, 1]
     s_off = bh.to(tl.int64) * K * (V + 1) + ok[:, None] * (V + 1) + ov[None, :]
-    S = tl.load(s_ptr + s_off, mask=mk[:, None] & mv1[None, :], other=0.0) + k[:, None] * v[None, :]
+    S = tl.load(s_ptr + s_off, mask=mk[:, None] & mv1[None, :], other=0.0)
+    if HAS_DECAY:
+        S = S * tl.exp(tl.load(ld_ptr + bh % H))
+    S += k[:, None] * v[None, :]
     tl.store(s_out_ptr + s_off, S, mask=mk[:, None] & mv1[None, :])
     num = tl.sum(q[:, None] * S, 0)                                                            # [BV]
     if NORMALIZE:
@@ -248,12 +309,13 @@ def _prf_features(x_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, phi_ptr, qs_ptr, T, H, 
 
 
 @triton.jit
-def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr, o_ptr, valid_ptr, H, G, D, M, V,
-                     root_s, max_excess, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-                     HAS_VALID: tl.constexpr):
+def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr, o_ptr, valid_ptr, ld_ptr, H, G, D,
+                     M, V, root_s, max_excess, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+                     HAS_VALID: tl.constexpr, HAS_DECAY: tl.constexpr):
     """A whole linear-attention decode step for one (batch, head): PRF features of the new query and key (k, v on
-    kv head h // G), S += φk ⊗ [v, 1] in place (not for a padding token: valid_ptr [B] False), o = (φq·S)[:V] /
-    max((φq·S)[V], tiny) in o_ptr's dtype."""
+    kv head h // G), S ← γ S + φk ⊗ [v, 1] in place (γ = exp(ld_ptr[h]) with a decay, else 1; a padding token,
+    valid_ptr [B] False, adds no key but still counts as a step), o = (φq·S)[:V] / max((φq·S)[V], tiny) in o_ptr's
+    dtype."""
     bh = tl.program_id(0)
     b, h = bh // H, bh % H
     bkv = b * (H // G) + h // G
@@ -276,7 +338,10 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
     v = tl.where(ov == V, 1.0, v)                                                              # [v, 1]
     s_off = bh.to(tl.int64) * M * (V + 1) + om[:, None] * (V + 1) + ov[None, :]
     ms = (om < M)[:, None] & mv1[None, :]
-    S = tl.load(s_ptr + s_off, mask=ms, other=0.0) + pk[:, None] * v[None, :]
+    S = tl.load(s_ptr + s_off, mask=ms, other=0.0)
+    if HAS_DECAY:
+        S = S * tl.exp(tl.load(ld_ptr + h))
+    S += pk[:, None] * v[None, :]
     tl.store(s_ptr + s_off, S, mask=ms)
     num = tl.sum(pq[:, None] * S, 0)                                                           # [BV]
     den = tl.sum(tl.where(ov == V, num, 0.0), 0)
@@ -471,10 +536,12 @@ def _dot_dtype(*xs: torch.Tensor):
 
 def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | None = None,
          with_den: bool = False, reverse: bool = False, final_state: bool = False, normalize: bool = False,
-         out_dtype: torch.dtype = torch.float32, block: int | None = None, delay: int = 0):
+         out_dtype: torch.dtype = torch.float32, block: int | None = None, delay: int = 0,
+         log_decay: torch.Tensor | None = None):
     """o_t = Σ_{s≤t} (q_t·k_s) v_s (s ≥ t if reverse), from the initial state S0 [B, H, K, V+1] (its last column:
     the normaliser, used with `with_den`). With `delay` = W > 0 (forward only) position s holds key and value s − W
-    instead, none before W: the keys as the window hybrid's linear part sees them, read in place.
+    instead, none before W: the keys as the window hybrid's linear part sees them, read in place. With `log_decay`
+    [H] (float32, in [-1e4, 0]) the pair (t, s) weighs γ^|t − s| more, and S0 reaches t as γ^(t+1) (forward only).
 
     q, k [B, T, H, K], v [B, T, H, V] -> (o [B, T, H, V] in out_dtype, divided by max(den, tiny) if normalize;
     den [B, T, H] float32 or None; the state after all tokens [B, H, K, V+1] float32 (last column Σ k, with_den
@@ -484,6 +551,8 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
         raise ValueError("normalize needs with_den")
     if delay and reverse:
         raise ValueError("delay is for the forward scan only")
+    if log_decay is not None and reverse and (S0 is not None or final_state):
+        raise ValueError("with a decay, an initial or final state is for the forward scan only")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -496,6 +565,8 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     C, stages, warps = _scan_launch(BK)
     if S0 is not None:
         S0 = S0.float().contiguous()
+    if log_decay is not None:
+        log_decay = log_decay.float().contiguous()
 
     final = torch.empty(B, H, K, V + 1, **f32) if final_state else None
     if NB == 1 and not final_state:                                    # one block: it starts from S0 (or zeros)
@@ -508,107 +579,145 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     else:
         s_in = torch.empty(B * H, NB, K, V, **f32)
         z_in = torch.empty(B * H, NB, K, **f32) if with_den else s_in
-        _block_state[grid](k, v, s_in, z_in, T, H, K, V, delay, L, C=C, BK=BK, BV=BV, HAS_Z=with_den, DOT=DOT,
-                           PREC=PREC, num_stages=stages, num_warps=warps)
+        ld = s_in if log_decay is None else log_decay
+        _block_state[grid](k, v, s_in, z_in, ld, T, H, K, V, delay, L, C=C, BK=BK, BV=BV, HAS_Z=with_den, DOT=DOT,
+                           PREC=PREC, HAS_DECAY=log_decay is not None, REVERSE=reverse and log_decay is not None,
+                           num_stages=stages, num_warps=warps)
         _prefix_states[(B * H, NV)](s_in, z_in, S0 if S0 is not None else s_in, final if final_state else s_in,
-                                    NB, K, V, BK=BK, BV=BV, HAS_Z=with_den, HAS_S0=S0 is not None, REVERSE=reverse,
-                                    FINAL=final_state, num_warps=warps)
+                                    ld, NB, T, H, K, V, L, BK=BK, BV=BV, HAS_Z=with_den, HAS_S0=S0 is not None,
+                                    REVERSE=reverse, FINAL=final_state, HAS_DECAY=log_decay is not None,
+                                    num_warps=warps)
         if final_state and not with_den:
             final[..., V] = 0.0
     o = torch.empty(B, T, H, V, device=q.device, dtype=out_dtype)
     den = torch.empty(B, T, H, **f32) if with_den else o
-    _block_scan[grid](q, k, v, s_in, z_in, o, den, T, H, K, V, delay, L, C=C, BK=BK, BV=BV, HAS_Z=with_den,
-                      REVERSE=reverse, NORMALIZE=normalize, DOT=DOT, PREC=PREC, num_stages=stages,
-                      num_warps=warps)
+    _block_scan[grid](q, k, v, s_in, z_in, o, den, o if log_decay is None else log_decay, T, H, K, V, delay, L,
+                      C=C, BK=BK, BV=BV, HAS_Z=with_den, REVERSE=reverse, NORMALIZE=normalize, DOT=DOT, PREC=PREC,
+                      HAS_DECAY=log_decay is not None, num_stages=stages, num_warps=warps)
     return o, (den if with_den else None), final
 
 
 class LinearScan(torch.autograd.Function):
-    """Causal linear attention from the initial state S0 [B, H, M, V+1]: o [B, T, H, V] in v.dtype (normalize) or
-    [num, den] [B, T, H, V+1] float32, and the final state [B, H, M, V+1] (want_state) or None."""
+    """Causal linear attention from the initial state S0 [B, H, M, V+1], with a decay (log_decay [H] float32, in
+    [-1e4, 0]) or None: o [B, T, H, V] in v.dtype (normalize) or [num, den] [B, T, H, V+1] float32, and the final
+    state [B, H, M, V+1] (want_state) or None."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, S0, want_state: bool, normalize: bool):
+    def forward(ctx, phi_q, phi_k, v, S0, log_decay, want_state: bool, normalize: bool):
         o, den, final = scan(phi_q, phi_k, v, S0, with_den=True, final_state=want_state, normalize=normalize,
-                             out_dtype=v.dtype if normalize else torch.float32)
+                             out_dtype=v.dtype if normalize else torch.float32, log_decay=log_decay)
         ctx.normalize = normalize
         if normalize:
-            ctx.save_for_backward(phi_q, phi_k, v, S0, o, den)
+            ctx.save_for_backward(phi_q, phi_k, v, S0, log_decay, o, den)
             return o, final
-        ctx.save_for_backward(phi_q, phi_k, v, S0)
+        ctx.save_for_backward(phi_q, phi_k, v, S0, log_decay)
         return torch.cat([o, den[..., None]], -1), final                                       # [B, T, H, V+1]
 
     @staticmethod
     def backward(ctx, g_out, g_state):
-        phi_q, phi_k, v, S0 = ctx.saved_tensors[:4]
+        phi_q, phi_k, v, S0, log_decay = ctx.saved_tensors[:5]
         if ctx.normalize:                             # o = num / max(den, tiny): back to ∂num, ∂den
-            o, den = ctx.saved_tensors[4:]
+            o, den = ctx.saved_tensors[5:]
             g_o = g_out.float()
             den_c = den.clamp_min(TINY)[..., None]                                             # [B, T, H, 1]
             g_den = torch.where(den[..., None] >= TINY, -(g_o * o.float()).sum(-1, keepdim=True) / den_c, 0.0)
             g_aug = torch.cat([g_o / den_c, g_den], -1)                                        # [B, T, H, V+1]
         else:
             g_aug = g_out.float()
-        dq, dk, dv, dS0 = scan_grads(phi_q, phi_k, v, S0, g_aug, g_state)
-        return dq.to(phi_q.dtype), dk.to(phi_k.dtype), dv.to(v.dtype), dS0, None, None
+        dq, dk, dv, dS0, d_log_decay = scan_grads(phi_q, phi_k, v, S0, g_aug, g_state, log_decay)
+        return dq.to(phi_q.dtype), dk.to(phi_k.dtype), dv.to(v.dtype), dS0, d_log_decay, None, None
 
 
-def scan_grads(phi_q, phi_k, v, S0, g_aug, g_state):
-    """Gradients of the unnormalised scan [num, den]_t = φq_t·(S0 + Σ_{s≤t} φk_s ⊗ [v_s, 1]) and of its final
-    state, given g_aug = [∂num, ∂den] [B, T, H, V+1] float32 and g_state [B, H, M, V+1] or None:
-    (∂φq, ∂φk, ∂v, ∂S0 or None), three scans plus the initial state's terms."""
+def scan_grads(phi_q, phi_k, v, S0, g_aug, g_state, log_decay=None):
+    """Gradients of the unnormalised scan [num, den]_t = φq_t·(γ^(t+1) S0 + Σ_{s≤t} γ^(t−s) φk_s ⊗ [v_s, 1]) and
+    of its final state, given g_aug = [∂num, ∂den] [B, T, H, V+1] float32, g_state [B, H, M, V+1] or None and
+    log_decay [H] (log γ) or None (γ = 1): (∂φq, ∂φk, ∂v, ∂S0 or None, ∂log γ or None), three scans (decayed by
+    the same γ^|t − s|) plus the initial and final states' terms.
+
+    ∂log γ = Σ over pairs of (t − s) × the pair's share of the loss. With φq_t·∂φq_t the sum of row t's pair terms
+    and φk_s·∂φk_s the sum of column s's, that is Σ_t t φq_t·∂φq_t − Σ_s s φk_s·∂φk_s over the pairs, plus
+    (t + 1) for S0's terms in row t, T − 1 − s for key s's term in the final state, and T for S0's there; the
+    position sums run in float64."""
     dtype = phi_q.dtype if phi_q.dtype == phi_k.dtype == v.dtype else torch.float32
     g = g_aug.to(dtype)                                                                        # [B, T, H, V+1]
     v_aug = augment_values(v, dtype)                                                           # [B, T, H, V+1]
-    dq = scan(g, v_aug, phi_k.to(dtype))[0]                                                    # [B, T, H, M]
-    dk = scan(v_aug, g, phi_q.to(dtype), reverse=True)[0]                                      # [B, T, H, M]
-    dv = scan(phi_k.to(dtype), phi_q.to(dtype), g[..., :-1], reverse=True)[0]                  # [B, T, H, V]
+    decay = {} if log_decay is None else {"log_decay": log_decay}
+    dq = scan(g, v_aug, phi_k.to(dtype), **decay)[0]                                           # [B, T, H, M]
+    dk = scan(v_aug, g, phi_q.to(dtype), reverse=True, **decay)[0]                             # [B, T, H, M]
+    dv = scan(phi_k.to(dtype), phi_q.to(dtype), g[..., :-1], reverse=True, **decay)[0]         # [B, T, H, V]
+    T = phi_q.shape[1]
+    if log_decay is not None:
+        steps = torch.arange(T + 1, device=phi_q.device, dtype=torch.float64)
+        to_row = torch.exp(log_decay.double()[None, :] * steps[1:, None]).float()              # [T, H]: γ^(t+1)
+        to_end = torch.exp(log_decay.double()[None, :] * steps[:T].flip(0)[:, None]).float()   # [T, H]: γ^(T−1−s)
+        lag = (phi_q.double() * dq.double()).sum(-1) - (phi_k.double() * dk.double()).sum(-1)   # [B, T, H]
+        d_log_decay = torch.einsum("bth,t->h", lag, steps[:T])
     dS0 = None
     if S0 is not None:
-        dq = dq + torch.einsum("bthv,bhmv->bthm", g_aug, S0.float())
-        dS0 = torch.einsum("bthm,bthv->bhmv", phi_q.float(), g_aug)
-    if g_state is not None:                           # the final state S0 + Σ φk ⊗ v̄ is differentiable too
+        g_row = g_aug if log_decay is None else g_aug * to_row[..., None]                      # γ^(t+1) g_t
+        dq_state = torch.einsum("bthv,bhmv->bthm", g_row, S0.float())
+        dq = dq + dq_state
+        dS0 = torch.einsum("bthm,bthv->bhmv", phi_q.float(), g_row)
+        if log_decay is not None:
+            d_log_decay += torch.einsum("bth,t->h", (phi_q.double() * dq_state.double()).sum(-1), steps[1:])
+    if g_state is not None:                           # the final state γ^T S0 + Σ γ^(T−1−s) φk ⊗ v̄ is differentiable too
         g_state = g_state.float()
-        dk = dk + torch.einsum("bthv,bhmv->bthm", v_aug.float(), g_state)
-        dv = dv + torch.einsum("bthm,bhmv->bthv", phi_k.float(), g_state[..., :-1])
-        dS0 = None if S0 is None else dS0 + g_state
-    return dq, dk, dv, dS0
+        v_end = v_aug.float() if log_decay is None else v_aug.float() * to_end[..., None]      # γ^(T−1−s) v̄_s
+        dk_state = torch.einsum("bthv,bhmv->bthm", v_end, g_state)
+        dk = dk + dk_state
+        dv = dv + torch.einsum("bthm,bhmv->bthv", phi_k.float(), g_state[..., :-1]) * (
+            1.0 if log_decay is None else to_end[..., None])
+        if S0 is not None:
+            state_factor = 1.0 if log_decay is None else torch.exp(log_decay * T)[:, None, None]   # γ^T
+            dS0 = dS0 + state_factor * g_state
+        if log_decay is not None:
+            d_log_decay += torch.einsum("bth,t->h", (phi_k.double() * dk_state.double()).sum(-1), steps[:T].flip(0))
+            if S0 is not None:
+                d_log_decay += T * torch.exp(log_decay.double() * T) * (S0.double() * g_state.double()).sum((0, 2, 3))
+    return dq, dk, dv, dS0, (None if log_decay is None else d_log_decay.to(log_decay.dtype))
 
 
 def triton_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                             initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-                            normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            normalize: bool = True,
+                            log_decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention with dofattn's Triton kernels (CUDA; forward and backward).
 
-    phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
+    phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros); log_decay [H]
+    (≤ 0) or None, as in `naive_linear_attention`.
     Returns o [B, T, H, V] in v.dtype (or [num, den] [B, T, H, V+1] float32 if not normalize) and the final state
-    [B, H, M, V+1] float32 if output_final_state, else None. Gradients flow to φq, φk, v and the initial state
-    from both outputs.
+    [B, H, M, V+1] float32 if output_final_state, else None. Gradients flow to φq, φk, v, the initial state and
+    log_decay from both outputs.
     """
-    check_inputs(phi_q, phi_k, v, initial_state)
+    check_inputs(phi_q, phi_k, v, initial_state, log_decay)
     if not (phi_q.is_cuda or interpreting()):
         raise RuntimeError(f"triton_linear_attention needs CUDA tensors, got {phi_q.device}; use backend='chunk'")
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (phi_q, phi_k, v, initial_state))
+    if log_decay is not None:
+        log_decay = decay_log(log_decay, torch.float32)                # differentiable clamp to [-1e4, 0]
+    tensors = (phi_q, phi_k, v, initial_state, log_decay)
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
     if phi_q.shape[1] == 1 and not grad:                              # decode: one kernel, a new state
         B, _, H, M = phi_q.shape
         S0 = (torch.zeros(B, H, M, v.shape[-1] + 1, device=v.device) if initial_state is None
               else initial_state.float().contiguous())
         S1 = torch.empty_like(S0)
-        o = triton_decode_step(phi_q, phi_k, v, S0, S1, normalize=normalize)
+        o = triton_decode_step(phi_q, phi_k, v, S0, S1, normalize=normalize, log_decay=log_decay)
         return (o.to(v.dtype) if normalize else o), (S1 if output_final_state else None)
     S0 = None if initial_state is None else initial_state.float().contiguous()
-    return LinearScan.apply(phi_q, phi_k, v, S0, output_final_state, normalize)
+    return LinearScan.apply(phi_q, phi_k, v, S0, log_decay, output_final_state, normalize)
 
 
 def triton_decode_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
-                       out_state: torch.Tensor | None = None, normalize: bool = True) -> torch.Tensor:
-    """One decode step in one kernel: out_state = state + φk ⊗ [v, 1] and the output read from it.
+                       out_state: torch.Tensor | None = None, normalize: bool = True,
+                       log_decay: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step in one kernel: out_state = γ state + φk ⊗ [v, 1] (γ = exp(log_decay) per head with a decay,
+    else 1) and the output read from it.
 
     phi_q, phi_k [B, 1, H, M]; v [B, 1, H, V]; state [B, H, M, V+1] float32 contiguous; out_state: where the new
-    state goes (pass `state` itself to update in place). Returns o [B, 1, H, V] float32, or [num, den]
-    [B, 1, H, V+1] if not normalize. No autograd: for training use `triton_linear_attention`.
+    state goes (pass `state` itself to update in place); log_decay [H] or None. Returns o [B, 1, H, V] float32, or
+    [num, den] [B, 1, H, V+1] if not normalize. No autograd: for training use `triton_linear_attention`.
     """
-    check_inputs(phi_q, phi_k, v, state)
+    check_inputs(phi_q, phi_k, v, state, log_decay)
     if phi_q.shape[1] != 1 or state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"triton_decode_step takes one token (T = 1) and a contiguous float32 state, got "
                          f"T = {phi_q.shape[1]}, state {state.dtype}")
@@ -620,8 +729,9 @@ def triton_decode_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor
     B, _, H, K = phi_q.shape
     V = v.shape[-1]
     o = torch.empty(B, 1, H, V + (0 if normalize else 1), device=v.device, dtype=torch.float32)
-    _decode_step[(B * H,)](phi_q.contiguous(), phi_k.contiguous(), v.contiguous(), state, out_state, o, H, K, V,
-                           BK=_pow2(K), BV=_pow2(V + 1), NORMALIZE=normalize)
+    ld = o if log_decay is None else decay_log(log_decay, torch.float32).contiguous()
+    _decode_step[(B * H,)](phi_q.contiguous(), phi_k.contiguous(), v.contiguous(), state, out_state, o, ld, H, K, V,
+                           BK=_pow2(K), BV=_pow2(V + 1), NORMALIZE=normalize, HAS_DECAY=log_decay is not None)
     return o
 
 
@@ -662,12 +772,15 @@ def prf_features(fmap, x: torch.Tensor, role: str, max_excess: float) -> tuple[t
 
 
 def prf_decode_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
-                    max_excess: float, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+                    max_excess: float, key_valid: torch.Tensor | None = None,
+                    log_decay: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of a PRF linear-attention layer in one kernel, the state updated in place.
 
     q [B, 1, H, D] (after RoPE); k, v [B, 1, Hkv, D] on kv heads (H a multiple of Hkv); state [B, H, M, V+1]
-    float32 contiguous; key_valid [B, 1] (False: a padding token, which leaves the state as it is) or None.
-    Returns o [B, 1, H, V] in q.dtype. The map's key_shift must be finite (set by the prefill).
+    float32 contiguous; key_valid [B, 1] (False: a padding token, which adds no key) or None; log_decay [H] or
+    None: the state is multiplied by γ = exp(log_decay) first (for a padding token too: a decay counts every
+    position, as in `ops.naive`). Returns o [B, 1, H, V] in q.dtype. The map's key_shift must be finite (set by
+    the prefill).
     """
     B, _, H, D = q.shape
     Hkv, V, M = k.shape[2], v.shape[-1], fmap.dim
@@ -677,9 +790,11 @@ def prf_decode_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
     w, lw, counts = _prf_args(fmap)
     o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
     valid = None if key_valid is None else key_valid.reshape(B).contiguous()
+    ld = state if log_decay is None else decay_log(log_decay, torch.float32).contiguous()
     _prf_decode_step[(B * H,)](q.contiguous(), k.contiguous(), v.contiguous(), w, lw, counts, fmap.key_shift, state, o,
-                               state if valid is None else valid, H, H // Hkv, D, M, V, fmap.scaling ** 0.5,
-                               max_excess, BD=_pow2(D), BM=_pow2(M), BV=_pow2(V + 1), HAS_VALID=valid is not None)
+                               state if valid is None else valid, ld, H, H // Hkv, D, M, V, fmap.scaling ** 0.5,
+                               max_excess, BD=_pow2(D), BM=_pow2(M), BV=_pow2(V + 1), HAS_VALID=valid is not None,
+                               HAS_DECAY=log_decay is not None)
     return o
 
 
@@ -687,28 +802,32 @@ WINDOWS = (16, 32, 64)   # window sizes the fused hybrid takes (the window is it
 
 
 def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
-                   key_valid=None, initial_state=None, output_final_state: bool = False, block: int | None = None):
+                   key_valid=None, initial_state=None, output_final_state: bool = False, block: int | None = None,
+                   log_decay=None):
     """`ops.window.window_linear_attention` for a prefill (as many keys as queries) in Triton, forward and backward.
 
     q, k [B, T, H, D]; v [B, T, H, V]; phi_q, phi_k [B, T, H, M] (any M); q_log_scale [B, T, H]; log_offset [H];
-    key_valid [B, T] or None; initial_state [B, H, M, V+1] or None. window must be one of WINDOWS. Returns
-    o [B, T, H, V] in v.dtype and the state of every key but the last `window` (float32) if output_final_state,
-    else None.
+    key_valid [B, T] or None; initial_state [B, H, M, V+1] or None; log_decay [H] or None (the linear part decays
+    from the window's edge, as in the spec). window must be one of WINDOWS. Returns o [B, T, H, V] in v.dtype and
+    the state of every key but the last `window` (float32) if output_final_state, else None.
     Gradients reach every floating input from both outputs (`WindowHybrid`).
     """
     if window not in WINDOWS or k.shape[1] != q.shape[1]:
         raise ValueError(f"window_forward takes windows {WINDOWS} and as many keys as queries; got window {window}, "
                          f"{k.shape[1]} keys for {q.shape[1]} queries")
     S0 = None if initial_state is None else initial_state.float().contiguous()
+    if log_decay is not None:
+        log_decay = decay_log(log_decay, torch.float32)                # differentiable clamp to [-1e4, 0]
     return WindowHybrid.apply(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, float(scaling), window,
-                              output_final_state, block)
+                              output_final_state, block, log_decay)
 
 
 def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling: float, window: int,
-                   output_final_state: bool, block: int | None, store_lse: bool):
+                   output_final_state: bool, block: int | None, store_lse: bool, log_decay=None):
     """The forward: the linear part is the scan with its keys and values delayed by W (read in place, `delay`),
-    normalised, float32; then `_window_exact` adds the exact part per chunk of W queries. Returns (o in v.dtype,
-    final state or None, row log-mass [B, T, H] float32 or None).
+    normalised, float32, decayed by position (so key s reaches t as γ^(t − W − s), and S0 as γ^(t+1)); then
+    `_window_exact` adds the exact part per chunk of W queries. Returns (o in v.dtype, final state or None, row
+    log-mass [B, T, H] float32 or None).
 
     Two kernels, not one: a kernel that kept the linear state in registers beside the exact part's tiles spilled
     registers (ptxas, sm_90), and the linear output's round trip through memory costs less than the scan's own
@@ -718,7 +837,7 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
     if key_valid is not None:                     # padding keys add nothing to the linear part
         phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)
     o_lin, den, final = scan(phi_q, phi_k, v, S0, with_den=True, final_state=output_final_state, normalize=True,
-                             block=block, delay=window)
+                             block=block, delay=window, log_decay=log_decay)
     exact_dot = _dot_dtype(q, k, v)[0]            # 16-bit q, k, v: their products are exact in the float32 sums
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if store_lse else o
@@ -741,10 +860,11 @@ class WindowHybrid(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling, window, want_state,
-                block):
+                block, log_decay):
         o, final, lse = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling,
-                                       window, want_state, block, store_lse=any(ctx.needs_input_grad))
-        ctx.save_for_backward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse)
+                                       window, want_state, block, store_lse=any(ctx.needs_input_grad),
+                                       log_decay=log_decay)
+        ctx.save_for_backward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse, log_decay)
         ctx.scaling, ctx.window = scaling, window
         return o, final
 
@@ -752,7 +872,7 @@ class WindowHybrid(torch.autograd.Function):
     def backward(ctx, g_o, g_state):
         from dofattn.ops.window import delayed_keys
 
-        q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse = ctx.saved_tensors
+        q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse, log_decay = ctx.saved_tensors
         B, T, H, D = q.shape
         V, W = v.shape[-1], ctx.window
         g_o = torch.zeros_like(o, dtype=torch.float32) if g_o is None else g_o.float().contiguous()
@@ -768,7 +888,7 @@ class WindowHybrid(torch.autograd.Function):
         c = torch.where(torch.isfinite(lse), torch.exp(shift - lse), 0.0)                     # [B, T, H]
         g_lin = c[..., None] * torch.cat([g_o, -delta[..., None]], -1)                         # [B, T, H, V+1]
         pq, dk, dv = (x.contiguous() for x in delayed_keys(phi_q, phi_k, v, key_valid, W, torch.float32))
-        d_pq, d_dk, d_dv, dS0 = scan_grads(pq, dk, dv, S0, g_lin, g_state)
+        d_pq, d_dk, d_dv, dS0, d_log_decay = scan_grads(pq, dk, dv, S0, g_lin, g_state, log_decay)
         d_shift = (pq.float() * d_pq.float()).sum(-1)                                          # [B, T, H]
         d_phi_k = torch.nn.functional.pad(d_dk.float()[:, W:], (0, 0, 0, 0, 0, min(W, T)))     # back by W
         d_v = dv_x + torch.nn.functional.pad(d_dv.float()[:, W:], (0, 0, 0, 0, 0, min(W, T)))
@@ -776,4 +896,4 @@ class WindowHybrid(torch.autograd.Function):
             d_phi_k = d_phi_k * key_valid[:, :, None, None]
         return (dq_x.to(q.dtype), dk_x.to(k.dtype), d_v.to(v.dtype), d_pq.to(phi_q.dtype), d_phi_k.to(phi_k.dtype),
                 d_shift.to(q_log_scale.dtype), d_shift.sum((0, 1)).to(log_offset.dtype), dS0, None, None, None, None,
-                None)
+                None, d_log_decay)

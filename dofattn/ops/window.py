@@ -240,18 +240,16 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions. On CUDA without autograd, a
     prefill with a window of 16, 32 or 64 runs in Triton (`ops.fused.window_forward`: the linear scan on the
     delayed keys, then one kernel for the exact part and the shared normalisation); backend "triton" takes that
-    path with autograd too (its backward is Triton as well). A decay (`log_decay`) runs in PyTorch, on a linear
-    backend with a decay (`ops.pick_backend`).
+    path with autograd too (its backward is Triton as well), with or without a decay (`log_decay`).
     """
     check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay)
     if backend == "auto" and q.shape[1] <= DENSE_QUERIES:
         return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                              key_valid, initial_state, output_final_state, log_decay)
-    if log_decay is None and fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window,
-                                             initial_state, backend):
+    if fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend):
         from dofattn.ops import load_fused
         return load_fused()[0].window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
-                                              key_valid, initial_state, output_final_state)
+                                              key_valid, initial_state, output_final_state, log_decay=log_decay)
     return blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                            key_valid, initial_state, output_final_state, backend, log_decay)
 
