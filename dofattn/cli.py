@@ -174,10 +174,13 @@ class DistillArgs:
                               "still O(1) state in generation. Batches must be padded on the left")
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
-    keep_by: str = _opt("dof", "which layers --keep-softmax keeps: dof (the K with the largest DoF), first (layers "
-                               "0..K-1), random (K drawn with --seed) or gain (measured after layerwise training: "
-                               "the K whose exact attention, given back alone, lowers the student's KL to the "
-                               "teacher most on training text)", choices=("dof", "first", "random", "gain"))
+    keep_by: str = _opt("dof", "which layers --keep-softmax keeps: dof (the K with the largest DoF of the softmax "
+                               "kernel), attn-dof (the K whose attention matrices have the largest DoF: sharp, "
+                               "position-bound attention counts high, a sink low; measured on 8 training blocks), "
+                               "first (layers 0..K-1), random (K drawn with --seed) or gain (measured after "
+                               "layerwise training: the K whose exact attention, given back alone, lowers the "
+                               "student's KL to the teacher most on training text)",
+                        choices=("dof", "attn-dof", "first", "random", "gain"))
     progressive: bool = _opt(False, "layerwise training in layer order on the student's own q/k/v (earlier layers "
                                     "already linear) instead of the teacher's: each layer sees what it will get")
     lora_rank: int | None = _opt(None, "LoRA adapters of this rank on the attention projections (q, k, v, o), "
@@ -204,7 +207,8 @@ class DistillArgs:
     time_limit: float = _opt(0.0, "stop the end-to-end phase after this many minutes of it, then save and evaluate "
                                   "the student as it is (log.json: direct.stopped); the same command later goes "
                                   "on to the remaining steps. 0: no limit")
-    lam: float = _opt(2.0 ** -8, "λ of the DoF estimate (trace-relative) when --dims is dof or clip")
+    lam: float = _opt(2.0 ** -8, "λ of the DoF estimate (trace-relative) when --dims is dof or clip, or --keep-by "
+                                 "dof or attn-dof")
     lam_auto: bool = _opt(False, "choose the DoF estimate's λ instead (like `dofattn dof --lam-auto`): the one "
                                  "whose dims give the least held-out attention error at the budget; printed and "
                                  "kept in the run's dof.json")

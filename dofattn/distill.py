@@ -493,7 +493,8 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None}
-KEEP_BY = ("dof", "first", "random", "gain")
+KEEP_BY = ("dof", "attn-dof", "first", "random", "gain")
+ATTENTION_DOF_BLOCKS = 8  # training blocks (of --eval-seq-len tokens) on which --keep-by attn-dof measures the teacher
 GAIN_BLOCKS = 4          # training blocks on which --keep-by gain measures each layer
 # What each --recipe sets for options left unset (None); a callable reads the value off the other options. "paper"
 # is the published method; "dofattn" adds what measurably closes the gap to the teacher (docs/RESULTS.md): the
@@ -652,11 +653,13 @@ def dof_estimate(args, model, tokenizer, out: Path):
     return DofResult.from_json(path.read_text())
 
 
-def softmax_layers(args, num_layers: int, dof=None) -> list[int]:
-    """The layers `--keep-softmax K --keep-by dof|first|random` leaves as softmax attention, sorted (gain: later).
+def softmax_layers(args, num_layers: int, dof=None, attn_dof: list[float] | None = None) -> list[int]:
+    """The layers `--keep-softmax K --keep-by dof|attn-dof|first|random` leaves as softmax attention, sorted (gain:
+    later).
 
-    dof: the K layers with the largest DoF (ties: the earlier layer); first: layers 0..K-1; random: K layers drawn
-    with `--seed`. gain: none yet; `keep_by_gain` chooses them after layerwise training.
+    dof: the K layers with the largest DoF of the kernel (ties: the earlier layer); attn-dof: the K with the
+    largest DoF of the teacher's attention matrices (`attn_dof`, per layer); first: layers 0..K-1; random: K layers
+    drawn with `--seed`. gain: none yet; `keep_by_gain` chooses them after layerwise training.
     """
     K = args.keep_softmax
     if K == 0 or args.keep_by == "gain":
@@ -665,8 +668,26 @@ def softmax_layers(args, num_layers: int, dof=None) -> list[int]:
         return list(range(K))
     if args.keep_by == "random":
         return sorted(torch.randperm(num_layers, generator=torch.Generator().manual_seed(args.seed))[:K].tolist())
-    order = sorted(range(num_layers), key=lambda i: (-dof.layers[i].dof, i))
+    score = attn_dof if args.keep_by == "attn-dof" else [layer.dof for layer in dof.layers]
+    order = sorted(range(num_layers), key=lambda i: (-score[i], i))
     return sorted(order[:K])
+
+
+def attention_dof_estimate(args, model, blocks: torch.Tensor, out: Path) -> list[float]:
+    """`--keep-by attn-dof`: per layer, the DoF of the teacher's causal attention matrices (`dof.attention_dofs`,
+    mean over heads and `blocks`), at the run's --lam. Computed once (rank 0) and kept in out/attention_dof.json,
+    so a resumed run keeps the same layers."""
+    from dofattn.dof import attention_dofs
+
+    path = out / "attention_dof.json"
+    if world()[0] == 0 and not path.is_file():
+        heads = attention_dofs(model, blocks, args.lam, progress=True)
+        tmp = path.with_suffix(".partial")
+        tmp.write_text(json.dumps({"lam": args.lam, "blocks": len(blocks), "seq_len": blocks.shape[1],
+                                   "layers": [sum(h) / len(h) for h in heads], "heads": heads}, indent=2))
+        os.replace(tmp, path)
+    barrier()
+    return json.loads(path.read_text())["layers"]
 
 
 def keep_by_gain(args, model, blocks: torch.Tensor, out: Path) -> list[int]:
@@ -731,6 +752,10 @@ def run(args) -> dict:
     if direct_steps and (blocks, length) != tuple(train.shape):
         direct_train = token_blocks(args.data, tokenizer, length, blocks, split="train", seed=args.seed)
     valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
+    attn_blocks = None
+    if args.keep_softmax and args.keep_by == "attn-dof":
+        attn_blocks = token_blocks(args.data, tokenizer, args.eval_seq_len, ATTENTION_DOF_BLOCKS, split="train",
+                                   seed=args.seed)
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         check_run_folder(out, {**asdict(args), "decay_start": list(DECAY_START) if args.decay else None})
     barrier()
@@ -754,7 +779,8 @@ def run(args) -> dict:
         head_dims = [layer.head_dims for layer in dof.layers]
         dims = [max(h) for h in head_dims]
     log.dims = dims
-    kept = softmax_layers(args, num_layers, dof)
+    attn_dof = None if attn_blocks is None else attention_dof_estimate(args, model, attn_blocks, out)
+    kept = softmax_layers(args, num_layers, dof, attn_dof)
     log.softmax_layers = kept
     linearize(model, dims, args.feature, layers=[i for i in range(num_layers) if i not in kept], seed=args.seed,
               window=args.window, head_dims=head_dims, decay=args.decay)

@@ -160,6 +160,46 @@ def sample_points(model, blocks: torch.Tensor, samples: int = 1024, batch_size: 
                        sampler.points[layers[0]].shape[-1])
 
 
+# --- the DoF of the attention matrices ----------------------------------------------------------------------
+
+def attention_dof(query: torch.Tensor, key: torch.Tensor, scaling: float, lam: float = 2.0 ** -8) -> torch.Tensor:
+    """DoF [B, H] of each head's causal softmax attention matrix A [T, T], from queries and keys [B, T, H, D] (keys
+    on the query heads), in float64.
+
+    The estimator above applied to A Aᵀ in place of the kernel's Gram matrix, λ trace-relative as there:
+    N(λ) = Σ σᵢ² / (σᵢ² + λ·‖A‖²_F) over A's singular values σ. It counts the directions the attention pattern
+    itself spans: 1/(1 + λ) for a head that puts all its mass on one key (an attention sink), T/(1 + λT) for one
+    that attends each token to itself only. Where the kernel's DoF looks at the (q, k) points alone, this one sees
+    where in the sequence the mass goes, so sharp, position-bound patterns (the previous token) count high.
+    """
+    if lam <= 0:
+        raise UserError(f"λ must be positive, got {lam}")
+    q = query.to(torch.float64).transpose(1, 2)                            # [B, H, T, D]
+    k = key.to(torch.float64).transpose(1, 2)
+    T = q.shape[2]
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    A = torch.softmax((scaling * q @ k.transpose(-1, -2)).masked_fill(future, -torch.inf), -1)
+    energy = torch.linalg.svdvals(A) ** 2                                  # [B, H, T]
+    return (energy / (energy + lam * energy.sum(-1, keepdim=True))).sum(-1)
+
+
+def attention_dofs(model, blocks: torch.Tensor, lam: float = 2.0 ** -8, progress: bool = True) -> list[list[float]]:
+    """Per layer and head [L][H], the mean `attention_dof` of the model's attention over `blocks` [N, T], one block
+    at a time (memory: H·T² float64 per layer)."""
+    sums: dict[int, torch.Tensor] = {}
+
+    def sink(x: AttentionInputs) -> None:
+        key = x.key.repeat_interleave(x.num_heads // x.num_kv_heads, 2)
+        dof = attention_dof(x.query, key, x.scaling, lam).sum(0).cpu()    # [H]
+        sums[x.layer] = sums.get(x.layer, 0) + dof
+
+    device = next(model.parameters()).device
+    with capture(model, sink):
+        for block in tqdm(blocks, desc="attention DoF", unit="block", disable=not progress):
+            run_forward(model, block[None].to(device))
+    return [(sums[i] / len(blocks)).tolist() for i in sorted(sums)]
+
+
 # --- allocation -----------------------------------------------------------------------------------------------
 
 def allocate(weights: list[float], total: int, minimum: int = 1) -> list[int]:

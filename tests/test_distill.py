@@ -380,7 +380,7 @@ def test_run_folder_is_a_loadable_student(capsys, model_dirs, corpus, tmp_path, 
     assert text.startswith("The fox") and "student of" in err
 
 
-@pytest.mark.parametrize("keep_by", ["dof", "first", "random", "gain"])
+@pytest.mark.parametrize("keep_by", ["dof", "attn-dof", "first", "random", "gain"])
 def test_keep_softmax_leaves_the_chosen_layers_exact(capsys, model_dirs, corpus, tmp_path, keep_by):
     out = tmp_path / "run"
     code, _, err = run(capsys, *distill_argv(model_dirs["gpt2"], corpus, out, "--steps", 3, "--keep-softmax", 2,
@@ -395,6 +395,10 @@ def test_keep_softmax_leaves_the_chosen_layers_exact(capsys, model_dirs, corpus,
         dof = [layer["dof"] for layer in json.loads((out / "dof.json").read_text())["layers"]]
         assert sorted(kept) == sorted(sorted(range(LAYERS), key=lambda i: -dof[i])[:2])
         assert log["dims"] == [8] * LAYERS  # --dims fix:8 still gives the dims; the estimate only chooses layers
+    if keep_by == "attn-dof":  # the two layers whose teacher attention has the largest DoF, kept in the run
+        record = json.loads((out / "attention_dof.json").read_text())
+        assert len(record["layers"]) == LAYERS and record["blocks"] == 8 and not (out / "dof.json").exists()
+        assert kept == sorted(sorted(range(LAYERS), key=lambda i: -record["layers"][i])[:2])
     if keep_by == "gain":  # the two largest measured gains, all layers measured after layerwise training
         gains = json.loads((out / "keep.json").read_text())["kl_gain"]
         assert len(gains) == LAYERS and all(isinstance(g, float) for g in gains)

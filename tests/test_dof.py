@@ -10,7 +10,7 @@ import torch
 
 from dofattn.capture import AttentionInputs
 from dofattn.dof import (DofResult, HeldoutAttentionError, LayerDof, PointSample, PointSampler, allocate,
-                         allocate_dims, allocate_dims_auto, head_dof, sample_points)
+                         allocate_dims, allocate_dims_auto, attention_dof, attention_dofs, head_dof, sample_points)
 from dofattn.errors import UserError
 from tests.conftest import tiny_model
 
@@ -134,6 +134,51 @@ def test_sample_points_on_tiny_model_does_not_depend_on_batching():
         torch.testing.assert_close(x, y)
     dof = a.head_dof(2.0 ** -8)
     assert len(dof) == 3 and all(0 < d <= 40 for heads in dof for d in heads)
+
+
+# --- the DoF of the attention matrices --------------------------------------------------------------------------
+
+def test_attention_dof_at_its_limits():
+    """A sink (every query on key 0) has 1/(1 + λ) degrees of freedom, attention to itself only T/(1 + λT); exponents
+    near 200 stay finite."""
+    T, D, lam = 40, 8, 2.0 ** -8
+    sink_k = torch.zeros(1, T, 1, D)
+    sink_k[0, 0, 0, 0] = 20.0                                            # q·k_0 = 200, every other logit 0
+    q = torch.zeros(1, T, 1, D)
+    q[..., 0] = 10.0
+    torch.testing.assert_close(attention_dof(q, sink_k, 1.0, lam), torch.full((1, 1), 1 / (1 + lam),
+                                                                               dtype=torch.float64))
+    x = (14.0 * torch.nn.functional.normalize(torch.randn(1, T, 1, D, generator=torch.Generator().manual_seed(1)),
+                                              dim=-1))
+    own = attention_dof(x, x, 1.0, lam)                                  # q_t·k_t = 196, q_t·k_s < 196 for s ≠ t
+    assert torch.isfinite(own).all() and 0.9 * T / (1 + lam * T) < own.item() <= T / (1 + lam * T) + 1e-9
+
+
+def test_attention_dof_matches_the_singular_values_by_hand():
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(2, 9, 3, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    dof = attention_dof(q, k, 0.5, 0.1)
+    for b in range(2):
+        for h in range(3):
+            logits = 0.5 * q[b, :, h] @ k[b, :, h].T
+            A = torch.softmax(logits.masked_fill(torch.ones(9, 9).triu(1).bool(), -torch.inf), -1)
+            e = torch.linalg.svdvals(A) ** 2
+            assert abs(dof[b, h].item() - (e / (e + 0.1 * e.sum())).sum().item()) < 1e-12
+    assert (dof > 0).all() and (dof <= 9).all()
+    with pytest.raises(UserError, match="λ must be positive"):
+        attention_dof(q, k, 0.5, 0.0)
+
+
+def test_attention_dofs_of_a_tiny_model_per_layer_and_head():
+    """Every layer and every query head (GQA: the kv heads repeated), the mean over the blocks."""
+    model = tiny_model("llama")
+    blocks = torch.randint(0, 300, (3, 12), generator=torch.Generator().manual_seed(0))
+    dofs = attention_dofs(model, blocks, progress=False)
+    assert len(dofs) == 3 and all(len(heads) == model.config.num_attention_heads for heads in dofs)
+    assert all(1 / (1 + 2.0 ** -8) - 1e-9 <= d <= 12 for heads in dofs for d in heads)
+    one = attention_dofs(model, blocks[:1], progress=False)
+    two = attention_dofs(model, blocks[1:], progress=False)
+    torch.testing.assert_close(torch.tensor(dofs), (torch.tensor(one) + 2 * torch.tensor(two)) / 3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
