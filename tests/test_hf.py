@@ -1,6 +1,10 @@
 """Model loading: folders of the three families, unsupported architectures, bad paths, wheel assets."""
 
+import os
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +69,22 @@ def test_wheel_member_unpacks_from_cached_wheel(tmp_path, monkeypatch):
     assert path.read_bytes() == b"payload" and path.is_relative_to(tmp_path)
     with pytest.raises(UserError, match="has no file"):
         assets.wheel_member(wheel, "dofattn_fake_asset/other.bin")
+
+
+def test_wheel_member_unpacked_by_several_processes_at_once_is_whole(tmp_path):
+    """First runs started together each unpack into their own staging file; the member ends whole, with no staging
+    file left."""
+    payload = bytes(range(256)) * (1 << 14)                                # 4 MiB
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / "dofattn_fake_asset-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("dofattn_fake_asset/data.bin", payload)
+    code = ("from dofattn import assets; "
+            "print(assets.wheel_member(assets.Wheel('dofattn-fake-asset', '1.0', 'dofattn_fake_asset'), "
+            "'dofattn_fake_asset/data.bin'))")
+    env = {**os.environ, "DOFATTN_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    paths = {p.communicate()[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(paths) == 1
+    path = Path(paths.pop())
+    assert path.read_bytes() == payload and not list(path.parent.glob("*.partial"))
