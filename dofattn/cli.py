@@ -147,7 +147,8 @@ class DistillArgs:
     model: str = _opt("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
     data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
     dims: str = _opt("dof", "feature dims per layer: dof (estimated here), clip (dof capped at the head size), "
-                            "fix, fix:C, or a dof.json file")
+                            "attn-dof (∝ the DoF of the teacher's attention matrices, as for --keep-by attn-dof; "
+                            "the same total as fix), fix, fix:C, or a dof.json file")
     feature: str = _opt("prf", "feature map: prf, performer, hedgehog or dijiang")
     per_head: bool = _opt(False, "give every head its own feature count from the DoF allocation over all heads "
                                  "(same total budget); each layer computes its largest (prf, performer)")
@@ -207,8 +208,8 @@ class DistillArgs:
     time_limit: float = _opt(0.0, "stop the end-to-end phase after this many minutes of it, then save and evaluate "
                                   "the student as it is (log.json: direct.stopped); the same command later goes "
                                   "on to the remaining steps. 0: no limit")
-    lam: float = _opt(2.0 ** -8, "λ of the DoF estimate (trace-relative) when --dims is dof or clip, or --keep-by "
-                                 "dof or attn-dof")
+    lam: float = _opt(2.0 ** -8, "λ of the DoF estimate (trace-relative) when --dims is dof, clip or attn-dof, or "
+                                 "--keep-by dof or attn-dof")
     lam_auto: bool = _opt(False, "choose the DoF estimate's λ instead (like `dofattn dof --lam-auto`): the one "
                                  "whose dims give the least held-out attention error at the budget; printed and "
                                  "kept in the run's dof.json")

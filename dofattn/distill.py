@@ -569,9 +569,9 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.window < 0:
         raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
-    if args.per_head and (args.dims == "fix" or args.dims.startswith("fix:")):
-        raise UserError("--per-head takes its per-head dims from a DoF allocation: use --dims dof, clip or a "
-                        "dof.json file")
+    if args.per_head and (args.dims in ("fix", "attn-dof") or args.dims.startswith("fix:")):
+        raise UserError("--per-head takes its per-head dims from the kernel's DoF allocation: use --dims dof, clip "
+                        "or a dof.json file")
     if args.per_head and args.feature not in ("prf", "performer"):
         raise UserError(f"--per-head needs --feature prf or performer, not {args.feature!r}")
     if args.progressive and args.loss not in LAYER_LOSSES:
@@ -616,8 +616,8 @@ def validate(args) -> None:
     if args.tokens is not None and args.tokens < tokens_per_step(args):
         raise UserError(f"--tokens {args.tokens} is less than one step's batch ({tokens_per_step(args)} tokens)")
     dims = args.dims
-    if not (dims in ("dof", "clip") or dims == "fix" or dims.startswith("fix:") or dims.endswith(".json")):
-        raise UserError(f"bad --dims {dims!r}; use dof, clip, fix, fix:C, or a dof.json file")
+    if not (dims in ("dof", "clip", "attn-dof") or dims == "fix" or dims.startswith("fix:") or dims.endswith(".json")):
+        raise UserError(f"bad --dims {dims!r}; use dof, clip, attn-dof, fix, fix:C, or a dof.json file")
 
 
 def dof_estimate(args, model, tokenizer, out: Path):
@@ -738,7 +738,7 @@ def run(args) -> dict:
 
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
     # fixed dims are resolved before the run folder exists: a bad --dims (fix:0, another model's dof.json) leaves none
-    dims = None if args.dims in ("dof", "clip") else resolve_dims(args.dims, model, args.model)
+    dims = None if args.dims in ("dof", "clip", "attn-dof") else resolve_dims(args.dims, model, args.model)
     num_layers = len(attention_modules(model))
     if args.keep_softmax >= num_layers:
         raise UserError(f"--keep-softmax {args.keep_softmax} leaves no layer to linearize: the model has "
@@ -753,7 +753,7 @@ def run(args) -> dict:
         direct_train = token_blocks(args.data, tokenizer, length, blocks, split="train", seed=args.seed)
     valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
     attn_blocks = None
-    if args.keep_softmax and args.keep_by == "attn-dof":
+    if args.dims == "attn-dof" or (args.keep_softmax and args.keep_by == "attn-dof"):
         attn_blocks = token_blocks(args.data, tokenizer, args.eval_seq_len, ATTENTION_DOF_BLOCKS, split="train",
                                    seed=args.seed)
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
@@ -772,14 +772,18 @@ def run(args) -> dict:
     dof = None
     if args.dims in ("dof", "clip") or args.per_head or (args.keep_softmax and args.keep_by == "dof"):
         dof = dof_estimate(args, model, tokenizer, out)
-    if dims is None:
+    attn_dof = None if attn_blocks is None else attention_dof_estimate(args, model, attn_blocks, out)
+    if args.dims == "attn-dof":  # ∝ the attention matrices' DoF, the same total as Fix (head_dim per layer)
+        from dofattn.dof import allocate
+
+        dims = allocate(attn_dof, head_layout(model)[2] * num_layers)
+    elif dims is None:
         dims = resolve_dims(dof.dims, model, args.model)
     head_dims = None
     if args.per_head:  # each head its own count from the allocation over all heads; the layer holds the largest
         head_dims = [layer.head_dims for layer in dof.layers]
         dims = [max(h) for h in head_dims]
     log.dims = dims
-    attn_dof = None if attn_blocks is None else attention_dof_estimate(args, model, attn_blocks, out)
     kept = softmax_layers(args, num_layers, dof, attn_dof)
     log.softmax_layers = kept
     linearize(model, dims, args.feature, layers=[i for i in range(num_layers) if i not in kept], seed=args.seed,

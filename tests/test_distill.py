@@ -540,6 +540,28 @@ def test_per_head_dims_from_the_dof_allocation(capsys, model_dirs, corpus, tmp_p
         assert code == 2 and message in err and not (tmp_path / "bad").exists()
 
 
+def test_dims_from_the_attention_dof(capsys, model_dirs, corpus, tmp_path, monkeypatch):
+    """--dims attn-dof: dims ∝ the teacher's attention DoF per layer, the same total as fix (head size per layer),
+    the estimate kept in the run folder; the kernel's DoF is not estimated."""
+    from dofattn import dof
+
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "--steps", 2, "--dims", "attn-dof"))
+    assert code == 0, err
+    record = json.loads((out / "attention_dof.json").read_text())
+    assert load_student(out)[2].dims == dof.allocate(record["layers"], 16 * LAYERS)
+    assert not (out / "dof.json").exists()
+    # the tiny model's attention DoF is flat (dims 16 each); a skewed estimate gives skewed dims, same total
+    monkeypatch.setattr(dof, "attention_dofs", lambda *a, **k: [[1.0] * 4, [2.0] * 4, [5.0] * 4])
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, tmp_path / "skewed", "--steps", 2,
+                                             "--dims", "attn-dof"))
+    assert code == 0, err
+    assert load_student(tmp_path / "skewed")[2].dims == [6, 12, 30]
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, tmp_path / "bad", "--dims", "attn-dof",
+                                             "--per-head"))
+    assert code == 2 and "--per-head takes its per-head dims" in err and not (tmp_path / "bad").exists()
+
+
 def test_lam_auto_chooses_and_records_the_dof_lambda(capsys, model_dirs, corpus, tmp_path):
     from dofattn.dof import LAM_GRID
 
