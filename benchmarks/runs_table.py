@@ -4,6 +4,7 @@
     python benchmarks/runs_table.py runs/w64-dof-s* runs/w64-fix-s* --by-seed       # mean ± sd over seeds
     python benchmarks/runs_table.py runs/window64 runs/w64-lora8 --curves curves.png  # ppl against tokens
     python benchmarks/runs_table.py runs/wl-* --by-seed --at-tokens 163840   # pooled at one point of the curves
+    python benchmarks/runs_table.py docs/results/distill-fix.json            # a kept log.json stands for its run
 
 One row per run folder: what differs from its recipe's defaults (read from run.json), validation perplexity after
 layerwise training and at the end (and the ratio to the teacher's), KL(teacher ‖ student) per token, top-1
@@ -36,11 +37,19 @@ def describe(folder: Path) -> dict:
     from dofattn.cli import DistillArgs
     from dofattn.distill import LATER_OPTIONS, resolve_recipe
 
-    for name in ("run.json", "log.json"):
-        if not (folder / name).is_file():
-            raise SystemExit(f"{folder} has no {name}: give the folders of finished `dofattn distill` runs")
-    args = json.loads((folder / "run.json").read_text())
-    log = json.loads((folder / "log.json").read_text())
+    if folder.is_file():  # a kept log (docs/results/distill-*.json): log.json, which holds the run's arguments too
+        log = json.loads(folder.read_text())
+        if "args" not in log or "evaluation" not in log:
+            raise SystemExit(f"{folder} is not a `dofattn distill` log.json")
+        args, name = log["args"], Path(log["args"]["out"]).name
+    else:
+        for file in ("run.json", "log.json"):
+            if not (folder / file).is_file():
+                raise SystemExit(f"{folder} has no {file}: give the folders of finished `dofattn distill` runs, or "
+                                 f"their log.json files")
+        args = json.loads((folder / "run.json").read_text())
+        log = json.loads((folder / "log.json").read_text())
+        name = folder.name
     defaults = DistillArgs(recipe=args.get("recipe", LATER_OPTIONS["recipe"]))  # that recipe's defaults
     resolve_recipe(defaults)
     run, default = effective(args), effective(vars(defaults))
@@ -52,7 +61,7 @@ def describe(folder: Path) -> dict:
     reference = effective(vars(reference))
     setting = {k: v for k, v in run.items() if k != "recipe" and v != reference[k]}
     ev = log["evaluation"]
-    return {"run": folder.name, "changed": changed, "setting": setting, "seed": args.get("seed", 0), "dims": [min(log["dims"]), max(log["dims"])],
+    return {"run": name, "changed": changed, "setting": setting, "seed": args.get("seed", 0), "dims": [min(log["dims"]), max(log["dims"])],
             "softmax_layers": log.get("softmax_layers", []), "teacher_ppl": ev["teacher_ppl"],
             "layerwise_ppl": ev.get("layerwise_student_ppl"), "ppl": ev["student_ppl"],
             "vs_teacher": ev["student_ppl"] / ev["teacher_ppl"], "kl": ev.get("kl"),
@@ -113,7 +122,8 @@ IMAGE_SUFFIXES = (".png", ".pdf", ".svg")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="finished run folders")
+    parser.add_argument("runs", nargs="+", help="finished run folders, or their log.json files (as kept in "
+                                                "docs/results/distill-*.json)")
     parser.add_argument("--out", help="also write the rows as JSON")
     parser.add_argument("--by-seed", action="store_true", help="also pool runs that differ only in --seed: mean ± "
                                                                "standard deviation of the ratio to the teacher")

@@ -66,6 +66,19 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 
+def test_a_kept_log_file_stands_for_its_run(tmp_path):
+    """docs/results/distill-*.json (a run's log.json, which carries its arguments) gives the folder's row."""
+    run = fake_run(tmp_path / "w64-lora", 30.0, [{"step": 10, "tokens": 5120, "ppl": 31.0}], lora_rank=8)
+    kept = tmp_path / "distill-w64-lora.json"
+    log = json.loads((run / "log.json").read_text())
+    kept.write_text(json.dumps({**log, "args": {**json.loads((run / "run.json").read_text()), "out": "runs/w64-lora"}}))
+    row, folder_row = runs_table.describe(kept), runs_table.describe(run)
+    assert row == folder_row and row["run"] == "w64-lora" and row["changed"] == {"lora_rank": 8}
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(SystemExit, match="is not a `dofattn distill` log.json"):
+        runs_table.describe(tmp_path / "other.json")
+
+
 def test_bad_paths_are_refused_before_anything_is_written(tmp_path):
     run = fake_run(tmp_path / "a", 30.0)
     other = fake_run(tmp_path / "b", 31.0)
