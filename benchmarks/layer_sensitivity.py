@@ -2,6 +2,8 @@
 
     python benchmarks/layer_sensitivity.py runs/fix --dof runs/default/dof.json \
         --out docs/results/layer-sensitivity.json --plot docs/results/layer-sensitivity.png
+    python benchmarks/layer_sensitivity.py --replot docs/results/layer-sensitivity.json \
+        --plot docs/results/layer-sensitivity.png                  # the figure again, from a kept JSON
 
 For a trained pure-linear student (every layer linear, `dofattn distill --window 0`), on blocks of its run's
 training split (so that choosing layers by it stays honest on held-out text):
@@ -82,15 +84,23 @@ def main() -> int:
     from dofattn.student import attention_modules, load_student, softmax_in
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", type=Path, help="a pure-linear student's run folder")
-    parser.add_argument("--dof", type=Path, required=True, help="dof.json with the per-layer DoF to compare against")
+    parser.add_argument("run", type=Path, nargs="?", help="a pure-linear student's run folder")
+    parser.add_argument("--dof", type=Path, help="dof.json with the per-layer DoF to compare against")
     parser.add_argument("--blocks", type=int, default=2, help="training blocks for the per-layer sweep")
     parser.add_argument("--final-blocks", type=int, default=8, help="validation blocks for the keep-3 comparison")
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="the random draw of --keep layers")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--replot", type=Path, help="only draw --plot from this script's earlier --out JSON")
     args = parser.parse_args()
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot draws a figure: give --plot")
+        plot(json.loads(args.replot.read_text()), args.plot)
+        return 0
+    if args.run is None or args.dof is None:
+        parser.error("give a run folder and --dof (or --replot with an earlier --out)")
 
     run = json.loads((args.run / "run.json").read_text())
     model, tokenizer, config = load_student(args.run)
@@ -145,33 +155,38 @@ def main() -> int:
               f"({row['ppl'] / final_teacher_ppl:.2f}×) | {row['kl']:.3f} | {row['top1_agreement']:.3f} |")
     print("\nSpearman rank correlations: " + ", ".join(f"{k} {v:+.2f}" for k, v in corr.items()))
 
+    result = {"command": " ".join(sys.argv), "run": str(args.run), "dof_file": str(args.dof), "dof": dof,
+              "sweep_blocks": args.blocks, "final_blocks": args.final_blocks, "teacher_ppl": student["teacher_ppl"],
+              "student": student, "restore": restore, "restore_gain": gain, "alone": alone, "attention": profile,
+              "keep": kept, "final_teacher_ppl": final_teacher_ppl, "spearman": corr}
     if args.out:
-        args.out.write_text(json.dumps({
-            "command": " ".join(sys.argv), "run": str(args.run), "dof_file": str(args.dof), "dof": dof,
-            "sweep_blocks": args.blocks, "final_blocks": args.final_blocks, "teacher_ppl": student["teacher_ppl"],
-            "student": student, "restore": restore, "restore_gain": gain, "alone": alone, "attention": profile,
-            "keep": kept,
-            "final_teacher_ppl": final_teacher_ppl, "spearman": corr}, indent=2))
+        args.out.write_text(json.dumps(result, indent=2))
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        layers = list(range(len(modules)))
-        fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
-        axes[0].bar(layers, gain, color="tab:red")
-        axes[0].set_ylabel("KL gain from\nrestoring softmax")
-        axes[1].bar(layers, damage, color="tab:orange")
-        axes[1].set_ylabel("KL with only\nthis layer linear")
-        axes[2].bar(layers, dof, color="tab:blue")
-        axes[2].set_ylabel("DoF")
-        axes[2].set_xlabel("layer")
-        fig.suptitle(f"{args.run}: per-layer sensitivity against DoF "
-                     f"(Spearman DoF vs gain {corr['dof vs restore gain']:+.2f})")
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        plot(result, args.plot)
     return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    """Per layer: the KL gain of restoring softmax, the damage of that layer alone linear, and the DoF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gain, damage, dof = result["restore_gain"], [a["kl"] for a in result["alone"]], result["dof"]
+    layers = list(range(len(gain)))
+    fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    axes[0].bar(layers, gain, color="tab:red")
+    axes[0].set_ylabel("KL gain from\nrestoring softmax")
+    axes[1].bar(layers, damage, color="tab:orange")
+    axes[1].set_ylabel("KL with only\nthis layer linear")
+    axes[2].bar(layers, dof, color="tab:blue")
+    axes[2].set_ylabel("DoF")
+    axes[2].set_xlabel("layer")
+    fig.suptitle(f"{result['run']}: per-layer sensitivity against DoF "
+                 f"(Spearman DoF vs gain {result['spearman']['dof vs restore gain']:+.2f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -38,3 +38,21 @@ def test_uniform_attention_profile_is_the_share_of_keys():
     for row in rows:
         for key, value in expected.items():
             assert row[key] == pytest.approx(value, rel=1e-5)
+
+
+def test_replot_draws_the_figure_from_a_kept_json(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    result = {"run": "runs/fix", "restore_gain": [0.1, 0.3, 0.0], "alone": [{"kl": 0.2}, {"kl": 0.1}, {"kl": 0.0}],
+              "dof": [4.0, 9.0, 2.0], "spearman": {"dof vs restore gain": 0.5}}
+    (tmp_path / "s.json").write_text(json.dumps(result))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "layer_sensitivity.py"
+    proc = subprocess.run([sys.executable, str(script), "--replot", str(tmp_path / "s.json"), "--plot",
+                           str(tmp_path / "s.png")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    proc = subprocess.run([sys.executable, str(script), "--replot", str(tmp_path / "s.json")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "--replot draws a figure: give --plot" in proc.stderr
