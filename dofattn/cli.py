@@ -177,8 +177,9 @@ class DistillArgs:
                                 "linearized")
     keep_by: str = _opt("dof", "which layers --keep-softmax keeps: dof (the K with the largest DoF of the softmax "
                                "kernel), attn-dof (the K whose attention matrices have the largest DoF: sharp, "
-                               "position-bound attention counts high, a sink low; measured on 8 training blocks), "
-                               "first (layers 0..K-1), random (K drawn with --seed) or gain (measured after "
+                               "position-bound attention counts high, a sink low; measured on 8 training blocks of "
+                               "up to 512 tokens), first (layers 0..K-1), random (K drawn with --seed) or gain "
+                               "(measured after "
                                "layerwise training: the K whose exact attention, given back alone, lowers the "
                                "student's KL to the teacher most on training text)",
                         choices=("dof", "attn-dof", "first", "random", "gain"))

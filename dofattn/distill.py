@@ -494,7 +494,8 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None}
 KEEP_BY = ("dof", "attn-dof", "first", "random", "gain")
-ATTENTION_DOF_BLOCKS = 8  # training blocks (of --eval-seq-len tokens) on which --keep-by attn-dof measures the teacher
+ATTENTION_DOF_BLOCKS = 8      # training blocks on which attn-dof (--keep-by, --dims) measures the teacher's attention,
+ATTENTION_DOF_SEQ_LEN = 512   # of --eval-seq-len tokens, at most this many: the SVD of each T x T matrix costs T³
 GAIN_BLOCKS = 4          # training blocks on which --keep-by gain measures each layer
 # What each --recipe sets for options left unset (None); a callable reads the value off the other options. "paper"
 # is the published method; "dofattn" adds what measurably closes the gap to the teacher (docs/RESULTS.md): the
@@ -754,8 +755,8 @@ def run(args) -> dict:
     valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
     attn_blocks = None
     if args.dims == "attn-dof" or (args.keep_softmax and args.keep_by == "attn-dof"):
-        attn_blocks = token_blocks(args.data, tokenizer, args.eval_seq_len, ATTENTION_DOF_BLOCKS, split="train",
-                                   seed=args.seed)
+        attn_blocks = token_blocks(args.data, tokenizer, min(args.eval_seq_len, ATTENTION_DOF_SEQ_LEN),
+                                   ATTENTION_DOF_BLOCKS, split="train", seed=args.seed)
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         check_run_folder(out, {**asdict(args), "decay_start": list(DECAY_START) if args.decay else None})
     barrier()
