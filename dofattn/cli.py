@@ -179,9 +179,8 @@ class DistillArgs:
                                "kernel), attn-dof (the K whose attention matrices have the largest DoF: sharp, "
                                "position-bound attention counts high, a sink low; measured on 8 training blocks of "
                                "up to 512 tokens), first (layers 0..K-1), random (K drawn with --seed) or gain "
-                               "(measured after "
-                               "layerwise training: the K whose exact attention, given back alone, lowers the "
-                               "student's KL to the teacher most on training text)",
+                               "(measured after layerwise training: the K whose exact attention, given back alone, "
+                               "lowers the student's KL to the teacher most on training text)",
                         choices=("dof", "attn-dof", "first", "random", "gain"))
     progressive: bool = _opt(False, "layerwise training in layer order on the student's own q/k/v (earlier layers "
                                     "already linear) instead of the teacher's: each layer sees what it will get")

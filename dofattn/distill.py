@@ -675,9 +675,9 @@ def softmax_layers(args, num_layers: int, dof=None, attn_dof: list[float] | None
 
 
 def attention_dof_estimate(args, model, blocks: torch.Tensor, out: Path) -> list[float]:
-    """`--keep-by attn-dof`: per layer, the DoF of the teacher's causal attention matrices (`dof.attention_dofs`,
-    mean over heads and `blocks`), at the run's --lam. Computed once (rank 0) and kept in out/attention_dof.json,
-    so a resumed run keeps the same layers."""
+    """`--keep-by attn-dof`, `--dims attn-dof`: per layer, the DoF of the teacher's causal attention matrices
+    (`dof.attention_dofs`, mean over heads and `blocks`), at the run's --lam. Computed once (rank 0) and kept in
+    out/attention_dof.json, so a resumed run keeps the same layers and dims."""
     from dofattn.dof import attention_dofs
 
     path = out / "attention_dof.json"
