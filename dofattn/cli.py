@@ -175,13 +175,13 @@ class DistillArgs:
                               "still O(1) state in generation. Batches must be padded on the left")
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
-    keep_by: str = _opt("dof", "which layers --keep-softmax keeps: dof (the K with the largest DoF of the softmax "
-                               "kernel), attn-dof (the K whose attention matrices have the largest DoF: sharp, "
-                               "position-bound attention counts high, a sink low; measured on 8 training blocks of "
-                               "up to 512 tokens), first (layers 0..K-1), random (K drawn with --seed) or gain "
-                               "(measured after layerwise training: the K whose exact attention, given back alone, "
-                               "lowers the student's KL to the teacher most on training text)",
-                        choices=("dof", "attn-dof", "first", "random", "gain"))
+    keep_by: str = _opt("attn-dof", "which layers --keep-softmax keeps: attn-dof (the K whose attention matrices "
+                                    "have the largest DoF: sharp, position-bound attention counts high, a sink low; "
+                                    "measured on 8 training blocks of up to 512 tokens), dof (the K with the largest "
+                                    "DoF of the softmax kernel), first (layers 0..K-1), random (K drawn with --seed) "
+                                    "or gain (measured after layerwise training: the K whose exact attention, given "
+                                    "back alone, lowers the student's KL to the teacher most on training text)",
+                        choices=("attn-dof", "dof", "first", "random", "gain"))
     progressive: bool = _opt(False, "layerwise training in layer order on the student's own q/k/v (earlier layers "
                                     "already linear) instead of the teacher's: each layer sees what it will get")
     lora_rank: int | None = _opt(None, "LoRA adapters of this rank on the attention projections (q, k, v, o), "

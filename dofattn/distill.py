@@ -493,9 +493,9 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None}
-KEEP_BY = ("dof", "attn-dof", "first", "random", "gain")
-ATTENTION_DOF_BLOCKS = 8      # training blocks on which attn-dof (--keep-by, --dims) measures the teacher's attention,
-ATTENTION_DOF_SEQ_LEN = 512   # of --eval-seq-len tokens, at most this many: the SVD of each T x T matrix costs T³
+KEEP_BY = ("attn-dof", "dof", "first", "random", "gain")
+ATTENTION_DOF_BLOCKS = 8      # training blocks on which attn-dof (--keep-by, --dims) measures the teacher's attention
+ATTENTION_DOF_SEQ_LEN = 512   # tokens per block, at most (else --eval-seq-len): each T x T matrix's SVD costs T³
 GAIN_BLOCKS = 4          # training blocks on which --keep-by gain measures each layer
 # What each --recipe sets for options left unset (None); a callable reads the value off the other options. "paper"
 # is the published method; "dofattn" adds what measurably closes the gap to the teacher (docs/RESULTS.md): the

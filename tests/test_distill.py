@@ -380,11 +380,12 @@ def test_run_folder_is_a_loadable_student(capsys, model_dirs, corpus, tmp_path, 
     assert text.startswith("The fox") and "student of" in err
 
 
-@pytest.mark.parametrize("keep_by", ["dof", "attn-dof", "first", "random", "gain"])
+@pytest.mark.parametrize("keep_by", ["dof", None, "first", "random", "gain"])
 def test_keep_softmax_leaves_the_chosen_layers_exact(capsys, model_dirs, corpus, tmp_path, keep_by):
+    """None: the default, attn-dof."""
     out = tmp_path / "run"
     code, _, err = run(capsys, *distill_argv(model_dirs["gpt2"], corpus, out, "--steps", 3, "--keep-softmax", 2,
-                                             "--keep-by", keep_by))
+                                             *(["--keep-by", keep_by] if keep_by else [])))
     assert code == 0, err
     log = json.loads((out / "log.json").read_text())
     kept = log["softmax_layers"]
@@ -395,7 +396,7 @@ def test_keep_softmax_leaves_the_chosen_layers_exact(capsys, model_dirs, corpus,
         dof = [layer["dof"] for layer in json.loads((out / "dof.json").read_text())["layers"]]
         assert sorted(kept) == sorted(sorted(range(LAYERS), key=lambda i: -dof[i])[:2])
         assert log["dims"] == [8] * LAYERS  # --dims fix:8 still gives the dims; the estimate only chooses layers
-    if keep_by == "attn-dof":  # the two layers whose teacher attention has the largest DoF, kept in the run
+    if keep_by is None:  # the two layers whose teacher attention has the largest DoF, kept in the run
         record = json.loads((out / "attention_dof.json").read_text())
         assert len(record["layers"]) == LAYERS and record["blocks"] == 8 and not (out / "dof.json").exists()
         assert kept == sorted(sorted(range(LAYERS), key=lambda i: -record["layers"][i])[:2])
