@@ -29,6 +29,8 @@ def effective(args: dict) -> dict:
     from dofattn.distill import LATER_OPTIONS, direct_shape
 
     out = {k: args.get(k, LATER_OPTIONS.get(k)) for k in SHOWN}
+    if not out["keep_softmax"]:
+        out["keep_by"] = None  # chooses nothing without softmax layers (and its default has changed)
     out["direct_blocks"], out["direct_seq_len"] = direct_shape(SimpleNamespace(**{**args, **out}))
     return out
 

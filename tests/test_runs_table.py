@@ -66,6 +66,14 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 
+def test_keep_by_counts_only_beside_softmax_layers(tmp_path):
+    """A run from before --keep-by's default changed (keep_by=dof recorded) differs in nothing without softmax
+    layers; with them the choice is shown."""
+    plain = runs_table.describe(fake_run(tmp_path / "a", 30.0, keep_by="dof"))
+    kept = runs_table.describe(fake_run(tmp_path / "b", 30.0, keep_softmax=3, keep_by="dof"))
+    assert "keep_by" not in plain["changed"] and kept["changed"]["keep_by"] == "dof"
+
+
 def test_a_kept_log_file_stands_for_its_run(tmp_path):
     """docs/results/distill-*.json (a run's log.json, which carries its arguments) gives the folder's row."""
     run = fake_run(tmp_path / "w64-lora", 30.0, [{"step": 10, "tokens": 5120, "ppl": 31.0}], lora_rank=8)

@@ -56,3 +56,25 @@ def test_replot_draws_the_figure_from_a_kept_json(tmp_path):
     proc = subprocess.run([sys.executable, str(script), "--replot", str(tmp_path / "s.json")], capture_output=True,
                           text=True)
     assert proc.returncode == 2 and "--replot draws a figure: give --plot" in proc.stderr
+
+
+def test_attention_dof_seeds_compares_every_pair(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_dof_seeds.py"
+    layers = {"a": [10.0, 40.0, 20.0, 30.0], "b": [10.0, 40.0, 20.0, 30.0], "c": [40.0, 10.0, 30.0, 20.0]}
+    for name, values in layers.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"layers": values}))
+    proc = subprocess.run([sys.executable, str(script), *(str(tmp_path / f"{n}.json") for n in "abc"), "--budget", "25",
+                           "--keep", "2", "--out", str(tmp_path / "out.json")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "out.json").read_text())
+    same, other = result["pairs"][0], result["pairs"][1]                    # a vs b, a vs c
+    assert same["dof_pearson"] == pytest.approx(1.0) and same["dims_max_abs_diff"] == 0
+    assert other["dof_pearson"] == pytest.approx(-1.0) and other["dims_max_abs_diff"] == 30
+    assert result["dims"][str(tmp_path / "a.json")] == [10, 40, 20, 30]
+    assert result["top"][str(tmp_path / "c.json")] == [0, 2]
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "a.json")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "at least two" in proc.stderr

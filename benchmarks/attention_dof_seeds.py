@@ -1,0 +1,61 @@
+"""How much the DoF of the attention matrices moves with the text sample: pairwise, over the per-layer estimates of
+several runs (each run's attention_dof.json, measured on other training blocks with its --seed).
+
+    python benchmarks/attention_dof_seeds.py docs/results/attention-dof-s{0,1,2}.json \
+        --out docs/results/attention-dof-seeds.json
+
+For each pair: the Pearson correlation of the layer DoF, and of the dims they allocate at a mean of --budget
+features per layer (`dofattn.dof.allocate`, as `--dims attn-dof` does), with the mean and largest absolute
+difference of those dims; and each run's --keep top layers. The same comparison for the kernel's DoF is
+`benchmarks/dof_sensitivity.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def pearson(a: list[float], b: list[float]) -> float:
+    return torch.corrcoef(torch.tensor([a, b], dtype=torch.float64))[0, 1].item()
+
+
+def main() -> int:
+    from dofattn.dof import allocate
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="attention_dof.json files of runs with other seeds")
+    parser.add_argument("--budget", type=int, default=64, help="mean features per layer for the dims")
+    parser.add_argument("--keep", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if len(args.runs) < 2:
+        parser.error("give at least two attention_dof.json files")
+    dofs = {str(p): json.loads(p.read_text())["layers"] for p in args.runs}
+    dims = {name: allocate(d, args.budget * len(d)) for name, d in dofs.items()}
+    pairs = []
+    for a, b in itertools.combinations(dofs, 2):
+        diff = [abs(x - y) for x, y in zip(dims[a], dims[b])]
+        pairs.append({"runs": [a, b], "dof_pearson": pearson(dofs[a], dofs[b]),
+                      "dims_pearson": pearson(dims[a], dims[b]), "dims_mean_abs_diff": sum(diff) / len(diff),
+                      "dims_max_abs_diff": max(diff)})
+        print(f"{a} vs {b}: DoF r = {pairs[-1]['dof_pearson']:.4f}, dims r = {pairs[-1]['dims_pearson']:.4f}, "
+              f"|Δ dim| mean {pairs[-1]['dims_mean_abs_diff']:.2f}, max {max(diff)}")
+    top = {name: sorted(sorted(range(len(d)), key=lambda i: (-d[i], i))[:args.keep]) for name, d in dofs.items()}
+    for name, layers in top.items():
+        print(f"{name}: dims {min(dims[name])}-{max(dims[name])}, top {args.keep} layers {layers}")
+    if args.out:
+        args.out.write_text(json.dumps({"command": " ".join(["benchmarks/attention_dof_seeds.py", *sys.argv[1:]]),
+                                        "budget": args.budget, "pairs": pairs, "dims": dims, "top": top}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
