@@ -51,6 +51,9 @@ class DofArgs:
     budget: int | None = _opt(None, "mean feature dimension per layer; the total budget x layers is kept exactly "
                                     "(default: the head size)")
     clip: bool = _opt(False, "cap every layer's dimension at the head size (the paper's DoF+clip)")
+    attention: bool = _opt(False, "also the DoF of each layer's attention matrices (mean over heads and blocks, at "
+                                  "--lam), which --keep-by attn-dof follows: shown beside the kernel's, with its "
+                                  "top layers, and kept in the JSON. Costs a T³ SVD per head and block")
     num_blocks: int = _opt(32, "number of token blocks to run through the model")
     seq_len: int = _opt(256, "tokens per block")
     batch_size: int = _opt(4, "blocks per forward pass")
@@ -386,7 +389,8 @@ def _write_atomic(path: Path, text: str) -> None:
 def run_dof(args: DofArgs) -> int:
     """The `dof` verb: capture, spectra, allocation, table, JSON, plot."""
     from dofattn.data import SPLITS, check_source, token_blocks
-    from dofattn.dof import HELDOUT_POINTS, allocate_dims, allocate_dims_auto, check_sample_size, sample_points
+    from dofattn.dof import (HELDOUT_POINTS, allocate_dims, allocate_dims_auto, attention_dofs, check_sample_size,
+                             sample_points)
     from dofattn.hf import load_model, parse_dtype
 
     # everything that can be checked without the model is checked before it loads
@@ -424,9 +428,16 @@ def run_dof(args: DofArgs) -> int:
     else:
         result = allocate_dims(sample, args.lam, budget, args.clip, args.lam_scale, progress=True,
                                repeats=args.repeats, **meta)
+    if args.attention:
+        for layer, heads in zip(result.layers, attention_dofs(model, blocks, result.lam)):
+            layer.attention_dof = sum(heads) / len(heads)
     elapsed = time.perf_counter() - start
 
     print(format_table(result))
+    if args.attention:
+        order = sorted(result.layers, key=lambda layer: (-layer.attention_dof, layer.layer))
+        print("largest attention DoF (what --keep-softmax K keeps): layers "
+              f"{', '.join(str(layer.layer) for layer in order[:5])}")
     print(f"total dim {sum(result.dims)} = {len(result.dims)} layers x mean {sum(result.dims) / len(result.dims):g}"
           f"{' (clipped)' if args.clip else ''}; {elapsed:.1f} s")
     for warning in result.warnings():
@@ -453,13 +464,17 @@ def format_lam_search(result) -> str:
 
 def format_table(result) -> str:
     spread = result.repeats > 1
+    attention = any(layer.attention_dof is not None for layer in result.layers)
     std_header = f"  {'± std':>6}" if spread else ""
-    rows = [f"{'layer':>5}  {'DoF max':>8}{std_header}  {'DoF min':>8}  {'dim':>5}  {'head dims':>12}"]
+    attention_header = f"  {'attn DoF':>8}" if attention else ""
+    rows = [f"{'layer':>5}  {'DoF max':>8}{std_header}  {'DoF min':>8}  {'dim':>5}  {'head dims':>12}"
+            f"{attention_header}"]
     for layer in result.layers:
         heads = f"{min(layer.head_dims)}-{max(layer.head_dims)}"
         std = f"  {layer.dof_std:>6.2f}" if spread else ""
+        attn = f"  {layer.attention_dof:>8.2f}" if attention else ""
         rows.append(f"{layer.layer:>5}  {layer.dof:>8.2f}{std}  {min(layer.head_dof):>8.2f}  {layer.dim:>5}  "
-                    f"{heads:>12}")
+                    f"{heads:>12}{attn}")
     return "\n".join(rows)
 
 

@@ -236,6 +236,7 @@ class LayerDof:
     dim: int
     head_dims: list[int]
     dof_std: float = 0.0   # spread of the layer DoF over the `repeats` disjoint point sets (0 for one set)
+    attention_dof: float | None = None   # `dofattn dof --attention`: the mean DoF of its attention matrices
 
 
 @dataclass

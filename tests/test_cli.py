@@ -41,6 +41,27 @@ def test_dof_on_tiny_model(capsys, model_dirs, text_file, tmp_path):
     assert "layer" in out and "DoF max" in out
 
 
+def test_dof_with_the_attention_dof(capsys, model_dirs, text_file, tmp_path):
+    """--attention: each layer's mean attention DoF over its heads and the same blocks, in the JSON and the table."""
+    from dofattn.data import token_blocks
+    from dofattn.dof import attention_dofs
+    from dofattn.hf import load_model
+
+    out_json = tmp_path / "dof.json"
+    code, out, err = run(capsys, "dof", "--model", str(model_dirs["llama"]), "--data", str(text_file),
+                         "--split", "all", "--samples", "32", "--num-blocks", "3", "--seq-len", "24", "--attention",
+                         "--out", str(out_json))
+    assert code == 0, err
+    model, tokenizer = load_model(str(model_dirs["llama"]))[:2]
+    blocks = token_blocks(str(text_file), tokenizer, 24, 3, split="all", seed=0)
+    expected = [sum(h) / len(h) for h in attention_dofs(model, blocks, progress=False)]
+    got = [layer["attention_dof"] for layer in json.loads(out_json.read_text())["layers"]]
+    assert got == pytest.approx(expected, rel=1e-9)
+    top = sorted(range(3), key=lambda i: (-got[i], i))
+    assert "attn DoF" in out
+    assert f"largest attention DoF (what --keep-softmax K keeps): layers {', '.join(map(str, top))}" in out
+
+
 def test_clip_and_budget(capsys, model_dirs, text_file, tmp_path):
     out_json = tmp_path / "dof.json"
     code, _, err = run(capsys, "dof", "--model", str(model_dirs["gpt_neox"]), "--data", str(text_file),
