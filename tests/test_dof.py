@@ -241,8 +241,12 @@ def test_result_json_schema_and_warnings():
     result = allocate_dims(preset([[32, 31], [32, 32]]), lam=1e-9, budget=4, model="m")
     raw = json.loads(result.to_json())
     assert {"model", "lam", "samples", "budget", "clip", "layers"} <= set(raw)
-    assert set(raw["layers"][0]) == {"layer", "dof", "head_dof", "dim", "head_dims", "dof_std"}
+    assert set(raw["layers"][0]) == {"layer", "dof", "head_dof", "dim", "head_dims", "dof_std", "attention_dof"}
+    assert raw["layers"][0]["attention_dof"] is None                        # only `dofattn dof --attention` fills it
     assert DofResult.from_json(result.to_json()) == result
+    for layer in raw["layers"]:                                            # a file from before the field loads
+        del layer["attention_dof"]
+    assert DofResult.from_json(json.dumps(raw)) == result
     text = " ".join(result.warnings())
     assert "saturates" in text and "flat" in text
     spread = allocate_dims(preset([[2, 1], [16, 3]]), lam=1e-9, budget=4)
