@@ -52,8 +52,9 @@ class DofArgs:
                                     "(default: the head size)")
     clip: bool = _opt(False, "cap every layer's dimension at the head size (the paper's DoF+clip)")
     attention: bool = _opt(False, "also the DoF of each layer's attention matrices (mean over heads and blocks, at "
-                                  "--lam), which --keep-by attn-dof follows: shown beside the kernel's, with its "
-                                  "top layers, and kept in the JSON. Costs a T³ SVD per head and block")
+                                  "--lam relative to their trace), which --keep-by attn-dof follows: shown beside "
+                                  "the kernel's, with its top layers, and kept in the JSON. Costs a T³ SVD per head "
+                                  "and block")
     num_blocks: int = _opt(32, "number of token blocks to run through the model")
     seq_len: int = _opt(256, "tokens per block")
     batch_size: int = _opt(4, "blocks per forward pass")
