@@ -26,11 +26,11 @@ def effective(args: dict) -> dict:
     """The run's options with what a None stands for spelled out (the direct phase's blocks: the layerwise ones)."""
     from types import SimpleNamespace
 
-    from dofattn.distill import LATER_OPTIONS, direct_shape
+    from dofattn.distill import LATER_OPTIONS, direct_shape, inert_options
 
     out = {k: args.get(k, LATER_OPTIONS.get(k)) for k in SHOWN}
-    if not out["keep_softmax"]:
-        out["keep_by"] = None  # chooses nothing without softmax layers (and its default has changed)
+    for k in inert_options(out):
+        out[k] = None
     out["direct_blocks"], out["direct_seq_len"] = direct_shape(SimpleNamespace(**{**args, **out}))
     return out
 

@@ -518,6 +518,12 @@ def resolve_recipe(args) -> None:
             setattr(args, name, value(args) if callable(value) else value)
 
 
+def inert_options(args: dict) -> set[str]:
+    """Options that change nothing in a run with these arguments: --keep-by without softmax layers (so a folder from
+    before its default changed still resumes)."""
+    return set() if args.get("keep_softmax", LATER_OPTIONS["keep_softmax"]) else {"keep_by"}
+
+
 def check_run_folder(out: Path, args: dict) -> None:
     """Refuse a run folder made with other arguments; record ours in a new one. More end-to-end steps than the
     folder's run had (--then-direct-steps) are allowed: the run goes on to them (the end-to-end phase has a
@@ -527,7 +533,7 @@ def check_run_folder(out: Path, args: dict) -> None:
     path = out / "run.json"
     if path.is_file():
         before = json.loads(path.read_text())
-        changed = sorted(k for k in set(before) | set(record)
+        changed = sorted(k for k in (set(before) | set(record)) - inert_options(record)
                          if before.get(k, LATER_OPTIONS.get(k)) != record.get(k, LATER_OPTIONS.get(k)))
         if changed == ["then_direct_steps"] and record["loss"] != "direct" and \
                 record["then_direct_steps"] > before["then_direct_steps"]:

@@ -336,6 +336,15 @@ def test_run_folder_with_other_arguments_is_refused_and_untouched(capsys, model_
     (out / "run.json").write_text(json.dumps(record))
     assert run(capsys, *argv)[0] == 0
     assert run(capsys, *argv, "--window", "4")[0] == 2
+    # --keep-by chooses nothing without softmax layers: a folder from when its default was dof still resumes
+    record = json.loads((out / "run.json").read_text())
+    assert record["keep_softmax"] == 0 and record["keep_by"] == "attn-dof"
+    (out / "run.json").write_text(json.dumps({**record, "keep_by": "dof"}))
+    assert run(capsys, *argv)[0] == 0
+    (out / "run.json").write_text(json.dumps({**record, "keep_by": "dof", "keep_softmax": 1}))
+    code, _, err = run(capsys, *argv, "--keep-softmax", "1")       # beside softmax layers it is the choice
+    assert code == 2 and "other arguments (keep_by)" in err, err
+    (out / "run.json").write_text(json.dumps(record))
     # a decay run records where its decay started; one from before that (another start) is refused
     record = json.loads((out / "run.json").read_text())
     assert record["decay_start"] is None
