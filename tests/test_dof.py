@@ -169,9 +169,10 @@ def test_attention_dof_matches_the_singular_values_by_hand():
         attention_dof(q, k, 0.5, 0.0)
 
 
-def test_attention_dofs_of_a_tiny_model_per_layer_and_head():
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_attention_dofs_of_a_tiny_model_per_layer_and_head(family):
     """Every layer and every query head (GQA: the kv heads repeated), the mean over the blocks."""
-    model = tiny_model("llama")
+    model = tiny_model(family)
     blocks = torch.randint(0, 300, (3, 12), generator=torch.Generator().manual_seed(0))
     dofs = attention_dofs(model, blocks, progress=False)
     assert len(dofs) == 3 and all(len(heads) == model.config.num_attention_heads for heads in dofs)
@@ -301,3 +302,21 @@ def test_lam_auto_picks_the_least_error_and_reports_uniform():
     assert result.lam == best["lam"] and result.dims == best["dims"] and sum(result.dims) == 48
     assert result.lam_search[-1]["lam"] is None and result.lam_search[-1]["dims"] == [16, 16, 16]
     assert DofResult.from_json(result.to_json()) == result
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_attention_dofs_equal_those_of_the_models_own_attention_weights(family):
+    """The captured queries and keys (rotary, scaling, GQA) rebuild the attention the model itself computes: the DoF
+    of the eager attention weights HF returns is the same."""
+    model = tiny_model(family)
+    model.set_attn_implementation("eager")
+    blocks = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        weights = model(input_ids=blocks, output_attentions=True).attentions     # per layer [B, H, T, T]
+    lam = 2.0 ** -6
+    expected = []
+    for A in weights:
+        energy = torch.linalg.svdvals(A.to(torch.float64)) ** 2
+        expected.append((energy / (energy + lam * energy.sum(-1, keepdim=True))).sum(-1).mean(0).tolist())
+    torch.testing.assert_close(torch.tensor(attention_dofs(model, blocks, lam, progress=False)),
+                               torch.tensor(expected), rtol=1e-4, atol=1e-4)
