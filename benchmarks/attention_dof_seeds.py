@@ -18,14 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def pearson(a: list[float], b: list[float]) -> float:
-    return torch.corrcoef(torch.tensor([a, b], dtype=torch.float64))[0, 1].item()
-
+from benchmarks.dof_sensitivity import compare  # noqa: E402
+from benchmarks.layer_sensitivity import top  # noqa: E402
 
 def main() -> int:
     from dofattn.dof import allocate
@@ -42,18 +38,18 @@ def main() -> int:
     dims = {name: allocate(d, args.budget * len(d)) for name, d in dofs.items()}
     pairs = []
     for a, b in itertools.combinations(dofs, 2):
-        diff = [abs(x - y) for x, y in zip(dims[a], dims[b])]
-        pairs.append({"runs": [a, b], "dof_pearson": pearson(dofs[a], dofs[b]),
-                      "dims_pearson": pearson(dims[a], dims[b]), "dims_mean_abs_diff": sum(diff) / len(diff),
-                      "dims_max_abs_diff": max(diff)})
-        print(f"{a} vs {b}: DoF r = {pairs[-1]['dof_pearson']:.4f}, dims r = {pairs[-1]['dims_pearson']:.4f}, "
-              f"|Δ dim| mean {pairs[-1]['dims_mean_abs_diff']:.2f}, max {max(diff)}")
-    top = {name: sorted(sorted(range(len(d)), key=lambda i: (-d[i], i))[:args.keep]) for name, d in dofs.items()}
-    for name, layers in top.items():
+        same = compare(dims[a], dims[b])                  # dims as dof_sensitivity.py compares the kernel's
+        pairs.append({"runs": [a, b], "dof_pearson": compare(dofs[a], dofs[b])["pearson"],
+                      "dims_pearson": same["pearson"], "dims_mean_abs_diff": same["mean_abs_diff"],
+                      "dims_max_abs_diff": same["max_abs_diff"]})
+        print(f"{a} vs {b}: DoF r = {pairs[-1]['dof_pearson']}, dims r = {same['pearson']}, "
+              f"|Δ dim| mean {same['mean_abs_diff']}, max {same['max_abs_diff']}")
+    tops = {name: top(d, args.keep) for name, d in dofs.items()}
+    for name, layers in tops.items():
         print(f"{name}: dims {min(dims[name])}-{max(dims[name])}, top {args.keep} layers {layers}")
     if args.out:
         args.out.write_text(json.dumps({"command": " ".join(["benchmarks/attention_dof_seeds.py", *sys.argv[1:]]),
-                                        "budget": args.budget, "pairs": pairs, "dims": dims, "top": top}, indent=2))
+                                        "budget": args.budget, "pairs": pairs, "dims": dims, "top": tops}, indent=2))
     return 0
 
 
