@@ -279,18 +279,23 @@ def validate(cfg: BenchConfig) -> None:
 
 def bench(cfg: BenchConfig, progress: bool = True, save=None) -> dict:
     """The measurements in `cfg.parts`; a JSON-ready dict. `save(result)`, if given, gets the result so far after
-    each part, so that a run stopped partway keeps what it measured."""
+    each row, so that a run stopped partway (a time limit, an out-of-memory kill) keeps what it measured."""
     from dofattn.hf import parse_dtype
 
     validate(cfg)
     dtype = parse_dtype(cfg.dtype)
     say = print if progress else (lambda *a, **k: None)
 
-    def report(row: dict) -> None:          # each row as it is measured: a long run that is cut short keeps them
-        say("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.items()), flush=True)
-
     result = {"config": asdict(cfg), "hardware": hardware(cfg.device), "prefill": [], "decode": [],
               "generation": []}
+    current = []                            # the rows of the part being measured
+
+    def report(row: dict) -> None:          # each row as it is measured: a long run that is cut short keeps them
+        say("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.items()), flush=True)
+        current.append(row)
+        if save is not None:
+            save(result)
+
     parts = {"prefill": ("prefill op", bench_prefill), "decode": ("decode step", bench_decode),
              "generation": ("generation", bench_generate)}
     for name in PARTS:
@@ -298,6 +303,7 @@ def bench(cfg: BenchConfig, progress: bool = True, save=None) -> dict:
             continue
         title, measure = parts[name]
         say(f"{title} ...", flush=True)
+        current = result[name] = []
         result[name] = measure(cfg, dtype, report)
         if save is not None:
             save(result)
