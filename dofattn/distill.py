@@ -258,13 +258,12 @@ def feature_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 def direct_loss(model, ids: torch.Tensor, kd_weight: float) -> torch.Tensor:
     """Next-token cross-entropy of the student, plus kd_weight × KL(teacher ‖ student) per token."""
-    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)   # [B, T-1, vocab]
+    loss = F.nll_loss(logp.reshape(-1, logp.shape[-1]), ids[:, 1:].reshape(-1))   # one log-softmax for both terms
     if kd_weight > 0:
         with torch.no_grad(), teacher_mode(model):
             teacher = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        kl = F.kl_div(torch.log_softmax(logits, -1), torch.log_softmax(teacher, -1), log_target=True,
-                      reduction="none").sum(-1).mean()
+        kl = F.kl_div(logp, torch.log_softmax(teacher, -1), log_target=True, reduction="none").sum(-1).mean()
         loss = loss + kd_weight * kl
     return loss
 

@@ -639,3 +639,26 @@ def test_lora_without_peft_fails_before_training(capsys, model_dirs, corpus, tmp
                                              "--then-direct-steps", 1))
     assert code != 0 and "LoRA needs peft: pip install" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kd_weight", [0.0, 1.0])
+def test_direct_loss_is_cross_entropy_plus_kl_to_the_teacher(kd_weight):
+    """The end-to-end objective written out: mean next-token cross-entropy of the student, plus kd_weight × the mean
+    over positions of Σ_v p_teacher (log p_teacher − log p_student), the teacher being the model before linearizing."""
+    teacher, student = tiny_model("llama"), tiny_model("llama")
+    for model in (teacher, student):  # attention that matters and sharp logits: the two differ by a clear KL
+        with torch.no_grad():
+            model.model.norm.weight.mul_(30)
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(20)
+    linearize(student, [8] * LAYERS, "prf", seed=0)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        log_s = torch.log_softmax(student(input_ids=ids).logits[:, :-1].double(), -1)
+        log_t = torch.log_softmax(teacher(input_ids=ids).logits[:, :-1].double(), -1)
+        ce = -log_s.gather(-1, ids[:, 1:, None]).mean()
+        kl = (log_t.exp() * (log_t - log_s)).sum(-1).mean()
+        reverse = (log_s.exp() * (log_s - log_t)).sum(-1).mean()
+        assert kl > 0.01 and abs(kl - reverse) > 1e-4 * ce  # the KL term and its direction show above rel=1e-5
+        got = direct_loss(student, ids, kd_weight).item()
+    assert got == pytest.approx((ce + kd_weight * kl).item(), rel=1e-5)
