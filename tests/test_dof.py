@@ -169,6 +169,40 @@ def test_attention_dof_matches_the_singular_values_by_hand():
         attention_dof(q, k, 0.5, 0.0)
 
 
+def test_attention_dof_beyond_a_window():
+    """window = W counts only A[t, s] for s <= t - W, the linear part's share of a window hybrid, against λ times the
+    whole matrix's energy: a sink keeps nearly 1/(1 + λ) (it loses only the first W rows), attention to the previous
+    token has none beyond a window of 2, and nothing is left past W >= T; otherwise by hand."""
+    T, D, lam = 40, 8, 2.0 ** -8
+    sink_k = torch.zeros(1, T, 1, D)
+    sink_k[0, 0, 0, 0] = 20.0
+    q = torch.zeros(1, T, 1, D)
+    q[..., 0] = 10.0
+    far_energy = (T - 16) / T                                            # rows 16.. keep their one 1 of T
+    assert attention_dof(q, sink_k, 1.0, lam, window=16).item() == pytest.approx(far_energy / (far_energy + lam))
+    pos = torch.zeros(1, T, 1, T + 1)                                    # one-hot positions: q_t on k_(t-1)
+    keys, queries = pos.clone(), pos.clone()
+    keys[0, torch.arange(T), 0, torch.arange(T)] = 15.0
+    queries[0, torch.arange(T), 0, (torch.arange(T) - 1).clamp_min(0)] = 15.0
+    prev = [attention_dof(queries, keys, 1.0, lam, window=w).item() for w in (0, 1, 2)]
+    assert prev[0] > 0.9 * T / (1 + lam * T) and abs(prev[1] - prev[0]) < 1 and prev[2] < 1e-9   # row 0: itself
+    assert attention_dof(q, sink_k, 1.0, lam, window=T).item() == 0.0
+
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 11, 3, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    dof = attention_dof(q, k, 0.5, 0.1, window=3)
+    for b in range(2):
+        for h in range(3):
+            A = torch.softmax((0.5 * q[b, :, h] @ k[b, :, h].T).masked_fill(torch.ones(11, 11).triu(1).bool(),
+                                                                            -torch.inf), -1)
+            far = torch.tensor([[float(s <= t - 3) for s in range(11)] for t in range(11)], dtype=torch.float64)
+            e = torch.linalg.svdvals(A * far) ** 2
+            assert abs(dof[b, h].item() - (e / (e + 0.1 * A.square().sum())).sum().item()) < 1e-12
+    assert (dof < attention_dof(q, k, 0.5, 0.1)).all()
+    with pytest.raises(UserError, match="window must be >= 0"):
+        attention_dof(q, k, 0.5, 0.1, window=-1)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
 def test_attention_dofs_of_a_tiny_model_per_layer_and_head(family):
     """Every layer and every query head (GQA: the kv heads repeated), the mean over the blocks."""
