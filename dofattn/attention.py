@@ -5,9 +5,9 @@ child module `dofattn` (a `LinearAttention`). The model's attention implementati
 `AttentionInterface` function that runs `LinearAttention` for modules that have one and SDPA for the others.
 
 Generation: a linear layer needs no KV cache, only its recurrent state [B, H, M, V+1]. A forward pre-hook on each
-linearized module finds the HF `Cache` it is called with (`past_key_values`, or `layer_past` in GPT-NeoX) and puts
-a `LinearStateLayer` in that layer's slot: it stores only the state and the token count (plus, for a window hybrid,
-the last W keys and values), so memory stays flat in context length. `model.generate()` needs nothing special.
+linearized module finds the HF `Cache` it is called with (`cache`; `past_key_values` or `layer_past` before
+transformers 5.24) and puts a `LinearStateLayer` in that layer's slot: it stores only the state and the token count
+(plus, for a window hybrid, the last W keys and values), so memory stays flat in context length. `model.generate()` needs nothing special.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dofattn.errors import UserError
 from dofattn.features import MAX_KEY_EXCESS, FeatureMap, PositiveRandomFeatures
 from dofattn.ops import linear_attention
 from dofattn.ops.naive import TINY, augment_values
-from dofattn.ops.window import window_linear_attention, window_logits
+from dofattn.ops.window import first_keys, window_linear_attention, window_logits
 
 IMPLEMENTATION = "dofattn"
 DECAY_START = (8, 11)   # a decay starts at log γ_h from -2^-8 to -2^-11 over the heads (half-lives 180-1400 tokens)
@@ -40,13 +40,22 @@ class LinearAttention(nn.Module):
     a window, the linear part's pairs weigh γ_h^(t-W-s) (counted from the window's edge; the exact part is the
     teacher's kernel). γ_h = exp(-exp(decay_rate_h)), started weak: half-lives from about 180 to 1400 tokens across
     the heads (log γ from -2^-8 to -2^-11); training shortens those that need it.
+    sink = S > 0 (beside a window, without a decay): the first S real tokens of a sequence stay exact for every later
+    query as well, and never enter the linear part (an attention sink; `ops.window`). Generation keeps their keys.
     """
 
     def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int, window: int = 0,
-                 decay: bool = False):
+                 decay: bool = False, sink: int = 0):
         super().__init__()
         if window < 0:
             raise UserError(f"window must be >= 0 tokens (0: no softmax window), got {window}")
+        if sink < 0:
+            raise UserError(f"sink must be >= 0 tokens (0: none), got {sink}")
+        if sink and not window:
+            raise UserError(f"a sink of {sink} tokens sits beside a softmax window: give a window >= 1 as well")
+        if sink and decay:
+            raise UserError("a sink and a decay do not combine: drop one of them")
+        self.sink = int(sink)
         self.feature_map = feature_map
         self.num_heads, self.num_kv_heads, self.window = num_heads, num_kv_heads, int(window)
         if self.window:
@@ -57,7 +66,8 @@ class LinearAttention(nn.Module):
         self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
 
     def extra_repr(self) -> str:
-        return ", ".join(([f"window={self.window}"] if self.window else []) + (["decay"] if self.decay else []))
+        return ", ".join(([f"window={self.window}"] if self.window else []) + (["decay"] if self.decay else [])
+                         + ([f"sink={self.sink}"] if self.sink else []))
 
     def log_decay(self) -> torch.Tensor | None:
         """[H] float32: log γ_h of each head (< 0, at least -1e4), or None without a decay."""
@@ -77,6 +87,8 @@ class LinearAttention(nn.Module):
             from dofattn.ops import load_fused
             return load_fused()[0].prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS, key_valid,
                                                    self.log_decay())
+        if self.sink:
+            return self.sink_step(q, k, v, key_valid, cache, backend)
         if self.window:  # the cache keeps each key's padding flag beside it
             if key_valid is None:
                 key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
@@ -92,6 +104,40 @@ class LinearAttention(nn.Module):
         if self.window:
             keep = slice(max(k.shape[1] - self.window, 0), None)
             cache.keys, cache.values, cache.key_valid = k[:, keep], v[:, keep], key_valid[:, keep]
+        return o
+
+    def sink_step(self, q, k, v, key_valid, cache: LinearStateLayer, backend: str) -> torch.Tensor:
+        """A cached call of a hybrid with a sink: the keys go in as [sink slots, cached window keys, new keys]. The
+        first S real tokens ever seen fill the S sink slots (a row's slots fill over calls if its first calls were
+        shorter); they are exact for every query and marked as padding in the window cache, so no key counts twice.
+        An exact key's weight does not depend on its distance, so putting the sinks first changes nothing."""
+        B, T = k.shape[:2]
+        S = self.sink
+        if key_valid is None:
+            key_valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
+        if cache.sink_keys is None:
+            cache.sink_keys, cache.sink_values = k.new_zeros(B, S, *k.shape[2:]), v.new_zeros(B, S, *v.shape[2:])
+            cache.sink_valid = key_valid.new_zeros(B, S)
+        have = cache.sink_valid.sum(1, keepdim=True)                                # [B, 1]
+        rank = have + key_valid.cumsum(1)                                           # [B, T]: 1-based among real
+        new_sink = key_valid & (rank <= S)
+        keys, values, valid = [cache.sink_keys], [cache.sink_values], [cache.sink_valid]
+        if cache.keys is not None:
+            keys, values, valid = keys + [cache.keys], values + [cache.values], valid + [cache.key_valid]
+        keys, values, valid = torch.cat(keys + [k], 1), torch.cat(values + [v], 1), torch.cat(valid + [key_valid], 1)
+        sinks = torch.cat([cache.sink_valid, torch.zeros_like(valid[:, S:-T]), new_sink], 1)
+        o, cache.state = self.attend(q, self.expand_kv(keys), self.expand_kv(values), valid, cache.state, True,
+                                     backend, sink_mask=sinks)
+        slot = torch.where(new_sink, rank - 1, S)                                   # slot S: a spare, dropped
+        for name, new in (("sink_keys", k), ("sink_values", v)):
+            buffer = torch.cat([getattr(cache, name), new.new_zeros(B, 1, *new.shape[2:])], 1)
+            index = slot.reshape(B, T, *[1] * (new.dim() - 2)).expand_as(new)
+            setattr(cache, name, buffer.scatter(1, index, new)[:, :S])
+        cache.sink_valid = torch.cat([cache.sink_valid, new_sink.new_zeros(B, 1)], 1).scatter(1, slot, new_sink)[:, :S]
+        window_valid = valid[:, S:].clone()
+        window_valid[:, -T:] &= ~new_sink                                           # a sink is not a window key
+        keep = slice(max(keys.shape[1] - S - self.window, 0) + S, None)
+        cache.keys, cache.values, cache.key_valid = keys[:, keep], values[:, keep], window_valid[:, keep.start - S:]
         return o
 
     def one_kernel_step(self, q: torch.Tensor, cache: LinearStateLayer, backend: str) -> bool:
@@ -121,9 +167,13 @@ class LinearAttention(nn.Module):
         cache.values.index_copy_(1, slot, v)
         cache.key_valid.index_fill_(1, slot, True)
 
-        keys, values = self.expand_kv(cache.keys).float(), self.expand_kv(cache.values).float()   # [B, W, H, D]
-        logits = fmap.scaling * torch.einsum("bqhd,bshd->bhqs", q.float(), keys)                # [B, H, 1, W]
-        logits = logits.masked_fill(~cache.key_valid[:, None, None, :], -torch.inf)
+        keys, values, valid = cache.keys, cache.values, cache.key_valid
+        if self.sink:    # the sink's slots sit beside the ring: exact, never folded
+            keys, values = torch.cat([cache.sink_keys, keys], 1), torch.cat([cache.sink_values, values], 1)
+            valid = torch.cat([cache.sink_valid, valid], 1)
+        keys, values = self.expand_kv(keys).float(), self.expand_kv(values).float()             # [B, S+W, H, D]
+        logits = fmap.scaling * torch.einsum("bqhd,bshd->bhqs", q.float(), keys)                # [B, H, 1, S+W]
+        logits = logits.masked_fill(~valid[:, None, None, :], -torch.inf)
         phi_q, q_scale = fmap.features(q, "query")                                              # [B, 1, H, M]
         shift = (q_scale + k_scale + self.log_gain).float().permute(0, 2, 1)                    # [B, H, 1]
         num = torch.einsum("bqhm,bhmv->bhqv", phi_q.float(), cache.state[..., :-1])            # [B, H, 1, V]
@@ -146,10 +196,12 @@ class LinearAttention(nn.Module):
             return
         phi_q, q_scale = self.feature_map.features(q, "query")
         phi_k, k_scale = self.feature_map.features(k, "key")
+        sink = first_keys(None, k.shape[0], k.shape[1], self.sink, k.device) if self.sink else None
         logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale, self.feature_map.scaling, self.window,
-                                  log_decay=self.log_decay())
+                                  log_decay=self.log_decay(), sink_mask=sink)
         T = q.shape[1]
         far = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-self.window)         # s <= t - W
+        far = far & (torch.arange(T, device=q.device) >= self.sink)                            # not a sink
         exact = (self.feature_map.scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float()))
         exact_mass = torch.logsumexp(exact.masked_fill(~far, -torch.inf), -1)                  # [B, H, T]
         linear_mass = torch.logsumexp(logits.masked_fill(~far, -torch.inf), -1)
@@ -164,10 +216,13 @@ class LinearAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
                state: torch.Tensor | None = None, output_final_state: bool = False,
-               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+               backend: str = "auto", sink_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention on query-head layout: q [B, T, H, D], k and v [B, Tk, H, D] (Tk > T only for a window
-        hybrid's cached keys), key_valid [B, Tk] -> (o [B, T, H, D], state or None)."""
+        hybrid's cached keys), key_valid [B, Tk] -> (o [B, T, H, D], state or None). With a sink and no
+        `sink_mask`, the call starts a sequence: its first S real keys are the sink."""
         if self.window:
+            if self.sink and sink_mask is None:
+                sink_mask = first_keys(key_valid, k.shape[0], k.shape[1], self.sink, k.device)
             phi_q, q_scale = self.feature_map.features(q, "query")                 # [B, T, H, M], [B, T, H]
             phi_k, k_scale = self.feature_map.features(k, "key")                   # [B, Tk, H, M], [H]
             if q.dtype in (torch.bfloat16, torch.float16):
@@ -177,7 +232,7 @@ class LinearAttention(nn.Module):
             return window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + self.log_gain,
                                            self.feature_map.scaling, self.window, key_valid, state,
                                            output_final_state=output_final_state, backend=backend,
-                                           log_decay=self.log_decay())
+                                           log_decay=self.log_decay(), sink_mask=sink_mask)
         phi_q = self.feature_map(q, "query")                                       # [B, T, H, M]
         phi_k = self.feature_map(k, "key")                                         # [B, T, H, M]
         if q.dtype in (torch.bfloat16, torch.float16):   # 16-bit model: 16-bit features, float32 sums in the op
@@ -225,11 +280,15 @@ class LinearStateLayer(CacheLayerMixin):
         self.keys: torch.Tensor | None = None        # [B, ≤W, Hkv, D]
         self.values: torch.Tensor | None = None      # [B, ≤W, Hkv, D]
         self.key_valid: torch.Tensor | None = None   # [B, ≤W] bool
+        # With a sink: the first S real tokens' keys and values, in S slots, and which slots are filled.
+        self.sink_keys: torch.Tensor | None = None    # [B, S, Hkv, D]
+        self.sink_values: torch.Tensor | None = None  # [B, S, Hkv, D]
+        self.sink_valid: torch.Tensor | None = None   # [B, S] bool
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
 
-    TENSORS = ("state", "keys", "values", "key_valid")
+    TENSORS = ("state", "keys", "values", "key_valid", "sink_keys", "sink_values", "sink_valid")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -262,6 +321,7 @@ class LinearStateLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.state = self.keys = self.values = self.key_valid = None
+        self.sink_keys = self.sink_values = self.sink_valid = None
         self.seen = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -298,6 +358,11 @@ class RingWindowLayer(LinearStateLayer):
         ring.values = layer.values.new_zeros(B, window, Hkv, layer.values.shape[-1]).index_copy_(1, slots,
                                                                                                  layer.values)
         ring.key_valid = layer.key_valid.new_zeros(B, window).index_copy_(1, slots, layer.key_valid)
+        if layer.sink_keys is not None:   # a sink: its slots are full after a prompt of at least S real tokens
+            if not layer.sink_valid.all():
+                raise UserError(f"static decoding with a sink of {layer.sink_valid.shape[1]} tokens needs prompts of "
+                                f"at least that many real tokens; use a longer prompt or HF generate")
+            ring.sink_keys, ring.sink_values, ring.sink_valid = layer.sink_keys, layer.sink_values, layer.sink_valid
         return ring
 
 
@@ -318,10 +383,15 @@ def state_layer(cache: Cache, layer_idx: int) -> LinearStateLayer:
     return cache.layers[layer_idx]
 
 
+# What an HF attention module's forward calls its cache: `cache` from transformers 5.24 on, `past_key_values` before,
+# `layer_past` in older GPT-NeoX code.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
+
+
 def _bind_cache(module: nn.Module, args, kwargs) -> None:
     linear = getattr(module, "dofattn", None)       # None: the linear part taken off, softmax again
     if linear is not None:
-        cache = kwargs.get("past_key_values", kwargs.get("layer_past"))
+        cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
         linear.cache_layer = None if cache is None else state_layer(cache, module.layer_idx)
 
 

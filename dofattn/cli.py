@@ -174,6 +174,9 @@ class DistillArgs:
     window: int | None = _opt(None, "exact softmax attention over the last W tokens beside the linear part, in one "
                                     "normalisation (0: pure linear attention); generation keeps W keys plus the "
                                     "state. Default: set by --recipe (64 for dofattn and long, 0 for paper)")
+    sink: int = _opt(0, "beside the window, keep the first S real tokens of each sequence exact for every query "
+                        "(an attention sink: late layers put much of each row there) and out of the linear part; "
+                        "generation keeps their S keys too. Needs --window >= 1; not with --decay (0: none)")
     decay: bool = _opt(False, "a learned decay per head in the linear part: each past token's weight shrinks by a "
                               "factor γ per step (beyond the window, if any; half-lives start at 180-1400 tokens); "
                               "still O(1) state in generation. Batches must be padded on the left")

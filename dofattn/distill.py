@@ -53,7 +53,7 @@ from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
 from dofattn.features import FEATURES, PositiveRandomFeatures
 from dofattn.ops.naive import log_decay_matrix
-from dofattn.ops.window import window_logits
+from dofattn.ops.window import first_keys, window_logits
 from dofattn.student import attention_modules, head_layout
 
 LOSSES = ("softmax", "l2", "output", "softmax+output", "direct")
@@ -136,8 +136,9 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
 def _window_softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     phi_q, q_scale = linear.feature_map.features(q, "query")
     phi_k, k_scale = linear.feature_map.features(k, "key")
+    sink = first_keys(None, k.shape[0], k.shape[1], linear.sink, k.device) if linear.sink else None
     logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + linear.log_gain, scaling, linear.window,
-                              log_decay=linear.log_decay())
+                              log_decay=linear.log_decay(), sink_mask=sink)
     mask = _causal(q.shape[1], q.device)
     log_student = torch.log_softmax(logits, -1).clamp_min(math.log(TINY))       # [B, H, T, T]
     teacher_logits = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
@@ -161,8 +162,8 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     if linear.decay:  # the student's weight of a pair is its kernel estimate times γ^(t-s), beside a window γ^(t-W-s)
         log_kernel_hat = log_kernel_hat + log_decay_matrix(linear.log_decay(), q.shape[1], offset=-linear.window)[0]
     mask = _causal(q.shape[1], q.device)
-    if linear.window:  # the features only ever see pairs beyond the window
-        mask = mask.tril(-linear.window)
+    if linear.window:  # the features only ever see pairs beyond the window (and not the sink)
+        mask = mask.tril(-linear.window) & (torch.arange(q.shape[1], device=q.device) >= linear.sink)
         if not mask.any():
             raise UserError(f"--loss l2 with --window {linear.window} needs --seq-len > {linear.window}")
     log_kernel = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
@@ -491,7 +492,7 @@ RESUME_IRRELEVANT = ("device", "out", "time_limit")
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
-                 "decay_start": None}
+                 "decay_start": None, "sink": 0}
 KEEP_BY = ("attn-dof", "dof", "first", "random", "gain")
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which attn-dof (--keep-by, --dims) measures the teacher's attention
 ATTENTION_DOF_SEQ_LEN = 512   # tokens per block, at most (else --eval-seq-len): each T x T matrix's SVD costs T³
@@ -575,6 +576,13 @@ def validate(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.window < 0:
         raise UserError(f"--window must be >= 0 tokens (0: pure linear attention), got {args.window}")
+    if args.sink < 0:
+        raise UserError(f"--sink must be >= 0 tokens (0: none), got {args.sink}")
+    if args.sink and not args.window:
+        raise UserError(f"--sink {args.sink} keeps tokens exact beside a softmax window: give --window W >= 1 too "
+                        f"(--recipe paper sets --window 0)")
+    if args.sink and args.decay:
+        raise UserError("--sink and --decay do not combine: drop one of them")
     if args.per_head and (args.dims in ("fix", "attn-dof") or args.dims.startswith("fix:")):
         raise UserError("--per-head takes its per-head dims from the kernel's DoF allocation: use --dims dof, clip "
                         "or a dof.json file")
@@ -793,7 +801,7 @@ def run(args) -> dict:
     kept = softmax_layers(args, num_layers, dof, attn_dof)
     log.softmax_layers = kept
     linearize(model, dims, args.feature, layers=[i for i in range(num_layers) if i not in kept], seed=args.seed,
-              window=args.window, head_dims=head_dims, decay=args.decay)
+              window=args.window, head_dims=head_dims, decay=args.decay, sink=args.sink)
     if args.lora_rank:
         from dofattn.lora import add_lora
 
@@ -840,7 +848,8 @@ def run(args) -> dict:
         config = StudentConfig(args.model, args.feature, dims, [i for i, m in enumerate(attention_modules(model))
                                                                 if hasattr(m, "dofattn")], args.seed,
                                fingerprint(model), window=args.window, lora_rank=args.lora_rank,
-                               lora_alpha=float(args.lora_rank), head_dims=head_dims, decay=args.decay)
+                               lora_alpha=float(args.lora_rank), head_dims=head_dims, decay=args.decay,
+                               sink=args.sink)
         save_student(model, out, config)
         timer = time.perf_counter()
         log.evaluation.update(evaluate_run(args, model, valid, dims))

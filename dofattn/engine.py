@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from dofattn.attention import RingWindowLayer
 from dofattn.errors import UserError
+from dofattn.hf import cache_kwargs
 
 WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
 
@@ -63,7 +64,7 @@ class StaticDecoder:
         self.timings = None
         input_ids = input_ids.to(self.device)
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = self.model(input_ids=input_ids, use_cache=True, **cache_kwargs(self.model, cache)).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)                                        # [B, 1], static from here on
         position = torch.full((B, 1), T, dtype=torch.long, device=self.device)        # [B, 1]
         cache_position = torch.full((1,), T, dtype=torch.long, device=self.device)    # [1]
@@ -73,8 +74,8 @@ class StaticDecoder:
                 cache.layers[i] = RingWindowLayer.from_layer(cache.layers[i], window, cache_position)
 
         def step() -> None:
-            out = self.model(input_ids=token, position_ids=position, cache_position=cache_position,
-                             past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=token, position_ids=position, cache_position=cache_position, use_cache=True,
+                             **cache_kwargs(self.model, cache))
             token.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
             position.add_(1)
             cache_position.add_(1)

@@ -12,6 +12,7 @@ from the config alone, before any weights are read.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import shutil
 import socket
@@ -51,6 +52,13 @@ BUILTIN = {
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+
+
+def cache_kwargs(model: PreTrainedModel, cache) -> dict:
+    """{name: cache} for a call of `model`: its forward takes the cache as `cache` from transformers 5.24 on and as
+    `past_key_values` before (still accepted there, with a deprecation warning)."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def parse_dtype(name: str) -> torch.dtype:

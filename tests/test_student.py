@@ -154,14 +154,16 @@ def test_batched_left_padded_generation_equals_one_by_one(family, tokenizer, win
 def test_kv_cache_of_past_tokens_is_refused():
     from transformers import DynamicCache
 
+    from dofattn.hf import cache_kwargs
+
     model = tiny_model("llama")
     teacher = tiny_model("llama")
     cache = DynamicCache(config=teacher.config)
     with torch.no_grad():
-        teacher(ids(1, 6), past_key_values=cache, use_cache=True)
+        teacher(ids(1, 6), use_cache=True, **cache_kwargs(teacher, cache))
     linearize(model, dims=[8, 8, 8])
     with pytest.raises(UserError, match="cannot continue a DynamicLayer cache with 6 tokens"):
-        model(ids(1, 1), past_key_values=cache, use_cache=True)
+        model(ids(1, 1), use_cache=True, **cache_kwargs(model, cache))
 
 
 # --- save / load -------------------------------------------------------------------------------------------------

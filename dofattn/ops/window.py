@@ -16,6 +16,12 @@ the first P = Tk − T keys are a cache of past keys still inside the window (ge
 before the Tk given ones. The final state [B, H, M, V+1] holds every key except the last W: the caller keeps
 those W keys (and values) as the next call's cache, so generation memory is O(W + M·V), flat in context length.
 
+Attention sink (optional): sink_mask [B, Tk] marks keys that stay exact for every later query, however far back,
+and never enter the linear part or the state: the first few real tokens of a sequence, on which a trained model's
+late layers put much of each row. The mask is positional only through the caller: a cached call may put the sink
+keys first (before the cached window keys), since an exact key's weight does not depend on its distance. Not
+combined with a decay.
+
 Decay (optional): log_decay [H] (≤ 0, as in `ops.naive`) multiplies the linear part's weight of key s by
 γ_h^(t − W − s): the steps the key has spent beyond the window, so a key leaving the window enters the linear part
 at full weight, and the exact part is the teacher's kernel, undecayed. The state is kept as of the newest key it
@@ -47,7 +53,7 @@ __all__ = ["naive_window_linear_attention", "window_linear_attention", "blocked_
 
 
 def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state,
-                        log_decay=None) -> None:
+                        log_decay=None, sink_mask=None) -> None:
     """ValueError saying what is wrong unless the shapes follow the layout in the module docstring."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -71,6 +77,20 @@ def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, 
     if initial_state is not None and tuple(initial_state.shape) != expected:
         raise ValueError(f"initial_state must be [B, H, M, V+1] = {expected}, got {tuple(initial_state.shape)}")
     check_log_decay(log_decay, H)
+    if sink_mask is not None:
+        if sink_mask.shape != (B, Tk) or sink_mask.dtype != torch.bool:
+            raise ValueError(f"sink_mask must be bool [B, Tk] = {(B, Tk)}, got {sink_mask.dtype} "
+                             f"{tuple(sink_mask.shape)}")
+        if log_decay is not None:
+            raise ValueError("sink_mask and log_decay do not combine: pass one of them")
+
+
+def first_keys(key_valid: torch.Tensor | None, batch: int, length: int, count: int, device) -> torch.Tensor:
+    """[B, Tk] bool: the first `count` real keys of each row (all of them if a row has fewer), the sink of a call
+    that starts a sequence. key_valid [B, Tk] or None (every key real)."""
+    if key_valid is None:
+        return (torch.arange(length, device=device) < count).expand(batch, length)
+    return key_valid & (key_valid.cumsum(1) <= count)
 
 
 def _log(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +99,8 @@ def _log(x: torch.Tensor) -> torch.Tensor:
 
 
 def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
-                  key_valid=None, initial_state=None, log_decay=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  key_valid=None, initial_state=None, log_decay=None,
+                  sink_mask=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-weights of the spec: [B, H, T, Tk] over keys (−inf where masked), and [B, H, T] for the state.
 
     The layerwise softmax loss uses these rows directly; `naive_window_linear_attention` normalises them.
@@ -91,6 +112,9 @@ def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, w
     pos_k = torch.arange(Tk, device=q.device)[None, :]                   # [1, Tk]
     near = (pos_k <= pos_q) & (pos_k > pos_q - window)                   # [T, Tk]
     far = pos_k <= pos_q - window
+    if sink_mask is not None:                                            # [B, 1, 1, Tk]: exact whatever the distance
+        sink = sink_mask[:, None, None, :]
+        near, far = near | (sink & (pos_k <= pos_q)), far & ~sink
     shift = q_log_scale.to(dtype).permute(0, 2, 1)[..., None] + log_offset.to(dtype)[None, :, None, None]
     exact = scaling * torch.einsum("bthd,bshd->bhts", q.to(dtype), k.to(dtype))
     linear = _log(torch.einsum("bthm,bshm->bhts", phi_q.to(dtype), phi_k.to(dtype))) + shift
@@ -112,12 +136,13 @@ def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, w
 
 def naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                                   key_valid=None, initial_state=None, output_final_state: bool = False,
-                                  log_decay=None):
+                                  log_decay=None, sink_mask=None):
     """The spec: softmax over one row of log-weights per query (see the module docstring). O(T·Tk) memory."""
-    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay)
+    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay,
+                        sink_mask)
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
     logits, state_logit = window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling, window, key_valid,
-                                        initial_state, log_decay)
+                                        initial_state, log_decay, sink_mask)
     values = v.to(dtype).transpose(1, 2)                                 # [B, H, Tk, V]
     Tk = k.shape[1]
     if state_logit is not None:
@@ -134,8 +159,13 @@ def naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset
         o = o + (weights[..., Tk:] * state_value).transpose(1, 2)
     final_state = None
     if output_final_state:
-        final_state = _fold_state(phi_k, v, window, key_valid, initial_state, dtype, log_decay, Tk - q.shape[1])
+        linear_keys = key_valid if sink_mask is None else _and(key_valid, ~sink_mask)
+        final_state = _fold_state(phi_k, v, window, linear_keys, initial_state, dtype, log_decay, Tk - q.shape[1])
     return o.to(v.dtype), final_state
+
+
+def _and(key_valid, mask):
+    return mask if key_valid is None else key_valid & mask
 
 
 def _fold_state(phi_k, v, window, key_valid, initial_state, dtype, log_decay=None, cached: int = 0):
@@ -197,6 +227,38 @@ def _banded_softmax(q, k, v, scaling: float, window: int, key_valid):
     return unblock(o), unblock(log_mass.transpose(2, 3)), unblock(any_key.transpose(2, 3))
 
 
+def _sink_softmax(q, k, v, scaling: float, window: int, sink_mask):
+    """Exact softmax over the sink keys at least W before each query (those nearer are the band's), on the layout
+    of `blocked_window_linear_attention` (q [B, Tk, H, D]): (ō [B, Tk, H, V], log-mass [B, Tk, H], any-key)."""
+    B, Tk, H = q.shape[:3]
+    used = sink_mask.any(0).nonzero()
+    L = int(used.max()) + 1 if used.numel() else 0                      # the keys up to the last sink in any row
+    pos_q = torch.arange(Tk, device=q.device)[:, None]
+    pos_k = torch.arange(L, device=q.device)[None, :]
+    mask = (pos_k <= pos_q - window)[None, None] & sink_mask[:, None, None, :L]   # [B, 1, Tk, L]
+    scores = scaling * torch.einsum("bthd,bshd->bhts", q, k[:, :L])     # [B, H, Tk, L]
+    scores = scores.masked_fill(~mask, -torch.inf)
+    row_max = scores.amax(-1, keepdim=True) if L else scores.new_zeros(B, H, Tk, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0).detach()
+    p = torch.exp(scores - row_max)
+    mass = p.sum(-1)                                                     # [B, H, Tk]
+    o = torch.einsum("bhts,bshv->bthv", p, v[:, :L]) / mass.clamp_min(TINY).transpose(1, 2)[..., None]
+    any_key = mask.any(-1).expand_as(mass)
+    log_mass = torch.where(any_key, torch.log(mass.clamp_min(TINY)) + row_max[..., 0], 0)
+    return o, log_mass.transpose(1, 2), any_key.transpose(1, 2)
+
+
+def _mix(parts) -> torch.Tensor:
+    """Σ_i e^λ_i ō_i / Σ_i e^λ_i over the parts (ō [B, T, H, V], λ [B, T, H], present [B, T, H]) a row has;
+    0 for a row with none."""
+    lam = torch.stack([torch.where(has, lam, -torch.inf) for _, lam, has in parts])   # [parts, B, T, H]
+    top = lam.amax(0)
+    top = torch.where(torch.isfinite(top), top, 0).detach()
+    weights = [torch.where(has, torch.exp(torch.where(has, lam, top) - top), 0) for _, lam, has in parts]
+    total = sum(weights).clamp_min(TINY)
+    return sum((w / total)[..., None] * o for (o, _, _), w in zip(parts, weights))
+
+
 def delayed_keys(phi_q, phi_k, v, key_valid, window: int, dtype: torch.dtype):
     """The linear part's inputs: (φq, φk with padding keys zeroed and delayed by W, v delayed by W), the keys and
     values over the same Tk positions (key s arrives at position s + W). The features keep their dtype when φq, φk
@@ -232,7 +294,7 @@ def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, init
 
 def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                             key_valid=None, initial_state=None, output_final_state: bool = False,
-                            backend: str = "auto", log_decay=None):
+                            backend: str = "auto", log_decay=None, sink_mask=None):
     """The fast form of `naive_window_linear_attention` (same arguments and result up to float rounding).
 
     `backend` picks the linear op (`ops.linear_attention`); the window part is plain PyTorch, O(T·W) memory.
@@ -240,32 +302,38 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions. On CUDA without autograd, a
     prefill with a window of 16, 32 or 64 runs in Triton (`ops.fused.window_forward`: the linear scan on the
     delayed keys, then one kernel for the exact part and the shared normalisation); backend "triton" takes that
-    path with autograd too (its backward is Triton as well), with or without a decay (`log_decay`).
+    path with autograd too (its backward is Triton as well), with or without a decay (`log_decay`). A call with
+    an attention sink (`sink_mask`) runs the PyTorch form on every device.
     """
-    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay)
+    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay,
+                        sink_mask)
     if backend == "auto" and q.shape[1] <= DENSE_QUERIES:
         return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
-                                             key_valid, initial_state, output_final_state, log_decay)
-    if fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend):
+                                             key_valid, initial_state, output_final_state, log_decay, sink_mask)
+    if sink_mask is None and fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state,
+                                             backend):
         from dofattn.ops import load_fused
         return load_fused()[0].window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                               key_valid, initial_state, output_final_state, log_decay=log_decay)
     return blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
-                                           key_valid, initial_state, output_final_state, backend, log_decay)
+                                           key_valid, initial_state, output_final_state, backend, log_decay,
+                                           sink_mask)
 
 
 def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                                     key_valid=None, initial_state=None, output_final_state: bool = False,
-                                    backend: str = "auto", log_decay=None):
+                                    backend: str = "auto", log_decay=None, sink_mask=None):
     """The PyTorch form of the hybrid: banded exact attention in blocks of W, the linear op (`backend`) on keys
-    delayed by W, mixed in log space. Differentiable through autograd on any device."""
+    delayed by W, mixed in log space; with a sink, a third part: exact attention to the sink keys beyond the band.
+    Differentiable through autograd on any device."""
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
     P = k.shape[1] - q.shape[1]
     # Every tensor is laid out over the Tk key positions; the P cached positions get zero queries, dropped at the end.
     qf = F.pad(q.to(dtype), (0, 0, 0, 0, P, 0))
     o_win, lam_win, has_win = _banded_softmax(qf, k.to(dtype), v.to(dtype), scaling, window, key_valid)
 
-    phi_q, delayed_k, delayed_v = delayed_keys(phi_q, phi_k, v, key_valid, window, dtype)
+    linear_keys = key_valid if sink_mask is None else _and(key_valid, ~sink_mask)
+    phi_q, delayed_k, delayed_v = delayed_keys(phi_q, phi_k, v, linear_keys, window, dtype)
     phi_qf = F.pad(phi_q, (0, 0, 0, 0, P, 0))
     # the first min(P, W) positions hold neither a query (cached keys) nor a delayed key (the pad): the op starts
     # after them, so that with a decay S_0 sits where the last call's state ended (module docstring)
@@ -281,9 +349,14 @@ def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offs
     shift = F.pad(q_log_scale.to(dtype), (0, 0, P, 0)) + log_offset.to(dtype)
     lam_lin = torch.where(has_lin, torch.log(den.clamp_min(TINY)) + shift, 0)
 
-    both = has_win & has_lin
-    w_win = torch.where(both, torch.sigmoid(lam_win - lam_lin), has_win.to(dtype))[..., None]
-    o = w_win * o_win + (1 - w_win) * o_lin
+    if sink_mask is None:
+        both = has_win & has_lin
+        w_win = torch.where(both, torch.sigmoid(lam_win - lam_lin), has_win.to(dtype))[..., None]
+        o = w_win * o_win + (1 - w_win) * o_lin
+    else:
+        parts = [(o_win, lam_win, has_win), (o_lin, lam_lin, has_lin),
+                 _sink_softmax(qf, k.to(dtype), v.to(dtype), scaling, window, _and(key_valid, sink_mask))]
+        o = _mix(parts)
     if final_state is not None:
         final_state = final_state.to(dtype)
     return o[:, P:].to(v.dtype), final_state
