@@ -152,7 +152,8 @@ class DistillArgs:
     data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
     dims: str = _opt("dof", "feature dims per layer: dof (estimated here), clip (dof capped at the head size), "
                             "attn-dof (∝ the DoF of the teacher's attention matrices, as for --keep-by attn-dof; "
-                            "the same total as fix), fix, fix:C, or a dof.json file")
+                            "the same total as fix), linear-dof (the same, of the part of the attention beyond the "
+                            "window and the sink: what the features produce), fix, fix:C, or a dof.json file")
     feature: str = _opt("prf", "feature map: prf, performer, hedgehog or dijiang")
     per_head: bool = _opt(False, "give every head its own feature count from the DoF allocation over all heads "
                                  "(same total budget); each layer computes its largest (prf, performer)")

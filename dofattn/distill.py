@@ -583,7 +583,10 @@ def validate(args) -> None:
                         f"(--recipe paper sets --window 0)")
     if args.sink and args.decay:
         raise UserError("--sink and --decay do not combine: drop one of them")
-    if args.per_head and (args.dims in ("fix", "attn-dof") or args.dims.startswith("fix:")):
+    if args.dims == "linear-dof" and not args.window:
+        raise UserError("--dims linear-dof counts the attention beyond a softmax window: give --window W >= 1, or "
+                        "use --dims attn-dof for the whole attention")
+    if args.per_head and (args.dims in ("fix", "attn-dof", "linear-dof") or args.dims.startswith("fix:")):
         raise UserError("--per-head takes its per-head dims from the kernel's DoF allocation: use --dims dof, clip "
                         "or a dof.json file")
     if args.per_head and args.feature not in ("prf", "performer"):
@@ -630,8 +633,9 @@ def validate(args) -> None:
     if args.tokens is not None and args.tokens < tokens_per_step(args):
         raise UserError(f"--tokens {args.tokens} is less than one step's batch ({tokens_per_step(args)} tokens)")
     dims = args.dims
-    if not (dims in ("dof", "clip", "attn-dof") or dims == "fix" or dims.startswith("fix:") or dims.endswith(".json")):
-        raise UserError(f"bad --dims {dims!r}; use dof, clip, attn-dof, fix, fix:C, or a dof.json file")
+    if not (dims in ("dof", "clip", "attn-dof", "linear-dof") or dims == "fix" or dims.startswith("fix:")
+            or dims.endswith(".json")):
+        raise UserError(f"bad --dims {dims!r}; use dof, clip, attn-dof, linear-dof, fix, fix:C, or a dof.json file")
 
 
 def dof_estimate(args, model, tokenizer, out: Path):
@@ -687,17 +691,21 @@ def softmax_layers(args, num_layers: int, dof=None, attn_dof: list[float] | None
     return sorted(order[:K])
 
 
-def attention_dof_estimate(args, model, blocks: torch.Tensor, out: Path) -> list[float]:
+def attention_dof_estimate(args, model, blocks: torch.Tensor, out: Path, window: int = 0,
+                           sink: int = 0) -> list[float]:
     """`--keep-by attn-dof`, `--dims attn-dof`: per layer, the DoF of the teacher's causal attention matrices
     (`dof.attention_dofs`, mean over heads and `blocks`), at the run's --lam. Computed once (rank 0) and kept in
-    out/attention_dof.json, so a resumed run keeps the same layers and dims."""
+    out/attention_dof.json, so a resumed run keeps the same layers and dims. With a `window` (`--dims
+    linear-dof`): the DoF of the part beyond the window and the sink, the part the features produce, kept in
+    out/linear_dof.json."""
     from dofattn.dof import attention_dofs
 
-    path = out / "attention_dof.json"
+    path = out / ("linear_dof.json" if window else "attention_dof.json")
     if world()[0] == 0 and not path.is_file():
-        heads = attention_dofs(model, blocks, args.lam, progress=True)
+        heads = attention_dofs(model, blocks, args.lam, progress=True, window=window, sink=sink)
         tmp = path.with_suffix(".partial")
         tmp.write_text(json.dumps({"lam": args.lam, "blocks": len(blocks), "seq_len": blocks.shape[1],
+                                   "window": window, "sink": sink,
                                    "layers": [sum(h) / len(h) for h in heads], "heads": heads}, indent=2))
         os.replace(tmp, path)
     barrier()
@@ -752,7 +760,8 @@ def run(args) -> dict:
 
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=device)
     # fixed dims are resolved before the run folder exists: a bad --dims (fix:0, another model's dof.json) leaves none
-    dims = None if args.dims in ("dof", "clip", "attn-dof") else resolve_dims(args.dims, model, args.model)
+    dims = None if args.dims in ("dof", "clip", "attn-dof", "linear-dof") else resolve_dims(args.dims, model,
+                                                                                              args.model)
     num_layers = len(attention_modules(model))
     if args.keep_softmax >= num_layers:
         raise UserError(f"--keep-softmax {args.keep_softmax} leaves no layer to linearize: the model has "
@@ -767,7 +776,7 @@ def run(args) -> dict:
         direct_train = token_blocks(args.data, tokenizer, length, blocks, split="train", seed=args.seed)
     valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
     attn_blocks = None
-    if args.dims == "attn-dof" or (args.keep_softmax and args.keep_by == "attn-dof"):
+    if args.dims in ("attn-dof", "linear-dof") or (args.keep_softmax and args.keep_by == "attn-dof"):
         attn_blocks = token_blocks(args.data, tokenizer, min(args.eval_seq_len, ATTENTION_DOF_SEQ_LEN),
                                    ATTENTION_DOF_BLOCKS, split="train", seed=args.seed)
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
@@ -786,11 +795,15 @@ def run(args) -> dict:
     dof = None
     if args.dims in ("dof", "clip") or args.per_head or (args.keep_softmax and args.keep_by == "dof"):
         dof = dof_estimate(args, model, tokenizer, out)
-    attn_dof = None if attn_blocks is None else attention_dof_estimate(args, model, attn_blocks, out)
-    if args.dims == "attn-dof":  # ∝ the attention matrices' DoF, the same total as Fix (head_dim per layer)
+    attn_dof = None
+    if args.dims == "attn-dof" or (args.keep_softmax and args.keep_by == "attn-dof"):
+        attn_dof = attention_dof_estimate(args, model, attn_blocks, out)
+    if args.dims in ("attn-dof", "linear-dof"):  # ∝ a DoF of the attention matrices, the same total as Fix
         from dofattn.dof import allocate
 
-        dims = allocate(attn_dof, head_layout(model)[2] * num_layers)
+        weights = attn_dof if args.dims == "attn-dof" else attention_dof_estimate(args, model, attn_blocks, out,
+                                                                                  args.window, args.sink)
+        dims = allocate(weights, head_layout(model)[2] * num_layers)
     elif dims is None:
         dims = resolve_dims(dof.dims, model, args.model)
     head_dims = None

@@ -163,12 +163,13 @@ def sample_points(model, blocks: torch.Tensor, samples: int = 1024, batch_size: 
 # --- the DoF of the attention matrices ----------------------------------------------------------------------
 
 def attention_dof(query: torch.Tensor, key: torch.Tensor, scaling: float, lam: float = 2.0 ** -8,
-                  window: int = 0) -> torch.Tensor:
+                  window: int = 0, sink: int = 0) -> torch.Tensor:
     """DoF [B, H] of each head's causal softmax attention matrix A [T, T], from queries and keys [B, T, H, D] (keys
     on the query heads), in float64. With `window` W > 0, of the part of A beyond each query's last W keys (A[t, s]
     for s ≤ t − W, the rest set to 0; rows keep their full softmax normalisation): the part a window hybrid's
     linear attention has to produce, its directions counted against λ·‖A‖²_F of the whole matrix, so a head with
-    little mass beyond the window counts little (0 with none).
+    little mass beyond the window counts little (0 with none). With `sink` S > 0 as well, the first S keys are left
+    out of that part too (a hybrid with a sink attends to them exactly).
 
     The estimator above applied to A Aᵀ in place of the kernel's Gram matrix, λ trace-relative as there:
     N(λ) = Σ σᵢ² / (σᵢ² + λ·‖A‖²_F) over A's singular values σ. It counts the directions the attention pattern
@@ -178,8 +179,10 @@ def attention_dof(query: torch.Tensor, key: torch.Tensor, scaling: float, lam: f
     """
     if lam <= 0:
         raise UserError(f"λ must be positive, got {lam}")
-    if window < 0:
-        raise UserError(f"window must be >= 0 tokens, got {window}")
+    if window < 0 or sink < 0:
+        raise UserError(f"window and sink must be >= 0 tokens, got {window} and {sink}")
+    if sink and not window:
+        raise UserError(f"a sink of {sink} tokens sits beside a window: give window >= 1 as well")
     q = query.to(torch.float64).transpose(1, 2)                            # [B, H, T, D]
     k = key.to(torch.float64).transpose(1, 2)
     T = q.shape[2]
@@ -187,24 +190,26 @@ def attention_dof(query: torch.Tensor, key: torch.Tensor, scaling: float, lam: f
     A = torch.softmax((scaling * q @ k.transpose(-1, -2)).masked_fill(future, -torch.inf), -1)
     total = A.square().sum((-2, -1))[..., None]                            # ‖A‖²_F [B, H, 1]: λ's scale
     if window:
-        A = A.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1 - window), 0)
+        exact = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1 - window)
+        exact[:, :sink] = True
+        A = A.masked_fill(exact, 0)
     energy = torch.linalg.svdvals(A) ** 2                                  # [B, H, T]
     return (energy / (energy + lam * total)).sum(-1)
 
 
 def attention_dofs(model, blocks: torch.Tensor, lam: float = 2.0 ** -8, progress: bool = True,
-                   window: int = 0) -> list[list[float]]:
+                   window: int = 0, sink: int = 0) -> list[list[float]]:
     """Per layer and head [L][H], the mean `attention_dof` of the model's attention over `blocks` [N, T], one block
-    at a time (memory: H·T² float64 per layer); `window` as there."""
+    at a time (memory: H·T² float64 per layer); `window` and `sink` as there."""
     sums: dict[int, torch.Tensor] = {}
 
-    def sink(x: AttentionInputs) -> None:
+    def record(x: AttentionInputs) -> None:
         key = x.key.repeat_interleave(x.num_heads // x.num_kv_heads, 2)
-        dof = attention_dof(x.query, key, x.scaling, lam, window).sum(0).cpu()   # [H]
+        dof = attention_dof(x.query, key, x.scaling, lam, window, sink).sum(0).cpu()   # [H]
         sums[x.layer] = sums.get(x.layer, 0) + dof
 
     device = next(model.parameters()).device
-    with capture(model, sink):
+    with capture(model, record):
         for block in tqdm(blocks, desc="attention DoF", unit="block", disable=not progress):
             run_forward(model, block[None].to(device))
     return [(sums[i] / len(blocks)).tolist() for i in sorted(sums)]

@@ -578,6 +578,31 @@ def test_dims_from_the_attention_dof(capsys, model_dirs, corpus, tmp_path, monke
     assert code == 2 and "--per-head takes its per-head dims" in err and not (tmp_path / "bad").exists()
 
 
+def test_dims_from_the_dof_of_the_linear_part(capsys, model_dirs, corpus, tmp_path, monkeypatch):
+    """--dims linear-dof: dims ∝ the DoF of the attention beyond the window and the sink, measured with the run's
+    --window and --sink and kept in linear_dof.json; it needs a window."""
+    from dofattn import dof
+
+    calls = []
+
+    def fake(model, blocks, lam, progress=True, window=0, sink=0):
+        calls.append((window, sink))
+        return [[1.0] * 4, [2.0] * 4, [5.0] * 4]
+
+    monkeypatch.setattr(dof, "attention_dofs", fake)
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "--steps", 2, "--dims", "linear-dof",
+                                             "--window", 8, "--sink", 2))
+    assert code == 0, err
+    assert calls == [(8, 2)] and load_student(out)[2].dims == [6, 12, 30]
+    record = json.loads((out / "linear_dof.json").read_text())
+    assert (record["window"], record["sink"], record["layers"]) == (8, 2, [1.0, 2.0, 5.0])
+    assert not (out / "attention_dof.json").exists() and not (out / "dof.json").exists()
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, tmp_path / "bad", "--dims", "linear-dof"))
+    assert code == 2 and "--dims linear-dof counts the attention beyond a softmax window" in err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_lam_auto_chooses_and_records_the_dof_lambda(capsys, model_dirs, corpus, tmp_path):
     from dofattn.dof import LAM_GRID
 

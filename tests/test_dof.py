@@ -199,8 +199,33 @@ def test_attention_dof_beyond_a_window():
             e = torch.linalg.svdvals(A * far) ** 2
             assert abs(dof[b, h].item() - (e / (e + 0.1 * A.square().sum())).sum().item()) < 1e-12
     assert (dof < attention_dof(q, k, 0.5, 0.1)).all()
-    with pytest.raises(UserError, match="window must be >= 0"):
+    with pytest.raises(UserError, match="window and sink must be >= 0"):
         attention_dof(q, k, 0.5, 0.1, window=-1)
+
+
+def test_attention_dof_beyond_a_window_and_a_sink():
+    """sink = S also leaves out the first S keys: a head on key 0 has nothing left for the linear part; otherwise
+    by hand; a sink needs a window."""
+    T, D, lam = 40, 8, 2.0 ** -8
+    sink_k = torch.zeros(1, T, 1, D)
+    sink_k[0, 0, 0, 0] = 20.0
+    q = torch.zeros(1, T, 1, D)
+    q[..., 0] = 10.0
+    assert attention_dof(q, sink_k, 1.0, lam, window=16).item() > 0.9
+    assert attention_dof(q, sink_k, 1.0, lam, window=16, sink=1).item() < 1e-9
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(2, 13, 3, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    dof = attention_dof(q, k, 0.5, 0.1, window=3, sink=2)
+    for b in range(2):
+        for h in range(3):
+            A = torch.softmax((0.5 * q[b, :, h] @ k[b, :, h].T).masked_fill(torch.ones(13, 13).triu(1).bool(),
+                                                                            -torch.inf), -1)
+            left = torch.tensor([[float(2 <= s <= t - 3) for s in range(13)] for t in range(13)], dtype=torch.float64)
+            e = torch.linalg.svdvals(A * left) ** 2
+            assert abs(dof[b, h].item() - (e / (e + 0.1 * A.square().sum())).sum().item()) < 1e-12
+    assert (dof < attention_dof(q, k, 0.5, 0.1, window=3)).all()
+    with pytest.raises(UserError, match="give window >= 1"):
+        attention_dof(q, k, 0.5, 0.1, sink=2)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
