@@ -142,10 +142,11 @@ class DistillArgs:
     end-to-end only. The run folder (--out) ends up a loadable student (`dofattn generate --model OUT`) with
     log.json; rerunning the same command resumes an interrupted run. Ends with validation perplexity of the
     teacher, the student and an untrained Performer of the same feature budget. By default (--recipe dofattn) every
-    linear layer also attends exactly to its last 64 tokens (--window), and the end-to-end phase trains on blocks of
-    the evaluation length; on the CPU-sized default job that takes SmolLM2 from 8.2x to 1.29x the teacher's
-    perplexity. --recipe long adds LoRA and an end-to-end phase 27 times longer: 1.05x (seed 0), about 2 hours on a
-    2-core CPU. --recipe paper is the published, pure linear recipe.
+    linear layer also attends exactly to its last 64 tokens (--window) and to the first 4 of the sequence (--sink),
+    and the end-to-end phase trains on blocks of the evaluation length; on the CPU-sized default job that takes
+    SmolLM2 from 8.2x to 1.17x the teacher's perplexity. --recipe long adds LoRA and an end-to-end phase 27 times
+    longer: 1.04x after a tenth of it (3 seeds), about 2 hours on a 2-core CPU for all of it. --recipe paper is the
+    published, pure linear recipe.
     """
 
     model: str = _opt("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
@@ -166,8 +167,8 @@ class DistillArgs:
     train_blocks: int = _opt(64, "training blocks drawn from the train split (steps sample from them)")
     lr: float = _opt(0.02, "Adam learning rate of feature directions/projections (layerwise)")
     lr_weights: float = _opt(0.2, "Adam learning rate of the PRF weights (layerwise)")
-    recipe: str = _opt("dofattn", "dofattn: the paper's method plus the softmax window that closes most of the gap "
-                                  "to the teacher (--window 64); long: dofattn with LoRA rank 8 and a long "
+    recipe: str = _opt("dofattn", "dofattn: the paper's method plus the softmax window and sink that close most of "
+                                  "the gap to the teacher (--window 64 --sink 4); long: dofattn with LoRA rank 8 and a long "
                                   "end-to-end phase (400 steps of 2 blocks of --eval-seq-len tokens from 1200 "
                                   "blocks), the closest student measured, hours on a CPU and minutes on a GPU; "
                                   "paper: the paper's recipe as published (pure linear attention, --window 0)",
@@ -175,9 +176,11 @@ class DistillArgs:
     window: int | None = _opt(None, "exact softmax attention over the last W tokens beside the linear part, in one "
                                     "normalisation (0: pure linear attention); generation keeps W keys plus the "
                                     "state. Default: set by --recipe (64 for dofattn and long, 0 for paper)")
-    sink: int = _opt(0, "beside the window, keep the first S real tokens of each sequence exact for every query "
-                        "(an attention sink: late layers put much of each row there) and out of the linear part; "
-                        "generation keeps their S keys too. Needs --window >= 1; not with --decay (0: none)")
+    sink: int | None = _opt(None, "beside the window, keep the first S real tokens of each sequence exact for every "
+                                  "query (an attention sink: late layers put much of each row there) and out of "
+                                  "the linear part; generation keeps their S keys too. Needs --window >= 1; not "
+                                  "with --decay (0: none). Default: set by --recipe (4 for dofattn and long beside "
+                                  "a window without --decay, else 0)")
     decay: bool = _opt(False, "a learned decay per head in the linear part: each past token's weight shrinks by a "
                               "factor γ per step (beyond the window, if any; half-lives start at 180-1400 tokens); "
                               "still O(1) state in generation. Batches must be padded on the left")

@@ -618,17 +618,22 @@ def test_lam_auto_chooses_and_records_the_dof_lambda(capsys, model_dirs, corpus,
     assert load_student(out)[2].dims == [layer["dim"] for layer in dof["layers"]]
 
 
-@pytest.mark.parametrize("extra,window,direct,lora", [
-    ([], 64, (32, 1), 0),
-    (["--recipe", "dofattn"], 64, (32, 1), 0),
-    (["--recipe", "paper"], 0, (None, 2), 0),
-    (["--recipe", "dofattn", "--window", "8", "--direct-seq-len", "24", "--direct-batch-size", "3"], 8, (24, 3), 0),
-    (["--recipe", "paper", "--direct-seq-len", "48"], 0, (48, 2), 0),
-    (["--recipe", "long", "--then-direct-steps", "1", "--direct-blocks", "4"], 64, (32, 2), 8),
+@pytest.mark.parametrize("extra,window,direct,lora,sink", [
+    ([], 64, (32, 1), 0, 4),
+    (["--recipe", "dofattn"], 64, (32, 1), 0, 4),
+    (["--recipe", "paper"], 0, (None, 2), 0, 0),
+    (["--recipe", "dofattn", "--window", "8", "--direct-seq-len", "24", "--direct-batch-size", "3"], 8, (24, 3), 0,
+     4),
+    (["--recipe", "dofattn", "--window", "0"], 0, (32, 1), 0, 0),
+    (["--recipe", "dofattn", "--decay"], 64, (32, 1), 0, 0),
+    (["--recipe", "dofattn", "--sink", "2"], 64, (32, 1), 0, 2),
+    (["--recipe", "paper", "--direct-seq-len", "48"], 0, (48, 2), 0, 0),
+    (["--recipe", "long", "--then-direct-steps", "1", "--direct-blocks", "4"], 64, (32, 2), 8, 4),
 ])
-def test_recipe_sets_what_is_not_given(capsys, model_dirs, corpus, tmp_path, extra, window, direct, lora):
-    """--recipe fills the window, the end-to-end phase's block length (dofattn and long: the evaluation length, 32
-    here) and batch, and the LoRA rank; options given on the command line win."""
+def test_recipe_sets_what_is_not_given(capsys, model_dirs, corpus, tmp_path, extra, window, direct, lora, sink):
+    """--recipe fills the window, the sink (beside a window without a decay), the end-to-end phase's block length
+    (dofattn and long: the evaluation length, 32 here) and batch, and the LoRA rank; options given on the command
+    line win."""
     out = tmp_path / "run"
     argv = distill_argv(model_dirs["gpt2"], corpus, out, "--steps", 2)
     for option in ("--recipe", "--direct-batch-size"):
@@ -640,20 +645,21 @@ def test_recipe_sets_what_is_not_given(capsys, model_dirs, corpus, tmp_path, ext
     assert code == 0, err
     recorded = json.loads((out / "run.json").read_text())
     assert (recorded["window"], (recorded["direct_seq_len"], recorded["direct_batch_size"])) == (window, direct)
-    assert recorded["lora_rank"] == lora
-    assert load_student(out)[2].window == window
+    assert recorded["lora_rank"] == lora and recorded["sink"] == sink
+    assert load_student(out)[2].window == window and load_student(out)[2].sink == sink
     assert load_student(out)[2].lora_rank == lora
 
 
 def test_recipe_long_is_the_long_lora_run():
-    """--recipe long resolves to the configuration measured at 1.047x (docs/RESULTS.md, the long LoRA phase)."""
+    """--recipe long resolves to the long LoRA configuration with the 4-token sink (docs/RESULTS.md: 1.047x without
+    the sink after 400 steps; 1.042x with it after 40)."""
     from dofattn.cli import DistillArgs
     from dofattn.distill import resolve_recipe
 
     args = DistillArgs(recipe="long")
     resolve_recipe(args)
-    assert (args.window, args.lora_rank, args.then_direct_steps, args.direct_batch_size, args.direct_seq_len,
-            args.direct_blocks) == (64, 8, 400, 2, args.eval_seq_len, 1200)
+    assert (args.window, args.sink, args.lora_rank, args.then_direct_steps, args.direct_batch_size,
+            args.direct_seq_len, args.direct_blocks) == (64, 4, 8, 400, 2, args.eval_seq_len, 1200)
     for recipe in ("dofattn", "paper"):
         args = DistillArgs(recipe=recipe)
         resolve_recipe(args)
