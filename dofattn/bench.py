@@ -5,7 +5,8 @@
 Three measurements, each the median of `repeats` timed runs after one warm-up (CUDA is synchronised around each):
 1. prefill op: one layer's causal attention over T tokens. SDPA (softmax) against the student's attention on the
    same q/k/v: PRF feature map + causal linear attention (`ops`, backend picked as in training/prefill), and, with
-   a window, the sliding-window hybrid. Also the linear op alone on precomputed features.
+   a window, the sliding-window hybrid, without and with an attention sink of `sink` tokens. Also the linear op
+   alone on precomputed features.
 2. decode step: one new query against a context of T tokens at batch B. SDPA over a KV cache of T keys against the
    student layer's generation step on the [B, H, M, V+1] state (constant in T; on CUDA one Triton kernel with the
    feature map inside), and the linear op's step alone on precomputed features.
@@ -41,6 +42,7 @@ class BenchConfig:
     head_dim: int = 64
     features: int = 64
     window: int = 64
+    sink: int = 4                          # the second hybrid row's sink (0: no such row)
     decode_batch: int = 1
     repeats: int = 5
     model: str | None = "smollm2-135m"     # None: skip the generation benchmark
@@ -86,12 +88,12 @@ def timed(fn, device: str, repeats: int, warmups: int = 2) -> float:
     return statistics.median(times)
 
 
-def _linear_layer(cfg: BenchConfig, window: int):
+def _linear_layer(cfg: BenchConfig, window: int, sink: int = 0):
     from dofattn.attention import LinearAttention
     from dofattn.features import make_feature_map
 
     fmap = make_feature_map("prf", cfg.heads, cfg.head_dim, cfg.features, scaling=cfg.head_dim ** -0.5)
-    return LinearAttention(fmap, cfg.heads, cfg.heads, window).to(cfg.device).eval()
+    return LinearAttention(fmap, cfg.heads, cfg.heads, window, sink=sink).to(cfg.device).eval()
 
 
 def op_backends(device: str) -> list[str]:
@@ -119,6 +121,7 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None)
 
     rows = []
     linear, hybrid = _linear_layer(cfg, 0), _linear_layer(cfg, cfg.window) if cfg.window else None
+    sunk = _linear_layer(cfg, cfg.window, cfg.sink) if cfg.window and cfg.sink else None
     for T in cfg.seq_lens:
         g = torch.Generator(device=cfg.device).manual_seed(T)
         q, k, v = (torch.randn(1, T, cfg.heads, cfg.head_dim, generator=g, device=cfg.device, dtype=dtype)
@@ -137,6 +140,10 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None)
             row["window"] = cfg.window
             row["hybrid_ms"] = timed(lambda: hybrid.attend(q, k, v), cfg.device, cfg.repeats)
             row["hybrid_vs_student"] = row["hybrid_ms"] / row["student_ms"]
+        if sunk is not None:
+            row["sink"] = cfg.sink
+            row["hybrid_sink_ms"] = timed(lambda: sunk.attend(q, k, v), cfg.device, cfg.repeats)
+            row["hybrid_sink_vs_student"] = row["hybrid_sink_ms"] / row["student_ms"]
         row["speedup_op_vs_sdpa"] = row["sdpa_ms"] / row["linear_op_ms"]
         row["speedup_student_vs_sdpa"] = row["sdpa_ms"] / row["student_ms"]
         rows.append(row)
@@ -272,6 +279,8 @@ def validate(cfg: BenchConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.window < 0:
         raise UserError(f"--window must be >= 0 (0: no hybrid row), got {cfg.window}")
+    if cfg.sink < 0:
+        raise UserError(f"--sink must be >= 0 (0: no hybrid row with a sink), got {cfg.sink}")
     unknown = [p for p in cfg.parts if p not in PARTS]
     if unknown or not cfg.parts:
         raise UserError(f"--parts takes some of {','.join(PARTS)} (comma-separated), got {','.join(cfg.parts)!r}")
@@ -328,11 +337,12 @@ def format_tables(result: dict) -> str:
     if result["prefill"]:
         lines += ["prefill (one layer, ms):",
                   f"{'T':>7} {'SDPA':>9} " + " ".join(f"{'op:' + b:>9}" for b in backends)
-                  + f" {'student':>9} {'hybrid':>9} {'op/SDPA':>8} {'student/SDPA':>13}"]
+                  + f" {'student':>9} {'hybrid':>9} {'+sink':>9} {'op/SDPA':>8} {'student/SDPA':>13}"]
     for r in result["prefill"]:
         hybrid = f"{r['hybrid_ms']:>9.3f}" if "hybrid_ms" in r else f"{'-':>9}"
+        sunk = f"{r['hybrid_sink_ms']:>9.3f}" if "hybrid_sink_ms" in r else f"{'-':>9}"
         ops = " ".join(_ms(r["op_ms"][b]) for b in backends)
-        lines.append(f"{r['T']:>7} {r['sdpa_ms']:>9.3f} {ops} {r['student_ms']:>9.3f} {hybrid} "
+        lines.append(f"{r['T']:>7} {r['sdpa_ms']:>9.3f} {ops} {r['student_ms']:>9.3f} {hybrid} {sunk} "
                      f"{r['speedup_op_vs_sdpa']:>7.2f}x {r['speedup_student_vs_sdpa']:>12.2f}x")
     if result["decode"]:
         lines += ["decode step (one layer, ms):",

@@ -504,7 +504,8 @@ class BenchArgs:
     heads: int = _opt(9, "attention heads of the op benchmarks")
     head_dim: int = _opt(64, "head size of the op benchmarks")
     features: int = _opt(64, "feature dimension M of the student")
-    window: int = _opt(64, "window of the hybrid row (0: skip it)")
+    window: int = _opt(64, "window of the hybrid rows (0: skip them)")
+    sink: int = _opt(4, "sink tokens of the second hybrid row, beside the window (0: skip it)")
     decode_batch: int = _opt(1, "batch size of the decode benchmark")
     repeats: int = _opt(5, "timed runs per measurement (the median is reported)")
     model: str = _opt("smollm2-135m", "model for the generation benchmark; 'none' skips it")
@@ -528,7 +529,7 @@ def run_bench(args: BenchArgs) -> int:
     contexts = parse_ints(args.gen_contexts if args.gen_contexts != "auto" else
                           ("2048,8192,32768" if cuda else "512"), "--gen-contexts")
     cfg = BenchConfig(device=device, dtype=dtype, seq_lens=seq_lens, heads=args.heads, head_dim=args.head_dim,
-                      features=args.features, window=args.window, decode_batch=args.decode_batch,
+                      features=args.features, window=args.window, sink=args.sink, decode_batch=args.decode_batch,
                       repeats=args.repeats, model=None if args.model == "none" else args.model,
                       gen_contexts=contexts, new_tokens=args.new_tokens,
                       parts=[p.strip() for p in args.parts.split(",") if p.strip()])

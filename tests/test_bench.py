@@ -19,6 +19,7 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path):
     for row in result["prefill"]:
         assert min(row["sdpa_ms"], row["linear_op_ms"], row["student_ms"], row["hybrid_ms"]) > 0
         assert row["backend"] == "chunk" and row["window"] == 16
+        assert row["sink"] == 4 and row["hybrid_sink_ms"] > 0 and row["hybrid_sink_vs_student"] > 0
     assert all(r["state_bytes"] == 1 * 2 * 5 * 9 * 4 for r in result["decode"])
     assert result["decode"][1]["kv_cache_bytes"] == 2 * 1 * 2 * 70 * 8 * 4
     for row in result["prefill"]:
@@ -53,6 +54,7 @@ def test_bench_runs_only_the_parts_asked_for(capsys, model_dirs, tmp_path):
     (["--seq-lens", "1k"], "comma-separated token counts"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--out", "bench.txt"], "--out"),
+    (["--sink", "-1"], "--sink must be >= 0"),
 ])
 def test_bench_bad_input(capsys, tmp_path, args, message):
     code = main(["bench", "--device", "cpu", "--model", "none", "--out", str(tmp_path / "b.json"), *args])

@@ -535,6 +535,55 @@ def test_window_decay_matches_the_spec(case):
     assert_close("dlog_decay", ref_decay.grad, tri_decay.grad, RATIO, floor=1.0)
 
 
+@pytest.mark.parametrize("sink", [1, 4])
+@pytest.mark.parametrize("case", WINDOW_CASES[:5], ids=[f"T{c[1]}-M{c[4]}-W{c[6]}{'-pad' if c[7] else ''}"
+                                                         f"{'-S0' if c[8] else ''}" for c in WINDOW_CASES[:5]])
+def test_window_sink_matches_the_spec(case, sink):
+    """The Triton hybrid with an attention sink (the first real keys exact for every query, out of the linear part
+    and the state): outputs, the final state and every gradient against autograd through the spec."""
+    from dofattn.ops.window import first_keys, naive_window_linear_attention
+
+    W, block = case[6], case[9]
+    args, key_valid, state = window_case(case)
+    B, T = args[0].shape[:2]
+    sink_mask = first_keys(key_valid, B, T, sink, args[0].device)
+    ref_o, ref_s, ref_g = window_forward_backward(naive_window_linear_attention, args, key_valid, state, W,
+                                                  sink_mask=sink_mask)
+    o, s, grads = window_forward_backward(fused.window_forward, args, key_valid, state, W, block=block,
+                                          sink_mask=sink_mask)
+    rows = slice(None) if key_valid is None else key_valid
+    assert_close("o", ref_o[rows], o[rows], RATIO)
+    assert_close("ht", ref_s, s, RATIO, floor=1.0)
+    assert sorted(grads) == sorted(ref_g)
+    for name in grads:
+        assert_close(name, ref_g[name], grads[name], RATIO, floor=1.0)
+    if T > W + sink:                                   # the sink changes the result where it lies beyond the window
+        plain, _ = fused.window_forward(*args, 0.3, W, key_valid, state)
+        assert (plain[rows] - o[rows]).abs().max() > 1e-3
+
+
+def test_window_sink_with_exponents_near_200():
+    """Sink logits near 200 beside linear masses near e^0, without autograd: the three parts mix in log space."""
+    from dofattn.ops.window import first_keys, naive_window_linear_attention
+
+    case = (1, 90, 2, 16, 12, 8, 16, True, True, None)
+    args, key_valid, state = window_case(case, logit_scale=6.0)
+    sink_mask = first_keys(key_valid, 1, 90, 4, args[0].device)
+    ref, _ = naive_window_linear_attention(*args, 0.3, 16, key_valid, state, sink_mask=sink_mask)
+    with torch.no_grad():
+        o, _ = fused.window_forward(*args, 0.3, 16, key_valid, state, sink_mask=sink_mask)
+    assert torch.isfinite(o).all()
+    assert_close("o", ref[key_valid], o[key_valid], RATIO)
+
+
+def test_window_sink_refuses_a_decay():
+    args, key_valid, state = window_case(WINDOW_CASES[1])
+    sink_mask = torch.zeros(key_valid.shape, dtype=torch.bool, device=key_valid.device)
+    with pytest.raises(ValueError, match="sink_mask and log_decay"):
+        fused.window_forward(*args, 0.3, 16, key_valid, state, sink_mask=sink_mask,
+                             log_decay=torch.zeros(2, device=key_valid.device))
+
+
 def test_window_backward_with_exponents_near_200():
     """Exact logits up to ~200 (SmolLM2 reaches 195) against linear masses near e^0: nothing overflows and the
     gradients still match the spec, which normalises by the row maximum."""
@@ -582,6 +631,12 @@ def test_window_dispatch_on_cuda(monkeypatch):
     assert_close("o", ref, o, RATIO)
     o, _ = window.window_linear_attention(q, k, v, phi_q, phi_k, scale, offset, 0.25, 64, backend="triton")
     assert calls == [1, 1] and o.requires_grad
+    assert_close("o", ref, o, RATIO)
+    sink_mask = window.first_keys(None, 1, 150, 4, q.device)
+    ref, _ = window.naive_window_linear_attention(q, k, v, phi_q, phi_k, scale, offset, 0.25, 64, sink_mask=sink_mask)
+    with torch.no_grad():
+        o, _ = window.window_linear_attention(q, k, v, phi_q, phi_k, scale, offset, 0.25, 64, sink_mask=sink_mask)
+    assert calls == [1, 1, 1]
     assert_close("o", ref, o, RATIO)
 
 

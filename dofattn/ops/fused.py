@@ -803,27 +803,47 @@ WINDOWS = (16, 32, 64)   # window sizes the fused hybrid takes (the window is it
 
 def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                    key_valid=None, initial_state=None, output_final_state: bool = False, block: int | None = None,
-                   log_decay=None):
+                   log_decay=None, sink_mask=None):
     """`ops.window.window_linear_attention` for a prefill (as many keys as queries) in Triton, forward and backward.
 
     q, k [B, T, H, D]; v [B, T, H, V]; phi_q, phi_k [B, T, H, M] (any M); q_log_scale [B, T, H]; log_offset [H];
     key_valid [B, T] or None; initial_state [B, H, M, V+1] or None; log_decay [H] or None (the linear part decays
-    from the window's edge, as in the spec). window must be one of WINDOWS. Returns o [B, T, H, V] in v.dtype and
-    the state of every key but the last `window` (float32) if output_final_state, else None.
+    from the window's edge, as in the spec); sink_mask [B, T] bool or None (keys exact for every later query, out
+    of the linear part and the state; not with a decay). window must be one of WINDOWS. Returns o [B, T, H, V] in
+    v.dtype and the state of every key but the last `window` (float32) if output_final_state, else None.
     Gradients reach every floating input from both outputs (`WindowHybrid`).
+
+    A sink is a third part beside the kernels' two: the hybrid runs with the sink keys out of its linear part and
+    returns each row's log-mass, and the sink keys beyond the window (a few columns: O(T·S)) are mixed in by that
+    mass in PyTorch (`ops.window.sink_softmax`, `ops.window.mix_parts`), so gradients reach the hybrid through its
+    output and its log-mass.
     """
     if window not in WINDOWS or k.shape[1] != q.shape[1]:
         raise ValueError(f"window_forward takes windows {WINDOWS} and as many keys as queries; got window {window}, "
                          f"{k.shape[1]} keys for {q.shape[1]} queries")
+    if sink_mask is not None and log_decay is not None:
+        raise ValueError("sink_mask and log_decay do not combine: pass one of them")
     S0 = None if initial_state is None else initial_state.float().contiguous()
     if log_decay is not None:
         log_decay = decay_log(log_decay, torch.float32)                # differentiable clamp to [-1e4, 0]
-    return WindowHybrid.apply(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, float(scaling), window,
-                              output_final_state, block, log_decay)
+    linear_valid = key_valid
+    if sink_mask is not None:
+        linear_valid = ~sink_mask if key_valid is None else key_valid & ~sink_mask
+    o, final, lse = WindowHybrid.apply(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid,
+                                       float(scaling), window, output_final_state, block, log_decay,
+                                       sink_mask is not None)
+    if sink_mask is None:
+        return o, final
+    from dofattn.ops.window import mix_parts, sink_softmax
+
+    sink_keys = sink_mask if key_valid is None else key_valid & sink_mask
+    sink = sink_softmax(q.float(), k.float(), v.float(), float(scaling), window, sink_keys)
+    o = mix_parts([(o.float(), lse, torch.isfinite(lse)), sink])
+    return o.to(v.dtype), final
 
 
-def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling: float, window: int,
-                   output_final_state: bool, block: int | None, store_lse: bool, log_decay=None):
+def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, scaling: float,
+                   window: int, output_final_state: bool, block: int | None, store_lse: bool, log_decay=None):
     """The forward: the linear part is the scan with its keys and values delayed by W (read in place, `delay`),
     normalised, float32, decayed by position (so key s reaches t as γ^(t − W − s), and S0 as γ^(t+1)); then
     `_window_exact` adds the exact part per chunk of W queries. Returns (o in v.dtype, final state or None, row
@@ -831,11 +851,12 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
 
     Two kernels, not one: a kernel that kept the linear state in registers beside the exact part's tiles spilled
     registers (ptxas, sm_90), and the linear output's round trip through memory costs less than the scan's own
-    reads of φq and φk."""
+    reads of φq and φk. key_valid masks the exact part's keys, linear_valid the linear part's (padding, and the
+    sink keys when there is a sink)."""
     B, T, H, D = q.shape
     V = v.shape[-1]
-    if key_valid is not None:                     # padding keys add nothing to the linear part
-        phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)
+    if linear_valid is not None:                  # padding (and sink) keys add nothing to the linear part
+        phi_k = phi_k * linear_valid[:, :, None, None].to(phi_k.dtype)
     o_lin, den, final = scan(phi_q, phi_k, v, S0, with_den=True, final_state=output_final_state, normalize=True,
                              block=block, delay=window, log_decay=log_decay)
     exact_dot = _dot_dtype(q, k, v)[0]            # 16-bit q, k, v: their products are exact in the float32 sums
@@ -851,32 +872,39 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
 
 
 class WindowHybrid(torch.autograd.Function):
-    """The Triton hybrid with its backward. With lse the row log-mass over both parts and delta = ∂o·o:
+    """The Triton hybrid with its backward. Outputs o, the final state (or None) and, when asked for (a sink is
+    mixed in after it), the row log-mass lse over both parts (else None). With delta = ∂o·o − ∂lse:
     - the exact part is a banded softmax backward (`_window_exact_backward`), its weights recomputed from lse;
     - the linear part's weights are φq_t·φk_s·c_t with c_t = exp(shift_t − lse_t), so it is the plain scan's
       backward (`scan_grads`) on the delayed keys with g_t = c_t·[∂o_t, −delta_t], and
       ∂shift_t = φq_t·∂φq_t (shift_t = q_log_scale_t + log_offset_h);
-    - the delayed key and value gradients move back by W, and padding keys get none."""
+    - the delayed key and value gradients move back by W, and keys outside linear_valid get none from it.
+    (∂lse/∂logit = p, ∂o/∂logit = p·(v − o): an upstream ∂lse enters every weight's gradient as −delta does.)"""
 
     @staticmethod
-    def forward(ctx, q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling, window, want_state,
-                block, log_decay):
-        o, final, lse = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, scaling,
-                                       window, want_state, block, store_lse=any(ctx.needs_input_grad),
-                                       log_decay=log_decay)
-        ctx.save_for_backward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse, log_decay)
+    def forward(ctx, q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, scaling, window,
+                want_state, block, log_decay, want_lse):
+        o, final, lse = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid,
+                                       scaling, window, want_state, block,
+                                       store_lse=want_lse or any(ctx.needs_input_grad), log_decay=log_decay)
+        ctx.save_for_backward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, o, lse,
+                              log_decay)
         ctx.scaling, ctx.window = scaling, window
-        return o, final
+        return o, final, (lse if want_lse else None)
 
     @staticmethod
-    def backward(ctx, g_o, g_state):
+    def backward(ctx, g_o, g_state, g_lse):
         from dofattn.ops.window import delayed_keys
 
-        q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, o, lse, log_decay = ctx.saved_tensors
+        (q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, o, lse,
+         log_decay) = ctx.saved_tensors
         B, T, H, D = q.shape
         V, W = v.shape[-1], ctx.window
         g_o = torch.zeros_like(o, dtype=torch.float32) if g_o is None else g_o.float().contiguous()
-        delta = (g_o * o.float()).sum(-1).contiguous()                                         # [B, T, H]
+        delta = (g_o * o.float()).sum(-1)                                                      # [B, T, H]
+        if g_lse is not None:
+            delta = delta - torch.where(torch.isfinite(lse), g_lse.float(), 0.0)
+        delta = delta.contiguous()
         f32 = dict(device=q.device, dtype=torch.float32)
         dq_x, dk_x = torch.empty(B, T, H, D, **f32), torch.empty(B, T, H, D, **f32)
         dv_x = torch.empty(B, T, H, V, **f32)
@@ -887,13 +915,13 @@ class WindowHybrid(torch.autograd.Function):
         shift = q_log_scale.float() + log_offset.float()
         c = torch.where(torch.isfinite(lse), torch.exp(shift - lse), 0.0)                     # [B, T, H]
         g_lin = c[..., None] * torch.cat([g_o, -delta[..., None]], -1)                         # [B, T, H, V+1]
-        pq, dk, dv = (x.contiguous() for x in delayed_keys(phi_q, phi_k, v, key_valid, W, torch.float32))
+        pq, dk, dv = (x.contiguous() for x in delayed_keys(phi_q, phi_k, v, linear_valid, W, torch.float32))
         d_pq, d_dk, d_dv, dS0, d_log_decay = scan_grads(pq, dk, dv, S0, g_lin, g_state, log_decay)
         d_shift = (pq.float() * d_pq.float()).sum(-1)                                          # [B, T, H]
         d_phi_k = torch.nn.functional.pad(d_dk.float()[:, W:], (0, 0, 0, 0, 0, min(W, T)))     # back by W
         d_v = dv_x + torch.nn.functional.pad(d_dv.float()[:, W:], (0, 0, 0, 0, 0, min(W, T)))
-        if key_valid is not None:
-            d_phi_k = d_phi_k * key_valid[:, :, None, None]
+        if linear_valid is not None:
+            d_phi_k = d_phi_k * linear_valid[:, :, None, None]
         return (dq_x.to(q.dtype), dk_x.to(k.dtype), d_v.to(v.dtype), d_pq.to(phi_q.dtype), d_phi_k.to(phi_k.dtype),
                 d_shift.to(q_log_scale.dtype), d_shift.sum((0, 1)).to(log_offset.dtype), dS0, None, None, None, None,
-                None, d_log_decay)
+                None, None, d_log_decay, None)

@@ -49,7 +49,7 @@ from dofattn.ops.naive import TINY, check_log_decay, compute_dtype, decay_factor
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
 __all__ = ["naive_window_linear_attention", "window_linear_attention", "blocked_window_linear_attention",
-           "window_logits", "check_window_inputs", "delayed_keys"]
+           "window_logits", "check_window_inputs", "delayed_keys", "sink_softmax", "mix_parts"]
 
 
 def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state,
@@ -227,7 +227,7 @@ def _banded_softmax(q, k, v, scaling: float, window: int, key_valid):
     return unblock(o), unblock(log_mass.transpose(2, 3)), unblock(any_key.transpose(2, 3))
 
 
-def _sink_softmax(q, k, v, scaling: float, window: int, sink_mask):
+def sink_softmax(q, k, v, scaling: float, window: int, sink_mask):
     """Exact softmax over the sink keys at least W before each query (those nearer are the band's), on the layout
     of `blocked_window_linear_attention` (q [B, Tk, H, D]): (ō [B, Tk, H, V], log-mass [B, Tk, H], any-key)."""
     B, Tk, H = q.shape[:3]
@@ -248,7 +248,7 @@ def _sink_softmax(q, k, v, scaling: float, window: int, sink_mask):
     return o, log_mass.transpose(1, 2), any_key.transpose(1, 2)
 
 
-def _mix(parts) -> torch.Tensor:
+def mix_parts(parts) -> torch.Tensor:
     """Σ_i e^λ_i ō_i / Σ_i e^λ_i over the parts (ō [B, T, H, V], λ [B, T, H], present [B, T, H]) a row has;
     0 for a row with none."""
     lam = torch.stack([torch.where(has, lam, -torch.inf) for _, lam, has in parts])   # [parts, B, T, H]
@@ -302,19 +302,19 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions. On CUDA without autograd, a
     prefill with a window of 16, 32 or 64 runs in Triton (`ops.fused.window_forward`: the linear scan on the
     delayed keys, then one kernel for the exact part and the shared normalisation); backend "triton" takes that
-    path with autograd too (its backward is Triton as well), with or without a decay (`log_decay`). A call with
-    an attention sink (`sink_mask`) runs the PyTorch form on every device.
+    path with autograd too (its backward is Triton as well), with a decay (`log_decay`) or an attention sink
+    (`sink_mask`: its few keys beyond the window are mixed in after the kernels, in PyTorch).
     """
     check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay,
                         sink_mask)
     if backend == "auto" and q.shape[1] <= DENSE_QUERIES:
         return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                              key_valid, initial_state, output_final_state, log_decay, sink_mask)
-    if sink_mask is None and fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state,
-                                             backend):
+    if fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend):
         from dofattn.ops import load_fused
         return load_fused()[0].window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
-                                              key_valid, initial_state, output_final_state, log_decay=log_decay)
+                                              key_valid, initial_state, output_final_state, log_decay=log_decay,
+                                              sink_mask=sink_mask)
     return blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                            key_valid, initial_state, output_final_state, backend, log_decay,
                                            sink_mask)
@@ -355,8 +355,8 @@ def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offs
         o = w_win * o_win + (1 - w_win) * o_lin
     else:
         parts = [(o_win, lam_win, has_win), (o_lin, lam_lin, has_lin),
-                 _sink_softmax(qf, k.to(dtype), v.to(dtype), scaling, window, _and(key_valid, sink_mask))]
-        o = _mix(parts)
+                 sink_softmax(qf, k.to(dtype), v.to(dtype), scaling, window, _and(key_valid, sink_mask))]
+        o = mix_parts(parts)
     if final_state is not None:
         final_state = final_state.to(dtype)
     return o[:, P:].to(v.dtype), final_state
