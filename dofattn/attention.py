@@ -110,22 +110,27 @@ class LinearAttention(nn.Module):
         """A cached call of a hybrid with a sink: the keys go in as [sink slots, cached window keys, new keys]. The
         first S real tokens ever seen fill the S sink slots (a row's slots fill over calls if its first calls were
         shorter); they are exact for every query and marked as padding in the window cache, so no key counts twice.
-        An exact key's weight does not depend on its distance, so putting the sinks first changes nothing."""
+        An exact key's weight does not depend on its distance, so putting the sinks first changes nothing. The
+        first call (an empty cache) has no slots to put first: its keys are its own, as many as its queries, so a
+        CUDA prefill takes the Triton hybrid."""
         B, T = k.shape[:2]
         S = self.sink
         if key_valid is None:
             key_valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
-        if cache.sink_keys is None:
+        first = cache.sink_keys is None
+        if first:
             cache.sink_keys, cache.sink_values = k.new_zeros(B, S, *k.shape[2:]), v.new_zeros(B, S, *v.shape[2:])
             cache.sink_valid = key_valid.new_zeros(B, S)
         have = cache.sink_valid.sum(1, keepdim=True)                                # [B, 1]
         rank = have + key_valid.cumsum(1)                                           # [B, T]: 1-based among real
         new_sink = key_valid & (rank <= S)
-        keys, values, valid = [cache.sink_keys], [cache.sink_values], [cache.sink_valid]
+        lead = 0 if first else S                                                    # sink slots put first
+        keys, values, valid = ([], [], []) if first else ([cache.sink_keys], [cache.sink_values], [cache.sink_valid])
         if cache.keys is not None:
             keys, values, valid = keys + [cache.keys], values + [cache.values], valid + [cache.key_valid]
         keys, values, valid = torch.cat(keys + [k], 1), torch.cat(values + [v], 1), torch.cat(valid + [key_valid], 1)
-        sinks = torch.cat([cache.sink_valid, torch.zeros_like(valid[:, S:-T]), new_sink], 1)
+        sinks = torch.cat(([] if first else [cache.sink_valid])
+                          + [valid.new_zeros(B, keys.shape[1] - lead - T), new_sink], 1)
         o, cache.state = self.attend(q, self.expand_kv(keys), self.expand_kv(values), valid, cache.state, True,
                                      backend, sink_mask=sinks)
         slot = torch.where(new_sink, rank - 1, S)                                   # slot S: a spare, dropped
@@ -134,10 +139,11 @@ class LinearAttention(nn.Module):
             index = slot.reshape(B, T, *[1] * (new.dim() - 2)).expand_as(new)
             setattr(cache, name, buffer.scatter(1, index, new)[:, :S])
         cache.sink_valid = torch.cat([cache.sink_valid, new_sink.new_zeros(B, 1)], 1).scatter(1, slot, new_sink)[:, :S]
-        window_valid = valid[:, S:].clone()
+        window_valid = valid[:, lead:].clone()
         window_valid[:, -T:] &= ~new_sink                                           # a sink is not a window key
-        keep = slice(max(keys.shape[1] - S - self.window, 0) + S, None)
-        cache.keys, cache.values, cache.key_valid = keys[:, keep], values[:, keep], window_valid[:, keep.start - S:]
+        keep = slice(max(keys.shape[1] - lead - self.window, 0) + lead, None)
+        cache.keys, cache.values = keys[:, keep], values[:, keep]
+        cache.key_valid = window_valid[:, keep.start - lead:]
         return o
 
     def one_kernel_step(self, q: torch.Tensor, cache: LinearStateLayer, backend: str) -> bool:

@@ -120,6 +120,25 @@ def test_generation_with_a_sink_matches_the_full_forward(family, chunk):
     assert isinstance(layer, LinearStateLayer) and layer.keys.shape[1] == 6 and layer.sink_valid.all()
 
 
+def test_a_prefill_with_a_sink_hands_the_op_its_own_keys(monkeypatch):
+    """The first cached call puts no empty sink slots before its keys (as many keys as queries: on CUDA the Triton
+    hybrid's case); later calls put the filled slots first. Both give the uncached result."""
+    fmap = make_feature_map("prf", 2, 8, 6, 0.5)
+    layer = LinearAttention(fmap, 2, 2, window=4, sink=3)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 13, 2, 8, generator=g) for _ in range(3))
+    keys_seen = []
+    attend = layer.attend
+    monkeypatch.setattr(layer, "attend", lambda q, k, *a, **kw: keys_seen.append(k.shape[1]) or attend(q, k, *a, **kw))
+    cache = LinearStateLayer()
+    with torch.no_grad():
+        full = attend(q, k, v)[0]
+        streamed = torch.cat([layer(q[:, :9], k[:, :9], v[:, :9], cache=cache),
+                              layer(q[:, 9:], k[:, 9:], v[:, 9:], cache=cache)], 1)
+    assert keys_seen == [9, 3 + 4 + 4]                    # then: 3 sink slots, 4 window keys, 4 new keys
+    torch.testing.assert_close(streamed, full, rtol=1e-5, atol=1e-5)
+
+
 def test_batched_generation_with_a_sink_and_left_padding():
     """Each row's sink is its own first real tokens: a left-padded batch gives each row its unpadded result."""
     model = tiny_model("llama")
