@@ -132,8 +132,8 @@ def main(argv=None) -> int:
 
     totals = sorted({sum(log["dims"]) for log in compare} | {layers * m for m in counts})
     result["greedy"] = []
-    for total in totals:
-        if total < layers * counts[0]:
+    for total in totals:                    # inside the measured range only: the curves are flat outside it
+        if not layers * counts[0] < total < layers * counts[-1]:
             continue
         dims = greedy(curves, total, args.step)
         predicted = sum(interpolate(c, l, d) for (c, l), d in zip(curves, dims))
@@ -142,8 +142,13 @@ def main(argv=None) -> int:
         result["greedy"].append({"total": total, "dims": dims, "predicted": predicted, "uniform": uniform})
 
     if args.dims_out is not None:           # at the first compared run's total, else the largest
-        total = sum(compare[0]["dims"]) if compare else totals[-1]
-        pick = next(g for g in result["greedy"] if g["total"] == total)
+        if not result["greedy"]:
+            raise SystemExit("no total inside the measured range to allocate: add curve runs or --compare runs")
+        total = sum(compare[0]["dims"]) if compare else result["greedy"][-1]["total"]
+        pick = next((g for g in result["greedy"] if g["total"] == total), None)
+        if pick is None:
+            raise SystemExit(f"{args.compare[0]}'s total of {total} features lies outside the measured range "
+                             f"({layers * counts[0]}-{layers * counts[-1]})")
         from dofattn.dof import DofResult, LayerDof
 
         # not a DoF estimate: the layers' dof fields are 0 and only the dims are meant
