@@ -11,9 +11,9 @@ Three measurements, each the median of `repeats` timed runs after one warm-up (C
    student layer's generation step on the [B, H, M, V+1] state (constant in T; on CUDA one Triton kernel with the
    feature map inside), and the linear op's step alone on precomputed features.
 3. generation: a model and its linearized students (untrained PRF features: speed does not depend on training;
-   pure linear, and with the window) prefill a prompt of T tokens and greedily generate `new_tokens` with HF
-   `generate`; the students also with `engine.StaticDecoder` (static buffers, a CUDA graph per token on CUDA; its
-   rows add the graph's capture time and the replays' own rate, which a long generation approaches).
+   pure linear, and with the window and the sink) prefill a prompt of T tokens and greedily generate `new_tokens`
+   with HF `generate`; the students also with `engine.StaticDecoder` (static buffers, a CUDA graph per token on
+   CUDA; its rows add the graph's capture time and the replays' own rate, which a long generation approaches).
    Decode tokens/s, and the cache each holds at the end (KV cache against state; plus the peak CUDA memory on
    CUDA).
 Every result row carries its shapes; the JSON also records the hardware and software versions.
@@ -190,17 +190,17 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) 
 def _cache_bytes(cache) -> int:
     total = 0
     for layer in getattr(cache, "layers", []):
-        for name in ("keys", "values", "state", "key_valid"):
+        for name in ("keys", "values", "state", "key_valid", "sink_keys", "sink_values", "sink_valid"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
 
 
-def _generation_row(cfg: BenchConfig, student: bool, window: int, T: int, engine: str, prefill_ms: float,
-                    total_ms: float, cache) -> dict:
+def _generation_row(cfg: BenchConfig, student: bool, window: int, sink: int, T: int, engine: str,
+                    prefill_ms: float, total_ms: float, cache) -> dict:
     decode_s = max(total_ms - prefill_ms, 1e-6) / 1e3
-    row = {"model": cfg.model, "student": student, "window": window, "engine": engine, "context": T,
+    row = {"model": cfg.model, "student": student, "window": window, "sink": sink, "engine": engine, "context": T,
            "new_tokens": cfg.new_tokens, "prefill_ms": prefill_ms,
            "decode_tokens_per_s": (cfg.new_tokens - 1) / decode_s, "cache_bytes": _cache_bytes(cache)}
     if cfg.device.startswith("cuda"):
@@ -215,11 +215,12 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
     from dofattn.student import attention_modules, linearize
 
     rows = []
-    students = [(False, 0), (True, 0)] + ([(True, cfg.window)] if cfg.window else [])
-    for linearized, window in students:
+    # the teacher, the pure linear student, and the default recipe's student: the window with the sink beside it
+    students = [(False, 0, 0), (True, 0, 0)] + ([(True, cfg.window, cfg.sink)] if cfg.window else [])
+    for linearized, window, sink in students:
         model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
         if linearized:
-            linearize(model, [cfg.features] * len(attention_modules(model)), "prf", window=window)
+            linearize(model, [cfg.features] * len(attention_modules(model)), "prf", window=window, sink=sink)
         vocab = model.get_input_embeddings().weight.shape[0]
         for T in cfg.gen_contexts:
             ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(cfg.device)
@@ -235,7 +236,7 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
                                      return_dict_in_generate=True, **kwargs)
 
             total_ms = timed(generate, cfg.device, 1, warmups=1)
-            rows.append(_generation_row(cfg, linearized, window, T, "hf", prefill_ms, total_ms, out.past_key_values))
+            rows.append(_generation_row(cfg, linearized, window, sink, T, "hf", prefill_ms, total_ms, out.past_key_values))
             report(rows[-1])
             if linearized:                         # the same student on static buffers (a CUDA graph on CUDA)
                 decoder = StaticDecoder(model)
@@ -244,7 +245,7 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
                 prefill_ms = timed(lambda: decoder.generate(ids, 1), cfg.device, 1, warmups=1)
                 total_ms = timed(lambda: decoder.generate(ids, cfg.new_tokens), cfg.device, 1, warmups=1)
                 engine = "static+graph" if decoder.graph else "static"
-                rows.append(_generation_row(cfg, linearized, window, T, engine, prefill_ms, total_ms, decoder.cache))
+                rows.append(_generation_row(cfg, linearized, window, sink, T, engine, prefill_ms, total_ms, decoder.cache))
                 if decoder.timings:              # the replays alone: the rate of a long generation
                     rows[-1]["graph_capture_ms"] = decoder.timings["capture_s"] * 1e3
                     rows[-1]["graph_tokens_per_s"] = decoder.timings["replays"] / decoder.timings["replay_s"]
@@ -355,7 +356,8 @@ def format_tables(result: dict) -> str:
                   f"{'model':>21} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} {'graph tok/s':>12} "
                   f"{'cache MB':>9} {'peak MB':>9}"]
         for r in result["generation"]:
-            name = ("student" + (f" w{r['window']}" if r.get("window") else "")) if r["student"] else "teacher"
+            name = ("student" + (f" w{r['window']}" if r.get("window") else "")
+                    + (f" s{r['sink']}" if r.get("sink") else "")) if r["student"] else "teacher"
             name += "" if r.get("engine", "hf") == "hf" else f" {r['engine']}"
             peak = f"{r['peak_cuda_bytes'] / 2 ** 20:>9.0f}" if "peak_cuda_bytes" in r else f"{'-':>9}"
             graph = f"{r['graph_tokens_per_s']:>12.1f}" if "graph_tokens_per_s" in r else f"{'-':>12}"

@@ -31,9 +31,11 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path):
     for engine in ("hf", "static"):
         assert gen[True, 0, engine]["cache_bytes"] == 3 * 4 * 5 * 17 * 4   # 3 layers of [1, 4, 5, 16 + 1] float32
     # the window student adds, per layer, the 14 (< 16) keys and values [1, 14, 2, 16] fed so far (12 of the prompt,
-    # 2 generated) and their flags
-    assert gen[True, 16, "hf"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 14 * 2 * 16 * 4 + 14)
-    assert gen[True, 16, "static"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 16 * 2 * 16 * 4 + 16)   # a full ring
+    # 2 generated) and their flags, and the sink's 4 keys and values [1, 4, 2, 16] and flags
+    sink = 2 * 4 * 2 * 16 * 4 + 4
+    assert all(r["sink"] == (4 if r["window"] else 0) for r in gen.values())
+    assert gen[True, 16, "hf"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 14 * 2 * 16 * 4 + 14 + sink)
+    assert gen[True, 16, "static"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 16 * 2 * 16 * 4 + 16 + sink)   # a ring
     assert result["hardware"]["device"] == "cpu" and "prefill (one layer, ms)" in printed
 
 
