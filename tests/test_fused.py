@@ -499,18 +499,27 @@ def test_window_backward_matches_the_spec(case):
     """Gradients of the Triton hybrid (exact-part kernel + the scan's backward on delayed keys) against autograd
     through `naive_window_linear_attention`, for every input: q, k, v, both feature maps, the log-scales and the
     initial state, from the output and the final state."""
+    check_window_against_spec(case)
+
+
+def check_window_against_spec(case, spec_kwargs=None, fused_kwargs=None):
+    """The spec and the Triton hybrid on a WINDOW_CASES row, each with its extra arguments, agree on the output
+    (valid rows), the final state and every input's gradient. Returns (the hybrid's o, args, key_valid, state)."""
     from dofattn.ops.window import naive_window_linear_attention
 
     W, block = case[6], case[9]
     args, key_valid, state = window_case(case)
-    ref_o, ref_s, ref_g = window_forward_backward(naive_window_linear_attention, args, key_valid, state, W)
-    o, s, grads = window_forward_backward(fused.window_forward, args, key_valid, state, W, block=block)
+    ref_o, ref_s, ref_g = window_forward_backward(naive_window_linear_attention, args, key_valid, state, W,
+                                                  **(spec_kwargs or {}))
+    o, s, grads = window_forward_backward(fused.window_forward, args, key_valid, state, W, block=block,
+                                          **(fused_kwargs or {}))
     rows = slice(None) if key_valid is None else key_valid
     assert_close("o", ref_o[rows], o[rows], RATIO)
     assert_close("ht", ref_s, s, RATIO, floor=1.0)
     assert sorted(grads) == sorted(ref_g)
     for name in grads:
         assert_close(name, ref_g[name], grads[name], RATIO, floor=1.0)
+    return o, args, key_valid, state
 
 
 @pytest.mark.parametrize("case", WINDOW_CASES[1:5], ids=[f"T{c[1]}-M{c[4]}-W{c[6]}{'-pad' if c[7] else ''}"
@@ -518,20 +527,8 @@ def test_window_backward_matches_the_spec(case):
 def test_window_decay_matches_the_spec(case):
     """The Triton hybrid with a decay of the linear part (γ^(t − W − s) beyond the window, S0 as γ^(t+1)):
     outputs, the final state and every gradient, log γ included, against autograd through the spec."""
-    from dofattn.ops.window import naive_window_linear_attention
-
-    W, block, H = case[6], case[9], case[2]
-    args, key_valid, state = window_case(case)
-    ref_decay, tri_decay = decay_leaf(H), decay_leaf(H)
-    ref_o, ref_s, ref_g = window_forward_backward(naive_window_linear_attention, args, key_valid, state, W,
-                                                  log_decay=ref_decay)
-    o, s, grads = window_forward_backward(fused.window_forward, args, key_valid, state, W, block=block,
-                                          log_decay=tri_decay)
-    rows = slice(None) if key_valid is None else key_valid
-    assert_close("o", ref_o[rows], o[rows], RATIO)
-    assert_close("ht", ref_s, s, RATIO, floor=1.0)
-    for name in grads:
-        assert_close(name, ref_g[name], grads[name], RATIO, floor=1.0)
+    ref_decay, tri_decay = decay_leaf(case[2]), decay_leaf(case[2])
+    check_window_against_spec(case, {"log_decay": ref_decay}, {"log_decay": tri_decay})
     assert_close("dlog_decay", ref_decay.grad, tri_decay.grad, RATIO, floor=1.0)
 
 
@@ -541,22 +538,13 @@ def test_window_decay_matches_the_spec(case):
 def test_window_sink_matches_the_spec(case, sink):
     """The Triton hybrid with an attention sink (the first real keys exact for every query, out of the linear part
     and the state): outputs, the final state and every gradient against autograd through the spec."""
-    from dofattn.ops.window import first_keys, naive_window_linear_attention
+    from dofattn.ops.window import first_keys
 
-    W, block = case[6], case[9]
-    args, key_valid, state = window_case(case)
-    B, T = args[0].shape[:2]
-    sink_mask = first_keys(key_valid, B, T, sink, args[0].device)
-    ref_o, ref_s, ref_g = window_forward_backward(naive_window_linear_attention, args, key_valid, state, W,
-                                                  sink_mask=sink_mask)
-    o, s, grads = window_forward_backward(fused.window_forward, args, key_valid, state, W, block=block,
-                                          sink_mask=sink_mask)
+    B, T, W = case[0], case[1], case[6]
+    key_valid = window_case(case)[1]
+    sink_mask = first_keys(key_valid, B, T, sink, DEVICE)
+    o, args, key_valid, state = check_window_against_spec(case, {"sink_mask": sink_mask}, {"sink_mask": sink_mask})
     rows = slice(None) if key_valid is None else key_valid
-    assert_close("o", ref_o[rows], o[rows], RATIO)
-    assert_close("ht", ref_s, s, RATIO, floor=1.0)
-    assert sorted(grads) == sorted(ref_g)
-    for name in grads:
-        assert_close(name, ref_g[name], grads[name], RATIO, floor=1.0)
     if T > W + sink:                                   # the sink changes the result where it lies beyond the window
         plain, _ = fused.window_forward(*args, 0.3, W, key_valid, state)
         assert (plain[rows] - o[rows]).abs().max() > 1e-3
