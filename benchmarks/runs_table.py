@@ -37,7 +37,7 @@ def effective(args: dict) -> dict:
 
 def describe(folder: Path) -> dict:
     from dofattn.cli import DistillArgs
-    from dofattn.distill import LATER_OPTIONS, resolve_recipe
+    from dofattn.distill import LATER_OPTIONS, inert_options, resolve_recipe
 
     if folder.is_file():  # a kept log (docs/results/distill-*.json): log.json, which holds the run's arguments too
         log = json.loads(folder.read_text())
@@ -55,13 +55,14 @@ def describe(folder: Path) -> dict:
     defaults = DistillArgs(recipe=args.get("recipe", LATER_OPTIONS["recipe"]))  # that recipe's defaults
     resolve_recipe(defaults)
     run, default = effective(args), effective(vars(defaults))
-    changed = {k: v for k, v in run.items() if v != default[k]}
+    skip = inert_options(run)    # options that change nothing in this run are no difference, whatever the recipe's
+    changed = {k: v for k, v in run.items() if k not in skip and v != default[k]}
     # the same run described against one reference (the dofattn recipe), so that runs of either recipe that train
     # the same student group together over seeds; "recipe" is only a preset and is left out
     reference = DistillArgs(recipe="dofattn")
     resolve_recipe(reference)
     reference = effective(vars(reference))
-    setting = {k: v for k, v in run.items() if k != "recipe" and v != reference[k]}
+    setting = {k: v for k, v in run.items() if k != "recipe" and k not in skip and v != reference[k]}
     ev = log["evaluation"]
     return {"run": name, "changed": changed, "setting": setting, "seed": args.get("seed", 0), "dims": [min(log["dims"]), max(log["dims"])],
             "softmax_layers": log.get("softmax_layers", []), "teacher_ppl": ev["teacher_ppl"],

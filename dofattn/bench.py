@@ -236,7 +236,8 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
                                      return_dict_in_generate=True, **kwargs)
 
             total_ms = timed(generate, cfg.device, 1, warmups=1)
-            rows.append(_generation_row(cfg, linearized, window, sink, T, "hf", prefill_ms, total_ms, out.past_key_values))
+            rows.append(_generation_row(cfg, linearized, window, sink, T, "hf", prefill_ms, total_ms,
+                                        out.past_key_values))
             report(rows[-1])
             if linearized:                         # the same student on static buffers (a CUDA graph on CUDA)
                 decoder = StaticDecoder(model)
@@ -245,7 +246,8 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
                 prefill_ms = timed(lambda: decoder.generate(ids, 1), cfg.device, 1, warmups=1)
                 total_ms = timed(lambda: decoder.generate(ids, cfg.new_tokens), cfg.device, 1, warmups=1)
                 engine = "static+graph" if decoder.graph else "static"
-                rows.append(_generation_row(cfg, linearized, window, sink, T, engine, prefill_ms, total_ms, decoder.cache))
+                rows.append(_generation_row(cfg, linearized, window, sink, T, engine, prefill_ms, total_ms,
+                                            decoder.cache))
                 if decoder.timings:              # the replays alone: the rate of a long generation
                     rows[-1]["graph_capture_ms"] = decoder.timings["capture_s"] * 1e3
                     rows[-1]["graph_tokens_per_s"] = decoder.timings["replays"] / decoder.timings["replay_s"]

@@ -523,8 +523,10 @@ def resolve_recipe(args) -> None:
 
 def inert_options(args: dict) -> set[str]:
     """Options that change nothing in a run with these arguments: --keep-by without softmax layers (so a folder from
-    before its default changed still resumes)."""
-    return set() if args.get("keep_softmax", LATER_OPTIONS["keep_softmax"]) else {"keep_by"}
+    before its default changed still resumes), and --sink without a window (where it can only be 0, whatever a
+    recipe would set beside a window)."""
+    inert = set() if args.get("keep_softmax", LATER_OPTIONS["keep_softmax"]) else {"keep_by"}
+    return inert if args.get("window", LATER_OPTIONS["window"]) else inert | {"sink"}
 
 
 def check_run_folder(out: Path, args: dict) -> None:

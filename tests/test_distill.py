@@ -699,3 +699,12 @@ def test_direct_loss_is_cross_entropy_plus_kl_to_the_teacher(kd_weight):
         assert kl > 0.01 and abs(kl - reverse) > 1e-4 * ce  # the KL term and its direction show above rel=1e-5
         got = direct_loss(student, ids, kd_weight).item()
     assert got == pytest.approx((ce + kd_weight * kl).item(), rel=1e-5)
+
+
+def test_inert_options_are_those_that_change_nothing():
+    from dofattn.distill import inert_options
+
+    assert inert_options({"keep_softmax": 0, "window": 64}) == {"keep_by"}
+    assert inert_options({"keep_softmax": 3, "window": 64}) == set()
+    assert inert_options({"keep_softmax": 3, "window": 0}) == {"sink"}      # no sink without a window
+    assert inert_options({}) == {"keep_by", "sink"}                         # a record from before either option

@@ -837,7 +837,7 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
     from dofattn.ops.window import mix_parts, sink_softmax
 
     sink_keys = sink_mask if key_valid is None else key_valid & sink_mask
-    sink = sink_softmax(q.float(), k.float(), v.float(), float(scaling), window, sink_keys)
+    sink = sink_softmax(q.float(), k, v, float(scaling), window, sink_keys)
     o = mix_parts([(o.float(), lse, torch.isfinite(lse)), sink])
     return o.to(v.dtype), final
 
@@ -879,7 +879,7 @@ class WindowHybrid(torch.autograd.Function):
       backward (`scan_grads`) on the delayed keys with g_t = c_t·[∂o_t, −delta_t], and
       ∂shift_t = φq_t·∂φq_t (shift_t = q_log_scale_t + log_offset_h);
     - the delayed key and value gradients move back by W, and keys outside linear_valid get none from it.
-    (∂lse/∂logit = p, ∂o/∂logit = p·(v − o): an upstream ∂lse enters every weight's gradient as −delta does.)"""
+    (∂lse/∂logit = p and ∂o/∂logit = p·(v − o): an upstream ∂lse enters each weight's gradient as −delta does.)"""
 
     @staticmethod
     def forward(ctx, q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, scaling, window,

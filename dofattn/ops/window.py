@@ -229,20 +229,22 @@ def _banded_softmax(q, k, v, scaling: float, window: int, key_valid):
 
 def sink_softmax(q, k, v, scaling: float, window: int, sink_mask):
     """Exact softmax over the sink keys at least W before each query (those nearer are the band's), on the layout
-    of `blocked_window_linear_attention` (q [B, Tk, H, D]): (ō [B, Tk, H, V], log-mass [B, Tk, H], any-key)."""
+    of `blocked_window_linear_attention` (q [B, Tk, H, D]): (ō [B, Tk, H, V], log-mass [B, Tk, H], any-key).
+    Computes in q's dtype; only the keys and values up to the last sink are converted to it."""
     B, Tk, H = q.shape[:3]
     used = sink_mask.any(0).nonzero()
     L = int(used.max()) + 1 if used.numel() else 0                      # the keys up to the last sink in any row
+    k, v = k[:, :L].to(q.dtype), v[:, :L].to(q.dtype)
     pos_q = torch.arange(Tk, device=q.device)[:, None]
     pos_k = torch.arange(L, device=q.device)[None, :]
     mask = (pos_k <= pos_q - window)[None, None] & sink_mask[:, None, None, :L]   # [B, 1, Tk, L]
-    scores = scaling * torch.einsum("bthd,bshd->bhts", q, k[:, :L])     # [B, H, Tk, L]
+    scores = scaling * torch.einsum("bthd,bshd->bhts", q, k)            # [B, H, Tk, L]
     scores = scores.masked_fill(~mask, -torch.inf)
     row_max = scores.amax(-1, keepdim=True) if L else scores.new_zeros(B, H, Tk, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0).detach()
     p = torch.exp(scores - row_max)
     mass = p.sum(-1)                                                     # [B, H, Tk]
-    o = torch.einsum("bhts,bshv->bthv", p, v[:, :L]) / mass.clamp_min(TINY).transpose(1, 2)[..., None]
+    o = torch.einsum("bhts,bshv->bthv", p, v) / mass.clamp_min(TINY).transpose(1, 2)[..., None]
     any_key = mask.any(-1).expand_as(mass)
     log_mass = torch.where(any_key, torch.log(mass.clamp_min(TINY)) + row_max[..., 0], 0)
     return o, log_mass.transpose(1, 2), any_key.transpose(1, 2)
@@ -355,7 +357,7 @@ def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offs
         o = w_win * o_win + (1 - w_win) * o_lin
     else:
         parts = [(o_win, lam_win, has_win), (o_lin, lam_lin, has_lin),
-                 sink_softmax(qf, k.to(dtype), v.to(dtype), scaling, window, _and(key_valid, sink_mask))]
+                 sink_softmax(qf, k, v, scaling, window, _and(key_valid, sink_mask))]
         o = mix_parts(parts)
     if final_state is not None:
         final_state = final_state.to(dtype)
