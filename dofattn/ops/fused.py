@@ -826,18 +826,15 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
     S0 = None if initial_state is None else initial_state.float().contiguous()
     if log_decay is not None:
         log_decay = decay_log(log_decay, torch.float32)                # differentiable clamp to [-1e4, 0]
-    linear_valid = key_valid
-    if sink_mask is not None:
-        linear_valid = ~sink_mask if key_valid is None else key_valid & ~sink_mask
+    from dofattn.ops.window import _and, mix_parts, sink_softmax
+
+    linear_valid = key_valid if sink_mask is None else _and(key_valid, ~sink_mask)
     o, final, lse = WindowHybrid.apply(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid,
                                        float(scaling), window, output_final_state, block, log_decay,
                                        sink_mask is not None)
     if sink_mask is None:
         return o, final
-    from dofattn.ops.window import mix_parts, sink_softmax
-
-    sink_keys = sink_mask if key_valid is None else key_valid & sink_mask
-    sink = sink_softmax(q.float(), k, v, float(scaling), window, sink_keys)
+    sink = sink_softmax(q.float(), k, v, float(scaling), window, _and(key_valid, sink_mask))
     o = mix_parts([(o.float(), lse, torch.isfinite(lse)), sink])
     return o.to(v.dtype), final
 
