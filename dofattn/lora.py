@@ -12,6 +12,10 @@ them with the feature maps. Only the attention projections of every layer are ta
     gpt2                    attn.c_attn (q, k and v in one matrix) and attn.c_proj
     gpt_neox                attention.query_key_value and attention.dense
 
+On a 16-bit model the adapters are float32 all the same: Adam's small updates would round away in bfloat16, and the
+rank-R products cost nothing beside the frozen 16-bit projections (peft casts their input to the adapters' dtype
+and the sum back to the projection's).
+
 `teacher_mode` (evaluate.py) switches the adapters off, so the teacher inside a LoRA student is the base model.
 A merged student has no adapters left to switch off: it cannot serve as its own teacher.
 """
@@ -57,6 +61,8 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, seed: int 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft.inject_adapter_in_model(config, model)
+    for _, p in lora_parameters(model):          # float32 master weights, also on a 16-bit base
+        p.data = p.data.float()
     return model
 
 

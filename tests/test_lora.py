@@ -53,6 +53,24 @@ def test_adapters_sit_on_attention_projections_and_teacher_mode_removes_them(fam
             pass
 
 
+def test_adapters_on_a_bfloat16_model_are_float32_and_train():
+    model = tiny_model("llama").to(torch.bfloat16)
+    linearize(model, [6, 6, 6], seed=0)
+    add_lora(model, rank=2)
+    assert {p.dtype for _, p in lora_parameters(model)} == {torch.float32}
+    reference = tiny_model("llama")
+    linearize(reference, [6, 6, 6], seed=0)
+    add_lora(reference, rank=2)
+    perturb(model), perturb(reference)
+    x = ids()
+    logits = model(x, use_cache=False).logits
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), reference(x, use_cache=False).logits, rtol=0.05, atol=0.05)
+    logits.float().square().mean().backward()
+    grads = [p.grad for n, p in lora_parameters(model) if "lora_A" in n]
+    assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
+
+
 def test_distilled_lora_student_round_trip(capsys, model_dirs, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join([TEXT] * 60))
