@@ -94,6 +94,32 @@ def test_distilled_lora_student_round_trip(capsys, model_dirs, tmp_path):
     assert main(["generate", "--model", str(out), "--max-new-tokens", "3", "--device", "cpu"]) == 0
 
 
+def test_bfloat16_distillation_trains_and_saves_float32_tensors(capsys, model_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    from dofattn.student import WEIGHTS_FILE
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join([TEXT] * 60))
+    out = tmp_path / "run"
+    argv = ["distill", "--model", str(model_dirs["llama"]), "--data", str(corpus), "--out", str(out), "--device",
+            "cpu", "--seq-len", "32", "--train-blocks", "8", "--batch-size", "2", "--direct-batch-size", "2",
+            "--eval-blocks", "2", "--eval-seq-len", "32", "--dims", "fix:8", "--steps", "3",
+            "--then-direct-steps", "4", "--direct-lr", "0.01", "--lora-rank", "2", "--dtype", "bfloat16"]
+    assert main(argv) == 0, capsys.readouterr().err
+    log = json.loads((out / "log.json").read_text())
+    assert log["direct"]["steps"] == 4 and all(torch.isfinite(torch.tensor(log["direct"]["losses"])))
+    saved = load_file(str(out / WEIGHTS_FILE))
+    lora = {n: t for n, t in saved.items() if ".lora_" in n}
+    assert lora and all(t.dtype == torch.float32 for t in saved.values())
+    assert any(t.abs().sum() > 0 for n, t in lora.items() if "lora_B" in n)     # the adapters moved
+    x = ids()
+    with torch.no_grad():
+        full = load_student(out)[0](x, use_cache=False).logits
+        half = load_student(out, dtype=torch.bfloat16)[0](x, use_cache=False).logits
+    torch.testing.assert_close(half.float(), full, rtol=0.05, atol=0.05)
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
     (["--lora-rank", "2", "--then-direct-steps", "0"], "train only in the end-to-end phase"),
