@@ -71,17 +71,23 @@ def test_adapters_on_a_bfloat16_model_are_float32_and_train():
     assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
 
 
-def test_distilled_lora_student_round_trip(capsys, model_dirs, tmp_path):
+def distill_lora(capsys, model_dirs, tmp_path, *extra: str):
+    """A tiny Llama distilled with LoRA rank 2 and 4 end-to-end steps; its run folder and log."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join([TEXT] * 60))
     out = tmp_path / "run"
     argv = ["distill", "--model", str(model_dirs["llama"]), "--data", str(corpus), "--out", str(out), "--device",
             "cpu", "--seq-len", "32", "--train-blocks", "8", "--batch-size", "2", "--direct-batch-size", "2",
             "--eval-blocks", "2", "--eval-seq-len", "32", "--dims", "fix:8", "--steps", "3",
-            "--then-direct-steps", "4", "--direct-lr", "0.01", "--lora-rank", "2"]
+            "--then-direct-steps", "4", "--direct-lr", "0.01", "--lora-rank", "2", *extra]
     assert main(argv) == 0, capsys.readouterr().err
     log = json.loads((out / "log.json").read_text())
-    assert log["direct"]["steps"] == 4
+    assert log["direct"]["steps"] == 4 and all(torch.isfinite(torch.tensor(log["direct"]["losses"])))
+    return out, log
+
+
+def test_distilled_lora_student_round_trip(capsys, model_dirs, tmp_path):
+    out, _ = distill_lora(capsys, model_dirs, tmp_path)
     student, _, config = load_student(out)
     assert config.lora_rank == 2
     names = [n for n, _ in lora_parameters(student)]
@@ -99,16 +105,7 @@ def test_bfloat16_distillation_trains_and_saves_float32_tensors(capsys, model_di
 
     from dofattn.student import WEIGHTS_FILE
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join([TEXT] * 60))
-    out = tmp_path / "run"
-    argv = ["distill", "--model", str(model_dirs["llama"]), "--data", str(corpus), "--out", str(out), "--device",
-            "cpu", "--seq-len", "32", "--train-blocks", "8", "--batch-size", "2", "--direct-batch-size", "2",
-            "--eval-blocks", "2", "--eval-seq-len", "32", "--dims", "fix:8", "--steps", "3",
-            "--then-direct-steps", "4", "--direct-lr", "0.01", "--lora-rank", "2", "--dtype", "bfloat16"]
-    assert main(argv) == 0, capsys.readouterr().err
-    log = json.loads((out / "log.json").read_text())
-    assert log["direct"]["steps"] == 4 and all(torch.isfinite(torch.tensor(log["direct"]["losses"])))
+    out, _ = distill_lora(capsys, model_dirs, tmp_path, "--dtype", "bfloat16")
     saved = load_file(str(out / WEIGHTS_FILE))
     lora = {n: t for n, t in saved.items() if ".lora_" in n}
     assert lora and all(t.dtype == torch.float32 for t in saved.values())
