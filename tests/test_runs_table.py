@@ -42,6 +42,13 @@ def test_a_row_names_the_options_that_differ_from_its_recipe(tmp_path):
     assert "direct_lr=0.006" in line and "30.0 (1.50×)" in line
 
 
+def test_the_model_dtype_is_a_difference(tmp_path):
+    rows = [runs_table.describe(fake_run(tmp_path / f"s{seed}-{dtype}", 24.0, seed=seed, dtype=dtype))
+            for dtype in ("float32", "bfloat16") for seed in (0, 1)]
+    assert [r["changed"] for r in rows] == [{}, {}, {"dtype": "bfloat16"}, {"dtype": "bfloat16"}]
+    assert [g["changed"] for g in runs_table.seed_summary(rows)] == [{}, {"dtype": "bfloat16"}]
+
+
 def test_seeds_pool_to_mean_and_sample_sd(tmp_path):
     rows = [runs_table.describe(fake_run(tmp_path / f"s{seed}", ppl, seed=seed))
             for seed, ppl in ((0, 22.0), (1, 26.0), (2, 24.0))]
