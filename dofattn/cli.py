@@ -231,7 +231,7 @@ class DistillArgs:
     seed: int = _opt(0, "seed for initialisation, data order and the DoF sample")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
     dtype: str = _opt("float32", "the frozen model's dtype: float32 or bfloat16. bfloat16 runs the end-to-end "
-                                 "phase about 2x faster on a CPU with AVX512-BF16 or AMX (and on GPUs); the "
+                                 "phase about 2x faster on a CPU with AVX512-BF16 or AMX; the "
                                  "trained tensors (features, LoRA) stay float32 and the attention sums in float32")
     out: str = _opt("runs/distill", "run folder: created, or resumed when it holds a run with the same arguments")
 

@@ -115,6 +115,8 @@ def test_bfloat16_distillation_trains_and_saves_float32_tensors(capsys, model_di
         full = load_student(out)[0](x, use_cache=False).logits
         half = load_student(out, dtype=torch.bfloat16)[0](x, use_cache=False).logits
     torch.testing.assert_close(half.float(), full, rtol=0.05, atol=0.05)
+    assert main(["generate", "--model", str(out), "--max-new-tokens", "3", "--device", "cpu", "--dtype",
+                 "bfloat16"]) == 0                                        # merges the float32 adapters into bf16
 
 
 @pytest.mark.parametrize("extra,message", [
