@@ -3,6 +3,7 @@ and how far the two steps' gradients are apart.
 
     python benchmarks/train_dtype.py [--students window,linear] [--runs RUN ...] [--dtypes float32,bfloat16]
                                      [--steps 5] [--out train_dtype.json]
+    python benchmarks/train_dtype.py --students linear --dtypes float32,float32-rounded,bfloat16 --steps 2
 
 What `dofattn distill`'s end-to-end phase does per step: the student's and the teacher's forward on B blocks of T
 tokens of the Wikipedia sample's train split, next-token loss plus KL to the teacher, backward into the trained
@@ -13,11 +14,12 @@ Students:
 - `--students`: built here, untrained, 64 features in every layer and LoRA rank 8. window: learned PRF features, a
   64-token window and a 4-token sink (the default recipe's layers); linear: Hedgehog features, pure linear attention
   (the long runs without a window). For timing.
-- `--runs`: students saved by `dofattn distill` (run folders), as trained. For each, the cosine between the first
-  step's gradient in each dtype and in float32, per kind of trained tensor (LoRA, feature weights, ...). That is
-  where the end-to-end phase runs: from a trained layerwise stage on. An untrained student is no place to compare
-  gradients: there, rounding the frozen weights to bfloat16 alone (and computing in float32) already turns them by
-  tens of degrees.
+- `--runs`: students saved by `dofattn distill` (run folders), as trained.
+
+For every student, the cosine between the first step's gradient in each dtype and in float32, per kind of trained
+tensor (LoRA, feature weights, ...). On trained students that is the comparison that matters: the end-to-end phase
+starts from a trained layerwise stage. `float32-rounded` computes in float32 with the frozen weights rounded to
+bfloat16: how much the gradient moves from the weights' rounding alone (on an untrained student, a lot).
 
 On a CPU, bfloat16 pays only where the matrix units take it (AVX512-BF16, AMX):
 `lscpu | grep -o 'avx512_bf16\\|amx_bf16'`.
@@ -37,6 +39,7 @@ from dofattn.hf import load_model, parse_dtype
 from dofattn.lora import add_lora
 from dofattn.student import is_student_tensor, linearize, load_student
 
+ROUNDED = "float32-rounded"      # float32 compute, frozen weights rounded to bfloat16
 STUDENTS = {"window": {"feature": "prf", "window": 64, "sink": 4},
             "linear": {"feature": "hedgehog", "window": 0, "sink": 0}}
 
@@ -51,6 +54,14 @@ def build(student: str, dtype: torch.dtype, device: str):
     linearize(model, [64] * layers, layers=list(range(layers)), seed=0, **STUDENTS[student])
     add_lora(model, 8, seed=0)
     return model, tokenizer
+
+
+def round_frozen(model) -> None:
+    """The frozen (teacher) weights rounded to bfloat16 and kept in their own dtype."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not is_student_tensor(name):
+                p.copy_(p.to(torch.bfloat16))
 
 
 def kind(name: str) -> str:
@@ -72,7 +83,9 @@ def cosines(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str,
 def train_steps(student: str, dtype: str, steps: int, batch: int, seq_len: int,
                 device: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """Seconds per end-to-end step and each step's loss; and the first step's gradients."""
-    model, tokenizer = build(student, parse_dtype(dtype), device)
+    model, tokenizer = build(student, torch.float32 if dtype == ROUNDED else parse_dtype(dtype), device)
+    if dtype == ROUNDED:
+        round_frozen(model)
     for name, p in model.named_parameters():
         p.requires_grad_(is_student_tensor(name))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -122,10 +135,10 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             row, grads[student, dtype] = train_steps(student, dtype, args.steps, args.batch, args.seq_len,
                                                      args.device)
-            if student in args.runs and dtype != "float32" and (student, "float32") in grads:
+            if dtype != "float32" and (student, "float32") in grads:
                 row["first_grad_cosine_vs_float32"] = cosines(grads[student, "float32"], grads[student, dtype])
             rows.append(row)
-    config = {"model": "smollm2-135m", "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
+    config = {"untrained_students_model": "smollm2-135m", "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
               "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
               "cpu": platform.processor() or platform.machine()}
     with open(args.out, "w") as f:
