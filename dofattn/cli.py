@@ -542,8 +542,66 @@ def run_bench(args: BenchArgs) -> int:
     return 0
 
 
+@dataclass
+class SampleArgs:
+    """Write text sampled from the teacher, as a .jsonl training source for `dofattn distill --data`.
+
+    Each sample is a prompt cut from the train split of --data (never its validation split), continued by the model
+    for --new-tokens tokens at --temperature (1 samples the model's own distribution). Pool it with the real text
+    and keep scoring on held-out real text:
+
+        dofattn sample --samples 2000 --out teacher.jsonl
+        dofattn distill --data wiki-sample+teacher.jsonl --eval-data wiki-sample ...
+
+    Samples are appended one batch at a time; the same command goes on after an interruption.
+    """
+
+    model: str = _opt("smollm2-135m", "the teacher: alias, hub id, folder or .gguf file")
+    data: str = _opt("wiki-sample", "where the prompts come from (its train split): wiki-sample, a "
+                                    ".txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
+    samples: int = _opt(1000, "number of samples to write in all")
+    prompt_tokens: int = _opt(32, "tokens of real text each sample starts from")
+    new_tokens: int = _opt(480, "tokens the model adds to each prompt")
+    temperature: float = _opt(1.0, "sampling temperature (> 0)")
+    batch_size: int = _opt(32, "samples generated together")
+    seed: int = _opt(0, "seed for the prompts and the sampling")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = _opt("float32", "model dtype: float32 or bfloat16 (about 2x faster on CPUs with avx512_bf16)")
+    out: str = _opt("teacher-text.jsonl", "the .jsonl file to write or go on with")
+
+
+def run_sample(args: SampleArgs) -> int:
+    """The `sample` verb."""
+    from dofattn.data import check_source
+    from dofattn.hf import load_model, parse_dtype
+    from dofattn.sample import SampleSpec, done_samples, sample_text
+
+    out = Path(args.out).expanduser()
+    if out.suffix != ".jsonl":
+        raise UserError(f"--out {args.out} must end in .jsonl")
+    check_source(args.data)
+    spec = SampleSpec(model=args.model, data=args.data, prompt_tokens=args.prompt_tokens,
+                      new_tokens=args.new_tokens, temperature=args.temperature, batch_size=args.batch_size,
+                      seed=args.seed)
+    if min(args.samples, args.prompt_tokens, args.new_tokens, args.batch_size) < 1:
+        raise UserError("--samples, --prompt-tokens, --new-tokens and --batch-size must be at least 1")
+    if args.temperature <= 0:
+        raise UserError(f"--temperature must be > 0 (sampling), got {args.temperature:g}")
+    done_samples(out, spec)                        # refuse a foreign file before loading the model
+    model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=_resolve_device(args.device))
+    start = time.perf_counter()
+    result = sample_text(model, tokenizer, spec, args.samples, out)
+    elapsed = time.perf_counter() - start
+    tokens = result["new"] * args.new_tokens
+    rate = f", {tokens / elapsed:.0f} new tokens/s" if result["new"] else ""
+    print(f"{out}: {result['samples']} samples of {args.prompt_tokens}+{args.new_tokens} tokens "
+          f"({result['new']} new in {elapsed:.0f} s{rate})")
+    return 0
+
+
 VERBS = {"dof": (DofArgs, run_dof), "distill": (DistillArgs, run_distill), "eval": (EvalArgs, run_eval),
-         "generate": (GenerateArgs, run_generate), "bench": (BenchArgs, run_bench)}
+         "generate": (GenerateArgs, run_generate), "bench": (BenchArgs, run_bench),
+         "sample": (SampleArgs, run_sample)}
 
 
 def build_parser() -> argparse.ArgumentParser:
