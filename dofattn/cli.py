@@ -37,7 +37,8 @@ class DofArgs:
     """
 
     model: str = _opt("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
-    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
+    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several "
+                                    "joined by + (pooled)")
     split: str = _opt("train", "data split to sample from: train, validation or all")
     samples: int = _opt(1024, "J: query/key points sampled per head (cost grows as J^3)")
     repeats: int = _opt(1, "pool R estimates on R disjoint sets of J points each (R·J points are sampled): the "
@@ -150,7 +151,8 @@ class DistillArgs:
     """
 
     model: str = _opt("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
-    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
+    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several "
+                                    "joined by + (pooled)")
     dims: str = _opt("dof", "feature dims per layer: dof (estimated here), clip (dof capped at the head size), "
                             "attn-dof (∝ the DoF of the teacher's attention matrices, as for --keep-by attn-dof; "
                             "the same total as fix), linear-dof (the same, of the part of the attention beyond the "
@@ -214,6 +216,15 @@ class DistillArgs:
     direct_lr: float = _opt(2e-3, "Adam learning rate of the end-to-end phase")
     kd_weight: float = _opt(1.0, "weight of KL(teacher || student) on the logits in the end-to-end phase")
     checkpoint_every: int = _opt(10, "end-to-end steps between checkpoints")
+    eval_data: str | None = _opt(None, "the text scored (its validation split) when it is not --data's: e.g. "
+                                       "--data wiki-sample+teacher.jsonl (pooled with `dofattn sample`'s text) "
+                                       "--eval-data wiki-sample. Default: --data")
+    continue_from: str | None = _opt(None, "start from a copy of this run folder's student (its layerwise "
+                                           "stage and its end-to-end checkpoint, optimizer included) and go on "
+                                           "with the end-to-end phase in --out, e.g. on more text: only --data, "
+                                           "--direct-blocks, --then-direct-steps (>= the run's), --eval-every, "
+                                           "--checkpoint-every and --time-limit may differ from the run's, and "
+                                           "the validation text must be the same")
     eval_every: int = _opt(0, "measure validation perplexity every N end-to-end steps (log.json: direct.curve, "
                               "perplexity against training tokens); 0: only at the end")
     time_limit: float = _opt(0.0, "stop the end-to-end phase after this many minutes of it, then save and evaluate "
@@ -281,7 +292,8 @@ class EvalArgs:
 
     model: str = _opt("runs/distill", "student folder (from dofattn distill), or any supported model")
     teacher: str | None = _opt(None, "another model to compare against (same tokenizer); default: the base model")
-    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
+    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several "
+                                    "joined by + (pooled)")
     split: str | None = _opt(None, "train, validation or all (default: validation for wiki-sample and hf:, "
                                    "all for files)")
     seq_len: int = _opt(512, "tokens per block")

@@ -9,6 +9,8 @@ Sources (`--data`):
 - a local `.txt` file (one document), `.jsonl` file (one document per line, field `text`), `.parquet` file
   (column `text`), or a folder of such files (one source, files in name order).
 - `hf:NAME[:CONFIG[:SPLIT]]`: a Hugging Face dataset through `datasets` (needs a network); column `text`.
+- several of these joined by `+` (`wiki-sample+teacher.jsonl`): their documents pooled, each split within its own
+  source, so the pool's validation split is the union of the sources' validation splits.
 
 Splits: documents are assigned to `validation` by a hash of their title (or of their position in the source),
 about one in ten, so the split is deterministic and does not move when documents are added. A source with a
@@ -195,8 +197,24 @@ def split_documents(docs: list[Document], split: str) -> list[str]:
     return [text for key, text in docs if _is_validation(key) == want_validation]
 
 
+def sources(spec: str) -> list[str]:
+    """The sources pooled in `spec`: its `+`-joined parts, unless `spec` names an existing file or folder whole."""
+    if "+" not in spec or Path(spec).expanduser().exists():
+        return [spec]
+    parts = spec.split("+")
+    if not all(parts):
+        raise UserError(f"data {spec!r} has an empty part; join sources with single '+' signs, e.g. "
+                        f"{WIKI_SAMPLE}+more.jsonl")
+    return parts
+
+
 def check_source(spec: str) -> None:
     """Fail early, before any model is loaded, on a data spec that cannot work."""
+    parts = sources(spec)
+    if len(parts) > 1:
+        for part in parts:
+            check_source(part)
+        return
     if spec == WIKI_SAMPLE:
         return
     if spec.startswith("hf:"):
@@ -215,6 +233,10 @@ def load_texts(spec: str, split: str = "train") -> list[str]:
     """The documents of data source `spec` (see the module docstring) in `split`, in source order."""
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    parts = sources(spec)
+    if len(parts) > 1:
+        check_source(spec)
+        return [text for part in parts for text in load_texts(part, split)]
     if spec == WIKI_SAMPLE:
         return split_documents(wiki_sample(), split)
     if spec.startswith("hf:"):

@@ -492,7 +492,10 @@ RESUME_IRRELEVANT = ("device", "out", "time_limit")
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
-                 "decay_start": None, "sink": 0}
+                 "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None}
+# What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
+CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
+                       "continue_from")
 KEEP_BY = ("attn-dof", "dof", "first", "random", "gain")
 SINK = 4                 # the dofattn and long recipes' --sink beside a window (not with --decay)
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which attn-dof (--keep-by, --dims) measures the teacher's attention
@@ -554,6 +557,53 @@ def check_run_folder(out: Path, args: dict) -> None:
         raise UserError(f"--out {out} exists and is not a dofattn run folder; give another --out")
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
+
+
+def check_continue(source: Path, out: Path, args: dict) -> None:
+    """--continue-from: refuse a `source` that is not a run folder, or whose arguments differ from `args` outside
+    CONTINUE_MAY_CHANGE (nothing is read but run.json; nothing is written). Nothing to check once `out` holds a
+    run: a rerun of the same command resumes it."""
+    if (out / "run.json").is_file():
+        return
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} exists and is not a dofattn run folder; give another --out")
+    if not (source / "run.json").is_file() or not (source / "log.json").is_file():
+        raise UserError(f"--continue-from {source} is not a finished (or time-limited) dofattn distill run folder: "
+                        f"it needs run.json and log.json")
+    if source.resolve() == out.resolve():
+        raise UserError("--continue-from and --out are the same folder; to go on in place, rerun the run's own "
+                        "command with a larger --then-direct-steps")
+    before = json.loads((source / "run.json").read_text())
+    record = {k: v for k, v in args.items() if k not in RESUME_IRRELEVANT}
+    changed = sorted(k for k in (set(before) | set(record)) - inert_options(record) - set(CONTINUE_MAY_CHANGE)
+                     if before.get(k, LATER_OPTIONS.get(k)) != record.get(k, LATER_OPTIONS.get(k)))
+    if changed:
+        flags = ", ".join("--" + k.replace("_", "-") for k in changed)
+        raise UserError(f"--continue-from {source} was run with other {flags}; give them as that run had them "
+                        f"(its run.json)")
+    scored = before.get("eval_data") or before["data"], record.get("eval_data") or record["data"]
+    if scored[0] != scored[1]:
+        raise UserError(f"--continue-from {source} was scored on {scored[0]!r}, this run on {scored[1]!r}: give "
+                        f"--eval-data {scored[0]} so its perplexity curve goes on comparably")
+    if record["then_direct_steps"] < before["then_direct_steps"]:
+        raise UserError(f"--then-direct-steps {record['then_direct_steps']} is fewer than the "
+                        f"{before['then_direct_steps']} of --continue-from {source}; it can only grow")
+
+
+def continue_run(source: Path, out: Path, args: dict) -> None:
+    """--continue-from: copy run folder `source` (without its teacher cache) to a new `out` whose run.json records
+    `args` (checked by `check_continue`). A no-op once `out` holds a run."""
+    if (out / "run.json").is_file():
+        return
+    check_continue(source, out, args)
+    record = {k: v for k, v in args.items() if k not in RESUME_IRRELEVANT}
+    staging_dir = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging_dir, ignore_errors=True)
+    shutil.copytree(source, staging_dir, ignore=shutil.ignore_patterns("teacher"))
+    (staging_dir / "run.json").write_text(json.dumps(record, indent=2))
+    if out.exists():
+        out.rmdir()
+    staging_dir.rename(out)
 
 
 def direct_shape(args) -> tuple[int, int]:
@@ -749,6 +799,11 @@ def run(args) -> dict:
     resolve_recipe(args)
     validate(args)
     check_source(args.data)
+    if args.eval_data:
+        check_source(args.eval_data)
+    record = {**asdict(args), "decay_start": list(DECAY_START) if args.decay else None}
+    if args.continue_from:                         # before the model loads: a refused copy costs nothing
+        check_continue(Path(args.continue_from), Path(args.out), record)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         from datetime import timedelta
 
@@ -779,13 +834,16 @@ def run(args) -> dict:
     blocks, length = direct_shape(args)
     if direct_steps and (blocks, length) != tuple(train.shape):
         direct_train = token_blocks(args.data, tokenizer, length, blocks, split="train", seed=args.seed)
-    valid = token_blocks(args.data, tokenizer, args.eval_seq_len, args.eval_blocks, split="validation", seed=0)
+    valid = token_blocks(args.eval_data or args.data, tokenizer, args.eval_seq_len, args.eval_blocks,
+                         split="validation", seed=0)
     attn_blocks = None
     if args.dims in ("attn-dof", "linear-dof") or (args.keep_softmax and args.keep_by == "attn-dof"):
         attn_blocks = token_blocks(args.data, tokenizer, min(args.eval_seq_len, ATTENTION_DOF_SEQ_LEN),
                                    ATTENTION_DOF_BLOCKS, split="train", seed=args.seed)
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
-        check_run_folder(out, {**asdict(args), "decay_start": list(DECAY_START) if args.decay else None})
+        if args.continue_from:
+            continue_run(Path(args.continue_from), out, record)
+        check_run_folder(out, record)
     barrier()
     finished = json.loads((out / "log.json").read_text()) if (out / "log.json").is_file() else None
     done = finished.get("direct", {}) if finished else {}

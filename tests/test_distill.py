@@ -511,6 +511,52 @@ def test_more_end_to_end_steps_go_on_from_a_finished_run(capsys, model_dirs, cor
     assert snapshot(out) == before
 
 
+def test_continue_from_copies_a_run_and_goes_on_with_more_text(capsys, model_dirs, corpus, tmp_path):
+    """--continue-from on the same text equals the longer run made at once; on pooled text (--data A+B, scored on
+    --eval-data A) it trains on the pool, scores the same validation blocks, and leaves the source run untouched.
+    Changes that would make another student are refused before anything is copied."""
+    extra = ("--steps", 3, "--checkpoint-every", 10)
+    source, reference = tmp_path / "source", tmp_path / "reference"
+    for folder, steps in ((source, 2), (reference, 4)):
+        code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, folder, *extra,
+                                                 "--then-direct-steps", steps))
+        assert code == 0, err
+    before = snapshot(source)
+    same = tmp_path / "same"
+    code, printed, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, same, *extra, "--then-direct-steps",
+                                                   4, "--continue-from", source))
+    assert code == 0 and "after 2 of 4 steps; going on" in printed, err
+    log, ref_log = (json.loads((f / "log.json").read_text()) for f in (same, reference))
+    assert log["direct"]["losses"] == ref_log["direct"]["losses"]
+    assert_identical(features(same), features(reference))
+    assert json.loads((same / "run.json").read_text())["continue_from"] == str(source)
+
+    more = tmp_path / "more.jsonl"      # many documents: the pool's shuffle puts some in the first blocks
+    more.write_text("".join(json.dumps({"text": f"Other words entirely, number {i}, in another order."}) + "\n"
+                            for i in range(300)))
+    pooled = tmp_path / "pooled"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], f"{corpus}+{more}", pooled, *extra,
+                                             "--then-direct-steps", 4, "--eval-data", corpus,
+                                             "--continue-from", source))
+    assert code == 0, err
+    log = json.loads((pooled / "log.json").read_text())
+    assert log["direct"]["losses"][:2] == ref_log["direct"]["losses"][:2]      # the copied steps
+    assert log["direct"]["losses"][2:] != ref_log["direct"]["losses"][2:]      # new text from step 3 on
+    assert log["evaluation"]["teacher_ppl"] == ref_log["evaluation"]["teacher_ppl"]   # the same validation text
+    assert snapshot(source) == before
+
+    bad = [(("--lr", 0.05), "was run with other --lr"),
+           (("--data", f"{corpus}+{more}"), f"give --eval-data {corpus}"),
+           (("--then-direct-steps", 1), "--then-direct-steps 1 is fewer than the 2"),
+           (("--continue-from", tmp_path), "is not a finished (or time-limited) dofattn distill run folder")]
+    for flags, message in bad:
+        out = tmp_path / "refused"
+        code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, *extra, "--then-direct-steps", 4,
+                                                 "--continue-from", source, *flags))
+        assert code == 2 and message in err and err.count("\n") == 1, (flags, err)
+        assert not out.exists()
+
+
 def test_progressive_layers_train_on_the_students_own_inputs(capsys, trained_llama, corpus, tmp_path, tokenizer):
     from dofattn.data import token_blocks
     from dofattn.distill import student_activations
