@@ -49,6 +49,13 @@ def test_the_model_dtype_is_a_difference(tmp_path):
     assert [g["changed"] for g in runs_table.seed_summary(rows)] == [{}, {"dtype": "bfloat16"}]
 
 
+def test_the_text_and_a_continued_run_are_differences(tmp_path):
+    pooled = {"data": "wiki-sample+teacher.jsonl", "eval_data": "wiki-sample", "continue_from": "runs/a"}
+    rows = [runs_table.describe(fake_run(tmp_path / "plain", 24.0)),
+            runs_table.describe(fake_run(tmp_path / "pooled", 24.0, **pooled))]
+    assert [r["changed"] for r in rows] == [{}, pooled]
+
+
 def test_seeds_pool_to_mean_and_sample_sd(tmp_path):
     rows = [runs_table.describe(fake_run(tmp_path / f"s{seed}", ppl, seed=seed))
             for seed, ppl in ((0, 22.0), (1, 26.0), (2, 24.0))]
