@@ -578,7 +578,8 @@ class SampleArgs:
     batch_size: int = _opt(32, "samples generated together")
     seed: int = _opt(0, "seed for the prompts and the sampling")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    dtype: str = _opt("float32", "model dtype: float32 or bfloat16 (about 2x faster on CPUs with avx512_bf16)")
+    dtype: str = _opt("float32", "model dtype: float32 or bfloat16 (sample with the teacher a bfloat16 distill "
+                                 "run compares against)")
     out: str = _opt("teacher-text.jsonl", "the .jsonl file to write or go on with")
 
 
