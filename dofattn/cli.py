@@ -294,8 +294,8 @@ class EvalArgs:
     teacher: str | None = _opt(None, "another model to compare against (same tokenizer); default: the base model")
     data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several "
                                     "joined by + (pooled)")
-    split: str | None = _opt(None, "train, validation or all (default: validation for wiki-sample and hf:, "
-                                   "all for files)")
+    split: str | None = _opt(None, "train, validation or all (default: validation where --data has wiki-sample "
+                                   "or hf: in it, all for files alone)")
     seq_len: int = _opt(512, "tokens per block")
     num_blocks: int = _opt(8, "blocks to evaluate")
     layer_blocks: int = _opt(2, "blocks used for the per-layer errors")
@@ -314,7 +314,7 @@ def run_eval(args: EvalArgs) -> int:
     """The `eval` verb."""
     import json
 
-    from dofattn.data import check_source, token_blocks
+    from dofattn.data import check_source, sources, token_blocks
     from dofattn.evaluate import compare, layer_errors
     from dofattn.hf import load_model, parse_dtype
     from dofattn.student import is_student, load_student
@@ -326,7 +326,8 @@ def run_eval(args: EvalArgs) -> int:
         raise UserError(f"--task-path {args.task_path} is not a folder of lm-eval task YAMLs")
     if args.num_blocks < 1 or args.layer_blocks < 0 or args.batch_size < 1:
         raise UserError("--num-blocks and --batch-size must be >= 1, --layer-blocks >= 0")
-    split = args.split or ("validation" if args.data == "wiki-sample" or args.data.startswith("hf:") else "all")
+    held_out = any(part == "wiki-sample" or part.startswith("hf:") for part in sources(args.data))
+    split = args.split or ("validation" if held_out else "all")
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
     if is_student(args.model):
         model, tokenizer, _ = load_student(args.model, dtype=dtype, device=device)

@@ -82,6 +82,9 @@ def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
     assert len(result["output_error"]) == 3 and png.stat().st_size > 1000
     code = main(["eval", "--model", str(folder), "--data", str(tmp_path / "missing.txt"), "--out", str(out)])
     assert code == 2
+    code = main(["eval", "--model", str(folder), "--data", f"{text_file}+{text_file}", "--seq-len", "32",
+                 "--num-blocks", "3", "--layer-blocks", "0", "--out", str(out)])
+    assert code == 0 and json.loads(out.read_text())["split"] == "all"   # files pooled are still evaluated whole
 
 
 def local_task(folder):
