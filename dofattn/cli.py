@@ -588,7 +588,7 @@ def run_sample(args: SampleArgs) -> int:
     """The `sample` verb."""
     from dofattn.data import check_source
     from dofattn.hf import load_model, parse_dtype
-    from dofattn.sample import SampleSpec, done_samples, sample_text
+    from dofattn.sample import SampleSpec, check, done_samples, sample_text
 
     out = Path(args.out).expanduser()
     if out.suffix != ".jsonl":
@@ -597,10 +597,7 @@ def run_sample(args: SampleArgs) -> int:
     spec = SampleSpec(model=args.model, data=args.data, prompt_tokens=args.prompt_tokens,
                       new_tokens=args.new_tokens, temperature=args.temperature, batch_size=args.batch_size,
                       seed=args.seed)
-    if min(args.samples, args.prompt_tokens, args.new_tokens, args.batch_size) < 1:
-        raise UserError("--samples, --prompt-tokens, --new-tokens and --batch-size must be at least 1")
-    if args.temperature <= 0:
-        raise UserError(f"--temperature must be > 0 (sampling), got {args.temperature:g}")
+    check(spec, args.samples)
     done_samples(out, spec)                        # refuse a foreign file before loading the model
     model, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=_resolve_device(args.device))
     start = time.perf_counter()

@@ -36,6 +36,13 @@ class SampleSpec:
     seed: int
 
 
+def check(spec: SampleSpec, samples: int) -> None:
+    if min(samples, spec.prompt_tokens, spec.new_tokens, spec.batch_size) < 1:
+        raise UserError("--samples, --prompt-tokens, --new-tokens and --batch-size must be at least 1")
+    if spec.temperature <= 0:
+        raise UserError(f"--temperature must be > 0 (sampling), got {spec.temperature:g}")
+
+
 def meta_path(out: Path) -> Path:
     return out.with_name(out.name + ".meta.json")
 
@@ -75,10 +82,7 @@ def prompts(spec: SampleSpec, tokenizer, samples: int) -> torch.Tensor:
 @torch.no_grad()
 def sample_text(model, tokenizer, spec: SampleSpec, samples: int, out: Path, progress: bool = True) -> dict:
     """Append `samples` teacher samples to `out` (see the module docstring); returns a summary."""
-    if samples < 1 or spec.prompt_tokens < 1 or spec.new_tokens < 1 or spec.batch_size < 1:
-        raise UserError("--samples, --prompt-tokens, --new-tokens and --batch-size must be at least 1")
-    if spec.temperature <= 0:
-        raise UserError(f"--temperature must be > 0 (sampling), got {spec.temperature:g}")
+    check(spec, samples)
     start = done_samples(out, spec)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta_path(out).write_text(json.dumps(asdict(spec), indent=2))
