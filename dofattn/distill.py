@@ -54,7 +54,7 @@ from dofattn.evaluate import perplexity, teacher_mode
 from dofattn.features import FEATURES, PositiveRandomFeatures
 from dofattn.ops.naive import log_decay_matrix
 from dofattn.ops.window import first_keys, window_logits
-from dofattn.student import attention_modules, head_layout
+from dofattn.student import CONFIG_FILE, WEIGHTS_FILE, attention_modules, head_layout
 
 LOSSES = ("softmax", "l2", "output", "softmax+output", "direct")
 TINY = torch.finfo(torch.float32).tiny
@@ -590,20 +590,32 @@ def check_continue(source: Path, out: Path, args: dict) -> None:
                         f"{before['then_direct_steps']} of --continue-from {source}; it can only grow")
 
 
-def continue_run(source: Path, out: Path, args: dict) -> None:
-    """--continue-from: copy run folder `source` (without its teacher cache) to a new `out` whose run.json records
-    `args` (checked by `check_continue`). A no-op once `out` holds a run."""
+# What --continue-from copies: what `dofattn distill` wrote, less the teacher cache (files such as an eval.json that
+# were written into the folder later are the source's, not the new run's).
+RUN_FILES = ("run.json", "log.json", "dof.json", "attention_dof.json", "linear_dof.json", "keep.json", CONFIG_FILE,
+             WEIGHTS_FILE, "layers", "direct")
+
+
+def continue_run(source: Path, out: Path, args: dict) -> bool:
+    """--continue-from: copy run folder `source`'s RUN_FILES to a new `out` whose run.json records `args` (checked
+    by `check_continue`). Returns whether it copied: not once `out` holds a run."""
     if (out / "run.json").is_file():
-        return
+        return False
     check_continue(source, out, args)
     record = {k: v for k, v in args.items() if k not in RESUME_IRRELEVANT}
     staging_dir = out.with_name(out.name + ".partial")
     shutil.rmtree(staging_dir, ignore_errors=True)
-    shutil.copytree(source, staging_dir, ignore=shutil.ignore_patterns("teacher"))
+    staging_dir.mkdir(parents=True)
+    for name in RUN_FILES:
+        if (source / name).is_dir():
+            shutil.copytree(source / name, staging_dir / name)
+        elif (source / name).is_file():
+            shutil.copy2(source / name, staging_dir / name)
     (staging_dir / "run.json").write_text(json.dumps(record, indent=2))
     if out.exists():
         out.rmdir()
     staging_dir.rename(out)
+    return True
 
 
 def direct_shape(args) -> tuple[int, int]:
@@ -840,9 +852,10 @@ def run(args) -> dict:
     if args.dims in ("attn-dof", "linear-dof") or (args.keep_softmax and args.keep_by == "attn-dof"):
         attn_blocks = token_blocks(args.data, tokenizer, min(args.eval_seq_len, ATTENTION_DOF_SEQ_LEN),
                                    ATTENTION_DOF_BLOCKS, split="train", seed=args.seed)
+    copied = False
     if rank == 0:  # after the model loaded: a typo in --model leaves no run folder behind
         if args.continue_from:
-            continue_run(Path(args.continue_from), out, record)
+            copied = continue_run(Path(args.continue_from), out, record)
         check_run_folder(out, record)
     barrier()
     finished = json.loads((out / "log.json").read_text()) if (out / "log.json").is_file() else None
@@ -852,7 +865,10 @@ def run(args) -> dict:
         if rank == 0:                                 # finished before, with these arguments
             print(f"{out} holds a finished run with these arguments; its results:", flush=True)
         return finished
-    if finished and rank == 0:
+    if finished and rank == 0 and copied:
+        print(f"{out}: a copy of {args.continue_from}; its end-to-end phase goes on from step {done_steps} to "
+              f"{direct_steps}", flush=True)
+    elif finished and rank == 0:
         why = "stopped at its time limit" if stopped else "is asked for more"
         print(f"{out}: the end-to-end phase {why} after {done_steps} of {direct_steps} steps; going on", flush=True)
     dof = None
