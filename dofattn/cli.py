@@ -214,6 +214,9 @@ class DistillArgs:
                                            "can read far more text than it. Default: set by --recipe (1200 for "
                                            "long, else --train-blocks)")
     direct_lr: float = _opt(2e-3, "Adam learning rate of the end-to-end phase")
+    cooldown_steps: int = _opt(0, "lower the end-to-end learning rate linearly towards 0 over the phase's last N "
+                                  "steps (0: constant). A run given more --then-direct-steps after its cooldown "
+                                  "began differs from one made with that many at once")
     kd_weight: float = _opt(1.0, "weight of KL(teacher || student) on the logits in the end-to-end phase")
     checkpoint_every: int = _opt(10, "end-to-end steps between checkpoints")
     eval_data: str | None = _opt(None, "the text scored (its validation split) when it is not --data's: e.g. "

@@ -406,10 +406,19 @@ def save_direct_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: 
             old.rmdir()
 
 
+def cooldown_lr(lr: float, step: int, steps: int, cooldown: int) -> float:
+    """The learning rate of 0-based `step` of `steps`: constant, then over the last `cooldown` steps down in a
+    straight line towards 0 (the last step's is lr / cooldown)."""
+    return lr * min(1.0, (steps - step) / cooldown) if cooldown else lr
+
+
 def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, lr: float, kd_weight: float,
            seed: int, checkpoint_every: int, progress: bool = True, eval_blocks: torch.Tensor | None = None,
-           eval_every: int = 0, time_limit: float = 0.0) -> dict:
+           eval_every: int = 0, time_limit: float = 0.0, cooldown: int = 0) -> dict:
     """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`.
+
+    The learning rate is `lr`, and with `cooldown` > 0 it falls linearly over the last `cooldown` steps
+    (`cooldown_lr`).
 
     With `eval_every` > 0, the validation perplexity on `eval_blocks` is measured every that many steps (rank 0)
     and returned as `curve`: [{"step", "tokens", "ppl"}], tokens counting every process's training tokens.
@@ -445,6 +454,8 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         idx = torch.randint(len(blocks), (batch_size * size,), generator=gen)[rank::size]
         loss = direct_loss(model, blocks[idx].to(device), kd_weight)
+        for group in optimizer.param_groups:
+            group["lr"] = cooldown_lr(lr, step, steps, cooldown)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if size > 1:
@@ -492,10 +503,11 @@ RESUME_IRRELEVANT = ("device", "out", "time_limit")
 LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
-                 "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None}
+                 "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None,
+                 "cooldown_steps": 0}
 # What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
 CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
-                       "continue_from")
+                       "continue_from", "cooldown_steps")
 KEEP_BY = ("attn-dof", "dof", "first", "random", "gain")
 SINK = 4                 # the dofattn and long recipes' --sink beside a window (not with --decay)
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which attn-dof (--keep-by, --dims) measures the teacher's attention
@@ -675,6 +687,11 @@ def validate(args) -> None:
                         "--keep-softmax K --keep-by dof")
     if args.eval_every < 0:
         raise UserError(f"--eval-every must be >= 0 (0: only at the end), got {args.eval_every}")
+    if args.cooldown_steps < 0:
+        raise UserError(f"--cooldown-steps must be >= 0 (0: a constant learning rate), got {args.cooldown_steps}")
+    if args.loss != "direct" and args.cooldown_steps > args.then_direct_steps:
+        raise UserError(f"--cooldown-steps {args.cooldown_steps} is longer than the end-to-end phase "
+                        f"(--then-direct-steps {args.then_direct_steps})")
     if args.time_limit < 0:
         raise UserError(f"--time-limit must be >= 0 minutes (0: none), got {args.time_limit:g}")
     if args.lora_rank < 0:
@@ -933,7 +950,8 @@ def run(args) -> dict:
         timer = time.perf_counter()
         log.direct = direct(model, direct_train, out, direct_steps, args.direct_batch_size, args.direct_lr,
                             args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0,
-                            eval_blocks=valid, eval_every=args.eval_every, time_limit=60 * args.time_limit)
+                            eval_blocks=valid, eval_every=args.eval_every, time_limit=60 * args.time_limit,
+                            cooldown=args.cooldown_steps)
         log.seconds["direct"] = round(time.perf_counter() - timer + (finished["seconds"].get("direct", 0)
                                                                         if finished else 0), 1)
     if rank == 0:

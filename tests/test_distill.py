@@ -287,6 +287,8 @@ def other_model_dims(folder: Path) -> Path:
     (["--loss", "l2", "--feature", "hedgehog"], "--loss l2 compares kernel values"),
     (["--dims", "{other_dims}"], "was computed for model 'other'"),
     (["--dims", "fix:0"], "bad --dims"),
+    (["--cooldown-steps", "-1"], "--cooldown-steps must be >= 0"),
+    (["--then-direct-steps", "2", "--cooldown-steps", "3"], "longer than the end-to-end phase"),
     (["--dims", "{tmp}/missing.json"], "does not exist"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--window", "-1"], "--window must be >= 0"),
@@ -509,6 +511,23 @@ def test_more_end_to_end_steps_go_on_from_a_finished_run(capsys, model_dirs, cor
     code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, *extra, "--then-direct-steps", 3))
     assert code != 0 and "--then-direct-steps can only grow" in err
     assert snapshot(out) == before
+
+
+def test_cooldown_lowers_the_learning_rate_at_the_end_and_resumes_exactly(capsys, model_dirs, corpus, tmp_path):
+    from dofattn.distill import cooldown_lr
+
+    assert [cooldown_lr(0.1, step, 5, 2) for step in range(5)] == [0.1, 0.1, 0.1, 0.1, 0.05]
+    assert [cooldown_lr(0.1, step, 3, 0) for step in range(3)] == [0.1] * 3
+    extra = ("--steps", 3, "--checkpoint-every", 10, "--then-direct-steps", 4)
+    constant, cooled, resumed = tmp_path / "constant", tmp_path / "cooled", tmp_path / "resumed"
+    for folder, more in ((constant, ()), (cooled, ("--cooldown-steps", 3)),
+                         (resumed, ("--cooldown-steps", 3, "--time-limit", 1e-9)), (resumed, ("--cooldown-steps", 3))):
+        code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, folder, *extra, *more))
+        assert code == 0, err
+    logs = [json.loads((f / "log.json").read_text())["direct"]["losses"] for f in (constant, cooled, resumed)]
+    assert logs[0][:2] == logs[1][:2] and logs[0][2:] != logs[1][2:]   # the first two steps are at the full rate
+    assert logs[1] == logs[2]
+    assert_identical(features(resumed), features(cooled))
 
 
 def test_continue_from_copies_a_run_and_goes_on_with_more_text(capsys, model_dirs, corpus, tmp_path):
