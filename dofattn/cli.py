@@ -225,9 +225,10 @@ class DistillArgs:
     continue_from: str | None = _opt(None, "start from a copy of this run folder's student (its layerwise "
                                            "stage and its end-to-end checkpoint, optimizer included) and go on "
                                            "with the end-to-end phase in --out, e.g. on more text: only --data, "
-                                           "--direct-blocks, --then-direct-steps (>= the run's), --eval-every, "
-                                           "--checkpoint-every and --time-limit may differ from the run's, and "
-                                           "the validation text must be the same")
+                                           "--direct-blocks, --then-direct-steps (at least the steps the run "
+                                           "made), --cooldown-steps, --eval-every, --checkpoint-every and "
+                                           "--time-limit may differ from the run's, and the validation text "
+                                           "must be the same")
     eval_every: int = _opt(0, "measure validation perplexity every N end-to-end steps (log.json: direct.curve, "
                               "perplexity against training tokens); 0: only at the end")
     time_limit: float = _opt(0.0, "stop the end-to-end phase after this many minutes of it, then save and evaluate "

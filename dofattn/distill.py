@@ -597,9 +597,10 @@ def check_continue(source: Path, out: Path, args: dict) -> None:
     if scored[0] != scored[1]:
         raise UserError(f"--continue-from {source} was scored on {scored[0]!r}, this run on {scored[1]!r}: give "
                         f"--eval-data {scored[0]} so its perplexity curve goes on comparably")
-    if record["then_direct_steps"] < before["then_direct_steps"]:
-        raise UserError(f"--then-direct-steps {record['then_direct_steps']} is fewer than the "
-                        f"{before['then_direct_steps']} of --continue-from {source}; it can only grow")
+    done = json.loads((source / "log.json").read_text()).get("direct", {}).get("steps", 0)
+    if record["then_direct_steps"] < done:
+        raise UserError(f"--then-direct-steps {record['then_direct_steps']} is fewer than the {done} end-to-end "
+                        f"steps --continue-from {source} made; give at least {done}")
 
 
 # What --continue-from copies: what `dofattn distill` wrote, less the teacher cache (files such as an eval.json that

@@ -568,7 +568,7 @@ def test_continue_from_copies_a_run_and_goes_on_with_more_text(capsys, model_dir
 
     bad = [(("--lr", 0.05), "was run with other --lr"),
            (("--data", f"{corpus}+{more}"), f"give --eval-data {corpus}"),
-           (("--then-direct-steps", 1), "--then-direct-steps 1 is fewer than the 2"),
+           (("--then-direct-steps", 1), "--then-direct-steps 1 is fewer than the 2 end-to-end steps"),
            (("--continue-from", tmp_path), "is not a finished (or time-limited) dofattn distill run folder")]
     for flags, message in bad:
         out = tmp_path / "refused"
