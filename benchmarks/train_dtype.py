@@ -138,9 +138,9 @@ def main() -> None:
             if dtype != "float32" and (student, "float32") in grads:
                 row["first_grad_cosine_vs_float32"] = cosines(grads[student, "float32"], grads[student, dtype])
             rows.append(row)
-    config = {"untrained_students_model": "smollm2-135m", "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
-              "device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "cpu": platform.processor() or platform.machine()}
+    config = {"untrained_students_model": "smollm2-135m", "batch": args.batch, "seq_len": args.seq_len,
+              "steps": args.steps, "device": args.device, "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
     with open(args.out, "w") as f:
         json.dump({"config": config, "results": rows}, f, indent=2)
     print(f"{'student':>28} {'dtype':>9} {'s/step':>7} {'tokens/s':>9} {'first loss':>11} {'speed-up':>9}")

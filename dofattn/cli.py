@@ -22,6 +22,10 @@ from dofattn import __version__
 from dofattn.errors import UserError
 
 
+DATA_HELP = ("wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several of these "
+             "joined by + (pooled)")
+
+
 def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
@@ -37,8 +41,7 @@ class DofArgs:
     """
 
     model: str = _opt("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
-    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several "
-                                    "joined by + (pooled)")
+    data: str = _opt("wiki-sample", DATA_HELP)
     split: str = _opt("train", "data split to sample from: train, validation or all")
     samples: int = _opt(1024, "J: query/key points sampled per head (cost grows as J^3)")
     repeats: int = _opt(1, "pool R estimates on R disjoint sets of J points each (R·J points are sampled): the "
@@ -151,8 +154,7 @@ class DistillArgs:
     """
 
     model: str = _opt("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
-    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several "
-                                    "joined by + (pooled)")
+    data: str = _opt("wiki-sample", DATA_HELP)
     dims: str = _opt("dof", "feature dims per layer: dof (estimated here), clip (dof capped at the head size), "
                             "attn-dof (∝ the DoF of the teacher's attention matrices, as for --keep-by attn-dof; "
                             "the same total as fix), linear-dof (the same, of the part of the attention beyond the "
@@ -296,8 +298,7 @@ class EvalArgs:
 
     model: str = _opt("runs/distill", "student folder (from dofattn distill), or any supported model")
     teacher: str | None = _opt(None, "another model to compare against (same tokenizer); default: the base model")
-    data: str = _opt("wiki-sample", "wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several "
-                                    "joined by + (pooled)")
+    data: str = _opt("wiki-sample", DATA_HELP)
     split: str | None = _opt(None, "train, validation or all (default: validation where --data has wiki-sample "
                                    "or hf: in it, all for files alone)")
     seq_len: int = _opt(512, "tokens per block")
@@ -318,7 +319,7 @@ def run_eval(args: EvalArgs) -> int:
     """The `eval` verb."""
     import json
 
-    from dofattn.data import check_source, sources, token_blocks
+    from dofattn.data import WIKI_SAMPLE, check_source, sources, token_blocks
     from dofattn.evaluate import compare, layer_errors
     from dofattn.hf import load_model, parse_dtype
     from dofattn.student import is_student, load_student
@@ -330,7 +331,7 @@ def run_eval(args: EvalArgs) -> int:
         raise UserError(f"--task-path {args.task_path} is not a folder of lm-eval task YAMLs")
     if args.num_blocks < 1 or args.layer_blocks < 0 or args.batch_size < 1:
         raise UserError("--num-blocks and --batch-size must be >= 1, --layer-blocks >= 0")
-    held_out = any(part == "wiki-sample" or part.startswith("hf:") for part in sources(args.data))
+    held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(args.data))
     split = args.split or ("validation" if held_out else "all")
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
     if is_student(args.model):
@@ -574,8 +575,7 @@ class SampleArgs:
     """
 
     model: str = _opt("smollm2-135m", "the teacher: alias, hub id, folder or .gguf file")
-    data: str = _opt("wiki-sample", "where the prompts come from (its train split): wiki-sample, a "
-                                    ".txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG[:SPLIT]]")
+    data: str = _opt("wiki-sample", "where the prompts come from (its train split): " + DATA_HELP)
     samples: int = _opt(1000, "number of samples to write in all")
     prompt_tokens: int = _opt(32, "tokens of real text each sample starts from")
     new_tokens: int = _opt(480, "tokens the model adds to each prompt")

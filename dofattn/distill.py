@@ -544,17 +544,33 @@ def inert_options(args: dict) -> set[str]:
     return inert if args.get("window", LATER_OPTIONS["window"]) else inert | {"sink"}
 
 
+def run_record(args: dict) -> dict:
+    """What run.json records of a run's arguments: all but those that cannot change its result."""
+    return {k: v for k, v in args.items() if k not in RESUME_IRRELEVANT}
+
+
+def changed_options(before: dict, record: dict, ignore: tuple[str, ...] = ()) -> list[str]:
+    """The options whose values differ between two run records (an option missing from an older record has the
+    value that reproduces it), less the inert ones and `ignore`."""
+    return sorted(k for k in (set(before) | set(record)) - inert_options(record) - set(ignore)
+                  if before.get(k, LATER_OPTIONS.get(k)) != record.get(k, LATER_OPTIONS.get(k)))
+
+
+def refuse_foreign_folder(out: Path) -> None:
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} exists and is not a dofattn run folder; give another --out")
+
+
 def check_run_folder(out: Path, args: dict) -> None:
     """Refuse a run folder made with other arguments; record ours in a new one. More end-to-end steps than the
-    folder's run had (--then-direct-steps) are allowed: the run goes on to them (the end-to-end phase has a
-    constant learning rate and draws each step's blocks from seed, step and the number of processes, so with as
-    many processes as before the result is the longer run's)."""
-    record = {k: v for k, v in args.items() if k not in RESUME_IRRELEVANT}
+    folder's run had (--then-direct-steps) are allowed: the run goes on to them (the end-to-end phase draws each
+    step's blocks from seed, step and the number of processes, so with as many processes as before and no
+    --cooldown-steps begun, the result is the longer run's)."""
+    record = run_record(args)
     path = out / "run.json"
     if path.is_file():
         before = json.loads(path.read_text())
-        changed = sorted(k for k in (set(before) | set(record)) - inert_options(record)
-                         if before.get(k, LATER_OPTIONS.get(k)) != record.get(k, LATER_OPTIONS.get(k)))
+        changed = changed_options(before, record)
         if changed == ["then_direct_steps"] and record["loss"] != "direct" and \
                 record["then_direct_steps"] > before["then_direct_steps"]:
             path.write_text(json.dumps(record, indent=2))
@@ -565,8 +581,7 @@ def check_run_folder(out: Path, args: dict) -> None:
             raise UserError(f"run folder {out} holds a run with other arguments ({', '.join(changed)}){more}; "
                             f"give another --out, or delete the folder to start over")
         return
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} exists and is not a dofattn run folder; give another --out")
+    refuse_foreign_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
 
@@ -577,18 +592,15 @@ def check_continue(source: Path, out: Path, args: dict) -> None:
     run: a rerun of the same command resumes it."""
     if (out / "run.json").is_file():
         return
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} exists and is not a dofattn run folder; give another --out")
+    refuse_foreign_folder(out)
     if not (source / "run.json").is_file() or not (source / "log.json").is_file():
         raise UserError(f"--continue-from {source} is not a finished (or time-limited) dofattn distill run folder: "
                         f"it needs run.json and log.json")
     if source.resolve() == out.resolve():
         raise UserError("--continue-from and --out are the same folder; to go on in place, rerun the run's own "
                         "command with a larger --then-direct-steps")
-    before = json.loads((source / "run.json").read_text())
-    record = {k: v for k, v in args.items() if k not in RESUME_IRRELEVANT}
-    changed = sorted(k for k in (set(before) | set(record)) - inert_options(record) - set(CONTINUE_MAY_CHANGE)
-                     if before.get(k, LATER_OPTIONS.get(k)) != record.get(k, LATER_OPTIONS.get(k)))
+    before, record = json.loads((source / "run.json").read_text()), run_record(args)
+    changed = changed_options(before, record, ignore=CONTINUE_MAY_CHANGE)
     if changed:
         flags = ", ".join("--" + k.replace("_", "-") for k in changed)
         raise UserError(f"--continue-from {source} was run with other {flags}; give them as that run had them "
@@ -610,12 +622,10 @@ RUN_FILES = ("run.json", "log.json", "dof.json", "attention_dof.json", "linear_d
 
 
 def continue_run(source: Path, out: Path, args: dict) -> bool:
-    """--continue-from: copy run folder `source`'s RUN_FILES to a new `out` whose run.json records `args` (checked
-    by `check_continue`). Returns whether it copied: not once `out` holds a run."""
+    """--continue-from: copy run folder `source`'s RUN_FILES to a new `out` whose run.json records `args`, which
+    `check_continue` has accepted. Returns whether it copied: not once `out` holds a run."""
     if (out / "run.json").is_file():
         return False
-    check_continue(source, out, args)
-    record = {k: v for k, v in args.items() if k not in RESUME_IRRELEVANT}
     staging_dir = out.with_name(out.name + ".partial")
     shutil.rmtree(staging_dir, ignore_errors=True)
     staging_dir.mkdir(parents=True)
@@ -624,7 +634,7 @@ def continue_run(source: Path, out: Path, args: dict) -> bool:
             shutil.copytree(source / name, staging_dir / name)
         elif (source / name).is_file():
             shutil.copy2(source / name, staging_dir / name)
-    (staging_dir / "run.json").write_text(json.dumps(record, indent=2))
+    (staging_dir / "run.json").write_text(json.dumps(run_record(args), indent=2))
     if out.exists():
         out.rmdir()
     staging_dir.rename(out)
