@@ -203,6 +203,10 @@ class DistillArgs:
                                        "trained in the end-to-end phase with the features and saved with the "
                                        "student (needs peft; 0: none). Default: set by --recipe (8 for long, "
                                        "else 0)")
+    lora_targets: str = _opt("attention", "what --lora-rank adapts: attention (q, k, v, o) or all (the MLP "
+                                          "projections too: more capacity to make up for what the linear "
+                                          "attention misses; 2.65 times the adapter weights on SmolLM2)",
+                             choices=("attention", "all"))
     then_direct_steps: int | None = _opt(None, "after layerwise training, this many end-to-end steps; the same "
                                                "command with a larger value goes on from a finished run. Default: "
                                                "set by --recipe (400 for long, else 30)")

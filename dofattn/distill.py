@@ -504,7 +504,7 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None,
-                 "cooldown_steps": 0}
+                 "cooldown_steps": 0, "lora_targets": "attention"}
 # What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
 CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
                        "continue_from", "cooldown_steps")
@@ -710,6 +710,8 @@ def validate(args) -> None:
     if args.lora_rank and args.loss != "direct" and args.then_direct_steps == 0:
         raise UserError("--lora-rank adapters train only in the end-to-end phase: use --loss direct or "
                         "--then-direct-steps N > 0")
+    if args.lora_targets != "attention" and not args.lora_rank:
+        raise UserError(f"--lora-targets {args.lora_targets} needs adapters: add --lora-rank R (R >= 1)")
     if args.lora_rank:                            # before hours of layerwise training, not after
         from dofattn.lora import require_peft
         require_peft()
@@ -925,7 +927,7 @@ def run(args) -> dict:
     if args.lora_rank:
         from dofattn.lora import add_lora
 
-        add_lora(model, args.lora_rank, seed=args.seed)
+        add_lora(model, args.lora_rank, seed=args.seed, targets=args.lora_targets)
     for name, p in model.named_parameters():  # only feature parameters (and LoRA adapters) ever train
         p.requires_grad_(is_student_tensor(name))
     log.seconds["setup"] = round(time.perf_counter() - timer, 1)
@@ -969,8 +971,8 @@ def run(args) -> dict:
         config = StudentConfig(args.model, args.feature, dims, [i for i, m in enumerate(attention_modules(model))
                                                                 if hasattr(m, "dofattn")], args.seed,
                                fingerprint(model), window=args.window, lora_rank=args.lora_rank,
-                               lora_alpha=float(args.lora_rank), head_dims=head_dims, decay=args.decay,
-                               sink=args.sink)
+                               lora_alpha=float(args.lora_rank), lora_targets=args.lora_targets,
+                               head_dims=head_dims, decay=args.decay, sink=args.sink)
         save_student(model, out, config)
         timer = time.perf_counter()
         log.evaluation.update(evaluate_run(args, model, valid, dims))

@@ -1,16 +1,21 @@
-"""LoRA adapters on the attention projections (q, k, v, o) of a linearized student, through peft.
+"""LoRA adapters on the attention projections (q, k, v, o) of a linearized student, and optionally on its MLPs,
+through peft.
 
     add_lora(model, rank=8)          # in place: the projections gain lora_A/lora_B (B = 0, so nothing changes yet)
+    add_lora(model, rank=8, targets="all")   # the MLP projections as well
     lora_parameters(model)           # what the direct phase trains beside the feature maps
     merge_lora(model)                # fold B·A into the projection weights for inference
 
 The adapters are injected into the HF modules where they are (`peft.inject_adapter_in_model`), not by wrapping the
 model, so parameter names keep their place (`...self_attn.q_proj.lora_A.default.weight`) and a student folder saves
-them with the feature maps. Only the attention projections of every layer are targeted, by family:
+them with the feature maps. The targets of every layer, by family:
 
-    llama, mistral, qwen2   self_attn.{q,k,v,o}_proj
-    gpt2                    attn.c_attn (q, k and v in one matrix) and attn.c_proj
-    gpt_neox                attention.query_key_value and attention.dense
+                            attention                                   mlp (targets="all" only)
+    llama, mistral, qwen2   self_attn.{q,k,v,o}_proj                    mlp.{gate,up,down}_proj
+    gpt2                    attn.c_attn (q, k and v in one matrix)      mlp.c_fc and mlp.c_proj
+                            and attn.c_proj
+    gpt_neox                attention.query_key_value and               mlp.dense_h_to_4h and mlp.dense_4h_to_h
+                            attention.dense
 
 On a 16-bit model the adapters are float32 all the same: Adam's small updates would round away in bfloat16, and the
 rank-R products cost nothing beside the frozen 16-bit projections (peft casts their input to the adapters' dtype
@@ -33,6 +38,14 @@ TARGETS = {
     "gpt2": r".*\.attn\.(c_attn|c_proj)",
     "gpt_neox": r".*\.attention\.(query_key_value|dense)",
 }
+MLP_TARGETS = {
+    "llama": r".*\.mlp\.(gate_proj|up_proj|down_proj)",
+    "mistral": r".*\.mlp\.(gate_proj|up_proj|down_proj)",
+    "qwen2": r".*\.mlp\.(gate_proj|up_proj|down_proj)",
+    "gpt2": r".*\.mlp\.(c_fc|c_proj)",
+    "gpt_neox": r".*\.mlp\.(dense_h_to_4h|dense_4h_to_h)",
+}
+LORA_TARGETS = ("attention", "all")   # what --lora-targets names: the attention projections, or those and the MLPs
 MARK = ".lora_"
 
 
@@ -46,17 +59,24 @@ def require_peft():
     return peft
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float | None = None, seed: int = 0) -> nn.Module:
-    """Inject rank-`rank` LoRA adapters (scale alpha/rank, alpha = rank by default) into the attention projections."""
+def add_lora(model: nn.Module, rank: int, alpha: float | None = None, seed: int = 0,
+             targets: str = "attention") -> nn.Module:
+    """Inject rank-`rank` LoRA adapters (scale alpha/rank, alpha = rank by default) into the attention projections,
+    and with `targets` = "all" into the MLP projections too."""
     import torch
 
     if rank < 1:
         raise UserError(f"LoRA rank must be >= 1, got {rank}")
+    if targets not in LORA_TARGETS:
+        raise UserError(f"unknown LoRA targets {targets!r}; use one of {', '.join(LORA_TARGETS)}")
     model_type = model.config.model_type
     if model_type not in TARGETS:
         raise UserError(f"no LoRA targets known for model type {model_type!r}; supported: {', '.join(TARGETS)}")
     peft = require_peft()
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha or rank, lora_dropout=0.0, target_modules=TARGETS[model_type],
+    pattern = TARGETS[model_type]
+    if targets == "all":
+        pattern = f"(?:{pattern})|(?:{MLP_TARGETS[model_type]})"
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha or rank, lora_dropout=0.0, target_modules=pattern,
                              fan_in_fan_out=model_type == "gpt2")  # GPT-2's Conv1D stores weights transposed
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

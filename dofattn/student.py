@@ -107,6 +107,7 @@ class StudentConfig:
     window: int = 0
     lora_rank: int = 0          # LoRA adapters on the attention projections (0: none)
     lora_alpha: float = 0.0
+    lora_targets: str = "attention"   # or "all": on the MLP projections too
     head_dims: list[list[int]] | None = None   # per-head feature counts (each ≤ the layer's dim), or None
     decay: bool = False         # a learned per-head decay of the linear state (beyond the window, if any)
     sink: int = 0               # the first `sink` real tokens stay exact beside the window (0: none)
@@ -226,7 +227,7 @@ def attach_student(model: nn.Module, folder: str | Path, config: StudentConfig |
     if config.lora_rank:
         from dofattn.lora import add_lora
 
-        add_lora(model, config.lora_rank, config.lora_alpha or None)
+        add_lora(model, config.lora_rank, config.lora_alpha or None, targets=config.lora_targets)
     load_student_tensors(model, folder)
     return model
 

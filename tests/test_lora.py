@@ -1,10 +1,11 @@
-"""LoRA adapters on the attention projections: placement per family, teacher mode switches them off, merging,
-and a distilled LoRA student that saves, loads and generates."""
+"""LoRA adapters on the attention projections (and with --lora-targets all on the MLPs): placement per family,
+teacher mode switches them off, merging, and a distilled LoRA student that saves, loads and generates."""
 
 import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from dofattn.cli import main
 from dofattn.errors import UserError
@@ -17,6 +18,8 @@ pytest.importorskip("peft")
 
 # projections adapted per layer: llama q, k, v, o; gpt2 c_attn, c_proj; neox query_key_value, dense
 PER_LAYER = {"llama": 4, "gpt2": 2, "gpt_neox": 2}
+# and on the MLP: llama gate, up, down; gpt2 c_fc, c_proj; neox dense_h_to_4h, dense_4h_to_h
+MLP_PER_LAYER = {"llama": 3, "gpt2": 2, "gpt_neox": 2}
 
 
 def ids(batch=2, length=13, seed=0):
@@ -30,24 +33,26 @@ def perturb(model, seed=1):
             p.copy_(0.05 * torch.randn(p.shape, generator=g))
 
 
+@pytest.mark.parametrize("targets", ["attention", "all"])
 @pytest.mark.parametrize("family", sorted(PER_LAYER))
-def test_adapters_sit_on_attention_projections_and_teacher_mode_removes_them(family):
+def test_adapters_sit_on_their_projections_and_teacher_mode_removes_them(family, targets):
     stock = tiny_model(family)
     model = tiny_model(family)
     linearize(model, [6, 6, 6], seed=0)
     x = ids()
+    mlp = 3 * MLP_PER_LAYER[family] if targets == "all" else 0
     with torch.no_grad():
         before = model(x, use_cache=False).logits
-        add_lora(model, rank=2)
-        assert len(lora_layers(model)) == 3 * PER_LAYER[family]
-        assert not any("mlp" in n for n, _ in lora_parameters(model))
+        add_lora(model, rank=2, targets=targets)
+        assert len(lora_layers(model)) == 3 * PER_LAYER[family] + mlp
+        assert len({n.split(".lora_")[0] for n, _ in lora_parameters(model) if ".mlp." in n}) == mlp
         torch.testing.assert_close(model(x, use_cache=False).logits, before)  # B = 0: nothing changes yet
         perturb(model)
         assert not torch.allclose(model(x, use_cache=False).logits, before, atol=1e-4)
         with teacher_mode(model):
             torch.testing.assert_close(model(x, use_cache=False).logits, stock(x, use_cache=False).logits)
         merged_ref = model(x, use_cache=False).logits
-        assert merge_lora(model) == 3 * PER_LAYER[family]
+        assert merge_lora(model) == 3 * PER_LAYER[family] + mlp
         torch.testing.assert_close(model(x, use_cache=False).logits, merged_ref, rtol=1e-5, atol=1e-5)
         with pytest.raises(UserError, match="merged"), teacher_mode(model):
             pass
@@ -100,6 +105,25 @@ def test_distilled_lora_student_round_trip(capsys, model_dirs, tmp_path):
     assert main(["generate", "--model", str(out), "--max-new-tokens", "3", "--device", "cpu"]) == 0
 
 
+def test_distilled_student_with_mlp_adapters_round_trip(capsys, model_dirs, tmp_path):
+    out, _ = distill_lora(capsys, model_dirs, tmp_path, "--lora-targets", "all")
+    student, _, config = load_student(out)
+    assert config.lora_targets == "all"
+    mlp = {n: p for n, p in lora_parameters(student) if ".mlp." in n}
+    assert len(mlp) == 2 * 3 * 3 and any(p.abs().sum() > 0 for n, p in mlp.items() if "lora_B" in n)  # trained
+    (tmp_path / "attention").mkdir()
+    attention_only, _ = distill_lora(capsys, model_dirs, tmp_path / "attention")
+    x = ids()
+    with torch.no_grad():
+        logits = student(x, use_cache=False).logits
+        torch.testing.assert_close(load_student(out, merge_lora=True)[0](x, use_cache=False).logits, logits,
+                                   rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(load_student(attention_only)[0](x, use_cache=False).logits, logits, atol=1e-4)
+        with teacher_mode(student):                       # every adapter off, the MLP's too: the base model
+            stock = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], attn_implementation="sdpa")
+            torch.testing.assert_close(student(x, use_cache=False).logits, stock(x, use_cache=False).logits)
+
+
 def test_bfloat16_distillation_trains_and_saves_float32_tensors(capsys, model_dirs, tmp_path):
     from safetensors.torch import load_file
 
@@ -122,9 +146,20 @@ def test_bfloat16_distillation_trains_and_saves_float32_tensors(capsys, model_di
 @pytest.mark.parametrize("extra,message", [
     (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
     (["--lora-rank", "2", "--then-direct-steps", "0"], "train only in the end-to-end phase"),
+    (["--lora-targets", "all"], "--lora-targets all needs adapters"),
 ])
 def test_bad_lora_input_is_one_line_error(capsys, model_dirs, tmp_path, extra, message):
     out = tmp_path / "run"
     code = main(["distill", "--model", str(model_dirs["llama"]), "--out", str(out), *extra])
     err = capsys.readouterr().err
     assert code == 2 and message in err and not out.exists()
+
+
+def test_unknown_lora_targets_are_refused(capsys, model_dirs, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["distill", "--model", str(model_dirs["llama"]), "--out", str(out), "--lora-rank", "2",
+              "--lora-targets", "mlp"])
+    assert exit_info.value.code == 2 and "invalid choice: 'mlp'" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(UserError, match="unknown LoRA targets 'mlp'"):
+        add_lora(tiny_model("llama"), rank=2, targets="mlp")
