@@ -29,6 +29,7 @@ from dofattn.ops.window import first_keys, window_linear_attention, window_logit
 
 IMPLEMENTATION = "dofattn"
 DECAY_START = (8, 11)   # a decay starts at log γ_h from -2^-8 to -2^-11 over the heads (half-lives 180-1400 tokens)
+GATE_FLOOR = -30.0      # a gate's log factor per token is at least this (e^-30: the state all but cleared)
 
 
 class LinearAttention(nn.Module):
@@ -42,11 +43,20 @@ class LinearAttention(nn.Module):
     the heads (log γ from -2^-8 to -2^-11); training shortens those that need it.
     sink = S > 0 (beside a window, without a decay): the first S real tokens of a sequence stay exact for every later
     query as well, and never enter the linear part (an attention sink; `ops.window`). Generation keeps their keys.
+    gate (pure linear attention only; implies decay): the decay depends on each token, read off its value vector.
+    Before token t head h's state is multiplied by exp(log g_th), log g_th = -exp(decay_rate_h + w_h·v_t/√D),
+    at least GATE_FLOOR. With w = 0 (the start) that is the decay above; training lets a token clear the state
+    (a large w·v) or keep it (a small one). `head_dim` (D) sizes w [H, D].
     """
 
     def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int, window: int = 0,
-                 decay: bool = False, sink: int = 0):
+                 decay: bool = False, sink: int = 0, gate: bool = False, head_dim: int = 0):
         super().__init__()
+        if gate and window:
+            raise UserError(f"a gate is for pure linear attention: drop it or the {window}-token window")
+        if gate and head_dim < 1:
+            raise UserError(f"a gate reads the values: give the head dimension (head_dim >= 1), got {head_dim}")
+        decay = decay or gate
         if window < 0:
             raise UserError(f"window must be >= 0 tokens (0: no softmax window), got {window}")
         if sink < 0:
@@ -63,11 +73,21 @@ class LinearAttention(nn.Module):
         self.decay = bool(decay)
         if self.decay:   # log γ_h = -exp(rate_h): always < 0; rates spread over the heads, -8 ln 2 to -11 ln 2
             self.decay_rate = nn.Parameter(-math.log(2) * torch.linspace(*DECAY_START, num_heads))   # [H]
+        self.gate = bool(gate)
+        if self.gate:
+            self.gate_weight = nn.Parameter(torch.zeros(num_heads, head_dim))                    # [H, D]
         self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
 
     def extra_repr(self) -> str:
-        return ", ".join(([f"window={self.window}"] if self.window else []) + (["decay"] if self.decay else [])
+        return ", ".join(([f"window={self.window}"] if self.window else [])
+                         + (["gate"] if self.gate else ["decay"] if self.decay else [])
                          + ([f"sink={self.sink}"] if self.sink else []))
+
+    def log_gates(self, v: torch.Tensor) -> torch.Tensor:
+        """v [B, T, H, D] (on query heads) -> [B, T, H] float32: each token's log factor, in [GATE_FLOOR, 0]."""
+        w = self.gate_weight.float()
+        rate = self.decay_rate.float() + torch.einsum("bthd,hd->bth", v.float(), w) / math.sqrt(w.shape[1])
+        return -torch.exp(rate.clamp_max(math.log(-GATE_FLOOR))).clamp_max(-GATE_FLOOR)   # exp first: no inf·0
 
     def log_decay(self) -> torch.Tensor | None:
         """[H] float32: log γ_h of each head (< 0, at least -1e4), or None without a decay."""
@@ -151,7 +171,7 @@ class LinearAttention(nn.Module):
         CUDA, no autograd, a PRF map with a calibrated key shift, no window, a float32 state (with or without a decay).
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
-        return (backend == "auto" and not self.window and q.shape[1] == 1 and q.is_cuda
+        return (backend == "auto" and not self.window and not self.gate and q.shape[1] == 1 and q.is_cuda
                 and isinstance(fmap, PositiveRandomFeatures) and fmap.fused_ok(q, "key")
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous())
 
@@ -247,8 +267,9 @@ class LinearAttention(nn.Module):
             phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
             if self.decay:
                 check_decay_padding(key_valid, state)
+        decay = {"log_gate": self.log_gates(v)} if self.gate else {"log_decay": self.log_decay()}
         return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
-                                backend=backend, log_decay=self.log_decay())
+                                backend=backend, **decay)
 
 
 def check_left_padding(key_valid: torch.Tensor) -> None:

@@ -188,6 +188,10 @@ class DistillArgs:
     decay: bool = _opt(False, "a learned decay per head in the linear part: each past token's weight shrinks by a "
                               "factor γ per step (beyond the window, if any; half-lives start at 180-1400 tokens); "
                               "still O(1) state in generation. Batches must be padded on the left")
+    gate: bool = _opt(False, "make the decay depend on each token (implies --decay; needs --window 0): a learned "
+                             "projection of the token's value vector sets how much of the state it keeps, from all "
+                             "to nothing, as in gated linear attention. Starts equal to --decay. Runs on the "
+                             "PyTorch chunk op, on CUDA too")
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
     keep_by: str = _opt("attn-dof", "which layers --keep-softmax keeps: attn-dof (the K whose attention matrices "

@@ -52,7 +52,7 @@ from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
 from dofattn.features import FEATURES, PositiveRandomFeatures
-from dofattn.ops.naive import log_decay_matrix
+from dofattn.ops.naive import gate_log, log_decay_matrix, segment_sums
 from dofattn.ops.window import first_keys, window_logits
 from dofattn.student import CONFIG_FILE, WEIGHTS_FILE, attention_modules, head_layout
 
@@ -123,6 +123,8 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
     log_scores = torch.log(scores.clamp_min(TINY))
     if linear.decay:  # the weight of a pair is its score times γ^(t-s), taken in log space for far pairs
         log_factor = log_decay_matrix(linear.log_decay(), q.shape[1])[0]         # [H, T, T], 0 above the diagonal
+        if linear.gate:  # a gate's weight: exp(Σ_{s<j≤t} log g_j), [B, H, T, T]
+            log_factor = segment_sums(gate_log(linear.log_gates(v), torch.float32))
         log_scores = log_scores + log_factor
         scores = scores * log_factor.exp()                                        # scores are 0 above it already
     log_student = log_scores - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY))
@@ -159,7 +161,9 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     dot = torch.einsum("bthm,bshm->bhts", torch.exp(e_q - c_q), torch.exp(e_k - c_k))
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
                       + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, T, T]
-    if linear.decay:  # the student's weight of a pair is its kernel estimate times γ^(t-s), beside a window γ^(t-W-s)
+    if linear.gate:  # the student's weight of a pair is its kernel estimate times exp(Σ_{s<j≤t} log g_j)
+        log_kernel_hat = log_kernel_hat + segment_sums(gate_log(linear.log_gates(v), torch.float32))
+    elif linear.decay:  # the same with γ^(t-s), beside a window γ^(t-W-s)
         log_kernel_hat = log_kernel_hat + log_decay_matrix(linear.log_decay(), q.shape[1], offset=-linear.window)[0]
     mask = _causal(q.shape[1], q.device)
     if linear.window:  # the features only ever see pairs beyond the window (and not the sink)
@@ -504,7 +508,7 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None,
-                 "cooldown_steps": 0, "lora_targets": "attention"}
+                 "cooldown_steps": 0, "lora_targets": "attention", "gate": False}
 # What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
 CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
                        "continue_from", "cooldown_steps")
@@ -673,6 +677,9 @@ def validate(args) -> None:
                         f"(--recipe paper sets --window 0)")
     if args.sink and args.decay:
         raise UserError("--sink and --decay do not combine: drop one of them")
+    if args.gate and args.window:
+        raise UserError(f"--gate is for pure linear attention: add --window 0 (or drop --gate to keep the "
+                        f"{args.window}-token window)")
     if args.dims == "linear-dof" and not args.window:
         raise UserError("--dims linear-dof counts the attention beyond a softmax window: give --window W >= 1, or "
                         "use --dims attn-dof for the whole attention")
@@ -843,7 +850,7 @@ def run(args) -> dict:
     check_source(args.data)
     if args.eval_data:
         check_source(args.eval_data)
-    record = {**asdict(args), "decay_start": list(DECAY_START) if args.decay else None}
+    record = {**asdict(args), "decay_start": list(DECAY_START) if args.decay or args.gate else None}
     if args.continue_from:                         # before the model loads: a refused copy costs nothing
         check_continue(Path(args.continue_from), Path(args.out), record)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
@@ -923,7 +930,7 @@ def run(args) -> dict:
     kept = softmax_layers(args, num_layers, dof, attn_dof)
     log.softmax_layers = kept
     linearize(model, dims, args.feature, layers=[i for i in range(num_layers) if i not in kept], seed=args.seed,
-              window=args.window, head_dims=head_dims, decay=args.decay, sink=args.sink)
+              window=args.window, head_dims=head_dims, decay=args.decay, sink=args.sink, gate=args.gate)
     if args.lora_rank:
         from dofattn.lora import add_lora
 
@@ -972,7 +979,7 @@ def run(args) -> dict:
                                                                 if hasattr(m, "dofattn")], args.seed,
                                fingerprint(model), window=args.window, lora_rank=args.lora_rank,
                                lora_alpha=float(args.lora_rank), lora_targets=args.lora_targets,
-                               head_dims=head_dims, decay=args.decay, sink=args.sink)
+                               head_dims=head_dims, decay=args.decay, sink=args.sink, gate=args.gate)
         save_student(model, out, config)
         timer = time.perf_counter()
         log.evaluation.update(evaluate_run(args, model, valid, dims))

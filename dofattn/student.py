@@ -111,6 +111,7 @@ class StudentConfig:
     head_dims: list[list[int]] | None = None   # per-head feature counts (each ≤ the layer's dim), or None
     decay: bool = False         # a learned per-head decay of the linear state (beyond the window, if any)
     sink: int = 0               # the first `sink` real tokens stay exact beside the window (0: none)
+    gate: bool = False          # the decay depends on each token (pure linear attention; `LinearAttention`)
     dofattn_version: str = __version__
 
     def to_json(self) -> str:
@@ -119,14 +120,15 @@ class StudentConfig:
 
 def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: list[int] | None = None,
               seed: int = 0, window: int = 0, head_dims: list[list[int]] | None = None,
-              decay: bool = False, sink: int = 0) -> nn.Module:
+              decay: bool = False, sink: int = 0, gate: bool = False) -> nn.Module:
     """Replace softmax attention by linear attention in `layers` (all by default), in place; returns `model`.
 
     `dims[i]` is the feature dimension of layer i (entries of layers not linearized are ignored). `window` > 0
     keeps exact softmax attention over the last `window` tokens beside the linear part (`ops.window`).
     `head_dims[i][h]` (prf/performer) gives head h of layer i its own number of features, at most `dims[i]`.
     `decay` gives every linear layer a learned per-head decay of its state (`LinearAttention`). `sink` > 0 (with a
-    window) keeps the first `sink` real tokens exact for every query as well.
+    window) keeps the first `sink` real tokens exact for every query as well. `gate` (no window) makes the decay
+    depend on each token.
     """
     if feature not in FEATURES:
         raise UserError(f"unknown feature map {feature!r}; use one of {', '.join(FEATURES)}")
@@ -139,7 +141,7 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: l
     for i in layers:
         fmap = make_feature_map(feature, heads, head_dim, dims[i], modules[i].scaling, seed=seed * 1000 + i,
                                 head_dims=None if head_dims is None else head_dims[i])
-        linear = LinearAttention(fmap, heads, kv_heads, window, decay, sink).to(param.device)
+        linear = LinearAttention(fmap, heads, kv_heads, window, decay, sink, gate, head_dim).to(param.device)
         linear.train(modules[i].training)
         modules[i].add_module("dofattn", linear)
     install(model)
@@ -223,7 +225,7 @@ def attach_student(model: nn.Module, folder: str | Path, config: StudentConfig |
         raise UserError(f"{folder} was trained on base model {config.base_model!r} and does not fit this model "
                         f"(differs in {', '.join(mismatch)}); load it with its own base model")
     linearize(model, config.dims, config.feature, config.layers, config.seed, config.window, config.head_dims,
-              config.decay, config.sink)
+              config.decay, config.sink, config.gate)
     if config.lora_rank:
         from dofattn.lora import add_lora
 

@@ -119,16 +119,18 @@ def teachers(model_dirs, trained_llama) -> dict[str, Path]:
     ("trained-llama", "hedgehog", "softmax", "decay"), ("trained-llama", "prf", "l2", "decay"),
     ("trained-llama", "prf", "softmax", "8+decay"), ("trained-llama", "prf", "l2", "8+decay"),
     ("trained-llama", "prf", "softmax", "8+sink"), ("trained-llama", "prf", "l2", "8+sink"),
+    ("trained-llama", "hedgehog", "softmax", "gate"), ("trained-llama", "prf", "l2", "gate"),
 ])
 def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, tmp_path, teacher, feature, loss,
                                                      window):
     out = tmp_path / "run"
     decay = "decay" in str(window)     # a learned decay, in pure linear attention or beside an 8-token window
+    gate = window == "gate"            # or a decay per token (pure linear attention)
     sink = 2 if "sink" in str(window) else 0   # or the first 2 tokens exact beside an 8-token window
-    window = 8 if window in ("8+decay", "8+sink") else 0 if decay else window
+    window = 8 if window in ("8+decay", "8+sink") else 0 if decay or gate else window
     code, _, err = run(capsys, *distill_argv(teachers[teacher], corpus, out, "--feature", feature, "--loss", loss,
                                              "--steps", 150, "--window", window, *(["--decay"] if decay else []),
-                                             "--sink", sink))
+                                             *(["--gate"] if gate else []), "--sink", sink))
     assert code == 0, err
     log = json.loads((out / "log.json").read_text())
     assert sorted(log["layers"]) == [str(i) for i in range(LAYERS)] and log["direct"] == {}
@@ -138,7 +140,7 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
     from dofattn.data import token_blocks
 
     model, tok = load_model(str(teachers[teacher]))
-    linearize(model, [8] * LAYERS, feature, seed=0, window=window, decay=decay, sink=sink)  # where the run started
+    linearize(model, [8] * LAYERS, feature, seed=0, window=window, decay=decay, sink=sink, gate=gate)   # the start
     heads = head_layout(model)
     blocks = token_blocks(str(corpus), tok, 32, 8, split="train", seed=0)  # the run's training blocks
     cache = TeacherCache(tmp_path / "teacher", LAYERS, (8, 32), heads)
@@ -295,6 +297,7 @@ def other_model_dims(folder: Path) -> Path:
     (["--window", "8", "--sink", "-1"], "--sink must be >= 0"),
     (["--sink", "4"], "give --window W >= 1 too"),
     (["--window", "8", "--sink", "4", "--decay"], "--sink and --decay do not combine"),
+    (["--window", "8", "--gate"], "--gate is for pure linear attention: add --window 0"),
     (["--time-limit", "-1"], "--time-limit must be >= 0 minutes"),
     (["--dof-repeats", "0"], "--dof-repeats must be between 1 and 8"),
     (["--direct-seq-len", "1"], "--direct-seq-len must be at least 2"),

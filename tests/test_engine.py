@@ -39,17 +39,21 @@ def test_same_tokens_as_hf_generate(family, window, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("feature,decay,window", [("hedgehog", False, 0), ("prf", True, 0), ("hedgehog", True, 0),
-                                                   ("prf", True, 4)])
+                                                   ("prf", True, 4), ("prf", "gate", 0)])
 def test_same_tokens_without_the_one_kernel_step(feature, decay, window, device):
     """Maps and decays that the one-kernel step does not take run the op's decode path (a window hybrid: the ring
-    step, which decays its state in place). On CUDA the state update is captured in place, so the replayed graph
-    reads and writes the same buffer every token (what this checks there); on CPU the static step runs eagerly."""
+    step, which decays its state in place; a gate: the recurrent op). On CUDA the state update is captured in
+    place, so the replayed graph reads and writes the same buffer every token (what this checks there); on CPU the
+    static step runs eagerly."""
     model = tiny_model("llama")
-    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, decay=decay, window=window)
+    gate = decay == "gate"
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, decay=bool(decay), window=window, gate=gate)
     if decay:      # strong decays, so that a step that skipped or doubled one would change the tokens
         with torch.no_grad():
             for module in attention_modules(model):
                 module.dofattn.decay_rate.copy_(torch.linspace(0.5, -4, module.dofattn.num_heads))
+                if gate:   # and gates that differ from token to token
+                    module.dofattn.gate_weight.normal_(0, 3, generator=torch.Generator().manual_seed(4))
     model.generation_config.eos_token_id = None
     model = model.to(device)
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)

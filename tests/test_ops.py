@@ -74,15 +74,17 @@ def forward_backward(op, phi_q, phi_k, v, state, seed=1, **kwargs):
     return o, final, {name: x.grad for name, x in leaves.items()}
 
 
-def compare(op, case, dtype=torch.float32, ratio=1e-4, log_decay=None, **kwargs):
-    """op against the naive reference on `case`: outputs, final states and gradients (of log_decay too, if given)."""
+def compare(op, case, dtype=torch.float32, ratio=1e-4, log_decay=None, log_gate=None, **kwargs):
+    """op against the naive reference on `case`: outputs, final states and gradients (of log_decay or log_gate
+    too, if given)."""
     B, T, H, M, V, _, with_state = case
     inputs = make_inputs(B, T, H, M, V, with_state, dtype)
-    decays = [None if log_decay is None else log_decay.clone().requires_grad_() for _ in range(2)]
+    name, given = ("log_gate", log_gate) if log_gate is not None else ("log_decay", log_decay)
+    decays = [None if given is None else given.clone().requires_grad_() for _ in range(2)]
     ref_o, ref_s, ref_grads = forward_backward(naive_linear_attention, *inputs,
-                                               **({} if log_decay is None else {"log_decay": decays[0]}))
+                                               **({} if given is None else {name: decays[0]}))
     tri_o, tri_s, tri_grads = forward_backward(op, *inputs, **kwargs,
-                                               **({} if log_decay is None else {"log_decay": decays[1]}))
+                                               **({} if given is None else {name: decays[1]}))
     assert tri_o.dtype == dtype and tri_s.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close("o", ref_o, tri_o, ratio)
     assert_close("ht", ref_s, tri_s, ratio)
@@ -90,8 +92,8 @@ def compare(op, case, dtype=torch.float32, ratio=1e-4, log_decay=None, **kwargs)
         # With M = 1, φq cancels in the ratio and dq is rounding noise around 0: measure it on dk's scale.
         floor = ref_grads["dk"].norm().item() if (name == "dq" and M == 1) else 1e-8
         assert_close(name, ref_grads[name], tri_grads[name], ratio, floor)
-    if log_decay is not None:
-        assert_close("dlog_decay", decays[0].grad, decays[1].grad, ratio)
+    if given is not None:
+        assert_close(f"d{name}", decays[0].grad, decays[1].grad, ratio)
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -357,3 +359,111 @@ def test_decay_dispatch_and_errors():
     for bad in (torch.zeros(2), torch.zeros(3, 1), torch.zeros(3, dtype=torch.long)):
         with pytest.raises(ValueError, match=r"log_decay must be a floating-point \[H\] = \(3,\) tensor"):
             linear_attention(phi_q, phi_k, v, log_decay=bad)
+
+
+# --- gate (a decay per token) ------------------------------------------------------------------------------------------
+
+def make_log_gate(B: int, T: int, H: int, dtype=torch.float32, seed=3) -> torch.Tensor:
+    """Per-token log factors [B, T, H]: mostly weak, some strong (a token that all but clears the state)."""
+    g = torch.Generator().manual_seed(seed)
+    log_gate = -torch.rand(B, T, H, generator=g, dtype=torch.float64) * 0.2
+    strong = torch.rand(B, T, H, generator=g, dtype=torch.float64) < 0.05
+    return log_gate.masked_fill(strong, -8.0).to(dtype)
+
+
+def compare_gate(op, case, dtype=torch.float32, ratio=1e-4, **kwargs):
+    B, T, H = case[:3]
+    compare(op, case, dtype, ratio, log_gate=make_log_gate(B, T, H, dtype), **kwargs)
+
+
+@pytest.mark.parametrize("case", DECAY_CASES, ids=DECAY_IDS)
+def test_gate_chunk_matches_naive(case):
+    compare_gate(chunk_linear_attention, case, chunk_size=case[5])
+
+
+@pytest.mark.parametrize("case", DECAY_CASES, ids=DECAY_IDS)
+def test_gate_recurrent_matches_naive(case):
+    compare_gate(recurrent_linear_attention, case)
+
+
+@pytest.mark.parametrize("case", CASES[::4], ids=CASE_IDS[::4])
+def test_gate_float64_tight(case):
+    compare_gate(chunk_linear_attention, case, dtype=torch.float64, ratio=1e-12, chunk_size=case[5])
+    compare_gate(recurrent_linear_attention, case, dtype=torch.float64, ratio=1e-12)
+
+
+def test_gate_chunk_loop_equals_chunk_matrix(monkeypatch):
+    """Past MATRIX_CHUNKS chunks the gated prefix sum is a loop: the same numbers."""
+    import dofattn.ops.chunk as chunk
+
+    case = (2, 257, 3, 5, 16, 8, True)                       # 33 chunks
+    compare_gate(chunk_linear_attention, case, dtype=torch.float64, ratio=1e-12, chunk_size=8)
+    monkeypatch.setattr(chunk, "MATRIX_CHUNKS", 4)
+    compare_gate(chunk_linear_attention, case, dtype=torch.float64, ratio=1e-12, chunk_size=8)
+
+
+def test_gate_naive_by_hand():
+    """S_t = g_t S_{t-1} + φk_t [v_t, 1] and o_t = (φq_t · S_t) as a ratio, written out token by token."""
+    B, T, H, M, V = 2, 6, 3, 4, 2
+    phi_q, phi_k, v, state = make_inputs(B, T, H, M, V, True, torch.float64)
+    log_gate = make_log_gate(B, T, H, torch.float64)
+    o, final = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True, log_gate=log_gate)
+    v_aug = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    for b in range(B):
+        for h in range(H):
+            S = state[b, h].clone()
+            for t in range(T):
+                S = log_gate[b, t, h].exp() * S + torch.outer(phi_k[b, t, h], v_aug[b, t, h])
+                num = phi_q[b, t, h] @ S
+                torch.testing.assert_close(o[b, t, h], num[:V] / num[V], rtol=1e-12, atol=0)
+            torch.testing.assert_close(final[b, h], S, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunk", "recurrent"])
+def test_gate_limits(backend):
+    """A zero gate is no gate, a gate constant over tokens is that decay, and -inf / positive logs are clamped."""
+    phi_q, phi_k, v, state = make_inputs(2, 37, 3, 5, 16)
+    ref_o, ref_s = linear_attention(phi_q, phi_k, v, state, True, backend=backend)
+    o, s = linear_attention(phi_q, phi_k, v, state, True, backend=backend, log_gate=torch.zeros(2, 37, 3))
+    assert_close("o", ref_o, o, 1e-6)
+    assert_close("ht", ref_s, s, 1e-6)
+    log_decay = make_log_decay(3)
+    ref_o, ref_s = linear_attention(phi_q, phi_k, v, state, True, backend=backend, log_decay=log_decay)
+    o, s = linear_attention(phi_q, phi_k, v, state, True, backend=backend, log_gate=log_decay.expand(2, 37, 3))
+    assert_close("o", ref_o, o, 1e-5)
+    assert_close("ht", ref_s, s, 1e-5)
+    wild = make_log_gate(2, 37, 3)
+    wild[:, 5], wild[:, 9] = -torch.inf, 3.0
+    o, s = linear_attention(phi_q, phi_k, v, state, True, backend=backend, log_gate=wild)
+    ref_o, ref_s = linear_attention(phi_q, phi_k, v, state, True, backend="naive", log_gate=wild.clamp(-1e4, 0))
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert_close("o", ref_o, o, 1e-5)
+    assert_close("ht", ref_s, s, 1e-5)
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunk", "recurrent"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strong_gates_over_long_sequences_stay_finite(backend, dtype):
+    """Gates of e^-200 on every token of head 0 and e^-1e-6 on head 1, over 300 tokens: finite outputs, states and
+    gradients; head 0 keeps only each token's own value."""
+    phi_q, phi_k, v, state = make_inputs(1, 300, 2, 5, 4, True, dtype)
+    log_gate = torch.tensor([-200.0, -1e-6]).expand(1, 300, 2).clone().requires_grad_()
+    o, s = linear_attention(phi_q, phi_k, v, state, True, backend=backend, log_gate=log_gate)
+    (o.float().sum() + s.sum()).backward()
+    assert torch.isfinite(o).all() and torch.isfinite(s).all() and torch.isfinite(log_gate.grad).all()
+    torch.testing.assert_close(o[0, :, 0].float(), v[0, :, 0].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_gate_dispatch_and_errors():
+    phi_q, phi_k, v, state = make_inputs(2, 7, 3, 5, 16)
+    gate = torch.zeros(2, 7, 3)
+    assert pick_backend(phi_q, gate=True) == "chunk"
+    assert pick_backend(phi_q[:, :1], gate=True) == "recurrent"
+    for backend in ("triton", "fla"):
+        with pytest.raises(ValueError, match=f"backend '{backend}' has no gate; use one of"):
+            linear_attention(phi_q, phi_k, v, backend=backend, log_gate=gate)
+    for bad in (torch.zeros(3), torch.zeros(2, 6, 3), torch.zeros(2, 7, 3, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"log_gate must be a floating-point \[B, T, H\] = \(2, 7, 3\) tensor"):
+            linear_attention(phi_q, phi_k, v, log_gate=bad)
+    with pytest.raises(ValueError, match="log_decay and log_gate do not combine"):
+        linear_attention(phi_q, phi_k, v, log_decay=torch.zeros(3), log_gate=gate)

@@ -358,6 +358,89 @@ def test_decay_refuses_padding_it_would_count():
         check_left_padding(torch.tensor([[True, True], [True, False]]))
 
 
+# --- gate (a decay per token) -------------------------------------------------------------------------------------------
+
+def set_gates(model) -> None:
+    """Move the gates off their start (w = 0: the plain decay), so a test sees each token's own factor."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for module in attention_modules(model):
+            linear = module.dofattn
+            linear.decay_rate.copy_(torch.linspace(0.5, -6, linear.num_heads))
+            linear.gate_weight.copy_(3 * torch.randn(linear.gate_weight.shape, generator=g))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("feature", ["prf", "hedgehog"])
+def test_gate_generation_matches_full_forward(family, feature):
+    """With a gate the state still carries everything: 40 decode steps (each token's gate read off its own value
+    vector) equal the full forward."""
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, gate=True)
+    set_gates(model)
+    prompt = ids(batch=2, length=11, seed=1)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
+
+
+def test_gate_starts_as_the_decay_then_differs_and_round_trips(tmp_path, model_dirs):
+    from dofattn.hf import load_model
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    decayed, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, dims=[5, 12, 7], gate=True, seed=2)
+    linearize(decayed, dims=[5, 12, 7], decay=True, seed=2)
+    x = ids()
+    layer = attention_modules(model)[0].dofattn
+    assert layer.gate and layer.decay and "gate" in repr(layer)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, use_cache=False).logits, decayed(x, use_cache=False).logits)
+        set_gates(model)
+        for module in attention_modules(decayed):
+            module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
+        logits = model(x, use_cache=False).logits
+        assert not torch.allclose(logits, decayed(x, use_cache=False).logits, atol=1e-3)
+    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), gate=True)
+    folder = save_student(model, tmp_path / "s", config)
+    loaded, _, config = load_student(folder)
+    assert config.gate and attention_modules(loaded)[2].dofattn.gate
+    with torch.no_grad():
+        assert torch.equal(loaded(x, use_cache=False).logits, logits)
+
+
+def test_gate_log_factors_are_bounded_and_train():
+    """Each token's log factor lies in [GATE_FLOOR, 0] however large w·v grows either way, and a loss reaches w."""
+    from dofattn.attention import GATE_FLOOR
+
+    model = tiny_model("llama")
+    linearize(model, dims=[8, 8, 8], gate=True)
+    linear = attention_modules(model)[0].dofattn
+    v = torch.randn(2, 9, linear.num_heads, linear.gate_weight.shape[1])
+    with torch.no_grad():
+        linear.gate_weight.fill_(1e4)
+        logs = linear.log_gates(v)
+    assert logs.shape == (2, 9, linear.num_heads) and (logs <= 0).all() and (logs >= GATE_FLOOR).all()
+    assert torch.isfinite(logs).all() and (logs == GATE_FLOOR).any() and (logs == 0).any()   # cleared and kept
+    with torch.no_grad():
+        linear.gate_weight.zero_()
+    linear.log_gates(v).sum().backward()
+    assert linear.gate_weight.grad.abs().sum() > 0
+
+
+def test_gate_refuses_a_window_and_padding_it_would_count():
+    with pytest.raises(UserError, match="a gate is for pure linear attention"):
+        linearize(tiny_model("llama"), dims=[8, 8, 8], window=4, gate=True)
+    model = tiny_model("llama")
+    linearize(model, dims=[8, 8, 8], gate=True)
+    x, mask = ids(batch=2, length=9), torch.ones(2, 9, dtype=torch.long)
+    mask[1, -2:] = 0
+    with pytest.raises(UserError, match="needs left padding"), torch.no_grad():
+        model(x, attention_mask=mask, use_cache=False)
+
+
 def test_window_decay_refuses_right_padding_in_a_model():
     model = tiny_model("llama")
     linearize(model, dims=[8, 8, 8], window=4, decay=True)

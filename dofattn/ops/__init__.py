@@ -20,7 +20,9 @@ Backends, all with the same signature and result (`naive.py` is the spec the oth
 
 A per-head decay (`log_decay` [H], see `naive.py`) runs on naive, chunk, recurrent and triton; auto picks as
 without one but never fla (triton on CUDA when it imports, else recurrent for T = 1 and chunk otherwise), and
-asking fla for a decay is a ValueError.
+asking fla for a decay is a ValueError. A gate (`log_gate` [B, T, H], a decay per token) runs on naive, chunk and
+recurrent: auto picks recurrent for T = 1 and chunk otherwise, on CUDA too; asking triton or fla for one is a
+ValueError.
 """
 
 from __future__ import annotations
@@ -70,21 +72,26 @@ BACKENDS = {
 
 __all__ = ["linear_attention", "naive_linear_attention", "chunk_linear_attention", "recurrent_linear_attention",
            "triton_linear_attention", "fla_linear_attention", "fla_available", "triton_available", "load_fused",
-           "pick_backend", "BACKENDS"]
+           "pick_backend", "BACKENDS", "GATE_BACKENDS"]
 
 
 DECAY_BACKENDS = ("naive", "chunk", "recurrent", "triton")
+GATE_BACKENDS = ("naive", "chunk", "recurrent")
 
 
-def pick_backend(phi_q: torch.Tensor, backend: str = "auto", decay: bool = False) -> str:
-    """The backend `linear_attention` runs for these inputs ([B, T, H, M] queries, with a decay or not);
-    ValueError if unknown or without decay support."""
+def pick_backend(phi_q: torch.Tensor, backend: str = "auto", decay: bool = False, gate: bool = False) -> str:
+    """The backend `linear_attention` runs for these inputs ([B, T, H, M] queries, with a decay, a gate or
+    neither); ValueError if unknown or without support for the decay or gate."""
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {['auto', *BACKENDS]}")
     if decay and backend not in ("auto", *DECAY_BACKENDS):
         raise ValueError(f"backend {backend!r} has no decay; use one of {list(DECAY_BACKENDS)} or 'auto'")
+    if gate and backend not in ("auto", *GATE_BACKENDS):
+        raise ValueError(f"backend {backend!r} has no gate; use one of {list(GATE_BACKENDS)} or 'auto'")
     if backend != "auto":
         return backend
+    if gate:
+        return "recurrent" if phi_q.shape[1] == 1 else "chunk"
     if phi_q.is_cuda and triton_available():
         return "triton"                                                 # T = 1 included: the one-kernel step
     if phi_q.shape[1] == 1:
@@ -97,16 +104,20 @@ def pick_backend(phi_q: torch.Tensor, backend: str = "auto", decay: bool = False
 def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                      backend: str = "auto", normalize: bool = True,
-                     log_decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     log_decay: torch.Tensor | None = None,
+                     log_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention with the chosen backend (see the module docstring).
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
     Returns o [B, T, H, V] in v.dtype and the final state [B, H, M, V+1] if output_final_state, else None.
     normalize=False returns the unnormalised [num, den] [B, T, H, V+1] (float32, float64 for float64 inputs) for o.
     log_decay: [H] (≤ 0) or None: each head's state decays by exp(log_decay) per token.
+    log_gate: [B, T, H] (≤ 0) or None: the state decays by exp(log_gate_t) before token t (not with log_decay).
     """
-    check_inputs(phi_q, phi_k, v, initial_state, log_decay)
-    name = pick_backend(phi_q, backend, decay=log_decay is not None)
+    check_inputs(phi_q, phi_k, v, initial_state, log_decay, log_gate)
+    name = pick_backend(phi_q, backend, decay=log_decay is not None, gate=log_gate is not None)
     decay = {} if log_decay is None else {"log_decay": log_decay}
+    if log_gate is not None:
+        decay["log_gate"] = log_gate
     return BACKENDS[name](phi_q, phi_k, v, initial_state=initial_state, output_final_state=output_final_state,
                           normalize=normalize, **decay)

@@ -16,6 +16,11 @@ chunk n is Σ_{m<n} γ^(C(n-1-m)) kv_m + γ^(nC) S_0 (a decayed prefix sum: an [
 MATRIX_CHUNKS chunks, a loop beyond); query t reads it scaled by γ^(t+1). Every factor is exp(log γ × a distance
 ≥ 0), so nothing overflows however strong the decay.
 
+With a gate (`log_gate` [B, T, H], a decay per token) the same products carry exp of sums of the gate's logs in
+place of γ's powers: within a chunk exp(Σ_{s<j≤t} x_j), a key to its chunk's end exp(Σ_{s<j<C} x_j), a query from
+its chunk's start exp(Σ_{j≤t} x_j), and across chunks the chunk totals in the same roles. Each sum is taken over
+its own terms (`naive.segment_sums`), so nothing cancels.
+
 Why a cumulative sum and not a loop over chunks: on a 2-core CPU at T=8192, H=9, M=V=64, C=64, the forward
 costs about the same either way (~70 ms), but forward+backward takes ~210 ms with the cumsum against ~600-900 ms
 with the loop (autograd through N small steps). Almost all the time is in the four batched matmuls.
@@ -27,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from dofattn.ops.naive import (augment_values, check_inputs, compute_dtype, decay_factors, decay_log, decay_matrix,
-                               normalise)
+                               gate_log, normalise, segment_sums, suffix_sums)
 
 MATRIX_CHUNKS = 64   # decayed prefix sum over chunks: one [N, N] product up to this many chunks, a loop beyond
 
@@ -79,15 +84,16 @@ def decayed_states_before_chunks(kv: torch.Tensor, initial_state: torch.Tensor |
 def chunk_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                            chunk_size: int = 64, normalize: bool = True,
-                           log_decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           log_decay: torch.Tensor | None = None,
+                           log_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention, chunked: equal to `naive_linear_attention` up to float rounding.
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
     chunk_size: tokens per chunk (any positive int; need not divide T, capped at T).
     Returns o [B, T, H, V] in v.dtype and the final state [B, H, M, V+1] if output_final_state, else None.
-    log_decay: [H] (≤ 0) or None, as in `naive_linear_attention`.
+    log_decay: [H] (≤ 0) or None, log_gate: [B, T, H] (≤ 0) or None, as in `naive_linear_attention`.
     """
-    check_inputs(phi_q, phi_k, v, initial_state, log_decay)
+    check_inputs(phi_q, phi_k, v, initial_state, log_decay, log_gate)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
     dtype = compute_dtype(phi_q, phi_k, v, initial_state)
@@ -99,6 +105,9 @@ def chunk_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
     k = to_chunks(phi_k.to(dtype), C)                                  # [B, H, N, C, M]
     v_aug = to_chunks(augment_values(v, dtype), C)                     # [B, H, N, C, V+1]
 
+    if log_gate is not None:
+        x = to_chunks(gate_log(log_gate, dtype).transpose(1, 2)[..., None], C)[..., 0]   # [B, H, N, C], 0 padded
+        return _gated(q, k, v_aug, S0, x, T, output_final_state, normalize, v.dtype)
     if log_decay is not None:
         return _decayed(q, k, v_aug, S0, decay_log(log_decay, dtype), T, output_final_state, normalize, v.dtype)
     A = (q @ k.transpose(-1, -2)).tril_()                              # [B, H, N, C, C], s ≤ t within a chunk
@@ -135,5 +144,35 @@ def _decayed(q: torch.Tensor, k: torch.Tensor, v_aug: torch.Tensor, S0: torch.Te
         final_state = torch.einsum("bhncm,bhncv->bhmv", k * factor, v_aug)
         if S0 is not None:
             final_state = final_state + torch.exp(log_decay * T)[:, None, None] * S0
+    o_aug = from_chunks(o_aug, T)                                      # [B, T, H, V+1]
+    return (normalise(o_aug, out_dtype) if normalize else o_aug), final_state
+
+
+def _gated(q: torch.Tensor, k: torch.Tensor, v_aug: torch.Tensor, S0: torch.Tensor | None, x: torch.Tensor, T: int,
+           output_final_state: bool, normalize: bool, out_dtype: torch.dtype):
+    """`chunk_linear_attention` with a gate: chunked q, k [B, H, N, C, M], v_aug [B, H, N, C, V+1] and the gate's
+    logs x [B, H, N, C] (0 on padding: a padded position keeps the state as it is)."""
+    A = (q @ k.transpose(-1, -2)).tril_() * torch.exp(segment_sums(x))   # [B, H, N, C, C]
+    kv = (k * torch.exp(suffix_sums(x))[..., None]).transpose(-1, -2) @ v_aug   # [B, H, N, M, V+1]
+    totals = x.sum(-1)                                                 # [B, H, N]: log of each chunk's decay
+    N = x.shape[2]
+    if N <= MATRIX_CHUNKS:   # weights[n, m] = exp(Σ_{m<i<n} totals_i) for m < n: row n-1 of the segment sums
+        reach = torch.exp(segment_sums(totals)).tril()                 # [B, H, N, N]: m ≤ n'
+        weights = F.pad(reach[..., :-1, :], (0, 0, 1, 0))              # row n = row n-1, none for n = 0
+        before = torch.einsum("bhnm,bhmkv->bhnkv", weights, kv)
+    else:
+        carry, rows = torch.zeros_like(kv[:, :, 0]), []
+        for n in range(N):
+            rows.append(carry)
+            carry = torch.exp(totals[:, :, n])[..., None, None] * carry + kv[:, :, n]
+        before = torch.stack(rows, dim=2)                              # [B, H, N, M, V+1]
+    if S0 is not None:   # S_0 reaches chunk n as exp(Σ_{i<n} totals_i)
+        start = F.pad(totals[..., :-1], (1, 0)).cumsum(-1)             # [B, H, N]
+        before = before + torch.exp(start)[..., None, None] * S0.unsqueeze(2)
+    o_aug = ((q * torch.exp(x.cumsum(-1))[..., None]) @ before).add_(A @ v_aug)
+
+    final_state = None
+    if output_final_state:   # the last chunk's state at its end; padded positions have a gate of 1 and no key
+        final_state = torch.exp(totals[:, :, -1])[..., None, None] * before[:, :, -1] + kv[:, :, -1]
     o_aug = from_chunks(o_aug, T)                                      # [B, T, H, V+1]
     return (normalise(o_aug, out_dtype) if normalize else o_aug), final_state

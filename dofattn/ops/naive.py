@@ -16,6 +16,11 @@ multiplied by before each token: S_t = γ S_{t-1} + φk_t ⊗ [v_t, 1], so the p
 φq_t·φk_s, and S_0 reaches token t as γ^(t+1) S_0. Every factor is computed as exp(log_decay × a nonnegative
 distance): ≤ 1, never an overflow.
 
+Gate (optional, instead of a decay): log_gate [B, T, H], ≤ 0 (clamped to [-1e4, 0]), a factor per token: S_t =
+exp(log_gate_t) S_{t-1} + φk_t ⊗ [v_t, 1], so the pair (t, s) weighs exp(Σ_{s<j≤t} log_gate_j) φq_t·φk_s. Every such
+sum is taken over its own terms (`segment_sums`), never as a difference of running sums: no cancellation, and each
+factor ≤ 1.
+
 This file computes it the obvious, quadratic way: A = φq φkᵀ under a causal mask, plus φq·S_0. It is O(T²) in
 time and memory (B·H·T² floats) and exists to be read and tested against; the fast ops (`chunk`, `recurrent`, `fla`)
 import its small helpers (`check_inputs`, `augment_values`, `normalise`) so that every op shares one definition.
@@ -27,12 +32,14 @@ when any input is float64 (for tight tests); the output is cast back to v.dtype.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 TINY = torch.finfo(torch.float32).tiny
 
 
 def check_inputs(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
-                 initial_state: torch.Tensor | None = None, log_decay: torch.Tensor | None = None) -> None:
+                 initial_state: torch.Tensor | None = None, log_decay: torch.Tensor | None = None,
+                 log_gate: torch.Tensor | None = None) -> None:
     """Raise ValueError, saying what is wrong, unless the shapes follow the frozen layout above."""
     for name, x in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
         if x.dim() != 4:
@@ -53,6 +60,12 @@ def check_inputs(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
             raise ValueError(f"initial_state must be [B, H, M, V+1] = {expected} (last column: the normaliser "
                              f"Σ φk), got {tuple(initial_state.shape)}")
     check_log_decay(log_decay, H)
+    if log_gate is not None:
+        if log_decay is not None:
+            raise ValueError("log_decay and log_gate do not combine: fold the decay into the gate")
+        if tuple(log_gate.shape) != (B, T, H) or not log_gate.is_floating_point():
+            raise ValueError(f"log_gate must be a floating-point [B, T, H] = {(B, T, H)} tensor (the log of each "
+                             f"token's decay), got {tuple(log_gate.shape)} {log_gate.dtype}")
 
 
 def check_log_decay(log_decay: torch.Tensor | None, H: int) -> None:
@@ -88,6 +101,24 @@ def decay_factors(log_decay: torch.Tensor, distance: torch.Tensor) -> torch.Tens
     return torch.exp(distance.to(log_decay.dtype)[:, None] * log_decay)
 
 
+def segment_sums(x: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L, L]: out[..., t, s] = Σ_{s<j≤t} x_j, 0 where s ≥ t. Each entry sums its own terms (a
+    cumulative sum down the masked columns), so nothing cancels however large the running sums grow."""
+    L = x.shape[-1]
+    later = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(-1)        # [j, s]: j > s
+    return x[..., :, None].expand(*x.shape, L).masked_fill(~later, 0.0).cumsum(-2)
+
+
+def suffix_sums(x: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L]: out[..., j] = Σ_{i>j} x_i (0 for the last)."""
+    return F.pad(x.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
+
+
+def gate_log(log_gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """log_gate [B, T, H] -> [B, H, T] in the compute dtype, clamped to [-1e4, 0] (as `decay_log`)."""
+    return log_gate.to(dtype).clamp(-1e4, 0.0).permute(0, 2, 1)
+
+
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """float64 if any input is float64, else float32 (bf16/fp16 are never computed in)."""
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in tensors) else torch.float32
@@ -109,7 +140,8 @@ def naive_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
                            initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False,
                            normalize: bool = True,
-                           log_decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           log_decay: torch.Tensor | None = None,
+                           log_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal linear attention by the quadratic masked form.
 
     phi_q, phi_k: [B, T, H, M]; v: [B, T, H, V]; initial_state: [B, H, M, V+1] or None (zeros).
@@ -117,8 +149,9 @@ def naive_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
     for float64 inputs), else None. normalize=False returns [num, den] [B, T, H, V+1] in the compute dtype instead
     of o (for callers that combine the linear part with other attention mass, e.g. `ops.window`).
     log_decay: [H] (≤ 0) or None: each head's state decays by exp(log_decay) per token (module docstring).
+    log_gate: [B, T, H] (≤ 0) or None: the state decays by exp(log_gate_t) before token t (module docstring).
     """
-    check_inputs(phi_q, phi_k, v, initial_state, log_decay)
+    check_inputs(phi_q, phi_k, v, initial_state, log_decay, log_gate)
     dtype = compute_dtype(phi_q, phi_k, v, initial_state)
     q, k = phi_q.to(dtype), phi_k.to(dtype)                           # [B, T, H, M]
     v_aug = augment_values(v, dtype)                                   # [B, T, H, V+1]
@@ -131,17 +164,28 @@ def naive_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
         log_decay = decay_log(log_decay, dtype)
         steps = torch.arange(T + 1, device=q.device)
         A = A * decay_matrix(log_decay, T)                             # γ^(t-s)
+    if log_gate is not None:
+        x = gate_log(log_gate, dtype)                                  # [B, H, T]
+        A = A * torch.exp(segment_sums(x))                             # exp(Σ_{s<j≤t} x_j)
     o_aug = torch.einsum("bhts,bshv->bthv", A, v_aug)                 # [B, T, H, V+1]
     if initial_state is not None:
         S0 = initial_state.to(dtype)                                   # [B, H, M, V+1]
         q0 = q if log_decay is None else q * decay_factors(log_decay, steps[1:])[..., None]      # γ^(t+1)
+        if log_gate is not None:
+            q0 = q * torch.exp(x.cumsum(-1)).transpose(1, 2)[..., None]                          # exp(Σ_{j≤t} x_j)
         o_aug = o_aug + torch.einsum("bthm,bhmv->bthv", q0, S0)
 
     final_state = None
     if output_final_state:
         k_last = k if log_decay is None else k * decay_factors(log_decay, steps[:T].flip(0))[..., None]  # γ^(T-1-j)
+        if log_gate is not None:
+            k_last = k * torch.exp(suffix_sums(x)).transpose(1, 2)[..., None]                    # exp(Σ_{j<i<T} x_i)
         final_state = torch.einsum("bthm,bthv->bhmv", k_last, v_aug)  # [B, H, M, V+1]
         if initial_state is not None:
             S0 = initial_state.to(dtype)
-            final_state = final_state + (S0 if log_decay is None else torch.exp(log_decay * T)[:, None, None] * S0)
+            if log_decay is not None:
+                S0 = torch.exp(log_decay * T)[:, None, None] * S0
+            if log_gate is not None:
+                S0 = torch.exp(x.sum(-1))[..., None, None] * S0
+            final_state = final_state + S0
     return (normalise(o_aug, v.dtype) if normalize else o_aug), final_state
