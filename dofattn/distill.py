@@ -122,9 +122,10 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
     scores = torch.einsum("bthm,bshm->bhts", phi_q, phi_k).masked_fill(~mask, 0)  # [B, H, T, T]
     log_scores = torch.log(scores.clamp_min(TINY))
     if linear.decay:  # the weight of a pair is its score times γ^(t-s), taken in log space for far pairs
-        log_factor = log_decay_matrix(linear.log_decay(), q.shape[1])[0]         # [H, T, T], 0 above the diagonal
-        if linear.gate:  # a gate's weight: exp(Σ_{s<j≤t} log g_j), [B, H, T, T]
+        if linear.gate:  # with a gate: exp(Σ_{s<j≤t} log g_j), [B, H, T, T]
             log_factor = segment_sums(gate_log(linear.log_gates(v), torch.float32))
+        else:
+            log_factor = log_decay_matrix(linear.log_decay(), q.shape[1])[0]     # [H, T, T], 0 above the diagonal
         log_scores = log_scores + log_factor
         scores = scores * log_factor.exp()                                        # scores are 0 above it already
     log_student = log_scores - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY))
