@@ -301,6 +301,15 @@ def test_key_shift_calibration_flag_follows_the_buffer():
 
 # --- decay -------------------------------------------------------------------------------------------------------------
 
+def assert_40_steps_equal_the_full_forward(model, prompt: torch.Tensor) -> None:
+    """Greedy generation's logits, step by step through the cache, against one forward over the whole sequence."""
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("feature", ["prf", "hedgehog"])
 def test_decay_generation_matches_full_forward(family, feature):
@@ -310,12 +319,7 @@ def test_decay_generation_matches_full_forward(family, feature):
     with torch.no_grad():
         for module in attention_modules(model):      # strong and weak decays, so the test sees them
             module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
-    prompt = ids(batch=1, length=11, seed=1)
-    with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-        full = model(out.sequences, use_cache=False).logits
-    torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
+    assert_40_steps_equal_the_full_forward(model, ids(batch=1, length=11, seed=1))
 
 
 @pytest.mark.parametrize("window", [0, 4])
@@ -378,12 +382,7 @@ def test_gate_generation_matches_full_forward(family, feature):
     model = tiny_model(family)
     linearize(model, dims=[9, 16, 5], feature=feature, seed=1, gate=True)
     set_gates(model)
-    prompt = ids(batch=2, length=11, seed=1)
-    with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-        full = model(out.sequences, use_cache=False).logits
-    torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
+    assert_40_steps_equal_the_full_forward(model, ids(batch=2, length=11, seed=1))
 
 
 def test_gate_starts_as_the_decay_then_differs_and_round_trips(tmp_path, model_dirs):
