@@ -108,6 +108,15 @@ def _causal(T: int, device) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
+def log_pair_decay(linear: LinearAttention, v: torch.Tensor) -> torch.Tensor:
+    """The log of the decay a layer's linear part puts on the pair (t, s), 0 for s ≥ t, for values v [B, T, H, D]:
+    with a gate Σ_{s<j≤t} log g_j ([B, H, T, T]); else (t - s) log γ_h, beside a window (t - W - s) log γ_h counted
+    from its edge, and 0 inside it ([H, T, T])."""
+    if linear.gate:
+        return segment_sums(gate_log(linear.log_gates(v), torch.float32))
+    return log_decay_matrix(linear.log_decay(), v.shape[1], offset=-linear.window)[0]
+
+
 def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scaling: float) -> torch.Tensor:
     """Mean KL(teacher row ‖ student row) over causal attention rows. q, k, v [B, T, H, D] (v unused).
@@ -121,11 +130,8 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
     mask = _causal(q.shape[1], q.device)
     scores = torch.einsum("bthm,bshm->bhts", phi_q, phi_k).masked_fill(~mask, 0)  # [B, H, T, T]
     log_scores = torch.log(scores.clamp_min(TINY))
-    if linear.decay:  # the weight of a pair is its score times γ^(t-s), taken in log space for far pairs
-        if linear.gate:  # with a gate: exp(Σ_{s<j≤t} log g_j), [B, H, T, T]
-            log_factor = segment_sums(gate_log(linear.log_gates(v), torch.float32))
-        else:
-            log_factor = log_decay_matrix(linear.log_decay(), q.shape[1])[0]     # [H, T, T], 0 above the diagonal
+    if linear.decay:  # the weight of a pair is its score times its decay, taken in log space for far pairs
+        log_factor = log_pair_decay(linear, v)
         log_scores = log_scores + log_factor
         scores = scores * log_factor.exp()                                        # scores are 0 above it already
     log_student = log_scores - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY))
@@ -162,10 +168,8 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     dot = torch.einsum("bthm,bshm->bhts", torch.exp(e_q - c_q), torch.exp(e_k - c_k))
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
                       + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, T, T]
-    if linear.gate:  # the student's weight of a pair is its kernel estimate times exp(Σ_{s<j≤t} log g_j)
-        log_kernel_hat = log_kernel_hat + segment_sums(gate_log(linear.log_gates(v), torch.float32))
-    elif linear.decay:  # the same with γ^(t-s), beside a window γ^(t-W-s)
-        log_kernel_hat = log_kernel_hat + log_decay_matrix(linear.log_decay(), q.shape[1], offset=-linear.window)[0]
+    if linear.decay:  # the student's weight of a pair is its kernel estimate times its decay
+        log_kernel_hat = log_kernel_hat + log_pair_decay(linear, v)
     mask = _causal(q.shape[1], q.device)
     if linear.window:  # the features only ever see pairs beyond the window (and not the sink)
         mask = mask.tril(-linear.window) & (torch.arange(q.shape[1], device=q.device) >= linear.sink)
