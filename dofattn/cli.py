@@ -228,6 +228,10 @@ class DistillArgs:
                                   "steps (0: constant). A run given more --then-direct-steps after its cooldown "
                                   "began differs from one made with that many at once")
     kd_weight: float = _opt(1.0, "weight of KL(teacher || student) on the logits in the end-to-end phase")
+    hidden_weight: float = _opt(0.0, "weight of the residual stream's error in the end-to-end phase: after every "
+                                     "layer, the student's squared distance to the teacher's stream, relative to "
+                                     "its size, averaged over tokens and layers (a signal for every layer, not "
+                                     "only through the logits). 0: none")
     checkpoint_every: int = _opt(10, "end-to-end steps between checkpoints")
     eval_data: str | None = _opt(None, "the text scored (its validation split) when it is not --data's: e.g. "
                                        "--data wiki-sample+teacher.jsonl (pooled with `dofattn sample`'s text) "
@@ -236,7 +240,8 @@ class DistillArgs:
                                            "stage and its end-to-end checkpoint, optimizer included) and go on "
                                            "with the end-to-end phase in --out, e.g. on more text: only --data, "
                                            "--direct-blocks, --then-direct-steps (at least the steps the run "
-                                           "made), --cooldown-steps, --eval-every, --checkpoint-every and "
+                                           "made), --cooldown-steps, --hidden-weight, --eval-every, "
+                                           "--checkpoint-every and "
                                            "--time-limit may differ from the run's, and the validation text "
                                            "must be the same")
     eval_every: int = _opt(0, "measure validation perplexity every N end-to-end steps (log.json: direct.curve, "

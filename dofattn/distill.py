@@ -266,16 +266,32 @@ def feature_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if is_student_tensor(n) and p.requires_grad]
 
 
-def direct_loss(model, ids: torch.Tensor, kd_weight: float) -> torch.Tensor:
-    """Next-token cross-entropy of the student, plus kd_weight × KL(teacher ‖ student) per token."""
-    logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)   # [B, T-1, vocab]
+def direct_loss(model, ids: torch.Tensor, kd_weight: float, hidden_weight: float = 0.0) -> torch.Tensor:
+    """Next-token cross-entropy of the student, plus kd_weight × KL(teacher ‖ student) per token, plus
+    hidden_weight × `hidden_error` of the student's residual stream against the teacher's."""
+    hidden = hidden_weight > 0
+    student = model(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+    logp = torch.log_softmax(student.logits[:, :-1].float(), -1)   # [B, T-1, vocab]
     loss = F.nll_loss(logp.reshape(-1, logp.shape[-1]), ids[:, 1:].reshape(-1))   # one log-softmax for both terms
-    if kd_weight > 0:
+    if kd_weight > 0 or hidden:
         with torch.no_grad(), teacher_mode(model):
-            teacher = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
-        kl = F.kl_div(logp, torch.log_softmax(teacher, -1), log_target=True, reduction="none").sum(-1).mean()
+            teacher = model(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+    if kd_weight > 0:
+        kl = F.kl_div(logp, torch.log_softmax(teacher.logits[:, :-1].float(), -1), log_target=True,
+                      reduction="none").sum(-1).mean()
         loss = loss + kd_weight * kl
+    if hidden:
+        loss = loss + hidden_weight * hidden_error(student.hidden_states[1:], teacher.hidden_states[1:])
     return loss
+
+
+def hidden_error(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean over layers and tokens of |h_student − h_teacher|² / |h_teacher|², each h a token's residual stream
+    [B, T, D] after a layer. Relative per token: a few tokens (the first, often) carry streams hundreds of times
+    larger than the rest, and would otherwise be all the loss sees."""
+    errors = [((s.float() - t.float()).pow(2).sum(-1) / t.float().pow(2).sum(-1).clamp_min(1e-6)).mean()
+              for s, t in zip(student, teacher, strict=True)]
+    return torch.stack(errors).mean()
 
 
 def save_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path, step: int) -> None:
@@ -423,7 +439,7 @@ def cooldown_lr(lr: float, step: int, steps: int, cooldown: int) -> float:
 
 def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, lr: float, kd_weight: float,
            seed: int, checkpoint_every: int, progress: bool = True, eval_blocks: torch.Tensor | None = None,
-           eval_every: int = 0, time_limit: float = 0.0, cooldown: int = 0) -> dict:
+           eval_every: int = 0, time_limit: float = 0.0, cooldown: int = 0, hidden_weight: float = 0.0) -> dict:
     """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`.
 
     The learning rate is `lr`, and with `cooldown` > 0 it falls linearly over the last `cooldown` steps
@@ -462,7 +478,7 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
     for step in bar:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         idx = torch.randint(len(blocks), (batch_size * size,), generator=gen)[rank::size]
-        loss = direct_loss(model, blocks[idx].to(device), kd_weight)
+        loss = direct_loss(model, blocks[idx].to(device), kd_weight, hidden_weight)
         for group in optimizer.param_groups:
             group["lr"] = cooldown_lr(lr, step, steps, cooldown)
         optimizer.zero_grad(set_to_none=True)
@@ -513,10 +529,10 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None,
-                 "cooldown_steps": 0, "lora_targets": "attention", "gate": False}
+                 "cooldown_steps": 0, "lora_targets": "attention", "gate": False, "hidden_weight": 0.0}
 # What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
 CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
-                       "continue_from", "cooldown_steps")
+                       "continue_from", "cooldown_steps", "hidden_weight")
 KEEP_BY = ("attn-dof", "dof", "first", "random", "gain")
 SINK = 4                 # the dofattn and long recipes' --sink beside a window (not with --decay)
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which attn-dof (--keep-by, --dims) measures the teacher's attention
@@ -737,8 +753,10 @@ def validate(args) -> None:
     if args.loss == "l2" and args.window >= args.seq_len:
         raise UserError(f"--loss l2 with --window {args.window} needs --seq-len > {args.window}: the features "
                         f"are fitted only on pairs farther apart than the window")
-    if args.then_direct_steps < 0 or args.kd_weight < 0 or args.lr <= 0 or args.lr_weights <= 0:
+    if args.then_direct_steps < 0 or not args.kd_weight >= 0 or args.lr <= 0 or args.lr_weights <= 0:
         raise UserError("--then-direct-steps and --kd-weight must be >= 0, --lr and --lr-weights > 0")
+    if not args.hidden_weight >= 0:
+        raise UserError(f"--hidden-weight must be >= 0 (0: logits only), got {args.hidden_weight:g}")
     if args.tokens is not None and args.tokens < tokens_per_step(args):
         raise UserError(f"--tokens {args.tokens} is less than one step's batch ({tokens_per_step(args)} tokens)")
     dims = args.dims
@@ -976,7 +994,7 @@ def run(args) -> dict:
         log.direct = direct(model, direct_train, out, direct_steps, args.direct_batch_size, args.direct_lr,
                             args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0,
                             eval_blocks=valid, eval_every=args.eval_every, time_limit=60 * args.time_limit,
-                            cooldown=args.cooldown_steps)
+                            cooldown=args.cooldown_steps, hidden_weight=args.hidden_weight)
         log.seconds["direct"] = round(time.perf_counter() - timer + (finished["seconds"].get("direct", 0)
                                                                         if finished else 0), 1)
     if rank == 0:

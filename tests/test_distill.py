@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 from dofattn.cli import main
 from dofattn.distill import LAYER_LOSSES, TeacherCache, direct_loss, layer_file
 from dofattn.dof import DofResult, LayerDof
-from dofattn.evaluate import perplexity
+from dofattn.evaluate import perplexity, teacher_mode
 from dofattn.hf import load_model
-from dofattn.student import attention_modules, head_layout, linearize, load_student
+from dofattn.student import attention_modules, head_layout, is_student_tensor, linearize, load_student
 from tests.conftest import TEXT, tiny_model
 
 LAYERS = 3  # every tiny model has 3 layers, 4 heads of 16 (llama: 2 kv heads)
@@ -290,6 +290,8 @@ def other_model_dims(folder: Path) -> Path:
     (["--dims", "{other_dims}"], "was computed for model 'other'"),
     (["--dims", "fix:0"], "bad --dims"),
     (["--cooldown-steps", "-1"], "--cooldown-steps must be >= 0"),
+    (["--hidden-weight", "-1"], "--hidden-weight must be >= 0"),
+    (["--hidden-weight", "nan"], "--hidden-weight must be >= 0"),
     (["--then-direct-steps", "2", "--cooldown-steps", "3"], "longer than the end-to-end phase"),
     (["--dims", "{tmp}/missing.json"], "does not exist"),
     (["--steps", "0"], "--steps must be at least 1"),
@@ -769,6 +771,50 @@ def test_direct_loss_is_cross_entropy_plus_kl_to_the_teacher(kd_weight):
         assert kl > 0.01 and abs(kl - reverse) > 1e-4 * ce  # the KL term and its direction show above rel=1e-5
         got = direct_loss(student, ids, kd_weight).item()
     assert got == pytest.approx((ce + kd_weight * kl).item(), rel=1e-5)
+
+
+def test_hidden_weight_adds_the_residual_streams_relative_error_layer_by_layer():
+    """--hidden-weight written out: after every layer (and the final norm, where the model reports it), each token's
+    |h_student − h_teacher|² / |h_teacher|², averaged over tokens, then over layers; the embeddings are left out
+    (they are the same in both). The teacher is the model before linearizing, as for the KL term."""
+    teacher, student = tiny_model("llama"), tiny_model("llama")
+    linearize(student, [8] * LAYERS, "prf", seed=0)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hs = student(input_ids=ids, output_hidden_states=True).hidden_states
+        ht = teacher(input_ids=ids, output_hidden_states=True).hidden_states
+        assert len(hs) == LAYERS + 1 and torch.equal(hs[0], ht[0])
+        by_hand = sum(((s.double() - t.double()).norm(dim=-1) ** 2 / t.double().norm(dim=-1) ** 2).mean()
+                      for s, t in zip(hs[1:], ht[1:])) / LAYERS
+        assert by_hand > 1e-3                                   # the term shows above rel=1e-5
+        base = direct_loss(student, ids, kd_weight=1.0).item()
+        got = direct_loss(student, ids, kd_weight=1.0, hidden_weight=2.5).item()
+    assert got - base == pytest.approx(2.5 * by_hand.item(), rel=1e-4)
+
+
+def test_hidden_weight_trains_the_student_towards_the_teachers_streams():
+    """Fifteen steps with the hidden term (weight 20, no KL) leave the student's streams closer to the teacher's than
+    the same steps without it."""
+    from dofattn.distill import hidden_error
+
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
+    errors = {}
+    for weight in (0.0, 20.0):
+        student = tiny_model("llama")
+        linearize(student, [8] * LAYERS, "hedgehog", seed=0)
+        for name, p in student.named_parameters():
+            p.requires_grad_(is_student_tensor(name))
+        opt = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(15):
+            opt.zero_grad()
+            direct_loss(student, ids, kd_weight=0.0, hidden_weight=weight).backward()
+            opt.step()
+        with torch.no_grad():
+            hs = student(input_ids=ids, output_hidden_states=True).hidden_states
+            with teacher_mode(student):
+                ht = student(input_ids=ids, output_hidden_states=True).hidden_states
+            errors[weight] = hidden_error(hs[1:], ht[1:]).item()
+    assert errors[20.0] < 0.8 * errors[0.0]
 
 
 def test_inert_options_are_those_that_change_nothing():
