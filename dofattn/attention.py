@@ -7,7 +7,8 @@ child module `dofattn` (a `LinearAttention`). The model's attention implementati
 Generation: a linear layer needs no KV cache, only its recurrent state [B, H, M, V+1]. A forward pre-hook on each
 linearized module finds the HF `Cache` it is called with (`cache`; `past_key_values` or `layer_past` before
 transformers 5.24) and puts a `LinearStateLayer` in that layer's slot: it stores only the state and the token count
-(plus, for a window hybrid, the last W keys and values), so memory stays flat in context length. `model.generate()` needs nothing special.
+(plus, for a window hybrid, the last W keys and values, and with a short convolution its last K-1 inputs), so memory
+stays flat in context length. `model.generate()` needs nothing special.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from dofattn.errors import UserError
 from dofattn.features import MAX_KEY_EXCESS, FeatureMap, PositiveRandomFeatures
 from dofattn.ops import linear_attention
+from dofattn.ops.conv import short_conv
 from dofattn.ops.naive import TINY, augment_values
 from dofattn.ops.window import first_keys, window_linear_attention, window_logits
 
@@ -47,11 +49,20 @@ class LinearAttention(nn.Module):
     Before token t head h's state is multiplied by exp(log g_th), log g_th = -exp(decay_rate_h + w_h·v_t/√D),
     at least GATE_FLOOR. With w = 0 (the start) that is the decay above; training lets a token clear the state
     (a large w·v) or keep it (a small one). `head_dim` (D) sizes w [H, D].
+    conv = K >= 2: before anything else, q, k and v (after RoPE) each pass through a short causal convolution over
+    the last K tokens, one learned filter per channel (`ops.conv`), started as the identity. It lets a layer mix a
+    token's neighbours into its query, key and value (with a decay, a head can then reach the token before, say,
+    which plain linear attention cannot single out). Generation keeps the last K-1 q, k and v beside the state.
     """
 
     def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int, window: int = 0,
-                 decay: bool = False, sink: int = 0, gate: bool = False, head_dim: int = 0):
+                 decay: bool = False, sink: int = 0, gate: bool = False, head_dim: int = 0, conv: int = 0):
         super().__init__()
+        if conv < 0 or conv == 1:
+            raise UserError(f"conv is a filter width of at least 2 tokens (0: none), got {conv}")
+        if conv and head_dim < 1:
+            raise UserError(f"a convolution filters every channel: give the head dimension (head_dim >= 1), "
+                            f"got {head_dim}")
         if gate and window:
             raise UserError(f"a gate is for pure linear attention: drop it or the {window}-token window")
         if gate and head_dim < 1:
@@ -76,12 +87,19 @@ class LinearAttention(nn.Module):
         self.gate = bool(gate)
         if self.gate:
             self.gate_weight = nn.Parameter(torch.zeros(num_heads, head_dim))                    # [H, D]
+        self.conv = int(conv)
+        if self.conv:   # [K, heads, D] each, weight[j] on the token j back: the identity to start
+            for name, heads in (("conv_q", num_heads), ("conv_k", num_kv_heads), ("conv_v", num_kv_heads)):
+                weight = torch.zeros(self.conv, heads, head_dim)
+                weight[0] = 1
+                self.register_parameter(name, nn.Parameter(weight))
         self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
 
     def extra_repr(self) -> str:
         return ", ".join(([f"window={self.window}"] if self.window else [])
                          + (["gate"] if self.gate else ["decay"] if self.decay else [])
-                         + ([f"sink={self.sink}"] if self.sink else []))
+                         + ([f"sink={self.sink}"] if self.sink else [])
+                         + ([f"conv={self.conv}"] if self.conv else []))
 
     def log_gates(self, v: torch.Tensor) -> torch.Tensor:
         """v [B, T, H, D] (on query heads) -> [B, T, H] float32: each token's log factor, in [GATE_FLOOR, 0]."""
@@ -99,6 +117,8 @@ class LinearAttention(nn.Module):
 
         With a `cache` (generation), the call continues from its state (and window of past keys) and updates it.
         """
+        if self.conv:
+            q, k, v = self.convolve(q, k, v, key_valid, cache)
         if cache is None:
             return self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, backend=backend)[0]
         if isinstance(cache, RingWindowLayer):
@@ -116,15 +136,28 @@ class LinearAttention(nn.Module):
                 k, v = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
                 key_valid = torch.cat([cache.key_valid, key_valid], 1)
         o, state = self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, cache.state, True, backend)
-        if (cache.state is not None and q.is_cuda and torch.cuda.is_current_stream_capturing()
-                and state.shape == cache.state.shape and state.dtype == cache.state.dtype):
-            cache.state.copy_(state)    # a CUDA graph being captured (engine.StaticDecoder): replays keep the buffer
-        else:
-            cache.state = state
+        keep_buffer(cache, "state", state)
         if self.window:
             keep = slice(max(k.shape[1] - self.window, 0), None)
             cache.keys, cache.values, cache.key_valid = k[:, keep], v[:, keep], key_valid[:, keep]
         return o
+
+    def convolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
+                 cache: LinearStateLayer | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v through their short convolutions (`ops.conv`), shapes kept. A padding token's inputs count as
+        zeros, so left padding looks like the start of a sequence. With a `cache`, its last K-1 inputs of each come
+        first, and this call's last K-1 take their place."""
+        if key_valid is not None:
+            keep = key_valid[:, :, None, None]
+            q, k, v = (x * keep.to(x.dtype) for x in (q, k, v))
+        names = ("conv_q", "conv_k", "conv_v")
+        out = []
+        for name, x in zip(names, (q, k, v)):
+            y, tail = short_conv(x, getattr(self, name), None if cache is None else getattr(cache, name))
+            if cache is not None:
+                keep_buffer(cache, name, tail)
+            out.append(y)
+        return tuple(out)
 
     def sink_step(self, q, k, v, key_valid, cache: LinearStateLayer, backend: str) -> torch.Tensor:
         """A cached call of a hybrid with a sink: the keys go in as [sink slots, cached window keys, new keys]. The
@@ -272,6 +305,17 @@ class LinearAttention(nn.Module):
                                 backend=backend, **decay)
 
 
+def keep_buffer(cache: LinearStateLayer, name: str, value: torch.Tensor) -> None:
+    """Store `value` as the cache's tensor `name`. While a CUDA graph is being captured (`engine.StaticDecoder`) it
+    is copied into the tensor already there, so that every replay reads and writes the same buffer."""
+    old = getattr(cache, name)
+    if (old is not None and value.is_cuda and torch.cuda.is_current_stream_capturing()
+            and value.shape == old.shape and value.dtype == old.dtype):
+        old.copy_(value)
+    else:
+        setattr(cache, name, value)
+
+
 def check_left_padding(key_valid: torch.Tensor) -> None:
     """A decay counts every position, padding included, so padding is exact only where it precedes every real token
     (the state before it holds nothing). UserError for a padding token after a real one among these keys (for a
@@ -311,11 +355,16 @@ class LinearStateLayer(CacheLayerMixin):
         self.sink_keys: torch.Tensor | None = None    # [B, S, Hkv, D]
         self.sink_values: torch.Tensor | None = None  # [B, S, Hkv, D]
         self.sink_valid: torch.Tensor | None = None   # [B, S] bool
+        # With a short convolution: the last K-1 inputs of q, k and v (zeros before the first token).
+        self.conv_q: torch.Tensor | None = None       # [B, K-1, H, D]
+        self.conv_k: torch.Tensor | None = None       # [B, K-1, Hkv, D]
+        self.conv_v: torch.Tensor | None = None       # [B, K-1, Hkv, D]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
 
-    TENSORS = ("state", "keys", "values", "key_valid", "sink_keys", "sink_values", "sink_valid")
+    TENSORS = ("state", "keys", "values", "key_valid", "sink_keys", "sink_values", "sink_valid", "conv_q", "conv_k",
+               "conv_v")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -349,6 +398,7 @@ class LinearStateLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.state = self.keys = self.values = self.key_valid = None
         self.sink_keys = self.sink_values = self.sink_valid = None
+        self.conv_q = self.conv_k = self.conv_v = None
         self.seen = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -379,6 +429,7 @@ class RingWindowLayer(LinearStateLayer):
         ring.is_initialized = layer.is_initialized
         ring.dtype, ring.device = getattr(layer, "dtype", None), getattr(layer, "device", None)
         ring.seen, ring.state, ring.position = layer.seen, layer.state.float().contiguous(), position
+        ring.conv_q, ring.conv_k, ring.conv_v = layer.conv_q, layer.conv_k, layer.conv_v
         B, n, Hkv, D = layer.keys.shape
         slots = torch.arange(layer.seen - n, layer.seen, device=layer.keys.device) % window
         ring.keys = layer.keys.new_zeros(B, window, Hkv, D).index_copy_(1, slots, layer.keys)

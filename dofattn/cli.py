@@ -192,6 +192,10 @@ class DistillArgs:
                              "projection of the token's value vector sets how much of the state it keeps, from all "
                              "to nothing, as in gated linear attention. Starts equal to --decay. Runs on the "
                              "PyTorch chunk op, on CUDA too")
+    conv: int = _opt(0, "pass each linear layer's q, k and v through a short causal convolution over the last K "
+                        "tokens (one learned filter per channel, started as the identity, trained in the "
+                        "end-to-end phase), as in Mamba or gated DeltaNet: a token's key and value can carry its "
+                        "neighbours'. Generation keeps K-1 more q, k and v per layer. 0: none; e.g. 4")
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
     keep_by: str = _opt("attn-dof", "which layers --keep-softmax keeps: attn-dof (the K whose attention matrices "

@@ -530,7 +530,8 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper",
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None,
-                 "cooldown_steps": 0, "lora_targets": "attention", "gate": False, "hidden_weight": 0.0}
+                 "cooldown_steps": 0, "lora_targets": "attention", "gate": False, "hidden_weight": 0.0,
+                 "conv": 0}
 # What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
 CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
                        "continue_from", "cooldown_steps", "hidden_weight")
@@ -702,6 +703,8 @@ def validate(args) -> None:
     if args.gate and args.window:
         raise UserError(f"--gate is for pure linear attention: add --window 0 (or drop --gate to keep the "
                         f"{args.window}-token window)")
+    if args.conv < 0 or args.conv == 1:
+        raise UserError(f"--conv is a filter width of at least 2 tokens (0: none), got {args.conv}")
     if args.dims == "linear-dof" and not args.window:
         raise UserError("--dims linear-dof counts the attention beyond a softmax window: give --window W >= 1, or "
                         "use --dims attn-dof for the whole attention")
@@ -954,7 +957,8 @@ def run(args) -> dict:
     kept = softmax_layers(args, num_layers, dof, attn_dof)
     log.softmax_layers = kept
     linearize(model, dims, args.feature, layers=[i for i in range(num_layers) if i not in kept], seed=args.seed,
-              window=args.window, head_dims=head_dims, decay=args.decay, sink=args.sink, gate=args.gate)
+              window=args.window, head_dims=head_dims, decay=args.decay, sink=args.sink, gate=args.gate,
+              conv=args.conv)
     if args.lora_rank:
         from dofattn.lora import add_lora
 
@@ -1003,7 +1007,8 @@ def run(args) -> dict:
                                                                 if hasattr(m, "dofattn")], args.seed,
                                fingerprint(model), window=args.window, lora_rank=args.lora_rank,
                                lora_alpha=float(args.lora_rank), lora_targets=args.lora_targets,
-                               head_dims=head_dims, decay=args.decay, sink=args.sink, gate=args.gate)
+                               head_dims=head_dims, decay=args.decay, sink=args.sink, gate=args.gate,
+                               conv=args.conv)
         save_student(model, out, config)
         timer = time.perf_counter()
         log.evaluation.update(evaluate_run(args, model, valid, dims))

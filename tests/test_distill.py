@@ -188,6 +188,28 @@ def test_direct_training_lowers_the_lm_loss(capsys, trained_llama, corpus, tmp_p
     assert log["evaluation"]["student_ppl"] == ppl_after  # the saved student is the trained one, bit for bit
 
 
+def test_conv_stays_the_identity_layerwise_and_trains_end_to_end(capsys, model_dirs, corpus, tmp_path):
+    """The layerwise losses compare the teacher's own q and k, so the filters keep their start there; the end-to-end
+    phase moves them, and the saved student carries them."""
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "--conv", "3", "--steps", "3",
+                                             "--then-direct-steps", "4", "--direct-lr", "1e-2", "--gate"))
+    assert code == 0, err
+    identity = torch.zeros(3, 1, 1)
+    identity[0] = 1
+    layer = load_file(str(layer_file(out, 1)))
+    assert torch.equal(layer["conv_k"], identity.expand_as(layer["conv_k"]))
+    config = json.loads((out / "dofattn.json").read_text())
+    assert config["conv"] == 3 and json.loads((out / "log.json").read_text())["args"]["conv"] == 3
+    saved = features(out)
+    for i in range(LAYERS):
+        for name in ("conv_q", "conv_k", "conv_v"):
+            weight = saved[f"model.layers.{i}.self_attn.dofattn.{name}"]
+            assert weight.shape[0] == 3 and (weight - identity).abs().max() > 1e-3, (i, name)
+    student, _, _ = load_student(out)
+    assert attention_modules(student)[0].dofattn.conv == 3
+
+
 # --- resuming -----------------------------------------------------------------------------------------------------
 
 def kill_when(cmd: list[str], ready, log: Path, timeout: float = 120.0) -> int:
@@ -300,6 +322,8 @@ def other_model_dims(folder: Path) -> Path:
     (["--sink", "4"], "give --window W >= 1 too"),
     (["--window", "8", "--sink", "4", "--decay"], "--sink and --decay do not combine"),
     (["--window", "8", "--gate"], "--gate is for pure linear attention: add --window 0"),
+    (["--conv", "1"], "--conv is a filter width of at least 2 tokens"),
+    (["--conv", "-4"], "--conv is a filter width of at least 2 tokens"),
     (["--time-limit", "-1"], "--time-limit must be >= 0 minutes"),
     (["--dof-repeats", "0"], "--dof-repeats must be between 1 and 8"),
     (["--direct-seq-len", "1"], "--direct-seq-len must be at least 2"),

@@ -121,3 +121,23 @@ def test_ring_step_equals_the_window_layer(window, prompt, decay):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
             position.add_(1)
     torch.testing.assert_close(ring.state, listed.state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [0, 4])
+def test_same_tokens_with_a_conv(window, device):
+    """A short convolution's last K-1 inputs ride in the cache beside the state (and the ring): on CUDA they are
+    captured in place like the state, so every replay reads the previous token's inputs."""
+    model = tiny_model("gpt_neox")
+    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=window, conv=3)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for module in attention_modules(model):
+            for name in ("conv_q", "conv_k", "conv_v"):
+                getattr(module.dofattn, name).normal_(0, 0.6, generator=g)
+    model.generation_config.eos_token_id = None
+    model = model.to(device)
+    prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(StaticDecoder(model).generate(prompt, 20), ref)

@@ -447,3 +447,94 @@ def test_window_decay_refuses_right_padding_in_a_model():
     mask[1, -2:] = 0
     with pytest.raises(UserError, match="needs left padding"), torch.no_grad():
         model(x, attention_mask=mask, use_cache=False)
+
+
+# --- short convolution on q, k, v -------------------------------------------------------------------------------------
+
+def set_convs(model, seed: int = 6) -> None:
+    """Move every filter off the identity (its start), with weight on the tokens before, so a test sees the mixing."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in attention_modules(model):
+            for name in ("conv_q", "conv_k", "conv_v"):
+                weight = getattr(module.dofattn, name)
+                weight.copy_(0.6 * torch.randn(weight.shape, generator=g))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conv_starts_as_no_conv(family):
+    model, plain = tiny_model(family), tiny_model(family)
+    linearize(model, dims=[9, 16, 5], seed=1, conv=4)
+    linearize(plain, dims=[9, 16, 5], seed=1)
+    layer = attention_modules(model)[0].dofattn
+    assert layer.conv_q.shape == (4, model.config.num_attention_heads, 16) and "conv=4" in repr(layer)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, use_cache=False).logits, plain(x, use_cache=False).logits)
+        set_convs(model)
+        assert not torch.allclose(model(x, use_cache=False).logits, plain(x, use_cache=False).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", ["pure", "gate", "window", "window+sink"])
+def test_conv_generation_matches_full_forward(family, variant):
+    """The cache carries the last K-1 inputs of q, k and v: 40 decode steps equal the full forward, beside a gate, a
+    window (whose cached keys are the filtered ones) and a sink."""
+    model = tiny_model(family)
+    window = 4 if "window" in variant else 0
+    linearize(model, dims=[9, 16, 5], feature="hedgehog", seed=1, conv=3, window=window, gate=variant == "gate",
+              sink=2 if "sink" in variant else 0)
+    set_convs(model)
+    if variant == "gate":
+        set_gates(model)
+    assert_40_steps_equal_the_full_forward(model, ids(batch=2, length=11, seed=1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conv_chunked_prefill_and_left_padding(family, tokenizer):
+    """Prefill in chunks of 5 continues the filters' inputs; left padding counts as the start of a sequence."""
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    linearize(model, dims=[6, 6, 6], seed=3, conv=4)
+    set_convs(model)
+    prompt = ids(2, 23, seed=6)
+    with torch.no_grad():
+        whole = model.generate(prompt, max_new_tokens=8, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0)
+        chunked = model.generate(prompt, max_new_tokens=8, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0, prefill_chunk_size=5)
+        torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(whole.logits), rtol=1e-4, atol=1e-4)
+        short, long = ids(1, 5, seed=3)[0], ids(1, 9, seed=4)[0]
+        single = model.generate(short[None], max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+        batch = torch.stack([torch.cat([torch.full((4,), 7), short]), long])
+        mask = (torch.arange(9) >= torch.tensor([[4], [0]])).long()
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                  output_logits=True, return_dict_in_generate=True)
+    torch.testing.assert_close(torch.stack(together.logits)[:, 0], torch.stack(single.logits)[:, 0], rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_conv_round_trips_and_refuses_bad_widths(tmp_path, model_dirs):
+    from dofattn.hf import load_model
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, dims=[5, 12, 7], seed=2, conv=4, gate=True)
+    set_convs(model)
+    x = ids()
+    with torch.no_grad():
+        logits = model(x, use_cache=False).logits
+    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), gate=True,
+                           conv=4)
+    folder = save_student(model, tmp_path / "s", config)
+    loaded, _, config = load_student(folder)
+    assert config.conv == 4 and attention_modules(loaded)[1].dofattn.conv == 4
+    with torch.no_grad():
+        assert torch.equal(loaded(x, use_cache=False).logits, logits)
+    for width in (1, -2):
+        with pytest.raises(UserError, match="filter width of at least 2 tokens"):
+            linearize(tiny_model("llama"), dims=[8, 8, 8], conv=width)
+    from dofattn.attention import LinearAttention
+
+    with pytest.raises(UserError, match="give the head dimension"):
+        LinearAttention(make_feature_map("prf", 4, 16, 8, 0.25), 4, 2, conv=4)
