@@ -37,6 +37,16 @@ def test_same_tokens_as_hf_generate(family, window, device):
     assert torch.equal(decoder.generate(prompt, 1), ref[:, :12])          # prefill only
 
 
+def assert_static_equals_hf(model, device: str) -> None:
+    """20 greedy tokens after an 11-token prompt (batch 2): the static decoder's equal HF generate's."""
+    model.generation_config.eos_token_id = None
+    model = model.to(device)
+    prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(StaticDecoder(model).generate(prompt, 20), ref)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("feature,decay,window", [("hedgehog", False, 0), ("prf", True, 0), ("hedgehog", True, 0),
                                                    ("prf", True, 4), ("prf", "gate", 0)])
@@ -54,12 +64,7 @@ def test_same_tokens_without_the_one_kernel_step(feature, decay, window, device)
                 module.dofattn.decay_rate.copy_(torch.linspace(0.5, -4, module.dofattn.num_heads))
                 if gate:   # and gates that differ from token to token
                     module.dofattn.gate_weight.normal_(0, 3, generator=torch.Generator().manual_seed(4))
-    model.generation_config.eos_token_id = None
-    model = model.to(device)
-    prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
-    with torch.no_grad():
-        ref = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
-    assert torch.equal(StaticDecoder(model).generate(prompt, 20), ref)
+    assert_static_equals_hf(model, device)
 
 
 def test_rows_are_cut_after_their_first_eos():
@@ -135,9 +140,4 @@ def test_same_tokens_with_a_conv(window, device):
         for module in attention_modules(model):
             for name in ("conv_q", "conv_k", "conv_v"):
                 getattr(module.dofattn, name).normal_(0, 0.6, generator=g)
-    model.generation_config.eos_token_id = None
-    model = model.to(device)
-    prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
-    with torch.no_grad():
-        ref = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
-    assert torch.equal(StaticDecoder(model).generate(prompt, 20), ref)
+    assert_static_equals_hf(model, device)

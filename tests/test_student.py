@@ -229,9 +229,12 @@ def test_resolve_dims(tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_chunked_prefill_continues_the_state(family):
+@pytest.mark.parametrize("conv", [0, 4])    # 4: the filters' last inputs carry over from chunk to chunk
+def test_chunked_prefill_continues_the_state(family, conv):
     model = tiny_model(family)
-    linearize(model, dims=[6, 6, 6], seed=3)
+    linearize(model, dims=[6, 6, 6], seed=3, conv=conv)
+    if conv:
+        set_convs(model)
     prompt = ids(2, 23, seed=6)
     with torch.no_grad():
         whole = model.generate(prompt, max_new_tokens=8, do_sample=False, output_logits=True,
@@ -491,24 +494,18 @@ def test_conv_generation_matches_full_forward(family, variant):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_conv_chunked_prefill_and_left_padding(family, tokenizer):
-    """Prefill in chunks of 5 continues the filters' inputs; left padding counts as the start of a sequence."""
+def test_conv_left_padding_is_the_start_of_a_sequence(family, tokenizer):
+    """A padding token's inputs count as zeros in the filters: a left-padded row generates as it does alone."""
     model = tiny_model(family)
     model.generation_config.eos_token_id = None
     linearize(model, dims=[6, 6, 6], seed=3, conv=4)
     set_convs(model)
-    prompt = ids(2, 23, seed=6)
+    short, long = ids(1, 5, seed=3)[0], ids(1, 9, seed=4)[0]
+    batch = torch.stack([torch.cat([torch.full((4,), 7), short]), long])
+    mask = (torch.arange(9) >= torch.tensor([[4], [0]])).long()
     with torch.no_grad():
-        whole = model.generate(prompt, max_new_tokens=8, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True, pad_token_id=0)
-        chunked = model.generate(prompt, max_new_tokens=8, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0, prefill_chunk_size=5)
-        torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(whole.logits), rtol=1e-4, atol=1e-4)
-        short, long = ids(1, 5, seed=3)[0], ids(1, 9, seed=4)[0]
         single = model.generate(short[None], max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
                                 return_dict_in_generate=True)
-        batch = torch.stack([torch.cat([torch.full((4,), 7), short]), long])
-        mask = (torch.arange(9) >= torch.tensor([[4], [0]])).long()
         together = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                                   output_logits=True, return_dict_in_generate=True)
     torch.testing.assert_close(torch.stack(together.logits)[:, 0], torch.stack(single.logits)[:, 0], rtol=1e-4,
