@@ -1,0 +1,49 @@
+"""benchmarks/conv_stats.py on a tiny student with set filters: taps and shares per layer and stream."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dofattn.student import StudentConfig, attention_modules, fingerprint, linearize, save_student
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("conv_stats", ROOT / "benchmarks" / "conv_stats.py")
+conv_stats = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(conv_stats)
+
+
+def student(tmp_path, model_dirs, conv=3) -> Path:
+    from dofattn.hf import load_model
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, dims=[5, 12, 7], seed=2, layers=[0, 2], conv=conv)
+    if conv:
+        with torch.no_grad():     # layer 2's keys: half on the token itself, a quarter on each of the two before
+            attention_modules(model)[2].dofattn.conv_k.copy_(torch.tensor([0.5, -0.25, 0.25])[:, None, None])
+    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model), conv=conv)
+    return save_student(model, tmp_path / "student", config)
+
+
+def test_taps_and_shares(tmp_path, model_dirs, monkeypatch, capsys):
+    folder = student(tmp_path, model_dirs)
+    out = tmp_path / "stats.json"
+    monkeypatch.setattr(sys, "argv", ["conv_stats", str(folder), "--out", str(out), "--plot",
+                                      str(tmp_path / "p.png")])
+    conv_stats.main()
+    rows = json.loads(out.read_text())["layers"]
+    assert [r["layer"] for r in rows] == [0, 2]
+    assert rows[0]["q"] == rows[0]["k"] == rows[1]["v"] == {"taps": [1.0, 0.0, 0.0], "earlier": 0.0}
+    assert rows[1]["k"] == {"taps": [0.5, 0.25, 0.25], "earlier": 0.5}
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert "layer  2" in capsys.readouterr().out
+
+
+def test_a_student_without_filters_is_refused(tmp_path, model_dirs, monkeypatch):
+    folder = student(tmp_path, model_dirs, conv=0)
+    monkeypatch.setattr(sys, "argv", ["conv_stats", str(folder)])
+    with pytest.raises(SystemExit, match="has no convolutions"):
+        conv_stats.main()
