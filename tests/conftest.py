@@ -74,6 +74,15 @@ def model_dirs(tmp_path_factory, tokenizer):
     return dirs
 
 
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A .txt file big enough for train blocks, validation blocks (its last 10%) and a DoF sample (32 x 256 tokens).
+    Shared by every test that reads it: none may write to it."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join([TEXT] * 60))
+    return path
+
+
 @pytest.fixture
 def text_file(tmp_path):
     path = tmp_path / "corpus.txt"

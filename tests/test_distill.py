@@ -26,7 +26,7 @@ from dofattn.dof import DofResult, LayerDof
 from dofattn.evaluate import perplexity, teacher_mode
 from dofattn.hf import load_model
 from dofattn.student import attention_modules, head_layout, is_student_tensor, linearize, load_student
-from tests.conftest import TEXT, tiny_model
+from tests.conftest import tiny_model
 
 LAYERS = 3  # every tiny model has 3 layers, 4 heads of 16 (llama: 2 kv heads)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
@@ -39,14 +39,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A .txt file big enough for train blocks, validation blocks (its last 10%) and a DoF sample (32 x 256)."""
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n".join([TEXT] * 60))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dofattn.student import StudentConfig, attention_modules, fingerprint, linearize, save_student
-from tests.conftest import TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gate_stats", ROOT / "benchmarks" / "gate_stats.py")
@@ -31,12 +30,10 @@ def gated_student(tmp_path, model_dirs, gate=True) -> Path:
     return save_student(model, tmp_path / "student", config)
 
 
-def test_rows_per_gated_layer(tmp_path, model_dirs, monkeypatch, capsys):
+def test_rows_per_gated_layer(tmp_path, model_dirs, corpus, monkeypatch, capsys):
     folder = gated_student(tmp_path, model_dirs)
-    data = tmp_path / "corpus.txt"
-    data.write_text("\n".join([TEXT] * 60))
     out = tmp_path / "stats.json"
-    monkeypatch.setattr(sys, "argv", ["gate_stats", str(folder), "--data", str(data), "--blocks", "2",
+    monkeypatch.setattr(sys, "argv", ["gate_stats", str(folder), "--data", str(corpus), "--blocks", "2",
                                       "--seq-len", "16", "--dtype", "float32", "--out", str(out)])
     gate_stats.main()
     rows = json.loads(out.read_text())["layers"]
@@ -53,11 +50,9 @@ def test_rows_per_gated_layer(tmp_path, model_dirs, monkeypatch, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
-def test_refuses_a_student_without_gates(tmp_path, model_dirs, monkeypatch):
+def test_refuses_a_student_without_gates(tmp_path, model_dirs, corpus, monkeypatch):
     folder = gated_student(tmp_path, model_dirs, gate=False)
-    data = tmp_path / "corpus.txt"
-    data.write_text("\n".join([TEXT] * 60))
-    monkeypatch.setattr(sys, "argv", ["gate_stats", str(folder), "--data", str(data), "--blocks", "1",
+    monkeypatch.setattr(sys, "argv", ["gate_stats", str(folder), "--data", str(corpus), "--blocks", "1",
                                       "--seq-len", "16", "--dtype", "float32"])
     with pytest.raises(SystemExit, match="no gated layers"):
         gate_stats.main()

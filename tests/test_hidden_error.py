@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 from dofattn.student import StudentConfig, fingerprint, linearize, save_student
-from tests.conftest import TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("hidden_error", ROOT / "benchmarks" / "hidden_error.py")
@@ -14,17 +13,15 @@ hidden_error = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hidden_error)
 
 
-def test_error_starts_at_the_linearized_layer(tmp_path, model_dirs, monkeypatch, capsys):
+def test_error_starts_at_the_linearized_layer(tmp_path, model_dirs, corpus, monkeypatch, capsys):
     from dofattn.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, dims=[6, 6, 6], seed=0, layers=[1])
     config = StudentConfig(str(model_dirs["llama"]), "prf", [6, 6, 6], [1], 0, fingerprint(model))
     folder = save_student(model, tmp_path / "student", config)
-    data = tmp_path / "corpus.txt"
-    data.write_text("\n".join([TEXT] * 60))
     out = tmp_path / "hidden.json"
-    monkeypatch.setattr(sys, "argv", ["hidden_error", str(folder), "--data", str(data), "--blocks", "2",
+    monkeypatch.setattr(sys, "argv", ["hidden_error", str(folder), "--data", str(corpus), "--blocks", "2",
                                       "--seq-len", "16", "--dtype", "float32", "--out", str(out)])
     hidden_error.main()
     (row,) = json.loads(out.read_text())["students"]

@@ -12,7 +12,7 @@ from dofattn.errors import UserError
 from dofattn.evaluate import teacher_mode
 from dofattn.lora import add_lora, lora_layers, lora_parameters, merge_lora
 from dofattn.student import linearize, load_student
-from tests.conftest import TEXT, tiny_model
+from tests.conftest import tiny_model
 
 pytest.importorskip("peft")
 
@@ -76,10 +76,8 @@ def test_adapters_on_a_bfloat16_model_are_float32_and_train():
     assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
 
 
-def distill_lora(capsys, model_dirs, tmp_path, *extra: str):
-    """A tiny Llama distilled with LoRA rank 2 and 4 end-to-end steps; its run folder and log."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join([TEXT] * 60))
+def distill_lora(capsys, model_dirs, corpus, tmp_path, *extra: str):
+    """A tiny Llama distilled with LoRA rank 2 and 4 end-to-end steps on `corpus`; its run folder and log."""
     out = tmp_path / "run"
     argv = ["distill", "--model", str(model_dirs["llama"]), "--data", str(corpus), "--out", str(out), "--device",
             "cpu", "--seq-len", "32", "--train-blocks", "8", "--batch-size", "2", "--direct-batch-size", "2",
@@ -91,8 +89,8 @@ def distill_lora(capsys, model_dirs, tmp_path, *extra: str):
     return out, log
 
 
-def test_distilled_lora_student_round_trip(capsys, model_dirs, tmp_path):
-    out, _ = distill_lora(capsys, model_dirs, tmp_path)
+def test_distilled_lora_student_round_trip(capsys, model_dirs, corpus, tmp_path):
+    out, _ = distill_lora(capsys, model_dirs, corpus, tmp_path)
     student, _, config = load_student(out)
     assert config.lora_rank == 2
     names = [n for n, _ in lora_parameters(student)]
@@ -105,14 +103,14 @@ def test_distilled_lora_student_round_trip(capsys, model_dirs, tmp_path):
     assert main(["generate", "--model", str(out), "--max-new-tokens", "3", "--device", "cpu"]) == 0
 
 
-def test_distilled_student_with_mlp_adapters_round_trip(capsys, model_dirs, tmp_path):
-    out, _ = distill_lora(capsys, model_dirs, tmp_path, "--lora-targets", "all")
+def test_distilled_student_with_mlp_adapters_round_trip(capsys, model_dirs, corpus, tmp_path):
+    out, _ = distill_lora(capsys, model_dirs, corpus, tmp_path, "--lora-targets", "all")
     student, _, config = load_student(out)
     assert config.lora_targets == "all"
     mlp = {n: p for n, p in lora_parameters(student) if ".mlp." in n}
     assert len(mlp) == 2 * 3 * 3 and any(p.abs().sum() > 0 for n, p in mlp.items() if "lora_B" in n)  # trained
     (tmp_path / "attention").mkdir()
-    attention_only, _ = distill_lora(capsys, model_dirs, tmp_path / "attention")
+    attention_only, _ = distill_lora(capsys, model_dirs, corpus, tmp_path / "attention")
     x = ids()
     with torch.no_grad():
         logits = student(x, use_cache=False).logits
@@ -124,12 +122,12 @@ def test_distilled_student_with_mlp_adapters_round_trip(capsys, model_dirs, tmp_
             torch.testing.assert_close(student(x, use_cache=False).logits, stock(x, use_cache=False).logits)
 
 
-def test_bfloat16_distillation_trains_and_saves_float32_tensors(capsys, model_dirs, tmp_path):
+def test_bfloat16_distillation_trains_and_saves_float32_tensors(capsys, model_dirs, corpus, tmp_path):
     from safetensors.torch import load_file
 
     from dofattn.student import WEIGHTS_FILE
 
-    out, _ = distill_lora(capsys, model_dirs, tmp_path, "--dtype", "bfloat16")
+    out, _ = distill_lora(capsys, model_dirs, corpus, tmp_path, "--dtype", "bfloat16")
     saved = load_file(str(out / WEIGHTS_FILE))
     lora = {n: t for n, t in saved.items() if ".lora_" in n}
     assert lora and all(t.dtype == torch.float32 for t in saved.values())

@@ -6,14 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_matrix_toy_scale(tmp_path, model_dirs):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join([TEXT] * 60))  # enough train text for the DoF sample (32 x 256 tokens)
+def test_matrix_toy_scale(tmp_path, model_dirs, corpus):
     out, table = tmp_path / "matrix.json", tmp_path / "matrix.md"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
