@@ -20,7 +20,7 @@ from pathlib import Path
 SHOWN = ("recipe", "data", "eval_data", "continue_from", "dims", "feature", "loss", "window", "keep_softmax",
          "keep_by", "progressive", "per_head", "lora_rank", "lora_targets", "steps", "then_direct_steps",
          "direct_seq_len", "direct_batch_size", "direct_blocks", "direct_lr", "cooldown_steps", "kd_weight",
-         "hidden_weight", "dof_repeats", "lam_auto", "decay", "decay_start", "gate", "conv", "sink",
+         "hidden_weight", "dof_repeats", "lam_auto", "decay", "decay_start", "gate", "conv", "conv_lr", "sink",
          "dtype")
 
 

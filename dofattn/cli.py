@@ -196,6 +196,9 @@ class DistillArgs:
                         "tokens (one learned filter per channel, started as the identity, trained in the "
                         "end-to-end phase), as in Mamba or gated DeltaNet: a token's key and value can carry its "
                         "neighbours'. Generation keeps K-1 more q, k and v per layer. 0: none; e.g. 4")
+    conv_lr: float | None = _opt(None, "Adam learning rate of the --conv filters in the end-to-end phase (default: "
+                                       "--direct-lr, at which they stay near the identity); the cooldown scales it "
+                                       "too")
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
     keep_by: str = _opt("attn-dof", "which layers --keep-softmax keeps: attn-dof (the K whose attention matrices "

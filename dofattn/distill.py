@@ -267,6 +267,20 @@ def feature_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if is_student_tensor(n) and p.requires_grad]
 
 
+CONV_FILTERS = (".conv_q", ".conv_k", ".conv_v")
+
+
+def direct_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float,
+                  conv_lr: float | None = None) -> tuple[list[str], list[dict]]:
+    """(names in the optimizer's order, Adam groups): everything at `lr`, and with `conv_lr` the `--conv` filters
+    in a group of their own at that rate. Each group keeps its rate as "base_lr" for the cooldown."""
+    own = [(n, p) for n, p in named if conv_lr is not None and n.endswith(CONV_FILTERS)]
+    rest = [(n, p) for n, p in named if not (conv_lr is not None and n.endswith(CONV_FILTERS))]
+    groups = [(rest, lr), (own, conv_lr)]
+    return ([n for part, _ in groups for n, _ in part],
+            [{"params": [p for _, p in part], "lr": rate, "base_lr": rate} for part, rate in groups if part])
+
+
 def direct_loss(model, ids: torch.Tensor, kd_weight: float, hidden_weight: float = 0.0) -> torch.Tensor:
     """Next-token cross-entropy of the student, plus kd_weight × KL(teacher ‖ student) per token, plus
     hidden_weight × `hidden_error` of the student's residual stream against the teacher's."""
@@ -440,11 +454,13 @@ def cooldown_lr(lr: float, step: int, steps: int, cooldown: int) -> float:
 
 def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, lr: float, kd_weight: float,
            seed: int, checkpoint_every: int, progress: bool = True, eval_blocks: torch.Tensor | None = None,
-           eval_every: int = 0, time_limit: float = 0.0, cooldown: int = 0, hidden_weight: float = 0.0) -> dict:
+           eval_every: int = 0, time_limit: float = 0.0, cooldown: int = 0, hidden_weight: float = 0.0,
+           conv_lr: float | None = None) -> dict:
     """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`.
 
     The loss is `direct_loss` (with `hidden_weight`, the residual streams' error too). The learning rate is `lr`,
-    and with `cooldown` > 0 it falls linearly over the last `cooldown` steps (`cooldown_lr`).
+    (`conv_lr` for the `--conv` filters, if given), and with `cooldown` > 0 each falls linearly over the last
+    `cooldown` steps (`cooldown_lr`).
 
     With `eval_every` > 0, the validation perplexity on `eval_blocks` is measured every that many steps (rank 0)
     and returned as `curve`: [{"step", "tokens", "ppl"}], tokens counting every process's training tokens.
@@ -455,10 +471,11 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
     named = feature_parameters(model)
     if not named:
         return {"steps": 0, "note": "no trainable feature parameters"}
-    names, params = [n for n, _ in named], [p for _, p in named]
+    names, groups = direct_groups(named, lr, conv_lr)
+    params = [p for group in groups for p in group["params"]]
     persistent = model.state_dict().keys()  # PRF key shifts move in training too; masks are fixed
     buffers = [(n, b) for n, b in model.named_buffers() if ".dofattn." in n and n in persistent]
-    optimizer = torch.optim.Adam(params, lr=lr)
+    optimizer = torch.optim.Adam(groups)
     ckpt = out / "direct"
     start_step, losses, curve = 0, [], []
     if (ckpt / "state.json").is_file():  # written last: it names a complete checkpoint folder
@@ -481,7 +498,7 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
         idx = torch.randint(len(blocks), (batch_size * size,), generator=gen)[rank::size]
         loss = direct_loss(model, blocks[idx].to(device), kd_weight, hidden_weight)
         for group in optimizer.param_groups:
-            group["lr"] = cooldown_lr(lr, step, steps, cooldown)
+            group["lr"] = cooldown_lr(group["base_lr"], step, steps, cooldown)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if size > 1:
@@ -531,7 +548,7 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None,
                  "cooldown_steps": 0, "lora_targets": "attention", "gate": False, "hidden_weight": 0.0,
-                 "conv": 0}
+                 "conv": 0, "conv_lr": None}
 # What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
 CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
                        "continue_from", "cooldown_steps", "hidden_weight")
@@ -705,6 +722,10 @@ def validate(args) -> None:
                         f"{args.window}-token window)")
     if args.conv < 0 or args.conv == 1:
         raise UserError(f"--conv is a filter width of at least 2 tokens (0: none), got {args.conv}")
+    if args.conv_lr is not None and not args.conv:
+        raise UserError("--conv-lr is the learning rate of the --conv filters: give --conv K too, or drop it")
+    if args.conv_lr is not None and not args.conv_lr > 0:
+        raise UserError(f"--conv-lr must be a learning rate > 0, got {args.conv_lr:g}")
     if args.dims == "linear-dof" and not args.window:
         raise UserError("--dims linear-dof counts the attention beyond a softmax window: give --window W >= 1, or "
                         "use --dims attn-dof for the whole attention")
@@ -999,7 +1020,8 @@ def run(args) -> dict:
         log.direct = direct(model, direct_train, out, direct_steps, args.direct_batch_size, args.direct_lr,
                             args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0,
                             eval_blocks=valid, eval_every=args.eval_every, time_limit=60 * args.time_limit,
-                            cooldown=args.cooldown_steps, hidden_weight=args.hidden_weight)
+                            cooldown=args.cooldown_steps, hidden_weight=args.hidden_weight,
+                            conv_lr=args.conv_lr)
         log.seconds["direct"] = round(time.perf_counter() - timer + (finished["seconds"].get("direct", 0)
                                                                         if finished else 0), 1)
     if rank == 0:

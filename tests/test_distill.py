@@ -202,6 +202,28 @@ def test_conv_stays_the_identity_layerwise_and_trains_end_to_end(capsys, model_d
     assert attention_modules(student)[0].dofattn.conv == 3
 
 
+def test_conv_lr_gives_the_filters_a_learning_rate_of_their_own(capsys, model_dirs, corpus, tmp_path):
+    """One end-to-end step from the same start: Adam's first step moves each weight by about its learning rate, so
+    the filters move about --conv-lr while everything else moves exactly as with the filters at --direct-lr."""
+    runs = {}
+    for name, more in (("plain", ()), ("same", ("--conv-lr", "1e-3")), ("fast", ("--conv-lr", "0.1"))):
+        runs[name] = tmp_path / name
+        code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, runs[name], "--conv", "3", "--steps",
+                                                 "2", "--then-direct-steps", "1", "--direct-lr", "1e-3", *more))
+        assert code == 0, err
+    plain, same, fast = (features(runs[n]) for n in ("plain", "same", "fast"))
+    identity = torch.zeros(3, 1, 1)
+    identity[0] = 1
+    for name, tensor in plain.items():
+        torch.testing.assert_close(same[name], tensor, rtol=0, atol=1e-7)
+        if name.endswith(("conv_q", "conv_k", "conv_v")):
+            moved = (fast[name] - identity).abs().max().item()
+            assert 0.05 < moved < 0.15 and (tensor - identity).abs().max().item() < 2e-3, (name, moved)
+        else:
+            torch.testing.assert_close(fast[name], tensor, rtol=0, atol=1e-7)
+    assert json.loads((runs["fast"] / "log.json").read_text())["args"]["conv_lr"] == 0.1
+
+
 # --- resuming -----------------------------------------------------------------------------------------------------
 
 def kill_when(cmd: list[str], ready, log: Path, timeout: float = 120.0) -> int:
@@ -316,6 +338,8 @@ def other_model_dims(folder: Path) -> Path:
     (["--window", "8", "--gate"], "--gate is for pure linear attention: add --window 0"),
     (["--conv", "1"], "--conv is a filter width of at least 2 tokens"),
     (["--conv", "-4"], "--conv is a filter width of at least 2 tokens"),
+    (["--conv-lr", "0.1"], "--conv-lr is the learning rate of the --conv filters: give --conv K"),
+    (["--conv", "4", "--conv-lr", "0"], "--conv-lr must be a learning rate > 0"),
     (["--time-limit", "-1"], "--time-limit must be >= 0 minutes"),
     (["--dof-repeats", "0"], "--dof-repeats must be between 1 and 8"),
     (["--direct-seq-len", "1"], "--direct-seq-len must be at least 2"),
