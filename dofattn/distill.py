@@ -274,9 +274,9 @@ def direct_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float,
                   conv_lr: float | None = None) -> tuple[list[str], list[dict]]:
     """(names in the optimizer's order, Adam groups): everything at `lr`, and with `conv_lr` the `--conv` filters
     in a group of their own at that rate. Each group keeps its rate as "base_lr" for the cooldown."""
-    own = [(n, p) for n, p in named if conv_lr is not None and n.endswith(CONV_FILTERS)]
-    rest = [(n, p) for n, p in named if not (conv_lr is not None and n.endswith(CONV_FILTERS))]
-    groups = [(rest, lr), (own, conv_lr)]
+    own = conv_lr is not None
+    groups = [([(n, p) for n, p in named if not (own and n.endswith(CONV_FILTERS))], lr),
+              ([(n, p) for n, p in named if own and n.endswith(CONV_FILTERS)], conv_lr)]
     return ([n for part, _ in groups for n, _ in part],
             [{"params": [p for _, p in part], "lr": rate, "base_lr": rate} for part, rate in groups if part])
 
