@@ -4,8 +4,11 @@
 
 A filter (`--conv K`, `attention.LinearAttention`) weighs the token itself by w_0 and the token j back by w_j, one
 filter per channel, started at w_0 = 1 and w_j = 0. For each layer and each of q, k and v this prints the mean over
-channels of |w_j| for every tap j, and the share of the filter's absolute weight that lies on earlier tokens,
-Σ_{j≥1} |w_j| / Σ_j |w_j| (0 at the start). It reads the student's saved tensors only; no model is loaded.
+channels of |w_j| for every tap j, the share of the filter's absolute weight that lies on earlier tokens,
+Σ_{j≥1} |w_j| / Σ_j |w_j| (0 at the start), and the signed mean of w_j over channels. A tap that moved the same way
+in every channel (a shared shape, such as a previous-token filter) has a signed mean as large as its mean |w_j|; one
+that drifted by noise, each channel its own sign, has a signed mean near 0. It reads the student's saved tensors
+only; no model is loaded.
 """
 
 from __future__ import annotations
@@ -25,18 +28,19 @@ NAME = re.compile(r"\.layers\.(\d+)\..*\.dofattn\.conv_([qkv])$")
 
 
 def filter_stats(weights: dict[str, torch.Tensor]) -> list[dict]:
-    """[{"layer", "q"|"k"|"v": {"taps": [mean |w_j| over channels], "earlier": share}}] from a student's tensors,
-    by layer."""
+    """[{"layer", "q"|"k"|"v": {"taps": [mean |w_j| over channels], "earlier": share, "signed": [mean w_j over
+    channels]}}] from a student's tensors, by layer."""
     layers: dict[int, dict] = {}
     for name, w in weights.items():
         match = NAME.search(name)
         if match is None:
             continue
-        taps = w.float().abs().flatten(1)                                    # [K, channels]
-        per_tap = taps.mean(1)
+        w = w.float().flatten(1)                                             # [K, channels]
+        taps = w.abs()
         layers.setdefault(int(match[1]), {})[match[2]] = {
-            "taps": [round(float(x), 4) for x in per_tap],
-            "earlier": round(float(taps[1:].sum() / taps.sum().clamp_min(1e-12)), 4)}
+            "taps": [round(float(x), 4) for x in taps.mean(1)],
+            "earlier": round(float(taps[1:].sum() / taps.sum().clamp_min(1e-12)), 4),
+            "signed": [round(float(x), 4) for x in w.mean(1)]}
     return [{"layer": i, **layers[i]} for i in sorted(layers)]
 
 
@@ -51,9 +55,10 @@ def main() -> None:
         raise SystemExit(f"{args.student} has no convolutions (distill it with --conv K)")
     rows = filter_stats(load_file(str(Path(args.student) / WEIGHTS_FILE)))
     print(f"{args.student}: conv {config.conv}; per layer, mean |w_j| over channels for j = 0..{config.conv - 1}, "
-          f"and the share of |w| on earlier tokens")
+          f"the share of |w| on earlier tokens, and [the signed mean w_j of the earlier taps]")
     for row in rows:
-        cells = [f"{s}: {' '.join(f'{x:.3f}' for x in row[s]['taps'])} ({row[s]['earlier']:.2f})" for s in STREAMS]
+        cells = [f"{s}: {' '.join(f'{x:.3f}' for x in row[s]['taps'])} ({row[s]['earlier']:.2f}) "
+                 f"[{' '.join(f'{x:+.3f}' for x in row[s]['signed'][1:])}]" for s in STREAMS]
         print(f"layer {row['layer']:2d}  " + "  ".join(cells))
     if args.out:
         Path(args.out).write_text(json.dumps({"student": args.student, "conv": config.conv, "layers": rows},

@@ -24,6 +24,8 @@ def student(tmp_path, model_dirs, conv=3) -> Path:
     if conv:
         with torch.no_grad():     # layer 2's keys: half on the token itself, a quarter on each of the two before
             attention_modules(model)[2].dofattn.conv_k.copy_(torch.tensor([0.5, -0.25, 0.25])[:, None, None])
+            conv_v = attention_modules(model)[2].dofattn.conv_v     # the tap before: +0.2 and -0.2 in turn
+            conv_v[1] = 0.2 * (1 - 2 * (torch.arange(conv_v.shape[-1]) % 2))
     config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model), conv=conv)
     return save_student(model, tmp_path / "student", config)
 
@@ -36,8 +38,9 @@ def test_taps_and_shares(tmp_path, model_dirs, monkeypatch, capsys):
     conv_stats.main()
     rows = json.loads(out.read_text())["layers"]
     assert [r["layer"] for r in rows] == [0, 2]
-    assert rows[0]["q"] == rows[0]["k"] == rows[1]["v"] == {"taps": [1.0, 0.0, 0.0], "earlier": 0.0}
-    assert rows[1]["k"] == {"taps": [0.5, 0.25, 0.25], "earlier": 0.5}
+    assert rows[0]["q"] == rows[0]["k"] == {"taps": [1.0, 0.0, 0.0], "earlier": 0.0, "signed": [1.0, 0.0, 0.0]}
+    assert rows[1]["v"] == {"taps": [1.0, 0.2, 0.0], "earlier": 0.1667, "signed": [1.0, 0.0, 0.0]}   # no shared shape
+    assert rows[1]["k"] == {"taps": [0.5, 0.25, 0.25], "earlier": 0.5, "signed": [0.5, -0.25, 0.25]}
     assert (tmp_path / "p.png").stat().st_size > 0
     assert "layer  2" in capsys.readouterr().out
 
