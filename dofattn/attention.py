@@ -34,6 +34,9 @@ DECAY_START = (8, 11)   # a decay starts at log γ_h from -2^-8 to -2^-11 over t
 GATE_FLOOR = -30.0      # a gate's log factor per token is at least this (e^-30: the state all but cleared)
 
 
+CONV_NAMES = ("conv_q", "conv_k", "conv_v")    # the --conv filters of q, k and v: parameters and cache tensors
+
+
 class LinearAttention(nn.Module):
     """One layer's causal linear attention with a learned (or fixed) feature map, optionally beside a softmax window.
 
@@ -150,9 +153,8 @@ class LinearAttention(nn.Module):
         if key_valid is not None:
             keep = key_valid[:, :, None, None]
             q, k, v = (x * keep.to(x.dtype) for x in (q, k, v))
-        names = ("conv_q", "conv_k", "conv_v")
         out = []
-        for name, x in zip(names, (q, k, v)):
+        for name, x in zip(CONV_NAMES, (q, k, v)):
             y, tail = short_conv(x, getattr(self, name), None if cache is None else getattr(cache, name))
             if cache is not None:
                 keep_buffer(cache, name, tail)

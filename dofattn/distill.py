@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from dofattn.attention import DECAY_START, LinearAttention
+from dofattn.attention import CONV_NAMES, DECAY_START, LinearAttention
 from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
@@ -267,16 +267,13 @@ def feature_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if is_student_tensor(n) and p.requires_grad]
 
 
-CONV_FILTERS = (".conv_q", ".conv_k", ".conv_v")
-
-
 def direct_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float,
                   conv_lr: float | None = None) -> tuple[list[str], list[dict]]:
     """(names in the optimizer's order, Adam groups): everything at `lr`, and with `conv_lr` the `--conv` filters
     in a group of their own at that rate. Each group keeps its rate as "base_lr" for the cooldown."""
-    own = conv_lr is not None
-    groups = [([(n, p) for n, p in named if not (own and n.endswith(CONV_FILTERS))], lr),
-              ([(n, p) for n, p in named if own and n.endswith(CONV_FILTERS)], conv_lr)]
+    filters = tuple("." + name for name in CONV_NAMES) if conv_lr is not None else ()
+    groups = [([(n, p) for n, p in named if not n.endswith(filters)], lr),
+              ([(n, p) for n, p in named if filters and n.endswith(filters)], conv_lr)]
     return ([n for part, _ in groups for n, _ in part],
             [{"params": [p for _, p in part], "lr": rate, "base_lr": rate} for part, rate in groups if part])
 
