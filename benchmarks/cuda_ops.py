@@ -10,6 +10,10 @@ timings of:
     triton_decay[_train]    the same with a per-head decay (log γ from -2^-4 to -2^-11 over the heads)
     chunk_decay[_train]     the decayed op in PyTorch (`ops.chunk`), what a decayed layer ran on CUDA before the
                             Triton kernels had a decay (up to --max-train-T)
+    triton_gate[_train]     the same with a gate (a log factor per token and head, -2^-4 to -2^-11 by head, times
+                            a random factor in [0.5, 1.5]: `log_gates`)
+    chunk_gate[_train]      the gated op in PyTorch (`ops.chunk`), what a gated layer ran on CUDA before the
+                            Triton kernels had a gate (up to --max-train-T)
     fla, fla_train          flash-linear-attention's chunk_linear_attn through `ops.fla` (if fla imports)
     window, window_train    the sliding-window hybrid (--window W tokens exact + the linear op beyond) in
                             dofattn's Triton kernels, forward / forward + backward
@@ -108,6 +112,12 @@ def log_decays(heads: int) -> torch.Tensor:
     return -torch.exp2(-torch.linspace(4, 11, heads, device="cuda"))
 
 
+def log_gates(T: int, heads: int) -> torch.Tensor:
+    """Log gates [1, T, H]: each head's `log_decays` value times a per-token factor in [0.5, 1.5]."""
+    g = torch.Generator(device="cuda").manual_seed(T)
+    return log_decays(heads) * (0.5 + torch.rand(1, T, heads, generator=g, device="cuda"))
+
+
 def exact_rows(q, M, repeats, precisions) -> dict:
     """The PRF feature map's forward (queries, one kernel) at the default projection precision for q's dtype
     (`fused.exact_precision`) and at each of `precisions`, with each one's largest difference from the default."""
@@ -183,6 +193,9 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
             log_decay = log_decays(heads)
             row["triton_decay"] = safe(lambda: linear_attention(phi_q, phi_k, v, backend="triton",
                                                                 log_decay=log_decay), repeats)
+            log_gate = log_gates(T, heads)
+            row["triton_gate"] = safe(lambda: linear_attention(phi_q, phi_k, v, backend="triton",
+                                                               log_gate=log_gate), repeats)
             try:
                 row["triton_graph"] = cuda_time(graphed(lambda: linear_attention(phi_q, phi_k, v, backend="triton")),
                                                 repeats)
@@ -194,9 +207,10 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
                 leaves = [x.detach().clone().requires_grad_() for x in (phi_q, phi_k, v)]
                 heads_layout = [x.detach().clone().requires_grad_() for x in (qh, kh, vh)]
 
-                def train(backend, log_decay=None):
+                def train(backend, log_decay=None, log_gate=None):
                     decay = None if log_decay is None else log_decay.clone().requires_grad_()
-                    o, _ = linear_attention(*leaves, backend=backend, log_decay=decay)
+                    gate = None if log_gate is None else log_gate.clone().requires_grad_()
+                    o, _ = linear_attention(*leaves, backend=backend, log_decay=decay, log_gate=gate)
                     o.float().sum().backward()
 
                 def sdpa_train():
@@ -208,6 +222,10 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
                 row["chunk_decay"] = safe(lambda: linear_attention(phi_q, phi_k, v, backend="chunk",
                                                                    log_decay=log_decay), repeats)
                 row["chunk_decay_train"] = safe(lambda: train("chunk", log_decay), repeats)
+                row["triton_gate_train"] = safe(lambda: train("triton", log_gate=log_gate), repeats)
+                row["chunk_gate"] = safe(lambda: linear_attention(phi_q, phi_k, v, backend="chunk",
+                                                                  log_gate=log_gate), repeats)
+                row["chunk_gate_train"] = safe(lambda: train("chunk", log_gate=log_gate), repeats)
                 if fla_available():
                     row["fla_train"] = safe(lambda: train("fla"), repeats)
             if window:

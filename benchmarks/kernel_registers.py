@@ -4,10 +4,10 @@
 
 Each kernel is compiled for sm_90 (Triton's own ptxas, `-v`) at the tile sizes and warps its launcher in
 `dofattn/ops/fused.py` uses for M features (bf16 inputs, head size 64; the tiles come from the launchers' own
-helpers; the scan with and without a decay), and with `--variants` also at other warps and exponent-dot precisions (for the window's exact part,
-"bf16" is the 16-bit dot it takes on bf16 inputs). A program that spills keeps part of its tiles in local memory:
-every chunk then reads them back through the cache, which is the usual reason a kernel is far from its memory
-floor. Registers are per thread (255 at most); spills are bytes per thread. No timing here:
+helpers; the scan with no decay, a decay and a gate), and with `--variants` also at other warps and exponent-dot
+precisions (for the window's exact part, "bf16" is the 16-bit dot it takes on bf16 inputs). A program that spills
+keeps part of its tiles in local memory: every chunk then reads them back through the cache, which is the usual
+reason a kernel is far from its memory floor. Registers are per thread (255 at most); spills are bytes per thread. No timing here:
 `benchmarks/cuda_ops.py` times on a GPU.
 """
 
@@ -88,16 +88,18 @@ def prf_features(M: int, precision: str, warps: int) -> dict:
     return ptxas_report(fused._prf_features, signature, constexprs, warps, 3)
 
 
-def block_scan(M: int, warps: int | None = None, chunk: int | None = None, decay: bool = False) -> dict:
+def block_scan(M: int, warps: int | None = None, chunk: int | None = None, decay: bool = False,
+               gate: bool = False) -> dict:
     """At the launch's chunk and warps, or at `chunk` and `warps` (always the launch's pipeline stages); with a
-    per-head decay or without."""
+    per-head decay, a gate or neither."""
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, ld_ptr=F32,
-                     T="i32", H="i32", K="i32", V="i32", delay="i32")
+                     lg_ptr=F32, T="i32", H="i32", K="i32", V="i32", delay="i32")
     BK = fused._pow2(M)
     launch_chunk, stages, launch_warps = fused._scan_launch(BK)
     constexprs = dict(L=1024, C=chunk or launch_chunk, BK=BK,
                       BV=fused._value_tile(min(64, fused.MAX_TILE // BK), tl.bfloat16),
-                      HAS_Z=True, REVERSE=False, NORMALIZE=True, DOT=tl.bfloat16, PREC="tf32", HAS_DECAY=decay)
+                      HAS_Z=True, REVERSE=False, NORMALIZE=True, DOT=tl.bfloat16, PREC="tf32", HAS_DECAY=decay,
+                      HAS_GATE=gate)
     return ptxas_report(fused._block_scan, signature, constexprs, warps or launch_warps, stages)
 
 
@@ -112,20 +114,21 @@ def main() -> int:
     rows = []
     for M in dims:             # as launched (bf16 inputs)
         chunk, stages, warps = fused._scan_launch(fused._pow2(M))
-        for decay in (False, True):
+        for decay, gate in ((False, False), (True, False), (False, True)):
             rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
-                         "decay": decay, **block_scan(M, decay=decay)})
+                         "decay": decay, "gate": gate, **block_scan(M, decay=decay, gate=gate)})
         for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
             rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": fused.PRF_WARPS,
                          **prf_features(M, precision, fused.PRF_WARPS)})
     rows.append({"kernel": "_window_exact", "M": "any", "precision": "bf16", "warps": fused.WINDOW_WARPS,
                  **window_exact("bf16", fused.WINDOW_WARPS)})
     if args.variants:
-        for M, chunk, warps, decay in itertools.product(dims, (32, 64), (4, 8), (False, True)):
+        for M, chunk, warps, (decay, gate) in itertools.product(dims, (32, 64), (4, 8),
+                                                                ((False, False), (True, False), (False, True))):
             if (chunk, warps) != tuple(fused._scan_launch(fused._pow2(M))[::2]):
                 rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk,
                              "stages": fused._scan_launch(fused._pow2(M))[1], "warps": warps, "decay": decay,
-                             "variant": True, **block_scan(M, warps, chunk, decay)})
+                             "gate": gate, "variant": True, **block_scan(M, warps, chunk, decay, gate)})
         for M, precision, warps in itertools.product(dims, ("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
             if precision != "bf16":          # the projection's directions are float32
                 rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": warps,
@@ -135,7 +138,7 @@ def main() -> int:
                          "variant": True, **window_exact(precision, warps)})
     for row in rows:
         print(f"{row['kernel']:>14} M={str(row['M']):<4} {row.get('precision', ''):>7} "
-              f"{'decay' if row.get('decay') else '':>5} "
+              f"{'decay' if row.get('decay') else 'gate' if row.get('gate') else '':>5} "
               f"{'C=' + str(row['chunk']) if 'chunk' in row else '':>4} warps={row['warps']:<2} "
               f"registers={row['registers']:<4} spill stores={row['spill_stores']:<5} loads={row['spill_loads']}",
               flush=True)

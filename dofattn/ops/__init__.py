@@ -20,9 +20,9 @@ Backends, all with the same signature and result (`naive.py` is the spec the oth
 
 A per-head decay (`log_decay` [H], see `naive.py`) runs on naive, chunk, recurrent and triton; auto picks as
 without one but never fla (triton on CUDA when it imports, else recurrent for T = 1 and chunk otherwise), and
-asking fla for a decay is a ValueError. A gate (`log_gate` [B, T, H], a decay per token) runs on naive, chunk and
-recurrent: auto picks recurrent for T = 1 and chunk otherwise, on CUDA too; asking triton or fla for one is a
-ValueError.
+asking fla for a decay is a ValueError. A gate (`log_gate` [B, T, H], a decay per token) runs on naive, chunk,
+recurrent and triton: auto picks as for a decay (triton on CUDA when it imports, else recurrent for T = 1 and chunk
+otherwise); asking fla for one is a ValueError.
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ def triton_available() -> bool:
 
 
 def triton_linear_attention(phi_q, phi_k, v, initial_state=None, output_final_state=False, normalize=True,
-                            log_decay=None):
+                            log_decay=None, log_gate=None):
     """`ops.fused.triton_linear_attention` (CUDA, Triton), imported on first use; RuntimeError without Triton."""
     fused, why = load_fused()
     if fused is None:
         raise RuntimeError(f"backend 'triton' needs the triton package, which did not import ({why}); "
                            f"use backend='chunk' instead")
-    return fused.triton_linear_attention(phi_q, phi_k, v, initial_state, output_final_state, normalize, log_decay)
+    return fused.triton_linear_attention(phi_q, phi_k, v, initial_state, output_final_state, normalize, log_decay,
+                                         log_gate)
 
 
 BACKENDS = {
@@ -76,7 +77,7 @@ __all__ = ["linear_attention", "naive_linear_attention", "chunk_linear_attention
 
 
 DECAY_BACKENDS = ("naive", "chunk", "recurrent", "triton")
-GATE_BACKENDS = ("naive", "chunk", "recurrent")
+GATE_BACKENDS = ("naive", "chunk", "recurrent", "triton")
 
 
 def pick_backend(phi_q: torch.Tensor, backend: str = "auto", decay: bool = False, gate: bool = False) -> str:
@@ -90,13 +91,11 @@ def pick_backend(phi_q: torch.Tensor, backend: str = "auto", decay: bool = False
         raise ValueError(f"backend {backend!r} has no gate; use one of {list(GATE_BACKENDS)} or 'auto'")
     if backend != "auto":
         return backend
-    if gate:
-        return "recurrent" if phi_q.shape[1] == 1 else "chunk"
     if phi_q.is_cuda and triton_available():
         return "triton"                                                 # T = 1 included: the one-kernel step
     if phi_q.shape[1] == 1:
         return "recurrent"
-    if phi_q.is_cuda and fla_available() and not decay:
+    if phi_q.is_cuda and fla_available() and not (decay or gate):
         return "fla"
     return "chunk"
 
