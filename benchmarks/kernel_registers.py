@@ -1,6 +1,7 @@
 """Registers and spills of dofattn's Triton kernels on an H100, read from ptxas without a GPU.
 
     python benchmarks/kernel_registers.py --out docs/results/kernel-registers.json
+    python benchmarks/kernel_registers.py --gate --out docs/results/kernel-registers-gate.json   # + the gate's kernels
 
 Each kernel is compiled for sm_90 (Triton's own ptxas, `-v`) at the tile sizes and warps its launcher in
 `dofattn/ops/fused.py` uses for M features (bf16 inputs, head size 64; the tiles come from the launchers' own
@@ -89,34 +90,62 @@ def prf_features(M: int, precision: str, warps: int) -> dict:
 
 
 def block_scan(M: int, warps: int | None = None, chunk: int | None = None, decay: bool = False,
-               gate: bool = False) -> dict:
+               gate: bool = False, reverse: bool = False) -> dict:
     """At the launch's chunk and warps, or at `chunk` and `warps` (always the launch's pipeline stages); with a
-    per-head decay, a gate or neither."""
+    per-head decay, a gate or neither; left to right (the forward) or right to left (the backward's scans)."""
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, ld_ptr=F32,
                      lg_ptr=F32, T="i32", H="i32", K="i32", V="i32", delay="i32")
     BK = fused._pow2(M)
-    launch_chunk, stages, launch_warps = fused._scan_launch(BK)
+    launch_chunk, stages, launch_warps = fused._scan_launch(BK, gate)
     constexprs = dict(L=1024, C=chunk or launch_chunk, BK=BK,
                       BV=fused._value_tile(min(64, fused.MAX_TILE // BK), tl.bfloat16),
-                      HAS_Z=True, REVERSE=False, NORMALIZE=True, DOT=tl.bfloat16, PREC="tf32", HAS_DECAY=decay,
-                      HAS_GATE=gate)
+                      HAS_Z=True, REVERSE=reverse, NORMALIZE=not reverse, DOT=tl.bfloat16, PREC="tf32",
+                      HAS_DECAY=decay, HAS_GATE=gate)
     return ptxas_report(fused._block_scan, signature, constexprs, warps or launch_warps, stages)
+
+
+def block_state(M: int, reverse: bool) -> dict:
+    """The gated scan's first kernel (each block's own state), as launched, in either direction."""
+    signature = dict(k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, ld_ptr=F32, lg_ptr=F32, T="i32", H="i32",
+                     K="i32", V="i32", delay="i32")
+    BK = fused._pow2(M)
+    chunk, stages, warps = fused._scan_launch(BK, True)
+    constexprs = dict(L=1024, C=chunk, BK=BK, BV=fused._value_tile(min(64, fused.MAX_TILE // BK), tl.bfloat16),
+                      HAS_Z=True, DOT=tl.bfloat16, PREC="tf32", HAS_DECAY=False, REVERSE=reverse, HAS_GATE=True)
+    return ptxas_report(fused._block_state, signature, constexprs, warps, stages)
+
+
+def decode_step(M: int) -> dict:
+    """The gated decode step (bf16 features, head size 64)."""
+    signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, s_out_ptr=F32, o_ptr=F32, ld_ptr=F32, H="i32",
+                     K="i32", V="i32")
+    constexprs = dict(BK=fused._pow2(M), BV=fused._pow2(65), NORMALIZE=True, HAS_DECAY=False, HAS_GATE=True)
+    return ptxas_report(fused._decode_step, signature, constexprs, 4, 3)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", default="64,128,256")
     parser.add_argument("--variants", action="store_true", help="also other warps and exponent-dot precisions")
+    parser.add_argument("--gate", action="store_true", help="also the gate's other kernels (backward scan, block "
+                        "states, decode step)")
     parser.add_argument("--out", default="kernel-registers.json")
     args = parser.parse_args()
     dims = [int(x) for x in args.dims.split(",")]
     half = fused.EXACT_HALF
     rows = []
     for M in dims:             # as launched (bf16 inputs)
-        chunk, stages, warps = fused._scan_launch(fused._pow2(M))
         for decay, gate in ((False, False), (True, False), (False, True)):
+            chunk, stages, warps = fused._scan_launch(fused._pow2(M), gate)
             rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
                          "decay": decay, "gate": gate, **block_scan(M, decay=decay, gate=gate)})
+        if args.gate:          # the gate's other kernels: the backward's scan and each block's state, both ways
+            rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
+                         "gate": True, "reverse": True, **block_scan(M, gate=True, reverse=True)})
+            for reverse in (False, True):
+                rows.append({"kernel": "_block_state", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
+                             "gate": True, "reverse": reverse, **block_state(M, reverse)})
+            rows.append({"kernel": "_decode_step", "M": M, "warps": 4, "gate": True, **decode_step(M)})
         for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
             rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": fused.PRF_WARPS,
                          **prf_features(M, precision, fused.PRF_WARPS)})
@@ -125,9 +154,9 @@ def main() -> int:
     if args.variants:
         for M, chunk, warps, (decay, gate) in itertools.product(dims, (32, 64), (4, 8),
                                                                 ((False, False), (True, False), (False, True))):
-            if (chunk, warps) != tuple(fused._scan_launch(fused._pow2(M))[::2]):
+            if (chunk, warps) != tuple(fused._scan_launch(fused._pow2(M), gate)[::2]):
                 rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk,
-                             "stages": fused._scan_launch(fused._pow2(M))[1], "warps": warps, "decay": decay,
+                             "stages": fused._scan_launch(fused._pow2(M), gate)[1], "warps": warps, "decay": decay,
                              "gate": gate, "variant": True, **block_scan(M, warps, chunk, decay, gate)})
         for M, precision, warps in itertools.product(dims, ("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
             if precision != "bf16":          # the projection's directions are float32
@@ -139,6 +168,7 @@ def main() -> int:
     for row in rows:
         print(f"{row['kernel']:>14} M={str(row['M']):<4} {row.get('precision', ''):>7} "
               f"{'decay' if row.get('decay') else 'gate' if row.get('gate') else '':>5} "
+              f"{'rev' if row.get('reverse') else '':>3} "
               f"{'C=' + str(row['chunk']) if 'chunk' in row else '':>4} warps={row['warps']:<2} "
               f"registers={row['registers']:<4} spill stores={row['spill_stores']:<5} loads={row['spill_loads']}",
               flush=True)

@@ -565,12 +565,14 @@ def _value_tile(BV: int, *dots) -> int:
     return max(BV, 64) if any(dot != tl.float32 for dot in dots) else BV
 
 
-def _scan_launch(BK: int) -> tuple[int, int, int]:
-    """(chunk, pipeline stages, warps) of the scan's kernels for a feature tile of BK. Wide tiles: shorter chunks
-    and no pipelining keep the chunk tiles inside shared memory (227 KB), and 8 warps spill a fifth to a half as
-    much (ptxas, sm_90)."""
+def _scan_launch(BK: int, gate: bool = False) -> tuple[int, int, int]:
+    """(chunk, pipeline stages, warps) of the scan's kernels for a feature tile of BK (with a gate or without).
+    Wide tiles: shorter chunks and no pipelining keep the chunk tiles inside shared memory (227 KB), and 8 warps
+    spill a fifth to a half as much (ptxas, sm_90). A gate adds C × C tiles (its pairs' spans and factors): at
+    chunks of 64 on 4 warps the gated scan spills 6–9 KB a thread, at chunks of 32 on 8 warps 0 (M = 64) or about
+    0.2 KB (M = 128) (`benchmarks/kernel_registers.py --gate`; not timed on a GPU yet)."""
     if BK <= 128:
-        return CHUNK, 2, 4
+        return (32, 2, 8) if gate else (CHUNK, 2, 4)
     return (32 if BK <= 256 else 16), 1, 8
 
 
@@ -623,7 +625,7 @@ def scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | N
     NB, NV = triton.cdiv(T, L), triton.cdiv(V, BV)
     f32 = dict(device=q.device, dtype=torch.float32)
     grid = (NB, B * H, NV)
-    C, stages, warps = _scan_launch(BK)
+    C, stages, warps = _scan_launch(BK, log_gate is not None)
     if S0 is not None:
         S0 = S0.float().contiguous()
     if log_decay is not None:
