@@ -116,21 +116,24 @@ def decay_leaf(H: int) -> torch.Tensor:
     return make_log_decay(H).to(DEVICE).requires_grad_()
 
 
+@pytest.mark.parametrize("kind", ["decay", "gate"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_decay_matches_naive(case):
-    """With a per-head decay: outputs, final state and the gradients of every input, log γ included."""
+def test_decay_and_gate_match_naive(case, kind):
+    """With a per-head decay or a gate: outputs, final state and the gradients of every input, log γ or the log
+    gates included."""
     B, T, H, M, V, with_state = case
     inputs = on_device(make_inputs(B, T, H, M, V, with_state))
-    ref_decay, tri_decay = decay_leaf(H), decay_leaf(H)
+    ref_leaf, tri_leaf = ((decay_leaf(H), decay_leaf(H)) if kind == "decay" else
+                          (gate_leaf(B, T, H), gate_leaf(B, T, H)))
     ref_o, ref_s, ref_grads = forward_backward(naive_linear_attention, *[x.double() if x is not None else None
-                                                                          for x in inputs], log_decay=ref_decay)
-    tri_o, tri_s, tri_grads = forward_backward(fused.triton_linear_attention, *inputs, log_decay=tri_decay)
+                                                                          for x in inputs], **{"log_" + kind: ref_leaf})
+    tri_o, tri_s, tri_grads = forward_backward(fused.triton_linear_attention, *inputs, **{"log_" + kind: tri_leaf})
     assert_close("o", ref_o, tri_o, RATIO)
     assert_close("ht", ref_s, tri_s, RATIO)
     for name in ref_grads:
         floor = ref_grads["dk"].norm().item() if (name == "dq" and M == 1) else 1e-8
         assert_close(name, ref_grads[name], tri_grads[name], RATIO, floor)
-    assert_close("dlog_decay", ref_decay.grad, tri_decay.grad, RATIO)
+    assert_close("dlog_" + kind, ref_leaf.grad, tri_leaf.grad, RATIO)
 
 
 def decayed_pairs(T: int, log_decay: torch.Tensor, reverse: bool) -> torch.Tensor:
@@ -146,15 +149,22 @@ def decayed_pairs(T: int, log_decay: torch.Tensor, reverse: bool) -> torch.Tenso
 def test_decay_scan_blocks_and_direction(block, reverse):
     """The raw decayed scan over several blocks (the last one partial), both directions, with and without the den:
     o_t = Σ γ^|t − s| (q_t·k_s) v_s."""
-    phi_q, phi_k, v, _ = on_device(make_inputs(2, 300, 3, 20, 24, with_state=False))
     log_decay = decay_leaf(3).detach()
-    A = torch.einsum("bthm,bshm->bhts", phi_q.double(), phi_k.double()) * decayed_pairs(300, log_decay, reverse)
+    check_weighted_scan(decayed_pairs(300, log_decay, reverse), reverse, block, log_decay=log_decay)
+
+
+def check_weighted_scan(weights: torch.Tensor, reverse: bool, block: int, **decay):
+    """The raw scan on [2, 300, 3] inputs against o_t = Σ_s w_ts (q_t·k_s) v_s and its den Σ_s w_ts q_t·k_s, with
+    weights [.., T, T] float64 that hold the causal mask, with the den and without; `decay`: the scan's log_decay
+    or log_gate."""
+    phi_q, phi_k, v, _ = on_device(make_inputs(2, 300, 3, 20, 24, with_state=False))
+    A = torch.einsum("bthm,bshm->bhts", phi_q.double(), phi_k.double()) * weights
     ref_o = torch.einsum("bhts,bshv->bthv", A, v.double())
     ref_d = A.sum(-1).transpose(1, 2)
-    o, d, _ = fused.scan(phi_q, phi_k, v, with_den=True, reverse=reverse, block=block, log_decay=log_decay)
+    o, d, _ = fused.scan(phi_q, phi_k, v, with_den=True, reverse=reverse, block=block, **decay)
     assert_close("o", ref_o, o, RATIO)
     assert_close("den", ref_d, d, RATIO)
-    o, d, _ = fused.scan(phi_q, phi_k, v, reverse=reverse, block=block, log_decay=log_decay)
+    o, d, _ = fused.scan(phi_q, phi_k, v, reverse=reverse, block=block, **decay)
     assert d is None
     assert_close("o", ref_o, o, RATIO)
 
@@ -201,36 +211,44 @@ def test_decay_limits_and_strong_decay_stay_finite():
         torch.testing.assert_close(o[0, :, 0], v[0, :, 0], rtol=1e-5, atol=1e-5)
 
 
-def test_decay_prefill_then_decode_steps():
-    """Decayed Triton prefill, then the one-kernel decode step with the decay, in place: the full naive run."""
+@pytest.mark.parametrize("kind", ["decay", "gate"])
+def test_decay_and_gate_prefill_then_decode_steps(kind):
+    """Decayed or gated Triton prefill, then the one-kernel decode step with the decay or each token's gate, in
+    place: the full naive run."""
     phi_q, phi_k, v, _ = on_device(make_inputs(2, 80, 3, 37, 16, with_state=False))
-    log_decay = decay_leaf(3).detach()
-    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, output_final_state=True, log_decay=log_decay)
+    log_decay, log_gate = decay_leaf(3).detach(), gate_leaf(2, 80, 3).detach()
+
+    def tokens(a: int, b: int) -> dict:              # the decay, or the gates of tokens a to b − 1
+        return {"log_decay": log_decay} if kind == "decay" else {"log_gate": log_gate[:, a:b]}
+
+    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, output_final_state=True, **tokens(0, 80))
     o, s = fused.triton_linear_attention(phi_q[:, :70], phi_k[:, :70], v[:, :70], output_final_state=True,
-                                         log_decay=log_decay)
+                                         **tokens(0, 70))
     outputs = [o]
     for t in range(70, 80):
         outputs.append(fused.triton_decode_step(phi_q[:, t:t + 1], phi_k[:, t:t + 1], v[:, t:t + 1], s, s,
-                                                log_decay=log_decay))
+                                                **tokens(t, t + 1)))
     assert_close("o", ref_o, torch.cat(outputs, 1), RATIO)
     assert_close("ht", ref_s, s, RATIO)
     with torch.no_grad():                              # T = 1 through the entry point: the same step, a new state
-        o1, s1 = fused.triton_linear_attention(phi_q[:, :1], phi_k[:, :1], v[:, :1], ref_s, True, log_decay=log_decay)
-    ref_o1, ref_s1 = naive_linear_attention(phi_q[:, :1], phi_k[:, :1], v[:, :1], ref_s, True, log_decay=log_decay)
+        o1, s1 = fused.triton_linear_attention(phi_q[:, :1], phi_k[:, :1], v[:, :1], ref_s, True, **tokens(0, 1))
+    ref_o1, ref_s1 = naive_linear_attention(phi_q[:, :1], phi_k[:, :1], v[:, :1], ref_s, True, **tokens(0, 1))
     assert_close("o1", ref_o1, o1, RATIO)
     assert_close("ht1", ref_s1, s1, RATIO)
 
 
+@pytest.mark.parametrize("kind", ["decay", "gate"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decay_half_inputs(dtype):
-    """16-bit inputs with a decay: the decayed keys go to 16 bits for the dots, sums and state stay float32."""
+def test_decay_and_gate_half_inputs(dtype, kind):
+    """16-bit inputs with a decay or a gate: the decayed keys go to 16 bits for the dots, sums and state stay
+    float32."""
     if not CUDA and dtype == torch.bfloat16:
         pytest.skip("Triton 3.6's interpreter gets bf16 dots wrong (off by 1e9 on a plain 16×16 product)")
     phi_q, phi_k, v, state = on_device(make_inputs(2, 150, 3, 64, 32))
-    log_decay = decay_leaf(3).detach()
-    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True, log_decay=log_decay)
+    decay = {"log_decay": decay_leaf(3).detach()} if kind == "decay" else {"log_gate": gate_leaf(2, 150, 3).detach()}
+    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True, **decay)
     o, s = fused.triton_linear_attention(phi_q.to(dtype), phi_k.to(dtype), v.to(dtype), state,
-                                         output_final_state=True, log_decay=log_decay)
+                                         output_final_state=True, **decay)
     assert o.dtype == dtype and s.dtype == torch.float32
     assert_close("o", ref_o, o, 2e-2)
     assert_close("ht", ref_s, s, 2e-2)
@@ -259,39 +277,13 @@ def gated_pairs(log_gate: torch.Tensor, reverse: bool) -> torch.Tensor:
     return torch.exp(spans) * keep
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_gate_matches_naive(case):
-    """With a gate: outputs, final state and the gradients of every input, the log gates included."""
-    B, T, H, M, V, with_state = case
-    inputs = on_device(make_inputs(B, T, H, M, V, with_state))
-    ref_gate, tri_gate = gate_leaf(B, T, H), gate_leaf(B, T, H)
-    ref_o, ref_s, ref_grads = forward_backward(naive_linear_attention, *[x.double() if x is not None else None
-                                                                          for x in inputs], log_gate=ref_gate)
-    tri_o, tri_s, tri_grads = forward_backward(fused.triton_linear_attention, *inputs, log_gate=tri_gate)
-    assert_close("o", ref_o, tri_o, RATIO)
-    assert_close("ht", ref_s, tri_s, RATIO)
-    for name in ref_grads:
-        floor = ref_grads["dk"].norm().item() if (name == "dq" and M == 1) else 1e-8
-        assert_close(name, ref_grads[name], tri_grads[name], RATIO, floor)
-    assert_close("dlog_gate", ref_gate.grad, tri_gate.grad, RATIO)
-
-
 @pytest.mark.parametrize("block", [64, 128, 256])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_gate_scan_blocks_and_direction(block, reverse):
     """The raw gated scan over several blocks (the last one partial), both directions, with and without the den:
     o_t = Σ exp(Σ_{span} g) (q_t·k_s) v_s, the spans' sums made here term by term."""
-    phi_q, phi_k, v, _ = on_device(make_inputs(2, 300, 3, 20, 24, with_state=False))
     log_gate = gate_leaf(2, 300, 3).detach()
-    A = torch.einsum("bthm,bshm->bhts", phi_q.double(), phi_k.double()) * gated_pairs(log_gate, reverse)
-    ref_o = torch.einsum("bhts,bshv->bthv", A, v.double())
-    ref_d = A.sum(-1).transpose(1, 2)
-    o, d, _ = fused.scan(phi_q, phi_k, v, with_den=True, reverse=reverse, block=block, log_gate=log_gate)
-    assert_close("o", ref_o, o, RATIO)
-    assert_close("den", ref_d, d, RATIO)
-    o, d, _ = fused.scan(phi_q, phi_k, v, reverse=reverse, block=block, log_gate=log_gate)
-    assert d is None
-    assert_close("o", ref_o, o, RATIO)
+    check_weighted_scan(gated_pairs(log_gate, reverse), reverse, block, log_gate=log_gate)
 
 
 @pytest.mark.parametrize("block", [64, 256])
@@ -345,43 +337,6 @@ def test_gate_limits_and_strong_gates_stay_finite():
             assert_close(name, ref_grads[name], grads[name], RATIO, floor)
         assert_close("dlog_gate", ref_gate.grad, gate.grad, RATIO)
     torch.testing.assert_close(o[0], v[0], rtol=1e-5, atol=1e-5)
-
-
-def test_gate_prefill_then_decode_steps():
-    """Gated Triton prefill, then the one-kernel decode step with each token's gate, in place: the full naive run."""
-    phi_q, phi_k, v, _ = on_device(make_inputs(2, 80, 3, 37, 16, with_state=False))
-    log_gate = gate_leaf(2, 80, 3).detach()
-    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, output_final_state=True, log_gate=log_gate)
-    o, s = fused.triton_linear_attention(phi_q[:, :70], phi_k[:, :70], v[:, :70], output_final_state=True,
-                                         log_gate=log_gate[:, :70])
-    outputs = [o]
-    for t in range(70, 80):
-        outputs.append(fused.triton_decode_step(phi_q[:, t:t + 1], phi_k[:, t:t + 1], v[:, t:t + 1], s, s,
-                                                log_gate=log_gate[:, t:t + 1]))
-    assert_close("o", ref_o, torch.cat(outputs, 1), RATIO)
-    assert_close("ht", ref_s, s, RATIO)
-    with torch.no_grad():                              # T = 1 through the entry point: the same step, a new state
-        o1, s1 = fused.triton_linear_attention(phi_q[:, :1], phi_k[:, :1], v[:, :1], ref_s, True,
-                                               log_gate=log_gate[:, :1])
-    ref_o1, ref_s1 = naive_linear_attention(phi_q[:, :1], phi_k[:, :1], v[:, :1], ref_s, True,
-                                            log_gate=log_gate[:, :1])
-    assert_close("o1", ref_o1, o1, RATIO)
-    assert_close("ht1", ref_s1, s1, RATIO)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gate_half_inputs(dtype):
-    """16-bit inputs with a gate: the gated keys go to 16 bits for the dots, sums and state stay float32."""
-    if not CUDA and dtype == torch.bfloat16:
-        pytest.skip("Triton 3.6's interpreter gets bf16 dots wrong (off by 1e9 on a plain 16×16 product)")
-    phi_q, phi_k, v, state = on_device(make_inputs(2, 150, 3, 64, 32))
-    log_gate = gate_leaf(2, 150, 3).detach()
-    ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True, log_gate=log_gate)
-    o, s = fused.triton_linear_attention(phi_q.to(dtype), phi_k.to(dtype), v.to(dtype), state,
-                                         output_final_state=True, log_gate=log_gate)
-    assert o.dtype == dtype and s.dtype == torch.float32
-    assert_close("o", ref_o, o, 2e-2)
-    assert_close("ht", ref_s, s, 2e-2)
 
 
 def test_gated_layer_trains_on_triton_as_on_chunk():
