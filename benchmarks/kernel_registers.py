@@ -8,8 +8,8 @@ Each kernel is compiled for sm_90 (Triton's own ptxas, `-v`) at the tile sizes a
 helpers; the scan with no decay, a decay and a gate), and with `--variants` also at other warps and exponent-dot
 precisions (for the window's exact part, "bf16" is the 16-bit dot it takes on bf16 inputs). A program that spills
 keeps part of its tiles in local memory: every chunk then reads them back through the cache, which is the usual
-reason a kernel is far from its memory floor. Registers are per thread (255 at most); spills are bytes per thread. No timing here:
-`benchmarks/cuda_ops.py` times on a GPU.
+reason a kernel is far from its memory floor. Registers are per thread (255 at most); spills are bytes per thread.
+No timing here: `benchmarks/cuda_ops.py` times on a GPU.
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ def main() -> int:
             rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
                          "decay": decay, "gate": gate, **block_scan(M, decay=decay, gate=gate)})
         if args.gate:          # the gate's other kernels: the backward's scan and each block's state, both ways
+            chunk, stages, warps = fused._scan_launch(fused._pow2(M), True)
             rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
                          "gate": True, "reverse": True, **block_scan(M, gate=True, reverse=True)})
             for reverse in (False, True):

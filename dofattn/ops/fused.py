@@ -818,7 +818,7 @@ def triton_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
     if log_decay is not None:
         log_decay = decay_log(log_decay, torch.float32)                # differentiable clamp to [-1e4, 0]
     if log_gate is not None:
-        log_gate = log_gate.float().clamp(-1e4, 0.0)                   # the same clamp, per token
+        log_gate = decay_log(log_gate, torch.float32)                  # the same clamp, per token
     tensors = (phi_q, phi_k, v, initial_state, log_decay, log_gate)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
     if phi_q.shape[1] == 1 and not grad:                              # decode: one kernel, a new state
@@ -857,7 +857,7 @@ def triton_decode_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor
     o = torch.empty(B, 1, H, V + (0 if normalize else 1), device=v.device, dtype=torch.float32)
     ld = o if log_decay is None else decay_log(log_decay, torch.float32).contiguous()
     if log_gate is not None:
-        ld = log_gate.float().clamp(-1e4, 0.0).contiguous()                                  # [B, 1, H]: b·H + h
+        ld = decay_log(log_gate, torch.float32).contiguous()                                 # [B, 1, H]: b·H + h
     _decode_step[(B * H,)](phi_q.contiguous(), phi_k.contiguous(), v.contiguous(), state, out_state, o, ld, H, K, V,
                            BK=_pow2(K), BV=_pow2(V + 1), NORMALIZE=normalize, HAS_DECAY=log_decay is not None,
                            HAS_GATE=log_gate is not None)

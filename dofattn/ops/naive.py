@@ -116,7 +116,7 @@ def suffix_sums(x: torch.Tensor) -> torch.Tensor:
 
 def gate_log(log_gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """log_gate [B, T, H] -> [B, H, T] in the compute dtype, clamped to [-1e4, 0] (as `decay_log`)."""
-    return log_gate.to(dtype).clamp(-1e4, 0.0).permute(0, 2, 1)
+    return decay_log(log_gate, dtype).permute(0, 2, 1)
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
