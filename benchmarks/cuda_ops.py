@@ -176,7 +176,9 @@ def launch_rows(phi_q, phi_k, v, repeats, launches) -> dict:
     return row
 
 
-def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisions=(), launches=()):
+def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisions=(), launches=(),
+        save=lambda result: None):
+    """Every row, timed in turn; `save` gets the result so far after each row, so a run cut short keeps them."""
     bandwidth = copy_bandwidth()
     rows = []
     for M in dims:
@@ -235,6 +237,7 @@ def run(dims, lengths, repeats, max_train_T, window=64, heads=12, V=64, precisio
             rows.append(row)
             print("\n" + " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                            for key, value in row.items()), flush=True)
+            save({"copy_bandwidth_bytes_per_s": bandwidth, "rows": rows})
             del phi_q, phi_k, q, k, v, qh, kh, vh
             torch.cuda.empty_cache()
     return {"copy_bandwidth_bytes_per_s": bandwidth, "rows": rows}
@@ -263,12 +266,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("cuda_ops.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    result = run([int(x) for x in args.dims.split(",")], [int(x) for x in args.lengths.split(",")], args.repeats,
-                 args.max_train_T, args.window, precisions=[p for p in args.exact.split(",") if p],
-                 launches=launches)
-    result["hardware"] = hardware("cuda")
-    result["command"] = " ".join(sys.argv)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    about = {"hardware": hardware("cuda"), "command": " ".join(sys.argv)}
+
+    def save(result):
+        Path(args.out).write_text(json.dumps({**result, **about}, indent=2))
+
+    save(run([int(x) for x in args.dims.split(",")], [int(x) for x in args.lengths.split(",")], args.repeats,
+             args.max_train_T, args.window, precisions=[p for p in args.exact.split(",") if p], launches=launches,
+             save=save))
     print(f"wrote {args.out}")
     return 0
 
