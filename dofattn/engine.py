@@ -64,7 +64,9 @@ class StaticDecoder:
         self.timings = None
         input_ids = input_ids.to(self.device)
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, use_cache=True, **cache_kwargs(self.model, cache)).logits[:, -1]
+        # the prompt's last logits only: all T of them would be [B, T, vocab] (3.2 GB at 32K tokens of SmolLM2)
+        logits = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
+                            **cache_kwargs(self.model, cache)).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)                                        # [B, 1], static from here on
         position = torch.full((B, 1), T, dtype=torch.long, device=self.device)        # [B, 1]
         cache_position = torch.full((1,), T, dtype=torch.long, device=self.device)    # [1]

@@ -37,6 +37,19 @@ def test_same_tokens_as_hf_generate(family, window, device):
     assert torch.equal(decoder.generate(prompt, 1), ref[:, :12])          # prefill only
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_prefill_keeps_only_the_last_logits(family):
+    """The prompt's logits for every position would be [B, T, vocab]: at 32K tokens of SmolLM2, 3.2 GB in bf16, more
+    than the state and the teacher's whole KV cache. The prefill asks for the last position's alone."""
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], feature="prf", seed=1)
+    shapes = []
+    model.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.logits.shape)))
+    prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))
+    StaticDecoder(model).generate(prompt, 3)
+    assert shapes == [(2, 1, 300)] * 3          # the prefill, then two steps of one token
+
+
 def assert_static_equals_hf(model, device: str) -> None:
     """20 greedy tokens after an 11-token prompt (batch 2): the static decoder's equal HF generate's."""
     model.generation_config.eos_token_id = None
