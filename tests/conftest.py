@@ -47,6 +47,19 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
 
 
+def pytest_runtest_logreport(report):
+    """With DOFATTN_TEST_LOG=FILE, each test's outcome and time (and a failure's text) go to FILE as they happen, so a
+    run stopped by a time limit (a GPU lease, say) still says which tests failed and why. Under xdist the controller
+    writes them, once."""
+    path = os.environ.get("DOFATTN_TEST_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or (report.passed and report.when != "call"):
+        return
+    with open(path, "a") as log:
+        log.write(f"{report.outcome.upper()} {report.nodeid} [{report.when}] {report.duration:.1f} s\n")
+        if report.failed:
+            log.write(report.longreprtext[-4000:] + "\n\n")
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()
