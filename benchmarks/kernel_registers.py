@@ -70,13 +70,15 @@ def ptxas_report(kernel, signature: dict, constexprs: dict, num_warps: int, num_
             "spill_loads": number(r"(\d+) bytes spill loads"), "stack": number(r"(\d+) bytes stack frame")}
 
 
-def window_exact(precision: str, warps: int) -> dict:
+def window_exact(precision: str, warps: int, sink: int = 0) -> dict:
     """The hybrid's exact part (its linear part is the scan, `block_scan`); it does not depend on M. precision
-    "bf16": its dots in bf16, as launched for bf16 inputs; else float32 dots at that precision."""
+    "bf16": its dots in bf16, as launched for bf16 inputs; else float32 dots at that precision. sink: the width of
+    its block of sink keys (0: none; 16 for up to 16 sink tokens)."""
     exact_dot = tl.bfloat16 if precision == "bf16" else tl.float32
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, ol_ptr=F32, den_ptr=F32, ls_ptr=F32, off_ptr=F32,
-                     valid_ptr=F32, o_ptr=BF16, lse_ptr=F32, T="i32", H="i32", D="i32", V="i32", scaling="fp32")
-    constexprs = dict(C=64, BD=64, BV=fused._value_tile(64, exact_dot), HAS_VALID=False, STORE_LSE=False,
+                     valid_ptr=F32, sink_ptr="*i32", o_ptr=BF16, lse_ptr=F32, T="i32", H="i32", D="i32", V="i32",
+                     scaling="fp32")
+    constexprs = dict(C=64, BD=64, BV=fused._value_tile(64, exact_dot), SB=sink, HAS_VALID=False, STORE_LSE=False,
                       EXACT_DOT=exact_dot, EXACT_PREC="tf32" if precision == "bf16" else precision)
     return ptxas_report(fused._window_exact, signature, constexprs, warps, 1)
 
@@ -150,8 +152,9 @@ def main() -> int:
         for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
             rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": fused.PRF_WARPS,
                          **prf_features(M, precision, fused.PRF_WARPS)})
-    rows.append({"kernel": "_window_exact", "M": "any", "precision": "bf16", "warps": fused.WINDOW_WARPS,
-                 **window_exact("bf16", fused.WINDOW_WARPS)})
+    for sink in (0, 16):
+        rows.append({"kernel": "_window_exact", "M": "any", "precision": "bf16", "warps": fused.WINDOW_WARPS,
+                     "sink": sink, **window_exact("bf16", fused.WINDOW_WARPS, sink)})
     if args.variants:
         for M, chunk, warps, (decay, gate) in itertools.product(dims, (32, 64), (4, 8),
                                                                 ((False, False), (True, False), (False, True))):
@@ -169,7 +172,7 @@ def main() -> int:
     for row in rows:
         print(f"{row['kernel']:>14} M={str(row['M']):<4} {row.get('precision', ''):>7} "
               f"{'decay' if row.get('decay') else 'gate' if row.get('gate') else '':>5} "
-              f"{'rev' if row.get('reverse') else '':>3} "
+              f"{'rev' if row.get('reverse') else 'sink' if row.get('sink') else '':>4} "
               f"{'C=' + str(row['chunk']) if 'chunk' in row else '':>4} warps={row['warps']:<2} "
               f"registers={row['registers']:<4} spill stores={row['spill_stores']:<5} loads={row['spill_loads']}",
               flush=True)

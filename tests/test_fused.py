@@ -667,7 +667,7 @@ def test_window_decay_matches_the_spec(case):
     assert_close("dlog_decay", ref_decay.grad, tri_decay.grad, RATIO, floor=1.0)
 
 
-@pytest.mark.parametrize("sink", [1, 4])
+@pytest.mark.parametrize("sink", [1, 4, 17])            # 17: a block of 32 sink columns
 @pytest.mark.parametrize("case", WINDOW_CASES[:5], ids=[f"T{c[1]}-M{c[4]}-W{c[6]}{'-pad' if c[7] else ''}"
                                                          f"{'-S0' if c[8] else ''}" for c in WINDOW_CASES[:5]])
 def test_window_sink_matches_the_spec(case, sink):
@@ -683,6 +683,20 @@ def test_window_sink_matches_the_spec(case, sink):
     if T > W + sink:                                   # the sink changes the result where it lies beyond the window
         plain, _ = fused.window_forward(*args, 0.3, W, key_valid, state)
         assert (plain[rows] - o[rows]).abs().max() > 1e-3
+
+
+def test_sink_positions():
+    """Each row's sink positions in order, then −1, in a block of at least 16 columns; None when no row has one."""
+    mask = torch.zeros(3, 40, dtype=torch.bool)
+    mask[0, :4] = True
+    mask[1, 30:33] = True                               # a left-padded row: its first real keys
+    pos = fused.sink_positions(mask)
+    assert pos.dtype == torch.int32 and pos.shape == (3, 16)
+    assert pos[0, :5].tolist() == [0, 1, 2, 3, -1] and pos[1, :4].tolist() == [30, 31, 32, -1]
+    assert (pos[2] == -1).all() and (pos[:, 4:] == -1).all()
+    mask[2] = True
+    assert fused.sink_positions(mask).shape == (3, 64)
+    assert fused.sink_positions(torch.zeros(2, 9, dtype=torch.bool)) is None
 
 
 def test_window_sink_with_exponents_near_200():

@@ -45,7 +45,8 @@ plus the states' terms (`gated_scan_grads`).
 
 The hybrid (window W) runs the linear part as the scan above on the keys delayed by W (read in place, W rows back;
 the backward builds delayed copies), then `_window_exact` adds, per chunk of W queries, exact softmax logits
-against the raw keys of the chunk and the one before; the two parts are combined per row in log space.
+against the raw keys of the chunk and the one before (and an attention sink's few keys, when there is one); the
+parts are combined per row in log space.
 Its backward (`WindowHybrid`) keeps each row's log total mass from the forward: the exact part's gradients come
 from one banded kernel that recomputes its weights (`_window_exact_backward`), and the linear part's are the scans
 above on the delayed keys, with the upstream gradient scaled per row by its share of the mass.
@@ -407,14 +408,17 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
 
 
 @triton.jit
-def _window_exact(q_ptr, k_ptr, v_ptr, ol_ptr, den_ptr, ls_ptr, off_ptr, valid_ptr, o_ptr, lse_ptr, T, H, D, V,
-                  scaling, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, HAS_VALID: tl.constexpr,
-                  STORE_LSE: tl.constexpr, EXACT_DOT: tl.constexpr, EXACT_PREC: tl.constexpr):
+def _window_exact(q_ptr, k_ptr, v_ptr, ol_ptr, den_ptr, ls_ptr, off_ptr, valid_ptr, sink_ptr, o_ptr, lse_ptr, T, H,
+                  D, V, scaling, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, SB: tl.constexpr,
+                  HAS_VALID: tl.constexpr, STORE_LSE: tl.constexpr, EXACT_DOT: tl.constexpr,
+                  EXACT_PREC: tl.constexpr):
     """The hybrid's forward for query chunk j of C = W tokens, once its linear part is done: query t takes exact
     softmax weights exp(scaling·q_t·k_s) for s in (t − C, t] and the linear part's mass exp(log den_t + shift_t)
     with its output ol_t (= num_t / den_t, the scan on the keys delayed by C: ol_ptr [B, T, H, V], den_ptr
-    [B, T, H]) in one normalisation (shift_t = q_log_scale_t + log_offset_h). With STORE_LSE each row's log total
-    mass (−inf for a row with no key) goes to lse_ptr [B, T, H], for the backward."""
+    [B, T, H]) in one normalisation (shift_t = q_log_scale_t + log_offset_h). With SB > 0, an attention sink: the
+    keys at positions sink_ptr [B, SB] (int32, −1: none; out of the linear part) are exact for every query at
+    least C after them too (those nearer are in the band already). With STORE_LSE each row's log total mass (−inf
+    for a row with no key) goes to lse_ptr [B, T, H], for the backward."""
     j, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     od, ov, oc = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, C)
@@ -431,21 +435,39 @@ def _window_exact(q_ptr, k_ptr, v_ptr, ol_ptr, den_ptr, ls_ptr, off_ptr, valid_p
     shift = tl.load(ls_ptr + row0 + rows.to(tl.int64) * H, mask=mr, other=0.0) + tl.load(off_ptr + h)
     has_lin = den > 0
     lam = tl.where(has_lin, tl.log(tl.maximum(den, 1.1754943508222875e-38)) + shift, float("-inf"))
-    # one key chunk at a time with a running max (m: −inf while a row has no key; s: m or 0): the raw keys of the
-    # previous chunk (s > t − C), then of this one (s ≤ t)
+    # one key block at a time with a running max (m: −inf while a row has no key; s: m or 0): the sink keys
+    # beyond the band, the raw keys of the previous chunk (s > t − C), then of this one (s ≤ t)
     qc = tl.load(q_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
                  mask=mr[:, None] & md[None, :], other=0.0).to(EXACT_DOT)                       # [C, BD]
+    if SB > 0:
+        sink = tl.load(sink_ptr + b.to(tl.int64) * SB + tl.arange(0, SB))                       # [SB] positions
+        ms = sink >= 0
+        kx = tl.load(k_ptr + (row0 + sink[:, None].to(tl.int64) * H) * D + od[None, :],
+                     mask=ms[:, None] & md[None, :], other=0.0).to(EXACT_DOT)                   # [SB, BD]
+        logits = scaling * tl.dot(qc, tl.trans(kx), input_precision=EXACT_PREC)                # [C, SB]
+        logits = tl.where(ms[None, :] & (sink[None, :] <= rows[:, None] - C), logits, float("-inf"))
+        m_sink = tl.maximum(tl.max(logits, 1), lam)
+        s_sink = tl.where(m_sink == float("-inf"), 0.0, m_sink)
+        p = tl.exp(logits - s_sink[:, None])
+        vx = tl.load(v_ptr + (row0 + sink[:, None].to(tl.int64) * H) * V + ov[None, :],
+                     mask=ms[:, None] & mv[None, :], other=0.0).to(EXACT_DOT)
+        acc = tl.dot(p.to(EXACT_DOT), vx, input_precision=EXACT_PREC)                           # [C, BV]
+        total = tl.sum(p, 1)
+    else:
+        m_sink, s_sink = lam, tl.where(lam == float("-inf"), 0.0, lam)
+        acc, total = tl.zeros([C, BV], dtype=tl.float32), tl.zeros([C], dtype=tl.float32)
     kx = tl.load(k_ptr + (row0 + prev[:, None].to(tl.int64) * H) * D + od[None, :],
                  mask=mp[:, None] & md[None, :], other=0.0).to(EXACT_DOT)
     logits = scaling * tl.dot(qc, tl.trans(kx), input_precision=EXACT_PREC)                    # [C, C]
     logits = tl.where((oc[None, :] > oc[:, None]) & vp[None, :], logits, float("-inf"))
-    m_prev = tl.maximum(tl.max(logits, 1), lam)
+    m_prev = tl.maximum(tl.max(logits, 1), m_sink)
     s_prev = tl.where(m_prev == float("-inf"), 0.0, m_prev)
+    alpha = tl.where(m_sink == float("-inf"), 0.0, tl.exp(s_sink - s_prev))                    # acc, total are 0
     p = tl.exp(logits - s_prev[:, None])
     vx = tl.load(v_ptr + (row0 + prev[:, None].to(tl.int64) * H) * V + ov[None, :],
                  mask=mp[:, None] & mv[None, :], other=0.0).to(EXACT_DOT)
-    acc = tl.dot(p.to(EXACT_DOT), vx, input_precision=EXACT_PREC)                               # [C, BV]
-    total = tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(EXACT_DOT), vx, input_precision=EXACT_PREC)        # [C, BV]
+    total = total * alpha + tl.sum(p, 1)
     kx = tl.load(k_ptr + (row0 + rows[:, None].to(tl.int64) * H) * D + od[None, :],
                  mask=mr[:, None] & md[None, :], other=0.0).to(EXACT_DOT)
     logits = scaling * tl.dot(qc, tl.trans(kx), input_precision=EXACT_PREC)
@@ -942,10 +964,10 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
     v.dtype and the state of every key but the last `window` (float32) if output_final_state, else None.
     Gradients reach every floating input from both outputs (`WindowHybrid`).
 
-    A sink is a third part beside the kernels' two: the hybrid runs with the sink keys out of its linear part and
-    returns each row's log-mass, and the sink keys beyond the window (a few columns: O(T·S)) are mixed in by that
-    mass in PyTorch (`ops.window.sink_softmax`, `ops.window.mix_parts`), so gradients reach the hybrid through its
-    output and its log-mass.
+    A sink is a third block of keys in the exact part's kernel: the sink keys (at most a few per row) are out of
+    the linear part, and each chunk of queries takes exact weights for those at least W before it, in the same
+    normalisation (`sink_positions`). Their gradients come from the same row log-mass, in PyTorch
+    (`sink_grads`: O(T·S)).
     """
     if window not in WINDOWS or k.shape[1] != q.shape[1]:
         raise ValueError(f"window_forward takes windows {WINDOWS} and as many keys as queries; got window {window}, "
@@ -955,21 +977,56 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
     S0 = None if initial_state is None else initial_state.float().contiguous()
     if log_decay is not None:
         log_decay = decay_log(log_decay, torch.float32)                # differentiable clamp to [-1e4, 0]
-    from dofattn.ops.window import _and, mix_parts, sink_softmax
-
-    linear_valid = key_valid if sink_mask is None else _and(key_valid, ~sink_mask)
-    o, final, lse = WindowHybrid.apply(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid,
-                                       float(scaling), window, output_final_state, block, log_decay,
-                                       sink_mask is not None)
-    if sink_mask is None:
-        return o, final
-    sink = sink_softmax(q.float(), k, v, float(scaling), window, _and(key_valid, sink_mask))
-    o = mix_parts([(o.float(), lse, torch.isfinite(lse)), sink])
-    return o.to(v.dtype), final
+    linear_valid, sink_pos = key_valid, None
+    if sink_mask is not None:
+        sink_mask = sink_mask if key_valid is None else sink_mask & key_valid
+        linear_valid = ~sink_mask if key_valid is None else key_valid & ~sink_mask
+        sink_pos = sink_positions(sink_mask)
+    o, final = WindowHybrid.apply(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid,
+                                  sink_pos, float(scaling), window, output_final_state, block, log_decay)
+    return o, final
 
 
-def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, scaling: float,
-                   window: int, output_final_state: bool, block: int | None, store_lse: bool, log_decay=None):
+def sink_positions(sink_mask: torch.Tensor) -> torch.Tensor | None:
+    """[B, T] bool -> int32 [B, SB]: each row's sink positions in order, then −1; SB a power of two ≥ 16 (a dot's
+    smallest side). None if no row has a sink key. Reads the largest count per row on the host (one sync)."""
+    count = int(sink_mask.sum(1).max()) if sink_mask.numel() else 0
+    if count == 0:
+        return None
+    B, T = sink_mask.shape
+    where = torch.where(sink_mask, torch.arange(T, device=sink_mask.device), T)
+    first = where.topk(count, dim=1, largest=False).values                      # sorted, T where a row has fewer
+    pos = torch.full((B, max(16, _pow2(count))), -1, dtype=torch.int32, device=sink_mask.device)
+    pos[:, :count] = torch.where(first < T, first, -1)
+    return pos
+
+
+def sink_grads(q, k, v, g_o, lse, delta, sink_pos, scaling: float, window: int):
+    """The sink keys' part of the hybrid's backward, in float32: their weights p_ts = exp(scaling·q_t·k_s − lse_t)
+    (s a sink position at least W before t) give ∂v_s = Σ_t p_ts ∂o_t and, with ∂logit_ts = p_ts (∂o_t·v_s −
+    delta_t), ∂q_t = scaling Σ_s ∂logit_ts k_s and ∂k_s = scaling Σ_t ∂logit_ts q_t. Returns (∂q [B, T, H, D],
+    ∂k and ∂v of the sink keys [B, SB, H, *], their positions with −1 as 0, their validity [B, SB])."""
+    T = q.shape[1]
+    valid = sink_pos >= 0
+    pos = sink_pos.long().clamp_min(0)                                                       # [B, SB]
+    ks = k.float().gather(1, pos[:, :, None, None].expand(-1, -1, *k.shape[2:]))             # [B, SB, H, D]
+    vs = v.float().gather(1, pos[:, :, None, None].expand(-1, -1, *v.shape[2:]))
+    t = torch.arange(T, device=q.device)
+    mask = valid[:, None, :] & (pos[:, None, :] <= t[None, :, None] - window)                # [B, T, SB]
+    logits = scaling * torch.einsum("bthd,bshd->bths", q.float(), ks)                        # [B, T, H, SB]
+    lse = lse[..., None]
+    p = torch.where(mask[:, :, None, :] & torch.isfinite(lse), torch.exp(logits - torch.where(
+        torch.isfinite(lse), lse, 0)), 0.0)
+    dv = torch.einsum("bths,bthv->bshv", p, g_o)
+    d_logit = p * (torch.einsum("bthv,bshv->bths", g_o, vs) - delta[..., None])
+    dq = scaling * torch.einsum("bths,bshd->bthd", d_logit, ks)
+    dk = scaling * torch.einsum("bths,bthd->bshd", d_logit, q.float())
+    return dq, dk, dv, pos, valid
+
+
+def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, sink_pos,
+                   scaling: float, window: int, output_final_state: bool, block: int | None, store_lse: bool,
+                   log_decay=None):
     """The forward: the linear part is the scan with its keys and values delayed by W (read in place, `delay`),
     normalised, float32, decayed by position (so key s reaches t as γ^(t − W − s), and S0 as γ^(t+1)); then
     `_window_exact` adds the exact part per chunk of W queries. Returns (o in v.dtype, final state or None, row
@@ -978,7 +1035,8 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
     Two kernels, not one: a kernel that kept the linear state in registers beside the exact part's tiles spilled
     registers (ptxas, sm_90), and the linear output's round trip through memory costs less than the scan's own
     reads of φq and φk. key_valid masks the exact part's keys, linear_valid the linear part's (padding, and the
-    sink keys when there is a sink)."""
+    sink keys when there is a sink); sink_pos (int32 [B, SB] or None, `sink_positions`) the exact part's sink
+    keys."""
     B, T, H, D = q.shape
     V = v.shape[-1]
     if linear_valid is not None:                  # padding (and sink) keys add nothing to the linear part
@@ -991,46 +1049,44 @@ def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid
     valid = den if key_valid is None else key_valid.contiguous()
     _window_exact[(triton.cdiv(T, window), B * H)](
         q.contiguous(), k.contiguous(), v.contiguous(), o_lin, den, q_log_scale.float().contiguous(),
-        log_offset.float().contiguous(), valid, o, lse, T, H, D, V, float(scaling), C=window, BD=_pow2(D),
-        BV=_value_tile(_pow2(V), exact_dot), HAS_VALID=key_valid is not None, STORE_LSE=store_lse,
+        log_offset.float().contiguous(), valid, den if sink_pos is None else sink_pos, o, lse, T, H, D, V,
+        float(scaling), C=window, BD=_pow2(D), BV=_value_tile(_pow2(V), exact_dot),
+        SB=0 if sink_pos is None else sink_pos.shape[1], HAS_VALID=key_valid is not None, STORE_LSE=store_lse,
         EXACT_DOT=exact_dot, EXACT_PREC=EXACT if exact_dot == tl.float32 else "tf32", num_warps=WINDOW_WARPS)
     return o, final, (lse if store_lse else None)
 
 
 class WindowHybrid(torch.autograd.Function):
-    """The Triton hybrid with its backward. Outputs o, the final state (or None) and, when asked for (a sink is
-    mixed in after it), the row log-mass lse over both parts (else None). With delta = ∂o·o − ∂lse:
+    """The Triton hybrid with its backward. Outputs o and the final state (or None); the forward keeps each row's
+    log total mass lse over all parts for the backward. With delta = ∂o·o:
     - the exact part is a banded softmax backward (`_window_exact_backward`), its weights recomputed from lse;
+    - the sink keys' weights are recomputed from lse as well (`sink_grads`, in PyTorch: a few columns);
     - the linear part's weights are φq_t·φk_s·c_t with c_t = exp(shift_t − lse_t), so it is the plain scan's
       backward (`scan_grads`) on the delayed keys with g_t = c_t·[∂o_t, −delta_t], and
       ∂shift_t = φq_t·∂φq_t (shift_t = q_log_scale_t + log_offset_h);
-    - the delayed key and value gradients move back by W, and keys outside linear_valid get none from it.
-    (∂lse/∂logit = p and ∂o/∂logit = p·(v − o): an upstream ∂lse enters each weight's gradient as −delta does.)"""
+    - the delayed key and value gradients move back by W, and keys outside linear_valid get none from it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, scaling, window,
-                want_state, block, log_decay, want_lse):
+    def forward(ctx, q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, sink_pos, scaling,
+                window, want_state, block, log_decay):
         o, final, lse = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid,
-                                       scaling, window, want_state, block,
-                                       store_lse=want_lse or any(ctx.needs_input_grad), log_decay=log_decay)
-        ctx.save_for_backward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, o, lse,
-                              log_decay)
+                                       sink_pos, scaling, window, want_state, block,
+                                       store_lse=any(ctx.needs_input_grad), log_decay=log_decay)
+        ctx.save_for_backward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, sink_pos,
+                              o, lse, log_decay)
         ctx.scaling, ctx.window = scaling, window
-        return o, final, (lse if want_lse else None)
+        return o, final
 
     @staticmethod
-    def backward(ctx, g_o, g_state, g_lse):
+    def backward(ctx, g_o, g_state):
         from dofattn.ops.window import delayed_keys
 
-        (q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, o, lse,
+        (q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, sink_pos, o, lse,
          log_decay) = ctx.saved_tensors
         B, T, H, D = q.shape
         V, W = v.shape[-1], ctx.window
         g_o = torch.zeros_like(o, dtype=torch.float32) if g_o is None else g_o.float().contiguous()
-        delta = (g_o * o.float()).sum(-1)                                                      # [B, T, H]
-        if g_lse is not None:
-            delta = delta - torch.where(torch.isfinite(lse), g_lse.float(), 0.0)
-        delta = delta.contiguous()
+        delta = (g_o * o.float()).sum(-1).contiguous()                                         # [B, T, H]
         f32 = dict(device=q.device, dtype=torch.float32)
         dq_x, dk_x = torch.empty(B, T, H, D, **f32), torch.empty(B, T, H, D, **f32)
         dv_x = torch.empty(B, T, H, V, **f32)
@@ -1038,6 +1094,12 @@ class WindowHybrid(torch.autograd.Function):
         _window_exact_backward[(triton.cdiv(T, W), B * H)](
             q.contiguous(), k.contiguous(), v.contiguous(), g_o, lse, delta, valid, dq_x, dk_x, dv_x, T, H, D, V,
             ctx.scaling, C=W, BD=_pow2(D), BV=_pow2(V), HAS_VALID=key_valid is not None)
+        if sink_pos is not None:
+            dq_s, dk_s, dv_s, pos, has = sink_grads(q, k, v, g_o, lse, delta, sink_pos, ctx.scaling, W)
+            dq_x = dq_x + dq_s
+            index = pos[:, :, None, None]
+            dk_x = dk_x.scatter_add(1, index.expand_as(dk_s), dk_s * has[:, :, None, None])
+            dv_x = dv_x.scatter_add(1, index.expand_as(dv_s), dv_s * has[:, :, None, None])
         shift = q_log_scale.float() + log_offset.float()
         c = torch.where(torch.isfinite(lse), torch.exp(shift - lse), 0.0)                     # [B, T, H]
         g_lin = c[..., None] * torch.cat([g_o, -delta[..., None]], -1)                         # [B, T, H, V+1]
@@ -1050,4 +1112,4 @@ class WindowHybrid(torch.autograd.Function):
             d_phi_k = d_phi_k * linear_valid[:, :, None, None]
         return (dq_x.to(q.dtype), dk_x.to(k.dtype), d_v.to(v.dtype), d_pq.to(phi_q.dtype), d_phi_k.to(phi_k.dtype),
                 d_shift.to(q_log_scale.dtype), d_shift.sum((0, 1)).to(log_offset.dtype), dS0, None, None, None, None,
-                None, None, d_log_decay, None)
+                None, None, None, d_log_decay)

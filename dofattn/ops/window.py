@@ -305,7 +305,8 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     prefill with a window of 16, 32 or 64 runs in Triton (`ops.fused.window_forward`: the linear scan on the
     delayed keys, then one kernel for the exact part and the shared normalisation); backend "triton" takes that
     path with autograd too (its backward is Triton as well), with a decay (`log_decay`) or an attention sink
-    (`sink_mask`: its few keys beyond the window are mixed in after the kernels, in PyTorch).
+    (`sink_mask`: its few keys beyond the window are a third block of keys in the exact part's kernel; their
+    gradients are computed in PyTorch).
     """
     check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay,
                         sink_mask)
