@@ -54,6 +54,7 @@ def test_matches_naive(case):
     assert tri_o.dtype == torch.float32 and tri_s.dtype == torch.float32
     assert_close("o", ref_o, tri_o, RATIO)
     assert_close("ht", ref_s, tri_s, RATIO)
+    assert_same_without_grad(inputs, {}, tri_o, tri_s)
     for name in ref_grads:
         floor = ref_grads["dk"].norm().item() if (name == "dq" and M == 1) else 1e-8
         assert_close(name, ref_grads[name], tri_grads[name], RATIO, floor)
@@ -134,6 +135,16 @@ def test_decay_and_gate_match_naive(case, kind):
         floor = ref_grads["dk"].norm().item() if (name == "dq" and M == 1) else 1e-8
         assert_close(name, ref_grads[name], tri_grads[name], RATIO, floor)
     assert_close("dlog_" + kind, ref_leaf.grad, tri_leaf.grad, RATIO)
+    assert_same_without_grad(inputs, {"log_" + kind: tri_leaf.detach()}, tri_o, tri_s)
+
+
+def assert_same_without_grad(inputs, kwargs, o, state):
+    """Without autograd the op runs its kernels outside its autograd Function (a prefill; one token takes the decode
+    step): the same result."""
+    with torch.no_grad():
+        o_ng, s_ng = fused.triton_linear_attention(*inputs, output_final_state=True, **kwargs)
+    assert_close("o without grad", o.detach().double(), o_ng, RATIO)
+    assert_close("ht without grad", state.detach().double(), s_ng, RATIO)
 
 
 def decayed_pairs(T: int, log_decay: torch.Tensor, reverse: bool) -> torch.Tensor:
@@ -654,6 +665,11 @@ def check_window_against_spec(case, spec_kwargs=None, fused_kwargs=None):
     assert sorted(grads) == sorted(ref_g)
     for name in grads:
         assert_close(name, ref_g[name], grads[name], RATIO, floor=1.0)
+    with torch.no_grad():                               # a prefill: the kernels without autograd's Function
+        o_ng, s_ng = fused.window_forward(*args, 0.3, W, key_valid, state, output_final_state=True, block=block,
+                                          **(fused_kwargs or {}))
+    assert_close("o without grad", ref_o[rows], o_ng[rows], RATIO)
+    assert_close("ht without grad", ref_s, s_ng, RATIO, floor=1.0)
     return o, args, key_valid, state
 
 

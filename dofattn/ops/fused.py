@@ -703,16 +703,22 @@ class LinearScan(torch.autograd.Function):
     (normalize) or [num, den] [B, T, H, V+1] float32, and the final state [B, H, M, V+1] (want_state) or None."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, S0, log_decay, log_gate, want_state: bool, normalize: bool):
+    def run(phi_q, phi_k, v, S0, log_decay, log_gate, want_state: bool, normalize: bool):
+        """The forward's kernels: (o, or [num, den] if not normalize; the final state or None; den)."""
         o, den, final = scan(phi_q, phi_k, v, S0, with_den=True, final_state=want_state, normalize=normalize,
                              out_dtype=v.dtype if normalize else torch.float32, log_decay=log_decay,
                              log_gate=log_gate)
+        return (o if normalize else torch.cat([o, den[..., None]], -1)), final, den           # [B, T, H, V+1]
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, v, S0, log_decay, log_gate, want_state: bool, normalize: bool):
+        out, final, den = LinearScan.run(phi_q, phi_k, v, S0, log_decay, log_gate, want_state, normalize)
         ctx.normalize = normalize
         if normalize:
-            ctx.save_for_backward(phi_q, phi_k, v, S0, log_decay, log_gate, o, den)
-            return o, final
-        ctx.save_for_backward(phi_q, phi_k, v, S0, log_decay, log_gate)
-        return torch.cat([o, den[..., None]], -1), final                                       # [B, T, H, V+1]
+            ctx.save_for_backward(phi_q, phi_k, v, S0, log_decay, log_gate, out, den)
+        else:
+            ctx.save_for_backward(phi_q, phi_k, v, S0, log_decay, log_gate)
+        return out, final
 
     @staticmethod
     def backward(ctx, g_out, g_state):
@@ -851,6 +857,9 @@ def triton_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
         o = triton_decode_step(phi_q, phi_k, v, S0, S1, normalize=normalize, log_decay=log_decay, log_gate=log_gate)
         return (o.to(v.dtype) if normalize else o), (S1 if output_final_state else None)
     S0 = None if initial_state is None else initial_state.float().contiguous()
+    if not grad:                              # a prefill: the forward alone, without autograd's bookkeeping
+        out, final, _ = LinearScan.run(phi_q, phi_k, v, S0, log_decay, log_gate, output_final_state, normalize)
+        return out, final
     return LinearScan.apply(phi_q, phi_k, v, S0, log_decay, log_gate, output_final_state, normalize)
 
 
@@ -982,9 +991,14 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
         sink_mask = sink_mask if key_valid is None else sink_mask & key_valid
         linear_valid = ~sink_mask if key_valid is None else key_valid & ~sink_mask
         sink_pos = sink_positions(sink_mask)
-    o, final = WindowHybrid.apply(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid,
-                                  sink_pos, float(scaling), window, output_final_state, block, log_decay)
-    return o, final
+    tensors = (q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, log_decay)
+    if not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)):
+        o, final, _ = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid,
+                                     sink_pos, float(scaling), window, output_final_state, block, store_lse=False,
+                                     log_decay=log_decay)       # a prefill: without autograd's bookkeeping
+        return o, final
+    return WindowHybrid.apply(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, sink_pos,
+                              float(scaling), window, output_final_state, block, log_decay)
 
 
 def sink_positions(sink_mask: torch.Tensor) -> torch.Tensor | None:
