@@ -259,6 +259,10 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
         del model
         if cfg.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    teacher = {r["context"]: r["decode_tokens_per_s"] for r in rows if not r["student"]}
+    for r in rows:                          # each row's decode rate against the teacher's after the same prompt
+        if r["student"] and r["context"] in teacher:
+            r["vs_teacher"] = r["decode_tokens_per_s"] / teacher[r["context"]]
     return rows
 
 
@@ -358,17 +362,19 @@ def format_tables(result: dict) -> str:
         lines.append(f"{r['T']:>7} {r['batch']:>5} {r['sdpa_ms']:>9.3f} {r['op_ms']:>9.3f} {r['student_ms']:>9.3f} "
                      f"{r['speedup_student_vs_sdpa']:>8.2f}x")
     if result["generation"]:
-        lines += ["generation (graph tok/s: the CUDA graph's replays alone, without its capture):",
-                  f"{'model':>21} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} {'graph tok/s':>12} "
-                  f"{'cache MB':>9} {'peak MB':>9}"]
+        lines += ["generation (graph tok/s: the CUDA graph's replays alone, without its capture; x teacher: decode "
+                  "tok/s over the teacher's at that context):",
+                  f"{'model':>27} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} {'x teacher':>10} "
+                  f"{'graph tok/s':>12} {'cache MB':>9} {'peak MB':>9}"]
         for r in result["generation"]:
             name = ("student" + (f" w{r['window']}" if r.get("window") else "")
                     + (f" s{r['sink']}" if r.get("sink") else "")) if r["student"] else "teacher"
             name += "" if r.get("engine", "hf") == "hf" else f" {r['engine']}"
             peak = f"{r['peak_cuda_bytes'] / 2 ** 20:>9.0f}" if "peak_cuda_bytes" in r else f"{'-':>9}"
             graph = f"{r['graph_tokens_per_s']:>12.1f}" if "graph_tokens_per_s" in r else f"{'-':>12}"
-            lines.append(f"{name:>21} {r['context']:>8} {r['prefill_ms']:>11.1f} {r['decode_tokens_per_s']:>13.1f} "
-                         f"{graph} {r['cache_bytes'] / 2 ** 20:>9.2f} {peak}")
+            ratio = f"{r['vs_teacher']:>9.2f}x" if "vs_teacher" in r else f"{'-':>10}"
+            lines.append(f"{name:>27} {r['context']:>8} {r['prefill_ms']:>11.1f} {r['decode_tokens_per_s']:>13.1f} "
+                         f"{ratio} {graph} {r['cache_bytes'] / 2 ** 20:>9.2f} {peak}")
     return "\n".join(lines)
 
 

@@ -28,6 +28,10 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path):
     gen = {(r["student"], r["window"], r["engine"]): r for r in result["generation"]}
     assert set(gen) == {(False, 0, "hf"), (True, 0, "hf"), (True, 0, "static"), (True, 16, "hf"), (True, 16, "static")}
     assert all(r["decode_tokens_per_s"] > 0 for r in gen.values())
+    teacher = gen[False, 0, "hf"]["decode_tokens_per_s"]
+    assert "vs_teacher" not in gen[False, 0, "hf"]
+    assert all(r["vs_teacher"] == r["decode_tokens_per_s"] / teacher for key, r in gen.items() if key[0])
+    assert "x teacher" in printed
     for engine in ("hf", "static"):
         assert gen[True, 0, engine]["cache_bytes"] == 3 * 4 * 5 * 17 * 4   # 3 layers of [1, 4, 5, 16 + 1] float32
     # the window student adds, per layer, the 14 (< 16) keys and values [1, 14, 2, 16] fed so far (12 of the prompt,
