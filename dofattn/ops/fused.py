@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dofattn.ops.naive import TINY, augment_values, check_inputs, decay_log
+from dofattn.ops.naive import TINY, augment_values, check_inputs, decay_log, needs_grad
 
 CHUNK = 64           # tokens per chunk inside a block (the tril product is C × C); 32/16 for wide features
 MAX_TILE = 128 * 64  # state elements a program keeps in registers: M_pad × V_tile
@@ -847,8 +847,7 @@ def triton_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
         log_decay = decay_log(log_decay, torch.float32)                # differentiable clamp to [-1e4, 0]
     if log_gate is not None:
         log_gate = decay_log(log_gate, torch.float32)                  # the same clamp, per token
-    tensors = (phi_q, phi_k, v, initial_state, log_decay, log_gate)
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    grad = needs_grad(phi_q, phi_k, v, initial_state, log_decay, log_gate)
     if phi_q.shape[1] == 1 and not grad:                              # decode: one kernel, a new state
         B, _, H, M = phi_q.shape
         S0 = (torch.zeros(B, H, M, v.shape[-1] + 1, device=v.device) if initial_state is None
@@ -986,13 +985,12 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
     S0 = None if initial_state is None else initial_state.float().contiguous()
     if log_decay is not None:
         log_decay = decay_log(log_decay, torch.float32)                # differentiable clamp to [-1e4, 0]
+    from dofattn.ops.window import _and
+
     linear_valid, sink_pos = key_valid, None
     if sink_mask is not None:
-        sink_mask = sink_mask if key_valid is None else sink_mask & key_valid
-        linear_valid = ~sink_mask if key_valid is None else key_valid & ~sink_mask
-        sink_pos = sink_positions(sink_mask)
-    tensors = (q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, log_decay)
-    if not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)):
+        linear_valid, sink_pos = _and(key_valid, ~sink_mask), sink_positions(_and(key_valid, sink_mask))
+    if not needs_grad(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, log_decay):
         o, final, _ = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid,
                                      sink_pos, float(scaling), window, output_final_state, block, store_lse=False,
                                      log_decay=log_decay)       # a prefill: without autograd's bookkeeping
@@ -1019,7 +1017,7 @@ def sink_grads(q, k, v, g_o, lse, delta, sink_pos, scaling: float, window: int):
     """The sink keys' part of the hybrid's backward, in float32: their weights p_ts = exp(scaling·q_t·k_s − lse_t)
     (s a sink position at least W before t) give ∂v_s = Σ_t p_ts ∂o_t and, with ∂logit_ts = p_ts (∂o_t·v_s −
     delta_t), ∂q_t = scaling Σ_s ∂logit_ts k_s and ∂k_s = scaling Σ_t ∂logit_ts q_t. Returns (∂q [B, T, H, D],
-    ∂k and ∂v of the sink keys [B, SB, H, *], their positions with −1 as 0, their validity [B, SB])."""
+    ∂k and ∂v of the sink keys [B, SB, H, *] (0 in empty slots), their positions [B, SB] with −1 as 0)."""
     T = q.shape[1]
     valid = sink_pos >= 0
     pos = sink_pos.long().clamp_min(0)                                                       # [B, SB]
@@ -1035,7 +1033,7 @@ def sink_grads(q, k, v, g_o, lse, delta, sink_pos, scaling: float, window: int):
     d_logit = p * (torch.einsum("bthv,bshv->bths", g_o, vs) - delta[..., None])
     dq = scaling * torch.einsum("bths,bshd->bthd", d_logit, ks)
     dk = scaling * torch.einsum("bths,bthd->bshd", d_logit, q.float())
-    return dq, dk, dv, pos, valid
+    return dq, dk, dv, pos
 
 
 def _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, sink_pos,
@@ -1109,11 +1107,11 @@ class WindowHybrid(torch.autograd.Function):
             q.contiguous(), k.contiguous(), v.contiguous(), g_o, lse, delta, valid, dq_x, dk_x, dv_x, T, H, D, V,
             ctx.scaling, C=W, BD=_pow2(D), BV=_pow2(V), HAS_VALID=key_valid is not None)
         if sink_pos is not None:
-            dq_s, dk_s, dv_s, pos, has = sink_grads(q, k, v, g_o, lse, delta, sink_pos, ctx.scaling, W)
+            dq_s, dk_s, dv_s, pos = sink_grads(q, k, v, g_o, lse, delta, sink_pos, ctx.scaling, W)
             dq_x = dq_x + dq_s
-            index = pos[:, :, None, None]
-            dk_x = dk_x.scatter_add(1, index.expand_as(dk_s), dk_s * has[:, :, None, None])
-            dv_x = dv_x.scatter_add(1, index.expand_as(dv_s), dv_s * has[:, :, None, None])
+            index = pos[:, :, None, None]                 # empty slots add their zeros to position 0
+            dk_x = dk_x.scatter_add(1, index.expand_as(dk_s), dk_s)
+            dv_x = dv_x.scatter_add(1, index.expand_as(dv_s), dv_s)
         shift = q_log_scale.float() + log_offset.float()
         c = torch.where(torch.isfinite(lse), torch.exp(shift - lse), 0.0)                     # [B, T, H]
         g_lin = c[..., None] * torch.cat([g_o, -delta[..., None]], -1)                         # [B, T, H, V+1]

@@ -37,6 +37,11 @@ import torch.nn.functional as F
 TINY = torch.finfo(torch.float32).tiny
 
 
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """True when autograd is on and any of `tensors` (None skipped) requires a gradient."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
 def check_inputs(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                  initial_state: torch.Tensor | None = None, log_decay: torch.Tensor | None = None,
                  log_gate: torch.Tensor | None = None) -> None:

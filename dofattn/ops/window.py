@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from dofattn.ops import linear_attention
-from dofattn.ops.naive import TINY, check_log_decay, compute_dtype, decay_factors, decay_log, log_decay_matrix
+from dofattn.ops.naive import (TINY, check_log_decay, compute_dtype, decay_factors, decay_log, log_decay_matrix,
+                               needs_grad)
 
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
@@ -285,8 +286,7 @@ def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, init
     if backend not in ("auto", "triton") or not q.is_cuda or not triton_available():
         return False
     tensors = (q, k, v, phi_q, phi_k, q_log_scale, log_offset, initial_state)
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-    if grad and backend != "triton":
+    if needs_grad(*tensors) and backend != "triton":
         return False
     if any(x is not None and x.dtype == torch.float64 for x in tensors) or k.shape[1] != q.shape[1]:
         return False
