@@ -311,9 +311,11 @@ class EvalArgs:
 
     Reports perplexity of both, the mean per-token KL(teacher || student), top-1 agreement of their next-token
     predictions, and per layer (on the teacher's own queries, keys and values) the relative error of the linear
-    attention output against softmax attention and the L2 kernel error of PRF features. Writes everything to
-    --out and, with --plot, a figure of the per-layer errors. Without --teacher the teacher is the student's own
-    base model.
+    attention output against softmax attention and the L2 kernel error of PRF features. Also by context length:
+    the predictions that see 1, 2-3, 4-7, ... tokens, each bucket's perplexities and KL, which tell a student that
+    falls behind at long range (a gap growing with the context) from one that is off everywhere. Writes
+    everything to --out and, with --plot / --plot-positions, figures of the per-layer errors and of the buckets.
+    Without --teacher the teacher is the student's own base model.
     """
 
     model: str = _opt("runs/distill", "student folder (from dofattn distill), or any supported model")
@@ -333,6 +335,8 @@ class EvalArgs:
     limit: int | None = _opt(None, "evaluate at most this many examples per lm-eval task")
     out: str = _opt("eval.json", "where to write the JSON result")
     plot: str | None = _opt(None, "also write a figure of the per-layer errors (.png, .pdf or .svg)")
+    plot_positions: str | None = _opt(None, "also write a figure of perplexity and KL by context length (.png, .pdf "
+                                            "or .svg)")
 
 
 def run_eval(args: EvalArgs) -> int:
@@ -346,6 +350,8 @@ def run_eval(args: EvalArgs) -> int:
 
     out = _check_output(args.out, "--out", (".json",))
     plot = _check_output(args.plot, "--plot", (".png", ".pdf", ".svg")) if args.plot else None
+    plot_positions = (_check_output(args.plot_positions, "--plot-positions", (".png", ".pdf", ".svg"))
+                      if args.plot_positions else None)
     check_source(args.data)
     if args.task_path and not Path(args.task_path).is_dir():
         raise UserError(f"--task-path {args.task_path} is not a folder of lm-eval task YAMLs")
@@ -369,6 +375,7 @@ def run_eval(args: EvalArgs) -> int:
     print(f"{'perplexity':>22}{result['ppl']:12.2f}{result['teacher_ppl']:12.2f}   ({ratio:.2f}x)")
     print(f"{'KL(teacher||student)':>22}{result['kl']:12.4f}")
     print(f"{'top-1 agreement':>22}{result['top1_agreement']:12.3f}")
+    print(format_positions(result["by_position"]))
     if errors:
         print(f"\n{'layer':>5}  {'output error':>12}  {'kernel error':>12}")
         for i, (o, k) in enumerate(zip(errors["output_error"], errors["kernel_error"])):
@@ -388,7 +395,23 @@ def run_eval(args: EvalArgs) -> int:
 
         plot_layer_errors(errors, plot, title=f"{args.model} vs {result['teacher']}")
         print(f"wrote {plot}")
+    if plot_positions:
+        from dofattn.plots import plot_by_position
+
+        plot_by_position({args.model: result["by_position"]}, plot_positions,
+                         title=f"{args.data} ({split}), blocks of {args.seq_len} tokens")
+        print(f"wrote {plot_positions}")
     return 0
+
+
+def format_positions(rows: dict) -> str:
+    """The `by_position` buckets as a table: context length, predictions, both perplexities, their ratio, KL."""
+    lines = [f"\n{'context':>11}{'tokens':>8}{'student':>10}{'teacher':>10}{'ratio':>8}{'KL':>8}"]
+    for a, b, n, s, t, r, kl in zip(*(rows[k] for k in ("context_from", "context_to", "tokens", "ppl",
+                                                          "teacher_ppl", "ratio", "kl"))):
+        span = f"{a}" if a == b else f"{a}-{b}"
+        lines.append(f"{span:>11}{n:>8}{s:10.2f}{t:10.2f}{r:8.3f}{kl:8.3f}")
+    return "\n".join(lines)
 
 
 def _add_arguments(parser: argparse.ArgumentParser, cls) -> None:
@@ -444,6 +467,8 @@ def run_dof(args: DofArgs) -> int:
     # everything that can be checked without the model is checked before it loads
     out = _check_output(args.out, "--out", (".json",))
     plot = _check_output(args.plot, "--plot", (".png", ".pdf", ".svg")) if args.plot else None
+    plot_positions = (_check_output(args.plot_positions, "--plot-positions", (".png", ".pdf", ".svg"))
+                      if args.plot_positions else None)
     if args.samples < 2:
         raise UserError(f"--samples must be at least 2, got {args.samples}")
     if args.lam <= 0:

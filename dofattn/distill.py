@@ -1045,7 +1045,7 @@ def run(args) -> dict:
 
 def evaluate_run(args, model, blocks: torch.Tensor, dims: list[int]) -> dict:
     """On validation `blocks`: perplexity of the teacher, the student and an untrained Performer with the same
-    budget, and the student's KL to the teacher and top-1 agreement."""
+    budget, and the student's KL to the teacher, top-1 agreement and those by context length (`by_position`)."""
     from dofattn.evaluate import compare
     from dofattn.hf import load_model, parse_dtype
     from dofattn.student import linearize
@@ -1060,4 +1060,4 @@ def evaluate_run(args, model, blocks: torch.Tensor, dims: list[int]) -> dict:
     return {"tokens": blocks.numel(), "seq_len": args.eval_seq_len, "teacher_ppl": teacher, "student_ppl": student,
             "performer_ppl": performer, "performer_dim": budget, "student_vs_teacher": student / teacher,
             "performer_vs_teacher": performer / teacher, "kl": against["kl"],
-            "top1_agreement": against["top1_agreement"]}
+            "top1_agreement": against["top1_agreement"], "by_position": against["by_position"]}

@@ -67,23 +67,55 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int = 4, desc: str = "pe
 
 
 class _Tally:
-    """Running sums of the student-vs-teacher numbers over batches of next-token log-probs [N, vocab]."""
+    """Running sums of the student-vs-teacher numbers over batches of next-token log-probs [N, vocab], N = B·(T−1)
+    predictions of B blocks of T tokens: overall, and per prediction position (for `by_position`)."""
 
     def __init__(self):
         self.student_nll = self.teacher_nll = self.kl = self.agree = 0.0
         self.count = 0
+        self.at = None     # [3, T−1] float64: student NLL, teacher NLL and KL summed per position over blocks
+        self.blocks = 0
 
-    def add(self, log_s: torch.Tensor, log_t: torch.Tensor, targets: torch.Tensor) -> None:
-        self.student_nll += _nll(log_s, targets)
-        self.teacher_nll += _nll(log_t, targets)
-        self.kl += (log_t.exp() * (log_t - log_s)).sum().item()
+    def add(self, log_s: torch.Tensor, log_t: torch.Tensor, targets: torch.Tensor, length: int) -> None:
+        """`length`: predictions per block (T − 1); rows of the batch come block after block."""
+        nll_s = -log_s.gather(1, targets[:, None])[:, 0]
+        nll_t = -log_t.gather(1, targets[:, None])[:, 0]
+        kl = (log_t.exp() * (log_t - log_s)).sum(-1)
+        per_position = torch.stack([nll_s, nll_t, kl]).double().reshape(3, -1, length).sum(1).cpu()
+        if self.at is not None and self.at.shape[1] != length:
+            raise ValueError(f"blocks of {length + 1} tokens after blocks of {self.at.shape[1] + 1}")
+        self.at = per_position if self.at is None else self.at + per_position
+        self.blocks += targets.numel() // length
+        self.student_nll += nll_s.sum().item()
+        self.teacher_nll += nll_t.sum().item()
+        self.kl += kl.sum().item()
         self.agree += (log_s.argmax(-1) == log_t.argmax(-1)).sum().item()
         self.count += targets.numel()
 
     def result(self) -> dict:
         n = self.count
         return {"ppl": math.exp(self.student_nll / n), "teacher_ppl": math.exp(self.teacher_nll / n),
-                "kl": self.kl / n, "top1_agreement": self.agree / n, "tokens": n}
+                "kl": self.kl / n, "top1_agreement": self.agree / n, "tokens": n,
+                "by_position": by_position(self.at, self.blocks)}
+
+
+def by_position(sums: torch.Tensor, blocks: int) -> dict:
+    """Per-position sums [3, T−1] (student NLL, teacher NLL, KL over `blocks` blocks) pooled into buckets of context
+    length that double: the prediction at position t sees t + 1 tokens, and bucket [a, b) holds the predictions
+    that see a..b−1 of them (1, 2–3, 4–7, ...). Where in the context a student falls behind: a gap that grows
+    with the context is the long range; one that starts at the first tokens is local."""
+    length = sums.shape[1]
+    edges = [1]
+    while edges[-1] <= length:
+        edges.append(2 * edges[-1])
+    edges[-1] = length + 1
+    rows = {"context_from": [], "context_to": [], "tokens": [], "ppl": [], "teacher_ppl": [], "ratio": [], "kl": []}
+    for a, b in zip(edges, edges[1:]):
+        nll_s, nll_t, kl = (sums[:, a - 1:b - 1].sum(1) / (blocks * (b - a))).tolist()
+        for key, value in zip(rows, (a, b - 1, blocks * (b - a), math.exp(nll_s), math.exp(nll_t),
+                                     math.exp(nll_s - nll_t), kl)):
+            rows[key].append(value)
+    return rows
 
 
 @torch.no_grad()
@@ -101,7 +133,7 @@ def compare(student, blocks: torch.Tensor, teacher=None, batch_size: int = 4, pr
                 log_t = _log_probs(student, ids)
         else:
             log_t = _log_probs(teacher, ids.to(next(teacher.parameters()).device)).to(device)
-        tally.add(log_s, log_t, ids[:, 1:].reshape(-1))
+        tally.add(log_s, log_t, ids[:, 1:].reshape(-1), ids.shape[1] - 1)
     return tally.result()
 
 
@@ -121,7 +153,7 @@ class AgainstTeacher:
     def __call__(self) -> dict:
         tally = _Tally()
         for ids, log_t in zip(self.batches, self.teacher):
-            tally.add(_log_probs(self.student, ids), log_t, ids[:, 1:].reshape(-1))
+            tally.add(_log_probs(self.student, ids), log_t, ids[:, 1:].reshape(-1), ids.shape[1] - 1)
         return tally.result()
 
 

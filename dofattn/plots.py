@@ -103,3 +103,27 @@ def plot_ppl_bars(entries: list[tuple[str, float]], teacher_ppl: float, path: st
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_by_position(runs: dict[str, dict], path: str | Path, title: str = "") -> None:
+    """Per student (`{label: evaluate.by_position(...)}`), over the context length of each bucket (log scale, at
+    the bucket's geometric middle): its perplexity over the teacher's, and its KL to the teacher."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, constrained_layout=True)
+    for label, rows in runs.items():
+        x = [(a * b) ** 0.5 for a, b in zip(rows["context_from"], rows["context_to"])]
+        top.plot(x, rows["ratio"], marker="o", ms=3, label=label)
+        bottom.plot(x, rows["kl"], marker="o", ms=3, label=label)
+    top.axhline(1.0, color="black", lw=1, ls="--")
+    top.set_ylabel("perplexity / teacher's")
+    bottom.set_ylabel("KL(teacher || student)")
+    bottom.set_xlabel("tokens of context the prediction sees")
+    bottom.set_xscale("log", base=2)
+    top.legend(fontsize=8)
+    top.set_title(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -26,6 +26,32 @@ def test_perplexity_matches_hand_computation():
     assert math.isclose(result["ppl"], expected, rel_tol=1e-6) and result["tokens"] == 48
 
 
+def test_by_position_buckets_match_the_per_prediction_numbers():
+    student, ids = tiny_model("llama"), blocks(n=3, length=21)
+    linearize(student, [8, 8, 8], layers=[1])
+    teacher = tiny_model("llama")
+    result = compare(student, ids, teacher=teacher, batch_size=2, progress=False)
+    with torch.no_grad():
+        log_s = torch.log_softmax(student(ids).logits[:, :-1].double(), -1)
+        log_t = torch.log_softmax(teacher(ids).logits[:, :-1].double(), -1)
+    target = ids[:, 1:, None]
+    nll_s, nll_t = -log_s.gather(2, target)[..., 0], -log_t.gather(2, target)[..., 0]   # [3, 20]
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)
+    rows = result["by_position"]
+    # predictions see 1..20 tokens: buckets 1, 2-3, 4-7, 8-15, 16-20
+    assert rows["context_from"] == [1, 2, 4, 8, 16] and rows["context_to"] == [1, 3, 7, 15, 20]
+    assert rows["tokens"] == [3, 6, 12, 24, 15] and sum(rows["tokens"]) == result["tokens"]
+    for i, (a, b) in enumerate(zip(rows["context_from"], rows["context_to"])):
+        part = slice(a - 1, b)
+        assert math.isclose(rows["ppl"][i], nll_s[:, part].mean().exp().item(), rel_tol=1e-5)
+        assert math.isclose(rows["teacher_ppl"][i], nll_t[:, part].mean().exp().item(), rel_tol=1e-5)
+        assert math.isclose(rows["ratio"][i], rows["ppl"][i] / rows["teacher_ppl"][i], rel_tol=1e-9)
+        assert math.isclose(rows["kl"][i], kl[:, part].mean().item(), rel_tol=1e-4, abs_tol=1e-6)
+    weights = torch.tensor(rows["tokens"], dtype=torch.float64)
+    pooled = (weights * torch.tensor(rows["kl"], dtype=torch.float64)).sum() / weights.sum()
+    assert math.isclose(pooled.item(), result["kl"], rel_tol=1e-5)
+
+
 def test_identical_models_have_zero_kl_and_full_agreement():
     model, ids = tiny_model("llama"), blocks()
     result = compare(model, ids, teacher=tiny_model("llama"), progress=False)
@@ -72,16 +98,22 @@ def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
     linearize(model, [4, 6, 8], "prf")
     folder = save_student(model, tmp_path / "run", StudentConfig(str(model_dirs["llama"]), "prf", [4, 6, 8],
                                                                  [0, 1, 2], base=fingerprint(model)))
-    out, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    out, png, positions = tmp_path / "eval.json", tmp_path / "eval.png", tmp_path / "positions.svg"
     code = main(["eval", "--model", str(folder), "--data", str(text_file), "--seq-len", "32", "--num-blocks", "3",
-                 "--out", str(out), "--plot", str(png)])
-    assert code == 0, capsys.readouterr().err
+                 "--out", str(out), "--plot", str(png), "--plot-positions", str(positions)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "16-31" in printed.out and positions.read_text().startswith("<?xml")
     result = json.loads(out.read_text())
+    assert result["by_position"]["context_to"] == [1, 3, 7, 15, 31]
     assert result["split"] == "all"  # a plain file is evaluated whole
     assert {"ppl", "teacher_ppl", "kl", "top1_agreement", "output_error", "kernel_error"} <= set(result)
     assert len(result["output_error"]) == 3 and png.stat().st_size > 1000
     code = main(["eval", "--model", str(folder), "--data", str(tmp_path / "missing.txt"), "--out", str(out)])
     assert code == 2
+    code = main(["eval", "--model", str(folder), "--data", str(text_file), "--out", str(out), "--plot-positions",
+                 str(tmp_path / "positions.txt")])
+    assert code == 2 and "--plot-positions" in capsys.readouterr().err
     code = main(["eval", "--model", str(folder), "--data", f"{text_file}+{text_file}", "--seq-len", "32",
                  "--num-blocks", "3", "--layer-blocks", "0", "--out", str(out)])
     assert code == 0 and json.loads(out.read_text())["split"] == "all"   # files pooled are still evaluated whole
