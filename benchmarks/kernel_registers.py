@@ -125,6 +125,18 @@ def decode_step(M: int) -> dict:
     return ptxas_report(fused._decode_step, signature, constexprs, 4, 3)
 
 
+def ring_step(M: int, window: int, sink: int, decay: bool, warps: int) -> dict:
+    """The window hybrid's decode step (`prf_ring_step`): bf16 q, k, v and ring, head size 64, as launched."""
+    signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, w_ptr=F32, lw_ptr=F32, cnt_ptr="*i32", ks_ptr=F32,
+                     gain_ptr=BF16, rate_ptr=BF16, s_ptr=F32, rk_ptr=BF16, rv_ptr=BF16, rvalid_ptr="*u8",
+                     pos_ptr="*i64", sk_ptr=BF16, sv_ptr=BF16, svalid_ptr="*u8", arrive_ptr="*i32", o_ptr=BF16,
+                     H="i32", G="i32", D="i32", M="i32", V="i32", W="i32", NS="i32", root_s="fp32", scaling="fp32",
+                     max_excess="fp32")
+    constexprs = dict(BD=64, BM=fused._pow2(M), BV=64, BW=fused._tile(window), BS=fused._tile(sink) if sink else 2,
+                      BKV=fused.triton.next_power_of_2(4 * 64), HAS_DECAY=decay, HAS_SINK=sink > 0)
+    return ptxas_report(fused._prf_ring_step, signature, constexprs, warps, 3)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", default="64,128,256")
@@ -152,6 +164,10 @@ def main() -> int:
         for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
             rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": fused.PRF_WARPS,
                          **prf_features(M, precision, fused.PRF_WARPS)})
+    for M in dims:             # the window hybrid's decode step: window 64 with a sink of 4, or with a decay
+        for sink, decay in ((4, False), (0, True)):
+            rows.append({"kernel": "_prf_ring_step", "M": M, "warps": fused.RING_WARPS, "sink": sink, "decay": decay,
+                         **ring_step(M, 64, sink, decay, fused.RING_WARPS)})
     for sink in (0, 16):
         rows.append({"kernel": "_window_exact", "M": "any", "precision": "bf16", "warps": fused.WINDOW_WARPS,
                      "sink": sink, **window_exact("bf16", fused.WINDOW_WARPS, sink)})
@@ -169,6 +185,10 @@ def main() -> int:
         for precision, warps in itertools.product(("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
             rows.append({"kernel": "_window_exact", "M": "any", "precision": precision, "warps": warps,
                          "variant": True, **window_exact(precision, warps)})
+        for M, warps in itertools.product(dims, (2, 4, 8)):
+            if warps != fused.RING_WARPS:
+                rows.append({"kernel": "_prf_ring_step", "M": M, "warps": warps, "sink": 4, "variant": True,
+                             **ring_step(M, 64, 4, False, warps)})
     for row in rows:
         print(f"{row['kernel']:>14} M={str(row['M']):<4} {row.get('precision', ''):>7} "
               f"{'decay' if row.get('decay') else 'gate' if row.get('gate') else '':>5} "

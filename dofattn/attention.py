@@ -125,7 +125,7 @@ class LinearAttention(nn.Module):
         if cache is None:
             return self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, backend=backend)[0]
         if isinstance(cache, RingWindowLayer):
-            return self.ring_step(q, k, v, cache)
+            return self.ring_step(q, k, v, cache, backend)
         if self.one_kernel_step(q, cache, backend):
             from dofattn.ops import load_fused
             return load_fused()[0].prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS, key_valid,
@@ -210,12 +210,36 @@ class LinearAttention(nn.Module):
                 and isinstance(fmap, PositiveRandomFeatures) and fmap.fused_ok(q, "key")
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous())
 
-    def ring_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: RingWindowLayer) -> torch.Tensor:
+    def one_kernel_ring(self, q: torch.Tensor, cache: RingWindowLayer, backend: str) -> bool:
+        """True when this ring step runs as one Triton kernel (`ops.fused.prf_ring_step`): backend auto on CUDA, or
+        backend triton (on CPU: Triton's interpreter, for tests); a PRF map with a calibrated key shift, in eval mode,
+        no autograd, a contiguous float32 state. Reads nothing from the GPU per step (the calibration once)."""
+        fmap = self.feature_map
+        if not (backend == "triton" or (backend == "auto" and q.is_cuda)) or self.gate:
+            return False
+        if torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return False
+        from dofattn.ops import load_fused
+        return (isinstance(fmap, PositiveRandomFeatures) and not fmap.training and fmap.shift_calibrated()
+                and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
+                and load_fused()[0] is not None)
+
+    def ring_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: RingWindowLayer,
+                  backend: str = "auto") -> torch.Tensor:
         """One static decode step of a window hybrid (the `naive_window_linear_attention` row for one query) on a ring
         of W key slots: the key leaving the window is folded into the state, the new key takes its slot. Fixed shapes
         and in-place updates only, with the position read from the cache's tensor, so a CUDA graph can replay it.
-        q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1, H, D]."""
+        q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1, H, D]. On CUDA (or with backend triton) a PRF map runs
+        it as one kernel (`one_kernel_ring`); the PyTorch below is its reference, and the path for the other maps."""
         fmap, W = self.feature_map, self.window
+        if self.one_kernel_ring(q, cache, backend):
+            from dofattn.ops import load_fused
+            if cache.arrivals is None or cache.arrivals.shape[0] != q.shape[0]:
+                cache.arrivals = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
+            return load_fused()[0].prf_ring_step(
+                fmap, q, k, v, cache.state, cache.keys, cache.values, cache.key_valid, cache.position, self.log_gain,
+                MAX_KEY_EXCESS, self.decay_rate if self.decay else None, cache.sink_keys, cache.sink_values,
+                cache.sink_valid, cache.arrivals)
         slot = cache.position.remainder(W)                                         # [1]
         old_k, old_v = cache.keys.index_select(1, slot), cache.values.index_select(1, slot)   # [B, 1, Hkv, D]
         old_valid = cache.key_valid.index_select(1, slot).float()                 # [B, 1]
@@ -422,7 +446,10 @@ class LinearStateLayer(CacheLayerMixin):
 class RingWindowLayer(LinearStateLayer):
     """A window hybrid's cache slot for static decoding (`engine.StaticDecoder`): the last W keys and values in a ring
     of W slots (the key at position p in slot p mod W) instead of a growing-then-sliding list, and `position`, a
-    [1] tensor the decoder advances in place: the position of the token being decoded."""
+    [1] tensor the decoder advances in place: the position of the token being decoded. `arrivals` [B] int32 (zeros
+    between steps) is the one-kernel step's count of the programs that have read a row's ring slot."""
+
+    arrivals: torch.Tensor | None = None
 
     @classmethod
     def from_layer(cls, layer: LinearStateLayer, window: int, position: torch.Tensor) -> RingWindowLayer:
@@ -438,11 +465,13 @@ class RingWindowLayer(LinearStateLayer):
         ring.values = layer.values.new_zeros(B, window, Hkv, layer.values.shape[-1]).index_copy_(1, slots,
                                                                                                  layer.values)
         ring.key_valid = layer.key_valid.new_zeros(B, window).index_copy_(1, slots, layer.key_valid)
+        ring.arrivals = torch.zeros(B, dtype=torch.int32, device=layer.keys.device)
         if layer.sink_keys is not None:   # a sink: its slots are full after a prompt of at least S real tokens
             if not layer.sink_valid.all():
                 raise UserError(f"static decoding with a sink of {layer.sink_valid.shape[1]} tokens needs prompts of "
                                 f"at least that many real tokens; use a longer prompt or HF generate")
-            ring.sink_keys, ring.sink_values, ring.sink_valid = layer.sink_keys, layer.sink_values, layer.sink_valid
+            ring.sink_keys, ring.sink_values, ring.sink_valid = (x.contiguous() for x in (
+                layer.sink_keys, layer.sink_values, layer.sink_valid))   # slices of a longer buffer: the kernel's rows
         return ring
 
 

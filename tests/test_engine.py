@@ -154,3 +154,41 @@ def test_same_tokens_with_a_conv(window, device):
             for name in ("conv_q", "conv_k", "conv_v"):
                 getattr(module.dofattn, name).normal_(0, 0.6, generator=g)
     assert_static_equals_hf(model, device)
+
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
+    """A window + sink student's static decoding with the one-kernel ring step (`ops.fused.prf_ring_step`; on CPU
+    asked for by name, in Triton's interpreter: slow, so few tokens) gives the tokens of the PyTorch ring step, after
+    the ring has wrapped. GQA: 4 query heads on 2 kv heads, batch 2."""
+    pytest.importorskip("triton", reason="needs the triton package")
+    from dofattn.attention import LinearAttention
+    from dofattn.ops import load_fused
+
+    model = tiny_model("llama")
+    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=4, sink=2)
+    with torch.no_grad():
+        for module in attention_modules(model):
+            module.dofattn.log_gain.normal_(0, 1, generator=torch.Generator().manual_seed(3))
+    model = model.to(device)
+    prompt = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    with monkeypatch.context() as patch:         # the PyTorch ring step, on any device
+        patch.setattr(LinearAttention, "one_kernel_ring", lambda self, q, cache, backend: False)
+        decoder = StaticDecoder(model)
+        ref = decoder.generate(prompt, 6)
+        ref_cache = decoder.cache
+    fused, calls = load_fused()[0], []
+    step = fused.prf_ring_step
+    monkeypatch.setattr(fused, "prf_ring_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    if device == "cpu":
+        ring_step = LinearAttention.ring_step
+        monkeypatch.setattr(LinearAttention, "ring_step",
+                            lambda self, q, k, v, cache, backend="auto": ring_step(self, q, k, v, cache, "triton"))
+    decoder = StaticDecoder(model)
+    assert torch.equal(decoder.generate(prompt, 6), ref)
+    assert len(calls) == 3 * (5 if device == "cpu" else 3)       # CUDA: 2 warm-up steps and the capture
+    for ref_layer, layer in zip(ref_cache.layers, decoder.cache.layers):   # what the tokens may not show
+        for name in ("state", "keys", "values"):
+            torch.testing.assert_close(getattr(layer, name), getattr(ref_layer, name), rtol=1e-4, atol=1e-5)
+        assert torch.equal(layer.key_valid, ref_layer.key_valid)

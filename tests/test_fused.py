@@ -343,10 +343,13 @@ def test_gate_limits_and_strong_gates_stay_finite():
         assert_close("o", ref_o, o, RATIO)
         assert_close("ht", ref_s, s, RATIO)
         assert all(torch.isfinite(g).all() for g in grads.values()) and torch.isfinite(gate.grad).all()
-        for name in ref_grads:      # forgetting everything, o_t = v_t whatever φq: ∂φq is 0 but for rounding
-            floor = ref_grads["dk"].norm().item() if (name == "dq" and log_gate is forget) else 1e-8
-            assert_close(name, ref_grads[name], grads[name], RATIO, floor)
-        assert_close("dlog_gate", ref_gate.grad, gate.grad, RATIO)
+        # forgetting everything, o_t = v_t whatever φq or the gates: ∂φq and ∂log_gate are exactly 0 in the spec
+        # and rounding noise in the kernel (the gate's: suffix sums that cancel), so they are measured against ∂φk's
+        # size
+        floor = ref_grads["dk"].norm().item() if log_gate is forget else 1e-8
+        for name in ref_grads:
+            assert_close(name, ref_grads[name], grads[name], RATIO, floor if name == "dq" else 1e-8)
+        assert_close("dlog_gate", ref_gate.grad, gate.grad, RATIO, floor)
     torch.testing.assert_close(o[0], v[0], rtol=1e-5, atol=1e-5)
 
 
@@ -811,3 +814,125 @@ def test_window_forward_half_near_float32(dtype):
     o, _ = fused.window_forward(*[x.to(dtype) if x.dim() == 4 else x for x in args], 0.125, 64)
     assert o.dtype == dtype
     assert_close("o", ref, o, 2e-2)
+
+
+# --- the window hybrid's static decode step -------------------------------------------------------------------------
+
+# (W, S, H, Hkv, D, M, decay, prompt, dtype): a ring of W slots after a prompt, S sink tokens, GQA or not; M and
+# V + 1 = D + 1 not powers of two. A prompt under W leaves empty slots (the ring fills during the steps); over W the
+# ring has wrapped; sink tokens sit in the ring as empty slots, which a later step must not fold.
+RING_CASES = [
+    (1, 0, 4, 2, 24, 37, True, 1, torch.float32),
+    (1, 1, 4, 4, 24, 37, False, 2, torch.float32),
+    (5, 0, 4, 2, 24, 37, False, 2, torch.float32),
+    (5, 1, 4, 4, 40, 37, False, 3, torch.float32),
+    (5, 4, 4, 2, 40, 37, False, 6, torch.float16),
+    (5, 0, 4, 4, 24, 37, True, 3, torch.float16),
+    (64, 4, 4, 2, 24, 37, False, 62, torch.float32),
+    (64, 0, 4, 2, 40, 37, True, 66, torch.float32),
+]
+RING_IDS = [f"W{c[0]}-S{c[1]}-H{c[2]}kv{c[3]}-D{c[4]}{'-decay' if c[6] else ''}-p{c[7]}-{str(c[8])[6:]}"
+            for c in RING_CASES]
+
+
+def ring_case(W, S, H, Hkv, D, M, decay, prompt, dtype, steps, scale=2.0):
+    """A PRF window hybrid (random log-weights, gains and decays; a head with fewer features) after a PyTorch
+    prefill of `prompt` tokens (training mode: calibrates the key shift), two rings of its cache (each its own
+    buffers), their position tensors and the `steps` tokens after the prompt (q [B, steps, H, D], k, v)."""
+    import copy
+
+    from dofattn.attention import LinearAttention, LinearStateLayer, RingWindowLayer
+    from dofattn.features import make_feature_map
+
+    g = torch.Generator().manual_seed(W + 7 * S + D)
+    fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=3, head_dims=[M, 20, 5, M][:H])
+    layer = LinearAttention(fmap, H, Hkv, W, decay, sink=S)
+    with torch.no_grad():
+        fmap.log_weights.copy_(torch.randn(H, M, generator=g))
+        layer.log_gain.copy_(torch.randn(H, generator=g))
+        if decay:                                      # half-lives from under a token to hundreds
+            layer.decay_rate.copy_(torch.linspace(0.5, -6, H))
+    layer = layer.to(DEVICE)
+    q = scale * torch.randn(2, prompt + steps, H, D, generator=g)
+    k = scale * torch.randn(2, prompt + steps, Hkv, D, generator=g)
+    v = torch.randn(2, prompt + steps, Hkv, D, generator=g)
+    q, k, v = (x.to(DEVICE, dtype) for x in (q, k, v))
+    cache = LinearStateLayer()
+    with torch.no_grad():
+        layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache=cache)
+    layer.eval()
+    cache.seen = prompt
+    rings, positions = [], []
+    for _ in range(2):
+        positions.append(torch.tensor([prompt], device=DEVICE))
+        rings.append(RingWindowLayer.from_layer(copy.deepcopy(cache), W, positions[-1]))
+    return layer, rings, positions, (q[:, prompt:], k[:, prompt:], v[:, prompt:])
+
+
+def ring_steps(layer, rings, positions, qkv, monkeypatch):
+    """Each token through the PyTorch ring step (ring 0, backend naive) and the kernel (ring 1, backend triton);
+    -> (outputs of each [B, steps, H, V], calls of `fused.prf_ring_step`)."""
+    calls = []
+    step = fused.prf_ring_step
+    monkeypatch.setattr(fused, "prf_ring_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    outputs = ([], [])
+    with torch.no_grad():
+        for t in range(qkv[0].shape[1]):
+            for i, backend in enumerate(("naive", "triton")):
+                outputs[i].append(layer(*(x[:, t:t + 1] for x in qkv), cache=rings[i], backend=backend))
+                positions[i].add_(1)
+    return [torch.cat(o, 1) for o in outputs], len(calls)
+
+
+@pytest.mark.parametrize("case", RING_CASES, ids=RING_IDS)
+def test_prf_ring_step_matches_the_ring_step(case, monkeypatch):
+    """Six steps of the one-kernel ring step against the PyTorch one: outputs, the state, the ring's keys, values
+    and flags (the same bits: copies), and the arrivals count back at 0 after each step."""
+    layer, rings, positions, qkv = ring_case(*case, steps=6)
+    (ref, out), calls = ring_steps(layer, rings, positions, qkv, monkeypatch)
+    assert calls == 6 and out.dtype == ref.dtype
+    half = case[-1] != torch.float32
+    assert_close("o", ref, out, 2e-3 if half else 1e-5)
+    assert_close("ht", rings[0].state, rings[1].state, 1e-2 if half and CUDA else 1e-5)   # CUDA: 16-bit features
+    for name in ("keys", "values", "key_valid"):
+        assert torch.equal(getattr(rings[0], name), getattr(rings[1], name)), name
+    assert rings[1].key_valid.all() == (case[7] + 6 >= case[0] + case[1])       # filled, but for the sink's slots
+    assert torch.equal(rings[1].arrivals, torch.zeros_like(rings[1].arrivals))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prf_ring_step_with_exponents_near_200(dtype, monkeypatch):
+    """Exact logits near 200 beside the sink's and a linear mass near e^0 (SmolLM2 reaches 195): one normalisation
+    under the running max, nothing overflows in float32 or bfloat16."""
+    layer, rings, positions, (q, k, v) = ring_case(5, 4, 4, 2, 24, 37, False, 12, dtype, steps=3, scale=7.0)
+    top = (layer.feature_map.scaling * torch.einsum("bthd,bshd->bhts", q.float(),
+                                                    k.float().repeat_interleave(2, 2))).amax().item()
+    assert 150 < top < 400, top
+    (ref, out), calls = ring_steps(layer, rings, positions, (q, k, v), monkeypatch)
+    assert calls == 3 and torch.isfinite(out).all() and torch.isfinite(rings[1].state).all()
+    assert_close("o", ref, out, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert_close("ht", rings[0].state, rings[1].state, 1e-5 if dtype == torch.float32 or not CUDA else 1e-2)
+
+
+def test_prf_ring_step_dispatch(monkeypatch):
+    """Backend auto takes the kernel on CUDA only (on CPU the PyTorch step); a map other than PRF, or autograd,
+    never; and the op refuses a ring it cannot update in place."""
+    from dofattn.features import MAX_KEY_EXCESS
+
+    layer, rings, positions, qkv = ring_case(5, 0, 4, 2, 24, 37, False, 3, torch.float32, steps=1)
+    ring = rings[1]
+    with torch.no_grad():
+        assert layer.one_kernel_ring(qkv[0], ring, "auto") == CUDA
+        assert layer.one_kernel_ring(qkv[0], ring, "triton")
+        assert not layer.one_kernel_ring(qkv[0], ring, "naive")
+        layer.train()
+        assert not layer.one_kernel_ring(qkv[0], ring, "triton")   # training would move the key shift
+        layer.eval()
+    assert not layer.one_kernel_ring(qkv[0], ring, "triton")       # autograd: the parameters want gradients
+    q, k, v = (x[:, :1] for x in qkv)
+    with pytest.raises(ValueError, match="contiguous buffers shaped"):
+        fused.prf_ring_step(layer.feature_map, q, k, v, ring.state, ring.keys.transpose(0, 1), ring.values,
+                            ring.key_valid, ring.position, layer.log_gain, MAX_KEY_EXCESS)
+    with pytest.raises(ValueError, match="contiguous float32 state"):
+        fused.prf_ring_step(layer.feature_map, q, k, v, ring.state.double(), ring.keys, ring.values, ring.key_valid,
+                            ring.position, layer.log_gain, MAX_KEY_EXCESS)

@@ -5,6 +5,8 @@ PRF feature map, the decode step, and the sliding-window hybrid (forward and bac
     o = triton_decode_step(phi_q1, phi_k1, v1, state, state)   # T = 1, the state [B, H, M, V+1] updated in place
     phi, q_log_scale = prf_features(fmap, q, "query", MAX_KEY_EXCESS)             # no autograd
     o = prf_decode_step(fmap, q1, k1, v1, state, MAX_KEY_EXCESS)                 # features + step, one kernel
+    o = prf_ring_step(fmap, q1, k1, v1, state, keys, values, key_valid, position, log_gain, MAX_KEY_EXCESS)
+                                                  # a window hybrid's static step on its ring of W keys, one kernel
     o, state = window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, 64)   # with autograd
 All but the feature map take an optional per-head decay, `log_decay` [H] (forward, backward and decode steps); the
 linear op and its decode step take a gate instead, `log_gate` [B, T, H] (a decay per token).
@@ -408,6 +410,106 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
 
 
 @triton.jit
+def _prf_ring_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, gain_ptr, rate_ptr, s_ptr, rk_ptr, rv_ptr,
+                   rvalid_ptr, pos_ptr, sk_ptr, sv_ptr, svalid_ptr, arrive_ptr, o_ptr, H, G, D, M, V, W, NS,
+                   root_s, scaling, max_excess, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+                   BW: tl.constexpr, BS: tl.constexpr, BKV: tl.constexpr, HAS_DECAY: tl.constexpr,
+                   HAS_SINK: tl.constexpr):
+    """A window hybrid's whole static decode step for one (batch, head) (`LinearAttention.ring_step`): the key in
+    ring slot p mod W (p = pos_ptr[0], read here) leaves the window: its PRF features (on query head h's map) join
+    the state in place, S ← γ S + φk ⊗ [v, 1] (γ = exp(−min(exp(rate_ptr[h]), 1e4)) with a decay; nothing if the
+    slot was empty); the new key takes the slot; then o = one softmax over the ring's valid keys, the sink's
+    (sk_ptr [B, NS, Hkv, D]) and the linear part's mass exp(log(φq·z) + shift), shift = the query's and key's
+    log-scales + log_gain[h], under their max. Ring keys, values [B, W, Hkv, D | V], flags [B, W] (uint8).
+    The programs of a batch row share its ring slot (G query heads per kv head) and its flag: each reads them and
+    sees the new key in the slot in its registers; at the end it counts itself in arrive_ptr[b] (acq_rel), and the
+    last to arrive writes the new keys of every kv head and the flag, and sets the count back to 0. No program
+    reads what another writes."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    HKV = H // G
+    bkv = b * HKV + h // G                                                                     # row of k, v
+    od, om, ov, ow = tl.arange(0, BD), tl.arange(0, BM), tl.arange(0, BV), tl.arange(0, BW)
+    md, mv, mw = od < D, ov < V, ow < W
+    slot = tl.load(pos_ptr) % W
+    ring = (b.to(tl.int64) * W + ow) * HKV + h // G                                            # [BW] ring rows
+    leaving = (b.to(tl.int64) * W + slot) * HKV + h // G
+    # features of the query and of the key leaving the window, as in `_prf_decode_step`
+    count = tl.load(cnt_ptr + h)
+    mm = om < count
+    w = tl.load(w_ptr + (h * M + om[:, None]) * D + od[None, :], mask=mm[:, None] & md[None, :], other=0.0)
+    lw = tl.load(lw_ptr + h * M + om, mask=mm, other=0.0)                                      # [BM]
+    q = tl.load(q_ptr + bh * D + od, mask=md, other=0.0).to(tl.float32)                       # [BD]
+    uq = q * root_s
+    uk = tl.load(rk_ptr + leaving * D + od, mask=md, other=0.0).to(tl.float32) * root_s
+    eq = tl.sum(w * uq[None, :], 1) - 0.5 * tl.sum(uq * uq, 0) + 0.5 * lw
+    ek = tl.sum(w * uk[None, :], 1) - 0.5 * tl.sum(uk * uk, 0) + 0.5 * lw
+    eq = tl.where(mm, eq, float("-inf"))
+    q_max = tl.max(eq, 0)
+    pq = tl.exp(eq - q_max)                                                                    # [BM]
+    key_shift = tl.load(ks_ptr + h).to(tl.float32)
+    old_valid = tl.load(rvalid_ptr + b.to(tl.int64) * W + slot) != 0
+    pk = tl.where(mm & old_valid, tl.exp(tl.minimum(ek - key_shift, max_excess)), 0.0)
+    # the state [M, V+1] as Σ φk ⊗ v [M, V] and Σ φk [M], in place
+    rows = bh.to(tl.int64) * M * (V + 1) + om * (V + 1)
+    mr = om < M
+    S = tl.load(s_ptr + rows[:, None] + ov[None, :], mask=mr[:, None] & mv[None, :], other=0.0)
+    z = tl.load(s_ptr + rows + V, mask=mr, other=0.0)
+    if HAS_DECAY:
+        decay = tl.exp(-tl.minimum(tl.exp(tl.load(rate_ptr + h).to(tl.float32)), 1e4))
+        S, z = S * decay, z * decay
+    v_old = tl.load(rv_ptr + leaving * V + ov, mask=mv, other=0.0).to(tl.float32)            # [BV]
+    S += pk[:, None] * v_old[None, :]
+    z += pk
+    tl.store(s_ptr + rows[:, None] + ov[None, :], S, mask=mr[:, None] & mv[None, :])
+    tl.store(s_ptr + rows + V, z, mask=mr)
+    num = tl.sum(pq[:, None] * S, 0)                                                           # [BV]
+    den = tl.sum(pq * z, 0)
+    # one normalisation: the linear mass, the ring's logits (the new key in its slot) and the sink's, under their max
+    log_count = tl.log(count.to(tl.float32))
+    shift = q_max + key_shift - log_count + tl.load(gain_ptr + h).to(tl.float32)             # both scales + gain
+    lam = tl.where(den > 0, tl.log(tl.maximum(den, 1.1754943508222875e-38)) + shift, float("-inf"))
+    new = ow == slot
+    kr = tl.load(rk_ptr + ring[:, None] * D + od[None, :], mask=mw[:, None] & md[None, :], other=0.0)   # [BW, BD]
+    kr = tl.where(new[:, None], tl.load(k_ptr + bkv * D + od, mask=md, other=0.0)[None, :], kr)
+    valid = (tl.load(rvalid_ptr + b.to(tl.int64) * W + ow, mask=mw, other=0) != 0) | new                # [BW]
+    logits = tl.where(valid, scaling * tl.sum(kr.to(tl.float32) * q[None, :], 1), float("-inf"))
+    m = tl.maximum(tl.max(logits, 0), lam)
+    if HAS_SINK:
+        sink = (b.to(tl.int64) * NS + tl.arange(0, BS)) * HKV + h // G                         # [BS]
+        ms = tl.arange(0, BS) < NS
+        ks = tl.load(sk_ptr + sink[:, None] * D + od[None, :], mask=ms[:, None] & md[None, :], other=0.0)
+        s_valid = tl.load(svalid_ptr + b.to(tl.int64) * NS + tl.arange(0, BS), mask=ms, other=0) != 0
+        s_logits = tl.where(s_valid, scaling * tl.sum(ks.to(tl.float32) * q[None, :], 1), float("-inf"))
+        m = tl.maximum(m, tl.max(s_logits, 0))
+    m = tl.where(m == float("-inf"), 0.0, m)             # nothing to weigh: every weight 0, o = 0
+    p = tl.exp(logits - m)
+    vr = tl.load(rv_ptr + ring[:, None] * V + ov[None, :], mask=mw[:, None] & mv[None, :], other=0.0)   # [BW, BV]
+    vr = tl.where(new[:, None], tl.load(v_ptr + bkv * V + ov, mask=mv, other=0.0)[None, :], vr)
+    w_lin = tl.where(den > 0, tl.exp(lam - m), 0.0)
+    acc = tl.sum(p[:, None] * vr.to(tl.float32), 0) + (w_lin / tl.maximum(den, 1.1754943508222875e-38)) * num
+    total = tl.sum(p, 0) + w_lin
+    if HAS_SINK:
+        p = tl.exp(s_logits - m)
+        vs = tl.load(sv_ptr + sink[:, None] * V + ov[None, :], mask=ms[:, None] & mv[None, :], other=0.0)
+        acc += tl.sum(p[:, None] * vs.to(tl.float32), 0)
+        total += tl.sum(p, 0)
+    tl.store(o_ptr + bh * V + ov, (acc / tl.maximum(total, 1.1754943508222875e-38)).to(o_ptr.dtype.element_ty),
+             mask=mv)
+    # the ring's writes, once every program of row b has read it: the last to count itself writes them
+    tl.debug_barrier()                                   # every thread of this program has read
+    if tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel") == H - 1:
+        ox = tl.arange(0, BKV)
+        dst = (b.to(tl.int64) * W + slot) * HKV
+        tl.store(rk_ptr + dst * D + ox, tl.load(k_ptr + b.to(tl.int64) * HKV * D + ox, mask=ox < HKV * D),
+                 mask=ox < HKV * D)
+        tl.store(rv_ptr + dst * V + ox, tl.load(v_ptr + b.to(tl.int64) * HKV * V + ox, mask=ox < HKV * V),
+                 mask=ox < HKV * V)
+        tl.store(rvalid_ptr + b.to(tl.int64) * W + slot, 1)
+        tl.store(arrive_ptr + b, 0)
+
+
+@triton.jit
 def _window_exact(q_ptr, k_ptr, v_ptr, ol_ptr, den_ptr, ls_ptr, off_ptr, valid_ptr, sink_ptr, o_ptr, lse_ptr, T, H,
                   D, V, scaling, C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, SB: tl.constexpr,
                   HAS_VALID: tl.constexpr, STORE_LSE: tl.constexpr, EXACT_DOT: tl.constexpr,
@@ -566,11 +668,14 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+INTERPRETER_SMS = 8   # the streaming multiprocessors the block plan assumes off CUDA (tests/gpu_dots.py sets a GPU's)
+
+
 def _plan(T: int, BH: int, K: int, V: int, device: torch.device, block: int | None = None) -> tuple[int, int, int]:
     """(L, BK, BV): block length (a power-of-two multiple of CHUNK, or `block`), padded feature tile, value tile."""
     BK = _pow2(K)
     BV = min(_pow2(V), max(16, MAX_TILE // BK))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_SMS
     if block is not None:
         if block < CHUNK or block & (block - 1):
             raise ValueError(f"block must be a power of two >= {CHUNK}, got {block}")
@@ -606,6 +711,7 @@ def _prf_tiles(M: int) -> tuple[int, int]:
 
 PRF_WARPS = 8      # the feature map: no spills in ptxas' report at 8 warps with tf32x3 (sm_90)
 WINDOW_WARPS = 8   # the window's exact part: no spills at 8 warps on 16-bit inputs, 560 bytes at 4 (ptxas, sm_90)
+RING_WARPS = 8     # the window hybrid's decode step: no spills at 8 warps for M = 64-256, 68-1300 bytes at 4 (sm_90)
 
 
 def _dot_dtype(*xs: torch.Tensor):
@@ -954,6 +1060,69 @@ def prf_decode_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
                                state if valid is None else valid, ld, H, H // Hkv, D, M, V, fmap.scaling ** 0.5,
                                max_excess, BD=_pow2(D), BM=_pow2(M), BV=_pow2(V + 1), HAS_VALID=valid is not None,
                                HAS_DECAY=log_decay is not None)
+    return o
+
+
+def _tile(n: int) -> int:
+    """A power-of-two tile of at least 2 for n rows (ring slots, sink slots): no dot needs 16."""
+    return max(2, triton.next_power_of_2(n))
+
+
+def prf_ring_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, key_valid: torch.Tensor, position: torch.Tensor, log_gain: torch.Tensor,
+                  max_excess: float, decay_rate: torch.Tensor | None = None, sink_keys: torch.Tensor | None = None,
+                  sink_values: torch.Tensor | None = None, sink_valid: torch.Tensor | None = None,
+                  arrivals: torch.Tensor | None = None) -> torch.Tensor:
+    """`LinearAttention.ring_step` of a PRF window hybrid in one kernel: the state, the ring and its flags updated in
+    place, the position read on the device (no host sync: a CUDA graph can replay it).
+
+    q [B, 1, H, D] (after RoPE); k, v [B, 1, Hkv, D | V] on kv heads (H a multiple of Hkv); state [B, H, M, V+1]
+    float32 contiguous; keys, values [B, W, Hkv, D | V] and key_valid [B, W] bool: the ring (slot p mod W holds the
+    key at position p), contiguous; position [1] int64: p, the token being decoded; log_gain [H]; decay_rate [H] or
+    None: log γ_h = −min(exp(decay_rate_h), 1e4) (`LinearAttention.log_decay`), computed in the kernel; sink_keys,
+    sink_values [B, S, Hkv, D | V] and sink_valid [B, S] or None: exact keys beside the ring, never folded;
+    arrivals [B] int32 zeros (kept between steps, `RingWindowLayer.arrivals`; None: a new one). The map's key_shift
+    must be finite. Returns o [B, 1, H, V] in q.dtype.
+
+    One program per (batch, query head), each reading its kv head's W ring slots: the G query heads of a kv head
+    all read the slot that the step overwrites, and every head of a batch row its flag. So nobody writes until
+    everyone has read: each program uses the new key from registers, and when done (a barrier, then an acq_rel
+    atomic) counts itself in arrivals[b]; the last of the row writes the new keys, values and flag and resets the
+    count. One program per kv head looping over its query heads would still share the flag across kv heads (and
+    would run G heads one after the other).
+    """
+    B, _, H, D = q.shape
+    Hkv, V, M, W = k.shape[2], v.shape[-1], fmap.dim, keys.shape[1]
+    if state.shape != (B, H, M, V + 1) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"prf_ring_step needs a contiguous float32 state [B, H, M, V+1] = {(B, H, M, V + 1)}, got "
+                         f"{tuple(state.shape)} {state.dtype}")
+    for x, shape in ((keys, (B, W, Hkv, D)), (values, (B, W, Hkv, V)), (key_valid, (B, W))):
+        if x.shape != shape or not x.is_contiguous():
+            raise ValueError(f"prf_ring_step updates the ring in place: it needs contiguous buffers shaped {shape}, "
+                             f"got {tuple(x.shape)} (contiguous: {x.is_contiguous()})")
+    sink = sink_keys is not None and sink_keys.shape[1] > 0
+    if sink:   # read only: copied if not contiguous (`RingWindowLayer.from_layer` makes them so)
+        S = sink_keys.shape[1]
+        if sink_keys.shape != (B, S, Hkv, D) or sink_values.shape != (B, S, Hkv, V) or sink_valid.shape != (B, S):
+            raise ValueError(f"prf_ring_step needs sink keys, values and flags shaped {(B, S, Hkv, D)}, "
+                             f"{(B, S, Hkv, V)} and {(B, S)}, got {tuple(sink_keys.shape)}, "
+                             f"{tuple(sink_values.shape)} and {tuple(sink_valid.shape)}")
+        sink_keys, sink_values, sink_valid = sink_keys.contiguous(), sink_values.contiguous(), sink_valid.contiguous()
+    if not (q.is_cuda or interpreting()):
+        raise RuntimeError(f"prf_ring_step needs CUDA tensors, got {q.device}; use the PyTorch ring step")
+    w, lw, counts = _prf_args(fmap)
+    if arrivals is None:
+        arrivals = torch.zeros(B, dtype=torch.int32, device=q.device)
+    o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
+    flags = key_valid.view(torch.uint8)
+    _prf_ring_step[(B * H,)](
+        q.contiguous(), k.contiguous(), v.contiguous(), w, lw, counts, fmap.key_shift, log_gain,
+        log_gain if decay_rate is None else decay_rate, state, keys, values, flags, position,
+        sink_keys if sink else keys, sink_values if sink else values, sink_valid.view(torch.uint8) if sink else flags,
+        arrivals, o, H, H // Hkv, D, M, V, W, S if sink else 0, fmap.scaling ** 0.5, fmap.scaling, max_excess,
+        BD=_pow2(D), BM=_pow2(M), BV=_pow2(V), BW=_tile(W), BS=_tile(S) if sink else 2,
+        BKV=triton.next_power_of_2(Hkv * max(D, V)), HAS_DECAY=decay_rate is not None, HAS_SINK=sink,
+        num_warps=RING_WARPS)
     return o
 
 
