@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     from dofattn.cli import format_positions
 
     for label, run in runs.items():
-        print(f"\n{label}: {run['ratio']:.3f}x the teacher, KL {run['kl']:.3f} ({run['tokens']} predictions, blocks "
+        print(f"\n{label}: {run['ratio']:.3f}x the teacher, KL {run['kl']:.3f} ({run['tokens']} tokens in blocks "
               f"of {run['seq_len']})" + format_positions(run["by_position"]))
     if args.out:
         args.out.write_text(json.dumps({label: {"input": str(path), **run} for (label, run), path
