@@ -467,8 +467,6 @@ def run_dof(args: DofArgs) -> int:
     # everything that can be checked without the model is checked before it loads
     out = _check_output(args.out, "--out", (".json",))
     plot = _check_output(args.plot, "--plot", (".png", ".pdf", ".svg")) if args.plot else None
-    plot_positions = (_check_output(args.plot_positions, "--plot-positions", (".png", ".pdf", ".svg"))
-                      if args.plot_positions else None)
     if args.samples < 2:
         raise UserError(f"--samples must be at least 2, got {args.samples}")
     if args.lam <= 0:
