@@ -124,5 +124,8 @@ def test_smoke_distill_on_smollm2(tmp_path, capsys):
     log = json.loads((out / "log.json").read_text())
     assert len(log["layers"]) == 30 and log["direct"]["steps"] == 1
     ev = log["evaluation"]
+    positions = ev.pop("by_position")
     assert ev["teacher_ppl"] < ev["performer_ppl"] and all(map(math.isfinite, ev.values()))
+    assert positions["context_to"][-1] == 63 and sum(positions["tokens"]) == 63      # one block of 64 tokens
+    assert all(math.isfinite(x) for name in ("ppl", "teacher_ppl", "ratio", "kl") for x in positions[name])
     assert "untrained performer" in captured.out
