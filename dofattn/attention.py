@@ -26,7 +26,7 @@ from dofattn.errors import UserError
 from dofattn.features import MAX_KEY_EXCESS, FeatureMap, PositiveRandomFeatures
 from dofattn.ops import linear_attention
 from dofattn.ops.conv import short_conv
-from dofattn.ops.naive import TINY, augment_values
+from dofattn.ops.naive import TINY, augment_values, needs_grad
 from dofattn.ops.window import first_keys, window_linear_attention, window_logits
 
 IMPLEMENTATION = "dofattn"
@@ -217,7 +217,7 @@ class LinearAttention(nn.Module):
         fmap = self.feature_map
         if not (backend == "triton" or (backend == "auto" and q.is_cuda)) or self.gate:
             return False
-        if torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if needs_grad(q, *self.parameters()):
             return False
         from dofattn.ops import load_fused
         return (isinstance(fmap, PositiveRandomFeatures) and not fmap.training and fmap.shift_calibrated()

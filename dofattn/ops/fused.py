@@ -369,6 +369,14 @@ def _prf_features(x_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, phi_ptr, qs_ptr, T, H, 
 
 
 @triton.jit
+def _prf_exponents(w, lw, x, root_s):
+    """The PRF exponents of one head's vector x [BD] under its map (directions w [BM, BD], log-weights lw [BM]):
+    w·u − |u|²/2 + lw/2 with u = x·root_s, in float32 [BM]."""
+    u = x.to(tl.float32) * root_s
+    return tl.sum(w * u[None, :], 1) - 0.5 * tl.sum(u * u, 0) + 0.5 * lw
+
+
+@triton.jit
 def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr, o_ptr, valid_ptr, ld_ptr, H, G, D,
                      M, V, root_s, max_excess, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
                      HAS_VALID: tl.constexpr, HAS_DECAY: tl.constexpr):
@@ -385,10 +393,8 @@ def _prf_decode_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, s_ptr,
     mm = om < count
     w = tl.load(w_ptr + (h * M + om[:, None]) * D + od[None, :], mask=mm[:, None] & md[None, :], other=0.0)
     lw = tl.load(lw_ptr + h * M + om, mask=mm, other=0.0)                                      # [BM]
-    uq = tl.load(q_ptr + bh * D + od, mask=md, other=0.0).to(tl.float32) * root_s              # [BD]
-    uk = tl.load(k_ptr + bkv * D + od, mask=md, other=0.0).to(tl.float32) * root_s
-    eq = tl.sum(w * uq[None, :], 1) - 0.5 * tl.sum(uq * uq, 0) + 0.5 * lw                      # [BM]
-    ek = tl.sum(w * uk[None, :], 1) - 0.5 * tl.sum(uk * uk, 0) + 0.5 * lw
+    eq = _prf_exponents(w, lw, tl.load(q_ptr + bh * D + od, mask=md, other=0.0), root_s)        # [BM]
+    ek = _prf_exponents(w, lw, tl.load(k_ptr + bkv * D + od, mask=md, other=0.0), root_s)
     eq = tl.where(mm, eq, float("-inf"))
     pq = tl.exp(eq - tl.max(eq, 0))
     pk = tl.where(mm, tl.exp(tl.minimum(ek - tl.load(ks_ptr + h), max_excess)), 0.0)
@@ -440,10 +446,9 @@ def _prf_ring_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, gain_ptr
     w = tl.load(w_ptr + (h * M + om[:, None]) * D + od[None, :], mask=mm[:, None] & md[None, :], other=0.0)
     lw = tl.load(lw_ptr + h * M + om, mask=mm, other=0.0)                                      # [BM]
     q = tl.load(q_ptr + bh * D + od, mask=md, other=0.0).to(tl.float32)                       # [BD]
-    uq = q * root_s
-    uk = tl.load(rk_ptr + leaving * D + od, mask=md, other=0.0).to(tl.float32) * root_s
-    eq = tl.sum(w * uq[None, :], 1) - 0.5 * tl.sum(uq * uq, 0) + 0.5 * lw
-    ek = tl.sum(w * uk[None, :], 1) - 0.5 * tl.sum(uk * uk, 0) + 0.5 * lw
+    k_old = tl.load(rk_ptr + leaving * D + od, mask=md, other=0.0)
+    eq = _prf_exponents(w, lw, q, root_s)                                                      # [BM]
+    ek = _prf_exponents(w, lw, k_old, root_s)
     eq = tl.where(mm, eq, float("-inf"))
     q_max = tl.max(eq, 0)
     pq = tl.exp(eq - q_max)                                                                    # [BM]
