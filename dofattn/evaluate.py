@@ -68,12 +68,13 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int = 4, desc: str = "pe
 
 class _Tally:
     """Running sums of the student-vs-teacher numbers over batches of next-token log-probs [N, vocab], N = B·(T−1)
-    predictions of B blocks of T tokens, per prediction position: the whole text's numbers are their totals."""
+    predictions of B blocks of T tokens: overall, and per prediction position (for `by_position`)."""
 
     def __init__(self):
+        self.student_nll = self.teacher_nll = self.kl = self.agree = 0.0
+        self.count = 0
         self.at = None     # [3, T−1] float64: student NLL, teacher NLL and KL summed per position over blocks
         self.blocks = 0
-        self.agree = 0
 
     def add(self, log_s: torch.Tensor, log_t: torch.Tensor, targets: torch.Tensor, length: int) -> None:
         """`length`: predictions per block (T − 1); rows of the batch come block after block."""
@@ -85,13 +86,17 @@ class _Tally:
             raise ValueError(f"blocks of {length + 1} tokens after blocks of {self.at.shape[1] + 1}")
         self.at = per_position if self.at is None else self.at + per_position
         self.blocks += targets.numel() // length
+        self.student_nll += nll_s.sum().item()
+        self.teacher_nll += nll_t.sum().item()
+        self.kl += kl.sum().item()
         self.agree += (log_s.argmax(-1) == log_t.argmax(-1)).sum().item()
+        self.count += targets.numel()
 
     def result(self) -> dict:
-        n = self.blocks * self.at.shape[1]
-        student_nll, teacher_nll, kl = (self.at.sum(1) / n).tolist()
-        return {"ppl": math.exp(student_nll), "teacher_ppl": math.exp(teacher_nll), "kl": kl,
-                "top1_agreement": self.agree / n, "tokens": n, "by_position": by_position(self.at, self.blocks)}
+        n = self.count
+        return {"ppl": math.exp(self.student_nll / n), "teacher_ppl": math.exp(self.teacher_nll / n),
+                "kl": self.kl / n, "top1_agreement": self.agree / n, "tokens": n,
+                "by_position": by_position(self.at, self.blocks)}
 
 
 def by_position(sums: torch.Tensor, blocks: int) -> dict:
