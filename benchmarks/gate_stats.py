@@ -1,4 +1,5 @@
-"""What a gated student's gates do on real text: per layer, how far back each token lets the state reach.
+"""What a gated student's gates do on real text: per layer, how far back each token lets the state reach (and with
+the delta rule, how much each token erases).
 
     python benchmarks/gate_stats.py runs/hh-gate-mlp-bf16 [--blocks 8] [--seq-len 512] [--out gate-stats.json]
 
@@ -7,7 +8,10 @@ ln 2 / −ln g_t, is how many more tokens halve what the state holds: a token wi
 clears the state, one of thousands keeps it. Over the validation blocks of the run's data this prints, per layer,
 the quantiles of the half-life over tokens and heads, the share of token-heads below 1 token and above 1 000,
 and the half-lives the heads' decay rates alone would give (the gate at w = 0, where training started from).
-Writes the numbers to JSON and, with --plot, the quantiles over layers to a PNG.
+With `--delta` layers it prints a second table: per layer, the quantiles of the erase strength β_t over tokens and
+heads (the share of what the state holds along a token's key direction that the token removes before writing;
+sigmoid(-6) = 0.0025 at the start), and the share of token-heads above 0.5. Writes the numbers to JSON ("layers",
+and "delta" for the erase strengths) and, with --plot, the half-life quantiles over layers to a PNG.
 """
 
 from __future__ import annotations
@@ -25,26 +29,32 @@ from dofattn.student import attention_modules, load_student
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
-def collect(model, blocks: torch.Tensor, batch_size: int = 2) -> dict[int, torch.Tensor]:
-    """{layer: [N] float32 log gates of every token and head} over `blocks`, from the model's own forward."""
+# what `collect` can record: a LinearAttention method of the values, and the flag of the layers that have it
+RECORDED = {"log_gates": "gate", "betas": "delta"}
+
+
+def collect(model, blocks: torch.Tensor, batch_size: int = 2,
+            method: str = "log_gates") -> dict[int, torch.Tensor]:
+    """{layer: [N] float32 log gates (or, method "betas", erase strengths) of every token and head} over `blocks`,
+    from the model's own forward; {} if no layer has them."""
     seen: dict[int, list[torch.Tensor]] = {}
     for i, module in enumerate(attention_modules(model)):
         linear = getattr(module, "dofattn", None)
-        if linear is None or not linear.gate:
+        if linear is None or not getattr(linear, RECORDED[method]):
             continue
-        original = linear.log_gates
+        original = getattr(linear, method)
 
         def record(v, i=i, original=original):
             out = original(v)
             seen.setdefault(i, []).append(out.detach().flatten().float())
             return out
 
-        linear.log_gates = record
-    with torch.no_grad():
-        for start in range(0, len(blocks), batch_size):
-            model(blocks[start:start + batch_size], use_cache=False)
-    if not seen:
-        raise SystemExit("this student has no gated layers (distill it with --gate)")
+        setattr(linear, method, record)
+    hooked = any(getattr(getattr(m, "dofattn", None), RECORDED[method], False) for m in attention_modules(model))
+    if hooked:
+        with torch.no_grad():
+            for start in range(0, len(blocks), batch_size):
+                model(blocks[start:start + batch_size], use_cache=False)
     return {i: torch.cat(parts) for i, parts in seen.items()}
 
 
@@ -70,6 +80,9 @@ def main() -> None:
     data = args.data or run.get("eval_data") or run.get("data") or "wiki-sample"
     blocks = token_blocks(data, tokenizer, args.seq_len, args.blocks, split="validation", seed=0)   # as distill and eval
     gates = collect(model.eval(), blocks)
+    erase = collect(model, blocks, method="betas")
+    if not gates and not erase:
+        raise SystemExit("this student has no gated layers (distill it with --gate) and no delta rule (--delta)")
     rows = []
     print(f"{'layer':>5} " + " ".join(f"{'q' + str(int(q * 100)):>8}" for q in QUANTILES)
           + f" {'<1 tok':>7} {'>1000':>7} {'rates alone (min-max)':>22}")
@@ -85,13 +98,30 @@ def main() -> None:
         rows.append(row)
         print(f"{i:>5} " + " ".join(f"{q:>8.3g}" for q in quantiles)
               + f" {row['below_1']:>7.3f} {row['above_1000']:>7.3f} {min(rate_lives):>10.3g}-{max(rate_lives):<10.3g}")
+    delta_rows = erase_rows(erase)
     out = Path(args.out) if args.out else folder / "gate-stats.json"
     out.write_text(json.dumps({"student": str(folder), "data": data, "blocks": args.blocks,
-                               "seq_len": args.seq_len, "layers": rows}, indent=2))
+                               "seq_len": args.seq_len, "layers": rows, "delta": delta_rows}, indent=2))
     print(f"wrote {out}")
-    if args.plot:
+    if args.plot and rows:
         plot(rows, args.plot, folder.name)
         print(f"wrote {args.plot}")
+
+
+def erase_rows(erase: dict[int, torch.Tensor]) -> list[dict]:
+    """Per delta layer: quantiles of the erase strengths β and the share above 0.5, printed as a table."""
+    rows = []
+    if erase:
+        print(f"erase strength β of each token (--delta)\n{'layer':>5} "
+              + " ".join(f"{'q' + str(int(q * 100)):>8}" for q in QUANTILES) + f" {'>0.5':>7}")
+    for i, beta in sorted(erase.items()):
+        sample = beta.double()[torch.randperm(len(beta))[:1_000_000]]
+        quantiles = torch.quantile(sample, torch.tensor(QUANTILES, dtype=torch.float64)).tolist()
+        row = {"layer": i, "quantiles": dict(zip(map(str, QUANTILES), quantiles)),
+               "above_half": (beta > 0.5).double().mean().item(), "mean": beta.double().mean().item()}
+        rows.append(row)
+        print(f"{i:>5} " + " ".join(f"{q:>8.3g}" for q in quantiles) + f" {row['above_half']:>7.3f}")
+    return rows
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:

@@ -26,15 +26,18 @@ from dofattn.errors import UserError
 from dofattn.features import MAX_KEY_EXCESS, FeatureMap, PositiveRandomFeatures
 from dofattn.ops import linear_attention
 from dofattn.ops.conv import short_conv
+from dofattn.ops.delta import delta_attention
 from dofattn.ops.naive import TINY, augment_values, needs_grad
 from dofattn.ops.window import first_keys, window_linear_attention, window_logits
 
 IMPLEMENTATION = "dofattn"
 DECAY_START = (8, 11)   # a decay starts at log γ_h from -2^-8 to -2^-11 over the heads (half-lives 180-1400 tokens)
 GATE_FLOOR = -30.0      # a gate's log factor per token is at least this (e^-30: the state all but cleared)
+DELTA_START = -6.0      # a delta rule's erase strength starts at sigmoid(-6) = 0.0025 for every token
 
 
 CONV_NAMES = ("conv_q", "conv_k", "conv_v")    # the --conv filters of q, k and v: parameters and cache tensors
+DELTA_NAMES = (".delta_bias", ".delta_weight")  # the delta rule's parameters
 
 
 class LinearAttention(nn.Module):
@@ -56,11 +59,23 @@ class LinearAttention(nn.Module):
     the last K tokens, one learned filter per channel (`ops.conv`), started as the identity. It lets a layer mix a
     token's neighbours into its query, key and value (with a decay, a head can then reach the token before, say,
     which plain linear attention cannot single out). Generation keeps the last K-1 q, k and v beside the state.
+    delta (pure linear attention): the state is written by the delta rule (`ops.delta`): before token t adds
+    φk_t ⊗ v_t, it removes the fraction β_t of what the state holds along φk_t's direction, so a key can replace
+    what an earlier, similar key stored instead of piling onto it. β_t = sigmoid(delta_bias_h + u_h·v_t/√D), read
+    off the value like the gate, started at sigmoid(DELTA_START) for every token (u = 0): a student trained without
+    it moves only a little, and the end-to-end phase learns where to erase. Combines with a decay or a gate (as in
+    gated DeltaNet). The layerwise softmax and L2 losses score the kernel's rows, which the erasures do not change,
+    so the delta rule trains in the end-to-end phase (and in the layerwise output loss).
     """
 
     def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int, window: int = 0,
-                 decay: bool = False, sink: int = 0, gate: bool = False, head_dim: int = 0, conv: int = 0):
+                 decay: bool = False, sink: int = 0, gate: bool = False, head_dim: int = 0, conv: int = 0,
+                 delta: bool = False):
         super().__init__()
+        if delta and window:
+            raise UserError(f"the delta rule is for pure linear attention: drop it or the {window}-token window")
+        if delta and head_dim < 1:
+            raise UserError(f"the delta rule reads the values: give the head dimension (head_dim >= 1), got {head_dim}")
         if conv < 0 or conv == 1:
             raise UserError(f"conv is a filter width of at least 2 tokens (0: none), got {conv}")
         if conv and head_dim < 1:
@@ -90,6 +105,10 @@ class LinearAttention(nn.Module):
         self.gate = bool(gate)
         if self.gate:
             self.gate_weight = nn.Parameter(torch.zeros(num_heads, head_dim))                    # [H, D]
+        self.delta = bool(delta)
+        if self.delta:
+            self.delta_bias = nn.Parameter(torch.full((num_heads,), DELTA_START))                # [H]
+            self.delta_weight = nn.Parameter(torch.zeros(num_heads, head_dim))                   # [H, D]
         self.conv = int(conv)
         if self.conv:   # [K, heads, D] each, weight[j] on the token j back: the identity to start
             for name, heads in (("conv_q", num_heads), ("conv_k", num_kv_heads), ("conv_v", num_kv_heads)):
@@ -102,13 +121,20 @@ class LinearAttention(nn.Module):
         return ", ".join(([f"window={self.window}"] if self.window else [])
                          + (["gate"] if self.gate else ["decay"] if self.decay else [])
                          + ([f"sink={self.sink}"] if self.sink else [])
-                         + ([f"conv={self.conv}"] if self.conv else []))
+                         + ([f"conv={self.conv}"] if self.conv else [])
+                         + (["delta"] if self.delta else []))
 
     def log_gates(self, v: torch.Tensor) -> torch.Tensor:
         """v [B, T, H, D] (on query heads) -> [B, T, H] float32: each token's log factor, in [GATE_FLOOR, 0]."""
         w = self.gate_weight.float()
         rate = self.decay_rate.float() + torch.einsum("bthd,hd->bth", v.float(), w) / math.sqrt(w.shape[1])
         return -torch.exp(rate.clamp_max(math.log(-GATE_FLOOR))).clamp_max(-GATE_FLOOR)   # exp first: no inf·0
+
+    def betas(self, v: torch.Tensor) -> torch.Tensor:
+        """v [B, T, H, D] (on query heads) -> [B, T, H] float32: each token's erase strength β in (0, 1)."""
+        w = self.delta_weight.float()
+        logit = self.delta_bias.float() + torch.einsum("bthd,hd->bth", v.float(), w) / math.sqrt(w.shape[1])
+        return torch.sigmoid(logit)
 
     def log_decay(self) -> torch.Tensor | None:
         """[H] float32: log γ_h of each head (< 0, at least -1e4), or None without a decay."""
@@ -206,7 +232,8 @@ class LinearAttention(nn.Module):
         CUDA, no autograd, a PRF map with a calibrated key shift, no window, a float32 state (with or without a decay).
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
-        return (backend == "auto" and not self.window and not self.gate and q.shape[1] == 1 and q.is_cuda
+        return (backend == "auto" and not self.window and not self.gate and not self.delta and q.shape[1] == 1
+                and q.is_cuda
                 and isinstance(fmap, PositiveRandomFeatures) and fmap.fused_ok(q, "key")
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous())
 
@@ -326,9 +353,26 @@ class LinearAttention(nn.Module):
             phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
             if self.decay:
                 check_decay_padding(key_valid, state)
+        if self.delta:
+            return self.delta_attend(phi_q, phi_k, v, state, output_final_state, backend)
         decay = {"log_gate": self.log_gates(v)} if self.gate else {"log_decay": self.log_decay()}
         return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
                                 backend=backend, **decay)
+
+
+    def delta_attend(self, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, state: torch.Tensor | None,
+                     output_final_state: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attend` with the delta rule, on features [B, T, H, M] and values [B, T, H, D]. The op has a recurrent
+        and a chunked form (`ops.delta`): backends naive and recurrent run the first, chunk the second, and the
+        others (triton, fla: no delta-rule kernels) run auto, the same numbers within rounding."""
+        if self.gate:
+            log_gate = self.log_gates(v)
+        elif self.decay:
+            log_gate = self.log_decay()[None, None].expand(*v.shape[:3])
+        else:
+            log_gate = None
+        name = {"naive": "recurrent", "recurrent": "recurrent", "chunk": "chunk"}.get(backend, "auto")
+        return delta_attention(phi_q, phi_k, v, self.betas(v), log_gate, state, output_final_state, name)
 
 
 def keep_buffer(cache: LinearStateLayer, name: str, value: torch.Tensor) -> None:

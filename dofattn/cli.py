@@ -199,6 +199,12 @@ class DistillArgs:
     conv_lr: float | None = _opt(None, "Adam learning rate of the --conv filters in the end-to-end phase (default: "
                                        "--direct-lr, at which they stay near the identity); the cooldown scales it "
                                        "too")
+    delta: bool = _opt(False, "write each linear layer's state by the delta rule (needs --window 0): before a token "
+                              "adds its key and value, it erases part of what the state holds along its key, so a "
+                              "new key can replace an old, similar one instead of piling onto it, as in DeltaNet. "
+                              "The erase strength is read off the token's value, starts near 0 and trains in the "
+                              "end-to-end phase. Combines with --decay or --gate (as in gated DeltaNet); "
+                              "--continue-from may add it to a trained student. Runs on PyTorch ops, on CUDA too")
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
     keep_by: str = _opt("attn-dof", "which layers --keep-softmax keeps: attn-dof (the K whose attention matrices "

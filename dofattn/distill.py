@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from dofattn.attention import CONV_NAMES, DECAY_START, LinearAttention
+from dofattn.attention import CONV_NAMES, DECAY_START, DELTA_NAMES, LinearAttention
 from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
@@ -479,9 +479,17 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
         meta = json.loads((ckpt / "state.json").read_text())
         start_step, losses, curve = meta["step"], meta["losses"], meta.get("curve", [])
         state = load_file(str(ckpt / meta["folder"] / "features.safetensors"))
+        fresh = [n for n, _ in named + buffers if n not in state]
+        if fresh and not all(n.endswith(DELTA_NAMES) for n in fresh):
+            raise UserError(f"{ckpt} has no {fresh[0]}: its student differs from this one; rerun with the "
+                            f"options of its run.json")
+        if fresh and progress and rank == 0:          # --continue-from adding --delta
+            print(f"{ckpt}: {len(fresh)} delta-rule tensors not in the checkpoint start from their start values",
+                  flush=True)
         with torch.no_grad():
             for n, t in named + buffers:
-                t.copy_(state[n])
+                if n in state:
+                    t.copy_(state[n])
         load_optimizer(optimizer, names, ckpt / meta["folder"] / "optimizer.safetensors")
     device = params[0].device
     linears = [m.dofattn for m in attention_modules(model) if hasattr(m, "dofattn")]
@@ -545,10 +553,11 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None,
                  "cooldown_steps": 0, "lora_targets": "attention", "gate": False, "hidden_weight": 0.0,
-                 "conv": 0, "conv_lr": None}
+                 "conv": 0, "conv_lr": None, "delta": False}
 # What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
+# --delta may be added: the copied student goes on with a delta rule started at its start values (`LinearAttention`).
 CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
-                       "continue_from", "cooldown_steps", "hidden_weight")
+                       "continue_from", "cooldown_steps", "hidden_weight", "delta")
 KEEP_BY = ("attn-dof", "dof", "first", "random", "gain")
 SINK = 4                 # the dofattn and long recipes' --sink beside a window (not with --decay)
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which attn-dof (--keep-by, --dims) measures the teacher's attention
@@ -716,6 +725,9 @@ def validate(args) -> None:
         raise UserError("--sink and --decay do not combine: drop one of them")
     if args.gate and args.window:
         raise UserError(f"--gate is for pure linear attention: add --window 0 (or drop --gate to keep the "
+                        f"{args.window}-token window)")
+    if args.delta and args.window:
+        raise UserError(f"--delta is for pure linear attention: add --window 0 (or drop --delta to keep the "
                         f"{args.window}-token window)")
     if args.conv < 0 or args.conv == 1:
         raise UserError(f"--conv is a filter width of at least 2 tokens (0: none), got {args.conv}")
@@ -976,7 +988,7 @@ def run(args) -> dict:
     log.softmax_layers = kept
     linearize(model, dims, args.feature, layers=[i for i in range(num_layers) if i not in kept], seed=args.seed,
               window=args.window, head_dims=head_dims, decay=args.decay, sink=args.sink, gate=args.gate,
-              conv=args.conv)
+              conv=args.conv, delta=args.delta)
     if args.lora_rank:
         from dofattn.lora import add_lora
 
@@ -1027,7 +1039,7 @@ def run(args) -> dict:
                                fingerprint(model), window=args.window, lora_rank=args.lora_rank,
                                lora_alpha=float(args.lora_rank), lora_targets=args.lora_targets,
                                head_dims=head_dims, decay=args.decay, sink=args.sink, gate=args.gate,
-                               conv=args.conv)
+                               conv=args.conv, delta=args.delta)
         save_student(model, out, config)
         timer = time.perf_counter()
         log.evaluation.update(evaluate_run(args, model, valid, dims))

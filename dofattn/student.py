@@ -113,6 +113,7 @@ class StudentConfig:
     sink: int = 0               # the first `sink` real tokens stay exact beside the window (0: none)
     gate: bool = False          # the decay depends on each token (pure linear attention; `LinearAttention`)
     conv: int = 0               # a short convolution of this width on q, k and v before the attention (0: none)
+    delta: bool = False         # the state is written by the delta rule (pure linear attention; `LinearAttention`)
     dofattn_version: str = __version__
 
     def to_json(self) -> str:
@@ -121,7 +122,7 @@ class StudentConfig:
 
 def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: list[int] | None = None,
               seed: int = 0, window: int = 0, head_dims: list[list[int]] | None = None,
-              decay: bool = False, sink: int = 0, gate: bool = False, conv: int = 0) -> nn.Module:
+              decay: bool = False, sink: int = 0, gate: bool = False, conv: int = 0, delta: bool = False) -> nn.Module:
     """Replace softmax attention by linear attention in `layers` (all by default), in place; returns `model`.
 
     `dims[i]` is the feature dimension of layer i (entries of layers not linearized are ignored). `window` > 0
@@ -130,7 +131,7 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: l
     `decay` gives every linear layer a learned per-head decay of its state (`LinearAttention`). `sink` > 0 (with a
     window) keeps the first `sink` real tokens exact for every query as well. `gate` (no window) makes the decay
     depend on each token. `conv` >= 2 passes each linear layer's q, k and v through a short causal convolution of
-    that width, started as the identity.
+    that width, started as the identity. `delta` (no window) writes each linear layer's state by the delta rule.
     """
     if feature not in FEATURES:
         raise UserError(f"unknown feature map {feature!r}; use one of {', '.join(FEATURES)}")
@@ -143,7 +144,8 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: l
     for i in layers:
         fmap = make_feature_map(feature, heads, head_dim, dims[i], modules[i].scaling, seed=seed * 1000 + i,
                                 head_dims=None if head_dims is None else head_dims[i])
-        linear = LinearAttention(fmap, heads, kv_heads, window, decay, sink, gate, head_dim, conv).to(param.device)
+        linear = LinearAttention(fmap, heads, kv_heads, window, decay, sink, gate, head_dim, conv,
+                                 delta).to(param.device)
         linear.train(modules[i].training)
         modules[i].add_module("dofattn", linear)
     install(model)
@@ -227,7 +229,7 @@ def attach_student(model: nn.Module, folder: str | Path, config: StudentConfig |
         raise UserError(f"{folder} was trained on base model {config.base_model!r} and does not fit this model "
                         f"(differs in {', '.join(mismatch)}); load it with its own base model")
     linearize(model, config.dims, config.feature, config.layers, config.seed, config.window, config.head_dims,
-              config.decay, config.sink, config.gate, config.conv)
+              config.decay, config.sink, config.gate, config.conv, config.delta)
     if config.lora_rank:
         from dofattn.lora import add_lora
 

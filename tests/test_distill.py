@@ -336,6 +336,7 @@ def other_model_dims(folder: Path) -> Path:
     (["--sink", "4"], "give --window W >= 1 too"),
     (["--window", "8", "--sink", "4", "--decay"], "--sink and --decay do not combine"),
     (["--window", "8", "--gate"], "--gate is for pure linear attention: add --window 0"),
+    (["--window", "8", "--delta"], "--delta is for pure linear attention: add --window 0"),
     (["--conv", "1"], "--conv is a filter width of at least 2 tokens"),
     (["--conv", "-4"], "--conv is a filter width of at least 2 tokens"),
     (["--conv-lr", "0.1"], "--conv-lr is the learning rate of the --conv filters: give --conv K"),
@@ -621,6 +622,38 @@ def test_continue_from_copies_a_run_and_goes_on_with_more_text(capsys, model_dir
                                                  "--continue-from", source, *flags))
         assert code == 2 and message in err and err.count("\n") == 1, (flags, err)
         assert not out.exists()
+
+
+def test_delta_trains_end_to_end_and_continue_from_can_add_it(capsys, model_dirs, corpus, tmp_path):
+    """--delta: the layerwise stage leaves the erase strengths at their start (its losses score the kernel's rows),
+    the end-to-end phase moves them, and the student saves and loads with them. --continue-from may add --delta to
+    a trained student: the copied features go on, the delta rule starts at its start values."""
+    from dofattn.attention import DELTA_START
+
+    extra = ("--steps", 3, "--gate", "--direct-lr", 1e-2)
+    plain, delta, added = tmp_path / "plain", tmp_path / "delta", tmp_path / "added"
+    for folder, flags in ((plain, ()), (delta, ("--delta",))):
+        code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, folder, *extra, *flags,
+                                                 "--then-direct-steps", 2))
+        assert code == 0, err
+    layer = load_file(str(layer_file(delta, 1)))                         # layerwise: the delta rule as it started
+    assert torch.equal(layer["delta_bias"], torch.full_like(layer["delta_bias"], DELTA_START))
+    assert torch.equal(layer["delta_weight"], torch.zeros_like(layer["delta_weight"]))
+    saved = features(delta)
+    for i in range(LAYERS):
+        bias = saved[f"model.layers.{i}.self_attn.dofattn.delta_bias"]
+        assert (bias - DELTA_START).abs().max() > 1e-3, i
+    assert json.loads((delta / "dofattn.json").read_text())["delta"]
+    student, _, _ = load_student(delta)
+    assert all(m.dofattn.delta for m in attention_modules(student))
+    assert not json.loads((plain / "dofattn.json").read_text())["delta"]
+
+    code, printed, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, added, *extra, "--delta",
+                                                   "--then-direct-steps", 4, "--continue-from", plain))
+    assert code == 0 and "delta-rule tensors not in the checkpoint start from their start values" in printed, err
+    log, source_log = (json.loads((f / "log.json").read_text()) for f in (added, plain))
+    assert log["direct"]["losses"][:2] == source_log["direct"]["losses"] and len(log["direct"]["losses"]) == 4
+    assert log["args"]["delta"] and json.loads((added / "dofattn.json").read_text())["delta"]
 
 
 def test_progressive_layers_train_on_the_students_own_inputs(capsys, trained_llama, corpus, tmp_path, tokenizer):

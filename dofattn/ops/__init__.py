@@ -23,6 +23,9 @@ without one but never fla (triton on CUDA when it imports, else recurrent for T 
 asking fla for a decay is a ValueError. A gate (`log_gate` [B, T, H], a decay per token) runs on naive, chunk,
 recurrent and triton: auto picks as for a decay (triton on CUDA when it imports, else recurrent for T = 1 and chunk
 otherwise); asking fla for one is a ValueError.
+
+A state written by the delta rule (a token erases part of what its key direction holds before it writes) is a
+different op with its own entry point, `ops.delta.delta_attention`: recurrent (the reference) and chunk, in PyTorch.
 """
 
 from __future__ import annotations
