@@ -205,6 +205,9 @@ class DistillArgs:
                               "The erase strength is read off the token's value, starts near 0 and trains in the "
                               "end-to-end phase. Combines with --decay or --gate (as in gated DeltaNet); "
                               "--continue-from may add it to a trained student. Runs on PyTorch ops, on CUDA too")
+    delta_lr: float | None = _opt(None, "Adam learning rate of the --delta rule's parameters in the end-to-end phase "
+                                        "(default: --direct-lr, at which they barely leave their start); the "
+                                        "cooldown scales it too")
     keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
                                 "linearized")
     keep_by: str = _opt("attn-dof", "which layers --keep-softmax keeps: attn-dof (the K whose attention matrices "

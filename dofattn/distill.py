@@ -268,12 +268,16 @@ def feature_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def direct_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float,
-                  conv_lr: float | None = None) -> tuple[list[str], list[dict]]:
-    """(names in the optimizer's order, Adam groups): everything at `lr`, and with `conv_lr` the `--conv` filters
-    in a group of their own at that rate. Each group keeps its rate as "base_lr" for the cooldown."""
+                  conv_lr: float | None = None, delta_lr: float | None = None) -> tuple[list[str], list[dict]]:
+    """(names in the optimizer's order, Adam groups): everything at `lr`, with `conv_lr` the `--conv` filters and
+    with `delta_lr` the delta rule's parameters in groups of their own at those rates. Each group keeps its rate
+    as "base_lr" for the cooldown."""
     filters = tuple("." + name for name in CONV_NAMES) if conv_lr is not None else ()
-    groups = [([(n, p) for n, p in named if not n.endswith(filters)], lr),
-              ([(n, p) for n, p in named if filters and n.endswith(filters)], conv_lr)]
+    delta = DELTA_NAMES if delta_lr is not None else ()
+    own = filters + delta
+    groups = [([(n, p) for n, p in named if not n.endswith(own)], lr),
+              ([(n, p) for n, p in named if filters and n.endswith(filters)], conv_lr),
+              ([(n, p) for n, p in named if delta and n.endswith(delta)], delta_lr)]
     return ([n for part, _ in groups for n, _ in part],
             [{"params": [p for _, p in part], "lr": rate, "base_lr": rate} for part, rate in groups if part])
 
@@ -452,11 +456,11 @@ def cooldown_lr(lr: float, step: int, steps: int, cooldown: int) -> float:
 def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, lr: float, kd_weight: float,
            seed: int, checkpoint_every: int, progress: bool = True, eval_blocks: torch.Tensor | None = None,
            eval_every: int = 0, time_limit: float = 0.0, cooldown: int = 0, hidden_weight: float = 0.0,
-           conv_lr: float | None = None) -> dict:
+           conv_lr: float | None = None, delta_lr: float | None = None) -> dict:
     """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`.
 
     The loss is `direct_loss` (with `hidden_weight`, the residual streams' error too). The learning rate is `lr`,
-    (`conv_lr` for the `--conv` filters, if given), and with `cooldown` > 0 each falls linearly over the last
+    (`conv_lr` for the `--conv` filters and `delta_lr` for the delta rule, if given), and with `cooldown` > 0 each falls linearly over the last
     `cooldown` steps (`cooldown_lr`).
 
     With `eval_every` > 0, the validation perplexity on `eval_blocks` is measured every that many steps (rank 0)
@@ -468,7 +472,7 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
     named = feature_parameters(model)
     if not named:
         return {"steps": 0, "note": "no trainable feature parameters"}
-    names, groups = direct_groups(named, lr, conv_lr)
+    names, groups = direct_groups(named, lr, conv_lr, delta_lr)
     params = [p for group in groups for p in group["params"]]
     persistent = model.state_dict().keys()  # PRF key shifts move in training too; masks are fixed
     buffers = [(n, b) for n, b in model.named_buffers() if ".dofattn." in n and n in persistent]
@@ -553,11 +557,12 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None,
                  "cooldown_steps": 0, "lora_targets": "attention", "gate": False, "hidden_weight": 0.0,
-                 "conv": 0, "conv_lr": None, "delta": False}
+                 "conv": 0, "conv_lr": None, "delta": False,
+                 "delta_lr": None}
 # What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
 # --delta may be added: the copied student goes on with a delta rule started at its start values (`LinearAttention`).
 CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
-                       "continue_from", "cooldown_steps", "hidden_weight", "delta")
+                       "continue_from", "cooldown_steps", "hidden_weight", "delta", "delta_lr")
 KEEP_BY = ("attn-dof", "dof", "first", "random", "gain")
 SINK = 4                 # the dofattn and long recipes' --sink beside a window (not with --decay)
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which attn-dof (--keep-by, --dims) measures the teacher's attention
@@ -735,6 +740,11 @@ def validate(args) -> None:
         raise UserError("--conv-lr is the learning rate of the --conv filters: give --conv K too, or drop it")
     if args.conv_lr is not None and not args.conv_lr > 0:
         raise UserError(f"--conv-lr must be a learning rate > 0, got {args.conv_lr:g}")
+    if args.delta_lr is not None and not args.delta:
+        raise UserError("--delta-lr is the learning rate of the --delta rule's parameters: give --delta too, or "
+                        "drop it")
+    if args.delta_lr is not None and not args.delta_lr > 0:
+        raise UserError(f"--delta-lr must be a learning rate > 0, got {args.delta_lr:g}")
     if args.dims == "linear-dof" and not args.window:
         raise UserError("--dims linear-dof counts the attention beyond a softmax window: give --window W >= 1, or "
                         "use --dims attn-dof for the whole attention")
@@ -1030,7 +1040,7 @@ def run(args) -> dict:
                             args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0,
                             eval_blocks=valid, eval_every=args.eval_every, time_limit=60 * args.time_limit,
                             cooldown=args.cooldown_steps, hidden_weight=args.hidden_weight,
-                            conv_lr=args.conv_lr)
+                            conv_lr=args.conv_lr, delta_lr=args.delta_lr)
         log.seconds["direct"] = round(time.perf_counter() - timer + (finished["seconds"].get("direct", 0)
                                                                         if finished else 0), 1)
     if rank == 0:

@@ -341,6 +341,8 @@ def other_model_dims(folder: Path) -> Path:
     (["--conv", "-4"], "--conv is a filter width of at least 2 tokens"),
     (["--conv-lr", "0.1"], "--conv-lr is the learning rate of the --conv filters: give --conv K"),
     (["--conv", "4", "--conv-lr", "0"], "--conv-lr must be a learning rate > 0"),
+    (["--delta-lr", "0.1"], "--delta-lr is the learning rate of the --delta rule's parameters: give --delta"),
+    (["--window", "0", "--delta", "--delta-lr", "-1"], "--delta-lr must be a learning rate > 0"),
     (["--time-limit", "-1"], "--time-limit must be >= 0 minutes"),
     (["--dof-repeats", "0"], "--dof-repeats must be between 1 and 8"),
     (["--direct-seq-len", "1"], "--direct-seq-len must be at least 2"),
@@ -649,11 +651,15 @@ def test_delta_trains_end_to_end_and_continue_from_can_add_it(capsys, model_dirs
     assert not json.loads((plain / "dofattn.json").read_text())["delta"]
 
     code, printed, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, added, *extra, "--delta",
-                                                   "--then-direct-steps", 4, "--continue-from", plain))
+                                                   "--delta-lr", 0.5, "--then-direct-steps", 4, "--continue-from",
+                                                   plain))
     assert code == 0 and "delta-rule tensors not in the checkpoint start from their start values" in printed, err
     log, source_log = (json.loads((f / "log.json").read_text()) for f in (added, plain))
     assert log["direct"]["losses"][:2] == source_log["direct"]["losses"] and len(log["direct"]["losses"]) == 4
     assert log["args"]["delta"] and json.loads((added / "dofattn.json").read_text())["delta"]
+    # two Adam steps at --delta-lr 0.5 move the biases about 1, against about 0.02 at --direct-lr 1e-2
+    fast = [features(added)[f"model.layers.{i}.self_attn.dofattn.delta_bias"] for i in range(LAYERS)]
+    assert all((b - DELTA_START).abs().max() > 0.5 for b in fast), fast
 
 
 def test_progressive_layers_train_on_the_students_own_inputs(capsys, trained_llama, corpus, tmp_path, tokenizer):
