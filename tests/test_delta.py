@@ -143,9 +143,9 @@ def test_dispatch_and_errors():
 
 # --- the layer ----------------------------------------------------------------------------------------------------
 
-def delta_layer(gate: bool = True, conv: int = 0, seed: int = 0) -> LinearAttention:
+def delta_layer(gate: bool = True, conv: int = 0, seed: int = 0, decay: bool = False) -> LinearAttention:
     fmap = make_feature_map("hedgehog", 4, 16, 8, 0.25, seed=seed)
-    return LinearAttention(fmap, 4, 2, gate=gate, head_dim=16, conv=conv, delta=True)
+    return LinearAttention(fmap, 4, 2, gate=gate, head_dim=16, conv=conv, delta=True, decay=decay)
 
 
 def test_layer_starts_near_the_layer_without_and_erases_once_trained():
@@ -164,11 +164,11 @@ def test_layer_starts_near_the_layer_without_and_erases_once_trained():
     assert "delta" in repr(layer)
 
 
-@pytest.mark.parametrize("conv", [0, 3])
-def test_layer_decode_matches_prefill(conv):
+@pytest.mark.parametrize("conv, gate, decay", [(0, True, False), (3, True, False), (0, False, True), (3, False, False)])
+def test_layer_decode_matches_prefill(conv, gate, decay):
     """A prefill of 19 tokens and 14 single-token steps through the cache give the full forward's outputs."""
     torch.manual_seed(1)
-    layer = delta_layer(conv=conv)
+    layer = delta_layer(conv=conv, gate=gate, decay=decay)
     with torch.no_grad():
         layer.delta_bias.fill_(-1.0)
         layer.delta_weight.normal_()

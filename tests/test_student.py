@@ -535,3 +535,21 @@ def test_conv_round_trips_and_refuses_bad_widths(tmp_path, model_dirs):
 
     with pytest.raises(UserError, match="give the head dimension"):
         LinearAttention(make_feature_map("prf", 4, 16, 8, 0.25), 4, 2, conv=4)
+
+
+# --- the delta rule -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_delta_generation_matches_full_forward(family):
+    """With the delta rule the state still carries everything: 40 decode steps (each token's gate and erase strength
+    read off its own value vector, strong enough to matter) equal the full forward. (Without a gate: the layer's
+    own test, tests/test_delta.py.)"""
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], feature="hedgehog", seed=1, gate=True, delta=True)
+    set_gates(model)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for module in attention_modules(model):
+            module.dofattn.delta_bias.zero_()
+            module.dofattn.delta_weight.copy_(3 * torch.randn(module.dofattn.delta_weight.shape, generator=g))
+    assert_40_steps_equal_the_full_forward(model, ids(batch=2, length=11, seed=1))
