@@ -5,6 +5,7 @@
     python benchmarks/runs_table.py runs/window64 runs/w64-lora8 --curves curves.png  # ppl against tokens
     python benchmarks/runs_table.py runs/wl-* --by-seed --at-tokens 163840   # pooled at one point of the curves
     python benchmarks/runs_table.py docs/results/distill-fix.json            # a kept log.json stands for its run
+    python benchmarks/runs_table.py runs/a runs/b --loss-windows 25 --from-step 228   # training loss, step windows
 
 One row per run folder: what differs from its recipe's defaults (read from run.json), validation perplexity after
 layerwise training and at the end (and the ratio to the teacher's), KL(teacher ‖ student) per token, top-1
@@ -20,8 +21,8 @@ from pathlib import Path
 SHOWN = ("recipe", "data", "eval_data", "continue_from", "dims", "feature", "loss", "window", "keep_softmax",
          "keep_by", "progressive", "per_head", "lora_rank", "lora_targets", "steps", "then_direct_steps",
          "direct_seq_len", "direct_batch_size", "direct_blocks", "direct_lr", "cooldown_steps", "kd_weight",
-         "hidden_weight", "dof_repeats", "lam_auto", "decay", "decay_start", "gate", "conv", "conv_lr", "sink",
-         "dtype")
+         "hidden_weight", "dof_repeats", "lam_auto", "decay", "decay_start", "gate", "conv", "conv_lr", "delta",
+         "delta_lr", "sink", "dtype")
 
 
 def effective(args: dict) -> dict:
@@ -71,7 +72,19 @@ def describe(folder: Path) -> dict:
             "layerwise_ppl": ev.get("layerwise_student_ppl"), "ppl": ev["student_ppl"],
             "vs_teacher": ev["student_ppl"] / ev["teacher_ppl"], "kl": ev.get("kl"),
             "top1_agreement": ev.get("top1_agreement"),
-            "seconds": log["seconds"], "curve": log.get("direct", {}).get("curve", [])}
+            "seconds": log["seconds"], "curve": log.get("direct", {}).get("curve", []),
+            "losses": log.get("direct", {}).get("losses", [])}
+
+
+def loss_windows(rows: list[dict], size: int, start: int = 0) -> tuple[list[tuple[int, int]], list[list[float]]]:
+    """Mean end-to-end training loss of each run over windows of `size` steps from step `start`, up to the last
+    step every run reached (runs with the same --seed train on the same batches step for step, so the windows
+    compare them on the same text): ([(first, last + 1)] per window, [[mean] per window] per run)."""
+    end = min(len(r["losses"]) for r in rows)
+    if end <= start:
+        raise SystemExit(f"--from-step {start}: a run has only {end} end-to-end steps")
+    bounds = [(a, min(a + size, end)) for a in range(start, end, size)]
+    return bounds, [[sum(r["losses"][a:b]) / (b - a) for a, b in bounds] for r in rows]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -136,7 +149,12 @@ def main() -> None:
                                                           "tokens, read off each run's curve, not the final one")
     parser.add_argument("--curves", help="also draw validation perplexity against end-to-end tokens (runs made "
                                          "with --eval-every) into this image")
+    parser.add_argument("--loss-windows", type=int, metavar="K", help="also print each run's mean end-to-end "
+                                                                     "training loss over windows of K steps")
+    parser.add_argument("--from-step", type=int, default=0, help="with --loss-windows: the first step counted")
     args = parser.parse_args()
+    if args.loss_windows is not None and args.loss_windows < 1:
+        parser.error(f"--loss-windows must be at least 1 step, got {args.loss_windows}")
     if args.at_tokens is not None and not args.by_seed:
         parser.error("--at-tokens pools runs over seeds: add --by-seed")
     for flag, path in (("--out", args.out), ("--curves", args.curves)):
@@ -157,6 +175,13 @@ def main() -> None:
             each = ", ".join(f"{x:.3f}" for x in g["vs_teacher"])
             print(f"| {changed} | {g['seeds']} | {g['vs_teacher_mean']:.3f} ± {g['vs_teacher_sd']:.3f} | {each} |")
         result = {"runs": rows, "by_seed": summary, "at_tokens": args.at_tokens}
+    if args.loss_windows:
+        bounds, means = loss_windows(rows, args.loss_windows, args.from_step)
+        print("\n| steps | " + " | ".join(f"{a}–{b}" for a, b in bounds) + " | all |\n|---|"
+              + "---:|" * (len(bounds) + 1))
+        for row, m in zip(rows, means):
+            total = sum(x * (b - a) for x, (a, b) in zip(m, bounds)) / (bounds[-1][1] - bounds[0][0])
+            print(f"| {row['run']} | " + " | ".join(f"{x:.3f}" for x in m) + f" | {total:.3f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     if args.curves:

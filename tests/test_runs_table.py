@@ -20,14 +20,15 @@ runs_table = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(runs_table)
 
 
-def fake_run(folder: Path, ppl: float, curve: list[dict] | None = None, **options) -> Path:
+def fake_run(folder: Path, ppl: float, curve: list[dict] | None = None, losses: list[float] | None = None,
+             **options) -> Path:
     """A run folder as `dofattn distill` leaves it, as far as the table reads it: run.json and log.json."""
     args = DistillArgs(**options)
     resolve_recipe(args)
     folder.mkdir(parents=True)
     (folder / "run.json").write_text(json.dumps(asdict(args)))
     log = {"dims": [32, 96], "softmax_layers": [], "seconds": {"direct": 10.0},
-           "direct": {"curve": curve or []},
+           "direct": {"curve": curve or [], "losses": losses or []},
            "evaluation": {"teacher_ppl": 20.0, "student_ppl": ppl, "layerwise_student_ppl": 2 * ppl, "kl": 0.5,
                           "top1_agreement": 0.6}}
     (folder / "log.json").write_text(json.dumps(log))
@@ -63,6 +64,23 @@ def test_seeds_pool_to_mean_and_sample_sd(tmp_path):
     assert group["seeds"] == [0, 1, 2]
     assert group["vs_teacher_mean"] == pytest.approx(1.2)
     assert group["vs_teacher_sd"] == pytest.approx(0.1)
+
+
+def test_loss_windows_average_the_common_steps(tmp_path):
+    """Windows of 2 steps from step 1, up to the last step both runs reached (the longer run's step 5 is left out);
+    the command prints them with a weighted mean over all counted steps."""
+    a = fake_run(tmp_path / "a", 22.0, losses=[9.0, 4.0, 2.0, 3.0, 1.0, 7.0])
+    b = fake_run(tmp_path / "b", 24.0, losses=[9.0, 5.0, 5.0, 1.0, 1.0])
+    rows = [runs_table.describe(f) for f in (a, b)]
+    bounds, means = runs_table.loss_windows(rows, 2, start=1)
+    assert bounds == [(1, 3), (3, 5)]
+    assert means == [[3.0, 2.0], [5.0, 1.0]]
+    with pytest.raises(SystemExit, match="--from-step 5: a run has only 5 end-to-end steps"):
+        runs_table.loss_windows(rows, 2, start=5)
+    out = subprocess.run([sys.executable, str(SCRIPT), str(a), str(b), "--loss-windows", "2", "--from-step", "1"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert "| steps | 1–3 | 3–5 | all |" in out.stdout and "| a | 3.000 | 2.000 | 2.500 |" in out.stdout
 
 
 def test_pooling_at_tokens_reads_the_curves(tmp_path):
