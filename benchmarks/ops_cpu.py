@@ -1,11 +1,16 @@
 """CPU forward time of the naive (quadratic) and chunked linear-attention ops at growing sequence lengths.
 
     python benchmarks/ops_cpu.py [--lengths 512 2048 8192] [--chunk-sizes 64] [--repeats 5] [--out ops_cpu.json]
+    python benchmarks/ops_cpu.py --lengths 512 --batch 2 --delta --backward   # what --gate and --delta cost in training
 
 Shapes: B=1, H=9, M=64, V=64, float32, no grad. Each op is run once to warm up, then timed `--repeats` times with
 time.perf_counter; the median is reported, in a printed table and in the JSON file `--out`. The naive op holds
 B·H·T² floats twice (scores and masked scores): 4.8 GB at T=8192. It is skipped, with a note in the table and the
 JSON, when that would exceed `--max-naive-gb` or half the memory available now.
+
+--delta adds two chunked ops with a gate (a decay per token): plain (`--gate`) and written by the delta rule
+(`--delta --gate`, `ops.delta`). --backward times forward plus backward of the output's sum (inputs requiring
+gradients), as training runs them.
 
 Timings on a shared machine are only as good as its idleness: check the load first (`uptime`), or pin `--threads`.
 """
@@ -19,6 +24,7 @@ import time
 import torch
 
 from dofattn.ops import chunk_linear_attention, naive_linear_attention
+from dofattn.ops.delta import chunk_delta_attention
 
 
 def available_gb() -> float:
@@ -60,18 +66,33 @@ def main() -> None:
     parser.add_argument("--max-naive-gb", type=float, default=8.0, help="skip naive above this score memory")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", default="ops_cpu.json")
+    parser.add_argument("--batch", type=int, default=1, help="B (default 1)")
+    parser.add_argument("--delta", action="store_true", help="also the gated chunk op and the delta rule's")
+    parser.add_argument("--backward", action="store_true", help="time forward + backward")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    B, H, M, V = 1, 9, 64, 64
+    B, H, M, V = args.batch, 9, 64, 64
     rows = []
-    with torch.no_grad():
+    with torch.set_grad_enabled(args.backward):
         for T in args.lengths:
-            phi_q, phi_k, v = make_inputs(T, B, H, M, V)
+            phi_q, phi_k, v = (x.requires_grad_(args.backward) for x in make_inputs(T, B, H, M, V))
+            g = torch.Generator().manual_seed(1)
+            log_gate = (-0.01 * torch.rand(B, T, H, generator=g)).requires_grad_(args.backward)
+            beta = (0.1 * torch.rand(B, T, H, generator=g)).requires_grad_(args.backward)
             ops = [("naive", None, lambda: naive_linear_attention(phi_q, phi_k, v))]
             ops += [("chunk", C, lambda C=C: chunk_linear_attention(phi_q, phi_k, v, chunk_size=C))
                     for C in args.chunk_sizes]
+            if args.delta:
+                ops += [("gate", C, lambda C=C: chunk_linear_attention(phi_q, phi_k, v, chunk_size=C,
+                                                                        log_gate=log_gate))
+                        for C in args.chunk_sizes]
+                ops += [("delta", C, lambda C=C: chunk_delta_attention(phi_q, phi_k, v, beta, log_gate,
+                                                                        chunk_size=C))
+                        for C in args.chunk_sizes]
+            if args.backward:
+                ops = [(name, C, lambda fn=fn: fn()[0].sum().backward()) for name, C, fn in ops]
             for name, C, fn in ops:
                 row = {"T": T, "op": name, "chunk_size": C}
                 need_gb = 2 * B * H * T * T * 4 / 1e9
@@ -82,7 +103,7 @@ def main() -> None:
                     row.update(median_ms=statistics.median(times), runs_ms=times)
                 rows.append(row)
 
-    config = {"B": B, "H": H, "M": M, "V": V, "dtype": "float32", "grad": False, "repeats": args.repeats,
+    config = {"B": B, "H": H, "M": M, "V": V, "dtype": "float32", "grad": args.backward, "repeats": args.repeats,
               "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or
               platform.machine()}
     with open(args.out, "w") as f:
@@ -91,7 +112,7 @@ def main() -> None:
     print(f"{'T':>6} {'op':>10} {'median ms':>10} {'vs naive':>9}")
     naive_ms = {row["T"]: row.get("median_ms") for row in rows if row["op"] == "naive"}
     for row in rows:
-        op = row["op"] if row["chunk_size"] is None else f"chunk{row['chunk_size']}"
+        op = row["op"] if row["chunk_size"] is None else f"{row['op']}{row['chunk_size']}"
         if "skipped" in row:
             print(f"{row['T']:>6} {op:>10} {'skipped':>10}  ({row['skipped']})")
             continue
