@@ -233,8 +233,7 @@ class LinearAttention(nn.Module):
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
         return (backend == "auto" and not self.window and not self.gate and not self.delta and q.shape[1] == 1
-                and q.is_cuda
-                and isinstance(fmap, PositiveRandomFeatures) and fmap.fused_ok(q, "key")
+                and q.is_cuda and isinstance(fmap, PositiveRandomFeatures) and fmap.fused_ok(q, "key")
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous())
 
     def one_kernel_ring(self, q: torch.Tensor, cache: RingWindowLayer, backend: str) -> bool:
@@ -358,7 +357,6 @@ class LinearAttention(nn.Module):
         decay = {"log_gate": self.log_gates(v)} if self.gate else {"log_decay": self.log_decay()}
         return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
                                 backend=backend, **decay)
-
 
     def delta_attend(self, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, state: torch.Tensor | None,
                      output_final_state: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor | None]:

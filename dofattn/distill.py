@@ -459,9 +459,9 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
            conv_lr: float | None = None, delta_lr: float | None = None) -> dict:
     """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`.
 
-    The loss is `direct_loss` (with `hidden_weight`, the residual streams' error too). The learning rate is `lr`,
-    (`conv_lr` for the `--conv` filters and `delta_lr` for the delta rule, if given), and with `cooldown` > 0 each falls linearly over the last
-    `cooldown` steps (`cooldown_lr`).
+    The loss is `direct_loss` (with `hidden_weight`, the residual streams' error too). The learning rate is `lr`
+    (`conv_lr` for the `--conv` filters and `delta_lr` for the delta rule, if given), and with `cooldown` > 0 each
+    falls linearly over the last `cooldown` steps (`cooldown_lr`).
 
     With `eval_every` > 0, the validation perplexity on `eval_blocks` is measured every that many steps (rank 0)
     and returned as `curve`: [{"step", "tokens", "ppl"}], tokens counting every process's training tokens.
