@@ -29,33 +29,32 @@ from dofattn.student import attention_modules, load_student
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
-# what `collect` can record: a LinearAttention method of the values, and the flag of the layers that have it
+# what `collect` records: a LinearAttention method of the values, and the flag of the layers that have it
 RECORDED = {"log_gates": "gate", "betas": "delta"}
 
 
-def collect(model, blocks: torch.Tensor, batch_size: int = 2,
-            method: str = "log_gates") -> dict[int, torch.Tensor]:
-    """{layer: [N] float32 log gates (or, method "betas", erase strengths) of every token and head} over `blocks`,
-    from the model's own forward; {} if no layer has them."""
-    seen: dict[int, list[torch.Tensor]] = {}
+def collect(model, blocks: torch.Tensor, batch_size: int = 2) -> dict[str, dict[int, torch.Tensor]]:
+    """{method: {layer: [N] float32 values of every token and head}} over `blocks`, from one pass of the model's own
+    forward: the log gates ("log_gates") of the gated layers and the erase strengths ("betas") of the delta-rule
+    layers; a method no layer has maps to {}."""
+    seen: dict[str, dict[int, list[torch.Tensor]]] = {method: {} for method in RECORDED}
     for i, module in enumerate(attention_modules(model)):
         linear = getattr(module, "dofattn", None)
-        if linear is None or not getattr(linear, RECORDED[method]):
-            continue
-        original = getattr(linear, method)
+        for method, flag in RECORDED.items():
+            if linear is None or not getattr(linear, flag):
+                continue
+            original = getattr(linear, method)
 
-        def record(v, i=i, original=original):
-            out = original(v)
-            seen.setdefault(i, []).append(out.detach().flatten().float())
-            return out
+            def record(v, i=i, original=original, parts=seen[method]):
+                out = original(v)
+                parts.setdefault(i, []).append(out.detach().flatten().float())
+                return out
 
-        setattr(linear, method, record)
-    hooked = any(getattr(getattr(m, "dofattn", None), RECORDED[method], False) for m in attention_modules(model))
-    if hooked:
-        with torch.no_grad():
-            for start in range(0, len(blocks), batch_size):
-                model(blocks[start:start + batch_size], use_cache=False)
-    return {i: torch.cat(parts) for i, parts in seen.items()}
+            setattr(linear, method, record)
+    with torch.no_grad():
+        for start in range(0, len(blocks), batch_size):
+            model(blocks[start:start + batch_size], use_cache=False)
+    return {method: {i: torch.cat(parts) for i, parts in layers.items()} for method, layers in seen.items()}
 
 
 def half_lives(log_gates: torch.Tensor) -> torch.Tensor:
@@ -79,13 +78,14 @@ def main() -> None:
     run = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
     data = args.data or run.get("eval_data") or run.get("data") or "wiki-sample"
     blocks = token_blocks(data, tokenizer, args.seq_len, args.blocks, split="validation", seed=0)   # as distill and eval
-    gates = collect(model.eval(), blocks)
-    erase = collect(model, blocks, method="betas")
+    recorded = collect(model.eval(), blocks)
+    gates, erase = recorded["log_gates"], recorded["betas"]
     if not gates and not erase:
         raise SystemExit("this student has no gated layers (distill it with --gate) and no delta rule (--delta)")
     rows = []
-    print(f"{'layer':>5} " + " ".join(f"{'q' + str(int(q * 100)):>8}" for q in QUANTILES)
-          + f" {'<1 tok':>7} {'>1000':>7} {'rates alone (min-max)':>22}")
+    if gates:
+        print(f"{'layer':>5} " + " ".join(f"{'q' + str(int(q * 100)):>8}" for q in QUANTILES)
+              + f" {'<1 tok':>7} {'>1000':>7} {'rates alone (min-max)':>22}")
     for i, logs in sorted(gates.items()):
         life = half_lives(logs)
         quantiles = torch.quantile(life.clamp_max(1e12)[torch.randperm(len(life))[:1_000_000]],

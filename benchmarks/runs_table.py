@@ -179,8 +179,9 @@ def main() -> None:
         bounds, means = loss_windows(rows, args.loss_windows, args.from_step)
         print("\n| steps | " + " | ".join(f"{a}–{b}" for a, b in bounds) + " | all |\n|---|"
               + "---:|" * (len(bounds) + 1))
+        first, last = bounds[0][0], bounds[-1][1]
         for row, m in zip(rows, means):
-            total = sum(x * (b - a) for x, (a, b) in zip(m, bounds)) / (bounds[-1][1] - bounds[0][0])
+            total = sum(row["losses"][first:last]) / (last - first)
             print(f"| {row['run']} | " + " | ".join(f"{x:.3f}" for x in m) + f" | {total:.3f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

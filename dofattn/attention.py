@@ -124,17 +124,21 @@ class LinearAttention(nn.Module):
                          + ([f"conv={self.conv}"] if self.conv else [])
                          + (["delta"] if self.delta else []))
 
+    @staticmethod
+    def read_values(v: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """v [B, T, H, D] (on query heads) -> [B, T, H] float32: bias_h + weight_h·v_t/√D, a number per token and
+        head read off its value (the gate's log rate, the delta rule's erase logit)."""
+        w = weight.float()
+        return bias.float() + torch.einsum("bthd,hd->bth", v.float(), w) / math.sqrt(w.shape[1])
+
     def log_gates(self, v: torch.Tensor) -> torch.Tensor:
         """v [B, T, H, D] (on query heads) -> [B, T, H] float32: each token's log factor, in [GATE_FLOOR, 0]."""
-        w = self.gate_weight.float()
-        rate = self.decay_rate.float() + torch.einsum("bthd,hd->bth", v.float(), w) / math.sqrt(w.shape[1])
+        rate = self.read_values(v, self.decay_rate, self.gate_weight)
         return -torch.exp(rate.clamp_max(math.log(-GATE_FLOOR))).clamp_max(-GATE_FLOOR)   # exp first: no inf·0
 
     def betas(self, v: torch.Tensor) -> torch.Tensor:
         """v [B, T, H, D] (on query heads) -> [B, T, H] float32: each token's erase strength β in (0, 1)."""
-        w = self.delta_weight.float()
-        logit = self.delta_bias.float() + torch.einsum("bthd,hd->bth", v.float(), w) / math.sqrt(w.shape[1])
-        return torch.sigmoid(logit)
+        return torch.sigmoid(self.read_values(v, self.delta_bias, self.delta_weight))
 
     def log_decay(self) -> torch.Tensor | None:
         """[H] float32: log γ_h of each head (< 0, at least -1e4), or None without a decay."""

@@ -557,8 +557,7 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None,
                  "cooldown_steps": 0, "lora_targets": "attention", "gate": False, "hidden_weight": 0.0,
-                 "conv": 0, "conv_lr": None, "delta": False,
-                 "delta_lr": None}
+                 "conv": 0, "conv_lr": None, "delta": False, "delta_lr": None}
 # What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
 # --delta may be added: the copied student goes on with a delta rule started at its start values (`LinearAttention`).
 CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
