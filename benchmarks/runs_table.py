@@ -6,6 +6,7 @@
     python benchmarks/runs_table.py runs/wl-* --by-seed --at-tokens 163840   # pooled at one point of the curves
     python benchmarks/runs_table.py docs/results/distill-fix.json            # a kept log.json stands for its run
     python benchmarks/runs_table.py runs/a runs/b --loss-windows 25 --from-step 228   # training loss, step windows
+    python benchmarks/runs_table.py runs/a --fit-until 250000    # a power law through the curve, and what it predicts
 
 One row per run folder: what differs from its recipe's defaults (read from run.json), validation perplexity after
 layerwise training and at the end (and the ratio to the teacher's), KL(teacher ‖ student) per token, top-1
@@ -135,6 +136,27 @@ def seed_summary(rows: list[dict], tokens: int | None = None) -> list[dict]:
     return summary
 
 
+def power_fit(row: dict, until: int, start: int = 0, targets: tuple[float, ...] = (1.5, 1.25)) -> dict:
+    """A power law through the run's validation curve, ratio − 1 = a · tokensᵇ (least squares on log-log), fitted to
+    the points with `start` ≤ end-to-end tokens ≤ `until`: the exponent b, where the law puts each later point of
+    the curve beside where it was, and how many tokens the law says each target ratio takes. A law with no floor:
+    what it says beyond the fitted range is a trend, not a promise; the later points show how far it held."""
+    import numpy as np
+
+    points = [(c["tokens"], c["ppl"] / row["teacher_ppl"]) for c in row["curve"]]
+    fitted = [(t, r) for t, r in points if start <= t <= until and t > 0]
+    if len(fitted) < 2 or any(r <= 1 for _, r in fitted):
+        raise SystemExit(f"{row['run']}: a power law needs at least 2 validation points above the teacher between "
+                         f"{start} and {until} end-to-end tokens; it has "
+                         f"{', '.join(f'{t}: {r:.3f}' for t, r in points) or 'no curve (run it with --eval-every)'}")
+    b, log_a = np.polyfit(np.log([t for t, _ in fitted]), np.log([r - 1 for _, r in fitted]), 1)
+    predict = lambda tokens: 1 + float(np.exp(log_a + b * np.log(tokens)))   # noqa: E731
+    later = [{"tokens": t, "ratio": r, "law": predict(t)} for t, r in points if t > until]
+    reach = {str(g): (float(np.exp((np.log(g - 1) - log_a) / b)) if b < 0 else None) for g in targets}
+    return {"run": row["run"], "points": len(fitted), "from": fitted[0][0], "until": fitted[-1][0],
+            "exponent": float(b), "a": float(np.exp(log_a)), "later": later, "tokens_to": reach}
+
+
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg")
 
 
@@ -152,9 +174,20 @@ def main() -> None:
     parser.add_argument("--loss-windows", type=int, metavar="K", help="also print each run's mean end-to-end "
                                                                      "training loss over windows of K steps")
     parser.add_argument("--from-step", type=int, default=0, help="with --loss-windows: the first step counted")
+    parser.add_argument("--fit-until", type=int, metavar="TOKENS", help="also fit ratio − 1 = a · tokensᵇ to each "
+                        "run's curve up to TOKENS end-to-end tokens; print the law against the later points and the "
+                        "tokens it gives each target")
+    parser.add_argument("--fit-from", type=int, default=0, metavar="TOKENS", help="with --fit-until: the first "
+                                                                                 "point fitted")
+    parser.add_argument("--targets", type=float, nargs="+", default=[1.5, 1.25], help="with --fit-until: the ratios "
+                                                                                        "to the teacher to reach")
     args = parser.parse_args()
     if args.loss_windows is not None and args.loss_windows < 1:
         parser.error(f"--loss-windows must be at least 1 step, got {args.loss_windows}")
+    if args.fit_until is not None and args.fit_until <= args.fit_from:
+        parser.error(f"--fit-until {args.fit_until} must be above --fit-from {args.fit_from}")
+    if any(g <= 1 for g in args.targets):
+        parser.error(f"--targets are ratios to the teacher's perplexity above 1, got {args.targets}")
     if args.at_tokens is not None and not args.by_seed:
         parser.error("--at-tokens pools runs over seeds: add --by-seed")
     for flag, path in (("--out", args.out), ("--curves", args.curves)):
@@ -183,6 +216,19 @@ def main() -> None:
         for row, m in zip(rows, means):
             total = sum(row["losses"][first:last]) / (last - first)
             print(f"| {row['run']} | " + " | ".join(f"{x:.3f}" for x in m) + f" | {total:.3f} |")
+    if args.fit_until is not None:
+        fits = [power_fit(row, args.fit_until, args.fit_from, tuple(args.targets)) for row in rows]
+        for fit in fits:
+            reach = ", ".join(f"{g}× at {'never' if t is None else f'{t / 1e6:.1f} M'}"
+                              for g, t in fit["tokens_to"].items())
+            print(f"\n{fit['run']}: ratio − 1 = {fit['a']:.3g} · tokens^{fit['exponent']:.3f}, fitted to "
+                  f"{fit['points']} points ({fit['from']}–{fit['until']} tokens); the law puts {reach}")
+            if fit["later"]:
+                print("| tokens | " + " | ".join(str(p["tokens"]) for p in fit["later"]) + " |\n|---|"
+                      + "---:|" * len(fit["later"]))
+                print("| measured | " + " | ".join(f"{p['ratio']:.3f}" for p in fit["later"]) + " |")
+                print("| the law | " + " | ".join(f"{p['law']:.3f}" for p in fit["later"]) + " |")
+        result = {"runs": rows, "fits": fits} if not args.by_seed else {**result, "fits": fits}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     if args.curves:

@@ -93,6 +93,37 @@ def test_pooling_at_tokens_reads_the_curves(tmp_path):
         runs_table.seed_summary(rows, tokens=999)
 
 
+def test_a_power_law_is_recovered_and_held_against_the_later_points(tmp_path):
+    """Points on ratio = 1 + 2 · (tokens / 1e5)^-0.4 exactly: the fit to the first three gives the law back, puts
+    the later points where they are, and the tokens for a target solve the law; a point off the law shows."""
+    law = lambda t: 1 + 2 * (t / 1e5) ** -0.4   # noqa: E731
+    tokens = [51200, 102400, 204800, 409600, 819200]
+    curve = [{"step": t // 1024, "tokens": t, "ppl": 20.0 * law(t)} for t in tokens]
+    curve[-1]["ppl"] = 20.0 * 1.9                 # measured above the law's 1.86
+    fit = runs_table.power_fit(runs_table.describe(fake_run(tmp_path / "a", 38.0, curve)), until=204800)
+    assert fit["points"] == 3 and fit["exponent"] == pytest.approx(-0.4)
+    assert fit["a"] == pytest.approx(2 * 1e5 ** 0.4)
+    assert [p["tokens"] for p in fit["later"]] == tokens[3:]
+    assert [p["law"] for p in fit["later"]] == pytest.approx([law(409600), law(819200)])
+    assert [p["ratio"] for p in fit["later"]] == pytest.approx([law(409600), 1.9])
+    assert law(fit["tokens_to"]["1.5"]) == pytest.approx(1.5) and fit["tokens_to"]["1.5"] > 819200
+    assert law(fit["tokens_to"]["1.25"]) == pytest.approx(1.25)
+    late = runs_table.power_fit(runs_table.describe(fake_run(tmp_path / "b", 38.0, curve)), until=10 ** 6,
+                                start=100000)
+    assert late["points"] == 4 and late["from"] == 102400 and late["later"] == []
+
+
+def test_a_rising_curve_never_reaches_a_target_and_too_few_points_are_refused(tmp_path):
+    rising = [{"step": 1, "tokens": 1000, "ppl": 40.0}, {"step": 2, "tokens": 2000, "ppl": 44.0}]
+    fit = runs_table.power_fit(runs_table.describe(fake_run(tmp_path / "a", 44.0, rising)), until=2000)
+    assert fit["exponent"] > 0 and fit["tokens_to"] == {"1.5": None, "1.25": None}
+    with pytest.raises(SystemExit, match="at least 2 validation points above the teacher"):
+        runs_table.power_fit(runs_table.describe(fake_run(tmp_path / "b", 44.0, rising)), until=1000)
+    below = [{"step": 1, "tokens": 1000, "ppl": 30.0}, {"step": 2, "tokens": 2000, "ppl": 19.0}]
+    with pytest.raises(SystemExit, match="above the teacher"):
+        runs_table.power_fit(runs_table.describe(fake_run(tmp_path / "c", 19.0, below)), until=2000)
+
+
 def run_script(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env)
@@ -125,8 +156,11 @@ def test_bad_paths_are_refused_before_anything_is_written(tmp_path):
     for args, message in (((str(run), "--curves", str(other)), "is a folder"),
                           ((str(run), "--curves", str(tmp_path / "c.txt")), "give an image file name"),
                           ((str(run), "--out", str(other)), "is a folder"),
-                          ((str(tmp_path),), "has no run.json")):
+                          ((str(tmp_path),), "has no run.json"),
+                          ((str(run), "--fit-until", "100", "--fit-from", "100"), "must be above --fit-from"),
+                          ((str(run), "--fit-until", "100", "--targets", "0.9"), "above 1"),
+                          ((str(run), "--fit-until", "100", "--out", str(tmp_path / "fit.json")), "at least 2")):
         proc = run_script(*args)
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
     assert sorted(p.name for p in other.iterdir()) == ["log.json", "run.json"]
-    assert not (tmp_path / "b.png").exists()
+    assert not (tmp_path / "b.png").exists() and not (tmp_path / "fit.json").exists()
