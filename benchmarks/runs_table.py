@@ -7,6 +7,7 @@
     python benchmarks/runs_table.py docs/results/distill-fix.json            # a kept log.json stands for its run
     python benchmarks/runs_table.py runs/a runs/b --loss-windows 25 --from-step 228   # training loss, step windows
     python benchmarks/runs_table.py runs/a --fit-until 250000    # a power law through the curve, and what it predicts
+    python benchmarks/runs_table.py runs/a --fresh-from 600      # training loss on blocks met before against new ones
 
 One row per run folder: what differs from its recipe's defaults (read from run.json), validation perplexity after
 layerwise training and at the end (and the ratio to the teacher's), KL(teacher ‖ student) per token, top-1
@@ -22,8 +23,8 @@ from pathlib import Path
 SHOWN = ("recipe", "data", "eval_data", "continue_from", "dims", "feature", "loss", "window", "keep_softmax",
          "keep_by", "progressive", "per_head", "lora_rank", "lora_targets", "steps", "then_direct_steps",
          "direct_seq_len", "direct_batch_size", "direct_blocks", "direct_lr", "cooldown_steps", "kd_weight",
-         "hidden_weight", "dof_repeats", "lam_auto", "decay", "decay_start", "gate", "conv", "conv_lr", "delta",
-         "delta_lr", "sink", "dtype")
+         "lm_weight", "hidden_weight", "dof_repeats", "lam_auto", "decay", "decay_start", "gate", "conv", "conv_lr",
+         "delta", "delta_lr", "sink", "dtype")
 
 
 def effective(args: dict) -> dict:
@@ -68,12 +69,14 @@ def describe(folder: Path) -> dict:
     reference = effective(vars(reference))
     setting = {k: v for k, v in run.items() if k != "recipe" and k not in skip and v != reference[k]}
     ev = log["evaluation"]
-    return {"run": name, "changed": changed, "setting": setting, "seed": args.get("seed", 0), "dims": [min(log["dims"]), max(log["dims"])],
+    return {"run": name, "changed": changed, "setting": setting, "seed": args.get("seed", 0),
+            "dims": [min(log["dims"]), max(log["dims"])],
             "softmax_layers": log.get("softmax_layers", []), "teacher_ppl": ev["teacher_ppl"],
             "layerwise_ppl": ev.get("layerwise_student_ppl"), "ppl": ev["student_ppl"],
             "vs_teacher": ev["student_ppl"] / ev["teacher_ppl"], "kl": ev.get("kl"),
             "top1_agreement": ev.get("top1_agreement"),
             "seconds": log["seconds"], "curve": log.get("direct", {}).get("curve", []),
+            "direct_blocks": run["direct_blocks"], "direct_batch_size": run["direct_batch_size"],
             "losses": log.get("direct", {}).get("losses", [])}
 
 
@@ -88,9 +91,40 @@ def loss_windows(rows: list[dict], size: int, start: int = 0) -> tuple[list[tupl
     return bounds, [[sum(r["losses"][a:b]) / (b - a) for a, b in bounds] for r in rows]
 
 
+def fresh_and_seen(row: dict, start: int) -> dict:
+    """The run's end-to-end training loss from step `start` on, split by whether the step's blocks were drawn at an
+    earlier step: steps whose blocks are all new, steps whose blocks were all met before (the rest left out).
+
+    distill draws each step's blocks with replacement from (seed, step) alone (`direct_draw`), so the draws are
+    replayed here (one process; a torchrun run splits its draws across ranks and logs rank 0's loss). Both kinds are
+    random draws from the same blocks at the same stage of training, so a lower loss on the blocks met before is
+    what the student has learned of those blocks' text, not of text in general."""
+    from dofattn.distill import direct_draw
+
+    seen: set[int] = set()
+    fresh, again = [], []
+    for step, loss in enumerate(row["losses"]):
+        drawn = direct_draw(row["seed"], step, row["direct_blocks"], row["direct_batch_size"]).tolist()
+        if step >= start:
+            met = [d in seen for d in drawn]
+            if not any(met):
+                fresh.append(loss)
+            elif all(met):
+                again.append(loss)
+        seen.update(drawn)
+    if not fresh or not again:
+        raise SystemExit(f"{row['run']}: from step {start} of {len(row['losses'])} there are {len(fresh)} steps on "
+                         f"new blocks and {len(again)} on blocks met before; both are needed (try an earlier "
+                         f"--fresh-from)")
+    mean = lambda xs: sum(xs) / len(xs)   # noqa: E731
+    return {"run": row["run"], "from_step": start, "fresh_steps": len(fresh), "fresh_loss": mean(fresh),
+            "seen_steps": len(again), "seen_loss": mean(again), "blocks_met": len(seen),
+            "blocks": row["direct_blocks"]}
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| run | differs from its recipe's defaults | ppl after layerwise | final ppl (× teacher) | KL | agreement | "
-             "softmax layers |", "|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| run | differs from its recipe's defaults | ppl after layerwise | final ppl (× teacher) | KL | "
+             "agreement | softmax layers |", "|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
         changed = ", ".join(f"{k}={v}" for k, v in r["changed"].items()) or "(its recipe's defaults)"
         layerwise = f"{r['layerwise_ppl']:.1f}" if r["layerwise_ppl"] else "–"
@@ -174,6 +208,8 @@ def main() -> None:
     parser.add_argument("--loss-windows", type=int, metavar="K", help="also print each run's mean end-to-end "
                                                                      "training loss over windows of K steps")
     parser.add_argument("--from-step", type=int, default=0, help="with --loss-windows: the first step counted")
+    parser.add_argument("--fresh-from", type=int, metavar="STEP", help="also print each run's mean end-to-end "
+                        "training loss from STEP on, on blocks drawn for the first time against blocks met before")
     parser.add_argument("--fit-until", type=int, metavar="TOKENS", help="also fit ratio − 1 = a · tokensᵇ to each "
                         "run's curve up to TOKENS end-to-end tokens; print the law against the later points and the "
                         "tokens it gives each target")
@@ -184,6 +220,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.loss_windows is not None and args.loss_windows < 1:
         parser.error(f"--loss-windows must be at least 1 step, got {args.loss_windows}")
+    if args.fresh_from is not None and args.fresh_from < 0:
+        parser.error(f"--fresh-from must be a step, 0 or more, got {args.fresh_from}")
     if args.fit_until is not None and args.fit_until <= args.fit_from:
         parser.error(f"--fit-until {args.fit_until} must be above --fit-from {args.fit_from}")
     if any(g <= 1 for g in args.targets):
@@ -216,6 +254,16 @@ def main() -> None:
         for row, m in zip(rows, means):
             total = sum(row["losses"][first:last]) / (last - first)
             print(f"| {row['run']} | " + " | ".join(f"{x:.3f}" for x in m) + f" | {total:.3f} |")
+    if args.fresh_from is not None:
+        splits = [fresh_and_seen(row, args.fresh_from) for row in rows]
+        print(f"\n| run | steps from {args.fresh_from} on new blocks | their loss | on blocks met before | their loss "
+              "| difference | blocks met (of) |\n|---|---:|---:|---:|---:|---:|---:|")
+        for sp in splits:
+            print(f"| {sp['run']} | {sp['fresh_steps']} | {sp['fresh_loss']:.3f} | {sp['seen_steps']} | "
+                  f"{sp['seen_loss']:.3f} | {sp['seen_loss'] - sp['fresh_loss']:+.3f} | {sp['blocks_met']} "
+                  f"({sp['blocks']}) |")
+        result = {"runs": rows, "fresh_and_seen": splits} if isinstance(result, list) else {**result,
+                                                                                             "fresh_and_seen": splits}
     if args.fit_until is not None:
         fits = [power_fit(row, args.fit_until, args.fit_from, tuple(args.targets)) for row in rows]
         for fit in fits:
@@ -228,7 +276,7 @@ def main() -> None:
                       + "---:|" * len(fit["later"]))
                 print("| measured | " + " | ".join(f"{p['ratio']:.3f}" for p in fit["later"]) + " |")
                 print("| the law | " + " | ".join(f"{p['law']:.3f}" for p in fit["later"]) + " |")
-        result = {"runs": rows, "fits": fits} if not args.by_seed else {**result, "fits": fits}
+        result = {"runs": rows, "fits": fits} if isinstance(result, list) else {**result, "fits": fits}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     if args.curves:

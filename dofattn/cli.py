@@ -172,9 +172,9 @@ class DistillArgs:
     lr: float = _opt(0.02, "Adam learning rate of feature directions/projections (layerwise)")
     lr_weights: float = _opt(0.2, "Adam learning rate of the PRF weights (layerwise)")
     recipe: str = _opt("dofattn", "dofattn: the paper's method plus the softmax window and sink that close most of "
-                                  "the gap to the teacher (--window 64 --sink 4); long: dofattn with LoRA rank 8 and a long "
-                                  "end-to-end phase (400 steps of 2 blocks of --eval-seq-len tokens from 1200 "
-                                  "blocks), the closest student measured, hours on a CPU and minutes on a GPU; "
+                                  "the gap to the teacher (--window 64 --sink 4); long: dofattn with LoRA rank 8 "
+                                  "and a long end-to-end phase (400 steps of 2 blocks of --eval-seq-len tokens from "
+                                  "1200 blocks), the closest student measured, hours on a CPU and minutes on a GPU; "
                                   "paper: the paper's recipe as published (pure linear attention, --window 0)",
                        choices=("dofattn", "long", "paper"))
     window: int | None = _opt(None, "exact softmax attention over the last W tokens beside the linear part, in one "
@@ -244,6 +244,9 @@ class DistillArgs:
                                   "steps (0: constant). A run given more --then-direct-steps after its cooldown "
                                   "began differs from one made with that many at once")
     kd_weight: float = _opt(1.0, "weight of KL(teacher || student) on the logits in the end-to-end phase")
+    lm_weight: float = _opt(1.0, "weight of the student's next-token cross-entropy on the training text in the "
+                                 "end-to-end phase. 0: learn from the teacher's logits alone, which keeps a long "
+                                 "phase from fitting the training text itself")
     hidden_weight: float = _opt(0.0, "weight of the residual stream's error in the end-to-end phase: after every "
                                      "layer, the student's squared distance to the teacher's stream, relative to "
                                      "its size, averaged over tokens and layers (a signal for every layer, not "

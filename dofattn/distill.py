@@ -16,8 +16,8 @@ Stages, each resumable from the run folder (`--out`):
    output: squared error of the layer's attention output against the teacher's (relative to its mean square);
    softmax+output: the sum of the two. With `--window W` every loss sees the hybrid (l2: only pairs beyond W).
    Each layer's result is saved to `layers/layer_XX.safetensors` as soon as it is done.
-4. direct (`--loss direct`, or `--then-direct-steps N` after layerwise): next-token cross-entropy of the whole
-   student, plus `--kd-weight` × KL(teacher ‖ student) on the logits (and `--hidden-weight` × each layer's
+4. direct (`--loss direct`, or `--then-direct-steps N` after layerwise): `--lm-weight` × next-token cross-entropy
+   of the whole student, plus `--kd-weight` × KL(teacher ‖ student) on the logits (and `--hidden-weight` × each layer's
    residual-stream error to the teacher's); only feature parameters train. Checkpoints
    (features, Adam state, step) every `--checkpoint-every` steps. It reads `--direct-blocks` blocks (default:
    `--train-blocks`) of `--direct-seq-len` tokens (`--recipe dofattn`: the evaluation length; paper: `--seq-len`),
@@ -282,13 +282,14 @@ def direct_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float,
             [{"params": [p for _, p in part], "lr": rate, "base_lr": rate} for part, rate in groups if part])
 
 
-def direct_loss(model, ids: torch.Tensor, kd_weight: float, hidden_weight: float = 0.0) -> torch.Tensor:
-    """Next-token cross-entropy of the student, plus kd_weight × KL(teacher ‖ student) per token, plus
-    hidden_weight × `hidden_error` of the student's residual stream against the teacher's."""
+def direct_loss(model, ids: torch.Tensor, kd_weight: float, hidden_weight: float = 0.0,
+                lm_weight: float = 1.0) -> torch.Tensor:
+    """lm_weight × the student's next-token cross-entropy on the text, plus kd_weight × KL(teacher ‖ student) per
+    token, plus hidden_weight × `hidden_error` of the student's residual stream against the teacher's."""
     hidden = hidden_weight > 0
     student = model(input_ids=ids, use_cache=False, output_hidden_states=hidden)
     logp = torch.log_softmax(student.logits[:, :-1].float(), -1)   # [B, T-1, vocab]
-    loss = F.nll_loss(logp.reshape(-1, logp.shape[-1]), ids[:, 1:].reshape(-1))   # one log-softmax for both terms
+    loss = lm_weight * F.nll_loss(logp.reshape(-1, logp.shape[-1]), ids[:, 1:].reshape(-1))   # one log-softmax
     if kd_weight > 0 or hidden:
         with torch.no_grad(), teacher_mode(model):
             teacher = model(input_ids=ids, use_cache=False, output_hidden_states=hidden)
@@ -453,13 +454,21 @@ def cooldown_lr(lr: float, step: int, steps: int, cooldown: int) -> float:
     return lr * min(1.0, (steps - step) / cooldown) if cooldown else lr
 
 
+def direct_draw(seed: int, step: int, num_blocks: int, count: int) -> torch.Tensor:
+    """The blocks an end-to-end step trains on: `count` indices drawn with replacement, from (seed, step) alone, so
+    a resumed or continued run draws what one run made at once would."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(num_blocks, (count,), generator=gen)
+
+
 def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, lr: float, kd_weight: float,
            seed: int, checkpoint_every: int, progress: bool = True, eval_blocks: torch.Tensor | None = None,
            eval_every: int = 0, time_limit: float = 0.0, cooldown: int = 0, hidden_weight: float = 0.0,
-           conv_lr: float | None = None, delta_lr: float | None = None) -> dict:
+           conv_lr: float | None = None, delta_lr: float | None = None, lm_weight: float = 1.0) -> dict:
     """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`.
 
-    The loss is `direct_loss` (with `hidden_weight`, the residual streams' error too). The learning rate is `lr`
+    The loss is `direct_loss` (`lm_weight` on the text's cross-entropy; with `hidden_weight`, the residual streams'
+    error too). The learning rate is `lr`
     (`conv_lr` for the `--conv` filters and `delta_lr` for the delta rule, if given), and with `cooldown` > 0 each
     falls linearly over the last `cooldown` steps (`cooldown_lr`).
 
@@ -503,9 +512,8 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
     bar = tqdm(range(start_step, steps), desc="direct", unit="step", disable=not progress or rank != 0,
                initial=start_step, total=steps)
     for step in bar:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        idx = torch.randint(len(blocks), (batch_size * size,), generator=gen)[rank::size]
-        loss = direct_loss(model, blocks[idx].to(device), kd_weight, hidden_weight)
+        idx = direct_draw(seed, step, len(blocks), batch_size * size)[rank::size]
+        loss = direct_loss(model, blocks[idx].to(device), kd_weight, hidden_weight, lm_weight)
         for group in optimizer.param_groups:
             group["lr"] = cooldown_lr(group["base_lr"], step, steps, cooldown)
         optimizer.zero_grad(set_to_none=True)
@@ -557,11 +565,11 @@ LATER_OPTIONS = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 
                  "direct_seq_len": None, "direct_blocks": None, "lam_auto": False, "decay": False,
                  "decay_start": None, "sink": 0, "eval_data": None, "continue_from": None,
                  "cooldown_steps": 0, "lora_targets": "attention", "gate": False, "hidden_weight": 0.0,
-                 "conv": 0, "conv_lr": None, "delta": False, "delta_lr": None}
+                 "conv": 0, "conv_lr": None, "delta": False, "delta_lr": None, "lm_weight": 1.0}
 # What --continue-from lets differ from the run it copies: the text and length of the end-to-end phase, not the model.
 # --delta may be added: the copied student goes on with a delta rule started at its start values (`LinearAttention`).
 CONTINUE_MAY_CHANGE = ("data", "eval_data", "direct_blocks", "then_direct_steps", "eval_every", "checkpoint_every",
-                       "continue_from", "cooldown_steps", "hidden_weight", "delta", "delta_lr")
+                       "continue_from", "cooldown_steps", "hidden_weight", "delta", "delta_lr", "lm_weight")
 KEEP_BY = ("attn-dof", "dof", "first", "random", "gain")
 SINK = 4                 # the dofattn and long recipes' --sink beside a window (not with --decay)
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which attn-dof (--keep-by, --dims) measures the teacher's attention
@@ -800,6 +808,11 @@ def validate(args) -> None:
         raise UserError("--then-direct-steps and --kd-weight must be >= 0, --lr and --lr-weights > 0")
     if not args.hidden_weight >= 0:
         raise UserError(f"--hidden-weight must be >= 0 (0: logits only), got {args.hidden_weight:g}")
+    if not args.lm_weight >= 0:
+        raise UserError(f"--lm-weight must be >= 0 (0: the teacher's logits alone), got {args.lm_weight:g}")
+    if args.lm_weight == 0 and args.kd_weight == 0 and args.hidden_weight == 0:
+        raise UserError("--lm-weight, --kd-weight and --hidden-weight are all 0: the end-to-end phase would have "
+                        "nothing to learn from; give one of them a weight above 0")
     if args.tokens is not None and args.tokens < tokens_per_step(args):
         raise UserError(f"--tokens {args.tokens} is less than one step's batch ({tokens_per_step(args)} tokens)")
     dims = args.dims
@@ -1039,7 +1052,7 @@ def run(args) -> dict:
                             args.kd_weight, args.seed, args.checkpoint_every, progress=rank == 0,
                             eval_blocks=valid, eval_every=args.eval_every, time_limit=60 * args.time_limit,
                             cooldown=args.cooldown_steps, hidden_weight=args.hidden_weight,
-                            conv_lr=args.conv_lr, delta_lr=args.delta_lr)
+                            conv_lr=args.conv_lr, delta_lr=args.delta_lr, lm_weight=args.lm_weight)
         log.seconds["direct"] = round(time.perf_counter() - timer + (finished["seconds"].get("direct", 0)
                                                                         if finished else 0), 1)
     if rank == 0:

@@ -328,6 +328,8 @@ def other_model_dims(folder: Path) -> Path:
     (["--cooldown-steps", "-1"], "--cooldown-steps must be >= 0"),
     (["--hidden-weight", "-1"], "--hidden-weight must be >= 0"),
     (["--hidden-weight", "nan"], "--hidden-weight must be >= 0"),
+    (["--lm-weight", "-0.5"], "--lm-weight must be >= 0"),
+    (["--lm-weight", "0", "--kd-weight", "0"], "nothing to learn from"),
     (["--then-direct-steps", "2", "--cooldown-steps", "3"], "longer than the end-to-end phase"),
     (["--dims", "{tmp}/missing.json"], "does not exist"),
     (["--steps", "0"], "--steps must be at least 1"),
@@ -600,6 +602,15 @@ def test_continue_from_copies_a_run_and_goes_on_with_more_text(capsys, model_dir
     assert_identical(features(same), features(reference))
     assert json.loads((same / "run.json").read_text())["continue_from"] == str(source)
 
+    teacher_only = tmp_path / "teacher-only"     # the end-to-end loss may change: here to the teacher's logits alone
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, teacher_only, *extra,
+                                             "--then-direct-steps", 4, "--lm-weight", 0, "--continue-from", source))
+    assert code == 0, err
+    log = json.loads((teacher_only / "log.json").read_text())
+    assert log["args"]["lm_weight"] == 0 and log["direct"]["losses"][:2] == ref_log["direct"]["losses"][:2]
+    # from step 3 on the loss is the KL alone: below the reference's cross-entropy + KL
+    assert all(a < b for a, b in zip(log["direct"]["losses"][2:], ref_log["direct"]["losses"][2:], strict=True))
+
     more = tmp_path / "more.jsonl"      # many documents: the pool's shuffle puts some in the first blocks
     more.write_text("".join(json.dumps({"text": f"Other words entirely, number {i}, in another order."}) + "\n"
                             for i in range(300)))
@@ -829,10 +840,11 @@ def test_lora_without_peft_fails_before_training(capsys, model_dirs, corpus, tmp
     assert not out.exists()
 
 
-@pytest.mark.parametrize("kd_weight", [0.0, 1.0])
-def test_direct_loss_is_cross_entropy_plus_kl_to_the_teacher(kd_weight):
-    """The end-to-end objective written out: mean next-token cross-entropy of the student, plus kd_weight × the mean
-    over positions of Σ_v p_teacher (log p_teacher − log p_student), the teacher being the model before linearizing."""
+@pytest.mark.parametrize("kd_weight,lm_weight", [(0.0, 1.0), (1.0, 1.0), (1.0, 0.0), (0.5, 2.0)])
+def test_direct_loss_is_cross_entropy_plus_kl_to_the_teacher(kd_weight, lm_weight):
+    """The end-to-end objective written out: lm_weight × the mean next-token cross-entropy of the student, plus
+    kd_weight × the mean over positions of Σ_v p_teacher (log p_teacher − log p_student), the teacher being the
+    model before linearizing."""
     teacher, student = tiny_model("llama"), tiny_model("llama")
     for model in (teacher, student):  # attention that matters and sharp logits: the two differ by a clear KL
         with torch.no_grad():
@@ -848,8 +860,8 @@ def test_direct_loss_is_cross_entropy_plus_kl_to_the_teacher(kd_weight):
         kl = (log_t.exp() * (log_t - log_s)).sum(-1).mean()
         reverse = (log_s.exp() * (log_s - log_t)).sum(-1).mean()
         assert kl > 0.01 and abs(kl - reverse) > 1e-4 * ce  # the KL term and its direction show above rel=1e-5
-        got = direct_loss(student, ids, kd_weight).item()
-    assert got == pytest.approx((ce + kd_weight * kl).item(), rel=1e-5)
+        got = direct_loss(student, ids, kd_weight, lm_weight=lm_weight).item()
+    assert got == pytest.approx((lm_weight * ce + kd_weight * kl).item(), rel=1e-5)
 
 
 def test_hidden_weight_adds_the_residual_streams_relative_error_layer_by_layer():

@@ -124,6 +124,30 @@ def test_a_rising_curve_never_reaches_a_target_and_too_few_points_are_refused(tm
         runs_table.power_fit(runs_table.describe(fake_run(tmp_path / "c", 19.0, below)), until=2000)
 
 
+def test_fresh_and_seen_split_the_steps_by_the_blocks_distill_drew(tmp_path):
+    """Each step's loss is its step number here; the split replays distill's own draws (`direct_draw`) and keeps the
+    steps whose blocks are all new and those whose blocks were all drawn before."""
+    from dofattn.distill import direct_draw
+
+    losses = [float(step) for step in range(40)]
+    row = runs_table.describe(fake_run(tmp_path / "a", 30.0, losses=losses, seed=3, direct_blocks=12,
+                                       direct_batch_size=2))
+    seen, fresh, again = set(), [], []
+    for step in range(40):
+        drawn = set(direct_draw(3, step, 12, 2).tolist())
+        if step >= 5:
+            (fresh if not drawn & seen else again if drawn <= seen else []).append(step)
+        seen |= drawn
+    assert fresh and again     # 12 blocks, 80 draws: both kinds occur after step 5
+    split = runs_table.fresh_and_seen(row, 5)
+    assert (split["fresh_steps"], split["seen_steps"]) == (len(fresh), len(again))
+    assert split["fresh_loss"] == pytest.approx(sum(fresh) / len(fresh))
+    assert split["seen_loss"] == pytest.approx(sum(again) / len(again))
+    assert split["blocks_met"] == len(seen) <= 12 and split["blocks"] == 12
+    with pytest.raises(SystemExit, match="steps on new blocks"):
+        runs_table.fresh_and_seen(row, 40)     # past the last step: neither kind
+
+
 def run_script(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env)
