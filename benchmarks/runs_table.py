@@ -91,9 +91,13 @@ def loss_windows(rows: list[dict], size: int, start: int = 0) -> tuple[list[tupl
     return bounds, [[sum(r["losses"][a:b]) / (b - a) for a, b in bounds] for r in rows]
 
 
-def fresh_and_seen(row: dict, start: int) -> dict:
+def fresh_and_seen(row: dict, start: int, window: int = 50) -> dict:
     """The run's end-to-end training loss from step `start` on, split by whether the step's blocks were drawn at an
     earlier step: steps whose blocks are all new, steps whose blocks were all met before (the rest left out).
+
+    New blocks grow rarer as the run goes on while the loss falls, so the plain means differ by the trend too.
+    `difference` compares like with like: in each window of `window` steps that has both kinds, the mean loss on
+    blocks met before minus that on new ones, averaged over those windows.
 
     distill draws each step's blocks with replacement from (seed, step) alone (`direct_draw`), so the draws are
     replayed here (one process; a torchrun run splits its draws across ranks and logs rank 0's loss). Both kinds are
@@ -102,23 +106,27 @@ def fresh_and_seen(row: dict, start: int) -> dict:
     from dofattn.distill import direct_draw
 
     seen: set[int] = set()
-    fresh, again = [], []
+    fresh: dict[int, list[float]] = {}    # window -> the losses of its steps on new blocks
+    again: dict[int, list[float]] = {}    # ... on blocks met before
     for step, loss in enumerate(row["losses"]):
         drawn = direct_draw(row["seed"], step, row["direct_blocks"], row["direct_batch_size"]).tolist()
         if step >= start:
             met = [d in seen for d in drawn]
             if not any(met):
-                fresh.append(loss)
+                fresh.setdefault((step - start) // window, []).append(loss)
             elif all(met):
-                again.append(loss)
+                again.setdefault((step - start) // window, []).append(loss)
         seen.update(drawn)
-    if not fresh or not again:
-        raise SystemExit(f"{row['run']}: from step {start} of {len(row['losses'])} there are {len(fresh)} steps on "
-                         f"new blocks and {len(again)} on blocks met before; both are needed (try an earlier "
-                         f"--fresh-from)")
     mean = lambda xs: sum(xs) / len(xs)   # noqa: E731
-    return {"run": row["run"], "from_step": start, "fresh_steps": len(fresh), "fresh_loss": mean(fresh),
-            "seen_steps": len(again), "seen_loss": mean(again), "blocks_met": len(seen),
+    paired = [mean(again[w]) - mean(fresh[w]) for w in sorted(fresh) if w in again]
+    if not paired:
+        raise SystemExit(f"{row['run']}: from step {start} of {len(row['losses'])}, no window of {window} steps has "
+                         f"steps on new blocks and on blocks met before; try an earlier --fresh-from or a wider "
+                         f"--fresh-window")
+    fresh_all, again_all = sum(fresh.values(), []), sum(again.values(), [])
+    return {"run": row["run"], "from_step": start, "window": window, "fresh_steps": len(fresh_all),
+            "fresh_loss": mean(fresh_all), "seen_steps": len(again_all), "seen_loss": mean(again_all),
+            "windows": len(paired), "difference": mean(paired), "blocks_met": len(seen),
             "blocks": row["direct_blocks"]}
 
 
@@ -210,6 +218,8 @@ def main() -> None:
     parser.add_argument("--from-step", type=int, default=0, help="with --loss-windows: the first step counted")
     parser.add_argument("--fresh-from", type=int, metavar="STEP", help="also print each run's mean end-to-end "
                         "training loss from STEP on, on blocks drawn for the first time against blocks met before")
+    parser.add_argument("--fresh-window", type=int, default=50, metavar="K", help="with --fresh-from: compare the "
+                        "two kinds of step within windows of K steps (the loss falls as the run goes on)")
     parser.add_argument("--fit-until", type=int, metavar="TOKENS", help="also fit ratio − 1 = a · tokensᵇ to each "
                         "run's curve up to TOKENS end-to-end tokens; print the law against the later points and the "
                         "tokens it gives each target")
@@ -222,6 +232,8 @@ def main() -> None:
         parser.error(f"--loss-windows must be at least 1 step, got {args.loss_windows}")
     if args.fresh_from is not None and args.fresh_from < 0:
         parser.error(f"--fresh-from must be a step, 0 or more, got {args.fresh_from}")
+    if args.fresh_window < 1:
+        parser.error(f"--fresh-window must be at least 1 step, got {args.fresh_window}")
     if args.fit_until is not None and args.fit_until <= args.fit_from:
         parser.error(f"--fit-until {args.fit_until} must be above --fit-from {args.fit_from}")
     if any(g <= 1 for g in args.targets):
@@ -255,12 +267,13 @@ def main() -> None:
             total = sum(row["losses"][first:last]) / (last - first)
             print(f"| {row['run']} | " + " | ".join(f"{x:.3f}" for x in m) + f" | {total:.3f} |")
     if args.fresh_from is not None:
-        splits = [fresh_and_seen(row, args.fresh_from) for row in rows]
+        splits = [fresh_and_seen(row, args.fresh_from, args.fresh_window) for row in rows]
         print(f"\n| run | steps from {args.fresh_from} on new blocks | their loss | on blocks met before | their loss "
-              "| difference | blocks met (of) |\n|---|---:|---:|---:|---:|---:|---:|")
+              f"| met before − new, within {args.fresh_window} steps (windows) | blocks met (of) |\n"
+              "|---|---:|---:|---:|---:|---:|---:|")
         for sp in splits:
             print(f"| {sp['run']} | {sp['fresh_steps']} | {sp['fresh_loss']:.3f} | {sp['seen_steps']} | "
-                  f"{sp['seen_loss']:.3f} | {sp['seen_loss'] - sp['fresh_loss']:+.3f} | {sp['blocks_met']} "
+                  f"{sp['seen_loss']:.3f} | {sp['difference']:+.3f} ({sp['windows']}) | {sp['blocks_met']} "
                   f"({sp['blocks']}) |")
         result = {"runs": rows, "fresh_and_seen": splits} if isinstance(result, list) else {**result,
                                                                                              "fresh_and_seen": splits}

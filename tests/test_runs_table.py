@@ -135,16 +135,25 @@ def test_fresh_and_seen_split_the_steps_by_the_blocks_distill_drew(tmp_path):
     seen, fresh, again = set(), [], []
     for step in range(40):
         drawn = set(direct_draw(3, step, 12, 2).tolist())
-        if step >= 5:
+        if step >= 2:
             (fresh if not drawn & seen else again if drawn <= seen else []).append(step)
         seen |= drawn
-    assert fresh and again     # 12 blocks, 80 draws: both kinds occur after step 5
-    split = runs_table.fresh_and_seen(row, 5)
+    assert fresh and again     # 12 blocks, 80 draws: both kinds occur after step 2
+    split = runs_table.fresh_and_seen(row, 2, window=40)   # one window: the difference is that of the plain means
     assert (split["fresh_steps"], split["seen_steps"]) == (len(fresh), len(again))
     assert split["fresh_loss"] == pytest.approx(sum(fresh) / len(fresh))
     assert split["seen_loss"] == pytest.approx(sum(again) / len(again))
+    assert split["windows"] == 1 and split["difference"] == pytest.approx(split["seen_loss"] - split["fresh_loss"])
     assert split["blocks_met"] == len(seen) <= 12 and split["blocks"] == 12
-    with pytest.raises(SystemExit, match="steps on new blocks"):
+    # a loss that falls by 1 a step and is the same for both kinds at each step: the plain means differ (new blocks
+    # come early), the windowed difference is as small as a window's spread of steps allows
+    trend = runs_table.describe(fake_run(tmp_path / "b", 30.0, losses=[-float(step) for step in range(40)], seed=3,
+                                         direct_blocks=12, direct_batch_size=2))
+    plain = runs_table.fresh_and_seen(trend, 2, window=40)
+    windowed = runs_table.fresh_and_seen(trend, 2, window=4)
+    assert plain["seen_loss"] - plain["fresh_loss"] < -5
+    assert abs(windowed["difference"]) <= 3 and windowed["windows"] >= 1
+    with pytest.raises(SystemExit, match="no window of 50 steps"):
         runs_table.fresh_and_seen(row, 40)     # past the last step: neither kind
 
 
