@@ -17,8 +17,8 @@ Stages, each resumable from the run folder (`--out`):
    softmax+output: the sum of the two. With `--window W` every loss sees the hybrid (l2: only pairs beyond W).
    Each layer's result is saved to `layers/layer_XX.safetensors` as soon as it is done.
 4. direct (`--loss direct`, or `--then-direct-steps N` after layerwise): `--lm-weight` × next-token cross-entropy
-   of the whole student, plus `--kd-weight` × KL(teacher ‖ student) on the logits (and `--hidden-weight` × each layer's
-   residual-stream error to the teacher's); only feature parameters train. Checkpoints
+   of the whole student, plus `--kd-weight` × KL(teacher ‖ student) on the logits (and `--hidden-weight` × each
+   layer's residual-stream error to the teacher's); only feature parameters train. Checkpoints
    (features, Adam state, step) every `--checkpoint-every` steps. It reads `--direct-blocks` blocks (default:
    `--train-blocks`) of `--direct-seq-len` tokens (`--recipe dofattn`: the evaluation length; paper: `--seq-len`),
    so it can train at the evaluation length on more text than the teacher cache holds.
@@ -468,9 +468,8 @@ def direct(model, blocks: torch.Tensor, out: Path, steps: int, batch_size: int, 
     """End-to-end training of the feature parameters, resuming from the last checkpoint in `out/direct`.
 
     The loss is `direct_loss` (`lm_weight` on the text's cross-entropy; with `hidden_weight`, the residual streams'
-    error too). The learning rate is `lr`
-    (`conv_lr` for the `--conv` filters and `delta_lr` for the delta rule, if given), and with `cooldown` > 0 each
-    falls linearly over the last `cooldown` steps (`cooldown_lr`).
+    error too). The learning rate is `lr` (`conv_lr` for the `--conv` filters and `delta_lr` for the delta rule, if
+    given), and with `cooldown` > 0 each falls linearly over the last `cooldown` steps (`cooldown_lr`).
 
     With `eval_every` > 0, the validation perplexity on `eval_blocks` is measured every that many steps (rank 0)
     and returned as `curve`: [{"step", "tokens", "ppl"}], tokens counting every process's training tokens.
