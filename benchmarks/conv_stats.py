@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dofattn.student import WEIGHTS_FILE, read_config
+from dofattn.student import WEIGHTS_FILE, read_spec
 
 STREAMS = ("q", "k", "v")
 NAME = re.compile(r"\.layers\.(\d+)\..*\.dofattn\.conv_([qkv])$")
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the numbers to this JSON file")
     parser.add_argument("--plot", help="draw the share on earlier tokens per layer to this PNG")
     args = parser.parse_args()
-    config = read_config(args.student)
+    config = read_spec(args.student)
     if not config.conv:
         raise SystemExit(f"{args.student} has no convolutions (distill it with --conv K)")
     rows = filter_stats(load_file(str(Path(args.student) / WEIGHTS_FILE)))

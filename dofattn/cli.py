@@ -139,182 +139,114 @@ def run_generate(args: GenerateArgs) -> int:
 
 @dataclass
 class DistillArgs:
-    """Distil a linear-attention student from its softmax teacher; the default job of dofattn.
+    """Distil a linear-attention student from its softmax teacher, as a recipe says.
 
-    Layerwise (--loss softmax or l2): every attention layer's feature map is trained alone on the teacher's own
-    queries and keys, then optionally the whole student end to end (--then-direct-steps). Direct (--loss direct):
-    end-to-end only. The run folder (--out) ends up a loadable student (`dofattn generate --model OUT`) with
-    log.json; rerunning the same command resumes an interrupted run. Ends with validation perplexity of the
-    teacher, the student and an untrained Performer of the same feature budget. By default (--recipe dofattn) every
-    linear layer also attends exactly to its last 64 tokens (--window) and to the first 4 of the sequence (--sink),
-    and the end-to-end phase trains on blocks of the evaluation length; on the CPU-sized default job that takes
-    SmolLM2 from 8.2x to 1.17x the teacher's perplexity. --recipe long adds LoRA and an end-to-end phase 27 times
-    longer: 1.04x after a tenth of it (3 seeds), about 2 hours on a 2-core CPU for all of it. --recipe paper is the
-    published, pure linear recipe.
+    A recipe (a TOML file) holds everything the run does: the student's architecture, the layerwise stage, the
+    end-to-end phase, the evaluation. Pick one by name, change any of its keys with --set, or pass a run folder's
+    recipe.toml to make that run again. `dofattn recipes --keys` explains every key. The run folder (--out) ends up a
+    loadable student (`dofattn generate --model OUT`) with log.json and recipe.toml; the same command resumes an
+    interrupted run, or goes on when end_to_end.steps grew. It ends with the validation perplexity of the teacher,
+    the student and an untrained Performer of the same feature budget.
+
+        dofattn distill                                          # the default recipe
+        dofattn distill --recipe paper --set student.dims=fix --out runs/paper-fix
+        dofattn distill --recipe runs/paper-fix/recipe.toml --seed 1 --out runs/paper-fix-s1
     """
 
-    model: str = _opt("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
-    data: str = _opt("wiki-sample", DATA_HELP)
-    dims: str = _opt("dof", "feature dims per layer: dof (estimated here), clip (dof capped at the head size), "
-                            "attn-dof (∝ the DoF of the teacher's attention matrices, as for --keep-by attn-dof; "
-                            "the same total as fix), linear-dof (the same, of the part of the attention beyond the "
-                            "window and the sink: what the features produce), fix, fix:C, or a dof.json file")
-    feature: str = _opt("prf", "feature map: prf, performer, hedgehog or dijiang")
-    per_head: bool = _opt(False, "give every head its own feature count from the DoF allocation over all heads "
-                                 "(same total budget); each layer computes its largest (prf, performer)")
-    loss: str = _opt("softmax", "layerwise: softmax (KL of attention rows), l2 (kernel values), output (the "
-                                "attention output's squared error) or softmax+output; or direct (end to end)")
-    steps: int = _opt(150, "training steps per layer (layerwise) or in total (direct)")
-    tokens: int | None = _opt(None, "alternative to --steps: training tokens per layer / in total")
-    batch_size: int = _opt(4, "blocks per step")
-    seq_len: int = _opt(256, "tokens per block")
-    train_blocks: int = _opt(64, "training blocks drawn from the train split (steps sample from them)")
-    lr: float = _opt(0.02, "Adam learning rate of feature directions/projections (layerwise)")
-    lr_weights: float = _opt(0.2, "Adam learning rate of the PRF weights (layerwise)")
-    recipe: str = _opt("dofattn", "dofattn: the paper's method plus the softmax window and sink that close most of "
-                                  "the gap to the teacher (--window 64 --sink 4); long: dofattn with LoRA rank 8 "
-                                  "and a long end-to-end phase (400 steps of 2 blocks of --eval-seq-len tokens from "
-                                  "1200 blocks), the closest student measured, hours on a CPU and minutes on a GPU; "
-                                  "paper: the paper's recipe as published (pure linear attention, --window 0)",
-                       choices=("dofattn", "long", "paper"))
-    window: int | None = _opt(None, "exact softmax attention over the last W tokens beside the linear part, in one "
-                                    "normalisation (0: pure linear attention); generation keeps W keys plus the "
-                                    "state. Default: set by --recipe (64 for dofattn and long, 0 for paper)")
-    sink: int | None = _opt(None, "beside the window, keep the first S real tokens of each sequence exact for every "
-                                  "query (an attention sink: late layers put much of each row there) and out of "
-                                  "the linear part; generation keeps their S keys too. Needs --window >= 1; not "
-                                  "with --decay (0: none). Default: set by --recipe (4 for dofattn and long beside "
-                                  "a window without --decay, else 0)")
-    decay: bool = _opt(False, "a learned decay per head in the linear part: each past token's weight shrinks by a "
-                              "factor γ per step (beyond the window, if any; half-lives start at 180-1400 tokens); "
-                              "still O(1) state in generation. Batches must be padded on the left")
-    gate: bool = _opt(False, "make the decay depend on each token (implies --decay; needs --window 0): a learned "
-                             "projection of the token's value vector sets how much of the state it keeps, from all "
-                             "to nothing, as in gated linear attention. Starts equal to --decay. Runs on the "
-                             "PyTorch chunk op, on CUDA too")
-    conv: int = _opt(0, "pass each linear layer's q, k and v through a short causal convolution over the last K "
-                        "tokens (one learned filter per channel, started as the identity, trained in the "
-                        "end-to-end phase), as in Mamba or gated DeltaNet: a token's key and value can carry its "
-                        "neighbours'. Generation keeps K-1 more q, k and v per layer. 0: none; e.g. 4")
-    conv_lr: float | None = _opt(None, "Adam learning rate of the --conv filters in the end-to-end phase (default: "
-                                       "--direct-lr, at which they stay near the identity); the cooldown scales it "
-                                       "too")
-    delta: bool = _opt(False, "write each linear layer's state by the delta rule (needs --window 0): before a token "
-                              "adds its key and value, it erases part of what the state holds along its key, so a "
-                              "new key can replace an old, similar one instead of piling onto it, as in DeltaNet. "
-                              "The erase strength is read off the token's value, starts near 0 and trains in the "
-                              "end-to-end phase. Combines with --decay or --gate (as in gated DeltaNet); "
-                              "--continue-from may add it to a trained student. Runs on PyTorch ops, on CUDA too")
-    delta_lr: float | None = _opt(None, "Adam learning rate of the --delta rule's parameters in the end-to-end phase "
-                                        "(default: --direct-lr, at which they barely leave their start); the "
-                                        "cooldown scales it too")
-    keep_softmax: int = _opt(0, "keep K layers as exact softmax attention (chosen by --keep-by); the rest are "
-                                "linearized")
-    keep_by: str = _opt("attn-dof", "which layers --keep-softmax keeps: attn-dof (the K whose attention matrices "
-                                    "have the largest DoF: sharp, position-bound attention counts high, a sink low; "
-                                    "measured on 8 training blocks of up to 512 tokens), dof (the K with the largest "
-                                    "DoF of the softmax kernel), first (layers 0..K-1), random (K drawn with --seed) "
-                                    "or gain (measured after layerwise training: the K whose exact attention, given "
-                                    "back alone, lowers the student's KL to the teacher most on training text)",
-                        choices=("attn-dof", "dof", "first", "random", "gain"))
-    progressive: bool = _opt(False, "layerwise training in layer order on the student's own q/k/v (earlier layers "
-                                    "already linear) instead of the teacher's: each layer sees what it will get")
-    lora_rank: int | None = _opt(None, "LoRA adapters of this rank on the attention projections (q, k, v, o), "
-                                       "trained in the end-to-end phase with the features and saved with the "
-                                       "student (needs peft; 0: none). Default: set by --recipe (8 for long, "
-                                       "else 0)")
-    lora_targets: str = _opt("attention", "what --lora-rank adapts: attention (q, k, v, o) or all (the MLP "
-                                          "projections too: more capacity to make up for what the linear "
-                                          "attention misses; 2.65 times the adapter weights on SmolLM2)",
-                             choices=("attention", "all"))
-    then_direct_steps: int | None = _opt(None, "after layerwise training, this many end-to-end steps; the same "
-                                               "command with a larger value goes on from a finished run. Default: "
-                                               "set by --recipe (400 for long, else 30)")
-    direct_batch_size: int | None = _opt(None, "blocks per end-to-end step. Default: set by --recipe (1 for "
-                                               "dofattn, 2 for long and paper)")
-    direct_seq_len: int | None = _opt(None, "tokens per end-to-end block; training at the evaluation length lets the "
-                                            "linear part learn the distances it is scored on. Default: set by "
-                                            "--recipe (--eval-seq-len for dofattn and long, --seq-len for paper)")
-    direct_blocks: int | None = _opt(None, "training blocks of the end-to-end phase; the layerwise stage keeps the "
-                                           "teacher's q/k/v for --train-blocks only, so a long end-to-end phase "
-                                           "can read far more text than it. Default: set by --recipe (1200 for "
-                                           "long, else --train-blocks)")
-    direct_lr: float = _opt(2e-3, "Adam learning rate of the end-to-end phase")
-    cooldown_steps: int = _opt(0, "lower the end-to-end learning rate linearly towards 0 over the phase's last N "
-                                  "steps (0: constant). A run given more --then-direct-steps after its cooldown "
-                                  "began differs from one made with that many at once")
-    kd_weight: float = _opt(1.0, "weight of KL(teacher || student) on the logits in the end-to-end phase")
-    lm_weight: float = _opt(1.0, "weight of the student's next-token cross-entropy on the training text in the "
-                                 "end-to-end phase. 0: learn from the teacher's logits alone, which keeps a long "
-                                 "phase from fitting the training text itself")
-    hidden_weight: float = _opt(0.0, "weight of the residual stream's error in the end-to-end phase: after every "
-                                     "layer, the student's squared distance to the teacher's stream, relative to "
-                                     "its size, averaged over tokens and layers (a signal for every layer, not "
-                                     "only through the logits). 0: none")
-    checkpoint_every: int = _opt(10, "end-to-end steps between checkpoints")
-    eval_data: str | None = _opt(None, "the text scored (its validation split) when it is not --data's: e.g. "
-                                       "--data wiki-sample+teacher.jsonl (pooled with `dofattn sample`'s text) "
-                                       "--eval-data wiki-sample. Default: --data")
-    continue_from: str | None = _opt(None, "start from a copy of this run folder's student (its layerwise "
-                                           "stage and its end-to-end checkpoint, optimizer included) and go on "
-                                           "with the end-to-end phase in --out, e.g. on more text: only --data, "
-                                           "--direct-blocks, --then-direct-steps (at least the steps the run "
-                                           "made), --cooldown-steps, --hidden-weight, --eval-every, "
-                                           "--checkpoint-every and "
-                                           "--time-limit may differ from the run's, and the validation text "
-                                           "must be the same")
-    eval_every: int = _opt(0, "measure validation perplexity every N end-to-end steps (log.json: direct.curve, "
-                              "perplexity against training tokens); 0: only at the end")
-    time_limit: float = _opt(0.0, "stop the end-to-end phase after this many minutes of it, then save and evaluate "
-                                  "the student as it is (log.json: direct.stopped); the same command later goes "
-                                  "on to the remaining steps. 0: no limit")
-    lam: float = _opt(2.0 ** -8, "λ of the DoF estimate (trace-relative) when --dims is dof, clip or attn-dof, or "
-                                 "--keep-by dof or attn-dof")
-    lam_auto: bool = _opt(False, "choose the DoF estimate's λ instead (like `dofattn dof --lam-auto`): the one "
-                                 "whose dims give the least held-out attention error at the budget; printed and "
-                                 "kept in the run's dof.json")
-    dof_repeats: int = _opt(1, "pool the DoF estimate over this many disjoint sets of 1024 points per head "
-                               "(like `dofattn dof --repeats`)")
-    eval_blocks: int = _opt(8, "validation blocks for the final perplexities")
-    eval_seq_len: int = _opt(512, "tokens per validation block")
-    seed: int = _opt(0, "seed for initialisation, data order and the DoF sample")
+    recipe: str | None = _opt(None, "a recipe name (below) or a .toml file; default: default, or with "
+                                    "--continue-from that run's recipe")
+    set: list[str] | None = _opt(None, "change one recipe key, e.g. --set student.window=32 (repeatable)",
+                                 action="append", metavar="KEY=VALUE")
+    model: str | None = _opt(None, "the teacher (run.model): built-in alias smollm2-135m, hub id, folder or .gguf")
+    data: str | None = _opt(None, "training text (run.data): " + DATA_HELP)
+    eval_data: str | None = _opt(None, "the text scored, its validation split (run.eval_data); default: --data")
+    seed: int | None = _opt(None, "seed of the features, the data order and the DoF sample (run.seed)")
+    dtype: str | None = _opt(None, "the frozen model's dtype (run.dtype): float32 or bfloat16")
+    out: str = _opt("runs/distill", "run folder: created, or resumed when it holds a run of the same recipe")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    dtype: str = _opt("float32", "the frozen model's dtype: float32 or bfloat16. bfloat16 runs the end-to-end "
-                                 "phase about 2x faster on a CPU with AVX512-BF16 or AMX; the "
-                                 "trained tensors (features, LoRA) stay float32 and the attention sums in float32")
-    out: str = _opt("runs/distill", "run folder: created, or resumed when it holds a run with the same arguments")
+    time_limit: float = _opt(0.0, "minutes of end-to-end training, then save and evaluate; the same command goes "
+                                  "on later (0: no limit)")
+    continue_from: str | None = _opt(None, "go on from a copy of this run folder's student with more end-to-end "
+                                           "steps or other text (--out is the new folder)")
+
+
+RUN_FLAGS = ("model", "data", "eval_data", "seed", "dtype")    # flags that set the recipe's [run] keys
 
 
 def run_distill(args: DistillArgs) -> int:
     """The `distill` verb."""
-    from dofattn.distill import run
+    from dofattn import recipe as recipes
 
-    args.device = _resolve_device(args.device)
-    log = run(args)
-    ev = log.get("evaluation")
-    if ev:
-        print(format_evaluation(args, log))
+    if args.time_limit < 0:
+        raise UserError(f"--time-limit must be >= 0 minutes (0: none), got {args.time_limit:g}")
+    name = args.recipe
+    if name is None:
+        name = str(Path(args.continue_from) / "recipe.toml") if args.continue_from else "default"
+        if args.continue_from and not Path(name).is_file():
+            raise UserError(f"--continue-from {args.continue_from} is not a dofattn distill run folder: it has no "
+                            f"recipe.toml")
+    overrides = {f"run.{k}": getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None}
+    recipe = recipes.load(name, args.set or [], overrides)
+    if recipe.student.lora_rank:                  # before hours of layerwise training, not after
+        from dofattn.lora import require_peft
+        require_peft()
+    from dofattn.distill.run import run
+
+    log = run(recipe, args.out, _resolve_device(args.device), args.time_limit, args.continue_from)
+    if log.get("evaluation"):
+        print(format_evaluation(recipe, log))
         print(f"student saved in {args.out} (dofattn generate --model {args.out})")
     return 0
 
 
-def format_evaluation(args: DistillArgs, log: dict) -> str:
+def format_evaluation(recipe, log: dict) -> str:
     """The perplexity table `dofattn distill` ends with."""
     ev = log["evaluation"]
-    trained = f"student ({args.feature}, {args.loss}"
-    if args.loss != "direct" and args.then_direct_steps:
-        trained += f" + {args.then_direct_steps} direct"
     rows = [("teacher", ev["teacher_ppl"], None)]
     if "layerwise_student_ppl" in ev:
-        rows.append(("student after layerwise only", ev["layerwise_student_ppl"], ev["layerwise_vs_teacher"]))
-    rows.append((trained + ")", ev["student_ppl"], ev["student_vs_teacher"]))
+        rows.append(("student after the layerwise stage", ev["layerwise_student_ppl"], ev["layerwise_vs_teacher"]))
+    rows.append((f"student (recipe {recipe.name})", ev["student_ppl"], ev["student_vs_teacher"]))
     rows.append((f"untrained performer ({ev['performer_dim']})", ev["performer_ppl"], ev["performer_vs_teacher"]))
     lines = [f"\nvalidation perplexity ({ev['tokens']} tokens, blocks of {ev['seq_len']}):"]
     for label, ppl, ratio in rows:
         lines.append(f"  {label:<40}{ppl:10.2f}" + (f"  ({ratio:.2f}x teacher)" if ratio else ""))
-    lines.append(f"  dims per layer ({args.dims}): {' '.join(map(str, log['dims']))}")
+    lines.append(f"  dims per layer ({recipe.student.dims}): {' '.join(map(str, log['dims']))}")
+    if log.get("softmax_layers"):
+        lines.append(f"  softmax layers: {' '.join(map(str, log['softmax_layers']))}")
     lines.append("  wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in log["seconds"].items()))
     return "\n".join(lines)
+
+
+@dataclass
+class RecipesArgs:
+    """The recipes `dofattn distill --recipe` takes, one recipe resolved, or every recipe key explained.
+
+        dofattn recipes                       # the packaged recipes, one line each
+        dofattn recipes long                  # every key of one recipe, resolved, as TOML (a file --recipe takes)
+        dofattn recipes --keys                # every key: type, default, meaning
+    """
+
+    name: str | None = _opt(None, "a recipe name or .toml file to print resolved", positional=True)
+    keys: bool = _opt(False, "every recipe key with its type, default and meaning")
+
+
+def run_recipes(args: RecipesArgs) -> int:
+    """The `recipes` verb."""
+    from dofattn import recipe as recipes
+
+    if args.keys:
+        print(recipes.describe_keys())
+    elif args.name:
+        print(recipes.load(args.name).to_toml(), end="")
+    else:
+        print(recipe_lines())
+    return 0
+
+
+def recipe_lines() -> str:
+    from dofattn import recipe as recipes
+
+    return "\n".join(f"  {name:<14}{line}" for name, line in recipes.packaged().items())
 
 
 @dataclass
@@ -431,6 +363,9 @@ def _add_arguments(parser: argparse.ArgumentParser, cls) -> None:
         flag = "--" + f.name.replace("_", "-")
         meta = dict(f.metadata)
         help_text = meta.pop("help")
+        if meta.pop("positional", False):
+            parser.add_argument(f.name, nargs="?", default=f.default, help=help_text)
+            continue
         if f.type in (bool, "bool"):
             parser.add_argument(flag, action="store_true", help=help_text)
             continue
@@ -669,7 +604,8 @@ def run_sample(args: SampleArgs) -> int:
     return 0
 
 
-VERBS = {"dof": (DofArgs, run_dof), "distill": (DistillArgs, run_distill), "eval": (EvalArgs, run_eval),
+VERBS = {"dof": (DofArgs, run_dof), "distill": (DistillArgs, run_distill), "recipes": (RecipesArgs, run_recipes),
+         "eval": (EvalArgs, run_eval),
          "generate": (GenerateArgs, run_generate), "bench": (BenchArgs, run_bench),
          "sample": (SampleArgs, run_sample)}
 
@@ -683,7 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     for name, (cls, _) in VERBS.items():
         doc = (cls.__doc__ or "").strip()
-        sub = verbs.add_parser(name, help=doc.splitlines()[0], description=doc,
+        epilog = "recipes:\n" + recipe_lines() if name == "distill" else None
+        sub = verbs.add_parser(name, help=doc.splitlines()[0], description=doc, epilog=epilog,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         _add_arguments(sub, cls)
     return parser

@@ -182,7 +182,7 @@ def layer_errors(student, blocks: torch.Tensor, batch_size: int = 2, progress: b
     l2 loss; None for other maps). The kernel error is only comparable between students trained with the l2 loss:
     the softmax loss leaves the kernel's overall scale free. Layers left as softmax get None."""
     from dofattn.capture import capture, run_forward
-    from dofattn.distill import l2_loss
+    from dofattn.distill.losses import l2_loss
     from dofattn.features import PositiveRandomFeatures
     from dofattn.student import attention_modules
 

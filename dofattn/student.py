@@ -2,12 +2,12 @@
 
     model, tok = load_model("smollm2-135m")
     linearize(model, dims=resolve_dims("dof.json", model, "smollm2-135m"), feature="prf")
-    save_student(model, "run/", StudentConfig.describe(model, "smollm2-135m", ...))
-    student, tok, cfg = load_student("run/")          # the base model again, linearized, trained features loaded
+    save_student(model, "run/", spec)                  # spec: a `dofattn.spec.StudentSpec`
+    student, tok, spec = load_student("run/")          # the base model again, linearized, trained features loaded
 
-A student folder holds `dofattn.json` (base model, feature kind, dims, linearized layers, dofattn version and a
-fingerprint of the base model) and `features.safetensors` (only the feature-map parameters and buffers; the base
-model's weights are loaded from `base_model`). No pickle anywhere.
+A student folder holds `dofattn.json` (the `StudentSpec`: base model and its fingerprint, feature map, dims, linear
+layers, window, sink, decay, conv, delta rule, LoRA, schema version) and `features.safetensors` (only the student's
+parameters and buffers; the base model's weights are loaded from `base_model`). No pickle anywhere.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from dofattn.attention import LinearAttention, install
 from dofattn.dof import DofResult
 from dofattn.errors import UserError
 from dofattn.features import FEATURES, make_feature_map
+from dofattn.spec import StudentSpec
 
 CONFIG_FILE = "dofattn.json"
 WEIGHTS_FILE = "features.safetensors"
@@ -94,33 +94,7 @@ def fingerprint(model: nn.Module) -> dict:
             "embedding_norm": round(float(embedding.detach().float().norm()), 3)}
 
 
-@dataclass
-class StudentConfig:
-    """What `dofattn.json` records."""
-
-    base_model: str
-    feature: str
-    dims: list[int]
-    layers: list[int]
-    seed: int = 0
-    base: dict = field(default_factory=dict)
-    window: int = 0
-    lora_rank: int = 0          # LoRA adapters on the attention projections (0: none)
-    lora_alpha: float = 0.0
-    lora_targets: str = "attention"   # or "all": on the MLP projections too
-    head_dims: list[list[int]] | None = None   # per-head feature counts (each ≤ the layer's dim), or None
-    decay: bool = False         # a learned per-head decay of the linear state (beyond the window, if any)
-    sink: int = 0               # the first `sink` real tokens stay exact beside the window (0: none)
-    gate: bool = False          # the decay depends on each token (pure linear attention; `LinearAttention`)
-    conv: int = 0               # a short convolution of this width on q, k and v before the attention (0: none)
-    delta: bool = False         # the state is written by the delta rule (pure linear attention; `LinearAttention`)
-    dofattn_version: str = __version__
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-
-def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: list[int] | None = None,
+def linearize(model: nn.Module, dims: list[int], feature: str = "prf", *, layers: list[int] | None = None,
               seed: int = 0, window: int = 0, head_dims: list[list[int]] | None = None,
               decay: bool = False, sink: int = 0, gate: bool = False, conv: int = 0, delta: bool = False) -> nn.Module:
     """Replace softmax attention by linear attention in `layers` (all by default), in place; returns `model`.
@@ -149,6 +123,18 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", layers: l
         linear.train(modules[i].training)
         modules[i].add_module("dofattn", linear)
     install(model)
+    return model
+
+
+def build(model: nn.Module, spec: StudentSpec) -> nn.Module:
+    """Make `model` the (untrained) student `spec` describes, in place: its layers linearized, LoRA adapters added."""
+    linearize(model, list(spec.dims), spec.feature, layers=list(spec.layers), seed=spec.seed, window=spec.window,
+              decay=spec.decay == "head", gate=spec.decay == "gate", sink=spec.sink, conv=spec.conv,
+              delta=spec.delta)
+    if spec.lora_rank:
+        from dofattn.lora import add_lora
+
+        add_lora(model, spec.lora_rank, spec.lora_alpha or None, seed=spec.seed, targets=spec.lora_targets)
     return model
 
 
@@ -188,7 +174,7 @@ def student_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().contiguous() for name, t in model.state_dict().items() if is_student_tensor(name)}
 
 
-def save_student(model: nn.Module, folder: str | Path, config: StudentConfig) -> Path:
+def save_student(model: nn.Module, folder: str | Path, spec: StudentSpec) -> Path:
     """Write `dofattn.json` and `features.safetensors` into `folder` (created if needed)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -196,7 +182,7 @@ def save_student(model: nn.Module, folder: str | Path, config: StudentConfig) ->
     save_file(student_state(model), str(tmp), metadata={"dofattn_version": __version__})
     os.replace(tmp, folder / WEIGHTS_FILE)
     tmp = folder / (CONFIG_FILE + ".partial")
-    tmp.write_text(config.to_json())
+    tmp.write_text(spec.to_json())
     os.replace(tmp, folder / CONFIG_FILE)
     return folder
 
@@ -205,35 +191,31 @@ def is_student(path: str | Path) -> bool:
     return (Path(path) / CONFIG_FILE).is_file()
 
 
-def read_config(folder: str | Path) -> StudentConfig:
+def read_spec(folder: str | Path) -> StudentSpec:
+    """The spec of the student in `folder` (older schemas are converted, or refused with what to do)."""
     folder = Path(folder)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
             raise UserError(f"{folder} is not a complete dofattn student: {name} is missing")
     try:
-        return StudentConfig(**json.loads((folder / CONFIG_FILE).read_text()))
-    except (json.JSONDecodeError, TypeError) as err:
-        raise UserError(f"{folder / CONFIG_FILE} is not a dofattn student config ({err})") from None
+        return StudentSpec.from_json((folder / CONFIG_FILE).read_text(), where=str(folder / CONFIG_FILE))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{folder / CONFIG_FILE} is not a dofattn student spec ({err})") from None
 
 
-def attach_student(model: nn.Module, folder: str | Path, config: StudentConfig | None = None) -> nn.Module:
-    """Linearize an already loaded base `model` as the student in `folder` describes, and load its features."""
-    config = config or read_config(folder)
+def attach_student(model: nn.Module, folder: str | Path, spec: StudentSpec | None = None) -> nn.Module:
+    """Make an already loaded base `model` the student in `folder`: linearized as its spec says, features loaded."""
+    spec = spec or read_spec(folder)
     found = fingerprint(model)
-    expected = config.base
+    expected = spec.base
     mismatch = [k for k in expected if k != "embedding_norm" and expected[k] != found.get(k)]
     norm = expected.get("embedding_norm")
     if norm is not None and abs(found["embedding_norm"] - norm) > 1e-3 * max(abs(norm), 1.0):
         mismatch.append("embedding_norm")
     if mismatch:
-        raise UserError(f"{folder} was trained on base model {config.base_model!r} and does not fit this model "
+        raise UserError(f"{folder} was trained on base model {spec.base_model!r} and does not fit this model "
                         f"(differs in {', '.join(mismatch)}); load it with its own base model")
-    linearize(model, config.dims, config.feature, config.layers, config.seed, config.window, config.head_dims,
-              config.decay, config.sink, config.gate, config.conv, config.delta)
-    if config.lora_rank:
-        from dofattn.lora import add_lora
-
-        add_lora(model, config.lora_rank, config.lora_alpha or None, targets=config.lora_targets)
+    build(model, spec)
     load_student_tensors(model, folder)
     return model
 
@@ -262,15 +244,15 @@ def load_student_tensors(model: nn.Module, folder: str | Path) -> None:
 
 def load_student(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  merge_lora: bool = False):
-    """(model, tokenizer, config) of the student saved in `folder`; `merge_lora` folds LoRA adapters into the
+    """(model, tokenizer, spec) of the student saved in `folder`; `merge_lora` folds LoRA adapters into the
     weights (faster inference, but the base model, i.e. the teacher, is gone)."""
     from dofattn.hf import load_model
 
-    config = read_config(folder)
-    model, tokenizer = load_model(config.base_model, dtype=dtype, device=device)
-    attach_student(model, folder, config)
-    if merge_lora and config.lora_rank:
+    spec = read_spec(folder)
+    model, tokenizer = load_model(spec.base_model, dtype=dtype, device=device)
+    attach_student(model, folder, spec)
+    if merge_lora and spec.lora_rank:
         from dofattn.lora import merge_lora as merge
 
         merge(model)
-    return model, tokenizer, config
+    return model, tokenizer, spec

@@ -1,5 +1,6 @@
 """The `dofattn` command line: help, a full `dof` run on a tiny model, and one-line errors for bad input."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from dofattn.cli import main
+from dofattn.cli import VERBS, main
 
 
 def run(capsys, *argv):
@@ -16,14 +17,64 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def test_help_lists_every_option(capsys):
+def help_text(capsys, *argv) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        main(["dof", "--help"])
-    out = capsys.readouterr().out
+        main([*argv, "--help"])
     assert exit_info.value.code == 0
-    for option in ("--model", "--data", "--samples", "--lam", "--lam-scale", "--budget", "--clip", "--out", "--plot"):
-        assert option in out
-    assert "degrees of freedom" in out
+    return "".join(capsys.readouterr().out.split())        # argparse wraps lines, at hyphens too: compare without spaces
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_help_lists_every_option_with_its_meaning(capsys, verb):
+    """Every field of the verb's options dataclass is a flag (or the positional) in its --help, with its help."""
+    cls, _ = VERBS[verb]
+    text = help_text(capsys, verb)
+    for f in dataclasses.fields(cls):
+        flag = f.name if f.metadata.get("positional") else "--" + f.name.replace("_", "-")
+        assert flag in text, (verb, flag)
+        meaning = "".join(f.metadata["help"].split())
+        assert meaning in text, (verb, flag, meaning)
+    assert "".join(cls.__doc__.split()[:6]) in text
+
+
+def test_distill_help_fits_one_screen_and_lists_the_recipes(capsys):
+    from dofattn import recipe as recipes
+
+    with pytest.raises(SystemExit):
+        main(["distill", "--help"])
+    out = capsys.readouterr().out
+    options = [line for line in out.splitlines() if line.lstrip().startswith("--") or line.startswith("  -h")]
+    assert len(options) <= 20 and len(out.splitlines()) <= 60, out
+    names = recipes.packaged()
+    assert {"default", "long", "paper", "paper-fix", "pure-linear", "keep-softmax"} <= set(names)
+    for name, line in names.items():          # one line each, with what it is
+        assert any(row.split() == [name, *line.split()] for row in out.splitlines()), name
+
+
+def test_recipes_verb_lists_prints_and_explains(capsys, tmp_path):
+    """`dofattn recipes` lists the recipes; `dofattn recipes NAME` prints one resolved, a file that loads back to the
+    same recipe; `--keys` explains every key with its type and default."""
+    from dofattn import recipe as recipes
+
+    code, out, _ = run(capsys, "recipes")
+    assert code == 0 and all(name in out for name in recipes.packaged())
+    for name in recipes.packaged():
+        code, out, _ = run(capsys, "recipes", name)
+        assert code == 0
+        path = tmp_path / f"{name}.toml"
+        path.write_text(out)
+        assert recipes.load(str(path)) == recipes.load(name)
+    code, out, _ = run(capsys, "recipes", "--keys")
+    lines = out.splitlines()
+    for key, (kind, default, meaning, _) in recipes.key_fields().items():
+        table, name = key.split(".")
+        row = next(line for line in lines[lines.index(f"[{table}]"):] if line.split()[:1] == [name])
+        shown = "unset" if default is None else str(default).lower() if isinstance(default, bool) else None
+        assert recipes.type_name(kind) in row.split() and meaning in row, (key, row)
+        if shown:
+            assert shown in row.split(), (key, row)
+    code, _, err = run(capsys, "recipes", "nonesuch")
+    assert code == 2 and err.startswith("dofattn: error: unknown recipe 'nonesuch'")
 
 
 def test_dof_on_tiny_model(capsys, model_dirs, text_file, tmp_path):
@@ -161,11 +212,12 @@ def test_generate_static_matches_hf(capsys, model_dirs):
 
 def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
     from dofattn.hf import load_model
-    from dofattn.student import StudentConfig, fingerprint, linearize, save_student
+    from dofattn.spec import StudentSpec
+    from dofattn.student import fingerprint, linearize, save_student
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [4, 4, 4], "hedgehog")
-    folder = save_student(model, tmp_path / "run", StudentConfig(str(model_dirs["llama"]), "hedgehog", [4, 4, 4],
+    folder = save_student(model, tmp_path / "run", StudentSpec(str(model_dirs["llama"]), "hedgehog", [4, 4, 4],
                                                                  [0, 1, 2], base=fingerprint(model)))
     code, out, err = run(capsys, "generate", "--model", str(folder), "--max-new-tokens", "3", "--prompt", "fox")
     assert code == 0, err

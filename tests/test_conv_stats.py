@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dofattn.student import StudentConfig, attention_modules, fingerprint, linearize, save_student
+from dofattn.spec import StudentSpec
+from dofattn.student import attention_modules, fingerprint, linearize, save_student
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("conv_stats", ROOT / "benchmarks" / "conv_stats.py")
@@ -26,7 +27,7 @@ def student(tmp_path, model_dirs, conv=3) -> Path:
             attention_modules(model)[2].dofattn.conv_k.copy_(torch.tensor([0.5, -0.25, 0.25])[:, None, None])
             conv_v = attention_modules(model)[2].dofattn.conv_v     # the tap before: +0.2 and -0.2 in turn
             conv_v[1] = 0.2 * (1 - 2 * (torch.arange(conv_v.shape[-1]) % 2))
-    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model), conv=conv)
+    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model), conv=conv)
     return save_student(model, tmp_path / "student", config)
 
 

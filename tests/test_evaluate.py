@@ -92,11 +92,12 @@ def test_restore_gain_is_the_kl_drop_of_a_student_without_that_layer():
 
 def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
     from dofattn.hf import load_model
-    from dofattn.student import StudentConfig, fingerprint, save_student
+    from dofattn.spec import StudentSpec
+    from dofattn.student import fingerprint, save_student
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [4, 6, 8], "prf")
-    folder = save_student(model, tmp_path / "run", StudentConfig(str(model_dirs["llama"]), "prf", [4, 6, 8],
+    folder = save_student(model, tmp_path / "run", StudentSpec(str(model_dirs["llama"]), "prf", [4, 6, 8],
                                                                  [0, 1, 2], base=fingerprint(model)))
     out, png, positions = tmp_path / "eval.json", tmp_path / "eval.png", tmp_path / "positions.svg"
     code = main(["eval", "--model", str(folder), "--data", str(text_file), "--seq-len", "32", "--num-blocks", "3",

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dofattn.student import StudentConfig, attention_modules, fingerprint, linearize, save_student
+from dofattn.spec import StudentSpec
+from dofattn.student import attention_modules, fingerprint, linearize, save_student
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gate_stats", ROOT / "benchmarks" / "gate_stats.py")
@@ -25,8 +26,8 @@ def gated_student(tmp_path, model_dirs, gate=True) -> Path:
     if gate:
         with torch.no_grad():   # layer 2: every token clears the state (the floor); layer 0: the decay alone
             attention_modules(model)[2].dofattn.decay_rate.fill_(10.0)
-    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model), gate=gate,
-                           decay=not gate)
+    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model),
+                         decay="gate" if gate else "head")
     return save_student(model, tmp_path / "student", config)
 
 
@@ -68,8 +69,8 @@ def test_erase_strengths_of_a_delta_student(tmp_path, model_dirs, corpus, monkey
     linearize(model, dims=[5, 12, 7], decay=True, delta=True, seed=2, layers=[0, 2])
     with torch.no_grad():
         attention_modules(model)[2].dofattn.delta_bias.zero_()
-    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model), decay=True,
-                           delta=True)
+    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model), decay="head",
+                         delta=True)
     folder = save_student(model, tmp_path / "student", config)
     out = tmp_path / "stats.json"
     monkeypatch.setattr(sys, "argv", ["gate_stats", str(folder), "--data", str(corpus), "--blocks", "2",

@@ -1,0 +1,74 @@
+"""What the student is made of, chosen from the teacher: features per layer, and which layers keep softmax attention.
+
+- dims: `dof` and `clip` estimate each layer's DoF on the training split (the paper's allocation: dims in proportion,
+  mean = head size; clip caps them at the head size) and keep it as `dof.json` in the run folder; `fix`, `fix:C` or a
+  dof.json path give them directly.
+- softmax layers: the K layers whose attention matrices have the largest DoF (`dof.attention_dofs`): sharp,
+  position-bound attention counts high, a sink low. Kept as `attention_dof.json`.
+Both are computed once, on rank 0, so a resumed run keeps the same dims and layers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dofattn.distill.world import barrier, world
+from dofattn.dof import DofResult, allocate_dims, attention_dofs, sample_points
+from dofattn.recipe import Recipe
+from dofattn.student import head_layout, resolve_dims
+
+DOF_BLOCKS, DOF_SEQ_LEN, DOF_POINTS = 32, 256, 1024   # the DoF estimate's sample: blocks, their length, points/head
+ATTENTION_DOF_BLOCKS = 8      # training blocks on which the teacher's attention matrices are measured
+ATTENTION_DOF_SEQ_LEN = 512   # tokens per block, at most (else eval.seq_len): each T x T matrix's SVD costs T³
+
+
+def _once(path: Path, compute) -> str:
+    """The text of `path`, written by rank 0 with `compute()` (atomically) if it is not there yet."""
+    if world()[0] == 0 and not path.is_file():
+        tmp = path.with_suffix(".partial")
+        tmp.write_text(compute())
+        tmp.replace(path)
+    barrier()
+    return path.read_text()
+
+
+def dims(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
+    """Features per layer for `student.dims`."""
+    from dofattn.data import token_blocks
+
+    rule, model_name = recipe.student.dims, recipe.run.model
+    if rule not in ("dof", "clip"):
+        return resolve_dims(rule, model, model_name)
+
+    def estimate() -> str:
+        blocks = token_blocks(recipe.run.data, tokenizer, DOF_SEQ_LEN, DOF_BLOCKS, split="train",
+                              seed=recipe.run.seed)
+        sample = sample_points(model, blocks, samples=DOF_POINTS, seed=recipe.run.seed)
+        result = allocate_dims(sample, recipe.dof.lam, head_layout(model)[2], clip=rule == "clip", progress=True,
+                               model=model_name, data=recipe.run.data, num_blocks=DOF_BLOCKS, seq_len=DOF_SEQ_LEN)
+        for warning in result.warnings():
+            print(f"WARNING: {warning}", flush=True)
+        return result.to_json()
+
+    return resolve_dims(DofResult.from_json(_once(out / "dof.json", estimate)).dims, model, model_name)
+
+
+def softmax_layers(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
+    """The `student.keep_softmax` layers whose attention matrices have the largest DoF (ties: the earlier layer)."""
+    from dofattn.data import token_blocks
+
+    K = recipe.student.keep_softmax
+    if K == 0:
+        return []
+
+    def estimate() -> str:
+        blocks = token_blocks(recipe.run.data, tokenizer, min(recipe.eval.seq_len, ATTENTION_DOF_SEQ_LEN),
+                              ATTENTION_DOF_BLOCKS, split="train", seed=recipe.run.seed)
+        heads = attention_dofs(model, blocks, recipe.dof.lam, progress=True)
+        return json.dumps({"lam": recipe.dof.lam, "blocks": len(blocks), "seq_len": blocks.shape[1],
+                           "layers": [sum(h) / len(h) for h in heads], "heads": heads}, indent=2)
+
+    score = json.loads(_once(out / "attention_dof.json", estimate))["layers"]
+    order = sorted(range(len(score)), key=lambda i: (-score[i], i))
+    return sorted(order[:K])

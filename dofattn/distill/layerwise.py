@@ -1,0 +1,121 @@
+"""The layerwise stage: each linearized layer's feature map trained alone against the teacher's attention.
+
+Layer l trains with a generator seeded by (seed, l) on batches of the teacher's own q/k/v (`TeacherCache`), Adam at
+the paper's learning rates (directions and projections `lr`, PRF weights `lr_weights`). Each layer's result is saved to
+`layers/layer_XX.safetensors` as soon as it is done, so a killed run redoes at most one layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from dofattn.attention import LinearAttention
+from dofattn.distill.losses import LOSSES
+from dofattn.distill.teacher import TeacherCache
+from dofattn.distill.world import barrier, world
+from dofattn.recipe import Layerwise
+from dofattn.student import attention_modules
+
+
+def param_groups(linear: LinearAttention, lr: float, lr_weights: float) -> list[dict]:
+    """PRF weights (log α) at `lr_weights`, every other trainable feature parameter at `lr`."""
+    weights, rest = [], []
+    for name, p in linear.named_parameters():
+        if p.requires_grad:
+            (weights if name.endswith("log_weights") else rest).append(p)
+    return [g for g in ({"params": rest, "lr": lr}, {"params": weights, "lr": lr_weights}) if g["params"]]
+
+
+def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise, seed: int, desc: str = "",
+                progress: bool = True) -> dict:
+    """Adam on one layer's feature map against its teacher activations (q, k, v) [N, T, ...]; returns a log."""
+    q_all, k_all, v_all = acts
+    group = q_all.shape[2] // k_all.shape[2]
+    device = next(itertools.chain(linear.parameters(), linear.buffers())).device
+    loss_fn = LOSSES[config.loss]
+
+    def batch(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, and k and v with their kv heads repeated for every query head, on the layer's device."""
+        return (q_all[idx].to(device), k_all[idx].repeat_interleave(group, 2).to(device),
+                v_all[idx].repeat_interleave(group, 2).to(device))
+
+    groups = param_groups(linear, config.lr, config.lr_weights)
+    steps = config.steps if groups else 0            # nothing to train (performer): only the loss is reported
+    optimizer = torch.optim.Adam(groups) if groups else None
+    fixed = torch.arange(min(config.batch_size, len(q_all)))
+    gen = torch.Generator().manual_seed(seed)
+    losses, start = [], time.perf_counter()
+    linear.train()
+    if linear.window and not linear.feature_map.estimates_kernel:  # put the linear part on the window's scale
+        q, k, _ = batch(fixed)
+        linear.calibrate_gain(q, k)
+    bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False)
+    for _ in bar:
+        value = loss_fn(linear, *batch(torch.randint(len(q_all), (config.batch_size,), generator=gen)), scaling)
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        optimizer.step()
+        losses.append(value.item())
+        bar.set_postfix(loss=f"{value.item():.4f}")
+    linear.eval()
+    with torch.no_grad():  # the loss on a fixed batch, for the log
+        final = loss_fn(linear, *batch(fixed), scaling).item()
+    tail = losses[-max(1, len(losses) // 10):] if losses else [final]
+    return {"steps": steps, "first_loss": losses[0] if losses else final, "last_loss": sum(tail) / len(tail),
+            "fixed_batch_loss": final, "seconds": round(time.perf_counter() - start, 2)}
+
+
+def layer_file(out: Path, layer: int) -> Path:
+    return out / "layers" / f"layer_{layer:02d}.safetensors"
+
+
+def save_layer(out: Path, layer: int, linear: LinearAttention, log: dict) -> None:
+    path = layer_file(out, layer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    state = {k: v.detach().contiguous() for k, v in linear.state_dict().items()}
+    save_file(state, str(tmp), metadata={"log": json.dumps(log)})
+    tmp.replace(path)
+
+
+def load_layer(out: Path, layer: int, linear: LinearAttention) -> dict:
+    from safetensors import safe_open
+
+    path = layer_file(out, layer)
+    linear.load_state_dict(load_file(str(path)))
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["log"])
+
+
+def layerwise(model, cache: TeacherCache, out: Path, config: Layerwise, seed: int, progress: bool = True) -> dict:
+    """Train every linearized layer (this rank's share: layer l on rank l mod size) on the teacher's q/k/v in
+    `cache`, resuming from finished layer files; every rank ends with every layer. Returns the logs by layer."""
+    rank, size = world()
+    modules = attention_modules(model)
+    logs = {}
+    for layer, module in enumerate(modules):
+        linear = getattr(module, "dofattn", None)
+        if linear is None or layer % size != rank:
+            continue
+        if layer_file(out, layer).is_file():
+            logs[layer] = load_layer(out, layer, linear)
+            continue
+        log = train_layer(linear, cache.layer(layer), module.scaling, config, seed=seed * 100_003 + layer,
+                          desc=f"layer {layer:2d} ({config.loss})", progress=progress)
+        if progress:
+            print(f"layer {layer:2d}: {config.loss} loss {log['first_loss']:.4f} -> {log['last_loss']:.4f} "
+                  f"({log['seconds']:.0f} s)", flush=True)
+        save_layer(out, layer, linear, log)
+        logs[layer] = log
+    barrier()
+    for layer, module in enumerate(modules):  # every rank ends with every layer
+        if getattr(module, "dofattn", None) is not None and layer not in logs:
+            logs[layer] = load_layer(out, layer, module.dofattn)
+    return logs

@@ -1,0 +1,147 @@
+"""The `dofattn distill` job: recipe in, a trained and evaluated student in the run folder out."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from dofattn.distill import choose, end_to_end, run_folder
+from dofattn.distill.layerwise import layerwise
+from dofattn.distill.teacher import TeacherCache
+from dofattn.distill.world import barrier, join, world
+from dofattn.errors import UserError
+from dofattn.evaluate import compare, perplexity
+from dofattn.recipe import Recipe
+from dofattn.spec import StudentSpec
+
+
+def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float = 0.0,
+        continue_from: str | Path | None = None) -> dict:
+    """The whole job; returns the run log (also out/log.json). `time_limit`: minutes of end-to-end training, after
+    which the student is saved and evaluated as it is (the same call later goes on)."""
+    from dofattn.data import check_source, token_blocks
+    from dofattn.hf import load_model, parse_dtype
+    from dofattn.student import (attention_modules, build, fingerprint, head_layout, is_student_tensor,
+                                 load_student_tensors, resolve_dims, save_student)
+
+    r, out = recipe, Path(out)
+    check_source(r.run.data)
+    if r.run.eval_data:
+        check_source(r.run.eval_data)
+    if continue_from:                              # before the model loads: a refused copy costs nothing
+        run_folder.check_continue(Path(continue_from), out, r)
+    device = join(device)
+    rank = world()[0]
+    torch.manual_seed(r.run.seed)
+    log = run_folder.RunLog(recipe={"name": r.name, **r.keys()})
+    timer = time.perf_counter()
+
+    model, tokenizer = load_model(r.run.model, dtype=parse_dtype(r.run.dtype), device=device)
+    num_layers = len(attention_modules(model))
+    if r.student.dims not in ("dof", "clip"):      # a bad fix:C or another model's dof.json leaves no run folder
+        resolve_dims(r.student.dims, model, r.run.model)
+    if r.student.keep_softmax >= num_layers:
+        raise UserError(f"student.keep_softmax = {r.student.keep_softmax} leaves no layer to linearize: the model "
+                        f"has {num_layers} layers")
+    # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
+    lw, e2e = r.layerwise, r.end_to_end
+    train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed)
+    e2e_train = train
+    if e2e.steps and (r.end_to_end_blocks, e2e.seq_len) != tuple(train.shape):
+        e2e_train = token_blocks(r.run.data, tokenizer, e2e.seq_len, r.end_to_end_blocks, split="train",
+                                 seed=r.run.seed)
+    valid = token_blocks(r.run.eval_data or r.run.data, tokenizer, r.eval.seq_len, r.eval.blocks,
+                         split="validation", seed=0)
+    copied = False
+    if rank == 0:                                  # after the model loaded: a typo in the model leaves no folder
+        if continue_from:
+            copied = run_folder.copy_run(Path(continue_from), out, r)
+        run_folder.check(out, r)
+    barrier()
+    finished = run_folder.RunFolder(out).log
+    done = finished.get("end_to_end", {}) if finished else {}
+    done_steps, stopped = done.get("steps", 0), bool(done.get("stopped"))
+    if finished and not stopped and done_steps >= e2e.steps:
+        if rank == 0:
+            print(f"{out} holds a finished run with this recipe; its results:", flush=True)
+        return finished
+    if finished and rank == 0:
+        why = (f"a copy of {continue_from}; its end-to-end phase goes on" if copied else
+               "the end-to-end phase stopped at its time limit; going on" if stopped else
+               "the end-to-end phase is asked for more steps; going on")
+        print(f"{out}: {why} from step {done_steps} to {e2e.steps}", flush=True)
+
+    dims = choose.dims(r, model, tokenizer, out)
+    kept = choose.softmax_layers(r, model, tokenizer, out)
+    s = r.student
+    spec = StudentSpec(base_model=r.run.model, feature=s.feature, dims=dims,
+                       layers=[i for i in range(num_layers) if i not in kept], seed=r.run.seed,
+                       base=fingerprint(model), window=s.window, sink=s.sink, decay=s.decay, conv=s.conv,
+                       delta=s.delta, lora_rank=s.lora_rank, lora_alpha=float(s.lora_rank),
+                       lora_targets=s.lora_targets)
+    build(model, spec)
+    for name, p in model.named_parameters():       # only the student's tensors ever train
+        p.requires_grad_(is_student_tensor(name))
+    log.dims, log.softmax_layers = dims, kept
+    log.seconds["setup"] = round(time.perf_counter() - timer, 1)
+
+    if finished:            # going on with the end-to-end phase: the layerwise stage is done
+        log.layers, log.seconds = finished.get("layers", {}), {**finished["seconds"], **log.seconds}
+        before = finished.get("evaluation", {})
+        if "layerwise_student_ppl" in before:
+            log.evaluation["layerwise_student_ppl"] = before["layerwise_student_ppl"]
+        elif not done_steps and lw.steps and "student_ppl" in before:      # it had no end-to-end phase
+            log.evaluation["layerwise_student_ppl"] = before["student_ppl"]
+        if not done_steps:  # its student was saved without end-to-end checkpoints
+            load_student_tensors(model, out)
+    elif lw.steps:
+        timer = time.perf_counter()
+        cache = TeacherCache(out / "teacher", num_layers, tuple(train.shape), head_layout(model))
+        if rank == 0 and not cache.done:
+            cache.build(model, train, lw.batch_size, progress=True)
+        barrier()
+        log.layers = layerwise(model, cache, out, lw, r.run.seed, progress=rank == 0)
+        log.seconds["layerwise"] = round(time.perf_counter() - timer, 1)
+        if e2e.steps and rank == 0:                # what the layerwise stage alone reached
+            log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
+    if e2e.steps:
+        timer = time.perf_counter()
+        log.end_to_end = end_to_end.train(model, e2e_train, out, e2e, r.run.seed, valid, time_limit=60 * time_limit,
+                                          progress=rank == 0)
+        log.seconds["end_to_end"] = round(time.perf_counter() - timer + (finished["seconds"].get("end_to_end", 0)
+                                                                          if finished else 0), 1)
+    if rank == 0:
+        save_student(model, out, spec)
+        timer = time.perf_counter()
+        log.evaluation.update(evaluate(r, model, valid, dims))
+        if "layerwise_student_ppl" in log.evaluation:
+            log.evaluation["layerwise_vs_teacher"] = (log.evaluation["layerwise_student_ppl"]
+                                                      / log.evaluation["teacher_ppl"])
+        log.seconds["evaluate"] = round(time.perf_counter() - timer, 1)
+        run_folder.write_log(out, asdict(log))
+        shutil.rmtree(out / "teacher", ignore_errors=True)  # only needed to resume the layerwise stage
+    barrier()
+    return asdict(log)
+
+
+def evaluate(recipe: Recipe, model, blocks: torch.Tensor, dims: list[int]) -> dict:
+    """On validation `blocks`: perplexity of the teacher, the student and an untrained Performer with the same
+    budget, and the student's KL to the teacher, top-1 agreement and those by context length (`by_position`)."""
+    from dofattn.hf import load_model, parse_dtype
+    from dofattn.student import linearize
+
+    device = next(model.parameters()).device
+    against = compare(model, blocks)
+    teacher, student = against["teacher_ppl"], against["ppl"]
+    baseline, _ = load_model(recipe.run.model, dtype=parse_dtype(recipe.run.dtype), device=device)
+    budget = round(sum(dims) / len(dims))
+    linearize(baseline, [budget] * len(dims), "performer", seed=recipe.run.seed)
+    performer = perplexity(baseline, blocks, desc="performer ppl")
+    return {"tokens": blocks.numel(), "seq_len": recipe.eval.seq_len, "teacher_ppl": teacher, "student_ppl": student,
+            "performer_ppl": performer, "performer_dim": budget, "student_vs_teacher": student / teacher,
+            "performer_vs_teacher": performer / teacher, "kl": against["kl"],
+            "top1_agreement": against["top1_agreement"], "by_position": against["by_position"]}

@@ -1,0 +1,326 @@
+"""Recipes: everything a `dofattn distill` run does, as data. A recipe is a TOML file of six tables.
+
+    recipe = load("long", sets=["end_to_end.steps=800"])      # a packaged recipe (dofattn/recipes/long.toml)
+    recipe = load("runs/long/recipe.toml")                     # a run folder's resolved recipe: the same run again
+    print(recipe.to_toml())                                     # every key, resolved
+
+The tables are the dataclasses below and their fields the keys; each field's `help` is its documentation
+(`dofattn recipes --keys` prints it). A file may leave keys out: they take the defaults here, which are the default
+recipe's. `validate` holds every rule on the training keys; the [student] table's rules are `spec.check_architecture`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+
+from dofattn.errors import UserError
+from dofattn.spec import DECAYS, FEATURES, LORA_TARGETS, check_architecture
+
+FORMAT = 1          # of recipe files: a file with another `format` is refused
+LOSSES = ("softmax", "l2")
+DTYPES = ("float32", "bfloat16")
+
+
+def _key(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str = _key("smollm2-135m", "the teacher: built-in alias (smollm2-135m), hub id, model folder or .gguf")
+    data: str = _key("wiki-sample", "training text: wiki-sample, a .txt/.jsonl/.parquet file or folder, "
+                                    "hf:NAME[:CONFIG[:SPLIT]], or several joined by + (pooled)")
+    eval_data: str | None = _key(None, "the text scored (its validation split) when it is not data's")
+    seed: int = _key(0, "seed of the features' start, the data order and the DoF sample")
+    dtype: str = _key("float32", "the frozen model's dtype; trained tensors stay float32", DTYPES)
+
+
+@dataclass(frozen=True)
+class Student:
+    feature: str = _key("prf", "feature map: learned positive random features (prf), fixed ones (performer), "
+                               "Hedgehog's learned softmax map, or DiJiang's", FEATURES)
+    dims: str = _key("dof", "features per layer: dof (in proportion to each layer's DoF, mean = head size), clip "
+                            "(dof capped at the head size), fix, fix:C, or a dof.json from `dofattn dof`")
+    window: int = _key(64, "exact softmax attention over the last W tokens beside the linear part (0: pure linear)")
+    sink: int = _key(4, "the first S tokens stay exact for every query beside the window (0: none)")
+    decay: str = _key("none", "decay of the linear state: none, head (a learned rate per head) or gate (per token, "
+                              "read off its value; pure linear attention only)", DECAYS)
+    conv: int = _key(0, "a short causal convolution of this width on q, k and v (0: none)")
+    delta: bool = _key(False, "write the linear state by the delta rule (pure linear attention only)")
+    keep_softmax: int = _key(0, "keep K layers as softmax attention: those whose attention matrices have the largest "
+                                "DoF")
+    lora_rank: int = _key(0, "LoRA adapters of this rank, trained in the end-to-end phase (0: none)")
+    lora_targets: str = _key("attention", "what LoRA adapts: attention (q, k, v, o) or all (the MLP too)",
+                             LORA_TARGETS)
+
+
+@dataclass(frozen=True)
+class Dof:
+    lam: float = _key(2.0 ** -8, "λ of the DoF estimate, relative to the trace of each head's Gram matrix")
+
+
+@dataclass(frozen=True)
+class Layerwise:
+    loss: str = _key("softmax", "each layer's loss against the teacher: softmax (KL of attention rows) or l2 "
+                                "(kernel values; prf or performer)", LOSSES)
+    steps: int = _key(150, "Adam steps per layer (0: no layerwise stage)")
+    batch_size: int = _key(4, "blocks per step")
+    seq_len: int = _key(256, "tokens per block")
+    blocks: int = _key(64, "training blocks whose teacher q/k/v the stage keeps")
+    lr: float = _key(0.02, "learning rate of feature directions and projections")
+    lr_weights: float = _key(0.2, "learning rate of the PRF weights")
+
+
+@dataclass(frozen=True)
+class EndToEnd:
+    steps: int = _key(30, "steps of the whole student against the teacher (0: none)")
+    batch_size: int = _key(1, "blocks per step in each process")
+    seq_len: int = _key(512, "tokens per block")
+    blocks: int | None = _key(None, "training blocks the steps draw from (default: layerwise.blocks)")
+    lr: float = _key(2e-3, "Adam learning rate")
+    conv_lr: float | None = _key(None, "learning rate of the convolution filters (default: lr)")
+    kd_weight: float = _key(1.0, "weight of KL(teacher || student) on the logits beside the text's cross-entropy")
+    cooldown_steps: int = _key(0, "lower the learning rate linearly towards 0 over the last N steps (0: constant)")
+    eval_every: int = _key(0, "validation perplexity every N steps, kept in log.json (0: at the end only)")
+    checkpoint_every: int = _key(10, "steps between checkpoints")
+
+
+@dataclass(frozen=True)
+class Eval:
+    blocks: int = _key(8, "validation blocks scored at the end")
+    seq_len: int = _key(512, "tokens per validation block")
+
+
+TABLES = {"run": Run, "student": Student, "dof": Dof, "layerwise": Layerwise, "end_to_end": EndToEnd,
+          "eval": Eval}
+# What `--continue-from` may change of the run it copies: the end-to-end phase's text and length, not the student.
+CONTINUE_MAY_CHANGE = ("run.data", "run.eval_data", "end_to_end.steps", "end_to_end.blocks",
+                       "end_to_end.cooldown_steps", "end_to_end.eval_every", "end_to_end.checkpoint_every")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = "default"
+    description: str = ""
+    run: Run = field(default_factory=Run)
+    student: Student = field(default_factory=Student)
+    dof: Dof = field(default_factory=Dof)
+    layerwise: Layerwise = field(default_factory=Layerwise)
+    end_to_end: EndToEnd = field(default_factory=EndToEnd)
+    eval: Eval = field(default_factory=Eval)
+
+    @property
+    def end_to_end_blocks(self) -> int:
+        return self.end_to_end.blocks or self.layerwise.blocks
+
+    def keys(self) -> dict[str, object]:
+        """Every key as `table.key` -> value."""
+        return {f"{t}.{k}": v for t in TABLES for k, v in asdict(getattr(self, t)).items()}
+
+    def to_toml(self) -> str:
+        lines = ["# dofattn recipe (dofattn recipes --keys explains every key)", f"format = {FORMAT}",
+                 f"name = {_toml(self.name)}", f"description = {_toml(self.description)}"]
+        for table in TABLES:
+            lines.append(f"\n[{table}]")
+            for key, value in asdict(getattr(self, table)).items():
+                if value is not None:
+                    lines.append(f"{key} = {_toml(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
+
+
+# --- reading --------------------------------------------------------------------------------------------------------
+
+def packaged() -> dict[str, str]:
+    """The packaged recipes: name -> description (the first line)."""
+    found = {}
+    for path in sorted(resources.files("dofattn.recipes").iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".toml"):
+            data = tomllib.loads(path.read_text())
+            found[path.name[:-5]] = str(data.get("description", "")).split("\n")[0]
+    return dict(sorted(found.items(), key=lambda kv: (kv[0] != "default", kv[0])))
+
+
+def read_text(name_or_path: str) -> tuple[str, str]:
+    """(text, where) of a recipe given by packaged name or by path."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path.endswith(".toml") or path.is_file():
+        if not path.is_file():
+            raise UserError(f"recipe file {name_or_path} does not exist")
+        return path.read_text(), str(path)
+    names = packaged()
+    if name_or_path not in names:
+        raise UserError(f"unknown recipe {name_or_path!r}; use one of {', '.join(names)}, or a .toml file")
+    return resources.files("dofattn.recipes").joinpath(name_or_path + ".toml").read_text(), name_or_path
+
+
+def load(name_or_path: str = "default", sets: list[str] = (), overrides: dict[str, object] | None = None) -> Recipe:
+    """The recipe `name_or_path`, then `sets` ("key=value" strings, as `--set` gives them), then `overrides`
+    (`table.key` -> value, already typed: the CLI's own flags), validated."""
+    text, where = read_text(name_or_path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"recipe {where} is not valid TOML ({err})") from None
+    fmt = data.pop("format", FORMAT)
+    if fmt != FORMAT:
+        raise UserError(f"recipe {where} has format {fmt}; this dofattn reads format {FORMAT}")
+    name, description = data.pop("name", Path(where).stem), data.pop("description", "")
+    values = {}
+    for table, content in data.items():
+        if table not in TABLES or not isinstance(content, dict):
+            raise UserError(f"recipe {where}: unknown table [{table}]; the tables are {', '.join(TABLES)}")
+        for key, value in content.items():
+            full = resolve_key(f"{table}.{key}")
+            values[full] = coerce(full, value, where)
+    for item in sets:
+        key, sep, text_value = item.partition("=")
+        if not sep:
+            raise UserError(f"--set {item!r}: give KEY=VALUE, e.g. --set student.window=32")
+        full = resolve_key(key.strip())
+        value = parse_value(text_value.strip())
+        if value is None and type(None) not in typing.get_args(key_fields()[full][0]):
+            value = text_value.strip()        # "none" is a value of its own where a key cannot be unset
+        values[full] = coerce(full, value, "--set")
+    for full, value in (overrides or {}).items():
+        values[full] = coerce(full, value, "the command line")
+    tables = {t: cls(**{k.split(".")[1]: v for k, v in values.items() if k.split(".")[0] == t})
+              for t, cls in TABLES.items()}
+    recipe = Recipe(name=str(name), description=str(description), **tables)
+    validate(recipe)
+    return recipe
+
+
+def key_fields() -> dict[str, tuple[type, object, str, tuple | None]]:
+    """Every key: `table.key` -> (type, default, help, choices)."""
+    hints = {t: typing.get_type_hints(cls) for t, cls in TABLES.items()}
+    return {f"{t}.{f.name}": (hints[t][f.name], f.default, f.metadata["help"], f.metadata["choices"])
+            for t, cls in TABLES.items() for f in fields(cls)}
+
+
+def resolve_key(key: str) -> str:
+    """`table.key`, or a bare key that only one table has, as `table.key`; else a one-line error."""
+    keys = key_fields()
+    if key in keys:
+        return key
+    matches = [k for k in keys if k.split(".")[1] == key]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise UserError(f"recipe key {key!r} is in several tables: say which, {' or '.join(matches)}")
+    close = difflib.get_close_matches(key, list(keys) + [k.split(".")[1] for k in keys], n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise UserError(f"unknown recipe key {key!r}{hint} (`dofattn recipes --keys` lists them)")
+
+
+def parse_value(text: str):
+    """A --set value as TOML reads it (true, 3, 2e-3, "text"), or the bare text; none: unset (where a key may be)."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+NAMES = {int: "an integer", float: "a number", str: "a text", bool: "true or false"}
+
+
+def coerce(key: str, value, where: str):
+    """`value` as key's type, or a one-line error naming the key and what it takes."""
+    kind, default, _, choices = key_fields()[key]
+    optional = type(None) in typing.get_args(kind)
+    base = next((a for a in typing.get_args(kind) if a is not type(None)), kind) if optional else kind
+    if value is None:
+        if optional:
+            return None
+        raise UserError(f"{where}: {key} cannot be unset; give {NAMES[base]}")
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if base is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        raise UserError(f"{where}: {key} = {value!r} is not {NAMES[base]}"
+                        + (f"; use one of {', '.join(choices)}" if choices else ""))
+    if choices and value not in choices:
+        raise UserError(f"{where}: {key} = {value!r}; use one of {', '.join(choices)}")
+    return value
+
+
+# --- the rules ------------------------------------------------------------------------------------------------------
+
+def validate(recipe: Recipe) -> None:
+    """Every rule on a recipe's keys, each a one-line UserError naming the key and what is allowed."""
+    s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
+    check_architecture(feature=s.feature, window=s.window, sink=s.sink, decay=s.decay, conv=s.conv, delta=s.delta,
+                       lora_rank=s.lora_rank, lora_targets=s.lora_targets)
+    dims = s.dims
+    if not (dims in ("dof", "clip", "fix") or dims.startswith("fix:") or dims.endswith(".json")):
+        raise UserError(f"student.dims = {dims!r}; use dof, clip, fix, fix:C or a dof.json file")
+    if s.keep_softmax < 0:
+        raise UserError(f"student.keep_softmax = {s.keep_softmax}: give >= 0 layers")
+    at_least = {"layerwise.batch_size": 1, "layerwise.seq_len": 2, "layerwise.blocks": 1, "end_to_end.batch_size": 1,
+                "end_to_end.seq_len": 2, "end_to_end.checkpoint_every": 1, "eval.blocks": 1, "eval.seq_len": 2,
+                "layerwise.steps": 0, "end_to_end.steps": 0, "end_to_end.cooldown_steps": 0,
+                "end_to_end.eval_every": 0, "student.conv": 0}
+    keys = recipe.keys()
+    for key, low in at_least.items():
+        if keys[key] < low:
+            raise UserError(f"{key} = {keys[key]}: give >= {low}")
+    if e2e.blocks is not None and e2e.blocks < 1:
+        raise UserError(f"end_to_end.blocks = {e2e.blocks}: give >= 1 (or leave it out: layerwise.blocks)")
+    for key in ("dof.lam", "layerwise.lr", "layerwise.lr_weights", "end_to_end.lr"):
+        if not keys[key] > 0:
+            raise UserError(f"{key} = {keys[key]}: give a value > 0")
+    if e2e.conv_lr is not None and not e2e.conv_lr > 0:
+        raise UserError(f"end_to_end.conv_lr = {e2e.conv_lr}: give a learning rate > 0 (or leave it out: lr)")
+    if e2e.conv_lr is not None and not s.conv:
+        raise UserError("end_to_end.conv_lr is the learning rate of the convolution filters: set student.conv too")
+    if not e2e.kd_weight >= 0:
+        raise UserError(f"end_to_end.kd_weight = {e2e.kd_weight}: give >= 0")
+    if e2e.cooldown_steps > e2e.steps:
+        raise UserError(f"end_to_end.cooldown_steps = {e2e.cooldown_steps} is longer than the phase "
+                        f"(end_to_end.steps = {e2e.steps})")
+    if lw.steps == 0 and e2e.steps == 0:
+        raise UserError("layerwise.steps and end_to_end.steps are both 0: nothing would train")
+    if s.lora_rank and e2e.steps == 0:
+        raise UserError("student.lora_rank: adapters train in the end-to-end phase; set end_to_end.steps >= 1")
+    if lw.steps and lw.loss == "l2" and s.feature not in ("prf", "performer"):
+        raise UserError(f"layerwise.loss = 'l2' compares kernel values: use student.feature prf or performer, not "
+                        f"{s.feature!r}")
+    if lw.steps and lw.loss == "l2" and s.window >= lw.seq_len:
+        raise UserError(f"layerwise.loss = 'l2' fits only pairs beyond the window: set layerwise.seq_len > "
+                        f"student.window ({s.window})")
+
+
+def type_name(kind) -> str:
+    """int, float, str, bool; `int?` for a key that may be left unset."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return f"{args[0].__name__}?" if args else kind.__name__
+
+
+def describe_keys() -> str:
+    """Every key with its type, default and meaning: what `dofattn recipes --keys` prints."""
+    lines, table = ["KEY                 TYPE    DEFAULT         MEANING   (TYPE?: may be left unset)"], None
+    for key, (kind, default, help, choices) in key_fields().items():
+        t, name = key.split(".")
+        if t != table:
+            lines.append(f"[{t}]")
+            table = t
+        shown = "unset" if default is None else _toml(default)
+        lines.append(f"  {name:<18}{type_name(kind):<8}{shown:<16}{help}"
+                     + (f" [{', '.join(choices)}]" if choices else ""))
+    return "\n".join(lines)
