@@ -5,7 +5,7 @@
     python benchmarks/layer_sensitivity.py --replot docs/results/layer-sensitivity.json \
         --plot docs/results/layer-sensitivity.png                  # the figure again, from a kept JSON
 
-For a trained pure-linear student (every layer linear, `dofattn distill --window 0`), on blocks of its run's
+For a trained pure-linear student (every layer linear, student.window = 0), on blocks of its run's
 training split (so that choosing layers by it stays honest on held-out text):
     restore i     the student with layer i given back its exact softmax attention, every other layer linear:
                   how much of the student's KL to the teacher that one layer accounts for
@@ -13,8 +13,8 @@ training split (so that choosing layers by it stays honest on held-out text):
     attention     where the teacher's attention in layer i goes: the first token, the last 4, the last 64
 Then on the validation blocks its run evaluated on, with no retraining, the student with three layers restored:
 the three with the largest restore gain, the first three, the three with the largest DoF, and three random ones
-(drawn as `dofattn distill --keep-by random` draws them). The rank correlation of DoF with each layer's
-gain says whether "hard to approximate in isolation" is the signal `--keep-softmax` should follow.
+(a permutation drawn with --seed). The rank correlation of DoF with each layer's
+gain says whether "hard to approximate in isolation" is the signal student.keep_softmax should follow.
 """
 
 from __future__ import annotations
@@ -75,6 +75,24 @@ def top(values: list[float], k: int) -> list[int]:
     return sorted(sorted(range(len(values)), key=lambda i: -values[i])[:k])
 
 
+def run_text(folder: Path) -> tuple[str, int, int]:
+    """(training text, validation block length, seed) of a `dofattn distill` run folder: its recipe.toml, or the
+    run.json of a run made before recipes."""
+    if (folder / "recipe.toml").is_file():
+        from dofattn.distill.run_folder import RunFolder
+        from dofattn.errors import UserError
+
+        try:
+            r = RunFolder(folder).recipe
+        except UserError as err:
+            raise SystemExit(str(err)) from None
+        return r.run.data, r.eval.seq_len, r.run.seed
+    if not (folder / "run.json").is_file():
+        raise SystemExit(f"{folder} is not a `dofattn distill` run folder: it has no recipe.toml (or run.json)")
+    run = json.loads((folder / "run.json").read_text())
+    return run["data"], run["eval_seq_len"], run["seed"]
+
+
 def main() -> int:
     from tqdm.auto import tqdm
 
@@ -102,15 +120,15 @@ def main() -> int:
     if args.run is None or args.dof is None:
         parser.error("give a run folder and --dof (or --replot with an earlier --out)")
 
-    run = json.loads((args.run / "run.json").read_text())
+    data, seq_len, seed = run_text(args.run)
     model, tokenizer, config = load_student(args.run)
     model.eval()
     modules = attention_modules(model)
     if config.window or len(config.layers) != len(modules):
         raise SystemExit(f"{args.run} is not a pure-linear student with every layer linear")
     dof = [layer.dof for layer in DofResult.from_json(args.dof.read_text()).layers]
-    train = token_blocks(run["data"], tokenizer, run["eval_seq_len"], args.blocks, split="train", seed=run["seed"])
-    valid = token_blocks(run["data"], tokenizer, run["eval_seq_len"], args.final_blocks, split="validation", seed=0)
+    train = token_blocks(data, tokenizer, seq_len, args.blocks, split="train", seed=seed)
+    valid = token_blocks(data, tokenizer, seq_len, args.final_blocks, split="validation", seed=0)
 
     sweep = AgainstTeacher(model, train)
     student = sweep()

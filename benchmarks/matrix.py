@@ -5,17 +5,17 @@
     python benchmarks/matrix.py --scale toy --model DIR --data FILE --out m.json      # seconds, for tests
 
 Rows: performer (untrained, fixed dims), dijiang, fix (learned PRF, head-size dims everywhere), dof (learned PRF,
-DoF dims), dof+clip. Columns: l2 and softmax (layerwise, no direct phase) and direct (end to end only). Each cell
-is one `dofattn distill` run in its own folder under `--runs`, then evaluated against the teacher on the
-validation split by the run itself: perplexity, KL(teacher ‖ student), top-1 agreement, wall time. Cells that make
-no sense are skipped and say why (l2 needs kernel-estimating features; performer trains nothing). Runs resume.
+DoF dims), dof+clip. Columns: l2 and softmax (layerwise.loss, no end-to-end phase) and direct (end to end only:
+layerwise.steps = 0). Each cell is one run of the paper recipe (`dofattn.recipe.load("paper", sets=...)`) in its
+own folder under `--runs`, then evaluated against the teacher on the validation split by the run itself:
+perplexity, KL(teacher ‖ student), top-1 agreement, wall time. Cells that make no sense are skipped and say why
+(l2 needs kernel-estimating features; performer trains nothing). Runs resume.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from pathlib import Path
 
 ROWS = {  # name -> (feature, dims)
@@ -25,16 +25,24 @@ ROWS = {  # name -> (feature, dims)
     "dof": ("prf", "dof"),
     "dof+clip": ("prf", "clip"),
 }
-LOSSES = ("l2", "softmax", "direct")
-SCALES = {  # distill arguments per scale
-    "toy": dict(steps=10, batch_size=2, seq_len=32, train_blocks=8, direct_batch_size=2, eval_blocks=2,
-                eval_seq_len=32),
-    "small": dict(steps=100, batch_size=4, seq_len=256, train_blocks=64, direct_batch_size=2, eval_blocks=8,
-                  eval_seq_len=512),
-    "full": dict(steps=1500, batch_size=8, seq_len=1024, train_blocks=2048, direct_batch_size=8, eval_blocks=64,
-                 eval_seq_len=1024),
+LOSSES = ("l2", "softmax", "direct")    # the columns: layerwise.loss l2 or softmax; direct: end to end only
+
+
+def scale_sets(layerwise_steps: int, batch_size: int, seq_len: int, blocks: int, end_to_end_batch_size: int,
+               eval_blocks: int, eval_seq_len: int) -> list[str]:
+    """The paper recipe's keys a scale sets; the end-to-end phase trains on blocks of the layerwise length."""
+    return [f"layerwise.steps={layerwise_steps}", f"layerwise.batch_size={batch_size}", f"layerwise.seq_len={seq_len}",
+            f"layerwise.blocks={blocks}", f"end_to_end.batch_size={end_to_end_batch_size}",
+            f"end_to_end.seq_len={seq_len}", f"eval.blocks={eval_blocks}", f"eval.seq_len={eval_seq_len}"]
+
+
+SCALES = {
+    "toy": scale_sets(10, 2, 32, 8, 2, 2, 32),
+    "small": scale_sets(100, 4, 256, 64, 2, 8, 512),
+    "full": scale_sets(1500, 8, 1024, 2048, 8, 64, 1024),
 }
-DIRECT_STEPS = {"toy": 5, "small": 30, "full": 2000}
+EVAL_SEQ_LEN = {"toy": 32, "small": 512, "full": 1024}
+DIRECT_STEPS = {"toy": 5, "small": 30, "full": 2000}    # end-to-end steps of a direct cell
 
 
 def skip_reason(row: str, loss: str) -> str | None:
@@ -46,24 +54,33 @@ def skip_reason(row: str, loss: str) -> str | None:
     return None
 
 
-def run_cell(base_args, row: str, loss: str, runs: Path, device: str) -> dict:
-    from dofattn.distill import run
-
+def cell_sets(row: str, loss: str, scale: str) -> list[str]:
+    """What one cell sets of the paper recipe beside its scale's keys."""
     feature, dims = ROWS[row]
+    sets = [f"student.feature={feature}", f"student.dims={dims}"]
+    if row == "performer":  # no parameters: one layerwise step, a no-op (a recipe must train something)
+        return sets + ["layerwise.loss=softmax", "layerwise.steps=1", "end_to_end.steps=0"]
+    if loss == "direct":
+        return sets + ["layerwise.steps=0", f"end_to_end.steps={DIRECT_STEPS[scale]}"]
+    return sets + [f"layerwise.loss={loss}", "end_to_end.steps=0"]
+
+
+def cell_recipe(scale: str, row: str, loss: str, model: str, data: str):
+    """The paper recipe at `scale` for one cell."""
+    from dofattn import recipe as recipes
+
+    return recipes.load("paper", sets=SCALES[scale] + cell_sets(row, loss, scale),
+                        overrides={"run.model": model, "run.data": data})
+
+
+def run_cell(scale: str, row: str, loss: str, model: str, data: str, runs: Path, device: str) -> dict:
+    from dofattn.distill.run import run
+
     folder = runs / f"{row.replace('+', '-')}-{loss}"
-    steps = 0 if row == "performer" else base_args.steps
-    args = replace(base_args, feature=feature, dims=dims, loss="softmax" if row == "performer" else loss,
-                   steps=max(steps, 1), out=str(folder), device=device)
-    if row == "performer":  # no parameters: layerwise and direct steps are no-ops
-        args = replace(args, then_direct_steps=0)
-    elif loss == "direct":
-        args = replace(args, steps=DIRECT_STEPS[base_args.scale_name])
-    else:
-        args = replace(args, then_direct_steps=0)
-    log = run(args)  # a finished cell's folder just returns its log
+    log = run(cell_recipe(scale, row, loss, model, data), folder, device)  # a finished cell's folder returns its log
     ev = log["evaluation"]
-    return {"row": row, "loss": loss, "ppl": ev["student_ppl"], "teacher_ppl": ev["teacher_ppl"], "kl": ev["kl"],
-            "top1_agreement": ev["top1_agreement"], "tokens": ev["tokens"], "dims": log["dims"],
+    return {"row": row, "loss": loss, "sets": cell_sets(row, loss, scale), "ppl": ev["student_ppl"],
+            "teacher_ppl": ev["teacher_ppl"], "kl": ev["kl"], "top1_agreement": ev["top1_agreement"], "tokens": ev["tokens"], "dims": log["dims"],
             "distill_seconds": round(sum(log["seconds"].values()), 1)}
 
 
@@ -100,7 +117,7 @@ def figures(args, cells: list[dict], teacher_ppl: float, runs: Path) -> dict:
         if not (folder / "log.json").is_file():
             continue
         student, tokenizer, _ = load_student(folder, device=args.device)
-        blocks = token_blocks(args.data, tokenizer, SCALES[args.scale]["eval_seq_len"], 2, split="validation")
+        blocks = token_blocks(args.data, tokenizer, EVAL_SEQ_LEN[args.scale], 2, split="validation")
         errors[row] = layer_errors(student, blocks)
     if errors:
         plot_layer_error_comparison(errors, f"{prefix}-layer-errors.png",
@@ -111,7 +128,7 @@ def figures(args, cells: list[dict], teacher_ppl: float, runs: Path) -> dict:
 
 
 def main() -> None:
-    from dofattn.cli import DistillArgs
+    from dofattn.errors import UserError
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=sorted(SCALES), default="small")
@@ -125,22 +142,23 @@ def main() -> None:
                                           "of fix, dof and dof+clip) and PREFIX-ppl.png")
     args = parser.parse_args()
 
-    base = DistillArgs(model=args.model, data=args.data, recipe="paper", **SCALES[args.scale])  # the paper's grid
-    base.scale_name = args.scale  # read by run_cell; not a DistillArgs field, so not part of run.json
     runs = Path(args.runs) / args.scale
     cells = []
-    for row in ROWS:
-        for loss in LOSSES:
-            reason = skip_reason(row, loss)
-            if reason:
-                cells.append({"row": row, "loss": loss, "skipped": reason})
-                continue
-            print(f"== {row} / {loss}", flush=True)
-            cells.append(run_cell(base, row, loss, runs, args.device))
+    try:
+        for row in ROWS:
+            for loss in LOSSES:
+                reason = skip_reason(row, loss)
+                if reason:
+                    cells.append({"row": row, "loss": loss, "skipped": reason})
+                    continue
+                print(f"== {row} / {loss}", flush=True)
+                cells.append(run_cell(args.scale, row, loss, args.model, args.data, runs, args.device))
+    except UserError as err:
+        raise SystemExit(f"matrix.py: {err}") from None
     measured = [c for c in cells if "skipped" not in c]
     teacher_ppl = measured[0]["teacher_ppl"]
     result = {"scale": args.scale, "model": args.model, "data": args.data, "teacher_ppl": teacher_ppl,
-              "distill_args": {k: v for k, v in vars(base).items() if k != "scale_name"}, "cells": cells}
+              "recipe": "paper", "sets": SCALES[args.scale], "cells": cells}
     if args.figures:
         result["layer_errors"] = figures(args, cells, teacher_ppl, runs)
     Path(args.out).write_text(json.dumps(result, indent=2))

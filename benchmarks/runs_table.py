@@ -9,7 +9,8 @@
     python benchmarks/runs_table.py runs/a --fit-until 250000    # a power law through the curve, and what it predicts
     python benchmarks/runs_table.py runs/a --fresh-from 600      # training loss on blocks met before against new ones
 
-One row per run folder: what differs from its recipe's defaults (read from run.json), validation perplexity after
+One row per run folder: what differs from its recipe (the recipe keys that differ from its named packaged recipe;
+for a run made before recipes, the flags that differ from its --recipe's defaults), validation perplexity after
 layerwise training and at the end (and the ratio to the teacher's), KL(teacher ‖ student) per token, top-1
 agreement, the softmax layers kept, and the run's own stage timings. The JSON collects the same rows.
 """
@@ -20,64 +21,147 @@ import argparse
 import json
 from pathlib import Path
 
-SHOWN = ("recipe", "data", "eval_data", "continue_from", "dims", "feature", "loss", "window", "keep_softmax",
-         "keep_by", "progressive", "per_head", "lora_rank", "lora_targets", "steps", "then_direct_steps",
-         "direct_seq_len", "direct_batch_size", "direct_blocks", "direct_lr", "cooldown_steps", "kd_weight",
-         "lm_weight", "hidden_weight", "dof_repeats", "lam_auto", "decay", "decay_start", "gate", "conv", "conv_lr",
-         "delta", "delta_lr", "sink", "dtype")
+# --- logs written before recipes (dofattn ≤ 0.1.0 flags) ----------------------------------------------------------
+# Those runs recorded their `dofattn distill` flags (run.json; a kept log.json under "args") and their end-to-end
+# phase under "direct". dofattn no longer reads those flags, so what the table needs of them is kept here as data.
+
+OLD_SHOWN = ("recipe", "data", "eval_data", "continue_from", "dims", "feature", "loss", "window", "keep_softmax",
+             "keep_by", "progressive", "per_head", "lora_rank", "lora_targets", "steps", "then_direct_steps",
+             "direct_seq_len", "direct_batch_size", "direct_blocks", "direct_lr", "cooldown_steps", "kd_weight",
+             "lm_weight", "hidden_weight", "dof_repeats", "lam_auto", "decay", "decay_start", "gate", "conv",
+             "conv_lr", "delta", "delta_lr", "sink", "dtype")
+# The flags' defaults as dofattn 0.1.0 had them (those the table reads); None: set by the recipe (OLD_RECIPES).
+OLD_DEFAULTS = {"recipe": "dofattn", "data": "wiki-sample", "eval_data": None, "continue_from": None, "dims": "dof",
+                "feature": "prf", "loss": "softmax", "window": None, "keep_softmax": 0, "keep_by": "attn-dof",
+                "progressive": False, "per_head": False, "lora_rank": None, "lora_targets": "attention",
+                "steps": 150, "then_direct_steps": None, "direct_seq_len": None, "direct_batch_size": None,
+                "direct_blocks": None, "direct_lr": 0.002, "cooldown_steps": 0, "kd_weight": 1.0, "lm_weight": 1.0,
+                "hidden_weight": 0.0, "dof_repeats": 1, "lam_auto": False, "decay": False, "gate": False, "conv": 0,
+                "conv_lr": None, "delta": False, "delta_lr": None, "sink": None, "dtype": "float32",
+                "train_blocks": 64, "seq_len": 256, "eval_seq_len": 512}
+# Flags added over time, with the value that reproduces a run recorded before each existed.
+OLD_LATER = {"window": 0, "keep_softmax": 0, "keep_by": "dof", "lora_rank": 0, "eval_every": 0,
+             "progressive": False, "per_head": False, "dof_repeats": 1, "recipe": "paper", "direct_seq_len": None,
+             "direct_blocks": None, "lam_auto": False, "decay": False, "decay_start": None, "sink": 0,
+             "eval_data": None, "continue_from": None, "cooldown_steps": 0, "lora_targets": "attention",
+             "gate": False, "hidden_weight": 0.0, "conv": 0, "conv_lr": None, "delta": False, "delta_lr": None,
+             "lm_weight": 1.0}
+# What each old --recipe set for the flags left unset (None); a callable reads the value off the other flags.
+OLD_RECIPES = {"dofattn": {"window": 64, "direct_seq_len": lambda a: a["eval_seq_len"], "direct_batch_size": 1,
+                           "lora_rank": 0, "then_direct_steps": 30,
+                           "sink": lambda a: 4 if a["window"] and not a["decay"] else 0},
+               "paper": {"window": 0, "direct_batch_size": 2, "lora_rank": 0, "then_direct_steps": 30, "sink": 0}}
+OLD_RECIPES["long"] = {**OLD_RECIPES["dofattn"], "direct_batch_size": 2, "lora_rank": 8, "then_direct_steps": 400,
+                       "direct_blocks": 1200}
 
 
-def effective(args: dict) -> dict:
-    """The run's options with what a None stands for spelled out (the direct phase's blocks: the layerwise ones)."""
-    from types import SimpleNamespace
+def old_arguments(**flags) -> dict:
+    """The arguments an old `dofattn distill` run with these flags recorded: the defaults, then its recipe's values
+    for the flags left unset (what run.json holds, as far as the table reads it)."""
+    args = {**OLD_DEFAULTS, **flags}
+    if args["recipe"] not in OLD_RECIPES:
+        raise SystemExit(f"unknown old recipe {args['recipe']!r}; those runs had one of {', '.join(OLD_RECIPES)}")
+    for name, value in OLD_RECIPES[args["recipe"]].items():
+        if args.get(name) is None:
+            args[name] = value(args) if callable(value) else value
+    return args
 
-    from dofattn.distill import LATER_OPTIONS, direct_shape, inert_options
 
-    out = {k: args.get(k, LATER_OPTIONS.get(k)) for k in SHOWN}
-    for k in inert_options(out):
+def old_inert(args: dict) -> set[str]:
+    """Flags that changed nothing in a run: --keep-by without softmax layers, --sink without a window."""
+    inert = set() if args.get("keep_softmax", OLD_LATER["keep_softmax"]) else {"keep_by"}
+    return inert if args.get("window", OLD_LATER["window"]) else inert | {"sink"}
+
+
+def old_effective(args: dict) -> dict:
+    """The run's shown flags with what a None stands for spelled out (the direct phase's blocks and block length:
+    the layerwise ones)."""
+    out = {k: args.get(k, OLD_LATER.get(k)) for k in OLD_SHOWN}
+    for k in old_inert(out):
         out[k] = None
-    out["direct_blocks"], out["direct_seq_len"] = direct_shape(SimpleNamespace(**{**args, **out}))
+    merged = {**args, **out}
+    out["direct_blocks"] = merged["direct_blocks"] or merged["train_blocks"]
+    out["direct_seq_len"] = merged["direct_seq_len"] or merged["seq_len"]
     return out
 
 
-def describe(folder: Path) -> dict:
-    from dofattn.cli import DistillArgs
-    from dofattn.distill import LATER_OPTIONS, inert_options, resolve_recipe
-
-    if folder.is_file():  # a kept log (docs/results/distill-*.json): log.json, which holds the run's arguments too
-        log = json.loads(folder.read_text())
-        if "args" not in log or "evaluation" not in log:
-            raise SystemExit(f"{folder} is not a `dofattn distill` log.json")
-        args, name = log["args"], Path(log["args"]["out"]).name
-    else:
-        for file in ("run.json", "log.json"):
-            if not (folder / file).is_file():
-                raise SystemExit(f"{folder} has no {file}: give the folders of finished `dofattn distill` runs, or "
-                                 f"their log.json files")
-        args = json.loads((folder / "run.json").read_text())
-        log = json.loads((folder / "log.json").read_text())
-        name = folder.name
-    defaults = DistillArgs(recipe=args.get("recipe", LATER_OPTIONS["recipe"]))  # that recipe's defaults
-    resolve_recipe(defaults)
-    run, default = effective(args), effective(vars(defaults))
-    skip = inert_options(run)    # options that change nothing in this run are no difference, whatever the recipe's
+def describe_old(args: dict, log: dict, name: str) -> dict:
+    """The row of a run recorded with the old flags (`args`: its run.json)."""
+    run = old_effective(args)
+    default = old_effective(old_arguments(recipe=args.get("recipe", OLD_LATER["recipe"])))
+    skip = old_inert(run)    # flags that change nothing in this run are no difference, whatever the recipe's
     changed = {k: v for k, v in run.items() if k not in skip and v != default[k]}
     # the same run described against one reference (the dofattn recipe), so that runs of either recipe that train
     # the same student group together over seeds; "recipe" is only a preset and is left out
-    reference = DistillArgs(recipe="dofattn")
-    resolve_recipe(reference)
-    reference = effective(vars(reference))
+    reference = old_effective(old_arguments(recipe="dofattn"))
     setting = {k: v for k, v in run.items() if k != "recipe" and k not in skip and v != reference[k]}
+    return row(log, name, changed, setting, args.get("seed", 0), log.get("direct", {}), run["direct_blocks"],
+               run["direct_batch_size"])
+
+
+# --- run folders of recipes ---------------------------------------------------------------------------------------
+
+# Keys that do not change the student: left out of what differs (the seed is a column of its own).
+NOT_A_DIFFERENCE = ("run.seed", "end_to_end.eval_every", "end_to_end.checkpoint_every")
+
+
+def describe_recipe_run(folder: Path) -> dict:
+    """The row of a run folder with recipe.toml: its settings are the recipe keys that differ from its named
+    packaged recipe (a recipe of another name: from the default recipe, with its name)."""
+    from dofattn import recipe as recipes
+    from dofattn.distill.run_folder import RunFolder
+
+    log = RunFolder(folder).log
+    if log is None or "evaluation" not in log or "recipe" not in log:
+        raise SystemExit(f"{folder} has no finished log.json: give the folders of finished `dofattn distill` runs")
+    keys = {k: v for k, v in log["recipe"].items() if k != "name"}
+    name = log["recipe"].get("name", "default")
+    known = name in recipes.packaged()
+
+    def differ(reference: str) -> dict:
+        ref = recipes.load(reference).keys()
+        return {k: v for k, v in keys.items() if k not in NOT_A_DIFFERENCE and v != ref.get(k)}
+
+    changed = differ(name if known else "default")
+    if not known:
+        changed = {"recipe": name, **changed}
+    e2e = log.get("end_to_end", {})
+    blocks = keys.get("end_to_end.blocks") or keys.get("layerwise.blocks")
+    return row(log, folder.name, changed, differ("default"), keys.get("run.seed", 0), e2e, blocks,
+               keys.get("end_to_end.batch_size"))
+
+
+def row(log: dict, name: str, changed: dict, setting: dict, seed: int, e2e: dict, blocks: int | None,
+        batch_size: int | None) -> dict:
     ev = log["evaluation"]
-    return {"run": name, "changed": changed, "setting": setting, "seed": args.get("seed", 0),
+    return {"run": name, "changed": changed, "setting": setting, "seed": seed,
             "dims": [min(log["dims"]), max(log["dims"])],
             "softmax_layers": log.get("softmax_layers", []), "teacher_ppl": ev["teacher_ppl"],
             "layerwise_ppl": ev.get("layerwise_student_ppl"), "ppl": ev["student_ppl"],
             "vs_teacher": ev["student_ppl"] / ev["teacher_ppl"], "kl": ev.get("kl"),
             "top1_agreement": ev.get("top1_agreement"),
-            "seconds": log["seconds"], "curve": log.get("direct", {}).get("curve", []),
-            "direct_blocks": run["direct_blocks"], "direct_batch_size": run["direct_batch_size"],
-            "losses": log.get("direct", {}).get("losses", [])}
+            "seconds": log["seconds"], "curve": e2e.get("curve", []),
+            "direct_blocks": blocks, "direct_batch_size": batch_size,
+            "losses": e2e.get("losses", [])}
+
+
+def describe(path: Path) -> dict:
+    """The row of a run folder (recipe.toml, or an old one's run.json, beside log.json) or of a kept log.json."""
+    if path.is_file():  # a kept log (docs/results/distill-*.json): an old run's log.json, which holds its flags too
+        try:
+            log = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            log = {}
+        if not isinstance(log, dict) or "args" not in log or "evaluation" not in log:
+            raise SystemExit(f"{path} is not a `dofattn distill` log.json")
+        return describe_old(log["args"], log, Path(log["args"]["out"]).name)
+    if (path / "recipe.toml").is_file():
+        return describe_recipe_run(path)
+    if not (path / "run.json").is_file() or not (path / "log.json").is_file():
+        raise SystemExit(f"{path} has no recipe.toml (or run.json) and log.json: give the folders of finished "
+                         f"`dofattn distill` runs, or their log.json files")
+    return describe_old(json.loads((path / "run.json").read_text()), json.loads((path / "log.json").read_text()),
+                        path.name)
 
 
 def loss_windows(rows: list[dict], size: int, start: int = 0) -> tuple[list[tuple[int, int]], list[list[float]]]:
@@ -99,17 +183,17 @@ def fresh_and_seen(row: dict, start: int, window: int = 50) -> dict:
     `difference` compares like with like: in each window of `window` steps that has both kinds, the mean loss on
     blocks met before minus that on new ones, averaged over those windows.
 
-    distill draws each step's blocks with replacement from (seed, step) alone (`direct_draw`), so the draws are
+    distill draws each step's blocks with replacement from (seed, step) alone (`end_to_end.draw`), so the draws are
     replayed here (one process; a torchrun run splits its draws across ranks and logs rank 0's loss). Both kinds are
     random draws from the same blocks at the same stage of training, so a lower loss on the blocks met before is
     what the student has learned of those blocks' text, not of text in general."""
-    from dofattn.distill import direct_draw
+    from dofattn.distill.end_to_end import draw
 
     seen: set[int] = set()
     fresh: dict[int, list[float]] = {}    # window -> the losses of its steps on new blocks
     again: dict[int, list[float]] = {}    # ... on blocks met before
     for step, loss in enumerate(row["losses"]):
-        drawn = direct_draw(row["seed"], step, row["direct_blocks"], row["direct_batch_size"]).tolist()
+        drawn = draw(row["seed"], step, row["direct_blocks"], row["direct_batch_size"]).tolist()
         if step >= start:
             met = [d in seen for d in drawn]
             if not any(met):
@@ -154,14 +238,16 @@ def at_tokens(row: dict, tokens: int) -> float:
 
 def seed_summary(rows: list[dict], tokens: int | None = None) -> list[dict]:
     """Runs that train the same student but for --seed, pooled: mean and sample standard deviation of the final
-    ratio to the teacher, with the seeds. `changed` is against the dofattn recipe.
+    ratio to the teacher, with the seeds. `changed` is against the default recipe (before recipes: the dofattn
+    recipe, its forerunner).
 
     With `tokens`, the ratio is read off each run's curve at that many end-to-end tokens instead, and runs that
     differ only in how many end-to-end steps they were given pool too: the end-to-end phase has a constant learning
     rate and draws each step's blocks from (seed, step), so a shorter run is the start of a longer one."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        setting = {k: v for k, v in r["setting"].items() if tokens is None or k != "then_direct_steps"}
+        setting = {k: v for k, v in r["setting"].items()
+                   if tokens is None or k not in ("then_direct_steps", "end_to_end.steps")}
         groups.setdefault(json.dumps(setting, sort_keys=True), []).append(r)
     summary = []
     for key, members in groups.items():
@@ -251,10 +337,10 @@ def main() -> None:
     if args.by_seed:
         summary = seed_summary(rows, args.at_tokens)
         what = "final ppl" if args.at_tokens is None else f"ppl at {args.at_tokens} end-to-end tokens"
-        print(f"\n| differs from the dofattn recipe | seeds | {what} × teacher, mean ± sd | each |\n"
+        print(f"\n| differs from the default recipe | seeds | {what} × teacher, mean ± sd | each |\n"
               "|---|---|---:|---|")
         for g in summary:
-            changed = ", ".join(f"{k}={v}" for k, v in g["changed"].items()) or "(the dofattn recipe)"
+            changed = ", ".join(f"{k}={v}" for k, v in g["changed"].items()) or "(the default recipe)"
             each = ", ".join(f"{x:.3f}" for x in g["vs_teacher"])
             print(f"| {changed} | {g['seeds']} | {g['vs_teacher_mean']:.3f} ± {g['vs_teacher_sd']:.3f} | {each} |")
         result = {"runs": rows, "by_seed": summary, "at_tokens": args.at_tokens}

@@ -34,7 +34,7 @@ import time
 import torch
 
 from dofattn.data import token_blocks
-from dofattn.distill import direct_loss
+from dofattn.distill.end_to_end import loss as end_to_end_loss
 from dofattn.hf import load_model, parse_dtype
 from dofattn.lora import add_lora
 from dofattn.student import is_student_tensor, linearize, load_student
@@ -95,7 +95,7 @@ def train_steps(student: str, dtype: str, steps: int, batch: int, seq_len: int,
     times, losses, first = [], [], {}
     for step in range(steps):
         start = time.perf_counter()
-        loss = direct_loss(model, ids[step], kd_weight=1.0)
+        loss = end_to_end_loss(model, ids[step], kd_weight=1.0)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0:

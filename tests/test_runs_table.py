@@ -1,17 +1,18 @@
-"""benchmarks/runs_table.py on hand-written run folders: what differs from a recipe, pooling over seeds, bad paths."""
+"""benchmarks/runs_table.py on hand-written run folders (old ones with run.json, and recipe run folders), on kept logs
+of the experiment record: what differs from a recipe, pooling over seeds, bad paths."""
 
 import importlib.util
 import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from dofattn.cli import DistillArgs
-from dofattn.distill import resolve_recipe
+from dofattn import recipe as recipes
+from dofattn.distill.end_to_end import draw
+from dofattn.distill.run_folder import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "runs_table.py"
@@ -19,18 +20,33 @@ spec = importlib.util.spec_from_file_location("runs_table", SCRIPT)
 runs_table = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(runs_table)
 
+EVALUATION = {"teacher_ppl": 20.0, "layerwise_student_ppl": None, "kl": 0.5, "top1_agreement": 0.6}
+
 
 def fake_run(folder: Path, ppl: float, curve: list[dict] | None = None, losses: list[float] | None = None,
              **options) -> Path:
-    """A run folder as `dofattn distill` leaves it, as far as the table reads it: run.json and log.json."""
-    args = DistillArgs(**options)
-    resolve_recipe(args)
+    """A run folder as `dofattn distill` left it before recipes, as far as the table reads it: run.json (the
+    flags, its recipe's values filled in) and log.json (the end-to-end phase under "direct")."""
     folder.mkdir(parents=True)
-    (folder / "run.json").write_text(json.dumps(asdict(args)))
+    (folder / "run.json").write_text(json.dumps(runs_table.old_arguments(**options)))
     log = {"dims": [32, 96], "softmax_layers": [], "seconds": {"direct": 10.0},
            "direct": {"curve": curve or [], "losses": losses or []},
-           "evaluation": {"teacher_ppl": 20.0, "student_ppl": ppl, "layerwise_student_ppl": 2 * ppl, "kl": 0.5,
-                          "top1_agreement": 0.6}}
+           "evaluation": {**EVALUATION, "student_ppl": ppl, "layerwise_student_ppl": 2 * ppl}}
+    (folder / "log.json").write_text(json.dumps(log))
+    return folder
+
+
+def fake_recipe_run(folder: Path, ppl: float, recipe: str = "default", sets: tuple[str, ...] = (),
+                    losses: list[float] | None = None, name: str | None = None) -> Path:
+    """A run folder as `dofattn distill` leaves it now, as far as the table reads it: recipe.toml and log.json."""
+    r = recipes.load(recipe, sets=list(sets))
+    text = r.to_toml() if name is None else r.to_toml().replace(f'name = "{r.name}"', f'name = "{name}"')
+    folder.mkdir(parents=True)
+    (folder / "recipe.toml").write_text(text)
+    log = {"recipe": {"name": name or r.name, **r.keys()}, "dims": [32, 96], "softmax_layers": [],
+           "layers": {}, "seconds": {"end_to_end": 10.0},
+           "end_to_end": {"steps": len(losses or []), "curve": [], "losses": losses or []},
+           "evaluation": {**EVALUATION, "student_ppl": ppl, "layerwise_student_ppl": 2 * ppl}}
     (folder / "log.json").write_text(json.dumps(log))
     return folder
 
@@ -125,16 +141,14 @@ def test_a_rising_curve_never_reaches_a_target_and_too_few_points_are_refused(tm
 
 
 def test_fresh_and_seen_split_the_steps_by_the_blocks_distill_drew(tmp_path):
-    """Each step's loss is its step number here; the split replays distill's own draws (`direct_draw`) and keeps the
-    steps whose blocks are all new and those whose blocks were all drawn before."""
-    from dofattn.distill import direct_draw
-
+    """Each step's loss is its step number here; the split replays distill's own draws (`end_to_end.draw`) and keeps
+    the steps whose blocks are all new and those whose blocks were all drawn before."""
     losses = [float(step) for step in range(40)]
     row = runs_table.describe(fake_run(tmp_path / "a", 30.0, losses=losses, seed=3, direct_blocks=12,
                                        direct_batch_size=2))
     seen, fresh, again = set(), [], []
     for step in range(40):
-        drawn = set(direct_draw(3, step, 12, 2).tolist())
+        drawn = set(draw(3, step, 12, 2).tolist())
         if step >= 2:
             (fresh if not drawn & seen else again if drawn <= seen else []).append(step)
         seen |= drawn
@@ -189,7 +203,7 @@ def test_bad_paths_are_refused_before_anything_is_written(tmp_path):
     for args, message in (((str(run), "--curves", str(other)), "is a folder"),
                           ((str(run), "--curves", str(tmp_path / "c.txt")), "give an image file name"),
                           ((str(run), "--out", str(other)), "is a folder"),
-                          ((str(tmp_path),), "has no run.json"),
+                          ((str(tmp_path),), "has no recipe.toml (or run.json) and log.json"),
                           ((str(run), "--fit-until", "100", "--fit-from", "100"), "must be above --fit-from"),
                           ((str(run), "--fit-until", "100", "--targets", "0.9"), "above 1"),
                           ((str(run), "--fit-until", "100", "--out", str(tmp_path / "fit.json")), "at least 2")):
@@ -197,3 +211,105 @@ def test_bad_paths_are_refused_before_anything_is_written(tmp_path):
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
     assert sorted(p.name for p in other.iterdir()) == ["log.json", "run.json"]
     assert not (tmp_path / "b.png").exists() and not (tmp_path / "fit.json").exists()
+
+
+# --- the experiment record: kept logs of runs made before recipes ---------------------------------------------------
+
+RESULTS = ROOT / "docs" / "results"
+
+
+@pytest.mark.skipif(not (RESULTS / "distill-keep3-bf16-teacher-text.json").is_file(), reason="no experiment record")
+def test_a_kept_log_of_the_record_reads_as_it_always_did():
+    """A kept log of a continued run on pooled text with many flags set: what differs from its recipe, and the split
+    of its training loss by the blocks its steps drew, as the table gave them when dofattn still had those flags."""
+    row = runs_table.describe(RESULTS / "distill-keep3-bf16-teacher-text.json")
+    assert row["run"] == "keep3-teacher-text" and row["seed"] == 0
+    assert row["changed"] == {
+        "data": "wiki-sample+runs/teacher-text.jsonl", "eval_data": "wiki-sample",
+        "continue_from": "runs/keep3-hh-decay-bf16", "dims": "fix", "feature": "hedgehog", "window": 0,
+        "keep_softmax": 3, "keep_by": "attn-dof", "lora_rank": 8, "then_direct_steps": 4000,
+        "direct_batch_size": 2, "direct_blocks": 2350, "decay": True, "dtype": "bfloat16"}
+    assert list(row["changed"]) == ["data", "eval_data", "continue_from", "dims", "feature", "window",
+                                    "keep_softmax", "keep_by", "lora_rank", "then_direct_steps",
+                                    "direct_batch_size", "direct_blocks", "decay", "dtype"]
+    split = runs_table.fresh_and_seen(row, 300)
+    assert (split["fresh_steps"], split["seen_steps"], split["windows"], split["blocks_met"]) == (344, 1097, 40, 2086)
+    assert split["difference"] == pytest.approx(-0.08537261696798557)
+
+
+@pytest.mark.skipif(not (RESULTS / "distill-hh-gate-conv4-long.json").is_file(), reason="no experiment record")
+def test_a_kept_log_of_the_paper_recipe_era_names_its_flags():
+    row = runs_table.describe(RESULTS / "distill-hh-gate-conv4-long.json")
+    assert row["changed"] == {
+        "continue_from": "runs/hh-gate-conv4-lr1e-2-const", "feature": "hedgehog", "window": 0, "lora_rank": 8,
+        "lora_targets": "all", "then_direct_steps": 1000, "direct_batch_size": 2, "direct_blocks": 1200,
+        "gate": True, "conv": 4, "conv_lr": 0.01}
+
+
+def test_old_recipes_fill_the_flags_left_unset():
+    """The old --recipe presets: the dofattn recipe's sink only beside a window and without --decay; paper's
+    end-to-end blocks are the layerwise ones."""
+    assert runs_table.old_arguments()["sink"] == 4
+    assert runs_table.old_arguments(decay=True)["sink"] == 0
+    assert runs_table.old_arguments(window=0)["sink"] == 0
+    long = runs_table.old_effective(runs_table.old_arguments(recipe="long"))
+    assert (long["lora_rank"], long["then_direct_steps"], long["direct_blocks"], long["direct_seq_len"]) == \
+        (8, 400, 1200, 512)
+    paper = runs_table.old_effective(runs_table.old_arguments(recipe="paper"))
+    assert (paper["window"], paper["direct_blocks"], paper["direct_seq_len"]) == (0, 64, 256)
+    with pytest.raises(SystemExit, match="unknown old recipe 'fast'"):
+        runs_table.old_arguments(recipe="fast")
+
+
+# --- run folders of recipes -----------------------------------------------------------------------------------------
+
+def test_a_recipe_run_names_the_keys_that_differ_from_its_recipe(tmp_path):
+    """Against its own packaged recipe; the seed and keys that leave the student as it is are no difference; the
+    setting (what seeds pool by) is against the default recipe."""
+    sets = ("student.window=32", "end_to_end.lr=0.001", "end_to_end.eval_every=5", "run.seed=2")
+    row = runs_table.describe(fake_recipe_run(tmp_path / "long-w32", 30.0, "long", sets))
+    assert row["run"] == "long-w32" and row["seed"] == 2
+    assert row["changed"] == {"student.window": 32, "end_to_end.lr": 0.001}
+    long, default = recipes.load("long").keys(), recipes.load("default").keys()
+    assert row["setting"] == {k: v for k, v in {**long, "student.window": 32, "end_to_end.lr": 0.001}.items()
+                              if v != default[k] and k not in ("run.seed", "end_to_end.eval_every")}
+    assert "end_to_end.steps" in row["setting"] and "student.lora_rank" in row["setting"]
+    assert row["vs_teacher"] == pytest.approx(1.5)
+    line = runs_table.markdown([row]).splitlines()[-1]
+    assert "student.window=32, end_to_end.lr=0.001" in line and "30.0 (1.50×)" in line
+    plain = runs_table.describe(fake_recipe_run(tmp_path / "paper", 40.0, "paper"))
+    assert plain["changed"] == {} and "(its recipe's defaults)" in runs_table.markdown([plain])
+    assert plain["setting"]["student.window"] == 0
+
+
+def test_recipe_runs_pool_over_seeds_and_replay_their_draws(tmp_path):
+    rows = [runs_table.describe(fake_recipe_run(tmp_path / f"s{seed}", ppl, sets=(f"run.seed={seed}",
+                                                                                   "end_to_end.blocks=12",
+                                                                                   "end_to_end.batch_size=2"),
+                                                losses=[float(step) for step in range(40)]))
+            for seed, ppl in ((0, 22.0), (1, 26.0))]
+    [group] = runs_table.seed_summary(rows)
+    assert group["seeds"] == [0, 1] and group["vs_teacher_mean"] == pytest.approx(1.2)
+    assert group["changed"] == {"end_to_end.batch_size": 2, "end_to_end.blocks": 12}
+    assert (rows[1]["direct_blocks"], rows[1]["direct_batch_size"]) == (12, 2)
+    folder = RunFolder(tmp_path / "s1")
+    seen = set()
+    for step in range(40):
+        seen |= set(folder.draws(step).tolist())
+    assert runs_table.fresh_and_seen(rows[1], 0, window=40)["blocks_met"] == len(seen)
+
+
+def test_a_recipe_of_another_name_is_told_against_the_default(tmp_path):
+    row = runs_table.describe(fake_recipe_run(tmp_path / "mine", 30.0, sets=("student.sink=0",), name="mine"))
+    assert row["changed"] == {"recipe": "mine", "student.sink": 0}
+
+
+def test_an_unfinished_recipe_run_and_a_foreign_file_are_refused(tmp_path):
+    run = fake_recipe_run(tmp_path / "a", 30.0)
+    (run / "log.json").unlink()
+    proc = run_script(str(run))
+    assert proc.returncode != 0 and "has no finished log.json" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    (tmp_path / "binary.json").write_bytes(b"\xff\x00")
+    with pytest.raises(SystemExit, match="is not a `dofattn distill` log.json"):
+        runs_table.describe(tmp_path / "binary.json")
