@@ -45,7 +45,7 @@ class DofArgs:
     split: str = _opt("train", "data split to sample from: train, validation or all")
     samples: int = _opt(1024, "J: query/key points sampled per head (cost grows as J^3)")
     repeats: int = _opt(1, "pool R estimates on R disjoint sets of J points each (R·J points are sampled): the "
-                           "allocation uses the mean DoF and the table shows its spread; R=4 steadies the dims")
+                           "allocation uses the mean DoF and the table shows its spread")
     lam: float = _opt(2.0 ** -8, "λ; with --lam-scale trace it is relative to the Gram matrix's trace")
     lam_auto: bool = _opt(False, "choose λ (trace-relative, 2^-2 ... 2^-14) whose dims give the least kernel error "
                                  "of random features at the budget, on 512 held-out points per head (uniform "

@@ -21,9 +21,9 @@ place of γ's powers: within a chunk exp(Σ_{s<j≤t} x_j), a key to its chunk's
 its chunk's start exp(Σ_{j≤t} x_j), and across chunks the chunk totals in the same roles. Each sum is taken over
 its own terms (`naive.segment_sums`), so nothing cancels.
 
-Why a cumulative sum and not a loop over chunks: on a 2-core CPU at T=8192, H=9, M=V=64, C=64, the forward
-costs about the same either way (~70 ms), but forward+backward takes ~210 ms with the cumsum against ~600-900 ms
-with the loop (autograd through N small steps). Almost all the time is in the four batched matmuls.
+Why a cumulative sum and not a loop over chunks: the forward costs about the same either way, but the backward
+through a loop is autograd through N small steps, several times slower on a CPU (benchmarks/ops_cpu.py measures
+it). Almost all the time is in the four batched matmuls.
 """
 
 from __future__ import annotations
