@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from dofattn.attention import LinearAttention, install
 from dofattn.dof import DofResult
 from dofattn.errors import UserError
 from dofattn.features import FEATURES, make_feature_map
+from dofattn.io import atomic_path, write_atomic
 
 CONFIG_FILE = "dofattn.json"
 WEIGHTS_FILE = "features.safetensors"
@@ -192,12 +192,9 @@ def save_student(model: nn.Module, folder: str | Path, config: StudentConfig) ->
     """Write `dofattn.json` and `features.safetensors` into `folder` (created if needed)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / (WEIGHTS_FILE + ".partial")
-    save_file(student_state(model), str(tmp), metadata={"dofattn_version": __version__})
-    os.replace(tmp, folder / WEIGHTS_FILE)
-    tmp = folder / (CONFIG_FILE + ".partial")
-    tmp.write_text(config.to_json())
-    os.replace(tmp, folder / CONFIG_FILE)
+    with atomic_path(folder / WEIGHTS_FILE) as tmp:
+        save_file(student_state(model), str(tmp), metadata={"dofattn_version": __version__})
+    write_atomic(folder / CONFIG_FILE, config.to_json())
     return folder
 
 
