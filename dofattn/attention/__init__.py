@@ -1,0 +1,29 @@
+"""The drop-in linear attention: a feature map per layer, plugged into Hugging Face attention modules.
+
+A linearized layer keeps its HF attention module (projections, RoPE, output projection all untouched) and gains a
+child module `dofattn` (a `LinearAttention`). The model's attention implementation is set to "dofattn", an
+`AttentionInterface` function that runs `LinearAttention` for modules that have one and SDPA for the others.
+
+Generation: a linear layer needs no KV cache, only its recurrent state [B, H, M, V+1]. A forward pre-hook on each
+linearized module finds the HF `Cache` it is called with (`cache`; `past_key_values` or `layer_past` before
+transformers 5.24) and puts a `LinearStateLayer` in that layer's slot: it stores only the state and the token count
+(plus, for a window hybrid, the last W keys and values, and with a short convolution its last K-1 inputs), so memory
+stays flat in context length. `model.generate()` needs nothing special.
+
+Modules, by mechanism:
+    layer     `LinearAttention`: the parameters, the constructor's checks, the dispatch of a call
+    linear    pure linear attention: decay or gate, short convolution, delta rule
+    hybrid    the window hybrid: exact softmax over the last W keys (and a sink), linear attention beyond
+    cache     the cache slots: `LinearStateLayer`, `RingWindowLayer`, `state_layer`
+    install   the AttentionInterface function, `install`, the cache-binding hooks
+"""
+
+from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, keep_buffer, state_layer
+from dofattn.attention.install import CACHE_ARGUMENTS, IMPLEMENTATION, attention_forward, install
+from dofattn.attention.layer import LinearAttention
+from dofattn.attention.linear import (CONV_NAMES, DECAY_START, DELTA_NAMES, DELTA_START, GATE_FLOOR,
+                                      check_decay_padding, check_left_padding)
+
+__all__ = ["LinearAttention", "LinearStateLayer", "RingWindowLayer", "state_layer", "keep_buffer", "install",
+           "attention_forward", "IMPLEMENTATION", "CACHE_ARGUMENTS", "CONV_NAMES", "DELTA_NAMES", "DECAY_START",
+           "DELTA_START", "GATE_FLOOR", "check_decay_padding", "check_left_padding"]

@@ -1,0 +1,157 @@
+"""Cache slots for linearized layers in a Hugging Face `Cache`: a recurrent state instead of a growing KV cache.
+
+`LinearStateLayer` holds a layer's state [B, H, M, V+1] and its token count (plus, for a window hybrid, the last W
+keys and values, with a sink its first S real tokens' keys, and with a short convolution its last K-1 inputs), so
+memory stays flat in context length. `RingWindowLayer` keeps a hybrid's window in a fixed ring of W slots for
+static decoding (`engine.StaticDecoder`). `state_layer` puts a `LinearStateLayer` into a fresh cache slot.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from dofattn.errors import UserError
+
+
+def keep_buffer(cache: LinearStateLayer, name: str, value: torch.Tensor) -> None:
+    """Store `value` as the cache's tensor `name`. While a CUDA graph is being captured (`engine.StaticDecoder`) it
+    is copied into the tensor already there, so that every replay reads and writes the same buffer."""
+    old = getattr(cache, name)
+    if (old is not None and value.is_cuda and torch.cuda.is_current_stream_capturing()
+            and value.shape == old.shape and value.dtype == old.dtype):
+        old.copy_(value)
+    else:
+        setattr(cache, name, value)
+
+
+
+class LinearStateLayer(CacheLayerMixin):
+    """A cache slot for a linear layer: the recurrent state and the number of tokens seen, no keys or values."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self):
+        super().__init__()
+        self.state: torch.Tensor | None = None   # [B, H, M, V+1], float32
+        self.seen = 0
+        # Window hybrids only: the last W keys and values (after RoPE, kv heads) and whether each is a real token.
+        self.keys: torch.Tensor | None = None        # [B, ≤W, Hkv, D]
+        self.values: torch.Tensor | None = None      # [B, ≤W, Hkv, D]
+        self.key_valid: torch.Tensor | None = None   # [B, ≤W] bool
+        # With a sink: the first S real tokens' keys and values, in S slots, and which slots are filled.
+        self.sink_keys: torch.Tensor | None = None    # [B, S, Hkv, D]
+        self.sink_values: torch.Tensor | None = None  # [B, S, Hkv, D]
+        self.sink_valid: torch.Tensor | None = None   # [B, S] bool
+        # With a short convolution: the last K-1 inputs of q, k and v (zeros before the first token).
+        self.conv_q: torch.Tensor | None = None       # [B, K-1, H, D]
+        self.conv_k: torch.Tensor | None = None       # [B, K-1, Hkv, D]
+        self.conv_v: torch.Tensor | None = None       # [B, K-1, Hkv, D]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
+
+    TENSORS = ("state", "keys", "values", "key_valid", "sink_keys", "sink_values", "sink_valid", "conv_q", "conv_k",
+               "conv_v")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        return key_states, value_states  # the attention sees only the new tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.seen
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self):
+        for name, t in self.tensors().items():
+            setattr(self, name, t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.is_initialized:
+            for name, t in self.tensors().items():
+                if t.device != self.device:
+                    setattr(self, name, t.to(self.device, non_blocking=True))
+
+    def reset(self) -> None:
+        self.state = self.keys = self.values = self.key_valid = None
+        self.sink_keys = self.sink_values = self.sink_valid = None
+        self.conv_q = self.conv_k = self.conv_v = None
+        self.seen = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for name, t in self.tensors().items():
+            setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for name, t in self.tensors().items():
+            setattr(self, name, t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for name, t in self.tensors().items():
+            setattr(self, name, t[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")
+
+
+class RingWindowLayer(LinearStateLayer):
+    """A window hybrid's cache slot for static decoding (`engine.StaticDecoder`): the last W keys and values in a ring
+    of W slots (the key at position p in slot p mod W) instead of a growing-then-sliding list, and `position`, a
+    [1] tensor the decoder advances in place: the position of the token being decoded. `arrivals` [B] int32 (zeros
+    between steps) is the one-kernel step's count of the programs that have read a row's ring slot."""
+
+    arrivals: torch.Tensor | None = None
+
+    @classmethod
+    def from_layer(cls, layer: LinearStateLayer, window: int, position: torch.Tensor) -> RingWindowLayer:
+        """The ring for `layer` after a prefill of `layer.seen` tokens (it holds their last ≤ W keys in order)."""
+        ring = cls()
+        ring.is_initialized = layer.is_initialized
+        ring.dtype, ring.device = getattr(layer, "dtype", None), getattr(layer, "device", None)
+        ring.seen, ring.state, ring.position = layer.seen, layer.state.float().contiguous(), position
+        ring.conv_q, ring.conv_k, ring.conv_v = layer.conv_q, layer.conv_k, layer.conv_v
+        B, n, Hkv, D = layer.keys.shape
+        slots = torch.arange(layer.seen - n, layer.seen, device=layer.keys.device) % window
+        ring.keys = layer.keys.new_zeros(B, window, Hkv, D).index_copy_(1, slots, layer.keys)
+        ring.values = layer.values.new_zeros(B, window, Hkv, layer.values.shape[-1]).index_copy_(1, slots,
+                                                                                                 layer.values)
+        ring.key_valid = layer.key_valid.new_zeros(B, window).index_copy_(1, slots, layer.key_valid)
+        ring.arrivals = torch.zeros(B, dtype=torch.int32, device=layer.keys.device)
+        if layer.sink_keys is not None:   # a sink: its slots are full after a prompt of at least S real tokens
+            if not layer.sink_valid.all():
+                raise UserError(f"static decoding with a sink of {layer.sink_valid.shape[1]} tokens needs prompts of "
+                                f"at least that many real tokens; use a longer prompt or HF generate")
+            ring.sink_keys, ring.sink_values, ring.sink_valid = (x.contiguous() for x in (
+                layer.sink_keys, layer.sink_values, layer.sink_valid))   # slices of a longer buffer: the kernel's rows
+        return ring
+
+
+def state_layer(cache: Cache, layer_idx: int) -> LinearStateLayer:
+    """The `LinearStateLayer` in `cache`'s slot `layer_idx`, put there if the slot is a fresh dynamic layer."""
+    cache = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache
+    if not isinstance(cache, Cache):
+        raise UserError(f"linearized layers need a transformers Cache, got {type(cache).__name__}")
+    while len(cache.layers) <= layer_idx:
+        cache.layers.append(DynamicLayer())
+    slot = cache.layers[layer_idx]
+    if isinstance(slot, LinearStateLayer):
+        return slot
+    if type(slot) is not DynamicLayer or slot.get_seq_length() > 0:
+        raise UserError(f"layer {layer_idx} is linear attention and cannot continue a {type(slot).__name__} cache "
+                        f"with {slot.get_seq_length()} tokens; let generate() create the cache (DynamicCache)")
+    cache.layers[layer_idx] = LinearStateLayer()
+    return cache.layers[layer_idx]
+

@@ -1,0 +1,179 @@
+"""The window hybrid, as a mixin of `LinearAttention`: exact softmax over the last W keys (and, with a sink, over
+the first S real tokens), linear attention beyond, in one normalisation.
+
+Every form runs the op `ops.window`: a prefill or a cached call `window_linear_attention` (the cache's keys still
+inside the window come first), a static ring step its spec `naive_window_linear_attention` on the ring's keys in
+order, or on CUDA with a PRF map the Triton kernel `ops.fused.prf_ring_step`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, keep_buffer
+from dofattn.attention.linear import check_left_padding
+from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures
+from dofattn.ops.naive import needs_grad
+from dofattn.ops.softmax import attention_logits
+from dofattn.ops.window import first_keys, naive_window_linear_attention, window_linear_attention, window_logits
+
+
+class WindowHybrid:
+    """Window, sink and gain (`log_gain`) of a `LinearAttention` (see its docstring for the maths)."""
+
+    def hybrid_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
+                      state: torch.Tensor | None, output_final_state: bool, backend: str,
+                      sink_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`LinearAttention.attend` with a window: q [B, T, H, D], k and v [B, Tk, H, D] (Tk > T: cached keys come
+        first) -> (o [B, T, H, D], state or None). With a sink and no `sink_mask`, the call starts a sequence: its
+        first S real keys are the sink."""
+        if self.sink and sink_mask is None:
+            sink_mask = first_keys(key_valid, k.shape[0], k.shape[1], self.sink, k.device)
+        phi_q, q_scale = self.feature_map.features(q, "query")                 # [B, T, H, M], [B, T, H]
+        phi_k, k_scale = self.feature_map.features(k, "key")                   # [B, Tk, H, M], [H]
+        if q.dtype in (torch.bfloat16, torch.float16):
+            phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(q.dtype)
+        if self.decay and key_valid is not None:   # the cached keys come first: left padding stays exact
+            check_left_padding(key_valid)
+        return window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + self.log_gain,
+                                       self.feature_map.scaling, self.window, key_valid, state,
+                                       output_final_state=output_final_state, backend=backend,
+                                       log_decay=self.log_decay(), sink_mask=sink_mask)
+
+    def hybrid_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
+                    cache: LinearStateLayer, backend: str) -> torch.Tensor:
+        """A cached call of the hybrid: q [B, T, H, D], k and v [B, T, Hkv, D] -> o [B, T, H, D]. A ring (static
+        decoding) takes `ring_step`, a sink `sink_step`; otherwise the cache's keys still inside the window (each
+        with its padding flag) come before the new ones, and the last W of them stay for the next call."""
+        if isinstance(cache, RingWindowLayer):
+            return self.ring_step(q, k, v, cache, backend)
+        if self.sink:
+            return self.sink_step(q, k, v, key_valid, cache, backend)
+        if key_valid is None:
+            key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
+        if cache.keys is not None:
+            k, v = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
+            key_valid = torch.cat([cache.key_valid, key_valid], 1)
+        o, state = self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, cache.state, True, backend)
+        keep_buffer(cache, "state", state)
+        keep = slice(max(k.shape[1] - self.window, 0), None)
+        cache.keys, cache.values, cache.key_valid = k[:, keep], v[:, keep], key_valid[:, keep]
+        return o
+
+    def sink_step(self, q, k, v, key_valid, cache: LinearStateLayer, backend: str) -> torch.Tensor:
+        """A cached call of a hybrid with a sink: the keys go in as [sink slots, cached window keys, new keys]. The
+        first S real tokens ever seen fill the S sink slots (a row's slots fill over calls if its first calls were
+        shorter); they are exact for every query and marked as padding in the window cache, so no key counts twice.
+        An exact key's weight does not depend on its distance, so putting the sinks first changes nothing. The
+        first call (an empty cache) has no slots to put first: its keys are its own, as many as its queries, so a
+        CUDA prefill takes the Triton hybrid."""
+        B, T = k.shape[:2]
+        S = self.sink
+        if key_valid is None:
+            key_valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
+        first = cache.sink_keys is None
+        if first:
+            cache.sink_keys, cache.sink_values = k.new_zeros(B, S, *k.shape[2:]), v.new_zeros(B, S, *v.shape[2:])
+            cache.sink_valid = key_valid.new_zeros(B, S)
+        have = cache.sink_valid.sum(1, keepdim=True)                                # [B, 1]
+        rank = have + key_valid.cumsum(1)                                           # [B, T]: 1-based among real
+        new_sink = key_valid & (rank <= S)
+        lead = 0 if first else S                                                    # sink slots put first
+        keys, values, valid = ([], [], []) if first else ([cache.sink_keys], [cache.sink_values], [cache.sink_valid])
+        if cache.keys is not None:
+            keys, values, valid = keys + [cache.keys], values + [cache.values], valid + [cache.key_valid]
+        keys, values, valid = torch.cat(keys + [k], 1), torch.cat(values + [v], 1), torch.cat(valid + [key_valid], 1)
+        sinks = torch.cat(([] if first else [cache.sink_valid])
+                          + [valid.new_zeros(B, keys.shape[1] - lead - T), new_sink], 1)
+        o, cache.state = self.attend(q, self.expand_kv(keys), self.expand_kv(values), valid, cache.state, True,
+                                     backend, sink_mask=sinks)
+        slot = torch.where(new_sink, rank - 1, S)                                   # slot S: a spare, dropped
+        for name, new in (("sink_keys", k), ("sink_values", v)):
+            buffer = torch.cat([getattr(cache, name), new.new_zeros(B, 1, *new.shape[2:])], 1)
+            index = slot.reshape(B, T, *[1] * (new.dim() - 2)).expand_as(new)
+            setattr(cache, name, buffer.scatter(1, index, new)[:, :S])
+        cache.sink_valid = torch.cat([cache.sink_valid, new_sink.new_zeros(B, 1)], 1).scatter(1, slot, new_sink)[:, :S]
+        window_valid = valid[:, lead:].clone()
+        window_valid[:, -T:] &= ~new_sink                                           # a sink is not a window key
+        keep = slice(max(keys.shape[1] - lead - self.window, 0) + lead, None)
+        cache.keys, cache.values = keys[:, keep], values[:, keep]
+        cache.key_valid = window_valid[:, keep.start - lead:]
+        return o
+
+    def one_kernel_ring(self, q: torch.Tensor, cache: RingWindowLayer, backend: str) -> bool:
+        """True when this ring step runs as one Triton kernel (`ops.fused.prf_ring_step`): backend auto on CUDA, or
+        backend triton (on CPU: Triton's interpreter, for tests); a PRF map with a calibrated key shift, in eval mode,
+        no autograd, a contiguous float32 state. Reads nothing from the GPU per step (the calibration once)."""
+        fmap = self.feature_map
+        if not (backend == "triton" or (backend == "auto" and q.is_cuda)) or self.gate:
+            return False
+        if needs_grad(q, *self.parameters()):
+            return False
+        from dofattn.ops import load_fused
+        return (isinstance(fmap, PositiveRandomFeatures) and not fmap.training and fmap.shift_calibrated()
+                and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
+                and load_fused()[0] is not None)
+
+    def ring_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: RingWindowLayer,
+                  backend: str = "auto") -> torch.Tensor:
+        """One static decode step of a window hybrid on a ring of W key slots: the key leaving the window is folded
+        into the state, the new key takes its slot. Fixed shapes and in-place updates only, with the position read
+        from the cache's tensor, so a CUDA graph can replay it. q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1,
+        H, D]. On CUDA (or with backend triton) a PRF map runs it as one kernel (`one_kernel_ring`); otherwise the
+        op's spec (`naive_window_linear_attention`) runs on the keys in order: [sinks, the ring from its oldest key
+        (the one leaving, the only key beyond the window, whose features alone are computed), the new key]."""
+        fmap, W = self.feature_map, self.window
+        if self.one_kernel_ring(q, cache, backend):
+            from dofattn.ops import load_fused
+            if cache.arrivals is None or cache.arrivals.shape[0] != q.shape[0]:
+                cache.arrivals = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
+            return load_fused()[0].prf_ring_step(
+                fmap, q, k, v, cache.state, cache.keys, cache.values, cache.key_valid, cache.position, self.log_gain,
+                MAX_KEY_EXCESS, self.decay_rate if self.decay else None, cache.sink_keys, cache.sink_values,
+                cache.sink_valid, cache.arrivals)
+        slot = cache.position.remainder(W)                                         # [1]: the oldest key's slot
+        order = (slot + torch.arange(W, device=slot.device)).remainder(W)          # [W]: the ring, oldest first
+        new_valid = torch.ones_like(cache.key_valid[:, :1])
+        keys = [cache.keys.index_select(1, order), k]
+        values = [cache.values.index_select(1, order), v]
+        valid = [cache.key_valid.index_select(1, order), new_valid]
+        S = self.sink
+        if S:    # the sink's slots sit beside the ring: exact, never folded
+            keys, values, valid = [cache.sink_keys] + keys, [cache.sink_values] + values, [cache.sink_valid] + valid
+        keys, values, valid = torch.cat(keys, 1), torch.cat(values, 1), torch.cat(valid, 1)    # [B, S+W+1, ...]
+        phi_q, q_scale = fmap.features(q, "query")                                             # [B, 1, H, M]
+        phi_old, k_scale = fmap.features(self.expand_kv(keys[:, S:S + 1]), "key")              # [B, 1, H, M], [H]
+        phi_k = torch.cat([phi_old.new_zeros(phi_old.shape[0], S, *phi_old.shape[2:]), phi_old,
+                           phi_old.new_zeros(phi_old.shape[0], W, *phi_old.shape[2:])], 1)    # the rest: exact
+        sink_mask = torch.cat([cache.sink_valid, torch.zeros_like(valid[:, S:])], 1) if S else None
+        o, state = naive_window_linear_attention(
+            q, self.expand_kv(keys), self.expand_kv(values), phi_q, phi_k, q_scale, k_scale + self.log_gain,
+            fmap.scaling, W, valid, cache.state, output_final_state=True, log_decay=self.log_decay(),
+            sink_mask=sink_mask)
+        cache.state.copy_(state)
+        cache.keys.index_copy_(1, slot, k)
+        cache.values.index_copy_(1, slot, v)
+        cache.key_valid.index_fill_(1, slot, True)
+        return o.to(q.dtype)
+
+    @torch.no_grad()
+    def calibrate_gain(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Set `log_gain` so that, per head, the linear part's mass beyond the window matches the exact kernel's on
+        average (in log space) over these queries and keys [B, T, H, D] (k on query heads). For maps whose scale is
+        not the kernel's own (hedgehog, dijiang), whose estimate can be off by e^50 at the start; PRF needs none."""
+        if not self.window or q.shape[1] <= self.window:
+            return
+        phi_q, q_scale = self.feature_map.features(q, "query")
+        phi_k, k_scale = self.feature_map.features(k, "key")
+        sink = first_keys(None, k.shape[0], k.shape[1], self.sink, k.device) if self.sink else None
+        logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale, self.feature_map.scaling, self.window,
+                                  log_decay=self.log_decay(), sink_mask=sink)
+        T = q.shape[1]
+        far = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-self.window)         # s <= t - W
+        far = far & (torch.arange(T, device=q.device) >= self.sink)                            # not a sink
+        exact = attention_logits(q, k, self.feature_map.scaling)
+        exact_mass = torch.logsumexp(exact.masked_fill(~far, -torch.inf), -1)                  # [B, H, T]
+        linear_mass = torch.logsumexp(logits.masked_fill(~far, -torch.inf), -1)
+        rows = torch.isfinite(exact_mass) & torch.isfinite(linear_mass)
+        gap = torch.where(rows, exact_mass - linear_mass, 0).sum((0, 2)) / rows.sum((0, 2)).clamp_min(1)
+        self.log_gain.copy_(gap)

@@ -1,0 +1,52 @@
+"""Files written whole or not at all: under a name of this process's own beside the target, then moved into place.
+
+    write_atomic(path, text_or_bytes)
+    write_json(path, obj, indent=2)
+    with atomic_path(path) as tmp:          # for writers that take a path (safetensors, a stream)
+        save_file(tensors, str(tmp))
+
+A reader never sees a half-written file, and two processes writing the same file at once each write a whole copy,
+the one moved last staying.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def staging(path: str | Path) -> Path:
+    """This process's own name beside `path`, to write it under before moving it into place."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.{os.getpid()}.partial")
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield the staging name of `path`; when the block ends without an error, move what was written there onto
+    `path`, else remove it."""
+    tmp = staging(path)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write `data` (text as UTF-8, or bytes) to `path` whole; returns the path."""
+    with atomic_path(path) as tmp:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data, encoding="utf-8")
+    return Path(path)
+
+
+def write_json(path: str | Path, obj, indent: int | None = None) -> Path:
+    """`obj` as JSON (`json.dumps(obj, indent=indent)`) to `path` whole; returns the path."""
+    return write_atomic(path, json.dumps(obj, indent=indent))

@@ -1,0 +1,460 @@
+"""The attention layer (`dofattn.attention`): every path of `LinearAttention` against the ops' naive forms, and
+inside HF models generation through the cache equal to the full forward, padding, and each mechanism (decay, gate,
+short convolution, delta rule) with its round trip."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dofattn.attention import CONV_NAMES, LinearAttention, LinearStateLayer, RingWindowLayer
+from dofattn.errors import UserError
+from dofattn.features import make_feature_map
+from dofattn.ops.delta import recurrent_delta_attention
+from dofattn.ops.naive import naive_linear_attention
+from dofattn.ops.softmax import expand_kv
+from dofattn.ops.window import first_keys, naive_window_linear_attention
+from dofattn.spec import StudentSpec
+from dofattn.student import attention_modules, fingerprint, linearize, load_student, save_student
+from tests.conftest import tiny_model
+
+FAMILIES = ["llama", "gpt2", "gpt_neox"]
+
+
+def ids(batch=2, length=19, seed=0):
+    return torch.randint(3, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --- the layer against the naive forms -------------------------------------------------------------------------
+
+# odd shapes: 13 tokens, 6 query heads on 2 kv heads, head dim 5, 7 features, a window of 4, a sink of 2
+B, T, H, HKV, D, M = 2, 13, 6, 2, 5, 7
+LAYERS = {"pure": {}, "decay": {"decay": True}, "gate": {"gate": True}, "delta": {"delta": True},
+          "delta+gate": {"delta": True, "gate": True}, "window": {"window": 4},
+          "window+decay": {"window": 4, "decay": True}, "window+sink": {"window": 4, "sink": 2},
+          "conv+gate": {"conv": 3, "gate": True}, "conv+window+sink": {"conv": 3, "window": 4, "sink": 2}}
+
+
+def odd_layer(variant: str, feature: str) -> LinearAttention:
+    """A float64 layer whose every parameter is off its start, so that each mechanism shows in the output."""
+    torch.manual_seed(0)
+    layer = LinearAttention(make_feature_map(feature, H, D, M, scaling=D ** -0.5, seed=1), H, HKV, head_dim=D,
+                            **LAYERS[variant]).double()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if not name.startswith("feature_map."):
+                p.add_(0.5 * torch.randn_like(p))
+    return layer
+
+
+def odd_inputs(seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, T, HKV, D, generator=g, dtype=torch.float64) for _ in range(2))
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :3] = False                                                        # left padding in the second row
+    return q, k, v, valid
+
+
+def reference_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise convolution by F.conv1d: weight [K, C, D], weight[j] on the token j back."""
+    K, (b, t, c, d) = weight.shape[0], x.shape
+    kernel = weight.flip(0).permute(1, 2, 0).reshape(c * d, 1, K)
+    y = F.conv1d(F.pad(x.reshape(b, t, c * d).transpose(1, 2), (K - 1, 0)), kernel, groups=c * d)
+    return y.transpose(1, 2).reshape(b, t, c, d)
+
+
+def reference(layer: LinearAttention, q, k, v, valid) -> torch.Tensor:
+    """The layer's output by the ops' naive forms (quadratic or token by token), none of the layer's dispatch."""
+    fmap = layer.feature_map
+    if layer.conv:
+        keep = valid[:, :, None, None].to(q.dtype)
+        q, k, v = (reference_conv(x * keep, getattr(layer, name)) for x, name in zip((q, k, v), CONV_NAMES))
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    if layer.window:
+        phi_q, q_scale = fmap.features(q, "query")
+        phi_k, k_scale = fmap.features(k, "key")
+        sink = first_keys(valid, B, T, layer.sink, q.device) if layer.sink else None
+        return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + layer.log_gain, fmap.scaling,
+                                             layer.window, valid, log_decay=layer.log_decay(), sink_mask=sink)[0]
+    phi_q, phi_k = fmap(q, "query"), fmap(k, "key") * valid[:, :, None, None]
+    log_gate = layer.log_gates(v) if layer.gate else None
+    if layer.delta:
+        return recurrent_delta_attention(phi_q, phi_k, v, layer.betas(v), log_gate)[0]
+    return naive_linear_attention(phi_q, phi_k, v, log_decay=None if layer.gate else layer.log_decay(),
+                                  log_gate=log_gate)[0]
+
+
+@pytest.mark.parametrize("feature", ["prf", "hedgehog"])
+@pytest.mark.parametrize("variant", LAYERS)
+def test_every_path_matches_the_naive_forms(variant, feature):
+    """On odd shapes with left padding: the prefill (output and gradients), a cached prefill continued by single
+    steps and a chunk, and for a hybrid static ring steps, each against the ops' naive forms."""
+    layer = odd_layer(variant, feature)
+    q, k, v, valid = odd_inputs()
+    layer(q, k, v, valid)                                          # training mode: a PRF map calibrates its shift
+    layer.eval()
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    weights = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    grads = []
+    for forward in (lambda *x: layer(*x, valid), lambda *x: reference(layer, *x, valid)):
+        out = forward(*inputs)
+        grads.append(torch.autograd.grad((out * weights).sum(), inputs + list(layer.parameters()), allow_unused=True))
+        if len(grads) == 1:
+            got = out.detach()
+    ref = out.detach()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    assert (got - layer(q, k, v, valid, backend="naive")).abs().max() < 1e-6
+    for mine, theirs in zip(*grads):
+        if theirs is None:                                          # a parameter the output does not use
+            assert mine is None or not mine.any()
+            continue
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        cache = LinearStateLayer()
+        pieces = [slice(0, 5), *(slice(t, t + 1) for t in range(5, 9)), slice(9, T)]
+        steps = [layer(q[:, s], k[:, s], v[:, s], valid[:, s], cache=cache) for s in pieces]
+        torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-6, atol=1e-6)
+        if layer.window:                                            # static decoding after a prefill of 6 tokens
+            cache = LinearStateLayer()
+            layer(q[:, :6], k[:, :6], v[:, :6], valid[:, :6], cache=cache)
+            cache.seen = 6
+            position = torch.tensor([6])
+            ring = RingWindowLayer.from_layer(cache, layer.window, position)
+            for t in range(6, T):
+                out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)
+                torch.testing.assert_close(out, ref[:, t:t + 1], rtol=1e-6, atol=1e-6)
+                position.add_(1)
+
+
+# --- generation ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("feature", ["prf", "hedgehog"])
+def test_generation_matches_full_forward_for_64_steps(family, feature):
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1)
+    prompt = ids(batch=1, length=11, seed=1)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences, use_cache=False).logits
+    steps = torch.stack(out.logits, 1)                                         # [1, 64, vocab]
+    ref = full[:, prompt.shape[1] - 1: -1]
+    assert steps.shape == ref.shape
+    torch.testing.assert_close(steps, ref, rtol=1e-4, atol=1e-4)
+    cache = out.past_key_values
+    assert all(isinstance(layer, LinearStateLayer) for layer in cache.layers)
+    heads = model.config.num_attention_heads
+    head_dim = model.config.hidden_size // heads
+    assert cache.layers[0].state.shape == (1, heads, 9, head_dim + 1) and cache.layers[0].keys is None
+    assert cache.get_seq_length() == prompt.shape[1] + 63
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("window", [0, 4, "decay", "4+decay"])   # 4: the cached keys carry their padding mask
+def test_batched_left_padded_generation_equals_one_by_one(family, tokenizer, window):
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None  # every row generates all 12 tokens
+    decay = "decay" in str(window)  # left padding passes while the state is zero: the decay changes nothing there
+    window = 4 if window == "4+decay" else 0 if window == "decay" else window
+    linearize(model, dims=[16, 16, 16], seed=2, window=window, decay=decay)
+    if decay:
+        with torch.no_grad():
+            for module in attention_modules(model):
+                module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
+    prompts = [ids(1, 5, seed=3)[0], ids(1, 12, seed=4)[0], ids(1, 9, seed=5)[0]]
+    singles = []
+    with torch.no_grad():
+        for p in prompts:
+            singles.append(model.generate(p[None], max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p):])
+        width = max(len(p) for p in prompts)
+        batch = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(batch)
+        for i, p in enumerate(prompts):
+            batch[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for i, single in enumerate(singles):
+        assert torch.equal(together[i, width:], single)
+
+
+def test_kv_cache_of_past_tokens_is_refused():
+    from transformers import DynamicCache
+
+    from dofattn.hf import cache_kwargs
+
+    model = tiny_model("llama")
+    teacher = tiny_model("llama")
+    cache = DynamicCache(config=teacher.config)
+    with torch.no_grad():
+        teacher(ids(1, 6), use_cache=True, **cache_kwargs(teacher, cache))
+    linearize(model, dims=[8, 8, 8])
+    with pytest.raises(UserError, match="cannot continue a DynamicLayer cache with 6 tokens"):
+        model(ids(1, 1), use_cache=True, **cache_kwargs(model, cache))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("conv", [0, 4])    # 4: the filters' last inputs carry over from chunk to chunk
+def test_chunked_prefill_continues_the_state(family, conv):
+    model = tiny_model(family)
+    linearize(model, dims=[6, 6, 6], seed=3, conv=conv)
+    if conv:
+        set_convs(model)
+    prompt = ids(2, 23, seed=6)
+    with torch.no_grad():
+        whole = model.generate(prompt, max_new_tokens=8, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0)
+        chunked = model.generate(prompt, max_new_tokens=8, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0, prefill_chunk_size=5)
+    torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(whole.logits), rtol=1e-4, atol=1e-4)
+    assert chunked.past_key_values.layers[0].seen == 23 + 7
+
+
+# --- decay -----------------------------------------------------------------------------------------------------
+
+def assert_40_steps_equal_the_full_forward(model, prompt: torch.Tensor) -> None:
+    """Greedy generation's logits, step by step through the cache, against one forward over the whole sequence."""
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        full = model(out.sequences, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("feature", ["prf", "hedgehog"])
+def test_decay_generation_matches_full_forward(family, feature):
+    """With a learned per-head decay the state still carries everything: 40 decode steps equal the full forward."""
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, decay=True)
+    with torch.no_grad():
+        for module in attention_modules(model):      # strong and weak decays, so the test sees them
+            module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
+    assert_40_steps_equal_the_full_forward(model, ids(batch=1, length=11, seed=1))
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_decay_changes_the_output_and_round_trips(tmp_path, model_dirs, window):
+    from dofattn.hf import load_model
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    plain, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, dims=[5, 12, 7], decay=True, seed=2, window=window)
+    linearize(plain, dims=[5, 12, 7], seed=2, window=window)
+    with torch.no_grad():
+        for module in attention_modules(model):
+            module.dofattn.decay_rate.add_(torch.arange(module.dofattn.num_heads) * 0.1)   # not the init
+    x = ids()
+    with torch.no_grad():
+        logits = model(x, use_cache=False).logits
+        assert not torch.allclose(logits, plain(x, use_cache=False).logits)
+    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay="head",
+                           window=window)
+    folder = save_student(model, tmp_path / "s", config)
+    loaded, _, config = load_student(folder)
+    assert config.decay and config.window == window
+    with torch.no_grad():
+        assert torch.equal(loaded(x, use_cache=False).logits, logits)
+
+
+def test_decay_refuses_padding_it_would_count():
+    from dofattn.attention import check_decay_padding, check_left_padding
+
+    left = torch.tensor([[False, True, True], [True, True, True]])
+    check_decay_padding(left, None)                                   # left padding of a first chunk: exact
+    check_decay_padding(torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 4, 5, 3))   # no padding: any state
+    with pytest.raises(UserError, match="needs left padding"):
+        check_decay_padding(torch.tensor([[True, False, True]]), None)
+    with pytest.raises(UserError, match="cannot continue its state through padding"):
+        check_decay_padding(left, torch.zeros(2, 4, 5, 3))
+    # beside a window a call sees its cached keys too: padding before every real one is exact, state or not
+    check_left_padding(left)
+    with pytest.raises(UserError, match="needs left padding"):
+        check_left_padding(torch.tensor([[True, True], [True, False]]))
+
+
+# --- gate (a decay per token) ----------------------------------------------------------------------------------
+
+def set_gates(model) -> None:
+    """Move the gates off their start (w = 0: the plain decay), so a test sees each token's own factor."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for module in attention_modules(model):
+            linear = module.dofattn
+            linear.decay_rate.copy_(torch.linspace(0.5, -6, linear.num_heads))
+            linear.gate_weight.copy_(3 * torch.randn(linear.gate_weight.shape, generator=g))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("feature", ["prf", "hedgehog"])
+def test_gate_generation_matches_full_forward(family, feature):
+    """With a gate the state still carries everything: 40 decode steps (each token's gate read off its own value
+    vector) equal the full forward."""
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, gate=True)
+    set_gates(model)
+    assert_40_steps_equal_the_full_forward(model, ids(batch=2, length=11, seed=1))
+
+
+def test_gate_starts_as_the_decay_then_differs_and_round_trips(tmp_path, model_dirs):
+    from dofattn.hf import load_model
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    decayed, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, dims=[5, 12, 7], gate=True, seed=2)
+    linearize(decayed, dims=[5, 12, 7], decay=True, seed=2)
+    x = ids()
+    layer = attention_modules(model)[0].dofattn
+    assert layer.gate and layer.decay and "gate" in repr(layer)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, use_cache=False).logits, decayed(x, use_cache=False).logits)
+        set_gates(model)
+        for module in attention_modules(decayed):
+            module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
+        logits = model(x, use_cache=False).logits
+        assert not torch.allclose(logits, decayed(x, use_cache=False).logits, atol=1e-3)
+    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay="gate")
+    folder = save_student(model, tmp_path / "s", config)
+    loaded, _, config = load_student(folder)
+    assert config.gate and attention_modules(loaded)[2].dofattn.gate
+    with torch.no_grad():
+        assert torch.equal(loaded(x, use_cache=False).logits, logits)
+
+
+def test_gate_log_factors_are_bounded_and_train():
+    """Each token's log factor lies in [GATE_FLOOR, 0] however large w·v grows either way, and a loss reaches w."""
+    from dofattn.attention import GATE_FLOOR
+
+    model = tiny_model("llama")
+    linearize(model, dims=[8, 8, 8], gate=True)
+    linear = attention_modules(model)[0].dofattn
+    v = torch.randn(2, 9, linear.num_heads, linear.gate_weight.shape[1])
+    with torch.no_grad():
+        linear.gate_weight.fill_(1e4)
+        logs = linear.log_gates(v)
+    assert logs.shape == (2, 9, linear.num_heads) and (logs <= 0).all() and (logs >= GATE_FLOOR).all()
+    assert torch.isfinite(logs).all() and (logs == GATE_FLOOR).any() and (logs == 0).any()   # cleared and kept
+    with torch.no_grad():
+        linear.gate_weight.zero_()
+    linear.log_gates(v).sum().backward()
+    assert linear.gate_weight.grad.abs().sum() > 0
+
+
+def test_gate_refuses_a_window_and_padding_it_would_count():
+    with pytest.raises(UserError, match="a gate is for pure linear attention"):
+        linearize(tiny_model("llama"), dims=[8, 8, 8], window=4, gate=True)
+    model = tiny_model("llama")
+    linearize(model, dims=[8, 8, 8], gate=True)
+    x, mask = ids(batch=2, length=9), torch.ones(2, 9, dtype=torch.long)
+    mask[1, -2:] = 0
+    with pytest.raises(UserError, match="needs left padding"), torch.no_grad():
+        model(x, attention_mask=mask, use_cache=False)
+
+
+def test_window_decay_refuses_right_padding_in_a_model():
+    model = tiny_model("llama")
+    linearize(model, dims=[8, 8, 8], window=4, decay=True)
+    x, mask = ids(batch=2, length=9), torch.ones(2, 9, dtype=torch.long)
+    mask[1, -2:] = 0
+    with pytest.raises(UserError, match="needs left padding"), torch.no_grad():
+        model(x, attention_mask=mask, use_cache=False)
+
+
+# --- short convolution on q, k, v ------------------------------------------------------------------------------
+
+def set_convs(model, seed: int = 6) -> None:
+    """Move every filter off the identity (its start), with weight on the tokens before, so a test sees the mixing."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in attention_modules(model):
+            for name in ("conv_q", "conv_k", "conv_v"):
+                weight = getattr(module.dofattn, name)
+                weight.copy_(0.6 * torch.randn(weight.shape, generator=g))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conv_starts_as_no_conv(family):
+    model, plain = tiny_model(family), tiny_model(family)
+    linearize(model, dims=[9, 16, 5], seed=1, conv=4)
+    linearize(plain, dims=[9, 16, 5], seed=1)
+    layer = attention_modules(model)[0].dofattn
+    assert layer.conv_q.shape == (4, model.config.num_attention_heads, 16) and "conv=4" in repr(layer)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, use_cache=False).logits, plain(x, use_cache=False).logits)
+        set_convs(model)
+        assert not torch.allclose(model(x, use_cache=False).logits, plain(x, use_cache=False).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", ["pure", "gate", "window", "window+sink"])
+def test_conv_generation_matches_full_forward(family, variant):
+    """The cache carries the last K-1 inputs of q, k and v: 40 decode steps equal the full forward, beside a gate, a
+    window (whose cached keys are the filtered ones) and a sink."""
+    model = tiny_model(family)
+    window = 4 if "window" in variant else 0
+    linearize(model, dims=[9, 16, 5], feature="hedgehog", seed=1, conv=3, window=window, gate=variant == "gate",
+              sink=2 if "sink" in variant else 0)
+    set_convs(model)
+    if variant == "gate":
+        set_gates(model)
+    assert_40_steps_equal_the_full_forward(model, ids(batch=2, length=11, seed=1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conv_left_padding_is_the_start_of_a_sequence(family, tokenizer):
+    """A padding token's inputs count as zeros in the filters: a left-padded row generates as it does alone."""
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    linearize(model, dims=[6, 6, 6], seed=3, conv=4)
+    set_convs(model)
+    short, long = ids(1, 5, seed=3)[0], ids(1, 9, seed=4)[0]
+    batch = torch.stack([torch.cat([torch.full((4,), 7), short]), long])
+    mask = (torch.arange(9) >= torch.tensor([[4], [0]])).long()
+    with torch.no_grad():
+        single = model.generate(short[None], max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                  output_logits=True, return_dict_in_generate=True)
+    torch.testing.assert_close(torch.stack(together.logits)[:, 0], torch.stack(single.logits)[:, 0], rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_conv_round_trips_and_refuses_bad_widths(tmp_path, model_dirs):
+    from dofattn.hf import load_model
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, dims=[5, 12, 7], seed=2, conv=4, gate=True)
+    set_convs(model)
+    x = ids()
+    with torch.no_grad():
+        logits = model(x, use_cache=False).logits
+    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay="gate",
+                           conv=4)
+    folder = save_student(model, tmp_path / "s", config)
+    loaded, _, config = load_student(folder)
+    assert config.conv == 4 and attention_modules(loaded)[1].dofattn.conv == 4
+    with torch.no_grad():
+        assert torch.equal(loaded(x, use_cache=False).logits, logits)
+    for width in (1, -2):
+        with pytest.raises(UserError, match="filter width of at least 2 tokens"):
+            linearize(tiny_model("llama"), dims=[8, 8, 8], conv=width)
+    with pytest.raises(UserError, match="give the head dimension"):
+        LinearAttention(make_feature_map("prf", 4, 16, 8, 0.25), 4, 2, conv=4)
+
+
+# --- the delta rule --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_delta_generation_matches_full_forward(family):
+    """With the delta rule the state still carries everything: 40 decode steps (each token's gate and erase strength
+    read off its own value vector, strong enough to matter) equal the full forward. (Without a gate: the layer's
+    own test, tests/test_delta.py.)"""
+    model = tiny_model(family)
+    linearize(model, dims=[9, 16, 5], feature="hedgehog", seed=1, gate=True, delta=True)
+    set_gates(model)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for module in attention_modules(model):
+            module.dofattn.delta_bias.zero_()
+            module.dofattn.delta_weight.copy_(3 * torch.randn(module.dofattn.delta_weight.shape, generator=g))
+    assert_40_steps_equal_the_full_forward(model, ids(batch=2, length=11, seed=1))

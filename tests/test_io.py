@@ -1,0 +1,29 @@
+"""Files written whole (`dofattn.io`): text, bytes and JSON land complete, and a failed write leaves nothing behind."""
+
+import json
+
+import pytest
+
+from dofattn.io import atomic_path, staging, write_atomic, write_json
+
+
+def test_text_bytes_and_json_replace_the_file_whole(tmp_path):
+    path = tmp_path / "out.txt"
+    path.write_text("old")
+    assert write_atomic(path, "nouveau ✓") == path and path.read_text(encoding="utf-8") == "nouveau ✓"
+    write_atomic(path, b"\x00\xffbytes")
+    assert path.read_bytes() == b"\x00\xffbytes"
+    write_json(tmp_path / "a.json", {"x": [1, 2]}, indent=2)
+    assert json.loads((tmp_path / "a.json").read_text()) == {"x": [1, 2]}
+    assert (tmp_path / "a.json").read_text().startswith("{\n  ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "out.txt"]
+
+
+def test_a_failed_write_keeps_the_old_file_and_removes_its_staging(tmp_path):
+    path = tmp_path / "out.txt"
+    path.write_text("old")
+    with pytest.raises(RuntimeError, match="disk full"), atomic_path(path) as tmp:
+        assert tmp == staging(path) and tmp.parent == tmp_path and tmp.name.endswith(".partial")
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
