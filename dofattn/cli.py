@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from dofattn import __version__
 from dofattn.errors import UserError
+from dofattn.io import write_atomic
 
 
 DATA_HELP = ("wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several of these "
@@ -332,7 +332,7 @@ def run_eval(args: EvalArgs) -> int:
         print()
         for task, metrics in result["tasks"].items():
             print(f"{task:>22}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    _write_atomic(out, json.dumps(result, indent=2))
+    write_atomic(out, json.dumps(result, indent=2))
     print(f"wrote {out}")
     if plot and errors:
         from dofattn.plots import plot_layer_errors
@@ -398,12 +398,6 @@ def _check_output(path: str, what: str, suffixes: tuple[str, ...]) -> Path:
     return out
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def run_dof(args: DofArgs) -> int:
     """The `dof` verb: capture, spectra, allocation, table, JSON, plot."""
     from dofattn.data import SPLITS, check_source, token_blocks
@@ -460,7 +454,7 @@ def run_dof(args: DofArgs) -> int:
           f"{' (clipped)' if args.clip else ''}; {elapsed:.1f} s")
     for warning in result.warnings():
         print(f"WARNING: {warning}", file=sys.stderr)
-    _write_atomic(out, result.to_json())
+    write_atomic(out, result.to_json())
     print(f"wrote {out}")
     if plot:
         from dofattn.plots import plot_dof
@@ -543,9 +537,9 @@ def run_bench(args: BenchArgs) -> int:
                       repeats=args.repeats, model=None if args.model == "none" else args.model,
                       gen_contexts=contexts, new_tokens=args.new_tokens,
                       parts=[p.strip() for p in args.parts.split(",") if p.strip()])
-    result = bench(cfg, save=lambda partial: _write_atomic(out, json.dumps(partial, indent=2)))
+    result = bench(cfg, save=lambda partial: write_atomic(out, json.dumps(partial, indent=2)))
     print(format_tables(result))
-    _write_atomic(out, json.dumps(result, indent=2))
+    write_atomic(out, json.dumps(result, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from dofattn.distill.world import barrier, world
+from dofattn.io import write_atomic
 from dofattn.dof import DofResult, allocate_dims, attention_dofs, sample_points
 from dofattn.recipe import Recipe
 from dofattn.student import head_layout, resolve_dims
@@ -24,11 +25,9 @@ ATTENTION_DOF_SEQ_LEN = 512   # tokens per block, at most (else eval.seq_len): e
 
 
 def _once(path: Path, compute) -> str:
-    """The text of `path`, written by rank 0 with `compute()` (atomically) if it is not there yet."""
+    """The text of `path`, written by rank 0 with `compute()` if it is not there yet."""
     if world()[0] == 0 and not path.is_file():
-        tmp = path.with_suffix(".partial")
-        tmp.write_text(compute())
-        tmp.replace(path)
+        write_atomic(path, compute())
     barrier()
     return path.read_text()
 

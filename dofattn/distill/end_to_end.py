@@ -21,6 +21,7 @@ from dofattn.attention import CONV_NAMES
 from dofattn.distill.world import all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
+from dofattn.io import write_json
 from dofattn.recipe import EndToEnd
 from dofattn.student import attention_modules, is_student_tensor
 
@@ -96,9 +97,7 @@ def save_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: list, o
     (ckpt / folder).mkdir(parents=True, exist_ok=True)
     save_file({n: t.detach().contiguous() for n, t in tensors}, str(ckpt / folder / "features.safetensors"))
     save_optimizer(optimizer, names, ckpt / folder / "optimizer.safetensors", step)
-    tmp = ckpt / "state.partial"
-    tmp.write_text(json.dumps({"step": step, "folder": folder, "losses": losses, "curve": curve}))
-    tmp.replace(ckpt / "state.json")
+    write_json(ckpt / "state.json", {"step": step, "folder": folder, "losses": losses, "curve": curve})
     for old in ckpt.glob("step_*"):
         if old.name != folder:
             for f in old.iterdir():

@@ -20,6 +20,7 @@ from dofattn.attention import LinearAttention
 from dofattn.distill.losses import LOSSES
 from dofattn.distill.teacher import TeacherCache
 from dofattn.distill.world import barrier, world
+from dofattn.ops.softmax import expand_kv
 from dofattn.recipe import Layerwise
 from dofattn.student import attention_modules
 
@@ -37,14 +38,13 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
                 progress: bool = True) -> dict:
     """Adam on one layer's feature map against its teacher activations (q, k, v) [N, T, ...]; returns a log."""
     q_all, k_all, v_all = acts
-    group = q_all.shape[2] // k_all.shape[2]
     device = next(itertools.chain(linear.parameters(), linear.buffers())).device
     loss_fn = LOSSES[config.loss]
 
     def batch(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, and k and v with their kv heads repeated for every query head, on the layer's device."""
-        return (q_all[idx].to(device), k_all[idx].repeat_interleave(group, 2).to(device),
-                v_all[idx].repeat_interleave(group, 2).to(device))
+        heads = q_all.shape[2]
+        return q_all[idx].to(device), expand_kv(k_all[idx], heads).to(device), expand_kv(v_all[idx], heads).to(device)
 
     groups = param_groups(linear, config.lr, config.lr_weights)
     steps = config.steps if groups else 0            # nothing to train (performer): only the loss is reported

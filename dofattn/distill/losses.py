@@ -18,6 +18,7 @@ from dofattn.attention import LinearAttention
 from dofattn.errors import UserError
 from dofattn.features import PositiveRandomFeatures
 from dofattn.ops.naive import gate_log, log_decay_matrix, segment_sums
+from dofattn.ops.softmax import attention_logits
 from dofattn.ops.window import first_keys, window_logits
 
 TINY = torch.finfo(torch.float32).tiny
@@ -54,8 +55,7 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
         log_scores = log_scores + log_factor
         scores = scores * log_factor.exp()                                        # scores are 0 above it already
     log_student = log_scores - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY))
-    logits = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
-    log_teacher = torch.log_softmax(logits, -1)
+    log_teacher = torch.log_softmax(attention_logits(q, k, scaling), -1)
     teacher = log_teacher.exp()
     kl = (teacher * (log_teacher - log_student)).masked_fill(~mask, 0).sum(-1)    # [B, H, T]
     return kl.mean()
@@ -69,8 +69,7 @@ def _window_softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tens
                               log_decay=linear.log_decay(), sink_mask=sink)
     mask = _causal(q.shape[1], q.device)
     log_student = torch.log_softmax(logits, -1).clamp_min(math.log(TINY))       # [B, H, T, T]
-    teacher_logits = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
-    log_teacher = torch.log_softmax(teacher_logits, -1)
+    log_teacher = torch.log_softmax(attention_logits(q, k, scaling), -1)
     kl = (log_teacher.exp() * (log_teacher - log_student)).masked_fill(~mask, 0).sum(-1)
     return kl.mean()
 
@@ -80,7 +79,7 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     """Mean squared kernel error on causal pairs, each row scaled by its largest exact kernel value (PRF only)."""
     fmap = linear.feature_map
     if not isinstance(fmap, PositiveRandomFeatures):
-        raise UserError("--loss l2 compares kernel values and needs prf or performer features")
+        raise UserError("layerwise.loss = 'l2' compares kernel values and needs prf or performer features")
     e_q, e_k = fmap.exponent(q), fmap.exponent(k)                                 # [B, T, H, M]
     c_q = e_q.amax(-1, keepdim=True).detach()
     c_k = e_k.amax(dim=(0, 1, 3), keepdim=True).detach()
@@ -93,8 +92,9 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     if linear.window:  # the features only ever see pairs beyond the window (and not the sink)
         mask = mask.tril(-linear.window) & (torch.arange(q.shape[1], device=q.device) >= linear.sink)
         if not mask.any():
-            raise UserError(f"--loss l2 with --window {linear.window} needs --seq-len > {linear.window}")
-    log_kernel = (scaling * torch.einsum("bthd,bshd->bhts", q.float(), k.float())).masked_fill(~mask, -math.inf)
+            raise UserError(f"layerwise.loss = 'l2' beside a {linear.window}-token window needs layerwise.seq_len > "
+                            f"{linear.window}")
+    log_kernel = attention_logits(q, k, scaling).masked_fill(~mask, -math.inf)
     row_max = log_kernel.amax(-1, keepdim=True).clamp_min(-1e30)                    # rows with no pair: finite
     log_kernel_hat = log_kernel_hat.masked_fill(~mask, -math.inf)
     diff = torch.exp(log_kernel - row_max) - torch.exp(log_kernel_hat - row_max)   # 0 off the mask

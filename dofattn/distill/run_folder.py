@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dofattn import recipe as recipes
 from dofattn.errors import UserError
+from dofattn.io import write_atomic, write_json
 from dofattn.recipe import CONTINUE_MAY_CHANGE, Recipe
 from dofattn.student import CONFIG_FILE, WEIGHTS_FILE
 
@@ -85,7 +86,7 @@ def check(out: Path, recipe: Recipe) -> None:
         before = recipes.load(str(path))
         changed = _differ(before, recipe)
         if changed == ["end_to_end.steps"] and recipe.end_to_end.steps > before.end_to_end.steps:
-            path.write_text(recipe.to_toml())
+            write_atomic(path, recipe.to_toml())
             return
         if changed:
             more = (" (end_to_end.steps can only grow)" if "end_to_end.steps" in changed
@@ -95,7 +96,7 @@ def check(out: Path, recipe: Recipe) -> None:
         return
     refuse_foreign_folder(out)
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(recipe.to_toml())
+    write_atomic(path, recipe.to_toml())
 
 
 def check_continue(source: Path, out: Path, recipe: Recipe) -> None:
@@ -147,6 +148,4 @@ def copy_run(source: Path, out: Path, recipe: Recipe) -> bool:
 
 
 def write_log(out: Path, log: dict) -> None:
-    tmp = out / (LOG_FILE + ".partial")
-    tmp.write_text(json.dumps(log, indent=2))
-    tmp.replace(out / LOG_FILE)
+    write_json(out / LOG_FILE, log, indent=2)
