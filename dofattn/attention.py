@@ -157,9 +157,9 @@ class LinearAttention(nn.Module):
         if isinstance(cache, RingWindowLayer):
             return self.ring_step(q, k, v, cache, backend)
         if self.one_kernel_step(q, cache, backend):
-            from dofattn.ops import load_fused
-            return load_fused()[0].prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS, key_valid,
-                                                   self.log_decay())
+            from dofattn.ops import load_triton
+            return load_triton()[0].prf.prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS,
+                                                        key_valid, self.log_decay())
         if self.sink:
             return self.sink_step(q, k, v, key_valid, cache, backend)
         if self.window:  # the cache keeps each key's padding flag beside it
@@ -232,7 +232,7 @@ class LinearAttention(nn.Module):
         return o
 
     def one_kernel_step(self, q: torch.Tensor, cache: LinearStateLayer, backend: str) -> bool:
-        """True when this generation step can run as one Triton kernel (`ops.fused.prf_decode_step`): one token,
+        """True when this generation step can run as one Triton kernel (`ops.triton.prf.prf_decode_step`): one token,
         CUDA, no autograd, a PRF map with a calibrated key shift, no window, a float32 state (with or without a decay).
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
@@ -241,18 +241,19 @@ class LinearAttention(nn.Module):
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous())
 
     def one_kernel_ring(self, q: torch.Tensor, cache: RingWindowLayer, backend: str) -> bool:
-        """True when this ring step runs as one Triton kernel (`ops.fused.prf_ring_step`): backend auto on CUDA, or
-        backend triton (on CPU: Triton's interpreter, for tests); a PRF map with a calibrated key shift, in eval mode,
-        no autograd, a contiguous float32 state. Reads nothing from the GPU per step (the calibration once)."""
+        """True when this ring step runs as one Triton kernel (`ops.triton.window.prf_ring_step`): backend auto on
+        CUDA, or backend triton (on CPU: Triton's interpreter, for tests); a PRF map with a calibrated key shift, in
+        eval mode, no autograd, a contiguous float32 state. Reads nothing from the GPU per step (the calibration
+        once)."""
         fmap = self.feature_map
         if not (backend == "triton" or (backend == "auto" and q.is_cuda)) or self.gate:
             return False
         if needs_grad(q, *self.parameters()):
             return False
-        from dofattn.ops import load_fused
+        from dofattn.ops import load_triton
         return (isinstance(fmap, PositiveRandomFeatures) and not fmap.training and fmap.shift_calibrated()
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
-                and load_fused()[0] is not None)
+                and load_triton()[0] is not None)
 
     def ring_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: RingWindowLayer,
                   backend: str = "auto") -> torch.Tensor:
@@ -263,10 +264,10 @@ class LinearAttention(nn.Module):
         it as one kernel (`one_kernel_ring`); the PyTorch below is its reference, and the path for the other maps."""
         fmap, W = self.feature_map, self.window
         if self.one_kernel_ring(q, cache, backend):
-            from dofattn.ops import load_fused
+            from dofattn.ops import load_triton
             if cache.arrivals is None or cache.arrivals.shape[0] != q.shape[0]:
                 cache.arrivals = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
-            return load_fused()[0].prf_ring_step(
+            return load_triton()[0].window.prf_ring_step(
                 fmap, q, k, v, cache.state, cache.keys, cache.values, cache.key_valid, cache.position, self.log_gain,
                 MAX_KEY_EXCESS, self.decay_rate if self.decay else None, cache.sink_keys, cache.sink_values,
                 cache.sink_valid, cache.arrivals)

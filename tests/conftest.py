@@ -12,7 +12,7 @@ import torch
 
 if not torch.cuda.is_available():
     # Triton (if installed) runs its kernels in the interpreter on CPU; the flag must be set before anything imports
-    # triton (transformers does), see tests/test_fused.py.
+    # triton (transformers does), see tests/triton_helpers.py.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast)

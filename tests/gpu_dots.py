@@ -1,6 +1,6 @@
 """Opt-in pytest plugin: Triton's interpreter computes dots as a GPU does, so CPU runs see GPU rounding.
 
-    DOFATTN_DOTS=tf32x3 python3 -m pytest -p tests.gpu_dots tests/test_fused.py -s -k gate_limits
+    DOFATTN_DOTS=tf32x3 python3 -m pytest -p tests.gpu_dots tests/test_triton_scan.py -s -k gate_limits
 
 The interpreter (the CPU path of every kernel test) computes every float32 `tl.dot` in full float32, whatever its
 `input_precision`. On an sm_80+ GPU "tf32x3" splits each operand into a tf32 part and a tf32 remainder and sums
@@ -73,7 +73,7 @@ def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
 
 
 def pytest_configure(config):
-    from dofattn.ops import fused
+    from dofattn.ops.triton import common
 
     interpreter.InterpreterBuilder.create_dot = create_dot
-    fused.INTERPRETER_SMS = int(os.environ.get("DOFATTN_SMS", "132"))
+    common.INTERPRETER_SMS = int(os.environ.get("DOFATTN_SMS", "132"))
