@@ -9,7 +9,8 @@ How the kernels run without a GPU, and when these tests skip: tests/triton_helpe
 import pytest
 import torch
 
-from tests.triton_helpers import CUDA, DEVICE, RATIO  # first: skips without Triton
+# first: it skips the module without Triton
+from tests.triton_helpers import CUDA, DEVICE, RATIO
 
 from dofattn.ops import naive_linear_attention  # noqa: E402
 from dofattn.ops.triton import prf  # noqa: E402

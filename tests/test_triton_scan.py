@@ -9,7 +9,8 @@ How the kernels run without a GPU, and when these tests skip: tests/triton_helpe
 import pytest
 import torch
 
-from tests.triton_helpers import CUDA, DEVICE, RATIO, decay_leaf, gate_leaf, on_device  # first: skips without Triton
+# first: it skips the module without Triton
+from tests.triton_helpers import CUDA, DEVICE, RATIO, decay_leaf, gate_leaf, on_device, skip_wrong_bf16_dots
 
 from dofattn.ops import linear_attention, naive_linear_attention, pick_backend  # noqa: E402
 from dofattn.ops.triton import scan  # noqa: E402
@@ -232,8 +233,7 @@ def test_decay_and_gate_prefill_then_decode_steps(kind):
 def test_decay_and_gate_half_inputs(dtype, kind):
     """16-bit inputs with a decay or a gate: the decayed keys go to 16 bits for the dots, sums and state stay
     float32."""
-    if not CUDA and dtype == torch.bfloat16:
-        pytest.skip("Triton 3.6's interpreter gets bf16 dots wrong (off by 1e9 on a plain 16×16 product)")
+    skip_wrong_bf16_dots(dtype)
     phi_q, phi_k, v, state = on_device(make_inputs(2, 150, 3, 64, 32))
     decay = {"log_decay": decay_leaf(3).detach()} if kind == "decay" else {"log_gate": gate_leaf(2, 150, 3).detach()}
     ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True, **decay)
@@ -375,8 +375,7 @@ HALF_SHAPES = [(64, 32), (20, 16)] + ([(203, 64), (256, 16)] if CUDA else [])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs(dtype, shape):
     """16-bit inputs: the dots run in 16 bit, sums and state in float32; near the float32 result."""
-    if not CUDA and dtype == torch.bfloat16:
-        pytest.skip("Triton 3.6's interpreter gets bf16 dots wrong (off by 1e9 on a plain 16×16 product)")
+    skip_wrong_bf16_dots(dtype)
     phi_q, phi_k, v, state = on_device(make_inputs(2, 150, 3, *shape))
     ref_o, ref_s = naive_linear_attention(phi_q, phi_k, v, state, output_final_state=True)
     o, s = scan.triton_linear_attention(phi_q.to(dtype), phi_k.to(dtype), v.to(dtype), state,

@@ -10,7 +10,8 @@ How the kernels run without a GPU, and when these tests skip: tests/triton_helpe
 import pytest
 import torch
 
-from tests.triton_helpers import CUDA, DEVICE, RATIO, decay_leaf, on_device  # first: skips without Triton
+# first: it skips the module without Triton
+from tests.triton_helpers import CUDA, DEVICE, RATIO, decay_leaf, on_device, skip_wrong_bf16_dots
 
 from dofattn.ops.triton import window as hybrid  # noqa: E402
 from tests.test_ops import assert_close  # noqa: E402
@@ -233,8 +234,7 @@ def test_window_forward_half_near_float32(dtype):
     """16-bit inputs: the exact part's dots run in 16 bit too (exact products, weights rounded for the values)."""
     from dofattn.ops.window import naive_window_linear_attention
 
-    if not CUDA and dtype == torch.bfloat16:
-        pytest.skip("Triton 3.6's interpreter gets bf16 dots wrong")
+    skip_wrong_bf16_dots(dtype)
 
     g = torch.Generator().manual_seed(5)
     q, k = (3 * torch.randn(2, 300, 3, 64, generator=g) for _ in range(2))
