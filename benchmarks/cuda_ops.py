@@ -19,12 +19,12 @@ timings of:
                             dofattn's Triton kernels, forward / forward + backward
     window_decay[_train]    the same with the decay in its linear part
     window_torch[_train]    the same hybrid in its PyTorch form (banded blocks + the Triton linear op)
-    features                the PRF feature map of the queries in one Triton kernel (`fused.prf_features`)
+    features                the PRF feature map of the queries in one Triton kernel (`triton/prf.py`)
     features@P              with --exact P,...: the same with its projection at input precision P instead of the
-                            default for bf16 (`fused.EXACT_HALF`), and features@P_err: the largest difference from
+                            default for bf16 (`common.EXACT_HALF`), and features@P_err: the largest difference from
                             the default's result, relative to its largest entry
     triton@C,S,W            with --scan-launch C,S,W;...: the op with its scan launched at chunk C, S pipeline
-                            stages and W warps instead of `fused._scan_launch`'s choice, and triton@C,S,W_err: its
+                            stages and W warps instead of `scan._scan_launch`'s choice, and triton@C,S,W_err: its
                             largest difference from the default's output (`kernel_registers.py` reports the spills
                             of each launch)
 plus the op's memory floor: reading φq, φk, v and writing o once, at the copy bandwidth measured here.
@@ -96,7 +96,7 @@ def window_rows(q, k, v, phi_q, phi_k, window, repeats, train: bool) -> dict:
     forms = {"window": (window_linear_attention, None), "window_torch": (blocked_window_linear_attention, None),
              "window_decay": (window_linear_attention, log_decays(H))}
     row = {}
-    for name, (op, log_decay) in forms.items():   # backend triton: the fused kernels, or the Triton linear op
+    for name, (op, log_decay) in forms.items():   # backend triton: the Triton hybrid, or the Triton linear op
         with torch.no_grad():
             row[name] = safe(lambda: op(*inputs, 0.125, window, backend="triton", log_decay=log_decay), repeats)
         if train:
@@ -120,22 +120,23 @@ def log_gates(T: int, heads: int) -> torch.Tensor:
 
 def exact_rows(q, M, repeats, precisions) -> dict:
     """The PRF feature map's forward (queries, one kernel) at the default projection precision for q's dtype
-    (`fused.exact_precision`) and at each of `precisions`, with each one's largest difference from the default."""
+    (`common.exact_precision`) and at each of `precisions`, with each one's largest difference from the default."""
     from dofattn.features import MAX_KEY_EXCESS, make_feature_map
-    from dofattn.ops import load_fused
+    from dofattn.ops import load_triton
 
-    fused = load_fused()[0]
+    kernels = load_triton()[0]
+    common = kernels.common
     H, D = q.shape[2:]
     fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5).to(q.device)
 
     def features():
-        return fused.prf_features(fmap, q, "query", MAX_KEY_EXCESS)[0]
+        return kernels.prf.prf_features(fmap, q, "query", MAX_KEY_EXCESS)[0]
 
-    default, row, ref = fused.exact_precision(q), {}, None
-    saved = fused.EXACT, fused.EXACT_HALF
+    default, row, ref = common.exact_precision(q), {}, None
+    saved = common.EXACT, common.EXACT_HALF
     try:
         for precision in [default, *precisions]:
-            fused.EXACT = fused.EXACT_HALF = precision
+            common.EXACT = common.EXACT_HALF = precision
             suffix = "" if precision == default else "@" + precision
             with torch.no_grad():
                 row["features" + suffix] = safe(features, repeats)
@@ -145,34 +146,34 @@ def exact_rows(q, M, repeats, precisions) -> dict:
             else:
                 row[f"features{suffix}_err"] = float((out - ref).abs().max() / ref.abs().max())
     finally:
-        fused.EXACT, fused.EXACT_HALF = saved
+        common.EXACT, common.EXACT_HALF = saved
     return row
 
 
 def launch_rows(phi_q, phi_k, v, repeats, launches) -> dict:
     """The op's forward with the scan's (chunk, stages, warps) forced to each of `launches`, and each one's largest
     difference from the default launch's output, relative to its largest entry."""
-    from dofattn.ops import load_fused
+    from dofattn.ops import load_triton
 
     if not launches:
         return {}
-    fused = load_fused()[0]
+    scan = load_triton()[0].scan
     try:
         ref = linear_attention(phi_q, phi_k, v, backend="triton")[0].float()
     except Exception as error:  # noqa: BLE001 - the default launch failed: nothing to compare against
         return {"launches": error_text(error)}
-    row, chosen = {}, fused._scan_launch
+    row, chosen = {}, scan._scan_launch
     try:
         for launch in launches:
             name = "triton@" + ",".join(map(str, launch))
-            fused._scan_launch = lambda BK, gate=False, launch=launch: launch
+            scan._scan_launch = lambda BK, gate=False, launch=launch: launch
             row[name] = safe(lambda: linear_attention(phi_q, phi_k, v, backend="triton"), repeats)
             if isinstance(row[name], float):
                 out = linear_attention(phi_q, phi_k, v, backend="triton")[0].float()
                 row[name + "_err"] = float((out - ref).abs().max() / ref.abs().max())
                 del out
     finally:
-        fused._scan_launch = chosen
+        scan._scan_launch = chosen
     return row
 
 

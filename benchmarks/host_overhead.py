@@ -7,7 +7,7 @@ At 8K tokens the op is bound by the host on a GPU (its kernels take about 0.06 m
 so the Python between the call and the launches is part of its time. This times that Python alone, as the best
 CPU time per call over batches (`time.process_time`, so other processes on the machine count less), for:
     linear_attention        `ops.linear_attention(..., backend="triton")` without autograd, bf16 inputs
-    window_forward          the window-64 hybrid's prefill (`fused.window_forward`) without autograd
+    window_forward          the window-64 hybrid's prefill (`triton/window.py: window_forward`) without autograd
 Triton's own launch cost (its launcher, per kernel) is not in these numbers: the stubs replace it.
 """
 
@@ -27,9 +27,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dofattn.ops import linear_attention, load_fused  # noqa: E402
+from dofattn.ops import linear_attention, load_triton  # noqa: E402
 
-KERNELS = ("_block_state", "_prefix_states", "_block_scan", "_decode_step", "_window_exact")
+KERNELS = {"scan": ("_block_state", "_prefix_states", "_block_scan", "_decode_step"), "window": ("_window_exact",)}
 
 
 class NoLaunch:
@@ -59,17 +59,18 @@ def main() -> int:
     parser.add_argument("--out", default="host_overhead.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    fused = load_fused()[0]
-    for name in KERNELS:
-        setattr(fused, name, NoLaunch())
+    kernels = load_triton()[0]
+    for module, names in KERNELS.items():
+        for name in names:
+            setattr(getattr(kernels, module), name, NoLaunch())
     T, H, M, D = args.T, args.heads, args.features, 64
     phi_q, phi_k = (torch.rand(1, T, H, M).bfloat16() for _ in range(2))
     q, k, v = (torch.randn(1, T, H, D).bfloat16() for _ in range(3))
     scale, offset = torch.zeros(1, T, H), torch.zeros(H)
     with torch.no_grad():
         rows = {"linear_attention": best_cpu_us(lambda: linear_attention(phi_q, phi_k, v, backend="triton")),
-                "window_forward": best_cpu_us(lambda: fused.window_forward(q, k, v, phi_q, phi_k, scale, offset,
-                                                                           0.125, 64))}
+                "window_forward": best_cpu_us(lambda: kernels.window.window_forward(q, k, v, phi_q, phi_k, scale,
+                                                                                    offset, 0.125, 64))}
     for name, us in rows.items():
         print(f"{name:>18}: {us:.1f} us of host CPU time per call")
     result = {"us_per_call": rows, "T": T, "heads": H, "features": M, "cpu": platform.processor() or platform.machine(),

@@ -4,7 +4,7 @@
     python benchmarks/kernel_registers.py --gate --out docs/results/kernel-registers-gate.json   # + the gate's kernels
 
 Each kernel is compiled for sm_90 (Triton's own ptxas, `-v`) at the tile sizes and warps its launcher in
-`dofattn/ops/fused.py` uses for M features (bf16 inputs, head size 64; the tiles come from the launchers' own
+`dofattn/ops/triton/` uses for M features (bf16 inputs, head size 64; the tiles come from the launchers' own
 helpers; the scan with no decay, a decay and a gate), and with `--variants` also at other warps and exponent-dot
 precisions (for the window's exact part, "bf16" is the 16-bit dot it takes on bf16 inputs). A program that spills
 keeps part of its tiles in local memory: every chunk then reads them back through the cache, which is the usual
@@ -33,7 +33,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dofattn.ops import fused  # noqa: E402
+from dofattn.ops.triton import prf, scan  # noqa: E402
+from dofattn.ops.triton import window as hybrid  # noqa: E402
+from dofattn.ops.triton.common import EXACT, EXACT_HALF, MAX_TILE, _pow2, _tile, _value_tile  # noqa: E402
 
 
 def _ptxas() -> Path:
@@ -78,17 +80,17 @@ def window_exact(precision: str, warps: int, sink: int = 0) -> dict:
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, ol_ptr=F32, den_ptr=F32, ls_ptr=F32, off_ptr=F32,
                      valid_ptr=F32, sink_ptr="*i32", o_ptr=BF16, lse_ptr=F32, T="i32", H="i32", D="i32", V="i32",
                      scaling="fp32")
-    constexprs = dict(C=64, BD=64, BV=fused._value_tile(64, exact_dot), SB=sink, HAS_VALID=False, STORE_LSE=False,
+    constexprs = dict(C=64, BD=64, BV=_value_tile(64, exact_dot), SB=sink, HAS_VALID=False, STORE_LSE=False,
                       EXACT_DOT=exact_dot, EXACT_PREC="tf32" if precision == "bf16" else precision)
-    return ptxas_report(fused._window_exact, signature, constexprs, warps, 1)
+    return ptxas_report(hybrid._window_exact, signature, constexprs, warps, 1)
 
 
 def prf_features(M: int, precision: str, warps: int) -> dict:
     signature = dict(x_ptr=BF16, w_ptr=F32, lw_ptr=F32, cnt_ptr="*i32", ks_ptr=F32, phi_ptr=BF16, qs_ptr=F32,
                      T="i32", H="i32", D="i32", M="i32", root_s="fp32", max_excess="fp32")
-    BM, BT = fused._prf_tiles(M)
+    BM, BT = prf._prf_tiles(M)
     constexprs = dict(BT=BT, BD=64, BM=BM, QUERY=True, EXACT_PREC=precision)
-    return ptxas_report(fused._prf_features, signature, constexprs, warps, 3)
+    return ptxas_report(prf._prf_features, signature, constexprs, warps, 3)
 
 
 def block_scan(M: int, warps: int | None = None, chunk: int | None = None, decay: bool = False,
@@ -97,32 +99,32 @@ def block_scan(M: int, warps: int | None = None, chunk: int | None = None, decay
     per-head decay, a gate or neither; left to right (the forward) or right to left (the backward's scans)."""
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, o_ptr=BF16, d_ptr=F32, ld_ptr=F32,
                      lg_ptr=F32, T="i32", H="i32", K="i32", V="i32", delay="i32")
-    BK = fused._pow2(M)
-    launch_chunk, stages, launch_warps = fused._scan_launch(BK, gate)
+    BK = _pow2(M)
+    launch_chunk, stages, launch_warps = scan._scan_launch(BK, gate)
     constexprs = dict(L=1024, C=chunk or launch_chunk, BK=BK,
-                      BV=fused._value_tile(min(64, fused.MAX_TILE // BK), tl.bfloat16),
+                      BV=_value_tile(min(64, MAX_TILE // BK), tl.bfloat16),
                       HAS_Z=True, REVERSE=reverse, NORMALIZE=not reverse, DOT=tl.bfloat16, PREC="tf32",
                       HAS_DECAY=decay, HAS_GATE=gate)
-    return ptxas_report(fused._block_scan, signature, constexprs, warps or launch_warps, stages)
+    return ptxas_report(scan._block_scan, signature, constexprs, warps or launch_warps, stages)
 
 
 def block_state(M: int, reverse: bool) -> dict:
     """The gated scan's first kernel (each block's own state), as launched, in either direction."""
     signature = dict(k_ptr=BF16, v_ptr=BF16, s_ptr=F32, z_ptr=F32, ld_ptr=F32, lg_ptr=F32, T="i32", H="i32",
                      K="i32", V="i32", delay="i32")
-    BK = fused._pow2(M)
-    chunk, stages, warps = fused._scan_launch(BK, True)
-    constexprs = dict(L=1024, C=chunk, BK=BK, BV=fused._value_tile(min(64, fused.MAX_TILE // BK), tl.bfloat16),
+    BK = _pow2(M)
+    chunk, stages, warps = scan._scan_launch(BK, True)
+    constexprs = dict(L=1024, C=chunk, BK=BK, BV=_value_tile(min(64, MAX_TILE // BK), tl.bfloat16),
                       HAS_Z=True, DOT=tl.bfloat16, PREC="tf32", HAS_DECAY=False, REVERSE=reverse, HAS_GATE=True)
-    return ptxas_report(fused._block_state, signature, constexprs, warps, stages)
+    return ptxas_report(scan._block_state, signature, constexprs, warps, stages)
 
 
 def decode_step(M: int) -> dict:
     """The gated decode step (bf16 features, head size 64)."""
     signature = dict(q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, s_ptr=F32, s_out_ptr=F32, o_ptr=F32, ld_ptr=F32, H="i32",
                      K="i32", V="i32")
-    constexprs = dict(BK=fused._pow2(M), BV=fused._pow2(65), NORMALIZE=True, HAS_DECAY=False, HAS_GATE=True)
-    return ptxas_report(fused._decode_step, signature, constexprs, 4, 3)
+    constexprs = dict(BK=_pow2(M), BV=_pow2(65), NORMALIZE=True, HAS_DECAY=False, HAS_GATE=True)
+    return ptxas_report(scan._decode_step, signature, constexprs, 4, 3)
 
 
 def ring_step(M: int, window: int, sink: int, decay: bool, warps: int) -> dict:
@@ -132,9 +134,9 @@ def ring_step(M: int, window: int, sink: int, decay: bool, warps: int) -> dict:
                      pos_ptr="*i64", sk_ptr=BF16, sv_ptr=BF16, svalid_ptr="*u8", arrive_ptr="*i32", o_ptr=BF16,
                      H="i32", G="i32", D="i32", M="i32", V="i32", W="i32", NS="i32", root_s="fp32", scaling="fp32",
                      max_excess="fp32")
-    constexprs = dict(BD=64, BM=fused._pow2(M), BV=64, BW=fused._tile(window), BS=fused._tile(sink) if sink else 2,
-                      BKV=fused.triton.next_power_of_2(4 * 64), HAS_DECAY=decay, HAS_SINK=sink > 0)
-    return ptxas_report(fused._prf_ring_step, signature, constexprs, warps, 3)
+    constexprs = dict(BD=64, BM=_pow2(M), BV=64, BW=_tile(window), BS=_tile(sink) if sink else 2,
+                      BKV=triton.next_power_of_2(4 * 64), HAS_DECAY=decay, HAS_SINK=sink > 0)
+    return ptxas_report(hybrid._prf_ring_step, signature, constexprs, warps, 3)
 
 
 def main() -> int:
@@ -146,37 +148,37 @@ def main() -> int:
     parser.add_argument("--out", default="kernel-registers.json")
     args = parser.parse_args()
     dims = [int(x) for x in args.dims.split(",")]
-    half = fused.EXACT_HALF
+    half = EXACT_HALF
     rows = []
     for M in dims:             # as launched (bf16 inputs)
         for decay, gate in ((False, False), (True, False), (False, True)):
-            chunk, stages, warps = fused._scan_launch(fused._pow2(M), gate)
+            chunk, stages, warps = scan._scan_launch(_pow2(M), gate)
             rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
                          "decay": decay, "gate": gate, **block_scan(M, decay=decay, gate=gate)})
         if args.gate:          # the gate's other kernels: the backward's scan and each block's state, both ways
-            chunk, stages, warps = fused._scan_launch(fused._pow2(M), True)
+            chunk, stages, warps = scan._scan_launch(_pow2(M), True)
             rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
                          "gate": True, "reverse": True, **block_scan(M, gate=True, reverse=True)})
             for reverse in (False, True):
                 rows.append({"kernel": "_block_state", "M": M, "chunk": chunk, "stages": stages, "warps": warps,
                              "gate": True, "reverse": reverse, **block_state(M, reverse)})
             rows.append({"kernel": "_decode_step", "M": M, "warps": 4, "gate": True, **decode_step(M)})
-        for precision in (half, fused.EXACT):      # 16-bit inputs, float32 inputs
-            rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": fused.PRF_WARPS,
-                         **prf_features(M, precision, fused.PRF_WARPS)})
+        for precision in (half, EXACT):      # 16-bit inputs, float32 inputs
+            rows.append({"kernel": "_prf_features", "M": M, "precision": precision, "warps": prf.PRF_WARPS,
+                         **prf_features(M, precision, prf.PRF_WARPS)})
     for M in dims:             # the window hybrid's decode step: window 64 with a sink of 4, or with a decay
         for sink, decay in ((4, False), (0, True)):
-            rows.append({"kernel": "_prf_ring_step", "M": M, "warps": fused.RING_WARPS, "sink": sink, "decay": decay,
-                         **ring_step(M, 64, sink, decay, fused.RING_WARPS)})
+            rows.append({"kernel": "_prf_ring_step", "M": M, "warps": hybrid.RING_WARPS, "sink": sink, "decay": decay,
+                         **ring_step(M, 64, sink, decay, hybrid.RING_WARPS)})
     for sink in (0, 16):
-        rows.append({"kernel": "_window_exact", "M": "any", "precision": "bf16", "warps": fused.WINDOW_WARPS,
-                     "sink": sink, **window_exact("bf16", fused.WINDOW_WARPS, sink)})
+        rows.append({"kernel": "_window_exact", "M": "any", "precision": "bf16", "warps": hybrid.WINDOW_WARPS,
+                     "sink": sink, **window_exact("bf16", hybrid.WINDOW_WARPS, sink)})
     if args.variants:
         for M, chunk, warps, (decay, gate) in itertools.product(dims, (32, 64), (4, 8),
                                                                 ((False, False), (True, False), (False, True))):
-            if (chunk, warps) != tuple(fused._scan_launch(fused._pow2(M), gate)[::2]):
+            if (chunk, warps) != tuple(scan._scan_launch(_pow2(M), gate)[::2]):
                 rows.append({"kernel": "_block_scan", "M": M, "chunk": chunk,
-                             "stages": fused._scan_launch(fused._pow2(M), gate)[1], "warps": warps, "decay": decay,
+                             "stages": scan._scan_launch(_pow2(M), gate)[1], "warps": warps, "decay": decay,
                              "gate": gate, "variant": True, **block_scan(M, warps, chunk, decay, gate)})
         for M, precision, warps in itertools.product(dims, ("bf16", "ieee", "tf32x3", "tf32"), (4, 8)):
             if precision != "bf16":          # the projection's directions are float32
@@ -186,7 +188,7 @@ def main() -> int:
             rows.append({"kernel": "_window_exact", "M": "any", "precision": precision, "warps": warps,
                          "variant": True, **window_exact(precision, warps)})
         for M, warps in itertools.product(dims, (2, 4, 8)):
-            if warps != fused.RING_WARPS:
+            if warps != hybrid.RING_WARPS:
                 rows.append({"kernel": "_prf_ring_step", "M": M, "warps": warps, "sink": 4, "variant": True,
                              **ring_step(M, 64, 4, False, warps)})
     for row in rows:

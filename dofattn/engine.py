@@ -5,7 +5,7 @@
 A student whose every attention layer is linear attention (no softmax layers kept) carries a cache of fixed shape
 per layer: the state [B, H, M, V+1], updated in place (by the one-kernel decode step on CUDA), and for a window
 hybrid the last W keys and values in a ring of W slots (`attention.RingWindowLayer`; with a PRF map, one kernel a
-step on CUDA: `ops.fused.prf_ring_step`). So one decode step is the same sequence of kernels on the same buffers
+step on CUDA: `ops.triton.window.prf_ring_step`). So one decode step is the same sequence of kernels on the same buffers
 every time: the next token, its position and the cache position live in static tensors, the step writes the argmax
 back into the token buffer, and the whole step is captured once in a CUDA graph and replayed, with no Python
 between tokens. HF `generate` instead spends host time on every layer of every token, which at 30 layers and

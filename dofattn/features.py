@@ -136,7 +136,7 @@ class PositiveRandomFeatures(FeatureMap):
         return self.features(x, role)[0]
 
     def fused_ok(self, x: torch.Tensor, role: str) -> bool:
-        """True when the one-kernel Triton path (`ops.fused.prf_features`) gives this call's result: CUDA, no
+        """True when the one-kernel Triton path (`ops.triton.prf.prf_features`) gives this call's result: CUDA, no
         autograd, and for keys a calibrated key shift that this call would not move (eval mode)."""
         if not x.is_cuda or (torch.is_grad_enabled() and (x.requires_grad or self.directions.requires_grad)):
             return False
@@ -148,8 +148,8 @@ class PositiveRandomFeatures(FeatureMap):
     def features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
         half_log_m = 0.5 * self.log_dims                                             # [H]
         if self.fused_ok(x, role):
-            from dofattn.ops import load_fused
-            phi, q_scale = load_fused()[0].prf_features(self, x, role, MAX_KEY_EXCESS)
+            from dofattn.ops import load_triton
+            phi, q_scale = load_triton()[0].prf.prf_features(self, x, role, MAX_KEY_EXCESS)
             return phi, (q_scale if role == "query" else self.key_shift - half_log_m)
         e = self.exponent(x)
         if role == "query":

@@ -1,10 +1,13 @@
 """Shared fixtures: tiny random models of the three supported families, saved with a real (tiny) tokenizer.
 
 Real-model tests that take minutes are marked `slow` and deselected by default (`pytest -m slow` runs them).
+Without CUDA, where Triton imports, the Triton kernels run in its interpreter with a GPU's dot rounding
+(tests/gpu_dots.py: its docstring says how to pick the rounding or turn it off).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -12,8 +15,11 @@ import torch
 
 if not torch.cuda.is_available():
     # Triton (if installed) runs its kernels in the interpreter on CPU; the flag must be set before anything imports
-    # triton (transformers does), see tests/test_fused.py.
+    # triton (transformers does), see tests/triton_helpers.py.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The interpreter's dots round as a GPU's (DOFATTN_DOTS=off or -p no:tests.gpu_dots: as the interpreter's own).
+pytest_plugins = ["tests.gpu_dots"] if not torch.cuda.is_available() and importlib.util.find_spec("triton") else []
 
 from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast)
 

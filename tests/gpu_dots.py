@@ -1,17 +1,27 @@
-"""Opt-in pytest plugin: Triton's interpreter computes dots as a GPU does, so CPU runs see GPU rounding.
+"""Pytest plugin: Triton's interpreter computes dots as a GPU does, so CPU runs see GPU rounding.
 
-    DOFATTN_DOTS=tf32x3 python3 -m pytest -p tests.gpu_dots tests/test_fused.py -s -k gate_limits
+tests/conftest.py loads it for every run without CUDA where Triton imports, so the Triton kernels' tests
+(tests/test_triton_*.py; the interpreter is their CPU path) see a GPU's rounding by default. Its settings:
 
-The interpreter (the CPU path of every kernel test) computes every float32 `tl.dot` in full float32, whatever its
-`input_precision`. On an sm_80+ GPU "tf32x3" splits each operand into a tf32 part and a tf32 remainder and sums
-three tf32 products, and "tf32" rounds each operand to 10 mantissa bits: errors the interpreter never shows. Here
-each float32 dot is computed as its precision asks (DOFATTN_DOTS=tf32x3, the default, emulates tf32x3 dots as
-such; DOFATTN_DOTS=tf32 runs them as plain tf32 too, the precision of kernels that ask for nothing), and bf16
-operands are widened exactly before the product. The scan's block plan assumes DOFATTN_SMS streaming
-multiprocessors (default 132, an H100 SXM or an H200), as on that GPU, instead of the interpreter's 8.
+    DOFATTN_DOTS=tf32x3   the default: float32 dots that ask for tf32x3 are computed as a GPU's tf32x3, and
+                          those that ask for tf32 as tf32
+    DOFATTN_DOTS=tf32     every float32 dot that asks for tf32 or tf32x3 rounds its operands to tf32 (the precision
+                          of kernels that ask for nothing)
+    DOFATTN_DOTS=off      the plugin does nothing: the interpreter's own full-float32 dots
+    DOFATTN_SMS=N         the streaming multiprocessors the scan's block plan assumes (default 132, an H100 SXM or
+                          an H200), as on that GPU, instead of the interpreter's 8 (not with DOFATTN_DOTS=off)
+    -p no:tests.gpu_dots  on the pytest command line: not loaded at all, as DOFATTN_DOTS=off
+
+    DOFATTN_DOTS=tf32 python3 -m pytest tests/test_triton_scan.py -s -k gate_limits
+
+The interpreter computes every float32 `tl.dot` in full float32, whatever its `input_precision`. On an sm_80+ GPU
+"tf32x3" splits each operand into a tf32 part and a tf32 remainder and sums three tf32 products, and "tf32" rounds
+each operand to 10 mantissa bits: errors the interpreter never shows. Here each float32 dot is computed as its
+precision asks, and bf16 operands are widened exactly before the product.
 
 It replaces a method of Triton's interpreter (`InterpreterBuilder.create_dot`, Triton 3.x), so a later Triton may
-need it changed; it refuses to load where that method is missing.
+need it changed; where that method is missing it refuses to load (and says to set DOFATTN_DOTS=off), rather than
+let the tests pass without GPU rounding.
 """
 
 from __future__ import annotations
@@ -25,11 +35,12 @@ os.environ["TRITON_INTERPRET"] = "1"
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
 MODE = os.environ.get("DOFATTN_DOTS", "tf32x3")
-if MODE not in ("tf32x3", "tf32"):
-    raise ValueError(f"DOFATTN_DOTS={MODE!r}: give tf32x3 (a GPU's split dots) or tf32 (every float32 dot in tf32)")
-if not hasattr(interpreter.InterpreterBuilder, "create_dot"):
+if MODE not in ("tf32x3", "tf32", "off"):
+    raise ValueError(f"DOFATTN_DOTS={MODE!r}: give tf32x3 (a GPU's split dots), tf32 (every float32 dot in tf32) or "
+                     f"off (the interpreter's float32 dots)")
+if MODE != "off" and not hasattr(interpreter.InterpreterBuilder, "create_dot"):
     raise RuntimeError(f"tests.gpu_dots: Triton {__import__('triton').__version__}'s interpreter has no create_dot "
-                       f"to replace; run without -p tests.gpu_dots")
+                       f"to replace; update tests/gpu_dots.py, or set DOFATTN_DOTS=off to run without GPU rounding")
 
 MANTISSA = np.uint32(0xFFFFE000)    # keeps sign, exponent and the top 10 mantissa bits of a float32
 
@@ -50,7 +61,7 @@ def _widen_bf16(x: np.ndarray) -> np.ndarray:
     return (x.astype(np.uint32) << 16).view(np.float32) if x.dtype == np.uint16 else x.astype(np.float32)
 
 
-_create_dot = interpreter.InterpreterBuilder.create_dot
+_create_dot = getattr(interpreter.InterpreterBuilder, "create_dot", None)
 
 
 def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -73,7 +84,9 @@ def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
 
 
 def pytest_configure(config):
-    from dofattn.ops import fused
+    if MODE == "off":
+        return
+    from dofattn.ops.triton import common
 
     interpreter.InterpreterBuilder.create_dot = create_dot
-    fused.INTERPRETER_SMS = int(os.environ.get("DOFATTN_SMS", "132"))
+    common.INTERPRETER_SMS = int(os.environ.get("DOFATTN_SMS", "132"))

@@ -159,12 +159,12 @@ def test_same_tokens_with_a_conv(window, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
-    """A window + sink student's static decoding with the one-kernel ring step (`ops.fused.prf_ring_step`; on CPU
+    """A window + sink student's static decoding with the one-kernel ring step (`ops.triton.window.prf_ring_step`; on CPU
     asked for by name, in Triton's interpreter: slow, so few tokens) gives the tokens of the PyTorch ring step, after
     the ring has wrapped. GQA: 4 query heads on 2 kv heads, batch 2."""
     pytest.importorskip("triton", reason="needs the triton package")
     from dofattn.attention import LinearAttention
-    from dofattn.ops import load_fused
+    from dofattn.ops import load_triton
 
     model = tiny_model("llama")
     linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=4, sink=2)
@@ -178,9 +178,9 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
         decoder = StaticDecoder(model)
         ref = decoder.generate(prompt, 6)
         ref_cache = decoder.cache
-    fused, calls = load_fused()[0], []
-    step = fused.prf_ring_step
-    monkeypatch.setattr(fused, "prf_ring_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    hybrid, calls = load_triton()[0].window, []
+    step = hybrid.prf_ring_step
+    monkeypatch.setattr(hybrid, "prf_ring_step", lambda *a, **k: calls.append(1) or step(*a, **k))
     if device == "cpu":
         ring_step = LinearAttention.ring_step
         monkeypatch.setattr(LinearAttention, "ring_step",

@@ -3,7 +3,7 @@ the first S real tokens), linear attention beyond, in one normalisation.
 
 Every form runs the op `ops.window`: a prefill or a cached call `window_linear_attention` (the cache's keys still
 inside the window come first), a static ring step its spec `naive_window_linear_attention` on the ring's keys in
-order, or on CUDA with a PRF map the Triton kernel `ops.fused.prf_ring_step`.
+order, or on CUDA with a PRF map the Triton kernel `ops.triton.window.prf_ring_step`.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class WindowHybrid:
         return o
 
     def one_kernel_ring(self, q: torch.Tensor, cache: RingWindowLayer, backend: str) -> bool:
-        """True when this ring step runs as one Triton kernel (`ops.fused.prf_ring_step`): backend auto on CUDA, or
+        """True when this ring step runs as one Triton kernel (`ops.triton.window.prf_ring_step`): backend auto on CUDA, or
         backend triton (on CPU: Triton's interpreter, for tests); a PRF map with a calibrated key shift, in eval mode,
         no autograd, a contiguous float32 state. Reads nothing from the GPU per step (the calibration once)."""
         fmap = self.feature_map
@@ -109,10 +109,10 @@ class WindowHybrid:
             return False
         if needs_grad(q, *self.parameters()):
             return False
-        from dofattn.ops import load_fused
+        from dofattn.ops import load_triton
         return (isinstance(fmap, PositiveRandomFeatures) and not fmap.training and fmap.shift_calibrated()
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
-                and load_fused()[0] is not None)
+                and load_triton()[0] is not None)
 
     def ring_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: RingWindowLayer,
                   backend: str = "auto") -> torch.Tensor:
@@ -124,10 +124,10 @@ class WindowHybrid:
         (the one leaving, the only key beyond the window, whose features alone are computed), the new key]."""
         fmap, W = self.feature_map, self.window
         if self.one_kernel_ring(q, cache, backend):
-            from dofattn.ops import load_fused
+            from dofattn.ops import load_triton
             if cache.arrivals is None or cache.arrivals.shape[0] != q.shape[0]:
                 cache.arrivals = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
-            return load_fused()[0].prf_ring_step(
+            return load_triton()[0].window.prf_ring_step(
                 fmap, q, k, v, cache.state, cache.keys, cache.values, cache.key_valid, cache.position, self.log_gain,
                 MAX_KEY_EXCESS, self.decay_rate if self.decay else None, cache.sink_keys, cache.sink_values,
                 cache.sink_valid, cache.arrivals)

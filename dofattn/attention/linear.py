@@ -4,7 +4,7 @@ a short convolution on q, k and v, and the delta rule.
 Each reads its parameters off the layer (`decay_rate`, `gate_weight`, `conv_q`/`conv_k`/`conv_v`, `delta_bias` and
 `delta_weight`, made in `LinearAttention.__init__`) and runs the ops: `ops.linear_attention` (with its decay or
 gate), `ops.conv.short_conv`, `ops.delta.delta_attention`, and for a one-token PRF step on CUDA the Triton kernel
-`ops.fused.prf_decode_step`.
+`ops.triton.prf.prf_decode_step`.
 """
 
 from __future__ import annotations
@@ -72,15 +72,15 @@ class LinearMechanisms:
         """A cached call of pure linear attention: continue from the cache's state and keep the new one. q [B, T, H,
         D], k and v [B, T, Hkv, D] -> o [B, T, H, D]."""
         if self.one_kernel_step(q, cache, backend):
-            from dofattn.ops import load_fused
-            return load_fused()[0].prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS, key_valid,
-                                                   self.log_decay())
+            from dofattn.ops import load_triton
+            return load_triton()[0].prf.prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS,
+                                                        key_valid, self.log_decay())
         o, state = self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, cache.state, True, backend)
         keep_buffer(cache, "state", state)
         return o
 
     def one_kernel_step(self, q: torch.Tensor, cache: LinearStateLayer, backend: str) -> bool:
-        """True when this generation step can run as one Triton kernel (`ops.fused.prf_decode_step`): one token,
+        """True when this generation step can run as one Triton kernel (`ops.triton.prf.prf_decode_step`): one token,
         CUDA, no autograd, a PRF map with a calibrated key shift, no window, a float32 state (with or without a decay).
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map

@@ -13,7 +13,8 @@ Backends, all with the same signature and result (`naive.py` is the spec the oth
     naive       quadratic masked form, O(T²) memory: the reference
     chunk       chunked parallel form in pure PyTorch, CPU and CUDA
     recurrent   token by token: the decode path
-    triton      dofattn's own Triton kernels (`fused.py`; CUDA, needs the `triton` package), forward and backward
+    triton      dofattn's own Triton kernels (`triton/scan.py`; CUDA, needs the `triton` package), forward and
+                backward
     fla         flash-linear-attention's Triton kernel (CUDA, `pip install fla-core`)
     auto        for CUDA inputs triton when it imports (its decode step for T = 1); else recurrent when T == 1;
                 else fla for CUDA inputs when it imports; else chunk
@@ -41,29 +42,31 @@ from dofattn.ops.recurrent import recurrent_linear_attention
 
 
 @functools.cache
-def load_fused():
-    """dofattn's Triton module (`ops.fused`) and '' if it imports, else (None, why not)."""
+def load_triton():
+    """dofattn's Triton kernels (the package `ops.triton`: modules scan, prf, window) and '' if they import, else
+    (None, why not)."""
     try:
-        from dofattn.ops import fused
+        from dofattn.ops import triton as kernels
     except Exception as error:                                         # ImportError, or Triton failing to load
         return None, f"{type(error).__name__}: {error}"
-    return fused, ""
+    return kernels, ""
 
 
 def triton_available() -> bool:
     """True if Triton imports and CUDA is available (the `triton` backend can run)."""
-    return torch.cuda.is_available() and load_fused()[0] is not None
+    return torch.cuda.is_available() and load_triton()[0] is not None
 
 
 def triton_linear_attention(phi_q, phi_k, v, initial_state=None, output_final_state=False, normalize=True,
                             log_decay=None, log_gate=None):
-    """`ops.fused.triton_linear_attention` (CUDA, Triton), imported on first use; RuntimeError without Triton."""
-    fused, why = load_fused()
-    if fused is None:
+    """`ops.triton.scan.triton_linear_attention` (CUDA, Triton), imported on first use; RuntimeError without
+    Triton."""
+    kernels, why = load_triton()
+    if kernels is None:
         raise RuntimeError(f"backend 'triton' needs the triton package, which did not import ({why}); "
                            f"use backend='chunk' instead")
-    return fused.triton_linear_attention(phi_q, phi_k, v, initial_state, output_final_state, normalize, log_decay,
-                                         log_gate)
+    return kernels.scan.triton_linear_attention(phi_q, phi_k, v, initial_state, output_final_state, normalize,
+                                                log_decay, log_gate)
 
 
 BACKENDS = {
@@ -75,7 +78,7 @@ BACKENDS = {
 }
 
 __all__ = ["linear_attention", "naive_linear_attention", "chunk_linear_attention", "recurrent_linear_attention",
-           "triton_linear_attention", "fla_linear_attention", "fla_available", "triton_available", "load_fused",
+           "triton_linear_attention", "fla_linear_attention", "fla_available", "triton_available", "load_triton",
            "pick_backend", "BACKENDS", "GATE_BACKENDS"]
 
 

@@ -278,10 +278,10 @@ def delayed_keys(phi_q, phi_k, v, key_valid, window: int, dtype: torch.dtype):
 
 
 def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend) -> bool:
-    """True when the Triton hybrid (`ops.fused.window_forward`) gives this call's result: CUDA, a prefill (as many
-    keys as queries), a window in `fused.WINDOWS`, no float64, and backend triton, or backend auto without autograd
-    (training takes the Triton backward when asked for by name: `backend="triton"`)."""
-    from dofattn.ops import load_fused, triton_available
+    """True when the Triton hybrid (`ops.triton.window.window_forward`) gives this call's result: CUDA, a prefill (as
+    many keys as queries), a window in `ops.triton.window.WINDOWS`, no float64, and backend triton, or backend auto
+    without autograd (training takes the Triton backward when asked for by name: `backend="triton"`)."""
+    from dofattn.ops import load_triton, triton_available
 
     if backend not in ("auto", "triton") or not q.is_cuda or not triton_available():
         return False
@@ -290,8 +290,7 @@ def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, init
         return False
     if any(x is not None and x.dtype == torch.float64 for x in tensors) or k.shape[1] != q.shape[1]:
         return False
-    fused = load_fused()[0]
-    return window in fused.WINDOWS
+    return window in load_triton()[0].window.WINDOWS
 
 
 def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
@@ -302,7 +301,7 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     `backend` picks the linear op (`ops.linear_attention`); the window part is plain PyTorch, O(T·W) memory.
     With backend "auto", a call with few queries (decode: T = 1 against W cached keys) runs the spec's dense form,
     which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions. On CUDA without autograd, a
-    prefill with a window of 16, 32 or 64 runs in Triton (`ops.fused.window_forward`: the linear scan on the
+    prefill with a window of 16, 32 or 64 runs in Triton (`ops.triton.window.window_forward`: the linear scan on the
     delayed keys, then one kernel for the exact part and the shared normalisation); backend "triton" takes that
     path with autograd too (its backward is Triton as well), with a decay (`log_decay`) or an attention sink
     (`sink_mask`: its few keys beyond the window are a third block of keys in the exact part's kernel; their
@@ -314,10 +313,10 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
         return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                              key_valid, initial_state, output_final_state, log_decay, sink_mask)
     if fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend):
-        from dofattn.ops import load_fused
-        return load_fused()[0].window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
-                                              key_valid, initial_state, output_final_state, log_decay=log_decay,
-                                              sink_mask=sink_mask)
+        from dofattn.ops import load_triton
+        return load_triton()[0].window.window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling,
+                                                      window, key_valid, initial_state, output_final_state,
+                                                      log_decay=log_decay, sink_mask=sink_mask)
     return blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                            key_valid, initial_state, output_final_state, backend, log_decay,
                                            sink_mask)
