@@ -5,8 +5,9 @@
     spec.to_json()                  # dofattn.json of a student folder
     StudentSpec.from_json(text)     # older folders (schema 1) are read too
 
-`check_architecture` holds every rule on which switches combine; the recipe's [student] table and the spec both call
-it, so a bad combination fails with the same one-line message before a model loads or when a folder is read.
+`check_architecture` holds every rule on which switches combine (`check_attention` those of one linear layer, which
+`LinearAttention` calls too); the recipe's [student] table and the spec call it, so a bad combination fails with the
+same one-line message before a model loads, when a folder is read, or when a layer is built.
 """
 
 from __future__ import annotations
@@ -23,15 +24,10 @@ DECAYS = ("none", "head", "gate")  # no decay; a learned decay per head; a decay
 LORA_TARGETS = ("attention", "all")
 
 
-def check_architecture(*, feature: str, window: int, sink: int, decay: str, conv: int, delta: bool,
-                       lora_rank: int, lora_targets: str) -> None:
-    """Every rule on the student's switches; a UserError names the recipe key (student.KEY) and what is allowed."""
-    if feature not in FEATURES:
-        raise UserError(f"student.feature = {feature!r} is not a feature map; use one of {', '.join(FEATURES)}")
+def check_attention(*, window: int, sink: int, decay: str, conv: int, delta: bool) -> None:
+    """The rules on how a linear layer attends (also `LinearAttention`'s); a UserError names the key (student.KEY)."""
     if decay not in DECAYS:
         raise UserError(f"student.decay = {decay!r}; use none, head (a learned decay per head) or gate (per token)")
-    if lora_targets not in LORA_TARGETS:
-        raise UserError(f"student.lora_targets = {lora_targets!r}; use attention or all")
     if window < 0:
         raise UserError(f"student.window = {window}: give >= 0 tokens (0: pure linear attention)")
     if sink < 0:
@@ -41,12 +37,22 @@ def check_architecture(*, feature: str, window: int, sink: int, decay: str, conv
     if sink and decay != "none":
         raise UserError(f"student.sink = {sink} and student.decay = {decay!r} do not combine: set one to 0 / none")
     if decay == "gate" and window:
-        raise UserError(f"student.decay = 'gate' is for pure linear attention: set student.window = 0 (and sink = "
-                        f"0), or decay = 'head'")
+        raise UserError("student.decay = 'gate' is for pure linear attention: set student.window = 0 (and sink = "
+                        "0), or decay = 'head'")
     if delta and window:
         raise UserError("student.delta is for pure linear attention: set student.window = 0 (and sink = 0)")
     if conv < 0 or conv == 1:
         raise UserError(f"student.conv = {conv}: a filter is at least 2 tokens wide (0: none)")
+
+
+def check_architecture(*, feature: str, window: int, sink: int, decay: str, conv: int, delta: bool,
+                       lora_rank: int, lora_targets: str) -> None:
+    """Every rule on the student's switches; a UserError names the recipe key (student.KEY) and what is allowed."""
+    if feature not in FEATURES:
+        raise UserError(f"student.feature = {feature!r} is not a feature map; use one of {', '.join(FEATURES)}")
+    check_attention(window=window, sink=sink, decay=decay, conv=conv, delta=delta)
+    if lora_targets not in LORA_TARGETS:
+        raise UserError(f"student.lora_targets = {lora_targets!r}; use attention or all")
     if lora_rank < 0:
         raise UserError(f"student.lora_rank = {lora_rank}: give >= 0 (0: no LoRA)")
     if lora_targets != "attention" and not lora_rank:

@@ -340,7 +340,7 @@ def test_gate_log_factors_are_bounded_and_train():
 
 
 def test_gate_refuses_a_window_and_padding_it_would_count():
-    with pytest.raises(UserError, match="a gate is for pure linear attention"):
+    with pytest.raises(UserError, match="student.decay = 'gate' is for pure linear attention"):
         linearize(tiny_model("llama"), dims=[8, 8, 8], window=4, gate=True)
     model = tiny_model("llama")
     linearize(model, dims=[8, 8, 8], gate=True)
@@ -436,7 +436,7 @@ def test_conv_round_trips_and_refuses_bad_widths(tmp_path, model_dirs):
     with torch.no_grad():
         assert torch.equal(loaded(x, use_cache=False).logits, logits)
     for width in (1, -2):
-        with pytest.raises(UserError, match="filter width of at least 2 tokens"):
+        with pytest.raises(UserError, match="a filter is at least 2 tokens wide"):
             linearize(tiny_model("llama"), dims=[8, 8, 8], conv=width)
     with pytest.raises(UserError, match="give the head dimension"):
         LinearAttention(make_feature_map("prf", 4, 16, 8, 0.25), 4, 2, conv=4)

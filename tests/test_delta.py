@@ -183,7 +183,7 @@ def test_layer_decode_matches_prefill(conv, gate, decay):
 
 def test_layer_refuses_a_window():
     fmap = make_feature_map("prf", 4, 16, 8, 0.25, seed=0)
-    with pytest.raises(UserError, match="the delta rule is for pure linear attention"):
+    with pytest.raises(UserError, match="student.delta is for pure linear attention"):
         LinearAttention(fmap, 4, 2, window=8, head_dim=16, delta=True)
     with pytest.raises(UserError, match="give the head dimension"):
         LinearAttention(fmap, 4, 2, delta=True)

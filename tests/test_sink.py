@@ -188,9 +188,9 @@ def test_sink_student_round_trip(tmp_path, model_dirs):
 
 def test_sink_errors():
     fmap = make_feature_map("prf", 1, 4, 4, 0.5)
-    with pytest.raises(UserError, match="sink must be >= 0"):
+    with pytest.raises(UserError, match=r"student.sink = -1: give >= 0"):
         LinearAttention(fmap, 1, 1, window=4, sink=-1)
-    with pytest.raises(UserError, match="give a window >= 1"):
+    with pytest.raises(UserError, match="sits beside a softmax window"):
         LinearAttention(fmap, 1, 1, sink=2)
     with pytest.raises(UserError, match="do not combine"):
         LinearAttention(fmap, 1, 1, window=4, decay=True, sink=2)

@@ -196,7 +196,7 @@ def test_finite_at_exponent_195(dtype, decay):
 def test_window_must_be_nonnegative():
     from dofattn.errors import UserError
 
-    with pytest.raises(UserError, match="window must be >= 0"):
+    with pytest.raises(UserError, match="student.window = -1: give >= 0"):
         LinearAttention(make_feature_map("prf", 1, 4, 4, 0.5), 1, 1, window=-1)
     with pytest.raises(ValueError, match="window must be >= 1"):
         window_linear_attention(*inputs(1, 3, 0, 1, 4, 4, 2, 2)[0], 0.5, 0)

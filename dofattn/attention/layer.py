@@ -15,6 +15,7 @@ from dofattn.attention.cache import LinearStateLayer
 from dofattn.attention.hybrid import WindowHybrid
 from dofattn.attention.linear import CONV_NAMES, DECAY_START, DELTA_START, LinearMechanisms
 from dofattn.errors import UserError
+from dofattn.spec import check_attention
 from dofattn.features import FeatureMap
 from dofattn.ops.softmax import expand_kv
 
@@ -51,28 +52,16 @@ class LinearAttention(WindowHybrid, LinearMechanisms, nn.Module):
                  decay: bool = False, sink: int = 0, gate: bool = False, head_dim: int = 0, conv: int = 0,
                  delta: bool = False):
         super().__init__()
-        if delta and window:
-            raise UserError(f"the delta rule is for pure linear attention: drop it or the {window}-token window")
+        check_attention(window=window, sink=sink, decay="gate" if gate else "head" if decay else "none", conv=conv,
+                        delta=delta)
         if delta and head_dim < 1:
             raise UserError(f"the delta rule reads the values: give the head dimension (head_dim >= 1), got {head_dim}")
-        if conv < 0 or conv == 1:
-            raise UserError(f"conv is a filter width of at least 2 tokens (0: none), got {conv}")
         if conv and head_dim < 1:
             raise UserError(f"a convolution filters every channel: give the head dimension (head_dim >= 1), "
                             f"got {head_dim}")
-        if gate and window:
-            raise UserError(f"a gate is for pure linear attention: drop it or the {window}-token window")
         if gate and head_dim < 1:
             raise UserError(f"a gate reads the values: give the head dimension (head_dim >= 1), got {head_dim}")
         decay = decay or gate
-        if window < 0:
-            raise UserError(f"window must be >= 0 tokens (0: no softmax window), got {window}")
-        if sink < 0:
-            raise UserError(f"sink must be >= 0 tokens (0: none), got {sink}")
-        if sink and not window:
-            raise UserError(f"a sink of {sink} tokens sits beside a softmax window: give a window >= 1 as well")
-        if sink and decay:
-            raise UserError("a sink and a decay do not combine: drop one of them")
         self.sink = int(sink)
         self.feature_map = feature_map
         self.num_heads, self.num_kv_heads, self.window = num_heads, num_kv_heads, int(window)
