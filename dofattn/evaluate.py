@@ -159,24 +159,6 @@ class AgainstTeacher:
 
 
 @torch.no_grad()
-def restore_gains(student, blocks: torch.Tensor, batch_size: int = 2, progress: bool = True) -> list[float | None]:
-    """Per layer, how much the student's mean per-token KL(teacher ‖ student) on `blocks` [N, T] falls when that
-    one layer gets its exact softmax attention back, every other layer as it is (None: the layer is not linear).
-    The teacher's log-probabilities are computed once; each linear layer costs one forward pass over `blocks`."""
-    from dofattn.student import attention_modules, softmax_in
-
-    score = AgainstTeacher(student, blocks, batch_size)
-    base = score()["kl"]
-    linear = [hasattr(m, "dofattn") for m in attention_modules(student)]
-    gains: list[float | None] = [None] * len(linear)
-    for i in tqdm([i for i, lin in enumerate(linear) if lin], desc="softmax restored per layer", unit="layer",
-                  disable=not progress, leave=False):
-        with softmax_in(student, [i]):
-            gains[i] = base - score()["kl"]
-    return gains
-
-
-@torch.no_grad()
 def layer_errors(student, blocks: torch.Tensor, batch_size: int = 2, progress: bool = True) -> dict:
     """Per layer, on the teacher's own q/k/v: relative error of the linear attention output against softmax
     attention (‖o_lin − o_soft‖ / ‖o_soft‖), and the row-scaled L2 kernel error of PRF maps (the distillation's
