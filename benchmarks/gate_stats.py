@@ -62,6 +62,17 @@ def half_lives(log_gates: torch.Tensor) -> torch.Tensor:
     return math.log(2) / (-log_gates.double()).clamp_min(1e-300)
 
 
+def scored_text(folder: Path) -> str:
+    """The text a run folder's student was scored on: its recipe's (or, for a run of the old flags, its run.json's)."""
+    from dofattn.distill.run_folder import RECIPE_FILE, RunFolder
+
+    if (folder / RECIPE_FILE).is_file():
+        run = RunFolder(folder).recipe.run
+        return run.eval_data or run.data
+    old = json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
+    return old.get("eval_data") or old.get("data") or "wiki-sample"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("student", help="a student folder distilled with --gate")
@@ -75,13 +86,12 @@ def main() -> None:
 
     folder = Path(args.student)
     model, tokenizer, config = load_student(folder, dtype=getattr(torch, args.dtype))
-    run = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
-    data = args.data or run.get("eval_data") or run.get("data") or "wiki-sample"
+    data = args.data or scored_text(folder)
     blocks = token_blocks(data, tokenizer, args.seq_len, args.blocks, split="validation", seed=0)   # as distill and eval
     recorded = collect(model.eval(), blocks)
     gates, erase = recorded["log_gates"], recorded["betas"]
     if not gates and not erase:
-        raise SystemExit("this student has no gated layers (distill it with --gate) and no delta rule (--delta)")
+        raise SystemExit("this student has no gated layers (student.decay = gate) and no delta rule (student.delta)")
     rows = []
     if gates:
         print(f"{'layer':>5} " + " ".join(f"{'q' + str(int(q * 100)):>8}" for q in QUANTILES)

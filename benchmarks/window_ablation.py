@@ -27,12 +27,18 @@ def ablate(folder: Path) -> dict:
     from dofattn.evaluate import compare
     from dofattn.student import load_student
 
-    args = json.loads((folder / "run.json").read_text())
+    from dofattn.distill.run_folder import RECIPE_FILE, RunFolder
+
+    if (folder / RECIPE_FILE).is_file():
+        recipe = RunFolder(folder).recipe
+        data, seq_len, count = recipe.run.eval_data or recipe.run.data, recipe.eval.seq_len, recipe.eval.blocks
+    else:                                             # a run of the old flags
+        args = json.loads((folder / "run.json").read_text())
+        data, seq_len, count = args.get("eval_data") or args["data"], args["eval_seq_len"], args["eval_blocks"]
     model, tokenizer, config = load_student(folder)
     if not config.window:
-        raise SystemExit(f"{folder} is not a window student (distilled with --window 0)")
-    blocks = token_blocks(args["data"], tokenizer, args["eval_seq_len"], args["eval_blocks"], split="validation",
-                          seed=0)
+        raise SystemExit(f"{folder} is not a window student (student.window = 0)")
+    blocks = token_blocks(data, tokenizer, seq_len, count, split="validation", seed=0)
     student = compare(model, blocks, progress=False)
     with torch.no_grad():
         for module in model.modules():
