@@ -1,0 +1,92 @@
+"""Recipe files: every packaged recipe loads and round-trips through its resolved TOML, --set values take their
+key's type, and every bad key or value is a one-line error naming the key and what it takes."""
+
+import dataclasses
+
+import pytest
+
+from dofattn import recipe as recipes
+from dofattn.errors import UserError
+
+
+@pytest.mark.parametrize("name", list(recipes.packaged()))
+def test_a_resolved_recipe_loads_back_to_itself(tmp_path, name):
+    recipe = recipes.load(name)
+    path = tmp_path / "recipe.toml"
+    path.write_text(recipe.to_toml())
+    assert recipes.load(str(path)) == recipe
+    assert recipe.name == name and recipe.description == recipes.packaged()[name]
+
+
+def test_the_default_recipe_file_spells_out_the_defaults():
+    """default.toml gives every key but the unset ones, each at the value a recipe that leaves it out gets."""
+    text, _ = recipes.read_text("default")
+    given = recipes.tomllib.loads(text)
+    for key, (_, default, _, _) in recipes.key_fields().items():
+        table, name = key.split(".")
+        if default is None:
+            assert name not in given.get(table, {}), key
+        else:
+            assert given[table][name] == default, key
+    assert recipes.load("default") == recipes.Recipe(name="default", description=recipes.packaged()["default"])
+
+
+@pytest.mark.parametrize("item,key,value", [
+    ("student.window=32", "student.window", 32),
+    ("window=32", "student.window", 32),                     # a bare key that one table has
+    ("end_to_end.lr=1e-3", "end_to_end.lr", 1e-3),
+    ("end_to_end.lr=1", "end_to_end.lr", 1.0),               # an integer where a number is asked for
+    ("student.delta=true", "student.delta", True),
+    ("student.dims=fix:8", "student.dims", "fix:8"),         # not TOML: the bare text
+    ('student.dims="fix"', "student.dims", "fix"),
+    ("student.decay=none", "student.decay", "none"),         # a value, where the key cannot be unset
+    ("end_to_end.conv_lr=none", "end_to_end.conv_lr", None),  # unset, where it may be
+    ("run.eval_data=notes.txt", "run.eval_data", "notes.txt"),
+])
+def test_set_values_take_their_keys_type(item, key, value):
+    sets = [item, "student.conv=2"] if "conv_lr" in item else [item]
+    got = recipes.load("paper", sets).keys()[key]
+    assert got == value and type(got) is type(value)
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["student.windw=3"], "unknown recipe key 'student.windw'; did you mean student.window?"),
+    (["lr=0.1"], "recipe key 'lr' is in several tables: say which, layerwise.lr or end_to_end.lr"),
+    (["window"], "--set 'window': give KEY=VALUE"),
+    (["window=3.5"], "student.window = 3.5 is not an integer"),
+    (["delta=1"], "student.delta = 1 is not true or false"),
+    (["steps=true"], "in several tables"),
+    (["layerwise.steps=true"], "layerwise.steps = True is not an integer"),
+    (["run.seed=none"], "run.seed cannot be unset; give an integer"),
+    (["run.dtype=float16"], "run.dtype = 'float16'; use one of float32, bfloat16"),
+    (["layerwise.loss=output"], "layerwise.loss = 'output'; use one of softmax, l2"),
+    (["eval.blocks=0"], "eval.blocks = 0: give >= 1"),
+])
+def test_bad_sets_are_one_line_errors(sets, message):
+    with pytest.raises(UserError) as error:
+        recipes.load("default", sets)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_bad_files_are_one_line_errors(tmp_path):
+    cases = {"format = 2\n": "has format 2; this dofattn reads format 1",
+             "[training]\nsteps = 3\n": "unknown table [training]; the tables are run, student, dof",
+             "[student]\nwindw = 3\n": "unknown recipe key 'student.windw'",
+             "[student]\nwindow = '64'\n": "student.window = '64' is not an integer",
+             "[student\n": "is not valid TOML"}
+    for i, (text, message) in enumerate(cases.items()):
+        path = tmp_path / f"r{i}.toml"
+        path.write_text(text)
+        with pytest.raises(UserError) as error:
+            recipes.load(str(path))
+        assert message in str(error.value), (text, error.value)
+    with pytest.raises(UserError, match="unknown recipe 'nonesuch'; use one of default, "):
+        recipes.load("nonesuch")
+
+
+def test_every_key_has_a_meaning_and_a_type_the_files_can_hold():
+    for key, (kind, _, meaning, choices) in recipes.key_fields().items():
+        assert meaning and recipes.type_name(kind).rstrip("?") in ("int", "float", "str", "bool"), key
+        if choices:
+            default = dataclasses.fields(recipes.TABLES[key.split(".")[0]])
+            assert next(f.default for f in default if f.name == key.split(".")[1]) in choices, key
