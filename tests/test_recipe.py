@@ -57,7 +57,7 @@ def test_set_values_take_their_keys_type(item, key, value):
     (["delta=1"], "student.delta = 1 is not true or false"),
     (["steps=true"], "in several tables"),
     (["layerwise.steps=true"], "layerwise.steps = True is not an integer"),
-    (["run.seed=none"], "run.seed cannot be unset; give an integer"),
+    (["run.seed=none"], "run.seed = 'none' is not an integer"),
     (["run.dtype=float16"], "run.dtype = 'float16'; use one of float32, bfloat16"),
     (["layerwise.loss=output"], "layerwise.loss = 'output'; use one of softmax, l2"),
     (["eval.blocks=0"], "eval.blocks = 0: give >= 1"),
