@@ -315,7 +315,7 @@ def test_gate_starts_as_the_decay_then_differs_and_round_trips(tmp_path, model_d
     config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay="gate")
     folder = save_student(model, tmp_path / "s", config)
     loaded, _, config = load_student(folder)
-    assert config.gate and attention_modules(loaded)[2].dofattn.gate
+    assert config.decay == "gate" and attention_modules(loaded)[2].dofattn.gate
     with torch.no_grad():
         assert torch.equal(loaded(x, use_cache=False).logits, logits)
 

@@ -116,13 +116,14 @@ def test_features_on_real_activations_are_finite_in_fp32_and_bf16(kind):
 
 def test_smoke_distill_on_smollm2(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["distill", "--dims", "fix", "--steps", "2", "--then-direct-steps", "1", "--train-blocks", "4",
-                 "--seq-len", "64", "--batch-size", "2", "--direct-batch-size", "1", "--eval-blocks", "1",
-                 "--eval-seq-len", "64", "--out", str(out)])
+    sets = ("student.dims=fix", "layerwise.steps=2", "end_to_end.steps=1", "layerwise.blocks=4",
+            "layerwise.seq_len=64", "layerwise.batch_size=2", "end_to_end.seq_len=64", "eval.blocks=1",
+            "eval.seq_len=64")
+    code = main(["distill", *(x for key in sets for x in ("--set", key)), "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     log = json.loads((out / "log.json").read_text())
-    assert len(log["layers"]) == 30 and log["direct"]["steps"] == 1
+    assert len(log["layers"]) == 30 and log["end_to_end"]["steps"] == 1
     ev = log["evaluation"]
     positions = ev.pop("by_position")
     assert ev["teacher_ppl"] < ev["performer_ppl"] and all(map(math.isfinite, ev.values()))
