@@ -448,7 +448,7 @@ def run_dof(args: DofArgs) -> int:
     print(format_table(result))
     if args.attention:
         order = sorted(result.layers, key=lambda layer: (-layer.attention_dof, layer.layer))
-        print("largest attention DoF (what --keep-softmax K keeps): layers "
+        print("largest attention DoF (what student.keep_softmax = K keeps): layers "
               f"{', '.join(str(layer.layer) for layer in order[:5])}")
     print(f"total dim {sum(result.dims)} = {len(result.dims)} layers x mean {sum(result.dims) / len(result.dims):g}"
           f"{' (clipped)' if args.clip else ''}; {elapsed:.1f} s")

@@ -3,7 +3,7 @@ through peft.
 
     add_lora(model, rank=8)          # in place: the projections gain lora_A/lora_B (B = 0, so nothing changes yet)
     add_lora(model, rank=8, targets="all")   # the MLP projections as well
-    lora_parameters(model)           # what the direct phase trains beside the feature maps
+    lora_parameters(model)           # what the end-to-end phase trains beside the feature maps
     merge_lora(model)                # fold B·A into the projection weights for inference
 
 The adapters are injected into the HF modules where they are (`peft.inject_adapter_in_model`), not by wrapping the

@@ -110,7 +110,7 @@ def test_dof_with_the_attention_dof(capsys, model_dirs, text_file, tmp_path):
     assert got == pytest.approx(expected, rel=1e-9)
     top = sorted(range(3), key=lambda i: (-got[i], i))
     assert "attn DoF" in out
-    assert f"largest attention DoF (what --keep-softmax K keeps): layers {', '.join(map(str, top))}" in out
+    assert f"largest attention DoF (what student.keep_softmax = K keeps): layers {', '.join(map(str, top))}" in out
 
 
 def test_clip_and_budget(capsys, model_dirs, text_file, tmp_path):

@@ -24,7 +24,7 @@ DECAY_START = (8, 11)   # a decay starts at log γ_h from -2^-8 to -2^-11 over t
 GATE_FLOOR = -30.0      # a gate's log factor per token is at least this (e^-30: the state all but cleared)
 DELTA_START = -6.0      # a delta rule's erase strength starts at sigmoid(-6) = 0.0025 for every token
 
-CONV_NAMES = ("conv_q", "conv_k", "conv_v")    # the --conv filters of q, k and v: parameters and cache tensors
+CONV_NAMES = ("conv_q", "conv_k", "conv_v")    # the convolution filters of q, k and v: parameters and cache tensors
 DELTA_NAMES = (".delta_bias", ".delta_weight")  # the delta rule's parameters
 
 

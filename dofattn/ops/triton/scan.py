@@ -307,8 +307,8 @@ def _scan_launch(BK: int, gate: bool = False) -> tuple[int, int, int]:
     Wide tiles: shorter chunks and no pipelining keep the chunk tiles inside an H100's shared memory, and 8 warps
     spill less than 4 (ptxas, sm_90). A gate adds C × C tiles (its pairs' spans and factors): the gated scan spills
     heavily at chunks of 64 on 4 warps and little or nothing at chunks of 32 on 8 warps. Chosen from ptxas' report
-    (`benchmarks/kernel_registers.py --gate`), not from timings; see docs/RESULTS.md, "Registers and spills of the
-    kernels"."""
+    (`benchmarks/kernel_registers.py --gate`), not from timings; see docs/log/experiments.md, "Registers and spills of
+    the kernels"."""
     if BK <= 128:
         return (32, 2, 8) if gate else (CHUNK, 2, 4)
     return (32 if BK <= 256 else 16), 1, 8

@@ -30,8 +30,8 @@ from dofattn.ops.triton.scan import scan, scan_grads
 
 WINDOWS = (16, 32, 64)   # window sizes the Triton hybrid takes (the window is its exact part's chunk)
 # Warps: 8 for both kernels, where ptxas reports no register spills on sm_90 for their tiles (16-bit inputs for
-# the exact part, the PRF map's usual widths for the ring step) and 4 spills; see docs/RESULTS.md, "Registers and
-# spills of the kernels", and `benchmarks/kernel_registers.py`.
+# the exact part, the PRF map's usual widths for the ring step) and 4 spills; see docs/log/experiments.md,
+# "Registers and spills of the kernels", and `benchmarks/kernel_registers.py`.
 WINDOW_WARPS = 8   # the window's exact part
 RING_WARPS = 8     # the window hybrid's decode step
 
