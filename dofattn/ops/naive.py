@@ -194,3 +194,23 @@ def naive_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Te
                 S0 = torch.exp(x.sum(-1))[..., None, None] * S0
             final_state = final_state + S0
     return (normalise(o_aug, v.dtype) if normalize else o_aug), final_state
+
+
+def valid_and(key_valid: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """The keys both valid (`key_valid` [B, Tk], None: all) and in `mask`."""
+    return mask if key_valid is None else key_valid & mask
+
+
+def delayed_keys(phi_q, phi_k, v, key_valid, window: int, dtype: torch.dtype):
+    """The linear part's inputs: (φq, φk with padding keys zeroed and delayed by W, v delayed by W), the keys and
+    values over the same Tk positions (key s arrives at position s + W). The features keep their dtype when φq, φk
+    and v share one, since the linear ops sum in float32 whatever it is (16-bit dots on CUDA are faster); else
+    all go to `dtype`."""
+    feat = phi_k.dtype if phi_k.dtype == phi_q.dtype == v.dtype else dtype
+    phi_k = phi_k.to(feat)
+    if key_valid is not None:
+        phi_k = phi_k * key_valid[:, :, None, None].to(feat)
+    Tk = phi_k.shape[1]
+    delayed_k = F.pad(phi_k, (0, 0, 0, 0, window, 0))[:, :Tk]
+    delayed_v = F.pad(v.to(feat), (0, 0, 0, 0, window, 0))[:, :Tk]
+    return phi_q.to(feat), delayed_k, delayed_v

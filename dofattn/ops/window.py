@@ -44,13 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from dofattn.ops import linear_attention
-from dofattn.ops.naive import (TINY, check_log_decay, compute_dtype, decay_factors, decay_log, log_decay_matrix,
-                               needs_grad)
+from dofattn.ops.naive import (TINY, check_log_decay, compute_dtype, decay_factors, decay_log, delayed_keys,
+                               log_decay_matrix, needs_grad, valid_and)
 
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
 __all__ = ["naive_window_linear_attention", "window_linear_attention", "blocked_window_linear_attention",
-           "window_logits", "check_window_inputs", "delayed_keys", "sink_softmax", "mix_parts"]
+           "window_logits", "check_window_inputs", "sink_softmax", "mix_parts"]
 
 
 def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state,
@@ -160,13 +160,9 @@ def naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset
         o = o + (weights[..., Tk:] * state_value).transpose(1, 2)
     final_state = None
     if output_final_state:
-        linear_keys = key_valid if sink_mask is None else _and(key_valid, ~sink_mask)
+        linear_keys = key_valid if sink_mask is None else valid_and(key_valid, ~sink_mask)
         final_state = _fold_state(phi_k, v, window, linear_keys, initial_state, dtype, log_decay, Tk - q.shape[1])
     return o.to(v.dtype), final_state
-
-
-def _and(key_valid, mask):
-    return mask if key_valid is None else key_valid & mask
 
 
 def _fold_state(phi_k, v, window, key_valid, initial_state, dtype, log_decay=None, cached: int = 0):
@@ -262,21 +258,6 @@ def mix_parts(parts) -> torch.Tensor:
     return sum((w / total)[..., None] * o for (o, _, _), w in zip(parts, weights))
 
 
-def delayed_keys(phi_q, phi_k, v, key_valid, window: int, dtype: torch.dtype):
-    """The linear part's inputs: (φq, φk with padding keys zeroed and delayed by W, v delayed by W), the keys and
-    values over the same Tk positions (key s arrives at position s + W). The features keep their dtype when φq, φk
-    and v share one, since the linear ops sum in float32 whatever it is (16-bit dots on CUDA are faster); else
-    all go to `dtype`."""
-    feat = phi_k.dtype if phi_k.dtype == phi_q.dtype == v.dtype else dtype
-    phi_k = phi_k.to(feat)
-    if key_valid is not None:
-        phi_k = phi_k * key_valid[:, :, None, None].to(feat)
-    Tk = phi_k.shape[1]
-    delayed_k = F.pad(phi_k, (0, 0, 0, 0, window, 0))[:, :Tk]
-    delayed_v = F.pad(v.to(feat), (0, 0, 0, 0, window, 0))[:, :Tk]
-    return phi_q.to(feat), delayed_k, delayed_v
-
-
 def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend) -> bool:
     """True when the Triton hybrid (`ops.triton.window.window_forward`) gives this call's result: CUDA, a prefill (as
     many keys as queries), a window in `ops.triton.window.WINDOWS`, no float64, and backend triton, or backend auto
@@ -334,7 +315,7 @@ def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offs
     qf = F.pad(q.to(dtype), (0, 0, 0, 0, P, 0))
     o_win, lam_win, has_win = _banded_softmax(qf, k.to(dtype), v.to(dtype), scaling, window, key_valid)
 
-    linear_keys = key_valid if sink_mask is None else _and(key_valid, ~sink_mask)
+    linear_keys = key_valid if sink_mask is None else valid_and(key_valid, ~sink_mask)
     phi_q, delayed_k, delayed_v = delayed_keys(phi_q, phi_k, v, linear_keys, window, dtype)
     phi_qf = F.pad(phi_q, (0, 0, 0, 0, P, 0))
     # the first min(P, W) positions hold neither a query (cached keys) nor a delayed key (the pad): the op starts
@@ -357,7 +338,7 @@ def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offs
         o = w_win * o_win + (1 - w_win) * o_lin
     else:
         parts = [(o_win, lam_win, has_win), (o_lin, lam_lin, has_lin),
-                 sink_softmax(qf, k, v, scaling, window, _and(key_valid, sink_mask))]
+                 sink_softmax(qf, k, v, scaling, window, valid_and(key_valid, sink_mask))]
         o = mix_parts(parts)
     if final_state is not None:
         final_state = final_state.to(dtype)

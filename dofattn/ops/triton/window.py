@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dofattn.ops.naive import decay_log, needs_grad
+from dofattn.ops.naive import decay_log, delayed_keys, needs_grad, valid_and
 from dofattn.ops.triton.common import EXACT, _dot_dtype, _pow2, _tile, _value_tile, interpreting
 from dofattn.ops.triton.prf import _prf_args, _prf_exponents
 from dofattn.ops.triton.scan import scan, scan_grads
@@ -214,11 +214,10 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
     S0 = None if initial_state is None else initial_state.float().contiguous()
     if log_decay is not None:
         log_decay = decay_log(log_decay, torch.float32)                # differentiable clamp to [-1e4, 0]
-    from dofattn.ops.window import _and
 
     linear_valid, sink_pos = key_valid, None
     if sink_mask is not None:
-        linear_valid, sink_pos = _and(key_valid, ~sink_mask), sink_positions(_and(key_valid, sink_mask))
+        linear_valid, sink_pos = valid_and(key_valid, ~sink_mask), sink_positions(valid_and(key_valid, sink_mask))
     if not needs_grad(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, log_decay):
         o, final, _ = _window_launch(q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid,
                                      sink_pos, float(scaling), window, output_final_state, block, store_lse=False,
@@ -320,7 +319,6 @@ class WindowHybrid(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_o, g_state):
-        from dofattn.ops.window import delayed_keys
 
         (q, k, v, phi_q, phi_k, q_log_scale, log_offset, S0, key_valid, linear_valid, sink_pos, o, lse,
          log_decay) = ctx.saved_tensors
