@@ -14,13 +14,15 @@ Three measurements, each the median of `repeats` timed runs after one warm-up (C
    pure linear, and with the window and the sink) prefill a prompt of T tokens and greedily generate `new_tokens`
    with HF `generate`; the students also with `engine.StaticDecoder` (static buffers, a CUDA graph per token on
    CUDA; its rows add the graph's capture time and the replays' own rate, which a long generation approaches).
-   Decode tokens/s, and the cache each holds at the end (KV cache against state; plus the peak CUDA memory on
-   CUDA).
+   The prefill's time and the decode steps' own rate are clocked inside one generation (each new token out, the
+   device's work finished), and the cache each holds at the end (KV cache against state; plus the peak CUDA
+   memory on CUDA).
 Every result row carries its shapes; the JSON also records the hardware and software versions.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -201,12 +203,39 @@ def _cache_bytes(cache) -> int:
     return total
 
 
+class TokenClock:
+    """A `generate` streamer that notes when each new token is out (the device's work finished): the prefill's time
+    and the decode steps' own time in one run, not the difference of two separately timed runs."""
+
+    def __init__(self, device: str):
+        self.device, self.stamps = device, []
+
+    def put(self, value) -> None:            # the prompt first, then each new token
+        _sync(self.device)
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def timings(self) -> dict:
+        """prefill_s (prompt in to first token out), decode_steps, decode_s (first new token to the last)."""
+        if len(self.stamps) < 2:
+            raise RuntimeError("generate handed the clock no new token")
+        return {"prefill_s": self.stamps[1] - self.stamps[0], "decode_steps": len(self.stamps) - 2,
+                "decode_s": self.stamps[-1] - self.stamps[1]}
+
+
 def _generation_row(cfg: BenchConfig, student: bool, window: int, sink: int, T: int, engine: str,
-                    prefill_ms: float, total_ms: float, cache) -> dict:
-    decode_s = max(total_ms - prefill_ms, 1e-6) / 1e3
+                    timings: dict, cache) -> dict:
+    """One generation row from timings of the steps themselves (`TokenClock`, `StaticDecoder.timings`)."""
+    steps, decode_s = timings["decode_steps"], timings["decode_s"]
+    if steps != cfg.new_tokens - 1:
+        raise RuntimeError(f"{engine} generation made {steps + 1} tokens, not the {cfg.new_tokens} asked for")
+    if not (decode_s > 0 and math.isfinite(decode_s) and timings["prefill_s"] > 0):
+        raise RuntimeError(f"{engine} generation timed {decode_s} s for {steps} decode steps: no rate to report")
     row = {"model": cfg.model, "student": student, "window": window, "sink": sink, "engine": engine, "context": T,
-           "new_tokens": cfg.new_tokens, "prefill_ms": prefill_ms,
-           "decode_tokens_per_s": (cfg.new_tokens - 1) / decode_s, "cache_bytes": _cache_bytes(cache)}
+           "new_tokens": cfg.new_tokens, "prefill_ms": timings["prefill_s"] * 1e3,
+           "decode_tokens_per_s": steps / decode_s, "cache_bytes": _cache_bytes(cache)}
     if cfg.device.startswith("cuda"):
         row["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     return row
@@ -231,28 +260,24 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
             kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id or 0}
             if cfg.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
-            prefill_ms = timed(lambda: model.generate(ids, max_new_tokens=1, **kwargs), cfg.device, 1, warmups=1)
-            out = None
-
-            def generate():
-                nonlocal out
-                out = model.generate(ids, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
-                                     return_dict_in_generate=True, **kwargs)
-
-            total_ms = timed(generate, cfg.device, 1, warmups=1)
-            rows.append(_generation_row(cfg, linearized, window, sink, T, "hf", prefill_ms, total_ms,
+            model.generate(ids, max_new_tokens=2, **kwargs)              # warm-up
+            clock = TokenClock(cfg.device)
+            _sync(cfg.device)
+            out = model.generate(ids, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
+                                 return_dict_in_generate=True, streamer=clock, **kwargs)
+            rows.append(_generation_row(cfg, linearized, window, sink, T, "hf", clock.timings(),
                                         out.past_key_values))
             report(rows[-1])
             if linearized:                         # the same student on static buffers (a CUDA graph on CUDA)
                 decoder = StaticDecoder(model)
                 if cfg.device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()
-                prefill_ms = timed(lambda: decoder.generate(ids, 1), cfg.device, 1, warmups=1)
-                total_ms = timed(lambda: decoder.generate(ids, cfg.new_tokens), cfg.device, 1, warmups=1)
+                decoder.generate(ids, 2)                                      # warm-up
+                decoder.generate(ids, cfg.new_tokens)
                 engine = "static+graph" if decoder.graph else "static"
-                rows.append(_generation_row(cfg, linearized, window, sink, T, engine, prefill_ms, total_ms,
+                rows.append(_generation_row(cfg, linearized, window, sink, T, engine, decoder.timings,
                                             decoder.cache))
-                if decoder.timings:              # the replays alone: the rate of a long generation
+                if "replays" in decoder.timings:   # the replays alone: the rate of a long generation
                     rows[-1]["graph_capture_ms"] = decoder.timings["capture_s"] * 1e3
                     rows[-1]["graph_tokens_per_s"] = decoder.timings["replays"] / decoder.timings["replay_s"]
                 report(rows[-1])

@@ -44,11 +44,29 @@ def check_static(model) -> dict[int, int]:
     return windows
 
 
+class _Clock:
+    """Seconds between laps on the host clock, the device's queued work finished at each lap."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.last = self._now()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        now = self._now()
+        lap, self.last = now - self.last, now
+        return lap
+
+
 class StaticDecoder:
     """Greedy decoding of a fully linear student on static buffers; `graph` (default: on CUDA) replays a CUDA graph."""
 
     def __init__(self, model, graph: bool | None = None):
-        self.timings: dict | None = None     # after a graphed generate: capture_s, replays, replay_s (host clock)
+        self.timings: dict = {}   # after generate: prefill_s, decode_steps, decode_s; graphed: capture_s, replays, replay_s
         self.windows = check_static(model)
         self.model = model
         self.device = next(model.parameters()).device
@@ -62,13 +80,14 @@ class StaticDecoder:
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         B, T = input_ids.shape
-        self.timings = None
         input_ids = input_ids.to(self.device)
+        clock = _Clock(self.device)
         cache = DynamicCache(config=self.model.config)
         # the prompt's last logits only: all T of them would be [B, T, vocab] (3.2 GB at 32K tokens of SmolLM2)
         logits = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
                             **cache_kwargs(self.model, cache)).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)                                        # [B, 1], static from here on
+        prefill_s = clock.lap()
         position = torch.full((B, 1), T, dtype=torch.long, device=self.device)        # [B, 1]
         cache_position = torch.full((1,), T, dtype=torch.long, device=self.device)    # [1]
         new = [token.clone()]
@@ -84,10 +103,12 @@ class StaticDecoder:
             cache_position.add_(1)
 
         remaining = max_new_tokens - 1
+        timings = {"prefill_s": prefill_s, "decode_steps": remaining}
         if not self.graph:
             for _ in range(remaining):
                 step()
                 new.append(token.clone())
+            timings["decode_s"] = clock.lap()
         elif remaining:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -97,20 +118,18 @@ class StaticDecoder:
                     new.append(token.clone())
             torch.cuda.current_stream(self.device).wait_stream(side)
             remaining -= min(WARMUP_STEPS, remaining)
+            timings["decode_s"] = clock.lap()     # the warm-up steps, run eagerly
             if remaining:
-                torch.cuda.synchronize(self.device)
-                started = time.perf_counter()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     step()                        # recorded, not run: the replays below are the tokens
-                torch.cuda.synchronize(self.device)
-                captured = time.perf_counter()
+                timings["capture_s"] = clock.lap()
                 for _ in range(remaining):
                     graph.replay()
                     new.append(token.clone())
-                torch.cuda.synchronize(self.device)
-                self.timings = {"capture_s": captured - started, "replays": remaining,
-                                "replay_s": time.perf_counter() - captured}
+                timings.update(replays=remaining, replay_s=clock.lap())
+                timings["decode_s"] += timings["replay_s"]
+        self.timings = timings
         for layer in cache.layers:                # the captured step ran its Python bookkeeping once
             layer.seen = T + max_new_tokens - 1
         self.cache = cache

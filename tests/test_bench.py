@@ -78,3 +78,25 @@ def test_bench_hands_over_the_result_after_each_row():
     counts = [(len(s["prefill"]), len(s["decode"])) for s in saved]
     assert sorted(set(counts)) == [(1, 0), (2, 0), (2, 1), (2, 2)] and counts == sorted(counts)
     assert saved[-1] == json.loads(json.dumps(result))
+
+
+def test_generation_rates_come_from_the_decode_steps_own_clock(monkeypatch):
+    """The token clock turns the times each token came out into the prefill's time and the steps' rate; a run that
+    made other than the tokens asked for, or no measurable time, is refused rather than reported."""
+    from dofattn import bench
+
+    stamps = iter([10.0, 10.5, 10.6, 10.8, 11.0])           # prompt in, then 4 new tokens out
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(stamps))
+    clock = bench.TokenClock("cpu")
+    for _ in range(5):
+        clock.put(None)
+    timings = clock.timings()
+    assert timings["decode_steps"] == 3
+    assert timings["prefill_s"] == pytest.approx(0.5) and timings["decode_s"] == pytest.approx(0.5)
+    cfg = bench.BenchConfig(device="cpu", new_tokens=4)
+    row = bench._generation_row(cfg, True, 0, 0, 64, "hf", timings, cache=None)
+    assert row["prefill_ms"] == pytest.approx(500) and row["decode_tokens_per_s"] == pytest.approx(6.0)
+    with pytest.raises(RuntimeError, match="made 3 tokens, not the 4"):
+        bench._generation_row(cfg, True, 0, 0, 64, "hf", {**timings, "decode_steps": 2}, cache=None)
+    with pytest.raises(RuntimeError, match="no rate to report"):
+        bench._generation_row(cfg, True, 0, 0, 64, "hf", {**timings, "decode_s": 0.0}, cache=None)

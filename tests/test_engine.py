@@ -29,10 +29,12 @@ def test_same_tokens_as_hf_generate(family, window, device):
     assert decoder.graph == (device == "cuda")
     tokens = decoder.generate(prompt, 20)
     assert torch.equal(tokens, ref)
+    timings = decoder.timings             # the prefill and the 19 decode steps, each timed itself
+    assert timings["decode_steps"] == 19 and timings["prefill_s"] > 0 and timings["decode_s"] > 0
     if decoder.graph:                     # 1 token from the prefill, 2 eager warm-up steps, the rest replays
-        assert decoder.timings["replays"] == 17 and decoder.timings["replay_s"] > 0
+        assert timings["replays"] == 17 and 0 < timings["replay_s"] <= timings["decode_s"]
     else:
-        assert decoder.timings is None
+        assert "replays" not in timings
     assert decoder.cache.get_seq_length() == 11 + 19
     assert torch.equal(decoder.generate(prompt, 1), ref[:, :12])          # prefill only
 
