@@ -260,6 +260,12 @@ class EvalArgs:
     falls behind at long range (a gap growing with the context) from one that is off everywhere. Writes
     everything to --out and, with --plot / --plot-positions, figures of the per-layer errors and of the buckets.
     Without --teacher the teacher is the student's own base model.
+
+    Long context: --seq-len 8192 --num-blocks 4 --batch-size 1 scores the validation articles joined into blocks of
+    8 K tokens, by position. --recall passkey,multikey asks both models for a fact hidden at --depths depths of
+    prompts of --lengths tokens: a five-digit pass key in repeated filler, and one of four magic numbers in the
+    data's text (RULER's multi-key needle). A prompt counts when the model's greedy answer is exactly right; chance
+    is about 0. --plot-recall draws the accuracy per length and depth. --num-blocks 0 skips the perplexity.
     """
 
     model: str = _opt("runs/distill", "student folder (from dofattn distill), or any supported model")
@@ -268,7 +274,7 @@ class EvalArgs:
     split: str | None = _opt(None, "train, validation or all (default: validation where --data has wiki-sample "
                                    "or hf: in it, all for files alone)")
     seq_len: int = _opt(512, "tokens per block")
-    num_blocks: int = _opt(8, "blocks to evaluate")
+    num_blocks: int = _opt(8, "blocks to evaluate (0: no perplexity, e.g. with --recall alone)")
     layer_blocks: int = _opt(2, "blocks used for the per-layer errors")
     batch_size: int = _opt(2, "blocks per forward pass")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
@@ -281,6 +287,14 @@ class EvalArgs:
     plot: str | None = _opt(None, "also write a figure of the per-layer errors (.png, .pdf or .svg)")
     plot_positions: str | None = _opt(None, "also write a figure of perplexity and KL by context length (.png, .pdf "
                                             "or .svg)")
+    recall: str | None = _opt(None, "long-context recall tasks, comma-separated: passkey, multikey")
+    lengths: str = _opt("auto", "comma-separated prompt lengths in tokens (answer included) of the recall tasks; "
+                                "auto: 1024, 2048, ... up to the model's context")
+    depths: int = _opt(5, "depths of the hidden fact per length, evenly spaced from 0 (the filler's start) to 1 "
+                          "(just before the question)")
+    samples: int = _opt(1, "recall prompts per task, length and depth, each with its own fact, keys and filler")
+    plot_recall: str | None = _opt(None, "also write a figure of recall accuracy by length and depth (.png, .pdf "
+                                         "or .svg)")
 
 
 def run_eval(args: EvalArgs) -> int:
@@ -293,14 +307,18 @@ def run_eval(args: EvalArgs) -> int:
     from dofattn.student import is_student, load_student
 
     out = _check_output(args.out, "--out", (".json",))
-    plot = _check_output(args.plot, "--plot", (".png", ".pdf", ".svg")) if args.plot else None
-    plot_positions = (_check_output(args.plot_positions, "--plot-positions", (".png", ".pdf", ".svg"))
-                      if args.plot_positions else None)
+    figures = {name: _check_output(path, "--" + name.replace("_", "-"), (".png", ".pdf", ".svg"))
+               for name in ("plot", "plot_positions", "plot_recall") if (path := getattr(args, name))}
     check_source(args.data)
     if args.task_path and not Path(args.task_path).is_dir():
         raise UserError(f"--task-path {args.task_path} is not a folder of lm-eval task YAMLs")
-    if args.num_blocks < 1 or args.layer_blocks < 0 or args.batch_size < 1:
-        raise UserError("--num-blocks and --batch-size must be >= 1, --layer-blocks >= 0")
+    if args.num_blocks < 0 or args.layer_blocks < 0 or args.batch_size < 1:
+        raise UserError("--batch-size must be >= 1, --num-blocks and --layer-blocks >= 0")
+    if args.num_blocks == 0 and not (args.recall or args.tasks):
+        raise UserError("--num-blocks 0 leaves nothing to evaluate; add --recall or --tasks, or score some blocks")
+    recall_tasks = _recall_tasks(args.recall) if args.recall else []
+    if recall_tasks and (args.depths < 1 or args.samples < 1):
+        raise UserError(f"--depths and --samples must be at least 1, got {args.depths} and {args.samples}")
     held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(args.data))
     split = args.split or ("validation" if held_out else "all")
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
@@ -308,22 +326,28 @@ def run_eval(args: EvalArgs) -> int:
         model, tokenizer, _ = load_student(args.model, dtype=dtype, device=device)
     else:
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    lengths = _recall_lengths(args.lengths, model.config) if recall_tasks else []
     teacher = load_model(args.teacher, dtype=dtype, device=device)[0] if args.teacher else None
-    blocks = token_blocks(args.data, tokenizer, args.seq_len, args.num_blocks, split=split, seed=0)
-    result = {"model": args.model, "teacher": args.teacher or "base model", "data": args.data, "split": split,
-              "seq_len": args.seq_len, **compare(model, blocks, teacher, args.batch_size)}
-    errors = layer_errors(model, blocks[:args.layer_blocks]) if args.layer_blocks else {}
-    result.update(errors)
-    print(f"{'':>22}{'student':>12}{'teacher':>12}")
-    ratio = result["ppl"] / result["teacher_ppl"]
-    print(f"{'perplexity':>22}{result['ppl']:12.2f}{result['teacher_ppl']:12.2f}   ({ratio:.2f}x)")
-    print(f"{'KL(teacher||student)':>22}{result['kl']:12.4f}")
-    print(f"{'top-1 agreement':>22}{result['top1_agreement']:12.3f}")
-    print(format_positions(result["by_position"]))
+    result = {"model": args.model, "teacher": args.teacher or "base model", "data": args.data, "split": split}
+    errors = {}
+    if args.num_blocks:
+        blocks = token_blocks(args.data, tokenizer, args.seq_len, args.num_blocks, split=split, seed=0)
+        result.update(seq_len=args.seq_len, **compare(model, blocks, teacher, args.batch_size))
+        errors = layer_errors(model, blocks[:args.layer_blocks]) if args.layer_blocks else {}
+        result.update(errors)
+        print(f"{'':>22}{'student':>12}{'teacher':>12}")
+        ratio = result["ppl"] / result["teacher_ppl"]
+        print(f"{'perplexity':>22}{result['ppl']:12.2f}{result['teacher_ppl']:12.2f}   ({ratio:.2f}x)")
+        print(f"{'KL(teacher||student)':>22}{result['kl']:12.4f}")
+        print(f"{'top-1 agreement':>22}{result['top1_agreement']:12.3f}")
+        print(format_positions(result["by_position"]))
     if errors:
         print(f"\n{'layer':>5}  {'output error':>12}  {'kernel error':>12}")
         for i, (o, k) in enumerate(zip(errors["output_error"], errors["kernel_error"])):
             print(f"{i:>5}  {'softmax' if o is None else f'{o:.4f}':>12}  {'-' if k is None else f'{k:.3g}':>12}")
+    if recall_tasks:
+        result["recall"] = _run_recall(args, model, teacher, tokenizer, split, recall_tasks, lengths)
+        print(format_recall(result["recall"]))
     if args.tasks:
         from dofattn.evaluate import lm_eval_tasks
 
@@ -334,18 +358,89 @@ def run_eval(args: EvalArgs) -> int:
             print(f"{task:>22}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     write_atomic(out, json.dumps(result, indent=2))
     print(f"wrote {out}")
-    if plot and errors:
+    if "plot" in figures and errors:
         from dofattn.plots import plot_layer_errors
 
-        plot_layer_errors(errors, plot, title=f"{args.model} vs {result['teacher']}")
-        print(f"wrote {plot}")
-    if plot_positions:
+        plot_layer_errors(errors, figures["plot"], title=f"{args.model} vs {result['teacher']}")
+        print(f"wrote {figures['plot']}")
+    if "plot_positions" in figures and args.num_blocks:
         from dofattn.plots import plot_by_position
 
-        plot_by_position({args.model: result["by_position"]}, plot_positions,
+        plot_by_position({args.model: result["by_position"]}, figures["plot_positions"],
                          title=f"{args.data} ({split}), blocks of {args.seq_len} tokens")
-        print(f"wrote {plot_positions}")
+        print(f"wrote {figures['plot_positions']}")
+    if "plot_recall" in figures and recall_tasks:
+        from dofattn.plots import plot_recall
+
+        plot_recall(result["recall"], figures["plot_recall"], title=f"{args.model}: recall against the teacher")
+        print(f"wrote {figures['plot_recall']}")
     return 0
+
+
+def _recall_tasks(spec: str) -> list[str]:
+    from dofattn.recall import TASKS
+
+    names = [t.strip() for t in spec.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TASKS]
+    if unknown or not names:
+        raise UserError(f"--recall {spec!r}: unknown task {', '.join(unknown) or '(none)'}; use "
+                        f"{', '.join(TASKS)}, comma-separated")
+    return names
+
+
+def _recall_lengths(spec: str, config) -> list[int]:
+    """--lengths: 'auto' (1024, 2048, ... up to the model's context) or comma-separated token counts."""
+    context = getattr(config, "max_position_embeddings", None)
+    if spec == "auto":
+        if not context:
+            raise UserError("the model names no context length; pass --lengths, e.g. --lengths 1024,2048,4096")
+        lengths = [1024]
+        while lengths[-1] * 2 <= context:
+            lengths.append(lengths[-1] * 2)
+        return lengths if lengths[-1] <= context else [context]
+    try:
+        lengths = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--lengths {spec!r}: give token counts, comma-separated (e.g. 1024,4096), or auto") from None
+    if not lengths or min(lengths) < 1:
+        raise UserError(f"--lengths {spec!r}: give positive token counts, comma-separated, or auto")
+    if context and max(lengths) > context:
+        raise UserError(f"--lengths {spec!r}: {max(lengths)} tokens is beyond the model's context of {context}")
+    return lengths
+
+
+def _run_recall(args: EvalArgs, model, teacher, tokenizer, split: str, names: list[str], lengths: list[int]) -> dict:
+    import contextlib
+
+    from dofattn.data import load_texts
+    from dofattn.evaluate import teacher_mode
+    from dofattn.recall import RecallTasks, evaluate_recall
+
+    @contextlib.contextmanager
+    def own_teacher():
+        with teacher_mode(model):
+            yield model
+
+    documents = load_texts(args.data, split) if "multikey" in names else []
+    tasks = RecallTasks(tokenizer, documents, seed=0)
+    models = {"student": lambda: contextlib.nullcontext(model),
+              "teacher": (lambda: contextlib.nullcontext(teacher)) if teacher is not None else own_teacher}
+    return {"lengths": lengths, "depths": args.depths, "samples": args.samples,
+            **evaluate_recall(models, tasks, names, lengths, args.depths, args.samples)}
+
+
+def format_recall(recall: dict) -> str:
+    """Accuracy per task and length, student against teacher."""
+    from dofattn.recall import accuracy
+
+    tasks = list(dict.fromkeys(r["task"] for r in recall["records"]))
+    lines = [f"\n{'recall':>10}{'length':>8}{'prompts':>9}{'student':>9}{'teacher':>9}"]
+    for task in tasks:
+        for length in recall["lengths"]:
+            n = sum(r["task"] == task and r["length"] == length for r in recall["records"])
+            lines.append(f"{task:>10}{length:>8}{n:>9}{accuracy(recall, 'student', task, length):9.2f}"
+                         f"{accuracy(recall, 'teacher', task, length):9.2f}")
+    return "\n".join(lines)
 
 
 def format_positions(rows: dict) -> str:

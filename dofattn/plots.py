@@ -127,3 +127,42 @@ def plot_by_position(runs: dict[str, dict], path: str | Path, title: str = "") -
     top.set_title(title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_recall(recall: dict, path: str | Path, title: str = "") -> None:
+    """Heatmaps of recall accuracy (`recall.evaluate_recall` result): a row per task, a column per model (teacher,
+    student); depth of the hidden fact against prompt length, each cell annotated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(c["task"] for c in recall["cells"]))
+    names = [n for n in ("teacher", "student") if n in recall["cells"][0]]
+    lengths = sorted({c["length"] for c in recall["cells"]})
+    depths = sorted({c["depth"] for c in recall["cells"]})
+    fig, axes = plt.subplots(len(tasks), len(names), figsize=(3.2 * len(names) + 1, 2.6 * len(tasks) + 0.6),
+                             constrained_layout=True, squeeze=False)
+    for row, task in enumerate(tasks):
+        for col, name in enumerate(names):
+            grid = [[float("nan")] * len(lengths) for _ in depths]
+            for c in recall["cells"]:
+                if c["task"] == task:
+                    grid[depths.index(c["depth"])][lengths.index(c["length"])] = c[name]
+            ax = axes[row, col]
+            image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for i, line in enumerate(grid):
+                for j, value in enumerate(line):
+                    ax.text(j, i, f"{value:.2g}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+            ax.set_yticks(range(len(depths)), [f"{d:.2g}" for d in depths])
+            ax.set_title(f"{task}: {name}", fontsize=9)
+            if col == 0:
+                ax.set_ylabel("depth of the fact (0: start)")
+            if row == len(tasks) - 1:
+                ax.set_xlabel("prompt length (tokens)")
+    fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

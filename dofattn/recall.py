@@ -1,0 +1,231 @@
+"""Long-context recall: a fact hidden at a chosen depth in long filler text, asked for at the end.
+
+Two tasks, offline and deterministic (every code, key and filler offset drawn from `seed`):
+
+- `passkey`: a five-digit pass key stated once in the classic repeated filler ("The grass is green. The sky is
+  blue. ..."), asked for after the filler. The only new fact in the prompt; the easy case.
+- `multikey` (in the style of RULER's multi-key needle in a haystack): four lines "The special magic number for
+  KEY is: NUMBER." with six-digit numbers and different keys, in real text (the data's documents, joined), one of
+  the four asked for at the end. A model must retrieve the right number among similar ones, and the filler gives
+  it nothing to lean on.
+
+A prompt and its answer have `length` tokens together, so that a length of the model's context fits it. `depth` places the asked fact: 0 at the start of the filler,
+1 at its end, just before the question; the fact is moved back to the nearest sentence end so that no word is
+split. The other keys of `multikey` are placed at random depths.
+
+Scoring: the prompt and its answer are read in one forward pass, and a prompt counts as answered when the model's
+most likely next token is right at every token of the answer (teacher forcing: the same as greedy generation
+writing the answer first, without generating). Chance is 10^-5 for a pass key and 10^-6 for a magic number; a
+model that cannot see the fact scores about 0.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from dofattn.errors import UserError
+
+TASKS = ("passkey", "multikey")
+
+PASSKEY_INTRO = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+                 "I will quiz you about the pass key.")
+PASSKEY_FILLER = (" The grass is green.", " The sky is blue.", " The sun is yellow.", " Here we go.",
+                  " There and back again.")
+PASSKEY_NEEDLE = " The pass key is {value}. Remember it. {value} is the pass key."
+PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+MULTIKEY_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+                  "I will quiz you about the numbers afterwards.\n\n")
+MULTIKEY_NEEDLE = " The special magic number for {key} is: {value}."
+MULTIKEY_QUESTION = ("\n\nWhat is the special magic number for {key} mentioned in the provided text? "
+                     "The special magic number for {key} is:")
+MULTIKEY_KEYS = 4
+KEYS = ("apple", "river", "candle", "garden", "pencil", "harbor", "violin", "window", "tiger", "blanket", "mirror",
+        "lantern", "meadow", "rocket", "saddle", "thunder", "walnut", "castle", "feather", "glacier", "hammer",
+        "island", "jacket", "kettle", "ladder", "marble", "needle", "orchard", "pepper", "quarry", "ribbon",
+        "spider", "tunnel", "velvet", "wagon", "anchor", "barrel", "cactus", "dolphin", "engine", "falcon",
+        "goblet", "helmet", "igloo", "jungle", "kitten", "lemon", "magnet", "nickel", "oyster", "parrot", "quilt",
+        "rabbit", "sponge", "trumpet", "umbrella", "valley", "whistle", "yogurt", "zipper", "bottle", "cherry",
+        "desert", "forest")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One recall prompt: token ids of the prompt and of its answer, and where the asked fact starts."""
+
+    task: str
+    length: int          # tokens of the prompt and the answer together
+    depth: float         # asked for: 0 (the filler's start) .. 1 (its end)
+    sample: int
+    ids: list[int]       # the prompt
+    answer: list[int]    # the answer's tokens, after the prompt
+    needle_at: int       # token index in `ids` where the asked fact starts
+
+    @property
+    def distance(self) -> int:
+        """Tokens from the asked fact's start to the end of the prompt."""
+        return len(self.ids) - self.needle_at
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _sentence_ends(tokenizer, ids: list[int]) -> list[int]:
+    """Indices i where a sentence has ended before ids[i] (the token before ends in '.', '!', '?' or a newline)."""
+    ends = [0]
+    for i, token in enumerate(ids[:-1]):
+        if tokenizer.decode([token]).rstrip(" ").endswith((".", "!", "?", "\n")):
+            ends.append(i + 1)
+    return ends
+
+
+def _at_sentence_end(ends: list[int], want: int) -> int:
+    """The last sentence end at or before token `want` (the first sentence end if none)."""
+    best = ends[0]
+    for end in ends:
+        if end > want:
+            break
+        best = end
+    return best
+
+
+class RecallTasks:
+    """Builds the prompts of the recall tasks for one tokenizer; `documents` are the `multikey` filler."""
+
+    def __init__(self, tokenizer, documents: list[str], seed: int = 0):
+        self.tokenizer, self.seed = tokenizer, seed
+        self.passkey_filler = [_tokens(tokenizer, s) for s in PASSKEY_FILLER]
+        self.text = _tokens(tokenizer, "\n\n".join(documents)) if documents else []
+        self.text_ends = _sentence_ends(tokenizer, self.text) if self.text else []
+
+    def prompt(self, task: str, length: int, depth: float, sample: int) -> Prompt:
+        if task not in TASKS:
+            raise UserError(f"unknown recall task {task!r}; use one of {', '.join(TASKS)}")
+        if not 0 <= depth <= 1:
+            raise UserError(f"a depth is a fraction of the filler from 0 to 1, got {depth}")
+        rng = random.Random(f"{self.seed}:{task}:{length}:{depth}:{sample}")
+        return (self._passkey if task == "passkey" else self._multikey)(rng, length, depth, sample)
+
+    def _filler_room(self, task: str, length: int, fixed: int) -> int:
+        room = length - fixed
+        if room < 16:
+            raise UserError(f"a {task} prompt of {length} tokens leaves {max(room, 0)} for the filler; ask for "
+                            f"prompts of at least {fixed + 16} tokens")
+        return room
+
+    def _passkey(self, rng: random.Random, length: int, depth: float, sample: int) -> Prompt:
+        tok = self.tokenizer
+        value = str(rng.randrange(10_000, 100_000))
+        intro, question = _tokens(tok, PASSKEY_INTRO), _tokens(tok, PASSKEY_QUESTION)
+        needle, answer = _tokens(tok, PASSKEY_NEEDLE.format(value=value)), _tokens(tok, " " + value)
+        room = self._filler_room("passkey", length, len(intro) + len(needle) + len(question) + len(answer))
+        filler, ends = [], [0]
+        while len(filler) < room:                           # whole sentences, then cut to the room left
+            filler += self.passkey_filler[(len(ends) - 1) % len(self.passkey_filler)]
+            ends.append(len(filler))
+        filler = filler[:room]
+        at = _at_sentence_end([e for e in ends if e <= room], round(depth * room))
+        ids = intro + filler[:at] + needle + filler[at:] + question
+        return Prompt("passkey", length, depth, sample, ids, answer, len(intro) + at)
+
+    def _multikey(self, rng: random.Random, length: int, depth: float, sample: int) -> Prompt:
+        tok = self.tokenizer
+        keys = rng.sample(KEYS, MULTIKEY_KEYS)
+        values = [str(rng.randrange(100_000, 1_000_000)) for _ in keys]
+        needles = [_tokens(tok, MULTIKEY_NEEDLE.format(key=k, value=v)) for k, v in zip(keys, values)]
+        intro, question = _tokens(tok, MULTIKEY_INTRO), _tokens(tok, MULTIKEY_QUESTION.format(key=keys[0]))
+        answer = _tokens(tok, " " + values[0])
+        room = self._filler_room("multikey", length,
+                                 len(intro) + sum(map(len, needles)) + len(question) + len(answer))
+        if len(self.text) < room + 1:
+            raise UserError(f"the filler text has {len(self.text)} tokens, fewer than the {room} a multikey prompt "
+                            f"of {length} tokens needs; use shorter prompts or more text (--data)")
+        start = _at_sentence_end(self.text_ends, rng.randrange(len(self.text) - room))
+        filler = self.text[start:start + room]
+        ends = [e - start for e in self.text_ends if start <= e <= start + room]
+        spots = [_at_sentence_end(ends, round(depth * room))]                   # the asked key at `depth`
+        spots += [_at_sentence_end(ends, rng.randrange(room + 1)) for _ in keys[1:]]
+        order = sorted(range(len(keys)), key=lambda i: (spots[i], i))
+        ids, done, needle_at = list(intro), 0, 0
+        for i in order:
+            ids += filler[done:spots[i]]
+            done = spots[i]
+            if i == 0:
+                needle_at = len(ids)
+            ids += needles[i]
+        ids += filler[done:] + question
+        return Prompt("multikey", length, depth, sample, ids, answer, needle_at)
+
+
+@torch.no_grad()
+def read_answer(model, prompt: Prompt) -> tuple[list[int], float]:
+    """The model's most likely token at each answer position (given the prompt and the answer before it), and the
+    answer's log-probability. One forward pass; logits only at the answer's positions."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt.ids + prompt.answer], device=device)
+    n = len(prompt.answer)
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()   # [n, vocab]
+    answer = torch.tensor(prompt.answer, device=device)
+    log_p = torch.log_softmax(logits, -1).gather(1, answer[:, None]).sum().item()
+    return logits.argmax(-1).tolist(), log_p
+
+
+def grid(lengths: list[int], depths: int | list[float]) -> list[tuple[int, float]]:
+    """(length, depth) cells: `depths` evenly spaced from 0 to 1, or the given fractions."""
+    if isinstance(depths, int):
+        if depths < 1:
+            raise UserError(f"--depths must be at least 1, got {depths}")
+        depths = [0.5] if depths == 1 else [i / (depths - 1) for i in range(depths)]
+    return [(length, depth) for length in lengths for depth in depths]
+
+
+def evaluate_recall(models: dict, tasks: RecallTasks, names: list[str], lengths: list[int],
+                    depths: int | list[float], samples: int, progress: bool = True) -> dict:
+    """Each model on the same prompts: `models` maps a name ("student", "teacher") to a function that returns a
+    context manager yielding the model (a student's own teacher is the student in `teacher_mode`). Returns the
+    per-prompt records and the accuracy per cell."""
+    if samples < 1:
+        raise UserError(f"--samples must be at least 1, got {samples}")
+    prompts = [tasks.prompt(task, length, depth, s) for task in names for length, depth in grid(lengths, depths)
+               for s in range(samples)]
+    records = [{"task": p.task, "length": p.length, "depth": p.depth, "sample": p.sample, "distance": p.distance,
+                "answer": tasks.tokenizer.decode(p.answer)} for p in prompts]
+    bar = tqdm(total=len(prompts) * len(models), desc="recall", unit="prompt", disable=not progress, leave=False)
+    for name, use in models.items():
+        with use() as model:
+            for prompt, record in zip(prompts, records):
+                bar.set_postfix_str(f"{name} {prompt.task} {prompt.length}")
+                guess, log_p = read_answer(model, prompt)
+                record[name] = {"correct": guess == prompt.answer, "said": tasks.tokenizer.decode(guess),
+                                "log_p": log_p}
+                bar.update()
+    bar.close()
+    return {"records": records, "cells": cells(records, list(models))}
+
+
+def cells(records: list[dict], names: list[str]) -> list[dict]:
+    """Accuracy per task, length and depth for each model in `names`, in record order."""
+    table: dict[tuple, dict] = {}
+    for r in records:
+        cell = table.setdefault((r["task"], r["length"], r["depth"]),
+                                {"task": r["task"], "length": r["length"], "depth": r["depth"], "prompts": 0,
+                                 **{name: 0.0 for name in names}})
+        cell["prompts"] += 1
+        for name in names:
+            cell[name] += r[name]["correct"]
+    for cell in table.values():
+        for name in names:
+            cell[name] /= cell["prompts"]
+    return list(table.values())
+
+
+def accuracy(result: dict, name: str, task: str, length: int | None = None) -> float:
+    """Mean accuracy of model `name` on `task` (at one `length`, or over all)."""
+    hits = [r[name]["correct"] for r in result["records"]
+            if r["task"] == task and (length is None or r["length"] == length)]
+    return sum(hits) / len(hits)

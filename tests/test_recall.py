@@ -1,0 +1,179 @@
+"""The long-context recall tasks: prompts built to spec, and scoring that a copying model passes and a model that
+cannot see the fact fails (at chance, about 0)."""
+
+import contextlib
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dofattn.cli import main
+from dofattn.recall import MULTIKEY_KEYS, TASKS, RecallTasks, accuracy, evaluate_recall, read_answer
+from tests.conftest import TEXT
+
+
+class Copier(torch.nn.Module):
+    """An induction head on token ids: at each position it predicts the token that followed the longest earlier
+    match of the text just before (at least `least` tokens), among the last `window` tokens if given; with no
+    match, a random token. It copies whatever it can see, and nothing else."""
+
+    def __init__(self, vocab: int, window: int | None = None, least: int = 4):
+        super().__init__()
+        self.vocab, self.window, self.least = vocab, window, least
+        self.weight = torch.nn.Parameter(torch.zeros(1))      # a device to read
+        self.random = torch.Generator().manual_seed(0)
+
+    def guess(self, ids: list[int], t: int) -> int:
+        best, best_len = None, self.least - 1
+        first = 0 if self.window is None else max(0, t - self.window + 1)
+        for s in range(max(first, 1) - 1, t):
+            n = 0
+            while n <= s and s - n >= first and ids[s - n] == ids[t - n]:
+                n += 1
+            if n >= best_len:                                 # the latest of the longest
+                best, best_len = s, n
+        if best is None:
+            return int(torch.randint(self.vocab, (1,), generator=self.random))
+        return ids[best + 1]
+
+    def forward(self, input_ids, use_cache=False, logits_to_keep=0):
+        ids = input_ids[0].tolist()
+        positions = range(len(ids) - logits_to_keep, len(ids))
+        logits = torch.zeros(1, len(positions), self.vocab)
+        for i, t in enumerate(positions):
+            logits[0, i, self.guess(ids, t)] = 10.0
+        return SimpleNamespace(logits=logits)
+
+
+def documents():
+    return [TEXT] * 4
+
+
+@pytest.fixture(scope="module")
+def tasks(tokenizer):
+    return RecallTasks(tokenizer, documents(), seed=0)
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("length", [500, 601, 900])
+def test_prompts_have_their_length_and_hold_the_fact(tasks, tokenizer, task, length):
+    for depth in (0.0, 0.3, 1.0):
+        prompt = tasks.prompt(task, length, depth, 0)
+        assert len(prompt.ids) + len(prompt.answer) == length
+        value = tokenizer.decode(prompt.answer).strip()
+        assert value.isdigit() and len(value) == (5 if task == "passkey" else 6)
+        assert value in tokenizer.decode(prompt.ids[prompt.needle_at:prompt.needle_at + 60])
+        assert value not in tokenizer.decode(prompt.ids[:prompt.needle_at])
+        assert prompt == tasks.prompt(task, length, depth, 0)                     # deterministic
+    values = {tokenizer.decode(tasks.prompt(task, length, 0.5, s).answer) for s in range(6)}
+    assert len(values) == 6                                                       # each sample its own fact
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_depth_moves_the_fact_from_the_start_to_the_question(tasks, task):
+    distances = [tasks.prompt(task, 900, d / 4, 0).distance for d in range(5)]
+    assert distances == sorted(distances, reverse=True) and len(set(distances)) == 5
+    assert distances[0] > 650 and distances[-1] < distances[0] / 3
+
+
+def test_multikey_asks_one_of_four_different_keys(tasks, tokenizer):
+    prompt = tasks.prompt("multikey", 900, 0.5, 3)
+    text = tokenizer.decode(prompt.ids)
+    assert text.count("The special magic number for") == MULTIKEY_KEYS + 1                 # the needles, the question
+    numbers = [line.split(" is: ")[1][:6] for line in text.split("The special magic number for")[1:-1]]
+    keys = [line.split(" is: ")[0].strip() for line in text.split("The special magic number for")[1:-1]]
+    assert len(set(keys)) == MULTIKEY_KEYS and len(set(numbers)) == MULTIKEY_KEYS
+    asked = text.rsplit("The special magic number for ", 1)[1].split(" is:")[0]
+    assert numbers[keys.index(asked)] == tokenizer.decode(prompt.answer).strip()
+
+
+def test_a_copier_scores_one_and_a_model_that_cannot_see_the_fact_scores_chance(tasks, tokenizer):
+    window = 40
+    models = {"student": lambda: contextlib.nullcontext(Copier(len(tokenizer), window=window)),
+              "teacher": lambda: contextlib.nullcontext(Copier(len(tokenizer)))}
+    result = evaluate_recall(models, tasks, list(TASKS), [600, 900], 5, samples=2, progress=False)
+    for task in TASKS:
+        assert accuracy(result, "teacher", task) == 1.0
+    far = [r for r in result["records"] if r["distance"] > window]
+    assert len(far) >= 30 and not any(r["student"]["correct"] for r in far)
+    assert all(r["student"]["log_p"] < r["teacher"]["log_p"] for r in far)
+    assert {c["length"] for c in result["cells"]} == {600, 900} and len(result["cells"]) == 2 * 2 * 5
+    assert all(c["teacher"] == 1.0 and c["prompts"] == 2 for c in result["cells"])
+
+
+def test_read_answer_uses_the_answers_own_positions(tasks, tokenizer):
+    prompt = tasks.prompt("passkey", 400, 0.5, 0)
+    guess, log_p = read_answer(Copier(len(tokenizer)), prompt)
+    each = -math.log1p((len(tokenizer) - 1) * math.exp(-10.0))           # logit 10 on the copied token, 0 elsewhere
+    assert guess == prompt.answer and math.isclose(log_p, len(prompt.answer) * each, rel_tol=1e-3)
+
+
+@pytest.mark.parametrize("task,length,message", [
+    ("passkey", 200, "leaves"), ("multikey", 300, "leaves"), ("nope", 200, "unknown recall task"),
+])
+def test_impossible_prompts_are_refused(tasks, task, length, message):
+    from dofattn.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        tasks.prompt(task, length, 0.5, 0)
+    with pytest.raises(UserError, match="more text"):
+        RecallTasks(tasks.tokenizer, ["A short text."]).prompt("multikey", 900, 0.5, 0)
+
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory, tokenizer):
+    """The tiny llama with a context of 1024 tokens (the tiny tokenizer spends 4 tokens a word)."""
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = 1024
+    path = tmp_path_factory.mktemp("long-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_eval_verb_runs_the_recall_grid(capsys, tmp_path, long_llama, corpus):
+    from dofattn.hf import load_model
+    from dofattn.spec import StudentSpec
+    from dofattn.student import fingerprint, linearize, save_student
+
+    model, _ = load_model(str(long_llama))
+    linearize(model, [4, 6, 8], "prf")
+    folder = save_student(model, tmp_path / "run", StudentSpec(str(long_llama), "prf", [4, 6, 8],
+                                                                 [0, 1, 2], base=fingerprint(model)))
+    out, png = tmp_path / "eval.json", tmp_path / "recall.png"
+    code = main(["eval", "--model", str(folder), "--data", str(corpus), "--num-blocks", "0", "--recall",
+                 "passkey,multikey", "--lengths", "600,1024", "--depths", "2", "--out", str(out), "--plot-recall",
+                 str(png)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    result = json.loads(out.read_text())
+    assert "ppl" not in result and result["recall"]["lengths"] == [600, 1024]
+    assert len(result["recall"]["records"]) == 2 * 2 * 2 and png.stat().st_size > 1000
+    assert "multikey    1024" in printed.out
+    for record in result["recall"]["records"]:                   # an untrained tiny model: chance
+        assert not record["student"]["correct"] and not record["teacher"]["correct"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--recall", "passkey,needle"], "unknown task needle"),
+    (["--recall", "passkey", "--lengths", "2048"], "beyond the model's context of 1024"),
+    (["--recall", "passkey", "--lengths", "12x"], "give token counts"),
+    (["--recall", "passkey", "--lengths", "160"], "leaves"),
+    (["--recall", "passkey", "--depths", "0"], "--depths and --samples must be at least 1"),
+    (["--recall", "passkey", "--samples", "0"], "--depths and --samples must be at least 1"),
+    (["--recall", "passkey", "--plot-recall", "{tmp}/r.jpg"], "--plot-recall"),
+    ([], "leaves nothing to evaluate"),
+])
+def test_recall_bad_input_is_one_line_error(capsys, tmp_path, long_llama, corpus, args, message):
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", str(long_llama), "--data", str(corpus), "--num-blocks", "0", "--out",
+            str(out)] + [a.format(tmp=tmp_path) for a in args]
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("dofattn: error:")]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert not out.exists()
