@@ -13,8 +13,9 @@ A prompt and its answer have `length` tokens together, so that a length of the m
 1 at its end, just before the question; the fact is moved back to the nearest sentence end so that no word is
 split. The other keys of `multikey` are placed at random depths.
 
-Scoring: the prompt and its answer are read in one forward pass, and a prompt counts as answered when the model's
-most likely next token is right at every token of the answer (teacher forcing: the same as greedy generation
+Scoring: the prompt and its answer (the number's tokens; a space the tokenizer writes as a token of its own ends
+the prompt) are read in one forward pass, and a prompt counts as answered when the model's most likely next token
+is right at every token of the answer (teacher forcing: the same as greedy generation
 writing the answer first, without generating). Chance is 10^-5 for a pass key and 10^-6 for a magic number; a
 model that cannot see the fact scores about 0.
 """
@@ -75,6 +76,15 @@ def _tokens(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def _question_and_answer(tokenizer, question: str, value: str) -> tuple[list[int], list[int]]:
+    """The question and its answer " VALUE" tokenized together, split at the first token that holds a digit: a
+    tokenizer that writes the space as its own token (SmolLM2's) leaves it in the question, so the answer is the
+    number itself and not a choice between " " and " a"."""
+    ids = _tokens(tokenizer, question + " " + value)
+    split = next(i for i, token in enumerate(ids) if any(c.isdigit() for c in tokenizer.decode([token])))
+    return ids[:split], ids[split:]
+
+
 def _sentence_ends(tokenizer, ids: list[int]) -> list[int]:
     """Indices i where a sentence has ended before ids[i] (the token before ends in '.', '!', '?' or a newline)."""
     ends = [0]
@@ -121,8 +131,8 @@ class RecallTasks:
     def _passkey(self, rng: random.Random, length: int, depth: float, sample: int) -> Prompt:
         tok = self.tokenizer
         value = str(rng.randrange(10_000, 100_000))
-        intro, question = _tokens(tok, PASSKEY_INTRO), _tokens(tok, PASSKEY_QUESTION)
-        needle, answer = _tokens(tok, PASSKEY_NEEDLE.format(value=value)), _tokens(tok, " " + value)
+        intro, needle = _tokens(tok, PASSKEY_INTRO), _tokens(tok, PASSKEY_NEEDLE.format(value=value))
+        question, answer = _question_and_answer(tok, PASSKEY_QUESTION, value)
         room = self._filler_room("passkey", length, len(intro) + len(needle) + len(question) + len(answer))
         filler, ends = [], [0]
         while len(filler) < room:                           # whole sentences, then cut to the room left
@@ -138,8 +148,8 @@ class RecallTasks:
         keys = rng.sample(KEYS, MULTIKEY_KEYS)
         values = [str(rng.randrange(100_000, 1_000_000)) for _ in keys]
         needles = [_tokens(tok, MULTIKEY_NEEDLE.format(key=k, value=v)) for k, v in zip(keys, values)]
-        intro, question = _tokens(tok, MULTIKEY_INTRO), _tokens(tok, MULTIKEY_QUESTION.format(key=keys[0]))
-        answer = _tokens(tok, " " + values[0])
+        intro = _tokens(tok, MULTIKEY_INTRO)
+        question, answer = _question_and_answer(tok, MULTIKEY_QUESTION.format(key=keys[0]), values[0])
         room = self._filler_room("multikey", length,
                                  len(intro) + sum(map(len, needles)) + len(question) + len(answer))
         if len(self.text) < room + 1:
