@@ -295,6 +295,9 @@ class EvalArgs:
     samples: int = _opt(1, "recall prompts per task, length and depth, each with its own fact, keys and filler")
     plot_recall: str | None = _opt(None, "also write a figure of recall accuracy by length and depth (.png, .pdf "
                                          "or .svg)")
+    teacher_answers: str | None = _opt(None, "the teacher's recall answers from an earlier eval JSON of the same "
+                                             "prompts (same --data, --lengths, --depths, --samples), instead of "
+                                             "running the teacher again")
 
 
 def run_eval(args: EvalArgs) -> int:
@@ -314,9 +317,13 @@ def run_eval(args: EvalArgs) -> int:
         raise UserError(f"--task-path {args.task_path} is not a folder of lm-eval task YAMLs")
     if args.num_blocks < 0 or args.layer_blocks < 0 or args.batch_size < 1:
         raise UserError("--batch-size must be >= 1, --num-blocks and --layer-blocks >= 0")
+    if args.teacher_answers and not args.recall:
+        raise UserError("--teacher-answers gives the teacher's recall answers: use it with --recall")
     if args.num_blocks == 0 and not (args.recall or args.tasks):
         raise UserError("--num-blocks 0 leaves nothing to evaluate; add --recall or --tasks, or score some blocks")
     recall_tasks = _recall_tasks(args.recall) if args.recall else []
+    if args.teacher_answers and not Path(args.teacher_answers).is_file():
+        raise UserError(f"--teacher-answers {args.teacher_answers} does not exist; give an eval JSON with recall")
     if recall_tasks and (args.depths < 1 or args.samples < 1):
         raise UserError(f"--depths and --samples must be at least 1, got {args.depths} and {args.samples}")
     held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(args.data))
@@ -414,7 +421,7 @@ def _run_recall(args: EvalArgs, model, teacher, tokenizer, split: str, names: li
 
     from dofattn.data import load_texts
     from dofattn.evaluate import teacher_mode
-    from dofattn.recall import RecallTasks, evaluate_recall
+    from dofattn.recall import RecallTasks, cells, evaluate_recall, grid
 
     @contextlib.contextmanager
     def own_teacher():
@@ -423,10 +430,43 @@ def _run_recall(args: EvalArgs, model, teacher, tokenizer, split: str, names: li
 
     documents = load_texts(args.data, split) if "multikey" in names else []
     tasks = RecallTasks(tokenizer, documents, seed=0)
-    models = {"student": lambda: contextlib.nullcontext(model),
-              "teacher": (lambda: contextlib.nullcontext(teacher)) if teacher is not None else own_teacher}
-    return {"lengths": lengths, "depths": args.depths, "samples": args.samples,
-            **evaluate_recall(models, tasks, names, lengths, args.depths, args.samples)}
+    models = {"student": lambda: contextlib.nullcontext(model)}
+    earlier = None
+    if args.teacher_answers:        # checked before the student runs: the same prompts, every one answered
+        earlier = _teacher_answers(args.teacher_answers)
+        for task in names:
+            for length, depth in grid(lengths, args.depths):
+                for sample in range(args.samples):
+                    prompt = tasks.prompt(task, length, depth, sample)
+                    if _prompt_key(prompt, tokenizer) not in earlier:
+                        raise UserError(f"--teacher-answers {args.teacher_answers} has no teacher answer for {task} "
+                                        f"at {length} tokens, depth {depth:g}, sample {sample}; run the same "
+                                        f"--recall, --lengths, --depths, --samples and --data, or drop it")
+    else:
+        models["teacher"] = (lambda: contextlib.nullcontext(teacher)) if teacher is not None else own_teacher
+    result = evaluate_recall(models, tasks, names, lengths, args.depths, args.samples)
+    if earlier is not None:
+        for record in result["records"]:
+            record["teacher"] = earlier[(record["task"], record["length"], record["depth"], record["sample"],
+                                         record["answer"])]
+        result["cells"] = cells(result["records"], ["student", "teacher"])
+        result["teacher_answers"] = args.teacher_answers
+    return {"lengths": lengths, "depths": args.depths, "samples": args.samples, **result}
+
+
+def _prompt_key(prompt, tokenizer) -> tuple:
+    return prompt.task, prompt.length, prompt.depth, prompt.sample, tokenizer.decode(prompt.answer)
+
+
+def _teacher_answers(path: str) -> dict:
+    """{(task, length, depth, sample, answer): the teacher's answer} from an eval JSON with recall."""
+    import json
+
+    try:
+        return {(r["task"], r["length"], r["depth"], r["sample"], r["answer"]): r["teacher"]
+                for r in json.loads(Path(path).read_text())["recall"]["records"]}
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"--teacher-answers {path} is not an eval JSON with recall answers") from None
 
 
 def format_recall(recall: dict) -> str:

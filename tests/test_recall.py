@@ -157,6 +157,18 @@ def test_eval_verb_runs_the_recall_grid(capsys, tmp_path, long_llama, corpus):
     for record in result["recall"]["records"]:                   # an untrained tiny model: chance
         assert not record["student"]["correct"] and not record["teacher"]["correct"]
 
+    again = tmp_path / "again.json"                               # the teacher's answers reused, not rerun
+    base = ["eval", "--model", str(folder), "--data", str(corpus), "--num-blocks", "0", "--recall",
+            "passkey,multikey", "--lengths", "600,1024", "--out", str(again), "--teacher-answers", str(out)]
+    assert main(base + ["--depths", "2"]) == 0, capsys.readouterr().err
+    reused = json.loads(again.read_text())["recall"]
+    assert [r["teacher"] for r in reused["records"]] == [r["teacher"] for r in result["recall"]["records"]]
+    assert reused["teacher_answers"] == str(out)
+    assert main(base + ["--depths", "3"]) == 2 and "has no teacher answer for passkey" in capsys.readouterr().err
+    (tmp_path / "plain.json").write_text("{}")
+    base[-1] = str(tmp_path / "plain.json")
+    assert main(base + ["--depths", "2"]) == 2 and "not an eval JSON with recall" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("args,message", [
     (["--recall", "passkey,needle"], "unknown task needle"),
@@ -167,6 +179,8 @@ def test_eval_verb_runs_the_recall_grid(capsys, tmp_path, long_llama, corpus):
     (["--recall", "passkey", "--samples", "0"], "--depths and --samples must be at least 1"),
     (["--recall", "passkey", "--plot-recall", "{tmp}/r.jpg"], "--plot-recall"),
     ([], "leaves nothing to evaluate"),
+    (["--teacher-answers", "{tmp}/none.json"], "use it with --recall"),
+    (["--recall", "passkey", "--teacher-answers", "{tmp}/none.json"], "does not exist"),
 ])
 def test_recall_bad_input_is_one_line_error(capsys, tmp_path, long_llama, corpus, args, message):
     out = tmp_path / "eval.json"
