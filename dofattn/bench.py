@@ -193,14 +193,11 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) 
     return rows
 
 
-def _cache_bytes(cache) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for name in ("keys", "values", "state", "key_valid", "sink_keys", "sink_values", "sink_valid"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+def cache_bytes(cache) -> int:
+    """Bytes a generation cache holds for its sequences: every tensor of every layer (KV cache; or state, window,
+    sink and convolution history)."""
+    return sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
+               for t in vars(layer).values() if isinstance(t, torch.Tensor))
 
 
 class TokenClock:
@@ -235,7 +232,7 @@ def _generation_row(cfg: BenchConfig, student: bool, window: int, sink: int, T: 
         raise RuntimeError(f"{engine} generation timed {decode_s} s for {steps} decode steps: no rate to report")
     row = {"model": cfg.model, "student": student, "window": window, "sink": sink, "engine": engine, "context": T,
            "new_tokens": cfg.new_tokens, "prefill_ms": timings["prefill_s"] * 1e3,
-           "decode_tokens_per_s": steps / decode_s, "cache_bytes": _cache_bytes(cache)}
+           "decode_tokens_per_s": steps / decode_s, "cache_bytes": cache_bytes(cache)}
     if cfg.device.startswith("cuda"):
         row["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     return row

@@ -39,7 +39,8 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path):
     sink = 2 * 4 * 2 * 16 * 4 + 4
     assert all(r["sink"] == (4 if r["window"] else 0) for r in gen.values())
     assert gen[True, 16, "hf"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 14 * 2 * 16 * 4 + 14 + sink)
-    assert gen[True, 16, "static"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 16 * 2 * 16 * 4 + 16 + sink)   # a ring
+    ring = 8 + 4          # a ring's position [1] int64 and arrival count [1] int32, per layer
+    assert gen[True, 16, "static"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 16 * 2 * 16 * 4 + 16 + sink + ring)
     assert result["hardware"]["device"] == "cpu" and "prefill (one layer, ms)" in printed
 
 

@@ -73,6 +73,22 @@ def test_student_vs_its_base_model():
     assert all(0 < errors[k][i] < math.inf for k in ("output_error", "kernel_error") for i in (0, 2))
 
 
+def test_teacher_mode_keeps_a_kv_cache(family):
+    """In `teacher_mode` a cached call is the base model's: the cache holds keys and values, not a linear slot."""
+    from transformers import DynamicCache
+
+    model, ids = tiny_model(family), blocks(1, 20)
+    with torch.no_grad():
+        stock = model(input_ids=ids, use_cache=True)
+        linearize(model, [8, 8, 8], layers=[0, 2])
+        with teacher_mode(model):
+            cached = model(input_ids=ids[:, :12], use_cache=True)
+            more = model(input_ids=ids[:, 12:], past_key_values=cached.past_key_values, use_cache=True)
+    assert isinstance(cached.past_key_values, DynamicCache)
+    assert cached.past_key_values.get_seq_length() == 20
+    torch.testing.assert_close(more.logits, stock.logits[:, 12:], rtol=1e-4, atol=1e-4)
+
+
 def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
     from dofattn.hf import load_model
     from dofattn.spec import StudentSpec

@@ -27,7 +27,8 @@ CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
 
 def _bind_cache(module: nn.Module, args, kwargs) -> None:
     linear = getattr(module, "dofattn", None)       # None: the linear part taken off, softmax again
-    if linear is not None:
+    config = getattr(module, "config", None)        # in `teacher_mode` (SDPA) the slot stays a KV cache
+    if linear is not None and getattr(config, "_attn_implementation", IMPLEMENTATION) == IMPLEMENTATION:
         cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
         linear.cache_layer = None if cache is None else state_layer(cache, module.layer_idx)
 
