@@ -470,26 +470,19 @@ def _teacher_answers(path: str) -> dict:
 
 
 def format_recall(recall: dict) -> str:
-    """Accuracy per task and length, student against teacher."""
-    from dofattn.recall import accuracy
+    """Accuracy per task and length, student against teacher, and the cache each holds per sequence there."""
+    from dofattn.recall import accuracy, cache_at
 
     tasks = list(dict.fromkeys(r["task"] for r in recall["records"]))
-    lines = [f"\n{'recall':>10}{'length':>8}{'prompts':>9}{'student':>9}{'teacher':>9}"]
-    for task in tasks:
-        for length in recall["lengths"]:
-            n = sum(r["task"] == task and r["length"] == length for r in recall["records"])
-            lines.append(f"{task:>10}{length:>8}{n:>9}{accuracy(recall, 'student', task, length):9.2f}"
-                         f"{accuracy(recall, 'teacher', task, length):9.2f}")
-    return "\n".join(lines)
-
-
-def format_positions(rows: dict) -> str:
-    """The `by_position` buckets as a table: context length, predictions, both perplexities, their ratio, KL."""
-    lines = [f"\n{'context':>11}{'tokens':>8}{'student':>10}{'teacher':>10}{'ratio':>8}{'KL':>8}"]
-    for a, b, n, s, t, r, kl in zip(*(rows[k] for k in ("context_from", "context_to", "tokens", "ppl",
-                                                          "teacher_ppl", "ratio", "kl"))):
-        span = f"{a}" if a == b else f"{a}-{b}"
-        lines.append(f"{span:>11}{n:>8}{s:10.2f}{t:10.2f}{r:8.3f}{kl:8.3f}")
+    lines = [f"\n{'length':>8}" + "".join(f"{task + ' ' + who:>18}" for task in tasks for who in ("student", "teacher"))
+             + f"{'cache MB student':>18}{'teacher':>9}"]
+    for length in recall["lengths"]:
+        lines.append(f"{length:>8}" + "".join(f"{accuracy(recall, who, task, length):18.2f}" for task in tasks
+                                              for who in ("student", "teacher"))
+                     + "".join(f"{'-' if size is None else f'{size / 1e6:.1f}':>{width}}" for size, width in
+                               ((cache_at(recall, "student", length), 18), (cache_at(recall, "teacher", length), 9))))
+    n = len(recall["records"]) // (len(tasks) * len(recall["lengths"]))
+    lines.append(f"({n} prompts per task and length; accuracy is the share answered exactly)")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from dofattn.errors import UserError
 
@@ -173,16 +174,24 @@ class RecallTasks:
 
 
 @torch.no_grad()
-def read_answer(model, prompt: Prompt) -> tuple[list[int], float]:
-    """The model's most likely token at each answer position (given the prompt and the answer before it), and the
-    answer's log-probability. One forward pass; logits only at the answer's positions."""
+def read_answer(model, prompt: Prompt) -> tuple[list[int], float, int]:
+    """The model's most likely token at each answer position (given the prompt and the answer before it), the
+    answer's log-probability, and the bytes its generation cache holds after the whole sequence (what it keeps
+    per sequence at this length: a KV cache, or a state with its window and sink). One forward pass; logits only at
+    the answer's positions."""
+    from dofattn.bench import cache_bytes
+    from dofattn.hf import cache_kwargs
+
     device = next(model.parameters()).device
     ids = torch.tensor([prompt.ids + prompt.answer], device=device)
     n = len(prompt.answer)
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()   # [n, vocab]
+    cache = DynamicCache(config=model.config) if hasattr(model, "config") else None
+    kwargs = cache_kwargs(model, cache) if cache is not None else {}
+    logits = model(input_ids=ids, use_cache=cache is not None, logits_to_keep=n + 1,
+                   **kwargs).logits[0, :-1].float()                                             # [n, vocab]
     answer = torch.tensor(prompt.answer, device=device)
     log_p = torch.log_softmax(logits, -1).gather(1, answer[:, None]).sum().item()
-    return logits.argmax(-1).tolist(), log_p
+    return logits.argmax(-1).tolist(), log_p, cache_bytes(cache)
 
 
 def grid(lengths: list[int], depths: int | list[float]) -> list[tuple[int, float]]:
@@ -210,9 +219,9 @@ def evaluate_recall(models: dict, tasks: RecallTasks, names: list[str], lengths:
         with use() as model:
             for prompt, record in zip(prompts, records):
                 bar.set_postfix_str(f"{name} {prompt.task} {prompt.length}")
-                guess, log_p = read_answer(model, prompt)
+                guess, log_p, memory = read_answer(model, prompt)
                 record[name] = {"correct": guess == prompt.answer, "said": tasks.tokenizer.decode(guess),
-                                "log_p": log_p}
+                                "log_p": log_p, "cache_bytes": memory}
                 bar.update()
     bar.close()
     return {"records": records, "cells": cells(records, list(models))}
@@ -232,6 +241,13 @@ def cells(records: list[dict], names: list[str]) -> list[dict]:
         for name in names:
             cell[name] /= cell["prompts"]
     return list(table.values())
+
+
+def cache_at(result: dict, name: str, length: int) -> int | None:
+    """The most bytes model `name`'s cache held after any prompt of `length` tokens (None: not recorded, as in
+    teacher answers from an eval JSON written before caches were measured)."""
+    sizes = [r[name]["cache_bytes"] for r in result["records"] if r["length"] == length and "cache_bytes" in r[name]]
+    return max(sizes) if sizes else None
 
 
 def accuracy(result: dict, name: str, task: str, length: int | None = None) -> float:

@@ -105,7 +105,8 @@ def test_a_copier_scores_one_and_a_model_that_cannot_see_the_fact_scores_chance(
 
 def test_read_answer_uses_the_answers_own_positions(tasks, tokenizer):
     prompt = tasks.prompt("passkey", 400, 0.5, 0)
-    guess, log_p = read_answer(Copier(len(tokenizer)), prompt)
+    guess, log_p, memory = read_answer(Copier(len(tokenizer)), prompt)
+    assert memory == 0                                                       # no cache: it is not an HF model
     each = -math.log1p((len(tokenizer) - 1) * math.exp(-10.0))           # logit 10 on the copied token, 0 elsewhere
     assert guess == prompt.answer and math.isclose(log_p, len(prompt.answer) * each, rel_tol=1e-3)
 
@@ -153,7 +154,13 @@ def test_eval_verb_runs_the_recall_grid(capsys, tmp_path, long_llama, corpus):
     result = json.loads(out.read_text())
     assert "ppl" not in result and result["recall"]["lengths"] == [600, 1024]
     assert len(result["recall"]["records"]) == 2 * 2 * 2 and png.stat().st_size > 1000
-    assert "multikey    1024" in printed.out
+    assert "passkey student" in printed.out and "cache MB" in printed.out
+    records = result["recall"]["records"]
+    student = {r["length"]: r["student"]["cache_bytes"] for r in records}
+    teacher = {r["length"]: r["teacher"]["cache_bytes"] for r in records}
+    assert student[600] == student[1024] > 0                     # a state: the same at any length
+    assert teacher[1024] == 2 * 3 * 2 * 1024 * 16 * 4            # K and V: 3 layers, 2 kv heads, head size 16
+    assert teacher[600] == 2 * 3 * 2 * 600 * 16 * 4
     for record in result["recall"]["records"]:                   # an untrained tiny model: chance
         assert not record["student"]["correct"] and not record["teacher"]["correct"]
 
