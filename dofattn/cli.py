@@ -486,6 +486,16 @@ def format_recall(recall: dict) -> str:
     return "\n".join(lines)
 
 
+def format_positions(rows: dict) -> str:
+    """The `by_position` buckets as a table: context length, predictions, both perplexities, their ratio, KL."""
+    lines = [f"\n{'context':>11}{'tokens':>8}{'student':>10}{'teacher':>10}{'ratio':>8}{'KL':>8}"]
+    for a, b, n, s, t, r, kl in zip(*(rows[k] for k in ("context_from", "context_to", "tokens", "ppl",
+                                                          "teacher_ppl", "ratio", "kl"))):
+        span = f"{a}" if a == b else f"{a}-{b}"
+        lines.append(f"{span:>11}{n:>8}{s:10.2f}{t:10.2f}{r:8.3f}{kl:8.3f}")
+    return "\n".join(lines)
+
+
 def _add_arguments(parser: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
