@@ -265,7 +265,9 @@ class EvalArgs:
     8 K tokens, by position. --recall passkey,multikey asks both models for a fact hidden at --depths depths of
     prompts of --lengths tokens: a five-digit pass key in repeated filler, and one of four magic numbers in the
     data's text (RULER's multi-key needle). A prompt counts when the model's greedy answer is exactly right; chance
-    is about 0. --plot-recall draws the accuracy per length and depth. --num-blocks 0 skips the perplexity.
+    is about 0. --plot-recall draws the accuracy per length and depth; each prompt also records the cache the model
+    holds per sequence there. --num-blocks 0 skips the perplexity; --teacher-answers reuses an earlier run's
+    teacher answers (the teacher's half of the time).
     """
 
     model: str = _opt("runs/distill", "student folder (from dofattn distill), or any supported model")
