@@ -387,7 +387,7 @@ def format_tables(result: dict) -> str:
         lines += ["generation (graph tok/s: the CUDA graph's replays alone, without its capture; x teacher: decode "
                   "tok/s over the teacher's at that context):",
                   f"{'model':>27} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} {'x teacher':>10} "
-                  f"{'graph tok/s':>12} {'cache MB':>9} {'peak MB':>9}"]
+                  f"{'graph tok/s':>12} {'cache MiB':>9} {'peak MiB':>9}"]
         for r in result["generation"]:
             name = ("student" + (f" w{r['window']}" if r.get("window") else "")
                     + (f" s{r['sink']}" if r.get("sink") else "")) if r["student"] else "teacher"

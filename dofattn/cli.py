@@ -477,11 +477,11 @@ def format_recall(recall: dict) -> str:
 
     tasks = list(dict.fromkeys(r["task"] for r in recall["records"]))
     lines = [f"\n{'length':>8}" + "".join(f"{task + ' ' + who:>18}" for task in tasks for who in ("student", "teacher"))
-             + f"{'cache MB student':>18}{'teacher':>9}"]
+             + f"{'cache MiB student':>18}{'teacher':>9}"]
     for length in recall["lengths"]:
         lines.append(f"{length:>8}" + "".join(f"{accuracy(recall, who, task, length):18.2f}" for task in tasks
                                               for who in ("student", "teacher"))
-                     + "".join(f"{'-' if size is None else f'{size / 1e6:.1f}':>{width}}" for size, width in
+                     + "".join(f"{'-' if size is None else f'{size / 2 ** 20:.1f}':>{width}}" for size, width in
                                ((cache_at(recall, "student", length), 18), (cache_at(recall, "teacher", length), 9))))
     n = len(recall["records"]) // (len(tasks) * len(recall["lengths"]))
     lines.append(f"({n} prompts per task and length; accuracy is the share answered exactly)")

@@ -154,7 +154,7 @@ def test_eval_verb_runs_the_recall_grid(capsys, tmp_path, long_llama, corpus):
     result = json.loads(out.read_text())
     assert "ppl" not in result and result["recall"]["lengths"] == [600, 1024]
     assert len(result["recall"]["records"]) == 2 * 2 * 2 and png.stat().st_size > 1000
-    assert "passkey student" in printed.out and "cache MB" in printed.out
+    assert "passkey student" in printed.out and "cache MiB" in printed.out
     records = result["recall"]["records"]
     student = {r["length"]: r["student"]["cache_bytes"] for r in records}
     teacher = {r["length"]: r["teacher"]["cache_bytes"] for r in records}
