@@ -407,12 +407,9 @@ def _recall_lengths(spec: str, config) -> list[int]:
         while lengths[-1] * 2 <= context:
             lengths.append(lengths[-1] * 2)
         return lengths if lengths[-1] <= context else [context]
-    try:
-        lengths = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--lengths {spec!r}: give token counts, comma-separated (e.g. 1024,4096), or auto") from None
-    if not lengths or min(lengths) < 1:
-        raise UserError(f"--lengths {spec!r}: give positive token counts, comma-separated, or auto")
+    from dofattn.bench import parse_ints
+
+    lengths = parse_ints(spec, "--lengths (or auto)")
     if context and max(lengths) > context:
         raise UserError(f"--lengths {spec!r}: {max(lengths)} tokens is beyond the model's context of {context}")
     return lengths

@@ -180,7 +180,8 @@ def test_eval_verb_runs_the_recall_grid(capsys, tmp_path, long_llama, corpus):
 @pytest.mark.parametrize("args,message", [
     (["--recall", "passkey,needle"], "unknown task needle"),
     (["--recall", "passkey", "--lengths", "2048"], "beyond the model's context of 1024"),
-    (["--recall", "passkey", "--lengths", "12x"], "give token counts"),
+    (["--recall", "passkey", "--lengths", "12x"], "takes comma-separated token counts"),
+    (["--recall", "passkey", "--lengths", "0,512"], "takes positive token counts"),
     (["--recall", "passkey", "--lengths", "160"], "leaves"),
     (["--recall", "passkey", "--depths", "0"], "--depths and --samples must be at least 1"),
     (["--recall", "passkey", "--samples", "0"], "--depths and --samples must be at least 1"),
