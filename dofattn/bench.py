@@ -193,23 +193,17 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) 
     return rows
 
 
-def cache_bytes(cache) -> int:
-    """Bytes a generation cache holds for its sequences: every tensor of every layer (KV cache; or state, window,
-    sink and convolution history)."""
-    return sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
-               for t in vars(layer).values() if isinstance(t, torch.Tensor))
-
-
 class TokenClock:
     """A `generate` streamer that notes when each new token is out (the device's work finished): the prefill's time
     and the decode steps' own time in one run, not the difference of two separately timed runs."""
 
     def __init__(self, device: str):
-        self.device, self.stamps = device, []
+        from dofattn.engine import Clock
+
+        self.clock, self.stamps = Clock(torch.device(device)), []
 
     def put(self, value) -> None:            # the prompt first, then each new token
-        _sync(self.device)
-        self.stamps.append(time.perf_counter())
+        self.stamps.append(self.clock.now())
 
     def end(self) -> None:
         pass
@@ -225,6 +219,8 @@ class TokenClock:
 def _generation_row(cfg: BenchConfig, student: bool, window: int, sink: int, T: int, engine: str,
                     timings: dict, cache) -> dict:
     """One generation row from timings of the steps themselves (`TokenClock`, `StaticDecoder.timings`)."""
+    from dofattn.attention.cache import cache_bytes
+
     steps, decode_s = timings["decode_steps"], timings["decode_s"]
     if steps != cfg.new_tokens - 1:
         raise RuntimeError(f"{engine} generation made {steps + 1} tokens, not the {cfg.new_tokens} asked for")
@@ -259,7 +255,6 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
                 torch.cuda.reset_peak_memory_stats()
             model.generate(ids, max_new_tokens=2, **kwargs)              # warm-up
             clock = TokenClock(cfg.device)
-            _sync(cfg.device)
             out = model.generate(ids, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
                                  return_dict_in_generate=True, streamer=clock, **kwargs)
             rows.append(_generation_row(cfg, linearized, window, sink, T, "hf", clock.timings(),

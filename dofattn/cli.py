@@ -326,8 +326,10 @@ def run_eval(args: EvalArgs) -> int:
     recall_tasks = _recall_tasks(args.recall) if args.recall else []
     if args.teacher_answers and not Path(args.teacher_answers).is_file():
         raise UserError(f"--teacher-answers {args.teacher_answers} does not exist; give an eval JSON with recall")
-    if recall_tasks and (args.depths < 1 or args.samples < 1):
-        raise UserError(f"--depths and --samples must be at least 1, got {args.depths} and {args.samples}")
+    if recall_tasks:
+        from dofattn.recall import check_grid
+
+        check_grid(args.depths, args.samples)
     held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(args.data))
     split = args.split or ("validation" if held_out else "all")
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
@@ -420,7 +422,7 @@ def _run_recall(args: EvalArgs, model, teacher, tokenizer, split: str, names: li
 
     from dofattn.data import load_texts
     from dofattn.evaluate import teacher_mode
-    from dofattn.recall import RecallTasks, cells, evaluate_recall, grid
+    from dofattn.recall import RecallTasks, describe, evaluate_recall, make_prompts, record_key
 
     @contextlib.contextmanager
     def own_teacher():
@@ -429,41 +431,31 @@ def _run_recall(args: EvalArgs, model, teacher, tokenizer, split: str, names: li
 
     documents = load_texts(args.data, split) if "multikey" in names else []
     tasks = RecallTasks(tokenizer, documents, seed=0)
-    models = {"student": lambda: contextlib.nullcontext(model)}
-    earlier = None
+    prompts = make_prompts(tasks, names, lengths, args.depths, args.samples)
+    models, given = {"student": lambda: contextlib.nullcontext(model)}, {}
     if args.teacher_answers:        # checked before the student runs: the same prompts, every one answered
-        earlier = _teacher_answers(args.teacher_answers)
-        for task in names:
-            for length, depth in grid(lengths, args.depths):
-                for sample in range(args.samples):
-                    prompt = tasks.prompt(task, length, depth, sample)
-                    if _prompt_key(prompt, tokenizer) not in earlier:
-                        raise UserError(f"--teacher-answers {args.teacher_answers} has no teacher answer for {task} "
-                                        f"at {length} tokens, depth {depth:g}, sample {sample}; run the same "
-                                        f"--recall, --lengths, --depths, --samples and --data, or drop it")
+        given["teacher"] = _teacher_answers(args.teacher_answers)
+        missing = next((p for p in prompts if record_key(describe(p, tokenizer)) not in given["teacher"]), None)
+        if missing is not None:
+            raise UserError(f"--teacher-answers {args.teacher_answers} has no teacher answer for {missing.task} at "
+                            f"{missing.length} tokens, depth {missing.depth:g}, sample {missing.sample}; run the "
+                            f"same --recall, --lengths, --depths, --samples and --data, or drop it")
     else:
         models["teacher"] = (lambda: contextlib.nullcontext(teacher)) if teacher is not None else own_teacher
-    result = evaluate_recall(models, tasks, names, lengths, args.depths, args.samples)
-    if earlier is not None:
-        for record in result["records"]:
-            record["teacher"] = earlier[(record["task"], record["length"], record["depth"], record["sample"],
-                                         record["answer"])]
-        result["cells"] = cells(result["records"], ["student", "teacher"])
+    result = evaluate_recall(models, tasks, prompts, given)
+    if given:
         result["teacher_answers"] = args.teacher_answers
     return {"lengths": lengths, "depths": args.depths, "samples": args.samples, **result}
 
 
-def _prompt_key(prompt, tokenizer) -> tuple:
-    return prompt.task, prompt.length, prompt.depth, prompt.sample, tokenizer.decode(prompt.answer)
-
-
 def _teacher_answers(path: str) -> dict:
-    """{(task, length, depth, sample, answer): the teacher's answer} from an eval JSON with recall."""
+    """{`recall.record_key`: the teacher's answer} from an eval JSON with recall."""
     import json
 
+    from dofattn.recall import record_key
+
     try:
-        return {(r["task"], r["length"], r["depth"], r["sample"], r["answer"]): r["teacher"]
-                for r in json.loads(Path(path).read_text())["recall"]["records"]}
+        return {record_key(r): r["teacher"] for r in json.loads(Path(path).read_text())["recall"]["records"]}
     except (ValueError, KeyError, TypeError):
         raise UserError(f"--teacher-answers {path} is not an eval JSON with recall answers") from None
 

@@ -44,20 +44,21 @@ def check_static(model) -> dict[int, int]:
     return windows
 
 
-class _Clock:
-    """Seconds between laps on the host clock, the device's queued work finished at each lap."""
+class Clock:
+    """The host clock once the device's queued work is finished: `now()`, and `lap()`, the seconds since the last
+    lap (or since the clock was made)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.last = self._now()
+        self.last = self.now()
 
-    def _now(self) -> float:
+    def now(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
     def lap(self) -> float:
-        now = self._now()
+        now = self.now()
         lap, self.last = now - self.last, now
         return lap
 
@@ -81,7 +82,7 @@ class StaticDecoder:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         B, T = input_ids.shape
         input_ids = input_ids.to(self.device)
-        clock = _Clock(self.device)
+        clock = Clock(self.device)
         cache = DynamicCache(config=self.model.config)
         # the prompt's last logits only: all T of them would be [B, T, vocab] (3.2 GB at 32K tokens of SmolLM2)
         logits = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
@@ -103,7 +104,7 @@ class StaticDecoder:
             cache_position.add_(1)
 
         remaining = max_new_tokens - 1
-        timings = {"prefill_s": prefill_s, "decode_steps": remaining}
+        timings = {"prefill_s": prefill_s, "decode_steps": remaining, "decode_s": 0.0}
         if not self.graph:
             for _ in range(remaining):
                 step()

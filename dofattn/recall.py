@@ -22,6 +22,7 @@ model that cannot see the fact scores about 0.
 
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass
 
@@ -96,13 +97,8 @@ def _sentence_ends(tokenizer, ids: list[int]) -> list[int]:
 
 
 def _at_sentence_end(ends: list[int], want: int) -> int:
-    """The last sentence end at or before token `want` (the first sentence end if none)."""
-    best = ends[0]
-    for end in ends:
-        if end > want:
-            break
-        best = end
-    return best
+    """The last sentence end at or before token `want` (the first sentence end if none); `ends` ascending."""
+    return ends[max(bisect.bisect_right(ends, want) - 1, 0)]
 
 
 class RecallTasks:
@@ -179,7 +175,7 @@ def read_answer(model, prompt: Prompt) -> tuple[list[int], float, int]:
     answer's log-probability, and the bytes its generation cache holds after the whole sequence (what it keeps
     per sequence at this length: a KV cache, or a state with its window and sink). One forward pass; logits only at
     the answer's positions."""
-    from dofattn.bench import cache_bytes
+    from dofattn.attention.cache import cache_bytes
     from dofattn.hf import cache_kwargs
 
     device = next(model.parameters()).device
@@ -194,26 +190,44 @@ def read_answer(model, prompt: Prompt) -> tuple[list[int], float, int]:
     return logits.argmax(-1).tolist(), log_p, cache_bytes(cache)
 
 
-def grid(lengths: list[int], depths: int | list[float]) -> list[tuple[int, float]]:
-    """(length, depth) cells: `depths` evenly spaced from 0 to 1, or the given fractions."""
-    if isinstance(depths, int):
-        if depths < 1:
-            raise UserError(f"--depths must be at least 1, got {depths}")
-        depths = [0.5] if depths == 1 else [i / (depths - 1) for i in range(depths)]
-    return [(length, depth) for length in lengths for depth in depths]
+def check_grid(depths: int, samples: int) -> None:
+    """UserError unless a grid has at least one depth and one sample per cell."""
+    if depths < 1 or samples < 1:
+        raise UserError(f"--depths and --samples must be at least 1, got {depths} and {samples}")
 
 
-def evaluate_recall(models: dict, tasks: RecallTasks, names: list[str], lengths: list[int],
-                    depths: int | list[float], samples: int, progress: bool = True) -> dict:
+def make_prompts(tasks: RecallTasks, names: list[str], lengths: list[int], depths: int,
+                 samples: int) -> list[Prompt]:
+    """Every task of `names` at every length, at `depths` depths evenly spaced from 0 to 1 (0.5 alone for one), with
+    `samples` prompts per cell."""
+    check_grid(depths, samples)
+    fractions = [0.5] if depths == 1 else [i / (depths - 1) for i in range(depths)]
+    return [tasks.prompt(task, length, depth, s) for task in names for length in lengths for depth in fractions
+            for s in range(samples)]
+
+
+def describe(prompt: Prompt, tokenizer) -> dict:
+    """A prompt's record before any model's answer: what it asks, where, and the answer as text."""
+    return {"task": prompt.task, "length": prompt.length, "depth": prompt.depth, "sample": prompt.sample,
+            "distance": prompt.distance, "answer": tokenizer.decode(prompt.answer)}
+
+
+def record_key(record: dict) -> tuple:
+    """What identifies a prompt across runs: task, length, depth, sample and the answer."""
+    return record["task"], record["length"], record["depth"], record["sample"], record["answer"]
+
+
+def evaluate_recall(models: dict, tasks: RecallTasks, prompts: list[Prompt], given: dict | None = None,
+                    progress: bool = True) -> dict:
     """Each model on the same prompts: `models` maps a name ("student", "teacher") to a function that returns a
-    context manager yielding the model (a student's own teacher is the student in `teacher_mode`). Returns the
+    context manager yielding the model (a student's own teacher is the student in `teacher_mode`). `given` maps
+    the name of a model not run here to its answers from an earlier run ({`record_key`: answer}). Returns the
     per-prompt records and the accuracy per cell."""
-    if samples < 1:
-        raise UserError(f"--samples must be at least 1, got {samples}")
-    prompts = [tasks.prompt(task, length, depth, s) for task in names for length, depth in grid(lengths, depths)
-               for s in range(samples)]
-    records = [{"task": p.task, "length": p.length, "depth": p.depth, "sample": p.sample, "distance": p.distance,
-                "answer": tasks.tokenizer.decode(p.answer)} for p in prompts]
+    given = given or {}
+    records = [describe(p, tasks.tokenizer) for p in prompts]
+    for name, answers in given.items():
+        for record in records:
+            record[name] = answers[record_key(record)]
     bar = tqdm(total=len(prompts) * len(models), desc="recall", unit="prompt", disable=not progress, leave=False)
     for name, use in models.items():
         with use() as model:
@@ -224,7 +238,7 @@ def evaluate_recall(models: dict, tasks: RecallTasks, names: list[str], lengths:
                                 "log_p": log_p, "cache_bytes": memory}
                 bar.update()
     bar.close()
-    return {"records": records, "cells": cells(records, list(models))}
+    return {"records": records, "cells": cells(records, [*models, *given])}
 
 
 def cells(records: list[dict], names: list[str]) -> list[dict]:

@@ -86,7 +86,7 @@ def test_generation_rates_come_from_the_decode_steps_own_clock(monkeypatch):
     made other than the tokens asked for, or no measurable time, is refused rather than reported."""
     from dofattn import bench
 
-    stamps = iter([10.0, 10.5, 10.6, 10.8, 11.0])           # prompt in, then 4 new tokens out
+    stamps = iter([9.0, 10.0, 10.5, 10.6, 10.8, 11.0])      # the clock made, the prompt in, then 4 new tokens out
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(stamps))
     clock = bench.TokenClock("cpu")
     for _ in range(5):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dofattn.cli import main
-from dofattn.recall import MULTIKEY_KEYS, TASKS, RecallTasks, accuracy, evaluate_recall, read_answer
+from dofattn.recall import MULTIKEY_KEYS, TASKS, RecallTasks, accuracy, evaluate_recall, make_prompts, read_answer
 from tests.conftest import TEXT
 
 
@@ -93,7 +93,8 @@ def test_a_copier_scores_one_and_a_model_that_cannot_see_the_fact_scores_chance(
     window = 40
     models = {"student": lambda: contextlib.nullcontext(Copier(len(tokenizer), window=window)),
               "teacher": lambda: contextlib.nullcontext(Copier(len(tokenizer)))}
-    result = evaluate_recall(models, tasks, list(TASKS), [600, 900], 5, samples=2, progress=False)
+    result = evaluate_recall(models, tasks, make_prompts(tasks, list(TASKS), [600, 900], 5, samples=2),
+                             progress=False)
     for task in TASKS:
         assert accuracy(result, "teacher", task) == 1.0
     far = [r for r in result["records"] if r["distance"] > window]

@@ -139,6 +139,13 @@ class RingWindowLayer(LinearStateLayer):
         return ring
 
 
+def cache_bytes(cache: Cache | None) -> int:
+    """Bytes a generation cache holds for its sequences: every tensor of every layer (a KV cache; or a state with
+    its window, sink and convolution history). 0 for no cache."""
+    return sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
+               for t in vars(layer).values() if isinstance(t, torch.Tensor))
+
+
 def state_layer(cache: Cache, layer_idx: int) -> LinearStateLayer:
     """The `LinearStateLayer` in `cache`'s slot `layer_idx`, put there if the slot is a fresh dynamic layer."""
     cache = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache
