@@ -128,8 +128,8 @@ class PositiveRandomFeatures(FeatureMap):
 
     @torch.no_grad()
     def _update_key_shift(self, exponent: torch.Tensor) -> None:
-        seen = exponent.amax(dim=(0, 1, 3))                                          # [H]
-        if self.training or not torch.isfinite(self.key_shift).all():
+        if self.training or not self.shift_calibrated():
+            seen = exponent.amax(dim=(0, 1, 3))                                      # [H]
             self.key_shift.copy_(torch.maximum(self.key_shift, seen))
 
     def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:

@@ -110,39 +110,6 @@ def test_refuses_what_it_cannot_keep_static():
         StaticDecoder(model).generate(torch.zeros(1, 3, dtype=torch.long), 0)
 
 
-@pytest.mark.parametrize("window,prompt,decay", [(4, 7, False), (4, 2, False), (16, 9, False), (4, 7, True),
-                                                 (4, 2, True)])
-def test_ring_step_equals_the_window_layer(window, prompt, decay):
-    """Layer level: after a prefill, static ring steps give the same outputs and state as the growing-list cache
-    (with a decay: the ring step moves the state on by one factor γ before the key leaving the window joins it)."""
-    from dofattn.attention import LinearAttention, LinearStateLayer, RingWindowLayer
-    from dofattn.features import make_feature_map
-
-    torch.manual_seed(0)
-    layer = LinearAttention(make_feature_map("prf", 4, 8, 12, scaling=8 ** -0.5, seed=3), 4, 2, window, decay)
-    with torch.no_grad():
-        layer.log_gain.copy_(torch.randn(4))
-        if decay:
-            layer.decay_rate.copy_(torch.tensor([0.5, -1.0, -2.0, -4.0]))
-    g = torch.Generator().manual_seed(1)
-    q = 2 * torch.randn(2, prompt + 10, 4, 8, generator=g)
-    k, v = (2 * torch.randn(2, prompt + 10, 2, 8, generator=g) for _ in range(2))
-    listed, ringed = LinearStateLayer(), LinearStateLayer()
-    with torch.no_grad():
-        layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache=listed)      # training mode: calibrates the shift
-        layer.eval()
-        layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache=ringed)
-        ringed.seen = prompt
-        position = torch.tensor([prompt])
-        ring = RingWindowLayer.from_layer(ringed, window, position)
-        for t in range(prompt, prompt + 10):
-            ref = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=listed)
-            out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)
-            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-            position.add_(1)
-    torch.testing.assert_close(ring.state, listed.state, rtol=1e-5, atol=1e-6)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [0, 4])
 def test_same_tokens_with_a_conv(window, device):

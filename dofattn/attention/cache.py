@@ -45,6 +45,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.sink_keys: torch.Tensor | None = None    # [B, S, Hkv, D]
         self.sink_values: torch.Tensor | None = None  # [B, S, Hkv, D]
         self.sink_valid: torch.Tensor | None = None   # [B, S] bool
+        self.sink_full = False                        # every row's sink slots filled (checked until they are)
         # With a short convolution: the last K-1 inputs of q, k and v (zeros before the first token).
         self.conv_q: torch.Tensor | None = None       # [B, K-1, H, D]
         self.conv_k: torch.Tensor | None = None       # [B, K-1, Hkv, D]
@@ -88,6 +89,7 @@ class LinearStateLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.state = self.keys = self.values = self.key_valid = None
         self.sink_keys = self.sink_values = self.sink_valid = None
+        self.sink_full = False
         self.conv_q = self.conv_k = self.conv_v = None
         self.seen = 0
 

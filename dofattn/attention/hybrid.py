@@ -2,8 +2,9 @@
 the first S real tokens), linear attention beyond, in one normalisation.
 
 Every form runs the op `ops.window`: a prefill or a cached call `window_linear_attention` (the cache's keys still
-inside the window come first), a static ring step its spec `naive_window_linear_attention` on the ring's keys in
-order, or on CUDA with a PRF map the Triton kernel `ops.triton.window.prf_ring_step`.
+inside the window come first); a steady decode step (one token, the window full: `lean_step_ok`), on the growing
+cache or a static ring, `fold_key` and `window_decode_step`, a tenth of the general call's operations; or on CUDA
+with a PRF map a ring step the Triton kernel `ops.triton.window.prf_ring_step`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dofattn.attention.linear import check_left_padding
 from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures
 from dofattn.ops.naive import needs_grad
 from dofattn.ops.softmax import attention_logits
-from dofattn.ops.window import first_keys, naive_window_linear_attention, window_linear_attention, window_logits
+from dofattn.ops.window import first_keys, fold_key, window_decode_step, window_linear_attention, window_logits
 
 
 class WindowHybrid:
@@ -47,6 +48,8 @@ class WindowHybrid:
         with its padding flag) come before the new ones, and the last W of them stay for the next call."""
         if isinstance(cache, RingWindowLayer):
             return self.ring_step(q, k, v, cache, backend)
+        if self.lean_step_ok(q, cache):
+            return self.decode_step(q, k, v, key_valid, cache)
         if self.sink:
             return self.sink_step(q, k, v, key_valid, cache, backend)
         if key_valid is None:
@@ -114,15 +117,70 @@ class WindowHybrid:
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
                 and load_triton()[0] is not None)
 
+    def lean_step_ok(self, q: torch.Tensor, cache: LinearStateLayer) -> bool:
+        """True when this cached call is a steady decode step, which `decode_step` gives with the general call's
+        numbers: one query, a full window of W cached keys, a full sink, and a feature map that the keys no longer
+        move (eval mode; a PRF map's key shift calibrated). Syncs with a GPU only until a cache's sink is full."""
+        fmap = self.feature_map
+        if (q.shape[1] != 1 or fmap.training or cache.state is None or cache.keys is None
+                or cache.keys.shape[1] != self.window):
+            return False
+        if isinstance(fmap, PositiveRandomFeatures) and not fmap.shift_calibrated():
+            return False
+        if self.sink and not cache.sink_full:
+            cache.sink_full = cache.sink_valid is not None and bool(cache.sink_valid.all())
+        return not self.sink or cache.sink_full
+
+    def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
+                    cache: LinearStateLayer) -> torch.Tensor:
+        """A steady decode step (`lean_step_ok`) on the growing-list cache: the oldest cached key leaves the window
+        and joins the state, the new key joins the window, and the query reads [sinks, window] exactly and the state.
+        q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1, H, D]."""
+        if key_valid is None:
+            key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
+        if self.decay:   # as the general call: padding after a real token would still decay the state
+            check_left_padding(torch.cat([cache.key_valid, key_valid], 1))
+        state, k_scale = self.fold(cache.state, cache.keys[:, 0], cache.values[:, 0], cache.key_valid[:, 0], q.dtype)
+        keep_buffer(cache, "state", state)
+        cache.keys, cache.values = torch.cat([cache.keys[:, 1:], k], 1), torch.cat([cache.values[:, 1:], v], 1)
+        cache.key_valid = torch.cat([cache.key_valid[:, 1:], key_valid], 1)
+        return self.read_exact(q, cache, k_scale, q.dtype)
+
+    def fold(self, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the state after the key [B, Hkv, D] with its value leaves the window, the keys' log-scale [H]): a key
+        that is padding or a sink (`valid` [B] False) adds nothing. Features rounded to `dtype` if it is 16-bit (as
+        `attend` does for a 16-bit model; the static ring keeps them in float32, as its one-kernel step)."""
+        phi, k_scale = self.feature_map.features(self.expand_kv(key[:, None]), "key")       # [B, 1, H, M], [H]
+        if dtype in (torch.bfloat16, torch.float16):
+            phi = phi.to(dtype)
+        phi = phi[:, 0] * valid[:, None, None].to(phi.dtype)
+        return fold_key(state, phi, self.expand_kv(value[:, None])[:, 0], self.log_decay()), k_scale
+
+    def read_exact(self, q: torch.Tensor, cache: LinearStateLayer, k_scale: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """The query q [B, 1, H, D] against the cache's sinks and window keys (exact) and its state -> [B, 1, H, D]
+        (`ops.window.window_decode_step`); its features rounded to `dtype` if 16-bit, as in `fold`."""
+        keys, values, valid = cache.keys, cache.values, cache.key_valid
+        if self.sink:
+            keys, values = torch.cat([cache.sink_keys, keys], 1), torch.cat([cache.sink_values, values], 1)
+            valid = torch.cat([cache.sink_valid, valid], 1)
+        phi_q, q_scale = self.feature_map.features(q, "query")                               # [B, 1, H, M]
+        if dtype in (torch.bfloat16, torch.float16):
+            phi_q = phi_q.to(dtype)
+        o = window_decode_step(q[:, 0], keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + self.log_gain,
+                               self.feature_map.scaling, cache.state)
+        return o[:, None]
+
     def ring_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: RingWindowLayer,
                   backend: str = "auto") -> torch.Tensor:
-        """One static decode step of a window hybrid on a ring of W key slots: the key leaving the window is folded
-        into the state, the new key takes its slot. Fixed shapes and in-place updates only, with the position read
-        from the cache's tensor, so a CUDA graph can replay it. q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1,
-        H, D]. On CUDA (or with backend triton) a PRF map runs it as one kernel (`one_kernel_ring`); otherwise the
-        op's spec (`naive_window_linear_attention`) runs on the keys in order: [sinks, the ring from its oldest key
-        (the one leaving, the only key beyond the window, whose features alone are computed), the new key]."""
-        fmap, W = self.feature_map, self.window
+        """One static decode step of a window hybrid on a ring of W key slots: the key leaving the window (the
+        oldest, in slot position mod W) is folded into the state, the new key takes its slot. Fixed shapes and
+        in-place updates only, with the position read from the cache's tensor, so a CUDA graph can replay it.
+        q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1, H, D]. On CUDA (or with backend triton) a PRF map runs it
+        as one kernel (`one_kernel_ring`); otherwise `fold` and `read_exact`, as the growing cache's `decode_step`
+        (the ring's order does not matter: an exact key's weight does not depend on its distance)."""
+        fmap = self.feature_map
         if self.one_kernel_ring(q, cache, backend):
             from dofattn.ops import load_triton
             if cache.arrivals is None or cache.arrivals.shape[0] != q.shape[0]:
@@ -131,30 +189,15 @@ class WindowHybrid:
                 fmap, q, k, v, cache.state, cache.keys, cache.values, cache.key_valid, cache.position, self.log_gain,
                 MAX_KEY_EXCESS, self.decay_rate if self.decay else None, cache.sink_keys, cache.sink_values,
                 cache.sink_valid, cache.arrivals)
-        slot = cache.position.remainder(W)                                         # [1]: the oldest key's slot
-        order = (slot + torch.arange(W, device=slot.device)).remainder(W)          # [W]: the ring, oldest first
-        new_valid = torch.ones_like(cache.key_valid[:, :1])
-        keys = [cache.keys.index_select(1, order), k]
-        values = [cache.values.index_select(1, order), v]
-        valid = [cache.key_valid.index_select(1, order), new_valid]
-        S = self.sink
-        if S:    # the sink's slots sit beside the ring: exact, never folded
-            keys, values, valid = [cache.sink_keys] + keys, [cache.sink_values] + values, [cache.sink_valid] + valid
-        keys, values, valid = torch.cat(keys, 1), torch.cat(values, 1), torch.cat(valid, 1)    # [B, S+W+1, ...]
-        phi_q, q_scale = fmap.features(q, "query")                                             # [B, 1, H, M]
-        phi_old, k_scale = fmap.features(self.expand_kv(keys[:, S:S + 1]), "key")              # [B, 1, H, M], [H]
-        phi_k = torch.cat([phi_old.new_zeros(phi_old.shape[0], S, *phi_old.shape[2:]), phi_old,
-                           phi_old.new_zeros(phi_old.shape[0], W, *phi_old.shape[2:])], 1)    # the rest: exact
-        sink_mask = torch.cat([cache.sink_valid, torch.zeros_like(valid[:, S:])], 1) if S else None
-        o, state = naive_window_linear_attention(
-            q, self.expand_kv(keys), self.expand_kv(values), phi_q, phi_k, q_scale, k_scale + self.log_gain,
-            fmap.scaling, W, valid, cache.state, output_final_state=True, log_decay=self.log_decay(),
-            sink_mask=sink_mask)
+        slot = cache.position.remainder(self.window)                               # [1]: the oldest key's slot
+        state, k_scale = self.fold(cache.state, cache.keys.index_select(1, slot)[:, 0],
+                                   cache.values.index_select(1, slot)[:, 0],
+                                   cache.key_valid.index_select(1, slot)[:, 0], torch.float32)
         cache.state.copy_(state)
         cache.keys.index_copy_(1, slot, k)
         cache.values.index_copy_(1, slot, v)
         cache.key_valid.index_fill_(1, slot, True)
-        return o.to(q.dtype)
+        return self.read_exact(q, cache, k_scale, torch.float32).to(q.dtype)
 
     @torch.no_grad()
     def calibrate_gain(self, q: torch.Tensor, k: torch.Tensor) -> None:

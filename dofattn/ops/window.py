@@ -36,6 +36,12 @@ Two implementations with the same signature:
                                     window's softmax output and log-mass and ō_l, λ_l the linear part's,
                                     o = σ(λ_w − λ_l)·ō_w + σ(λ_l − λ_w)·ō_l.
 Both compute in float32 (float64 if any input is), return o in v.dtype, and give 0 for a query with no valid key.
+
+One decode step, the spec's row for a single query, in few operations (a CPU decode step is bound by their count):
+    o = window_decode_step(q, keys, values, valid, phi_q, q_log_scale, log_offset, scaling, state)
+takes the keys this query sees exactly on the kv heads (sinks and window in any order: an exact weight does not
+depend on distance) and the state already holding every key beyond the window (the caller folds the key that
+leaves it in with `fold_key`).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from dofattn.ops.naive import (TINY, check_log_decay, compute_dtype, decay_facto
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
 __all__ = ["naive_window_linear_attention", "window_linear_attention", "blocked_window_linear_attention",
-           "window_logits", "check_window_inputs", "sink_softmax", "mix_parts"]
+           "window_decode_step", "fold_key", "window_logits", "check_window_inputs", "sink_softmax", "mix_parts"]
 
 
 def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state,
@@ -163,6 +169,46 @@ def naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset
         linear_keys = key_valid if sink_mask is None else valid_and(key_valid, ~sink_mask)
         final_state = _fold_state(phi_k, v, window, linear_keys, initial_state, dtype, log_decay, Tk - q.shape[1])
     return o.to(v.dtype), final_state
+
+
+def window_decode_step(q, keys, values, valid, phi_q, q_log_scale, log_offset, scaling: float, state):
+    """The spec's output for one query per row, on kv heads, in about fifteen operations (a decode step).
+
+    q [B, H, D]; keys [B, N, Hkv, D], values [B, N, Hkv, V], valid [B, N] bool: the keys this query sees exactly
+    (the window, the new key among them, and the sinks, in any order); phi_q [B, H, M], q_log_scale [B, H],
+    log_offset [H] as in the spec; state [B, H, M, V+1]: every key beyond the window. -> o [B, H, V] in
+    values.dtype, computed in float32 (float64 if any input is); 0 for a row with no valid key and an empty state.
+    Equal to the last row of `naive_window_linear_attention` on the same keys (decay: folded into the state).
+    """
+    B, N, Hkv, D = keys.shape
+    H, V = q.shape[1], values.shape[-1]
+    dtype = compute_dtype(q, keys, values, phi_q, state)
+    G = H // Hkv                                                         # query heads per kv head
+    exact = torch.matmul(q.to(dtype).reshape(B, Hkv, G, D), keys.to(dtype).permute(0, 2, 3, 1))   # [B, Hkv, G, N]
+    exact = (scaling * exact).masked_fill(~valid[:, None, None, :], -torch.inf).reshape(B, H, N)
+    read = torch.matmul(phi_q.to(dtype)[:, :, None, :], state.to(dtype))[:, :, 0]                  # [B, H, V+1]
+    den = read[..., -1]
+    state_logit = _log(den) + q_log_scale.to(dtype) + log_offset.to(dtype)                         # [B, H]
+    logits = torch.cat([exact, state_logit[..., None]], -1)                                        # [B, H, N+1]
+    top = logits.amax(-1, keepdim=True)
+    weights = torch.exp(logits - torch.where(torch.isfinite(top), top, 0))
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(TINY)
+    o = torch.matmul(weights[..., :N].reshape(B, Hkv, G, N), values.to(dtype).transpose(1, 2))    # [B, Hkv, G, V]
+    o = o.reshape(B, H, V) + weights[..., N:] * read[..., :-1] / den.clamp_min(TINY)[..., None]
+    return o.to(values.dtype)
+
+
+def fold_key(state, phi_k, value, log_decay=None):
+    """The state after one key leaves the window: γ·S + φk ⊗ [v, 1]. state [B, H, M, V+1]; phi_k [B, H, M] (zero
+    for a key that must not count: padding, a sink); value [B, H, V]; log_decay [H] or None. Out of place, in
+    state's dtype (float32, or float64 if any input is)."""
+    dtype = compute_dtype(state, phi_k, value)
+    value = value.to(dtype)
+    update = phi_k.to(dtype)[..., None] * torch.cat([value, torch.ones_like(value[..., :1])], -1)[:, :, None, :]
+    state = state.to(dtype)
+    if log_decay is not None:
+        state = torch.exp(decay_log(log_decay, dtype))[:, None, None] * state
+    return state + update
 
 
 def _fold_state(phi_k, v, window, key_valid, initial_state, dtype, log_decay=None, cached: int = 0):

@@ -1,0 +1,198 @@
+"""The hybrid's decode step in few operations (`ops.window.window_decode_step`, `fold_key`; `WindowHybrid.decode_step`
+and the ring's step): the op against the spec's last row, the layer's steady steps against its general cached call
+(outputs, states and caches, step after step), and numerics at exponent 195."""
+
+import math
+
+import pytest
+import torch
+
+from dofattn.attention import LinearAttention, LinearStateLayer, RingWindowLayer
+from dofattn.features import make_feature_map
+from dofattn.ops.window import fold_key, naive_window_linear_attention, window_decode_step
+from dofattn.ops.softmax import expand_kv
+
+# (B, H, Hkv, D, V, M, W, S): GQA and not, a window of 1, odd sizes, sinks of 0 to 3
+SHAPES = [(1, 2, 2, 4, 5, 3, 4, 0), (2, 6, 2, 8, 3, 7, 5, 2), (3, 3, 1, 5, 6, 1, 1, 1), (2, 4, 4, 3, 2, 9, 7, 3)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decay", [False, True])
+def test_op_is_the_specs_last_row(shape, dtype, decay):
+    """Keys [sinks, the one leaving the window, W−1 cached, new] through the spec give the same output and final
+    state as `fold_key` on the leaving key and `window_decode_step` on the rest, in shuffled order (an exact key's
+    weight does not depend on its distance). Padding in the first row, a sink slot still empty in the last."""
+    B, H, Hkv, D, V, M, W, S = shape
+    if decay and S:
+        pytest.skip("a sink and a decay do not combine")
+    g = torch.Generator().manual_seed(sum(shape))
+    Tk = S + W + 1
+    q = torch.randn(B, 1, H, D, generator=g)
+    k, v = torch.randn(B, Tk, Hkv, D, generator=g), torch.randn(B, Tk, Hkv, V, generator=g)
+    phi_q, phi_k = torch.rand(B, 1, H, M, generator=g), torch.rand(B, Tk, H, M, generator=g)
+    q_scale, offset = torch.randn(B, 1, H, generator=g), torch.randn(H, generator=g)
+    state = torch.rand(B, H, M, V + 1, generator=g)
+    log_decay = -torch.rand(H, generator=g) if decay else None
+    valid = torch.ones(B, Tk, dtype=torch.bool)
+    valid[0, S:S + 2] = False                                            # the leaving key and one cached: padding
+    sink = torch.zeros(B, Tk, dtype=torch.bool)
+    sink[:, :S] = True
+    if S:
+        valid[-1, S - 1] = False                                         # an empty sink slot
+    q, k, v, phi_q, phi_k = (x.to(dtype) for x in (q, k, v, phi_q, phi_k))
+
+    ref, ref_state = naive_window_linear_attention(
+        q, expand_kv(k, H), expand_kv(v, H), phi_q, phi_k, q_scale, offset, D ** -0.5, W, valid, state,
+        output_final_state=True, log_decay=log_decay, sink_mask=sink if S else None)
+    leaving = phi_k[:, S].to(torch.float32) * valid[:, S, None, None]
+    new_state = fold_key(state, leaving, expand_kv(v[:, S:S + 1], H)[:, 0], log_decay)
+    exact = [i for i in range(Tk) if i != S]
+    exact = [exact[i] for i in torch.randperm(len(exact), generator=g)]
+    o = window_decode_step(q[:, 0], k[:, exact], v[:, exact], valid[:, exact], phi_q[:, 0], q_scale[:, 0], offset,
+                           D ** -0.5, new_state)
+    assert o.dtype == dtype and new_state.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-5, "atol": 2e-6}
+    torch.testing.assert_close(new_state, ref_state, **tol)
+    torch.testing.assert_close(o.float(), ref[:, 0].float(), **(tol if dtype != torch.bfloat16 else
+                                                                {"rtol": 1e-2, "atol": 1e-2}))
+
+
+def test_op_gives_zero_for_a_row_with_nothing():
+    """No valid key and an empty state: 0, not NaN (as the spec)."""
+    o = window_decode_step(torch.randn(1, 2, 4), torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 5),
+                           torch.zeros(1, 3, dtype=torch.bool), torch.rand(1, 2, 3), torch.zeros(1, 2),
+                           torch.zeros(2), 0.5, torch.zeros(1, 2, 3, 6))
+    assert torch.equal(o, torch.zeros(1, 2, 5))
+
+
+def layer_pair(H, Hkv, D, M, W, S, decay, seed=0):
+    """A trained-looking hybrid layer (random gains, rates) and its calibration call's inputs."""
+    torch.manual_seed(seed)
+    layer = LinearAttention(make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=seed), H, Hkv, W, decay, S)
+    with torch.no_grad():
+        layer.log_gain.normal_(0, 1)
+        if decay:
+            layer.decay_rate.copy_(torch.linspace(0.5, -4, H))
+    return layer
+
+
+def count_lean(layer, monkeypatch):
+    """Counts the layer's steps through `decode_step`: the test must not pass on the general path alone."""
+    calls = []
+    original = layer.decode_step
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(layer, "decode_step", counted)
+    return calls
+
+
+@pytest.mark.parametrize("H,Hkv,W,S,decay,prompt", [(4, 2, 4, 0, False, 9), (6, 3, 5, 2, False, 3),
+                                                    (4, 2, 4, 0, True, 2), (3, 1, 1, 1, False, 6),
+                                                    (4, 4, 6, 3, False, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steady_steps_equal_the_general_call(H, Hkv, W, S, decay, prompt, dtype, monkeypatch):
+    """Prefill, then 3W + 2 one-token calls on the growing cache: the lean steps give the general call's outputs,
+    state, window and sink, every step. Batch 3, the first row left-padded (its sink fills later)."""
+    D, M, B = 8, 7, 3
+    layer = layer_pair(H, Hkv, D, M, W, S, decay)
+    g = torch.Generator().manual_seed(5)
+    T = prompt + 3 * W + 2
+    q = (2 * torch.randn(B, T, H, D, generator=g)).to(dtype)
+    k, v = ((2 * torch.randn(B, T, Hkv, D, generator=g)).to(dtype) for _ in range(2))
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, :min(2, prompt)] = False
+    with torch.no_grad():
+        layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], valid[:, :prompt])    # training mode: calibrates the shift
+    layer.eval()
+    lean, general = LinearStateLayer(), LinearStateLayer()
+    calls = count_lean(layer, monkeypatch)
+    with torch.no_grad():
+        for cache in (lean, general):
+            layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], valid[:, :prompt], cache=cache)
+        for t in range(prompt, T):
+            args = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], valid[:, :t + 1][:, -1:])
+            out = layer(*args, cache=lean)
+            with monkeypatch.context() as m:
+                m.setattr(layer, "lean_step_ok", lambda *a: False)
+                ref = layer(*args, cache=general)
+            tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+            torch.testing.assert_close(out, ref, **tol)
+            torch.testing.assert_close(lean.state, general.state, rtol=1e-4, atol=1e-5)   # sums in another order
+            for name in ("keys", "values", "key_valid", "sink_keys", "sink_values", "sink_valid"):
+                a, b = getattr(lean, name), getattr(general, name)
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    assert len(calls) >= 2 * W                                         # the lean step ran once the window was full
+
+
+@pytest.mark.parametrize("W,S,decay,prompt", [(4, 0, False, 7), (4, 0, False, 2), (16, 0, False, 9), (4, 2, False, 7),
+                                               (5, 0, True, 7), (4, 0, True, 2)])
+def test_ring_steps_equal_the_general_call(W, S, decay, prompt, monkeypatch):
+    """The static ring (`RingWindowLayer`, any slot order) gives the general call's outputs and state after it has
+    wrapped twice, from prompts longer and shorter than the window (with a decay: the state moves on by one factor
+    γ each step, before the key leaving the window joins it)."""
+    H, Hkv, D, M = 4, 2, 8, 12
+    layer = layer_pair(H, Hkv, D, M, W, S, decay, seed=1)
+    g = torch.Generator().manual_seed(1)
+    q = 2 * torch.randn(2, prompt + 2 * W + 3, H, D, generator=g)
+    k, v = (2 * torch.randn(2, prompt + 2 * W + 3, Hkv, D, generator=g) for _ in range(2))
+    listed, ringed = LinearStateLayer(), LinearStateLayer()
+    monkeypatch.setattr(layer, "lean_step_ok", lambda *a: False)     # the reference: the general call
+    with torch.no_grad():
+        layer(q[:, :prompt], k[:, :prompt], v[:, :prompt])          # training mode: calibrates the shift
+        layer.eval()
+        for cache in (listed, ringed):
+            layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache=cache)
+        ringed.seen = prompt
+        position = torch.tensor([prompt])
+        ring = RingWindowLayer.from_layer(ringed, W, position)
+        for t in range(prompt, q.shape[1]):
+            ref = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=listed)
+            out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+            position.add_(1)
+    torch.testing.assert_close(ring.state, listed.state, rtol=1e-5, atol=1e-6)
+
+
+def test_lean_step_waits_for_a_full_window_and_sink(monkeypatch):
+    """A prompt shorter than the window or the sink: the general call runs until both are full (a new token may
+    still be a sink, or the window not yet lose a key), then the lean step."""
+    W, S = 4, 3
+    layer = layer_pair(2, 1, 4, 5, W, S, False)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 9, 2, 4, generator=g), torch.randn(1, 9, 1, 4, generator=g), torch.randn(1, 9, 1, 4,
+                                                                                                      generator=g)
+    with torch.no_grad():
+        layer(q, k, v)
+    layer.eval()
+    calls = count_lean(layer, monkeypatch)
+    cache = LinearStateLayer()
+    steps = []
+    with torch.no_grad():
+        layer(q[:, :1], k[:, :1], v[:, :1], cache=cache)
+        for t in range(1, 9):
+            before = len(calls)
+            layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=cache)
+            steps.append(len(calls) > before)
+    # token t sees t cached keys, of which the window holds min(t, W) (sinks are marked padding there)
+    assert steps == [t >= W for t in range(1, 9)] and cache.sink_full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_steps_finite_at_exponent_195(dtype):
+    D = 64
+    layer = LinearAttention(make_feature_map("prf", 1, D, 16, scaling=D ** -0.5, seed=0), 1, 1, window=4, sink=2)
+    x = torch.randn(1, 40, 1, D)
+    x = x / x.norm(dim=-1, keepdim=True) * math.sqrt(195 * math.sqrt(D))  # s·qᵀq ≈ 195 on the diagonal
+    v = torch.randn(1, 40, 1, D)
+    with torch.no_grad():
+        layer(x[:, :8], x[:, :8], v[:, :8])
+        layer.eval()
+        cache = LinearStateLayer()
+        layer(x[:, :8].to(dtype), x[:, :8].to(dtype), v[:, :8].to(dtype), cache=cache)
+        outs = [layer(x[:, t:t + 1].to(dtype), x[:, t:t + 1].to(dtype), v[:, t:t + 1].to(dtype), cache=cache)
+                for t in range(8, 40)]
+    assert all(o.dtype == dtype and torch.isfinite(o).all() for o in outs) and torch.isfinite(cache.state).all()
