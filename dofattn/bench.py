@@ -51,6 +51,7 @@ class BenchConfig:
     gen_contexts: list[int] = field(default_factory=lambda: [512])
     new_tokens: int = 16
     parts: list[str] = field(default_factory=lambda: list(PARTS))
+    compile: bool = False                  # also the students' static decoder through torch.compile
 
 
 PARTS = ("prefill", "decode", "generation")
@@ -248,6 +249,8 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
         if linearized:
             linearize(model, [cfg.features] * len(attention_modules(model)), "prf", window=window, sink=sink)
         vocab = model.get_input_embeddings().weight.shape[0]
+        decoders = [StaticDecoder(model)] + ([StaticDecoder(model, compile=True)] if cfg.compile else []) \
+            if linearized else []
         for T in cfg.gen_contexts:
             ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(cfg.device)
             kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id or 0}
@@ -260,18 +263,22 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
             rows.append(_generation_row(cfg, linearized, window, sink, T, "hf", clock.timings(),
                                         out.past_key_values))
             report(rows[-1])
-            if linearized:                         # the same student on static buffers (a CUDA graph on CUDA)
-                decoder = StaticDecoder(model)
+            # the same student on static buffers (a CUDA graph on CUDA), and with --compile through torch.compile:
+            # its warm-up call compiles (once per prompt length), the timed call runs the compiled step throughout
+            for decoder in decoders:
                 if cfg.device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()
                 decoder.generate(ids, 2)                                      # warm-up
+                compile_s = decoder.timings.get("compile_s")             # the decoder's first call only
                 decoder.generate(ids, cfg.new_tokens)
-                engine = "static+graph" if decoder.graph else "static"
+                engine = "static+graph" if decoder.graph else "static+compile" if decoder.compiled else "static"
                 rows.append(_generation_row(cfg, linearized, window, sink, T, engine, decoder.timings,
                                             decoder.cache))
                 if "replays" in decoder.timings:   # the replays alone: the rate of a long generation
                     rows[-1]["graph_capture_ms"] = decoder.timings["capture_s"] * 1e3
                     rows[-1]["graph_tokens_per_s"] = decoder.timings["replays"] / decoder.timings["replay_s"]
+                if compile_s is not None:
+                    rows[-1]["compile_ms"] = compile_s * 1e3
                 report(rows[-1])
         del model
         if cfg.device.startswith("cuda"):

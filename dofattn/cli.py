@@ -86,6 +86,8 @@ class GenerateArgs:
     temperature: float = _opt(0.0, "0 for greedy decoding, > 0 to sample")
     static: bool = _opt(False, "greedy decoding on static buffers (dofattn.engine): a CUDA graph per token on CUDA; "
                                "needs every layer linear and --temperature 0")
+    compile: bool = _opt(False, "with --static: compile the decode step with torch.compile (for the CPU; its first "
+                                "step compiles, minutes on a small CPU, so it pays off for long generations)")
     seed: int = _opt(0, "seed for sampling and for untrained features")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
     dtype: str = _opt("float32", "model dtype: float32 or bfloat16")
@@ -104,6 +106,8 @@ def run_generate(args: GenerateArgs) -> int:
         raise UserError(f"--temperature must be >= 0, got {args.temperature:g}")
     if args.static and args.temperature > 0:
         raise UserError("--static decodes greedily; drop --temperature or --static")
+    if args.compile and not args.static:
+        raise UserError("--compile compiles the static decoder's step; add --static")
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
     if is_student(args.model):
         if args.dims:
@@ -124,8 +128,11 @@ def run_generate(args: GenerateArgs) -> int:
     if args.static:
         from dofattn.engine import StaticDecoder
 
-        out = StaticDecoder(model).generate(inputs["input_ids"], args.max_new_tokens, tokenizer.eos_token_id)
-        what += ", static decoding" + (" with a CUDA graph" if device.startswith("cuda") else "")
+        decoder = StaticDecoder(model, compile=args.compile)
+        out = decoder.generate(inputs["input_ids"], args.max_new_tokens, tokenizer.eos_token_id)
+        what += ", static decoding" + (" with a CUDA graph" if decoder.graph else "")
+        if "compile_s" in decoder.timings:
+            what += f", compiled in {decoder.timings['compile_s']:.0f} s"
     else:
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
@@ -646,6 +653,8 @@ class BenchArgs:
                                      "on CUDA")
     new_tokens: int = _opt(16, "tokens generated after each prompt")
     parts: str = _opt("prefill,decode,generation", "which measurements to run (comma-separated)")
+    compile: bool = _opt(False, "also time the students' static decoder compiled with torch.compile (for the CPU): "
+                                "minutes of compilation per student and prompt length, reported as compile_ms")
     out: str = _opt("bench.json", "where to write the JSON result (rewritten after each part)")
 
 
@@ -665,7 +674,7 @@ def run_bench(args: BenchArgs) -> int:
                       features=args.features, window=args.window, sink=args.sink, decode_batch=args.decode_batch,
                       repeats=args.repeats, model=None if args.model == "none" else args.model,
                       gen_contexts=contexts, new_tokens=args.new_tokens,
-                      parts=[p.strip() for p in args.parts.split(",") if p.strip()])
+                      parts=[p.strip() for p in args.parts.split(",") if p.strip()], compile=args.compile)
     result = bench(cfg, save=lambda partial: write_atomic(out, json.dumps(partial, indent=2)))
     print(format_tables(result))
     write_atomic(out, json.dumps(result, indent=2))

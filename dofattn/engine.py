@@ -12,7 +12,10 @@ between tokens. HF `generate` instead spends host time on every layer of every t
 batch 1 dominates.
 
 On CPU (or with graph=False) the same static step runs eagerly, token by token: the tokens are the same, which is
-what the tests check. Greedy only; no padding (every prompt the same length); no stopping at EOS inside the loop
+what the tests check. With compile=True (for the CPU) the step runs through `torch.compile` instead: the whole
+model's step becomes a few generated C++ kernels, a fraction of eager PyTorch's several thousand small operations
+per token. The first compiled step of a decoder compiles (minutes on a small CPU; `timings["compile_s"]`), later
+calls of `generate` with the same batch size reuse it. Greedy only; no padding (every prompt the same length); no stopping at EOS inside the loop
 (that would need a host sync per token): `generate` cuts each row after its first `eos_token_id` instead.
 """
 
@@ -66,14 +69,29 @@ class Clock:
 class StaticDecoder:
     """Greedy decoding of a fully linear student on static buffers; `graph` (default: on CUDA) replays a CUDA graph."""
 
-    def __init__(self, model, graph: bool | None = None):
-        self.timings: dict = {}   # after generate: prefill_s, decode_steps, decode_s; graphed: capture_s, replays, replay_s
+    def __init__(self, model, graph: bool | None = None, compile: bool = False):
+        # after generate: prefill_s, decode_steps, decode_s; graphed: capture_s, replays, replay_s; compiled: the first
+        # compiled step's compile_s (that step is then not among decode_steps)
+        self.timings: dict = {}
         self.windows = check_static(model)
         self.model = model
         self.device = next(model.parameters()).device
-        self.graph = self.device.type == "cuda" if graph is None else graph
+        if compile and graph:
+            raise UserError("compile and graph do not combine: a CUDA graph already replays the step; pick one")
+        self.graph = (self.device.type == "cuda" and not compile) if graph is None else graph
         if self.graph and self.device.type != "cuda":
             raise UserError(f"CUDA graphs need the model on a CUDA device, not {self.device}; pass graph=False")
+        self.compiled = torch.compile(self.step, dynamic=False) if compile else None
+        self.compiled_once = False
+
+    def step(self, token: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor, cache) -> None:
+        """One static decode step: the next token into `token` [B, 1]; `position` [B, 1] and `cache_position` [1]
+        move on by one, in place."""
+        out = self.model(input_ids=token, position_ids=position, cache_position=cache_position, use_cache=True,
+                         **cache_kwargs(self.model, cache))
+        token.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+        position.add_(1)
+        cache_position.add_(1)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
@@ -97,14 +115,16 @@ class StaticDecoder:
                 cache.layers[i] = RingWindowLayer.from_layer(cache.layers[i], window, cache_position)
 
         def step() -> None:
-            out = self.model(input_ids=token, position_ids=position, cache_position=cache_position, use_cache=True,
-                             **cache_kwargs(self.model, cache))
-            token.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
-            position.add_(1)
-            cache_position.add_(1)
+            (self.compiled or self.step)(token, position, cache_position, cache)
 
         remaining = max_new_tokens - 1
         timings = {"prefill_s": prefill_s, "decode_steps": remaining, "decode_s": 0.0}
+        if self.compiled is not None and not self.compiled_once and remaining:
+            step()                                # compiles, then runs: a real token, timed apart
+            new.append(token.clone())
+            self.compiled_once = True
+            remaining -= 1
+            timings.update(compile_s=clock.lap(), decode_steps=remaining)
         if not self.graph:
             for _ in range(remaining):
                 step()

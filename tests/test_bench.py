@@ -55,6 +55,24 @@ def test_bench_runs_only_the_parts_asked_for(capsys, model_dirs, tmp_path):
     assert [r["T"] for r in result["decode"]] == [20] and len(result["generation"]) == 5
 
 
+def test_bench_compile_adds_a_compiled_static_row(capsys, model_dirs, tmp_path, monkeypatch):
+    """--compile: a static+compile row per student and prompt length; the decoder's first warm-up compiles, its
+    first step reported apart (torch.compile stubbed out here: the engine's test compiles for real)."""
+    import torch
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--device", "cpu", "--features", "5", "--window", "16", "--model", str(model_dirs["llama"]),
+                 "--gen-contexts", "12,20", "--new-tokens", "3", "--parts", "generation", "--compile",
+                 "--out", str(out)])
+    assert code == 0
+    rows = [r for r in json.loads(out.read_text())["generation"] if r["engine"] == "static+compile"]
+    assert [(r["window"], r["context"]) for r in rows] == [(0, 12), (0, 20), (16, 12), (16, 20)]
+    assert [r.get("compile_ms", 0) > 0 for r in rows] == [True, False, True, False]   # a decoder compiles once
+    assert all(r["decode_tokens_per_s"] > 0 and r["vs_teacher"] > 0 for r in rows)
+    assert "static+compile" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args,message", [
     (["--parts", "prefill,train"], "--parts takes some of prefill,decode,generation"),
     (["--seq-lens", "0"], "positive token counts"),

@@ -230,6 +230,7 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--temperature", "-1"], "--temperature"),
     (["--static", "--temperature", "0.7"], "--static decodes greedily"),
+    (["--compile"], "--compile compiles the static decoder's step; add --static"),
     (["--dims", "fix:0"], "bad --dims"),
     (["--dims", "fix", "--feature", "cosine"], "unknown feature map"),
 ])

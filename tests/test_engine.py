@@ -161,3 +161,23 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
         for name in ("state", "keys", "values"):
             torch.testing.assert_close(getattr(layer, name), getattr(ref_layer, name), rtol=1e-4, atol=1e-5)
         assert torch.equal(layer.key_valid, ref_layer.key_valid)
+
+
+def test_compiled_step_gives_the_eager_tokens():
+    """compile=True (`torch.compile` of the step, for the CPU): the tokens of the eager static step, a window + sink
+    student with a different feature count per layer, after the ring has wrapped. The first call compiles (its
+    first step timed apart); a second call of the same shape reuses the compiled step."""
+    model = tiny_model("llama")
+    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=4, sink=2)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))
+    ref = StaticDecoder(model).generate(prompt, 12)
+    decoder = StaticDecoder(model, compile=True)
+    assert not decoder.graph
+    assert torch.equal(decoder.generate(prompt, 12), ref)
+    assert decoder.timings["compile_s"] > 0 and decoder.timings["decode_steps"] == 10
+    assert torch.equal(decoder.generate(prompt, 12), ref)
+    assert "compile_s" not in decoder.timings and decoder.timings["decode_steps"] == 11
+    with pytest.raises(UserError, match="compile and graph do not combine"):
+        StaticDecoder(model, graph=True, compile=True)

@@ -117,6 +117,11 @@ class RingWindowLayer(LinearStateLayer):
 
     arrivals: torch.Tensor | None = None
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """As the growing cache's, but `seen` stays put: a step is replayed (CUDA graph) or compiled once, so
+        nothing on the host may change per token; the decoder sets `seen` when it is done."""
+        return key_states, value_states
+
     @classmethod
     def from_layer(cls, layer: LinearStateLayer, window: int, position: torch.Tensor) -> RingWindowLayer:
         """The ring for `layer` after a prefill of `layer.seen` tokens (it holds their last ≤ W keys in order)."""
