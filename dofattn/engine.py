@@ -26,7 +26,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from dofattn.attention import RingWindowLayer
+from dofattn.attention import RingWindowLayer, StaticStateLayer
 from dofattn.errors import UserError
 from dofattn.hf import cache_kwargs
 
@@ -111,8 +111,9 @@ class StaticDecoder:
         cache_position = torch.full((1,), T, dtype=torch.long, device=self.device)    # [1]
         new = [token.clone()]
         for i, window in self.windows.items():    # window hybrids: their last W keys go into a ring of W slots
-            if window:
-                cache.layers[i] = RingWindowLayer.from_layer(cache.layers[i], window, cache_position)
+            layer = cache.layers[i]
+            cache.layers[i] = (RingWindowLayer.from_layer(layer, window, cache_position) if window
+                               else StaticStateLayer.freeze(layer))
 
         def step() -> None:
             (self.compiled or self.step)(token, position, cache_position, cache)

@@ -163,21 +163,27 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
         assert torch.equal(layer.key_valid, ref_layer.key_valid)
 
 
-def test_compiled_step_gives_the_eager_tokens():
-    """compile=True (`torch.compile` of the step, for the CPU): the tokens of the eager static step, a window + sink
-    student with a different feature count per layer, after the ring has wrapped. The first call compiles (its
-    first step timed apart); a second call of the same shape reuses the compiled step."""
+@pytest.mark.parametrize("window,sink", [(0, 0), (4, 2)])
+def test_compiled_step_gives_the_eager_tokens(window, sink):
+    """compile=True (`torch.compile` of the step, for the CPU): the tokens of the eager static step, for a pure
+    linear student and a window + sink one (after its ring has wrapped), with a different feature count per layer.
+    The first call compiles once (its first step timed apart), and a second call of the same shape not again: no
+    host state may change per token."""
+    from torch._dynamo.utils import counters
+
     model = tiny_model("llama")
-    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=4, sink=2)
+    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=window, sink=sink)
     model.eval()
     model.generation_config.eos_token_id = None
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))
     ref = StaticDecoder(model).generate(prompt, 12)
+    graphs = counters["stats"]["unique_graphs"]
     decoder = StaticDecoder(model, compile=True)
     assert not decoder.graph
     assert torch.equal(decoder.generate(prompt, 12), ref)
     assert decoder.timings["compile_s"] > 0 and decoder.timings["decode_steps"] == 10
     assert torch.equal(decoder.generate(prompt, 12), ref)
     assert "compile_s" not in decoder.timings and decoder.timings["decode_steps"] == 11
+    assert counters["stats"]["unique_graphs"] == graphs + 1 and decoder.cache.get_seq_length() == 11 + 11
     with pytest.raises(UserError, match="compile and graph do not combine"):
         StaticDecoder(model, graph=True, compile=True)

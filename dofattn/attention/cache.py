@@ -109,18 +109,29 @@ class LinearStateLayer(CacheLayerMixin):
         raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")
 
 
-class RingWindowLayer(LinearStateLayer):
+class StaticStateLayer(LinearStateLayer):
+    """A linear layer's cache slot for static decoding (`engine.StaticDecoder`): the same state, but its token count
+    stays put during the steps, since a step replayed as a CUDA graph or compiled once must not change anything on the
+    host per token (a count that moved would recompile a compiled step every token); the decoder sets `seen` when it
+    is done. `freeze` makes one from a prefilled `LinearStateLayer`."""
+
+    @classmethod
+    def freeze(cls, layer: LinearStateLayer) -> StaticStateLayer:
+        static = cls.__new__(cls)
+        static.__dict__.update(vars(layer))
+        return static
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return key_states, value_states
+
+
+class RingWindowLayer(StaticStateLayer):
     """A window hybrid's cache slot for static decoding (`engine.StaticDecoder`): the last W keys and values in a ring
     of W slots (the key at position p in slot p mod W) instead of a growing-then-sliding list, and `position`, a
     [1] tensor the decoder advances in place: the position of the token being decoded. `arrivals` [B] int32 (zeros
     between steps) is the one-kernel step's count of the programs that have read a row's ring slot."""
 
     arrivals: torch.Tensor | None = None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """As the growing cache's, but `seen` stays put: a step is replayed (CUDA graph) or compiled once, so
-        nothing on the host may change per token; the decoder sets `seen` when it is done."""
-        return key_states, value_states
 
     @classmethod
     def from_layer(cls, layer: LinearStateLayer, window: int, position: torch.Tensor) -> RingWindowLayer:
