@@ -3,8 +3,8 @@ the first S real tokens), linear attention beyond, in one normalisation.
 
 Every form runs the op `ops.window`: a prefill or a cached call `window_linear_attention` (the cache's keys still
 inside the window come first); a steady decode step (one token, the window full: `lean_step_ok`), on the growing
-cache or a static ring, `fold_key` and `window_decode_step`, a tenth of the general call's operations; or on CUDA
-with a PRF map a ring step the Triton kernel `ops.triton.window.prf_ring_step`.
+cache or a static ring, `fold_key` and `window_decode_step` (on SmolLM2 384 aten operators a layer against the
+general call's 637); or on CUDA with a PRF map a ring step the Triton kernel `ops.triton.window.prf_ring_step`.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset
 
 
 def window_decode_step(q, keys, values, valid, phi_q, q_log_scale, log_offset, scaling: float, state):
-    """The spec's output for one query per row, on kv heads, in about fifteen operations (a decode step).
+    """The spec's output for one query per row, on kv heads, in about thirty small operations (a decode step).
 
     q [B, H, D]; keys [B, N, Hkv, D], values [B, N, Hkv, V], valid [B, N] bool: the keys this query sees exactly
     (the window, the new key among them, and the sinks, in any order); phi_q [B, H, M], q_log_scale [B, H],
