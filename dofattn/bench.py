@@ -249,8 +249,9 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
         if linearized:
             linearize(model, [cfg.features] * len(attention_modules(model)), "prf", window=window, sink=sink)
         vocab = model.get_input_embeddings().weight.shape[0]
-        decoders = [StaticDecoder(model)] + ([StaticDecoder(model, compile=True)] if cfg.compile else []) \
-            if linearized else []
+        decoders = []             # the student also on static buffers, and with --compile through torch.compile
+        if linearized:
+            decoders = [StaticDecoder(model)] + ([StaticDecoder(model, compile=True)] if cfg.compile else [])
         for T in cfg.gen_contexts:
             ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(cfg.device)
             kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id or 0}
@@ -263,8 +264,8 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
             rows.append(_generation_row(cfg, linearized, window, sink, T, "hf", clock.timings(),
                                         out.past_key_values))
             report(rows[-1])
-            # the same student on static buffers (a CUDA graph on CUDA), and with --compile through torch.compile:
-            # its warm-up call compiles (once per prompt length), the timed call runs the compiled step throughout
+            # static decoding (a CUDA graph on CUDA; compiled with --compile: the first prompt length's warm-up
+            # compiles, the second's once more with the lengths symbolic, the timed call runs the compiled step)
             for decoder in decoders:
                 if cfg.device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()

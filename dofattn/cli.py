@@ -654,7 +654,8 @@ class BenchArgs:
     new_tokens: int = _opt(16, "tokens generated after each prompt")
     parts: str = _opt("prefill,decode,generation", "which measurements to run (comma-separated)")
     compile: bool = _opt(False, "also time the students' static decoder compiled with torch.compile (for the CPU): "
-                                "minutes of compilation per student and prompt length, reported as compile_ms")
+                                "minutes of compilation per student, and once more at a second prompt length; "
+                                "the first is reported as compile_ms")
     out: str = _opt("bench.json", "where to write the JSON result (rewritten after each part)")
 
 

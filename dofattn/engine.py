@@ -16,9 +16,12 @@ what the tests check. With compile=True (for the CPU) the step runs through `tor
 model's step becomes a few generated C++ kernels, a fraction of eager PyTorch's several thousand small operations
 per token, with the weights frozen into it (inductor's freezing: prepacked for the CPU's matrix kernels; about 1.3×
 the unfrozen compiled step on a 2-core CPU), so a decoder keeps the weights it compiled with: make a new one after
-changing them. The first compiled step of a decoder compiles (minutes on a small CPU; `timings["compile_s"]`); a call
-with another prompt length or batch size compiles once more, with those sizes symbolic, and later calls reuse that. Greedy only; no padding (every prompt the same length); no stopping at EOS inside the loop
-(that would need a host sync per token): `generate` cuts each row after its first `eos_token_id` instead.
+changing them. The first compiled step of a decoder compiles (minutes on a small CPU; `timings["compile_s"]`); a
+call with another prompt length or batch size compiles once more, with those sizes symbolic, and later calls reuse
+that.
+
+Greedy only; no padding (every prompt the same length); no stopping at EOS inside the loop (that would need a host
+sync per token): `generate` cuts each row after its first `eos_token_id` instead.
 """
 
 from __future__ import annotations

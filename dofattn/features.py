@@ -37,6 +37,12 @@ FEATURES = ("prf", "performer", "hedgehog", "dijiang")
 MAX_KEY_EXCESS = 30.0  # e^30 · 1e6 tokens stays far inside float32
 
 
+def in_model_dtype(phi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Features φ as a model of `dtype` hands them to the ops: 16-bit in a 16-bit model (the ops sum in float32),
+    unchanged otherwise."""
+    return phi.to(dtype) if dtype in (torch.bfloat16, torch.float16) else phi
+
+
 class FeatureMap(nn.Module):
     """Base: one layer's map with `num_heads` heads of size `head_dim` to `dim` features."""
 

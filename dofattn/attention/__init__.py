@@ -25,6 +25,6 @@ from dofattn.attention.layer import LinearAttention
 from dofattn.attention.linear import (CONV_NAMES, DECAY_START, DELTA_NAMES, DELTA_START, GATE_FLOOR,
                                       check_decay_padding, check_left_padding)
 
-__all__ = ["LinearAttention", "LinearStateLayer", "StaticStateLayer", "RingWindowLayer", "state_layer", "keep_buffer", "install",
-           "attention_forward", "IMPLEMENTATION", "CACHE_ARGUMENTS", "CONV_NAMES", "DELTA_NAMES", "DECAY_START",
+__all__ = ["LinearAttention", "LinearStateLayer", "StaticStateLayer", "RingWindowLayer", "state_layer", "keep_buffer",
+           "install", "attention_forward", "IMPLEMENTATION", "CACHE_ARGUMENTS", "CONV_NAMES", "DELTA_NAMES", "DECAY_START",
            "DELTA_START", "GATE_FLOOR", "check_decay_padding", "check_left_padding"]

@@ -13,7 +13,7 @@ import torch
 
 from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, keep_buffer
 from dofattn.attention.linear import check_left_padding
-from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures
+from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops.naive import needs_grad
 from dofattn.ops.softmax import attention_logits
 from dofattn.ops.window import first_keys, fold_key, window_decode_step, window_linear_attention, window_logits
@@ -32,8 +32,7 @@ class WindowHybrid:
             sink_mask = first_keys(key_valid, k.shape[0], k.shape[1], self.sink, k.device)
         phi_q, q_scale = self.feature_map.features(q, "query")                 # [B, T, H, M], [B, T, H]
         phi_k, k_scale = self.feature_map.features(k, "key")                   # [B, Tk, H, M], [H]
-        if q.dtype in (torch.bfloat16, torch.float16):
-            phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(q.dtype)
+        phi_q, phi_k = in_model_dtype(phi_q, q.dtype), in_model_dtype(phi_k, q.dtype)
         if self.decay and key_valid is not None:   # the cached keys come first: left padding stays exact
             check_left_padding(key_valid)
         return window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + self.log_gain,
@@ -152,9 +151,8 @@ class WindowHybrid:
         that is padding or a sink (`valid` [B] False) adds nothing. Features rounded to `dtype` if it is 16-bit (as
         `attend` does for a 16-bit model; the static ring keeps them in float32, as its one-kernel step)."""
         phi, k_scale = self.feature_map.features(self.expand_kv(key[:, None]), "key")       # [B, 1, H, M], [H]
-        if dtype in (torch.bfloat16, torch.float16):
-            phi = phi.to(dtype)
-        phi = phi[:, 0] * valid[:, None, None].to(phi.dtype)
+        phi = in_model_dtype(phi, dtype)[:, 0]
+        phi = phi * valid[:, None, None].to(phi.dtype)
         return fold_key(state, phi, self.expand_kv(value[:, None])[:, 0], self.log_decay()), k_scale
 
     def read_exact(self, q: torch.Tensor, cache: LinearStateLayer, k_scale: torch.Tensor,
@@ -166,8 +164,7 @@ class WindowHybrid:
             keys, values = torch.cat([cache.sink_keys, keys], 1), torch.cat([cache.sink_values, values], 1)
             valid = torch.cat([cache.sink_valid, valid], 1)
         phi_q, q_scale = self.feature_map.features(q, "query")                               # [B, 1, H, M]
-        if dtype in (torch.bfloat16, torch.float16):
-            phi_q = phi_q.to(dtype)
+        phi_q = in_model_dtype(phi_q, dtype)
         o = window_decode_step(q[:, 0], keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + self.log_gain,
                                self.feature_map.scaling, cache.state)
         return o[:, None]

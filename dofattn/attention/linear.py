@@ -15,7 +15,7 @@ import torch
 
 from dofattn.attention.cache import LinearStateLayer, keep_buffer
 from dofattn.errors import UserError
-from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures
+from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops import linear_attention
 from dofattn.ops.conv import short_conv
 from dofattn.ops.delta import delta_attention
@@ -94,8 +94,7 @@ class LinearMechanisms:
         """`LinearAttention.attend` without a window: q, k, v [B, T, H, D] -> (o [B, T, H, D], state or None)."""
         phi_q = self.feature_map(q, "query")                                       # [B, T, H, M]
         phi_k = self.feature_map(k, "key")                                         # [B, T, H, M]
-        if q.dtype in (torch.bfloat16, torch.float16):   # 16-bit model: 16-bit features, float32 sums in the op
-            phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(q.dtype)
+        phi_q, phi_k = in_model_dtype(phi_q, q.dtype), in_model_dtype(phi_k, q.dtype)
         if key_valid is not None:
             phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
             if self.decay:
