@@ -12,6 +12,8 @@ from dofattn.features import make_feature_map
 from dofattn.ops.window import fold_key, naive_window_linear_attention, window_decode_step
 from dofattn.ops.softmax import expand_kv
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 # (B, H, Hkv, D, V, M, W, S): GQA and not, a window of 1, odd sizes, sinks of 0 to 3
 SHAPES = [(1, 2, 2, 4, 5, 3, 4, 0), (2, 6, 2, 8, 3, 7, 5, 2), (3, 3, 1, 5, 6, 1, 1, 1), (2, 4, 4, 3, 2, 9, 7, 3)]
 
@@ -92,16 +94,18 @@ def count_lean(layer, monkeypatch):
                                                     (4, 2, 4, 0, True, 2), (3, 1, 1, 1, False, 6),
                                                     (4, 4, 6, 3, False, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_steady_steps_equal_the_general_call(H, Hkv, W, S, decay, prompt, dtype, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_steady_steps_equal_the_general_call(H, Hkv, W, S, decay, prompt, dtype, device, monkeypatch):
     """Prefill, then 3W + 2 one-token calls on the growing cache: the lean steps give the general call's outputs,
-    state, window and sink, every step. Batch 3, the first row left-padded (its sink fills later)."""
+    state, window and sink, every step. Batch 3, the first row left-padded (its sink fills later). On CUDA the
+    general call runs the Triton ops."""
     D, M, B = 8, 7, 3
-    layer = layer_pair(H, Hkv, D, M, W, S, decay)
+    layer = layer_pair(H, Hkv, D, M, W, S, decay).to(device)
     g = torch.Generator().manual_seed(5)
     T = prompt + 3 * W + 2
-    q = (2 * torch.randn(B, T, H, D, generator=g)).to(dtype)
-    k, v = ((2 * torch.randn(B, T, Hkv, D, generator=g)).to(dtype) for _ in range(2))
-    valid = torch.ones(B, T, dtype=torch.bool)
+    q = (2 * torch.randn(B, T, H, D, generator=g)).to(device, dtype)
+    k, v = ((2 * torch.randn(B, T, Hkv, D, generator=g)).to(device, dtype) for _ in range(2))
+    valid = torch.ones(B, T, dtype=torch.bool, device=device)
     valid[0, :min(2, prompt)] = False
     with torch.no_grad():
         layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], valid[:, :prompt])    # training mode: calibrates the shift
@@ -180,12 +184,14 @@ def test_lean_step_waits_for_a_full_window_and_sink(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lean_steps_finite_at_exponent_195(dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_lean_steps_finite_at_exponent_195(dtype, device):
     D = 64
-    layer = LinearAttention(make_feature_map("prf", 1, D, 16, scaling=D ** -0.5, seed=0), 1, 1, window=4, sink=2)
-    x = torch.randn(1, 40, 1, D)
+    layer = LinearAttention(make_feature_map("prf", 1, D, 16, scaling=D ** -0.5, seed=0), 1, 1, window=4,
+                            sink=2).to(device)
+    x = torch.randn(1, 40, 1, D, device=device)
     x = x / x.norm(dim=-1, keepdim=True) * math.sqrt(195 * math.sqrt(D))  # s·qᵀq ≈ 195 on the diagonal
-    v = torch.randn(1, 40, 1, D)
+    v = torch.randn(1, 40, 1, D, device=device)
     with torch.no_grad():
         layer(x[:, :8], x[:, :8], v[:, :8])
         layer.eval()
