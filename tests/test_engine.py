@@ -135,6 +135,8 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
     from dofattn.attention import LinearAttention
     from dofattn.ops import load_triton
 
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("Triton's interpreter runs only without a GPU (tests/conftest.py); the CUDA case runs the kernel")
     model = tiny_model("llama")
     linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=4, sink=2)
     with torch.no_grad():
@@ -163,16 +165,41 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
         assert torch.equal(layer.key_valid, ref_layer.key_valid)
 
 
-@pytest.mark.parametrize("window,sink", [(0, 0), (4, 2)])
-def test_compiled_step_gives_the_eager_tokens(window, sink):
+@pytest.mark.parametrize("gate", [False, True])
+def test_a_static_step_takes_no_mask(gate):
+    """A static decode step's token is a generated one, so the layer drops its mask: while a CUDA graph is captured
+    HF builds the mask as a tensor, and a decay's padding check on it would sync and break the capture (seen on an
+    H200). A mask that says padding changes nothing; the growing cache's step still refuses padding after a real
+    token."""
+    from dofattn.attention import LinearAttention, LinearStateLayer, StaticStateLayer
+    from dofattn.features import make_feature_map
+
+    torch.manual_seed(0)
+    layer = LinearAttention(make_feature_map("hedgehog", 2, 8, 6, scaling=8 ** -0.5), 2, 2, decay=True, gate=gate,
+                            head_dim=8)
+    q, k, v = (torch.randn(1, 6, 2, 8) for _ in range(3))
+    outs = []
+    with torch.no_grad():
+        for mask in (None, torch.zeros(1, 1, dtype=torch.bool)):
+            cache = LinearStateLayer()
+            layer(q[:, :5], k[:, :5], v[:, :5], cache=cache)
+            outs.append(layer(q[:, 5:], k[:, 5:], v[:, 5:], mask, cache=StaticStateLayer.freeze(cache)))
+        assert torch.equal(outs[0], outs[1])
+        with pytest.raises(UserError, match="cannot continue its state through padding"):
+            layer(q[:, 5:], k[:, 5:], v[:, 5:], torch.zeros(1, 1, dtype=torch.bool), cache=cache)
+
+
+@pytest.mark.parametrize("feature,decay,window,sink", [("prf", False, 0, 0), ("prf", False, 4, 2),
+                                                       ("hedgehog", True, 0, 0)])
+def test_compiled_step_gives_the_eager_tokens(feature, decay, window, sink):
     """compile=True (`torch.compile` of the step, for the CPU): the tokens of the eager static step, for a pure
-    linear student and a window + sink one (after its ring has wrapped), with a different feature count per layer.
-    The first call compiles once (its first step timed apart), and a second call of the same shape not again: no
-    host state may change per token."""
+    linear student, a window + sink one (after its ring has wrapped) and one with a decay, with a different feature
+    count per layer. The first call compiles once (its first step timed apart), and a second call of the same shape
+    not again: no host state may change per token."""
     from torch._dynamo.utils import counters
 
     model = tiny_model("llama")
-    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=window, sink=sink)
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, window=window, sink=sink, decay=decay)
     model.eval()
     model.generation_config.eos_token_id = None
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from dofattn.attention.cache import LinearStateLayer
+from dofattn.attention.cache import LinearStateLayer, StaticStateLayer
 from dofattn.attention.hybrid import WindowHybrid
 from dofattn.attention.linear import CONV_NAMES, DECAY_START, DELTA_START, LinearMechanisms
 from dofattn.errors import UserError
@@ -97,8 +97,12 @@ class LinearAttention(WindowHybrid, LinearMechanisms, nn.Module):
                 cache: LinearStateLayer | None = None, backend: str = "auto") -> torch.Tensor:
         """q [B, T, H, D], k and v [B, T, Hkv, D], key_valid [B, T] -> o [B, T, H, D].
 
-        With a `cache` (generation), the call continues from its state (and window of past keys) and updates it.
+        With a `cache` (generation), the call continues from its state (and window of past keys) and updates it. A
+        static decode step's (`StaticStateLayer`) token is a generated one, never padding: its mask, which HF builds
+        as a tensor while a CUDA graph is captured or a step compiled, is dropped, so that no padding check syncs.
         """
+        if isinstance(cache, StaticStateLayer):
+            key_valid = None
         if self.conv:
             q, k, v = self.convolve(q, k, v, key_valid, cache)
         if cache is None:
