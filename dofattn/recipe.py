@@ -24,6 +24,7 @@ from dofattn.spec import DECAYS, FEATURES, LORA_TARGETS, check_architecture
 FORMAT = 1          # of recipe files: a file with another `format` is refused
 LOSSES = ("softmax", "l2")
 DTYPES = ("float32", "bfloat16")
+KEEP_BY = ("dof", "copy")
 
 
 def _key(default, help: str, choices: tuple | None = None):
@@ -52,8 +53,11 @@ class Student:
                               "read off its value; pure linear attention only)", DECAYS)
     conv: int = _key(0, "a short causal convolution of this width on q, k and v (0: none)")
     delta: bool = _key(False, "write the linear state by the delta rule (pure linear attention only)")
-    keep_softmax: int = _key(0, "keep K layers as softmax attention: those whose attention matrices have the largest "
-                                "DoF")
+    keep_softmax: int = _key(0, "keep K layers as softmax attention, chosen by keep_softmax_by")
+    keep_softmax_by: str = _key("dof", "which layers keep_softmax keeps: dof (the largest DoF of their attention "
+                                       "matrices) or copy (the teacher's heads that copy most from far back, which "
+                                       "recall beyond the window needs; their KV cache grows with the context)",
+                                KEEP_BY)
     lora_rank: int = _key(0, "LoRA adapters of this rank, trained in the end-to-end phase (0: none)")
     lora_targets: str = _key("attention", "what LoRA adapts: attention (q, k, v, o) or all (the MLP too)",
                              LORA_TARGETS)

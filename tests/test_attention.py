@@ -177,6 +177,30 @@ def test_batched_left_padded_generation_equals_one_by_one(family, tokenizer, win
         assert torch.equal(together[i, width:], single)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_kept_softmax_layer_generates_batched_as_one_by_one(family):
+    """Layer 1 kept softmax between window hybrids (`student.keep_softmax`): its KV cache grows beside the linear
+    layers' states, and left-padded rows generate what they generate alone, and what the full forward predicts."""
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    linearize(model, dims=[16, 16, 16], seed=2, window=4, sink=1, layers=[0, 2])
+    prompts = [ids(1, 5, seed=3)[0], ids(1, 12, seed=4)[0], ids(1, 9, seed=5)[0]]
+    singles = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(p[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
+            assert torch.equal(model(out).logits[0, len(p) - 1:-1].argmax(-1), out[0, len(p):])
+            singles.append(out[0, len(p):])
+        width = max(len(p) for p in prompts)
+        batch = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(batch)
+        for i, p in enumerate(prompts):
+            batch[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    for i, single in enumerate(singles):
+        assert torch.equal(together[i, width:], single)
+
+
 def test_kv_cache_of_past_tokens_is_refused():
     from transformers import DynamicCache
 

@@ -564,6 +564,21 @@ def test_keep_softmax_leaves_the_layers_with_the_largest_attention_dof_exact(cap
     assert [hasattr(m, "dofattn") for m in modules] == [i not in kept for i in range(LAYERS)]
 
 
+def test_keep_softmax_by_copy_keeps_the_layers_whose_heads_copy_most(capsys, model_dirs, corpus, tmp_path):
+    """keep_softmax_by = copy: the layers of the best copy scores (`recall.copy_scores`) stay softmax; the scores
+    are measured once and kept in the run folder."""
+    out = tmp_path / "run"
+    code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "layerwise.steps=2",
+                                             "student.keep_softmax=1", "student.keep_softmax_by=copy"))
+    assert code == 0, err
+    kept = json.loads((out / "log.json").read_text())["softmax_layers"]
+    record = json.loads((out / "copy_scores.json").read_text())
+    assert len(record["heads"]) == LAYERS and record["layers"] == [max(h) for h in record["heads"]]
+    assert kept == [max(range(LAYERS), key=lambda i: record["layers"][i])]
+    assert not (out / "attention_dof.json").exists()
+    assert load_student(out)[2].softmax_layers == kept
+
+
 def test_end_to_end_curve_of_perplexity_against_tokens(capsys, model_dirs, corpus, tmp_path):
     out = tmp_path / "run"
     code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "layerwise.steps=0",

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from dofattn.cli import main
-from dofattn.recall import MULTIKEY_KEYS, TASKS, RecallTasks, accuracy, evaluate_recall, make_prompts, read_answer
-from tests.conftest import TEXT
+from dofattn.errors import UserError
+from dofattn.recall import (MULTIKEY_KEYS, TASKS, RecallTasks, accuracy, copy_mass, copy_probe, copy_scores,
+                            evaluate_recall, make_prompts, read_answer)
+from tests.conftest import TEXT, tiny_model
 
 
 class Copier(torch.nn.Module):
@@ -116,8 +118,6 @@ def test_read_answer_uses_the_answers_own_positions(tasks, tokenizer):
     ("passkey", 200, "leaves"), ("multikey", 300, "leaves"), ("nope", 200, "unknown recall task"),
 ])
 def test_impossible_prompts_are_refused(tasks, task, length, message):
-    from dofattn.errors import UserError
-
     with pytest.raises(UserError, match=message):
         tasks.prompt(task, length, 0.5, 0)
     with pytest.raises(UserError, match="more text"):
@@ -200,3 +200,36 @@ def test_recall_bad_input_is_one_line_error(capsys, tmp_path, long_llama, corpus
     lines = [line for line in err.splitlines() if line.startswith("dofattn: error:")]
     assert code == 2 and len(lines) == 1 and message in lines[0], err
     assert not out.exists()
+
+
+def test_copy_probe_repeats_a_passage_at_the_end():
+    blocks = torch.arange(2 * 80).reshape(2, 80)
+    probe, at = copy_probe(blocks, span=8)
+    assert at == 10 and torch.equal(probe[:, -8:], blocks[:, 10:18]) and torch.equal(probe[:, :-8], blocks[:, :-8])
+    with pytest.raises(UserError, match="at least 64 tokens"):
+        copy_probe(blocks[:, :63], span=8)
+
+
+def test_copy_mass_is_the_weight_on_the_first_copy():
+    """A head whose repeat queries point at the first copy scores about 1; one with zero queries spreads its weight
+    evenly over the keys it sees, which gives span/(t+1) for the query at t exactly."""
+    g = torch.Generator().manual_seed(0)
+    T, span, at = 64, 8, 8
+    key = torch.randn(1, T, 2, 16, generator=g)
+    key = key / key.norm(dim=-1, keepdim=True)
+    query = torch.zeros(1, T, 2, 16)
+    query[0, T - span:, 0] = 40 * key[0, at:at + span, 0]                  # head 0 copies; head 1 looks nowhere
+    mass = copy_mass(query, key, 1.0, at, span)
+    assert mass.shape == (1, 2) and mass[0, 0] > 0.99
+    even = torch.tensor([span / (t + 1) for t in range(T - span, T)]).mean()
+    torch.testing.assert_close(mass[0, 1], even)
+
+
+def test_copy_scores_per_layer_and_head():
+    model = tiny_model("llama")
+    blocks = torch.randint(3, 300, (2, 64), generator=torch.Generator().manual_seed(0))
+    scores = copy_scores(model, blocks, span=8, progress=False)
+    heads = model.config.num_attention_heads
+    assert len(scores) == model.config.num_hidden_layers and all(len(h) == heads for h in scores)
+    assert all(0 <= s <= 1 for h in scores for s in h)
+    assert scores == copy_scores(model, blocks, span=8, progress=False)

@@ -27,9 +27,14 @@ def keep_buffer(cache: LinearStateLayer, name: str, value: torch.Tensor) -> None
 
 
 class LinearStateLayer(CacheLayerMixin):
-    """A cache slot for a linear layer: the recurrent state and the number of tokens seen, no keys or values."""
+    """A cache slot for a linear layer: the recurrent state and the number of tokens seen, no keys or values.
 
-    is_sliding = False
+    Its mask sizes cover only the new tokens (`get_mask_sizes`), and `is_sliding` is True so that HF sizes the
+    causal mask on the first layer that is not (`masking_utils.find_first_full_attention_index`): a softmax layer
+    kept beside linear ones (`student.keep_softmax`), whose keys include the past and its padding. A model with no
+    such layer falls back to layer 0's small mask."""
+
+    is_sliding = True
     is_compileable = False
     is_croppable = False
 

@@ -4,7 +4,8 @@
   mean = head size; clip caps them at the head size) and keep it as `dof.json` in the run folder; `fix`, `fix:C` or a
   dof.json path give them directly.
 - softmax layers: the K layers whose attention matrices have the largest DoF (`dof.attention_dofs`): sharp,
-  position-bound attention counts high, a sink low. Kept as `attention_dof.json`.
+  position-bound attention counts high, a sink low. Kept as `attention_dof.json`. Or (keep_softmax_by = copy) the
+  K layers whose best head copies most from far back (`recall.copy_scores`), kept as `copy_scores.json`.
 Both are computed once, on rank 0, so a resumed run keeps the same dims and layers.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from dofattn.distill.world import barrier, world
 from dofattn.io import write_atomic
 from dofattn.dof import DofResult, allocate_dims, attention_dofs, sample_points
+from dofattn.recall import COPY_BLOCKS, COPY_SEQ_LEN, COPY_SPAN, copy_scores
 from dofattn.recipe import Recipe
 from dofattn.student import head_layout, resolve_dims
 
@@ -54,20 +56,33 @@ def dims(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
 
 
 def softmax_layers(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
-    """The `student.keep_softmax` layers whose attention matrices have the largest DoF (ties: the earlier layer)."""
+    """The `student.keep_softmax` layers with the highest score of `student.keep_softmax_by` (ties: the earlier
+    layer): the mean DoF of their attention matrices (`attention_dof.json`), or their best head's copy score
+    (`copy_scores.json`)."""
     from dofattn.data import token_blocks
 
     K = recipe.student.keep_softmax
     if K == 0:
         return []
 
-    def estimate() -> str:
+    def estimate_dof() -> str:
         blocks = token_blocks(recipe.run.data, tokenizer, min(recipe.eval.seq_len, ATTENTION_DOF_SEQ_LEN),
                               ATTENTION_DOF_BLOCKS, split="train", seed=recipe.run.seed)
         heads = attention_dofs(model, blocks, recipe.dof.lam, progress=True)
         return json.dumps({"lam": recipe.dof.lam, "blocks": len(blocks), "seq_len": blocks.shape[1],
                            "layers": [sum(h) / len(h) for h in heads], "heads": heads}, indent=2)
 
-    score = json.loads(_once(out / "attention_dof.json", estimate))["layers"]
+    def estimate_copy() -> str:
+        context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 0)
+        blocks = token_blocks(recipe.run.data, tokenizer, min(COPY_SEQ_LEN, context or COPY_SEQ_LEN), COPY_BLOCKS,
+                              split="train", seed=recipe.run.seed)
+        heads = copy_scores(model, blocks, COPY_SPAN, progress=True)
+        return json.dumps({"span": COPY_SPAN, "blocks": len(blocks), "seq_len": blocks.shape[1],
+                           "layers": [max(h) for h in heads], "heads": heads}, indent=2)
+
+    if recipe.student.keep_softmax_by == "copy":
+        score = json.loads(_once(out / "copy_scores.json", estimate_copy))["layers"]
+    else:
+        score = json.loads(_once(out / "attention_dof.json", estimate_dof))["layers"]
     order = sorted(range(len(score)), key=lambda i: (-score[i], i))
     return sorted(order[:K])
