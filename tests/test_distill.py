@@ -486,7 +486,7 @@ def test_a_run_folders_recipe_makes_the_same_run_again(capsys, model_dirs, corpu
     assert (spec["window"], spec["sink"], spec["seed"], spec["schema"]) == (8, 2, 3, 2)
 
 
-@pytest.mark.parametrize("name", ["default", "long", "paper", "paper-fix", "pure-linear", "keep-softmax"])
+@pytest.mark.parametrize("name", ["default", "long", "paper", "paper-fix", "pure-linear", "keep-softmax", "recall"])
 def test_every_packaged_recipe_builds_its_student(capsys, model_dirs, corpus, tmp_path, name):
     """Each packaged recipe, shrunk to a tiny model and a step or two, runs end to end, and the saved student is
     the architecture its file asks for."""
@@ -507,6 +507,8 @@ def test_every_packaged_recipe_builds_its_student(capsys, model_dirs, corpus, tm
     assert (spec.feature, spec.sink, spec.decay, spec.conv, spec.delta, spec.lora_rank, spec.lora_targets) == \
         (s.feature, s.sink, s.decay, s.conv, s.delta, s.lora_rank, s.lora_targets)
     assert spec.window == min(s.window, 8) and len(spec.layers) == LAYERS - min(s.keep_softmax, 1)
+    assert (out / {"dof": "attention_dof.json", "copy": "copy_scores.json"}[s.keep_softmax_by]).is_file() == \
+        bool(s.keep_softmax)
     if s.dims == "fix":
         assert spec.dims == (16,) * LAYERS                           # the head size
     else:
