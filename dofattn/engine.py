@@ -47,7 +47,7 @@ def check_static(model) -> dict[int, int]:
         linear = getattr(module, "dofattn", None)
         if linear is None:
             raise UserError(f"static decoding needs every layer linear, but layer {i} is softmax attention (its KV "
-                            f"cache grows every token); use model.generate()")
+                            f"cache grows every token); use HF generate (model.generate(), or drop --static)")
         windows[i] = linear.window
     return windows
 
