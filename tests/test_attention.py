@@ -162,17 +162,27 @@ def test_batched_left_padded_generation_equals_one_by_one(family, tokenizer, win
         with torch.no_grad():
             for module in attention_modules(model):
                 module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
+    assert_batched_as_alone(model, 12)
+
+
+def assert_batched_as_alone(model, new_tokens: int, check_alone=None) -> None:
+    """Three prompts of 5, 12 and 9 tokens, left-padded into one batch, generate the tokens each does alone;
+    `check_alone(prompt, output)` looks at each lone generation too."""
     prompts = [ids(1, 5, seed=3)[0], ids(1, 12, seed=4)[0], ids(1, 9, seed=5)[0]]
     singles = []
     with torch.no_grad():
         for p in prompts:
-            singles.append(model.generate(p[None], max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p):])
+            out = model.generate(p[None], max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            if check_alone:
+                check_alone(p, out)
+            singles.append(out[0, len(p):])
         width = max(len(p) for p in prompts)
         batch = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros_like(batch)
         for i, p in enumerate(prompts):
             batch[i, width - len(p):], mask[i, width - len(p):] = p, 1
-        together = model.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                  pad_token_id=0)
     for i, single in enumerate(singles):
         assert torch.equal(together[i, width:], single)
 
@@ -184,21 +194,11 @@ def test_a_kept_softmax_layer_generates_batched_as_one_by_one(family):
     model = tiny_model(family)
     model.generation_config.eos_token_id = None
     linearize(model, dims=[16, 16, 16], seed=2, window=4, sink=1, layers=[0, 2])
-    prompts = [ids(1, 5, seed=3)[0], ids(1, 12, seed=4)[0], ids(1, 9, seed=5)[0]]
-    singles = []
-    with torch.no_grad():
-        for p in prompts:
-            out = model.generate(p[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
-            assert torch.equal(model(out).logits[0, len(p) - 1:-1].argmax(-1), out[0, len(p):])
-            singles.append(out[0, len(p):])
-        width = max(len(p) for p in prompts)
-        batch = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros_like(batch)
-        for i, p in enumerate(prompts):
-            batch[i, width - len(p):], mask[i, width - len(p):] = p, 1
-        together = model.generate(batch, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    for i, single in enumerate(singles):
-        assert torch.equal(together[i, width:], single)
+
+    def like_the_full_forward(prompt, out):
+        assert torch.equal(model(out).logits[0, len(prompt) - 1:-1].argmax(-1), out[0, len(prompt):])
+
+    assert_batched_as_alone(model, 10, like_the_full_forward)
 
 
 def test_kv_cache_of_past_tokens_is_refused():
