@@ -1,15 +1,18 @@
-"""Static greedy decoding for fully linear students: fixed-size buffers, and on CUDA one graph replay per token.
+"""Static greedy decoding for linear students: fixed-size buffers, and on CUDA one graph replay per token.
 
     tokens = StaticDecoder(student).generate(input_ids, max_new_tokens=64)      # [B, T + 64], greedy
 
-A student whose every attention layer is linear attention (no softmax layers kept) carries a cache of fixed shape
-per layer: the state [B, H, M, V+1], updated in place (by the one-kernel decode step on CUDA), and for a window
+A linear layer carries a cache of fixed shape: the state [B, H, M, V+1], updated in place (by the one-kernel decode step on CUDA), and for a window
 hybrid the last W keys and values in a ring of W slots (`attention.RingWindowLayer`; with a PRF map, one kernel a
 step on CUDA: `ops.triton.window.prf_ring_step`). So one decode step is the same sequence of kernels on the same buffers
 every time: the next token, its position and the cache position live in static tensors, the step writes the argmax
 back into the token buffer, and the whole step is captured once in a CUDA graph and replayed, with no Python
 between tokens. HF `generate` instead spends host time on every layer of every token, which at 30 layers and
 batch 1 dominates.
+
+A softmax layer kept beside them (`student.keep_softmax`) gets buffers of T + max_new_tokens slots for its keys
+and values (`attention.StaticKVLayer`): the prompt's at the front, each step's written in place at the cache
+position, and the layer attends over the slots written so far. Its step costs grow with the slots, not per token.
 
 On CPU (or with graph=False) the same static step runs eagerly, token by token: the tokens are the same, which is
 what the tests check. With compile=True (for the CPU) the step runs through `torch.compile` instead: the whole
@@ -27,29 +30,41 @@ sync per token): `generate` cuts each row after its first `eos_token_id` instead
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache
 
-from dofattn.attention import RingWindowLayer, StaticStateLayer
+from dofattn.attention import RingWindowLayer, StaticKVLayer, StaticStateLayer
 from dofattn.errors import UserError
 from dofattn.hf import cache_kwargs
 
 WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
 
 
-def check_static(model) -> dict[int, int]:
-    """{layer: window} of `model`'s linear layers; UserError if any layer is softmax attention."""
+def layer_windows(model) -> dict[int, int | None]:
+    """{layer: its window} for `model`'s attention layers: 0 for pure linear attention, None for a softmax layer."""
     from dofattn.student import attention_modules
 
-    windows = {}
-    for i, module in enumerate(attention_modules(model)):
-        linear = getattr(module, "dofattn", None)
-        if linear is None:
-            raise UserError(f"static decoding needs every layer linear, but layer {i} is softmax attention (its KV "
-                            f"cache grows every token); use HF generate (model.generate(), or drop --static)")
-        windows[i] = linear.window
-    return windows
+    return {i: (linear.window if (linear := getattr(module, "dofattn", None)) is not None else None)
+            for i, module in enumerate(attention_modules(model))}
+
+
+@contextmanager
+def bind_static_kv(model, cache):
+    """While the static steps run, each kept softmax layer's module holds its `StaticKVLayer` as `dofattn_static_kv`
+    (`attention.install` masks its unwritten slots with it); afterwards none does, for HF generate."""
+    from dofattn.student import attention_modules
+
+    modules = attention_modules(model)
+    bound = [i for i, layer in enumerate(cache.layers) if isinstance(layer, StaticKVLayer)]
+    for i in bound:
+        modules[i].dofattn_static_kv = cache.layers[i]
+    try:
+        yield
+    finally:
+        for i in bound:
+            del modules[i].dofattn_static_kv
 
 
 class Clock:
@@ -72,13 +87,16 @@ class Clock:
 
 
 class StaticDecoder:
-    """Greedy decoding of a fully linear student on static buffers; `graph` (default: on CUDA) replays a CUDA graph."""
+    """Greedy decoding of a linear student on static buffers; `graph` (default: on CUDA) replays a CUDA graph."""
 
     def __init__(self, model, graph: bool | None = None, compile: bool = False):
         # after generate: prefill_s, decode_steps, decode_s; graphed: capture_s, replays, replay_s; compiled: the first
         # compiled step's compile_s (that step is then not among decode_steps)
         self.timings: dict = {}
-        self.windows = check_static(model)
+        self.windows = layer_windows(model)
+        if all(window is None for window in self.windows.values()):
+            raise UserError("static decoding is for linearized students, but every layer of this model is softmax "
+                            "attention; use HF generate (model.generate(), or drop --static)")
         self.model = model
         self.device = next(model.parameters()).device
         if compile and graph:
@@ -117,45 +135,49 @@ class StaticDecoder:
         new = [token.clone()]
         for i, window in self.windows.items():    # window hybrids: their last W keys go into a ring of W slots
             layer = cache.layers[i]
-            cache.layers[i] = (RingWindowLayer.from_layer(layer, window, cache_position) if window
-                               else StaticStateLayer.freeze(layer))
+            if window is None:                    # a kept softmax layer: T + max_new_tokens slots
+                cache.layers[i] = StaticKVLayer.from_layer(layer, T + max_new_tokens, cache_position)
+            else:
+                cache.layers[i] = (RingWindowLayer.from_layer(layer, window, cache_position) if window
+                                   else StaticStateLayer.freeze(layer))
 
         def step() -> None:
             (self.compiled or self.step)(token, position, cache_position, cache)
 
-        remaining = max_new_tokens - 1
-        timings = {"prefill_s": prefill_s, "decode_steps": remaining, "decode_s": 0.0}
-        if self.compiled is not None and not self.compiled_once and remaining:
-            step()                                # compiles, then runs: a real token, timed apart
-            new.append(token.clone())
-            self.compiled_once = True
-            remaining -= 1
-            timings.update(compile_s=clock.lap(), decode_steps=remaining)
-        if not self.graph:
-            for _ in range(remaining):
-                step()
+        with bind_static_kv(self.model, cache):   # kept softmax layers read their written slots
+            remaining = max_new_tokens - 1
+            timings = {"prefill_s": prefill_s, "decode_steps": remaining, "decode_s": 0.0}
+            if self.compiled is not None and not self.compiled_once and remaining:
+                step()                                # compiles, then runs: a real token, timed apart
                 new.append(token.clone())
-            timings["decode_s"] = clock.lap()
-        elif remaining:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(min(WARMUP_STEPS, remaining)):
+                self.compiled_once = True
+                remaining -= 1
+                timings.update(compile_s=clock.lap(), decode_steps=remaining)
+            if not self.graph:
+                for _ in range(remaining):
                     step()
                     new.append(token.clone())
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            remaining -= min(WARMUP_STEPS, remaining)
-            timings["decode_s"] = clock.lap()     # the warm-up steps, run eagerly
-            if remaining:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()                        # recorded, not run: the replays below are the tokens
-                timings["capture_s"] = clock.lap()
-                for _ in range(remaining):
-                    graph.replay()
-                    new.append(token.clone())
-                timings.update(replays=remaining, replay_s=clock.lap())
-                timings["decode_s"] += timings["replay_s"]
+                timings["decode_s"] = clock.lap()
+            elif remaining:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(min(WARMUP_STEPS, remaining)):
+                        step()
+                        new.append(token.clone())
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                remaining -= min(WARMUP_STEPS, remaining)
+                timings["decode_s"] = clock.lap()     # the warm-up steps, run eagerly
+                if remaining:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        step()                        # recorded, not run: the replays below are the tokens
+                    timings["capture_s"] = clock.lap()
+                    for _ in range(remaining):
+                        graph.replay()
+                        new.append(token.clone())
+                    timings.update(replays=remaining, replay_s=clock.lap())
+                    timings["decode_s"] += timings["replay_s"]
         self.timings = timings
         for layer in cache.layers:                # the captured step ran its Python bookkeeping once
             layer.seen = T + max_new_tokens - 1

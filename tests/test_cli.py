@@ -207,7 +207,7 @@ def test_generate_static_matches_hf(capsys, model_dirs):
     assert code == 0 and "static decoding" in err, err
     assert static_out == out
     code, _, err = run(capsys, "generate", "--model", str(model_dirs["llama"]), "--static")
-    assert code == 2 and "every layer linear" in err
+    assert code == 2 and "every layer of this model is softmax attention" in err
 
 
 def test_generate_from_student_folder(capsys, model_dirs, tmp_path):

@@ -82,6 +82,39 @@ def test_same_tokens_without_the_one_kernel_step(feature, decay, window, device)
     assert_static_equals_hf(model, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [0, 4])
+def test_kept_softmax_layers_decode_on_static_slots(window, device):
+    """Softmax layers kept beside linear ones (`student.keep_softmax`, here the first and the last) decode on
+    buffers of T + max_new_tokens slots (`StaticKVLayer`): HF generate's tokens, the prompt's keys at the front
+    and every step's in place; afterwards the modules are unbound, so HF generate reads its own cache again."""
+    from dofattn.attention import StaticKVLayer
+
+    model = tiny_model("llama")
+    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=window, sink=2 if window else 0, layers=[1])
+    model.generation_config.eos_token_id = None
+    model = model.to(device)
+    prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
+    outputs = []           # the first kept layer's attention output, call by call: tokens alone would not show
+    hook = attention_modules(model)[0].register_forward_hook(lambda m, a, out: outputs.append(out[0]))
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    hf_outputs, outputs[:] = outputs[:], []
+    decoder = StaticDecoder(model)
+    assert torch.equal(decoder.generate(prompt, 12), ref)
+    hook.remove()
+    if device == "cpu":    # on CUDA the captured step's calls are replays: no hook runs
+        assert len(outputs) == len(hf_outputs) == 12
+        for out, hf_out in zip(outputs, hf_outputs):
+            torch.testing.assert_close(out, hf_out, rtol=1e-4, atol=1e-5)
+    kept = [decoder.cache.layers[i] for i in (0, 2)]
+    assert all(isinstance(layer, StaticKVLayer) and layer.keys.shape[2] == 23 for layer in kept)
+    assert all(not hasattr(m, "dofattn_static_kv") for m in attention_modules(model))
+    with torch.no_grad():
+        again = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(again, ref)
+
+
 def test_rows_are_cut_after_their_first_eos():
     model = tiny_model("llama")
     linearize(model, dims=[8, 8, 8], seed=2)
@@ -96,10 +129,7 @@ def test_rows_are_cut_after_their_first_eos():
 
 def test_refuses_what_it_cannot_keep_static():
     model = tiny_model("llama")
-    with pytest.raises(UserError, match="layer 0 is softmax attention"):
-        StaticDecoder(model)
-    linearize(model, dims=[8, 8, 8], layers=[0, 2])
-    with pytest.raises(UserError, match="layer 1 is softmax attention"):
+    with pytest.raises(UserError, match="every layer of this model is softmax attention"):
         StaticDecoder(model)
     model = tiny_model("llama")
     linearize(model, dims=[8, 8, 8])
@@ -189,17 +219,17 @@ def test_a_static_step_takes_no_mask(gate):
             layer(q[:, 5:], k[:, 5:], v[:, 5:], torch.zeros(1, 1, dtype=torch.bool), cache=cache)
 
 
-@pytest.mark.parametrize("feature,decay,window,sink", [("prf", False, 0, 0), ("prf", False, 4, 2),
-                                                       ("hedgehog", True, 0, 0)])
-def test_compiled_step_gives_the_eager_tokens(feature, decay, window, sink):
+@pytest.mark.parametrize("feature,decay,window,sink,layers", [("prf", False, 0, 0, None), ("prf", False, 4, 2, None),
+                                                              ("hedgehog", True, 0, 0, None), ("prf", False, 4, 2, [1])])
+def test_compiled_step_gives_the_eager_tokens(feature, decay, window, sink, layers):
     """compile=True (`torch.compile` of the step, for the CPU): the tokens of the eager static step, for a pure
-    linear student, a window + sink one (after its ring has wrapped) and one with a decay, with a different feature
-    count per layer. The first call compiles once (its first step timed apart), and a second call of the same shape
+    linear student, a window + sink one (after its ring has wrapped), one with a decay and one with two softmax
+    layers kept, with a different feature count per layer. The first call compiles once (its first step timed apart), and a second call of the same shape
     not again: no host state may change per token."""
     from torch._dynamo.utils import counters
 
     model = tiny_model("llama")
-    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, window=window, sink=sink, decay=decay)
+    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, window=window, sink=sink, decay=decay, layers=layers)
     model.eval()
     model.generation_config.eos_token_id = None
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))

@@ -14,17 +14,18 @@ Modules, by mechanism:
     layer     `LinearAttention`: the parameters, the constructor's checks, the dispatch of a call
     linear    pure linear attention: decay or gate, short convolution, delta rule
     hybrid    the window hybrid: exact softmax over the last W keys (and a sink), linear attention beyond
-    cache     the cache slots: `LinearStateLayer`, for static decoding `StaticStateLayer` and `RingWindowLayer`,
-              `state_layer`
+    cache     the cache slots: `LinearStateLayer`, for static decoding `StaticStateLayer` and `RingWindowLayer`
+              (and `StaticKVLayer` for a kept softmax layer), `state_layer`
     install   the AttentionInterface function, `install`, the cache-binding hooks
 """
 
-from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, StaticStateLayer, keep_buffer, state_layer
+from dofattn.attention.cache import (LinearStateLayer, RingWindowLayer, StaticKVLayer, StaticStateLayer, keep_buffer,
+                                     state_layer)
 from dofattn.attention.install import CACHE_ARGUMENTS, IMPLEMENTATION, attention_forward, install
 from dofattn.attention.layer import LinearAttention
 from dofattn.attention.linear import (CONV_NAMES, DECAY_START, DELTA_NAMES, DELTA_START, GATE_FLOOR,
                                       check_decay_padding, check_left_padding)
 
-__all__ = ["LinearAttention", "LinearStateLayer", "StaticStateLayer", "RingWindowLayer", "state_layer", "keep_buffer",
-           "install", "attention_forward", "IMPLEMENTATION", "CACHE_ARGUMENTS", "CONV_NAMES", "DELTA_NAMES", "DECAY_START",
-           "DELTA_START", "GATE_FLOOR", "check_decay_padding", "check_left_padding"]
+__all__ = ["LinearAttention", "LinearStateLayer", "StaticStateLayer", "RingWindowLayer", "StaticKVLayer", "state_layer",
+           "keep_buffer", "install", "attention_forward", "IMPLEMENTATION", "CACHE_ARGUMENTS", "CONV_NAMES",
+           "DELTA_NAMES", "DECAY_START", "DELTA_START", "GATE_FLOOR", "check_decay_padding", "check_left_padding"]

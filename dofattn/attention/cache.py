@@ -162,6 +162,50 @@ class RingWindowLayer(StaticStateLayer):
         return ring
 
 
+class StaticKVLayer(CacheLayerMixin):
+    """A kept softmax layer's cache slot for static decoding (`engine.StaticDecoder`): the prompt's keys and values at
+    the front of buffers of `length` slots [B, Hkv, length, D], and `position`, the decoder's [1] tensor: each step
+    writes its key and value into slot `position` in place. The layer attends over the slots written so far
+    (`slot_mask`, which `attention.install` hands SDPA in place of HF's mask while the slot is bound to the module as
+    `dofattn_static_kv`), so that the step has the same shapes every token."""
+
+    is_sliding = False
+    is_compileable = True
+    is_croppable = False
+
+    @classmethod
+    def from_layer(cls, layer: DynamicLayer, length: int, position: torch.Tensor) -> StaticKVLayer:
+        static = cls()
+        B, Hkv, T, D = layer.keys.shape
+        static.keys = layer.keys.new_zeros(B, Hkv, length, D)
+        static.values = layer.values.new_zeros(B, Hkv, length, layer.values.shape[-1])
+        static.keys[:, :, :T], static.values[:, :, :T] = layer.keys, layer.values
+        static.position, static.seen, static.length = position, T, length
+        static.dtype, static.device, static.is_initialized = layer.keys.dtype, layer.keys.device, True
+        return static
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a StaticKVLayer is made from a prefilled layer (StaticKVLayer.from_layer)")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys.index_copy_(2, self.position, key_states)
+        self.values.index_copy_(2, self.position, value_states)
+        return self.keys, self.values
+
+    def slot_mask(self) -> torch.Tensor:
+        """[1, 1, 1, length] bool: True for the slots written so far, the current token's included."""
+        return (torch.arange(self.length, device=self.keys.device) <= self.position)[None, None, None]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return self.length
+
+
 def cache_bytes(cache: Cache | None) -> int:
     """Bytes a generation cache holds for its sequences: every tensor of every layer (a KV cache; or a state with
     its window, sink and convolution history). 0 for no cache."""

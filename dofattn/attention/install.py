@@ -52,6 +52,9 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     """AttentionInterface function: q [B, H, T, D], k/v [B, Hkv, T, D] -> ([B, T, H, D], None)."""
     linear = getattr(module, "dofattn", None)
     if linear is None:
+        static = getattr(module, "dofattn_static_kv", None)
+        if static is not None:    # a kept softmax layer in static decoding: the slots written so far
+            attention_mask = static.slot_mask()
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if key.shape[2] != query.shape[2]:
         raise UserError(f"layer {module.layer_idx} is linear attention but received {key.shape[2]} keys for "
