@@ -1,9 +1,11 @@
-"""Files written whole or not at all: under a name of this process's own beside the target, then moved into place.
+"""Files written whole or not at all (under a name of this process's own beside the target, then moved into place),
+and safetensors files read whole or refused in one line.
 
     write_atomic(path, text_or_bytes)
     write_json(path, obj, indent=2)
     with atomic_path(path) as tmp:          # for writers that take a path (safetensors, a stream)
         save_file(tensors, str(tmp))
+    tensors, metadata = read_safetensors(path)   # a UserError naming the file if it is missing or damaged
 
 A reader never sees a half-written file, and two processes writing the same file at once each write a whole copy,
 the one moved last staying.
@@ -16,6 +18,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from dofattn.errors import UserError
 
 
 def staging(path: str | Path) -> Path:
@@ -50,3 +56,17 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
 def write_json(path: str | Path, obj, indent: int | None = None) -> Path:
     """`obj` as JSON (`json.dumps(obj, indent=indent)`) to `path` whole; returns the path."""
     return write_atomic(path, json.dumps(obj, indent=indent))
+
+
+def read_safetensors(path: str | Path, device: str = "cpu") -> tuple[dict, dict]:
+    """(tensors, metadata) of a safetensors file; a one-line UserError naming the file if it is missing, truncated or
+    not a safetensors file at all (instead of the reader's own traceback)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} is missing; copy it again, or rerun what wrote it")
+    try:
+        with safe_open(str(path), "pt", device=device) as f:
+            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+    except SafetensorError as err:
+        raise UserError(f"{path} is damaged ({err}): a truncated or partial copy? Copy it again, or rerun what wrote "
+                        f"it") from None

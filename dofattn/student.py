@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from dofattn import __version__
@@ -26,7 +26,7 @@ from dofattn.attention import LinearAttention, install
 from dofattn.dof import DofResult
 from dofattn.errors import UserError
 from dofattn.features import FEATURES, make_feature_map
-from dofattn.io import atomic_path, write_atomic
+from dofattn.io import atomic_path, read_safetensors, write_atomic
 from dofattn.spec import StudentSpec
 
 CONFIG_FILE = "dofattn.json"
@@ -220,7 +220,7 @@ def attach_student(model: nn.Module, folder: str | Path, spec: StudentSpec | Non
 def load_student_tensors(model: nn.Module, folder: str | Path) -> None:
     """The student tensors saved in `folder` into `model`, already linearized (and with LoRA) as they were saved;
     a UserError if the names or shapes differ."""
-    state = load_file(str(Path(folder) / WEIGHTS_FILE), device=str(next(model.parameters()).device))
+    state, _ = read_safetensors(Path(folder) / WEIGHTS_FILE, device=str(next(model.parameters()).device))
     own = student_state(model)
     if set(state) != set(own):
         missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))

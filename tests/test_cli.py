@@ -224,6 +224,11 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
     assert "student of" in err and "hedgehog" in err
     code, _, err = run(capsys, "generate", "--model", str(folder), "--dims", "fix")
     assert code == 2 and "already a student" in err
+    weights = folder / "features.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])                  # a truncated copy
+    code, _, err = run(capsys, "generate", "--model", str(folder), "--max-new-tokens", "3", "--prompt", "fox")
+    assert code == 2 and f"{weights} is damaged" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()[-1]) < 300
 
 
 @pytest.mark.parametrize("args,message", [

@@ -27,3 +27,23 @@ def test_a_failed_write_keeps_the_old_file_and_removes_its_staging(tmp_path):
         tmp.write_text("half")
         raise RuntimeError("disk full")
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
+
+
+def test_safetensors_read_whole_or_refused_in_one_line(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from dofattn.errors import UserError
+    from dofattn.io import read_safetensors
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.arange(6.0)}, str(path), metadata={"log": "{}"})
+    tensors, metadata = read_safetensors(path)
+    assert torch.equal(tensors["a"], torch.arange(6.0)) and metadata == {"log": "{}"}
+    data = path.read_bytes()
+    for damaged in (data[:len(data) - 5], data[:6], b"not safetensors at all"):
+        path.write_bytes(damaged)
+        with pytest.raises(UserError, match=f"{path} is damaged .*Copy it again"):
+            read_safetensors(path)
+    with pytest.raises(UserError, match="missing.safetensors is missing"):
+        read_safetensors(tmp_path / "missing.safetensors")

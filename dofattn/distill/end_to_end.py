@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dofattn.attention import CONV_NAMES
 from dofattn.distill.world import all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
-from dofattn.io import write_json
+from dofattn.io import read_safetensors, write_json
 from dofattn.recipe import EndToEnd
 from dofattn.student import attention_modules, is_student_tensor
 
@@ -82,7 +82,7 @@ def save_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path, st
 
 
 def load_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path) -> None:
-    tensors = load_file(str(path))
+    tensors, _ = read_safetensors(path)
     for name, p in zip(names, [p for g in optimizer.param_groups for p in g["params"]]):
         if f"{name}::exp_avg" in tensors:
             optimizer.state[p] = {"step": tensors[f"{name}::step"].reshape(()),
@@ -110,7 +110,7 @@ def load_checkpoint(ckpt: Path, tensors: list, optimizer, names) -> tuple[int, l
     if not (ckpt / "state.json").is_file():          # written last: it names a complete checkpoint folder
         return 0, [], []
     meta = json.loads((ckpt / "state.json").read_text())
-    state = load_file(str(ckpt / meta["folder"] / "features.safetensors"))
+    state, _ = read_safetensors(ckpt / meta["folder"] / "features.safetensors")
     missing = [n for n, _ in tensors if n not in state]
     if missing:
         raise UserError(f"{ckpt} has no {missing[0]}: its student differs from this one; rerun with the run "

@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dofattn.attention import LinearAttention
 from dofattn.distill.losses import LOSSES
 from dofattn.distill.teacher import TeacherCache
 from dofattn.distill.world import barrier, world
+from dofattn.io import read_safetensors
 from dofattn.ops.softmax import expand_kv
 from dofattn.recipe import Layerwise
 from dofattn.student import attention_modules
@@ -86,12 +87,9 @@ def save_layer(out: Path, layer: int, linear: LinearAttention, log: dict) -> Non
 
 
 def load_layer(out: Path, layer: int, linear: LinearAttention) -> dict:
-    from safetensors import safe_open
-
-    path = layer_file(out, layer)
-    linear.load_state_dict(load_file(str(path)))
-    with safe_open(str(path), "pt") as f:
-        return json.loads(f.metadata()["log"])
+    state, metadata = read_safetensors(layer_file(out, layer))
+    linear.load_state_dict(state)
+    return json.loads(metadata["log"])
 
 
 def layerwise(model, cache: TeacherCache, out: Path, config: Layerwise, seed: int, progress: bool = True) -> dict:
