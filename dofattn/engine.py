@@ -2,17 +2,18 @@
 
     tokens = StaticDecoder(student).generate(input_ids, max_new_tokens=64)      # [B, T + 64], greedy
 
-A linear layer carries a cache of fixed shape: the state [B, H, M, V+1], updated in place (by the one-kernel decode step on CUDA), and for a window
-hybrid the last W keys and values in a ring of W slots (`attention.RingWindowLayer`; with a PRF map, one kernel a
-step on CUDA: `ops.triton.window.prf_ring_step`). So one decode step is the same sequence of kernels on the same buffers
-every time: the next token, its position and the cache position live in static tensors, the step writes the argmax
-back into the token buffer, and the whole step is captured once in a CUDA graph and replayed, with no Python
-between tokens. HF `generate` instead spends host time on every layer of every token, which at 30 layers and
-batch 1 dominates.
+A linear layer carries a cache of fixed shape: the state [B, H, M, V+1], updated in place (by the one-kernel decode
+step on CUDA), and for a window hybrid the last W keys and values in a ring of W slots (`attention.RingWindowLayer`;
+with a PRF map, one kernel a step on CUDA: `ops.triton.window.prf_ring_step`). So one decode step is the same
+sequence of kernels on the same buffers every time: the next token, its position and the cache position live in
+static tensors, the step writes the argmax back into the token buffer, and the whole step is captured once in a
+CUDA graph and replayed, with no Python between tokens. HF `generate` instead spends host time on every layer of
+every token, which at 30 layers and batch 1 dominates.
 
 A softmax layer kept beside them (`student.keep_softmax`) gets buffers of T + max_new_tokens slots for its keys
 and values (`attention.StaticKVLayer`): the prompt's at the front, each step's written in place at the cache
-position, and the layer attends over the slots written so far. Its step costs grow with the slots, not per token.
+position, and the layer attends over the slots written so far. Each step reads every slot (the unwritten ones
+masked), so its cost is the same at every token of a call.
 
 On CPU (or with graph=False) the same static step runs eagerly, token by token: the tokens are the same, which is
 what the tests check. With compile=True (for the CPU) the step runs through `torch.compile` instead: the whole
@@ -137,9 +138,10 @@ class StaticDecoder:
             layer = cache.layers[i]
             if window is None:                    # a kept softmax layer: T + max_new_tokens slots
                 cache.layers[i] = StaticKVLayer.from_layer(layer, T + max_new_tokens, cache_position)
+            elif window:
+                cache.layers[i] = RingWindowLayer.from_layer(layer, window, cache_position)
             else:
-                cache.layers[i] = (RingWindowLayer.from_layer(layer, window, cache_position) if window
-                                   else StaticStateLayer.freeze(layer))
+                cache.layers[i] = StaticStateLayer.freeze(layer)
 
         def step() -> None:
             (self.compiled or self.step)(token, position, cache_position, cache)

@@ -30,8 +30,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from dofattn.errors import UserError
 from dofattn.capture import capture, run_forward
+from dofattn.errors import UserError
 from dofattn.ops.softmax import attention_logits, expand_kv
 
 TASKS = ("passkey", "multikey")

@@ -57,7 +57,8 @@ fi
 if [[ $PARTS == *tests* ]]; then
     echo "== tests" | tee -a "$LOG"
     DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${TESTS_S:-300}" python3 -m pytest -q -n "${WORKERS:-16}" \
-        -p no:cacheprovider --timeout 200 -rfE tests/test_triton_*.py tests/test_ops.py tests/test_engine.py tests/test_decode_step.py \
+        -p no:cacheprovider --timeout 200 -rfE tests/test_triton_*.py tests/test_ops.py tests/test_engine.py \
+        tests/test_decode_step.py \
         "tests/test_dof.py::test_sample_points_on_cuda_equal_cpu" > "$OUT/tests.log" 2>&1
     echo "tests: exit $?" | tee -a "$LOG"
     grep -c ^PASSED "$OUT/tests-each.log" | sed 's/^/passed: /' | tee -a "$LOG"

@@ -73,9 +73,9 @@ def softmax_layers(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
                            "layers": [sum(h) / len(h) for h in heads], "heads": heads}, indent=2)
 
     def estimate_copy() -> str:
-        context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 0)
-        blocks = token_blocks(recipe.run.data, tokenizer, min(COPY_SEQ_LEN, context or COPY_SEQ_LEN), COPY_BLOCKS,
-                              split="train", seed=recipe.run.seed)
+        context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        seq_len = min(COPY_SEQ_LEN, context) if context else COPY_SEQ_LEN
+        blocks = token_blocks(recipe.run.data, tokenizer, seq_len, COPY_BLOCKS, split="train", seed=recipe.run.seed)
         heads = copy_scores(model, blocks, COPY_SPAN, progress=True)
         return json.dumps({"span": COPY_SPAN, "blocks": len(blocks), "seq_len": blocks.shape[1],
                            "layers": [max(h) for h in heads], "heads": heads}, indent=2)
