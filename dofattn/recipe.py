@@ -92,6 +92,10 @@ class EndToEnd:
     cooldown_steps: int = _key(0, "lower the learning rate linearly towards 0 over the last N steps (0: constant)")
     eval_every: int = _key(0, "validation perplexity every N steps, kept in log.json (0: at the end only)")
     checkpoint_every: int = _key(10, "steps between checkpoints")
+    loss_chunk: int = _key(1024, "positions per chunk of the logits in the loss, so the teacher's and the student's "
+                                 "full logits never exist at once (0: the whole block in one)")
+    activation_checkpointing: bool = _key(False, "recompute each decoder layer's activations in the backward pass: "
+                                                 "less memory, about a third more time")
 
 
 @dataclass(frozen=True)
