@@ -1,4 +1,5 @@
-"""The end-to-end phase over two processes equals one process on the combined batch.
+"""The end-to-end phase: its chunked loss against the whole block's logits, activation checkpointing, and two
+processes against one on the combined batch.
 
 Each end-to-end step draws `batch_size × processes` blocks from (seed, step); rank r trains on every other one from
 the r-th, and the gradients are averaged. So one plain SGD step of two gloo processes must move every student tensor
@@ -7,14 +8,24 @@ with half the batch's gradient, a sum without the division doubles the step. Ada
 not scale with the gradient), hence SGD here.
 """
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
+
+from dofattn.distill.end_to_end import (decoder_layers, head, hidden_states, layers_checkpointed, loss,
+                                        trainable)
+from dofattn.evaluate import teacher_mode
+from dofattn.lora import add_lora
+from dofattn.student import attention_modules, is_student_tensor, linearize
+from tests.conftest import tiny_model
 
 SCRIPT = r'''
 import sys
@@ -72,3 +83,129 @@ def test_two_processes_take_the_step_one_process_takes_on_the_combined_batch(mod
         assert step > 0 and differ <= 1e-3 * step + 1e-7, (name, step, differ)   # float rounding, not a share
     losses = [json.loads((f / "end_to_end" / "state.json").read_text())["losses"] for f in (one, two)]
     assert len(losses[0]) == len(losses[1]) == 2
+
+
+# --- the loss: chunked over positions, against the whole block's logits ------------------------------------------
+
+def reference_loss(model, ids: torch.Tensor, kd_weight: float) -> torch.Tensor:
+    """The spec: both models' full logits over the whole block, from the model's own forward."""
+    logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
+    value = F.nll_loss(logp.reshape(-1, logp.shape[-1]), ids[:, 1:].reshape(-1))
+    if kd_weight > 0:
+        with torch.no_grad(), teacher_mode(model):
+            teacher = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
+        value = value + kd_weight * F.kl_div(logp, teacher, log_target=True, reduction="none").sum(-1).mean()
+    return value
+
+
+def student(family: str, lora: bool = False):
+    model = tiny_model(family)
+    linearize(model, [8, 8, 8], "prf", seed=0, window=4, sink=1)
+    if lora:
+        add_lora(model, 2, seed=0)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_student_tensor(name))
+    with torch.no_grad():      # adapters start at 0: move them, so that switching them off changes the teacher
+        for name, p in model.named_parameters():
+            if ".lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    for module in attention_modules(model):   # as the phase trains them: the PRF key shifts move
+        module.dofattn.train()
+    return model
+
+
+def gradients(model, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    named = trainable(model)
+    grads = torch.autograd.grad(value, [p for _, p in named])
+    return {n: g for (n, _), g in zip(named, grads)}
+
+
+@contextlib.contextmanager
+def key_shifts_kept(model):
+    """Put the PRF key shifts back as they were (training moves them): the next loss starts where this one did."""
+    shifts = {n: b.clone() for n, b in model.named_buffers() if n.endswith("key_shift")}
+    yield
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n in shifts:
+                b.copy_(shifts[n])
+
+
+def assert_same(got: torch.Tensor, got_grads: dict, want: torch.Tensor, want_grads: dict) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert sorted(got_grads) == sorted(want_grads) and got_grads
+    for name, g in want_grads.items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6 * g.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "gemma2"])
+def test_head_of_the_body_is_the_models_own_logits(family):
+    model = GEMMA2() if family == "gemma2" else tiny_model(family)
+    ids = torch.randint(0, 300, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        got = head(model, hidden_states(model, ids))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if family == "gemma2":                     # the cap bites: the raw logits are far from the model's
+        with torch.no_grad():
+            assert (model.get_output_embeddings()(hidden_states(model, ids)) - want).abs().max() > 0.1
+
+
+def GEMMA2():
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, final_logit_softcapping=0.5,
+                          max_position_embeddings=64)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("chunk", [0, 5, 22, 64])
+@pytest.mark.parametrize("family,lora,kd_weight", [("llama", True, 0.7), ("gpt2", False, 0.7), ("llama", False, 0)])
+def test_chunked_loss_and_gradients_equal_the_whole_blocks(family, lora, kd_weight, chunk):
+    """T = 23: 22 predicted positions, which a chunk of 5 does not divide (the last chunk holds 2)."""
+    model = student(family, lora)
+    ids = torch.randint(0, 300, (2, 23), generator=torch.Generator().manual_seed(1))
+    with key_shifts_kept(model):
+        want = reference_loss(model, ids, kd_weight)
+        want_grads = gradients(model, want)
+    got = loss(model, ids, kd_weight, chunk=chunk)
+    assert_same(got, gradients(model, got), want, want_grads)
+
+
+def test_a_chunk_keeps_no_logits_for_the_backward_pass():
+    """What the chunks are for: autograd keeps no tensor of the vocabulary's width (each chunk's logits are
+    recomputed in the backward pass); the whole block's loss keeps the student's [B, T-1, vocab]."""
+    model = student("llama")
+    ids = torch.randint(0, 300, (2, 23), generator=torch.Generator().manual_seed(3))
+
+    def widths(chunk: int) -> set[int]:
+        seen = set()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.add(t.shape[-1] if t.dim() else 0) or t,
+                                                      lambda t: t):
+            loss(model, ids, 0.7, chunk=chunk).backward()
+        return seen
+
+    assert 300 in widths(0) and 300 not in widths(8)
+
+
+@pytest.mark.parametrize("family,lora", [("llama", True), ("gpt_neox", False)])
+def test_activation_checkpointing_keeps_the_gradients_and_replays_each_layer(family, lora):
+    model = student(family, lora)
+    ids = torch.randint(0, 300, (2, 23), generator=torch.Generator().manual_seed(4))
+    with key_shifts_kept(model):
+        want = loss(model, ids, 0.7, chunk=6)
+        want_grads = gradients(model, want)
+    calls = []
+    for module in attention_modules(model):      # the student's cache hooks sit on these: they run in the replay
+        module.register_forward_pre_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    with layers_checkpointed(model):
+        got = loss(model, ids, 0.7, chunk=6)
+        forward = len(calls)
+        got_grads = gradients(model, got)
+    layers = len(attention_modules(model))
+    assert forward == 2 * layers and calls[layers:] == [True] * 2 * layers     # the teacher's, without autograd
+    assert_same(got, got_grads, want, want_grads)
+    assert not any(layer.training for layer in decoder_layers(model)) and not model.is_activation_checkpointing

@@ -8,14 +8,18 @@ would. With several processes each takes its share of a step's blocks and the gr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dofattn.attention import CONV_NAMES
 from dofattn.distill.world import all_mean, barrier, rank0_decides, world
@@ -42,17 +46,81 @@ def param_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float,
             [{"params": [p for _, p in part], "lr": rate, "base_lr": rate} for part, rate in parts if part])
 
 
-def loss(model, ids: torch.Tensor, kd_weight: float) -> torch.Tensor:
-    """The student's mean next-token cross-entropy on `ids`, plus kd_weight × the mean KL(teacher ‖ student) per
-    token (the teacher is the same model in `teacher_mode`)."""
-    logits = model(input_ids=ids, use_cache=False).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), -1)                    # [B, T-1, vocab]
-    value = F.nll_loss(logp.reshape(-1, logp.shape[-1]), ids[:, 1:].reshape(-1))
+def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
+    """The base model body's last hidden states [B, T, d] (after its final norm), the LM head's input."""
+    return model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+
+
+def head(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits [B, t, vocab] of `hidden` [B, t, d]: the LM head, then the config's final soft-capping (Gemma 2
+    and 3: cap · tanh(logits / cap)), as the model's own forward applies them."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
+def _chunk_loss(model, hidden: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor | None,
+                kd_weight: float) -> torch.Tensor:
+    """Summed CE + kd_weight × summed KL(teacher ‖ student) over one chunk: hidden [B, c, d], targets [B, c],
+    teacher the teacher's hidden states [B, c, d] or None."""
+    logp = torch.log_softmax(head(model, hidden).float(), -1)                           # [B, c, vocab]
+    value = F.nll_loss(logp.flatten(0, 1), targets.flatten(), reduction="sum")
+    if teacher is not None:
+        with torch.no_grad():
+            target = torch.log_softmax(head(model, teacher).float(), -1)
+        value = value + kd_weight * F.kl_div(logp, target, log_target=True, reduction="sum")
+    return value
+
+
+def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0) -> torch.Tensor:
+    """The student's mean next-token cross-entropy on `ids` [B, T], plus kd_weight × the mean KL(teacher ‖ student)
+    per token (the teacher is the same model in `teacher_mode`).
+
+    The body runs once for the student and once, without autograd, for the teacher; the LM head then runs on
+    `chunk` positions at a time (0: all T−1 at once). Each chunk is checkpointed: its logits are recomputed in the
+    backward pass, so at most one chunk's logits of each model exist at any time.
+    """
+    teacher = None
     if kd_weight > 0:
         with torch.no_grad(), teacher_mode(model):
-            teacher = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
-        value = value + kd_weight * F.kl_div(logp, teacher, log_target=True, reduction="none").sum(-1).mean()
-    return value
+            teacher = hidden_states(model, ids)[:, :-1]                                   # [B, T-1, d]
+    student = hidden_states(model, ids)[:, :-1]                                           # [B, T-1, d]
+    targets = ids[:, 1:]
+    size = chunk or targets.shape[1]
+    value = student.new_zeros((), dtype=torch.float32)
+    for s in range(0, targets.shape[1], size):
+        part = (model, student[:, s:s + size], targets[:, s:s + size],
+                None if teacher is None else teacher[:, s:s + size], kd_weight)
+        value = value + (checkpoint(_chunk_loss, *part, use_reentrant=False) if chunk and student.requires_grad
+                         else _chunk_loss(*part))
+    return value / targets.numel()
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's decoder layers (HF's `GradientCheckpointingLayer`s), in order."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@contextlib.contextmanager
+def layers_checkpointed(model) -> Iterator[None]:
+    """While active, each decoder layer keeps only its input for the backward pass and runs again there (HF's
+    activation checkpointing, non-reentrant). HF checkpoints a layer only in training mode, so each layer module's
+    own flag is set; its children stay in eval mode (no dropout), and no supported layer's forward reads the flag."""
+    layers = decoder_layers(model)
+    if not model.supports_gradient_checkpointing or not layers:
+        raise UserError(f"end_to_end.activation_checkpointing: transformers cannot checkpoint the layers of a "
+                        f"{model.config.model_type!r} model; set it to false")
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    model.disable_input_require_grads()            # only the reentrant form needs the embeddings to need grads
+    flags = [layer.training for layer in layers]
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer, flag in zip(layers, flags):
+            layer.training = flag
+        model.activation_checkpointing_disable()
 
 
 def cooldown_lr(lr: float, step: int, steps: int, cooldown: int) -> float:
@@ -154,9 +222,12 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
     bar = tqdm(range(start_step, steps), desc="end-to-end", unit="step", disable=not progress or rank != 0,
                initial=start_step, total=steps)
     done = steps
+    stack = contextlib.ExitStack()
+    if config.activation_checkpointing:
+        stack.enter_context(layers_checkpointed(model))
     for step in bar:
         idx = draw(seed, step, len(blocks), batch_size * size)[rank::size]
-        value = loss(model, blocks[idx].to(device), config.kd_weight)
+        value = loss(model, blocks[idx].to(device), config.kd_weight, config.loss_chunk)
         for group in optimizer.param_groups:
             group["lr"] = cooldown_lr(group["base_lr"], step, steps, config.cooldown_steps)
         optimizer.zero_grad(set_to_none=True)
@@ -181,6 +252,7 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
         if out_of_time:
             done = step + 1
             break
+    stack.close()
     for linear in linears:
         linear.eval()
     barrier()
