@@ -6,6 +6,7 @@ and safetensors files read whole or refused in one line.
     with atomic_path(path) as tmp:          # for writers that take a path (safetensors, a stream)
         save_file(tensors, str(tmp))
     tensors, metadata = read_safetensors(path)   # a UserError naming the file if it is missing or damaged
+    check_safetensors(path)                      # the same check, reading only the header (a large file)
 
 A reader never sees a half-written file, and two processes writing the same file at once each write a whole copy,
 the one moved last staying.
@@ -67,6 +68,20 @@ def read_safetensors(path: str | Path, device: str = "cpu") -> tuple[dict, dict]
     try:
         with safe_open(str(path), "pt", device=device) as f:
             return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+    except SafetensorError as err:
+        raise UserError(f"{path} is damaged ({err}): a truncated or partial copy? Copy it again, or rerun what wrote "
+                        f"it") from None
+
+
+def check_safetensors(path: str | Path) -> None:
+    """The same one-line UserError as `read_safetensors` for a missing, truncated or foreign file, from its header
+    alone (the reader checks that the header's tensors cover the file exactly); no tensor is read."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} is missing; copy it again, or rerun what wrote it")
+    try:
+        with safe_open(str(path), "pt") as f:
+            f.keys()
     except SafetensorError as err:
         raise UserError(f"{path} is damaged ({err}): a truncated or partial copy? Copy it again, or rerun what wrote "
                         f"it") from None

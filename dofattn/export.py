@@ -1,0 +1,448 @@
+"""`dofattn export`: a student as a Hugging Face model folder, and loading such a folder back.
+
+    export("runs/distill", "exports/student")                    # a run folder or a student folder
+    export("runs/long", "exports/long", merge_lora=True, dtype="bfloat16")
+    model, tokenizer, spec = load_export("exports/student")      # what `dofattn eval` / `generate` do with one
+
+Anyone with dofattn installed then loads it the usual way:
+
+    model = AutoModelForCausalLM.from_pretrained("exports/student", trust_remote_code=True)
+
+The folder holds
+    config.json             the base model's config with model_type "dofattn", the student's spec under "dofattn",
+                            what the export did under "dofattn_export", and an auto_map to modeling_dofattn.py
+    modeling_dofattn.py     DofattnConfig and DofattnForCausalLM: subclasses of the base family's own classes
+                            (LlamaForCausalLM, ...) whose __init__ builds the student into the model (`make_student`),
+                            so the parameter names are the student's and the weights load as they are
+    model.safetensors       every tensor of the student under its own name: the base model's in --dtype; the
+                            student's own (feature maps, window gains, LoRA adapters) in float32, as they train and
+                            as a dofattn student keeps them on a 16-bit base model
+    generation_config.json, the tokenizer files, README.md (the model card), recipe.toml (a run's recipe)
+
+model_type "dofattn" keeps a plain `from_pretrained` without trust_remote_code from loading the base architecture and
+silently dropping the student's tensors: transformers refuses a type it does not know. On a loaded model the
+config's `model_type` is the base family's again, which dofattn's per-family tables (LoRA targets) read.
+
+LoRA adapters survive an export as peft layers (the base weights stay the teacher's, so `dofattn eval` can still
+compare with it); `merge_lora` folds them into the projections instead, and the folder is then the base
+architecture plus the linear attention, without peft.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dofattn import __version__
+from dofattn.errors import UserError
+from dofattn.spec import StudentSpec
+
+MODEL_TYPE = "dofattn"
+MODELING_FILE = "modeling_dofattn.py"
+WEIGHTS_FILE = "model.safetensors"
+CARD_FILE = "README.md"
+# Parameter-name parts of the tensors kept in float32 on a 16-bit base (transformers' keep-in-fp32 globs).
+FLOAT32_MODULES = ["dofattn", "lora_"]
+
+MODELING_TEMPLATE = '''"""A dofattn student of {base_model}: {model_class} with linear attention, written by `dofattn export`
+(dofattn {version}).
+
+    model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)     # needs `pip install dofattn`
+
+These are transformers' own {config_class} and {model_class}; `dofattn.export.make_student` turns the model into
+the student that config.json's "dofattn" spec describes (the same parameter names as the student's, so the weights
+load as they are), and `after_loading` restores what loading on the meta device leaves unset.
+"""
+
+from transformers import {config_class}, {model_class}
+
+from dofattn import export
+
+
+class DofattnConfig({config_class}):
+    model_type = "{model_type}"
+
+
+class DofattnForCausalLM({model_class}):
+    config_class = DofattnConfig
+    _keep_in_fp32_modules_strict = {float32_modules!r}
+
+    def __init__(self, config):
+        super().__init__(config)
+        export.make_student(self)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        return export.after_loading(super().from_pretrained(*args, **kwargs))
+'''
+
+
+# --- inside the exported model's classes -----------------------------------------------------------------------
+
+def export_spec(data) -> StudentSpec:
+    """The student spec of an export: config.json's "dofattn" entry."""
+    if not isinstance(data, dict):
+        raise UserError("config.json has no dofattn student spec (its \"dofattn\" entry): not a dofattn export")
+    return StudentSpec.from_json(json.dumps(data), where="config.json (dofattn)")
+
+
+def make_student(model: nn.Module) -> nn.Module:
+    """Called by DofattnForCausalLM.__init__: give the config back its base family and build the student into
+    `model` (its layers linearized, LoRA adapters added) as the config's spec says."""
+    from dofattn.student import build
+
+    model.config.model_type = model.config.dofattn_export["base_model_type"]
+    return build(model, export_spec(getattr(model.config, "dofattn", None)))
+
+
+def after_loading(loaded):
+    """Called after `from_pretrained` (which may also return loading info beside the model): the feature maps'
+    non-persistent buffers, which transformers leaves unset when it builds on the meta device, made again from the
+    spec; the attention implementation installed again (in case it was reset)."""
+    from dofattn.attention import install
+    from dofattn.features import FeatureMap, make_feature_map
+
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    for module in model.modules():
+        if isinstance(module, FeatureMap) and module._non_persistent_buffers_set:
+            fresh = make_feature_map(module.kind, module.num_heads, module.head_dim, module.dim, module.scaling,
+                                     head_dims=getattr(module, "head_dims", None))
+            for name in module._non_persistent_buffers_set:
+                setattr(module, name, getattr(fresh, name).to(getattr(module, name).device))
+    install(model)
+    return loaded
+
+
+# --- reading an export -----------------------------------------------------------------------------------------
+
+def read_config(folder: str | Path) -> dict | None:
+    """config.json of `folder` if it is a dofattn export, else None."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    is_export = isinstance(config, dict) and config.get("model_type") == MODEL_TYPE and "dofattn" in config
+    return config if is_export else None
+
+
+def is_export(folder: str | Path) -> bool:
+    return read_config(folder) is not None
+
+
+def student_classes(config: dict) -> tuple[type, type]:
+    """(DofattnConfig, DofattnForCausalLM) for an export's config.json: the same classes its modeling file defines,
+    made here, so that dofattn loads an export without running code from the folder."""
+    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
+
+    base_config = CONFIG_MAPPING[config["dofattn_export"]["base_model_type"]]
+    base_model = MODEL_FOR_CAUSAL_LM_MAPPING[base_config]
+    config_cls = type("DofattnConfig", (base_config,), {"model_type": MODEL_TYPE, "__module__": __name__})
+
+    def __init__(self, config):
+        base_model.__init__(self, config)
+        make_student(self)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        return after_loading(super(model_cls, cls).from_pretrained(*args, **kwargs))
+
+    model_cls = type("DofattnForCausalLM", (base_model,), {
+        "config_class": config_cls, "_keep_in_fp32_modules_strict": FLOAT32_MODULES, "__init__": __init__,
+        "from_pretrained": from_pretrained, "__module__": __name__})
+    return config_cls, model_cls
+
+
+def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                merge_lora: bool = False):
+    """(model, tokenizer, spec) of the export in `folder`, in eval mode; `merge_lora` folds LoRA adapters into the
+    weights (faster inference, but the base model, i.e. the teacher, is gone)."""
+    from transformers import AutoTokenizer
+
+    from dofattn.io import check_safetensors
+
+    folder = Path(folder)
+    config = read_config(folder)
+    if config is None:
+        raise UserError(f"{folder} is not a dofattn export: its config.json has no dofattn student spec")
+    if config.get("dofattn_export", {}).get("base_model_type") is None:
+        raise UserError(f"{folder}/config.json has no dofattn_export.base_model_type: export the student again")
+    spec = export_spec(config["dofattn"])
+    if spec.lora_rank:
+        from dofattn.lora import require_peft
+        require_peft()
+    check_safetensors(folder / WEIGHTS_FILE)          # a missing or damaged file: one line, not a traceback
+    _, model_cls = student_classes(config)
+    model = model_cls.from_pretrained(folder, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, config=model.config)   # not the folder's code, nor a prompt
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if merge_lora and spec.lora_rank:
+        from dofattn.lora import merge_lora as merge
+
+        merge(model)
+    return model, tokenizer, spec
+
+
+def lora_merged(folder: str | Path) -> bool:
+    """Whether the export in `folder` had LoRA adapters folded into its weights (its base model is not inside it)."""
+    config = read_config(folder) or {}
+    return config.get("dofattn_export", {}).get("lora") == "merged"
+
+
+# --- writing an export -----------------------------------------------------------------------------------------
+
+def _source(path: Path) -> tuple[Path, Path | None]:
+    """(student folder, run folder or None) for --model; a UserError if it is neither."""
+    from dofattn.distill.run_folder import RECIPE_FILE
+    from dofattn.student import is_student, read_spec
+
+    if not path.is_dir():
+        raise UserError(f"--model {path} is not a folder; give a dofattn distill run folder or a student folder")
+    if not is_student(path):
+        if (path / RECIPE_FILE).is_file():
+            raise UserError(f"--model {path} is a distill run that has not saved its student yet; finish it first "
+                            f"(rerun its dofattn distill command)")
+        what = "a dofattn export already" if is_export(path) else "not a dofattn student"
+        raise UserError(f"--model {path} is {what}; give a distill run folder or a student folder (dofattn.json + "
+                        f"features.safetensors)")
+    read_spec(path)
+    return path, path if (path / RECIPE_FILE).is_file() else None
+
+
+def check_out(out: Path) -> None:
+    """Refuse an --out that holds anything but a previous export (which is replaced)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not is_export(out):
+        raise UserError(f"--out {out} is not empty and holds no dofattn export; give a new or empty folder")
+
+
+def _unwrap_lora(model: nn.Module) -> None:
+    """Put each merged LoRA layer's base projection back in its place: the model no longer needs peft."""
+    from dofattn.lora import lora_layers
+
+    for layer in lora_layers(model):
+        assert layer.merged, "fold the adapters (merge_lora) before unwrapping"
+    names = [name for name, module in model.named_modules() if module in set(lora_layers(model))]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, getattr(parent, child).get_base_layer())
+
+
+def weights(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors an export stores: the model's state dict less tied copies (transformers ties them again), the
+    base model's floating tensors in `dtype`, the student's own as they are (float32)."""
+    from dofattn.student import is_student_tensor
+
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    state = model.state_dict()
+    out = {}
+    for name, tensor in state.items():
+        source = tied.get(name)
+        if source in state and state[source].data_ptr() == tensor.data_ptr():
+            continue
+        if tensor.is_floating_point() and not is_student_tensor(name):
+            tensor = tensor.to(dtype)
+        out[name] = tensor.detach().contiguous()
+    return out
+
+
+def export_config(model: nn.Module, spec: StudentSpec, dtype: str, lora: str, source: str) -> dict:
+    """config.json of an export: the base config, the spec, and the classes to load it with."""
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)       # a GGUF base's: the weights written are plain
+    base_type, architecture = config["model_type"], type(model).__name__
+    config.update(model_type=MODEL_TYPE, architectures=["DofattnForCausalLM"], dtype=dtype,
+                  auto_map={"AutoConfig": f"{MODELING_FILE[:-3]}.DofattnConfig",
+                            "AutoModelForCausalLM": f"{MODELING_FILE[:-3]}.DofattnForCausalLM"},
+                  dofattn=json.loads(spec.to_json()),
+                  dofattn_export={"base_model_type": base_type, "base_architecture": architecture, "lora": lora,
+                                  "source": source, "dofattn_version": __version__})
+    return config
+
+
+def modeling_file(model: nn.Module, base_model: str) -> str:
+    """modeling_dofattn.py for `model`'s family."""
+    return MODELING_TEMPLATE.format(base_model=base_model, version=__version__, model_type=MODEL_TYPE,
+                                    config_class=type(model.config).__name__, model_class=type(model).__name__,
+                                    float32_modules=FLOAT32_MODULES)
+
+
+def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dtype: str = "float32") -> Path:
+    """Write the student in `model_path` (a run folder or a student folder) as a Hugging Face model folder `out`.
+
+    `out` must be new, empty, or a previous export (replaced whole: the new export is written beside it, then moved
+    into place). `dtype` is the base model's weights' (the student's own tensors stay float32)."""
+    from safetensors.torch import save_file
+
+    from dofattn.hf import parse_dtype
+    from dofattn.io import write_atomic, write_json
+    from dofattn.student import load_student, read_spec
+
+    source, run = _source(Path(model_path))
+    out = Path(out)
+    check_out(out)
+    torch_dtype = parse_dtype(dtype)
+    spec = read_spec(source)
+    if spec.lora_rank:
+        from dofattn.lora import require_peft
+        require_peft()
+    # folding adapters is done in float32 and rounded once; without it the base loads in its export dtype
+    model, tokenizer, _ = load_student(source, dtype=torch.float32 if merge_lora else torch_dtype)
+    lora = "none"
+    if spec.lora_rank:
+        lora = "adapters"
+        if merge_lora:
+            from dofattn.lora import merge_lora as merge
+
+            merge(model)
+            _unwrap_lora(model)
+            spec = replace(spec, lora_rank=0, lora_alpha=0.0, lora_targets="attention")
+            lora = "merged"
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+
+    stage = out.with_name(f"{out.name}.{os.getpid()}.partial")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        save_file(weights(model, torch_dtype), str(stage / WEIGHTS_FILE),
+                  metadata={"format": "pt", "dofattn_version": __version__})
+        write_json(stage / "config.json", export_config(model, spec, dtype_name, lora, str(model_path)), indent=2)
+        write_atomic(stage / MODELING_FILE, modeling_file(model, spec.base_model))
+        model.generation_config.save_pretrained(stage)
+        tokenizer.save_pretrained(stage)
+        recipe = None
+        if run is not None:
+            from dofattn.distill.run_folder import RECIPE_FILE, RunFolder
+
+            shutil.copy2(run / RECIPE_FILE, stage / RECIPE_FILE)
+            recipe = RunFolder(run)
+        write_atomic(stage / CARD_FILE, model_card(spec, dtype_name, lora, recipe, out.name))
+        _move_into_place(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out
+
+
+def _move_into_place(stage: Path, out: Path) -> None:
+    """Replace `out` (absent, empty, or a previous export) by the finished `stage`: the old one is moved aside
+    first and removed only once the new one is in place."""
+    old = None
+    if out.exists():
+        old = out.with_name(f"{out.name}.{os.getpid()}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    try:
+        stage.rename(out)
+    except BaseException:
+        if old is not None:
+            old.rename(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --- the model card --------------------------------------------------------------------------------------------
+
+def _architecture(spec: StudentSpec, lora: str) -> list[str]:
+    """The student's architecture, one card line each."""
+    linear, total = len(spec.layers), len(spec.dims)
+    dims = [spec.dims[i] for i in spec.layers]
+    lines = [f"- {linear} of {total} attention layers linear, `{spec.feature}` features, "
+             + (f"{dims[0]} per head" if len(set(dims)) == 1 else
+                f"{min(dims)}-{max(dims)} per head by layer (mean {sum(dims) / len(dims):.0f})")]
+    if spec.softmax_layers:
+        lines.append(f"- softmax attention kept in layer{'s' if len(spec.softmax_layers) > 1 else ''} "
+                     f"{', '.join(map(str, spec.softmax_layers))} (their cache grows with the context)")
+    if spec.window:
+        lines.append(f"- exact softmax attention over the last {spec.window} tokens"
+                     + (f" and the first {spec.sink}" if spec.sink else "") + ", linear attention beyond")
+    for on, text in ((spec.decay == "head", "a learned decay per head"),
+                     (spec.decay == "gate", "a decay per token (gate)"),
+                     (spec.conv, f"a short convolution of {spec.conv} tokens on q, k and v"),
+                     (spec.delta, "the delta rule")):
+        if on:
+            lines.append(f"- {text}")
+    if lora == "adapters":
+        lines.append(f"- LoRA adapters of rank {spec.lora_rank} on the {spec.lora_targets} projections, kept as "
+                     f"peft layers (needs peft)")
+    elif lora == "merged":
+        lines.append("- LoRA adapters merged into the projection weights")
+    return lines
+
+
+def _evaluation(run) -> list[str]:
+    """The run's validation numbers (log.json), one card line each."""
+    log = run.log if run is not None else None
+    ev = (log or {}).get("evaluation") or {}
+    if not ev:
+        return ["No evaluation numbers: the export was made from a student folder without a finished run. "
+                "`dofattn eval --model FOLDER` measures them."]
+    recipe = run.recipe
+    text = recipe.run.eval_data or recipe.run.data
+    lines = [f"Validation perplexity on `{text}` ({ev['tokens']} tokens in blocks of {ev['seq_len']}), measured by "
+             f"`dofattn distill` in {recipe.run.dtype} before the export:", "",
+             "| model | perplexity | × teacher |", "|---|---:|---:|",
+             f"| teacher (the base model) | {ev['teacher_ppl']:.2f} | 1 |"]
+    if "layerwise_student_ppl" in ev:
+        lines.append(f"| student after the layerwise stage | {ev['layerwise_student_ppl']:.2f} | "
+                     f"{ev['layerwise_vs_teacher']:.3f} |")
+    lines.append(f"| **this student** | **{ev['student_ppl']:.2f}** | **{ev['student_vs_teacher']:.3f}** |")
+    if "performer_ppl" in ev:
+        lines.append(f"| untrained Performer, {ev['performer_dim']} features | {ev['performer_ppl']:.2f} | "
+                     f"{ev['performer_vs_teacher']:.3f} |")
+    if "kl" in ev:
+        lines += ["", f"KL(teacher ‖ student) {ev['kl']:.4f} per token; top-1 agreement with the teacher "
+                      f"{ev['top1_agreement']:.3f}."]
+    return lines
+
+
+def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str) -> str:
+    """README.md of an export: base model, recipe, evaluation, how to load it."""
+    base = spec.base_model
+    hub_id = "/" in base and not base.startswith((".", "/", "~")) and not Path(base).exists()
+    front = ["---", "library_name: transformers", "tags: [dofattn, linear-attention]"]
+    front += [f"base_model: {base}"] if hub_id else []
+    front += ["---", ""]
+    if run is not None:
+        r = run.recipe
+        log = run.log or {}
+        steps = (log.get("end_to_end") or {}).get("steps")
+        recipe = [f"Recipe `{r.name}`: {r.description}" if r.description else f"Recipe `{r.name}`.",
+                  f"Trained on `{r.run.data}` (seed {r.run.seed}, {r.run.dtype})"
+                  + (f", {steps} end-to-end steps" if steps is not None else "") + ". The full recipe is "
+                  f"`recipe.toml`: `dofattn distill --recipe recipe.toml` runs it again."]
+    else:
+        recipe = ["Exported from a student folder; its training recipe is not recorded here."]
+    lines = front + [
+        f"# {name}", "",
+        f"A linear-attention student of `{base}`, made with dofattn {__version__}: its "
+        "attention layers keep a state of fixed size instead of a KV cache that grows with the context.", "",
+        "## Base model", "", f"`{base}` ({spec.base.get('model_type', '?')}, {len(spec.dims)} layers). Its weights "
+        "are all here; the base model is not needed to load this one.", "",
+        "## Student", "", *_architecture(spec, lora), "", *recipe, "",
+        "## Evaluation", "", *_evaluation(run), "",
+        "## Weights", "", f"The base model's weights in {dtype}; the student's own tensors (feature maps, window "
+        "gains, LoRA adapters) in float32, as it trains and runs them.", "",
+        "## Load it", "", "With dofattn installed (`pip install dofattn`" + (", and peft" if lora == "adapters" else "")
+        + "):", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)',
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)',
+        'ids = tokenizer("The history of mathematics", return_tensors="pt").input_ids',
+        "print(tokenizer.decode(model.generate(ids, max_new_tokens=40)[0]))", "```", "",
+        "`generate` keeps one fixed-size state per linear layer (`dofattn.attention.LinearStateLayer` slots in the "
+        "cache). From the command line:", "", "```bash", f"dofattn generate --model {name}",
+        f"dofattn eval --model {name}", "```", ""]
+    return "\n".join(lines)
+
