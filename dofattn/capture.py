@@ -56,7 +56,8 @@ class _StopForward(Exception):
     """Raised after the last requested layer so that the rest of the model is not computed."""
 
 
-def _base_attention(name: str, module: torch.nn.Module) -> Callable:
+def base_attention(name: str, module: torch.nn.Module) -> Callable:
+    """The attention function of HF implementation `name` for `module`."""
     if name in ALL_ATTENTION_FUNCTIONS:
         return ALL_ATTENTION_FUNCTIONS[name]
     # "eager" is not registered: each modeling file has its own eager_attention_forward.
@@ -82,7 +83,7 @@ def capture(model: PreTrainedModel, sink: Callable[[AttentionInputs], None],
                                  float(kwargs["scaling"])))
             if layer == last:
                 raise _StopForward
-        return _base_attention(base, module)(module, query, key, value, attention_mask, **kwargs)
+        return base_attention(base, module)(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])

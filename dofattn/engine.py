@@ -38,7 +38,7 @@ from transformers import DynamicCache
 
 from dofattn.attention import RingWindowLayer, StaticKVLayer, StaticStateLayer
 from dofattn.errors import UserError
-from dofattn.hf import cache_kwargs
+from dofattn.hf import cache_kwargs, local_layers
 
 WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
 
@@ -98,6 +98,10 @@ class StaticDecoder:
         if all(window is None for window in self.windows.values()):
             raise UserError("static decoding is for linearized students, but every layer of this model is softmax "
                             "attention; use HF generate (model.generate(), or drop --static)")
+        local = [i for i in local_layers(model.config) if self.windows[i] is None]
+        if local:   # their HF slots keep the last W keys only; static slots for them are not written yet
+            raise UserError(f"static decoding does not yet run a model's own sliding-window layers ({local}); use "
+                            f"HF generate (model.generate(), or drop --static)")
         self.model = model
         self.device = next(model.parameters()).device
         if compile and graph:

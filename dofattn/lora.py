@@ -11,7 +11,11 @@ model, so parameter names keep their place (`...self_attn.q_proj.lora_A.default.
 them with the feature maps. The targets of every layer, by family:
 
                             attention                                   mlp (targets="all" only)
-    llama, mistral, qwen2   self_attn.{q,k,v,o}_proj                    mlp.{gate,up,down}_proj
+    llama, mistral, qwen2,  self_attn.{q,k,v,o}_proj                    mlp.{gate,up,down}_proj
+    qwen3, gemma2,
+    gemma3_text, olmo2
+    phi3                    self_attn.qkv_proj (q, k and v in one)      mlp.gate_up_proj and mlp.down_proj
+                            and self_attn.o_proj
     gpt2                    attn.c_attn (q, k and v in one matrix)      mlp.c_fc and mlp.c_proj
                             and attn.c_proj
     gpt_neox                attention.query_key_value and               mlp.dense_h_to_4h and mlp.dense_4h_to_h
@@ -31,17 +35,17 @@ from torch import nn
 
 from dofattn.errors import UserError
 
+_QKVO = r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+_GATED_MLP = r".*\.mlp\.(gate_proj|up_proj|down_proj)"
 TARGETS = {
-    "llama": r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
-    "mistral": r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
-    "qwen2": r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2"), _QKVO),
+    "phi3": r".*\.self_attn\.(qkv_proj|o_proj)",
     "gpt2": r".*\.attn\.(c_attn|c_proj)",
     "gpt_neox": r".*\.attention\.(query_key_value|dense)",
 }
 MLP_TARGETS = {
-    "llama": r".*\.mlp\.(gate_proj|up_proj|down_proj)",
-    "mistral": r".*\.mlp\.(gate_proj|up_proj|down_proj)",
-    "qwen2": r".*\.mlp\.(gate_proj|up_proj|down_proj)",
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2"), _GATED_MLP),
+    "phi3": r".*\.mlp\.(gate_up_proj|down_proj)",
     "gpt2": r".*\.mlp\.(c_fc|c_proj)",
     "gpt_neox": r".*\.mlp\.(dense_h_to_4h|dense_4h_to_h)",
 }

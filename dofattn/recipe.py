@@ -25,6 +25,7 @@ FORMAT = 1          # of recipe files: a file with another `format` is refused
 LOSSES = ("softmax", "l2")
 DTYPES = ("float32", "bfloat16")
 KEEP_BY = ("dof", "copy")
+LOCAL = ("keep", "linearize")
 
 
 def _key(default, help: str, choices: tuple | None = None):
@@ -58,6 +59,8 @@ class Student:
                                        "matrices) or copy (the teacher's heads that copy most from far back, which "
                                        "recall beyond the window needs; their KV cache grows with the context)",
                                 KEEP_BY)
+    local_layers: str = _key("keep", "the model's own sliding-window layers (Gemma 2/3, Mistral): keep (exact, as "
+                                     "they are bounded already) or linearize (like the rest)", LOCAL)
     lora_rank: int = _key(0, "LoRA adapters of this rank, trained in the end-to-end phase (0: none)")
     lora_targets: str = _key("attention", "what LoRA adapts: attention (q, k, v, o) or all (the MLP too)",
                              LORA_TARGETS)

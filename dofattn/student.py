@@ -53,6 +53,22 @@ def head_layout(model: nn.Module) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
+def global_layers(model: nn.Module) -> list[int]:
+    """The layers linearized by default: all but the model's own local ones (`hf.local_layers`: sliding-window
+    attention, bounded in memory already, stays exact). A UserError if every layer is local."""
+    from dofattn.hf import local_layers
+
+    count = len(attention_modules(model))
+    local = set(local_layers(model.config))
+    layers = [i for i in range(count) if i not in local]
+    if not layers:
+        window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
+        raise UserError(f"every attention layer of this {model.config.model_type} model is sliding-window attention "
+                        f"over {window} tokens, bounded in memory already: nothing to linearize by default; set "
+                        f"student.local_layers = \"linearize\" to replace them anyway")
+    return layers
+
+
 def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "") -> list[int]:
     """Feature dims per layer from `fix`, `fix:C`, a dof.json path, or a list."""
     num_layers = len(attention_modules(model))
@@ -97,8 +113,9 @@ def fingerprint(model: nn.Module) -> dict:
 def linearize(model: nn.Module, dims: list[int], feature: str = "prf", *, layers: list[int] | None = None,
               seed: int = 0, window: int = 0, head_dims: list[list[int]] | None = None,
               decay: bool = False, sink: int = 0, gate: bool = False, conv: int = 0, delta: bool = False) -> nn.Module:
-    """Replace softmax attention by linear attention in `layers` (all by default), in place; returns `model`.
+    """Replace softmax attention by linear attention in `layers`, in place; returns `model`.
 
+    `layers` None: every layer but the model's own sliding-window ones (`global_layers`).
     `dims[i]` is the feature dimension of layer i (entries of layers not linearized are ignored). `window` > 0
     keeps exact softmax attention over the last `window` tokens beside the linear part (`ops.window`).
     `head_dims[i][h]` (prf/performer) gives head h of layer i its own number of features, at most `dims[i]`.
@@ -110,7 +127,7 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", *, layers
     if feature not in FEATURES:
         raise UserError(f"unknown feature map {feature!r}; use one of {', '.join(FEATURES)}")
     modules = attention_modules(model)
-    layers = list(range(len(modules))) if layers is None else sorted(layers)
+    layers = global_layers(model) if layers is None else sorted(layers)
     if any(i < 0 or i >= len(modules) for i in layers):
         raise UserError(f"layers {layers} out of range for a model with {len(modules)} layers")
     heads, kv_heads, head_dim = head_layout(model)

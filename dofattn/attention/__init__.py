@@ -21,11 +21,12 @@ Modules, by mechanism:
 
 from dofattn.attention.cache import (LinearStateLayer, RingWindowLayer, StaticKVLayer, StaticStateLayer, keep_buffer,
                                      state_layer)
-from dofattn.attention.install import CACHE_ARGUMENTS, IMPLEMENTATION, attention_forward, install
+from dofattn.attention.install import CACHE_ARGUMENTS, IMPLEMENTATION, IMPLEMENTATIONS, attention_forward, install
 from dofattn.attention.layer import LinearAttention
 from dofattn.attention.linear import (CONV_NAMES, DECAY_START, DELTA_NAMES, DELTA_START, GATE_FLOOR,
                                       check_decay_padding, check_left_padding)
 
 __all__ = ["LinearAttention", "LinearStateLayer", "StaticStateLayer", "RingWindowLayer", "StaticKVLayer", "state_layer",
-           "keep_buffer", "install", "attention_forward", "IMPLEMENTATION", "CACHE_ARGUMENTS", "CONV_NAMES",
-           "DELTA_NAMES", "DECAY_START", "DELTA_START", "GATE_FLOOR", "check_decay_padding", "check_left_padding"]
+           "keep_buffer", "install", "attention_forward", "IMPLEMENTATION", "IMPLEMENTATIONS", "CACHE_ARGUMENTS",
+           "CONV_NAMES", "DELTA_NAMES", "DECAY_START", "DELTA_START", "GATE_FLOOR", "check_decay_padding",
+           "check_left_padding"]

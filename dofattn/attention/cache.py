@@ -9,7 +9,7 @@ static decoding (`engine.StaticDecoder`). `state_layer` puts a `LinearStateLayer
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from dofattn.errors import UserError
 
@@ -214,7 +214,8 @@ def cache_bytes(cache: Cache | None) -> int:
 
 
 def state_layer(cache: Cache, layer_idx: int) -> LinearStateLayer:
-    """The `LinearStateLayer` in `cache`'s slot `layer_idx`, put there if the slot is a fresh dynamic layer."""
+    """The `LinearStateLayer` in `cache`'s slot `layer_idx`, put there if the slot is a fresh dynamic layer (a
+    sliding-window one too: HF makes those for a model's own local layers, some of which may be linearized)."""
     cache = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache
     if not isinstance(cache, Cache):
         raise UserError(f"linearized layers need a transformers Cache, got {type(cache).__name__}")
@@ -223,7 +224,7 @@ def state_layer(cache: Cache, layer_idx: int) -> LinearStateLayer:
     slot = cache.layers[layer_idx]
     if isinstance(slot, LinearStateLayer):
         return slot
-    if type(slot) is not DynamicLayer or slot.get_seq_length() > 0:
+    if type(slot) not in (DynamicLayer, DynamicSlidingWindowLayer) or slot.get_seq_length() > 0:
         raise UserError(f"layer {layer_idx} is linear attention and cannot continue a {type(slot).__name__} cache "
                         f"with {slot.get_seq_length()} tokens; let generate() create the cache (DynamicCache)")
     cache.layers[layer_idx] = LinearStateLayer()

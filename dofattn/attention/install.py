@@ -1,9 +1,10 @@
 """Plugging `LinearAttention` into Hugging Face models: the "dofattn" attention implementation and cache binding.
 
 The model's attention implementation is set to "dofattn", an `AttentionInterface` function that runs a module's
-`LinearAttention` (its child `dofattn`) where it has one and SDPA otherwise. A forward pre-hook on each linearized
-module finds the HF `Cache` it is called with and binds the layer's `LinearStateLayer` slot (`cache.state_layer`)
-for the duration of the call.
+`LinearAttention` (its child `dofattn`) where it has one and SDPA otherwise; or, for a family whose softmax logits
+are soft-capped (Gemma 2), to "dofattn_eager", the same with the family's eager attention and its additive masks.
+A forward pre-hook on each linearized module finds the HF `Cache` it is called with and binds the layer's
+`LinearStateLayer` slot (`cache.state_layer`) for the duration of the call.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from dofattn.attention.cache import state_layer
 from dofattn.attention.layer import LinearAttention
+from dofattn.capture import base_attention
 from dofattn.errors import UserError
+from dofattn.hf import softmax_implementation
 
-IMPLEMENTATION = "dofattn"
+IMPLEMENTATION = "dofattn"               # softmax layers on SDPA
+EAGER_IMPLEMENTATION = "dofattn_eager"   # softmax layers on the family's eager attention
+IMPLEMENTATIONS = (IMPLEMENTATION, EAGER_IMPLEMENTATION)
 
 # What an HF attention module's forward calls its cache: `cache` from transformers 5.24 on, `past_key_values` before,
 # `layer_past` in older GPT-NeoX code.
@@ -28,7 +33,7 @@ CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
 def _bind_cache(module: nn.Module, args, kwargs) -> None:
     linear = getattr(module, "dofattn", None)       # None: the linear part taken off, softmax again
     config = getattr(module, "config", None)        # in `teacher_mode` (SDPA) the slot stays a KV cache
-    if linear is not None and getattr(config, "_attn_implementation", IMPLEMENTATION) == IMPLEMENTATION:
+    if linear is not None and getattr(config, "_attn_implementation", IMPLEMENTATION) in IMPLEMENTATIONS:
         cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
         linear.cache_layer = None if cache is None else state_layer(cache, module.layer_idx)
 
@@ -40,22 +45,37 @@ def _unbind_cache(module: nn.Module, args, kwargs, output) -> None:
 
 
 def _key_padding(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """[B, T] True where a key is a real token, from the 4D mask the mask interface built (None: no padding)."""
+    """[B, T] True where a key is a real token, from the 4D mask the mask interface built (None: no padding): the
+    diagonal of its last T columns, since each real token sees itself (under a sliding-window mask too) and padding
+    is seen by none."""
     if attention_mask is None:
         return None
-    last_row = attention_mask[:, 0, -1, -length:]          # the last query sees every real key before it
-    return last_row if last_row.dtype == torch.bool else last_row == 0
+    own = attention_mask[:, 0, -length:, -length:].diagonal(dim1=-2, dim2=-1)     # [B, T]
+    return own if own.dtype == torch.bool else own == 0
+
+
+def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, eager: bool, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A softmax layer's attention: SDPA, or the family's eager attention. In static decoding a kept layer attends
+    over the slots written so far (its `dofattn_static_kv`), in place of HF's mask."""
+    static = getattr(module, "dofattn_static_kv", None)
+    if static is not None:
+        attention_mask = static.slot_mask()
+        if eager:                       # eager attention adds its mask to the logits
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+    if eager:
+        return base_attention("eager", module)(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+                      attention_mask: torch.Tensor | None, eager: bool = False,
+                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """AttentionInterface function: q [B, H, T, D], k/v [B, Hkv, T, D] -> ([B, T, H, D], None)."""
     linear = getattr(module, "dofattn", None)
     if linear is None:
-        static = getattr(module, "dofattn_static_kv", None)
-        if static is not None:    # a kept softmax layer in static decoding: the slots written so far
-            attention_mask = static.slot_mask()
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return _softmax(module, query, key, value, attention_mask, eager, **kwargs)
     if key.shape[2] != query.shape[2]:
         raise UserError(f"layer {module.layer_idx} is linear attention but received {key.shape[2]} keys for "
                         f"{query.shape[2]} queries: a KV cache of past tokens; use the default DynamicCache")
@@ -64,11 +84,18 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return linear(q, k, v, key_valid, cache=linear.cache_layer), None
 
 
+def eager_attention_forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return attention_forward(*args, eager=True, **kwargs)
+
+
 def install(model: nn.Module) -> None:
     """Route `model`'s attention through dofattn and hook the linearized modules' cache handling."""
     AttentionInterface.register(IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
-    model.set_attn_implementation(IMPLEMENTATION)
+    AttentionInterface.register(EAGER_IMPLEMENTATION, eager_attention_forward)
+    AttentionMaskInterface.register(EAGER_IMPLEMENTATION, eager_mask)
+    eager = softmax_implementation(model.config) == "eager"
+    model.set_attn_implementation(EAGER_IMPLEMENTATION if eager else IMPLEMENTATION)
     for module in model.modules():
         if isinstance(getattr(module, "dofattn", None), LinearAttention) and not getattr(module, "_dofattn_hooked",
                                                                                           False):

@@ -3,8 +3,9 @@
 - dims: `dof` and `clip` estimate each layer's DoF on the training split (the paper's allocation: dims in proportion,
   mean = head size; clip caps them at the head size) and keep it as `dof.json` in the run folder; `fix`, `fix:C` or a
   dof.json path give them directly.
-- softmax layers: the K layers whose attention matrices have the largest DoF (`dof.attention_dofs`): sharp,
-  position-bound attention counts high, a sink low. Kept as `attention_dof.json`. Or (keep_softmax_by = copy) the
+- softmax layers (among those that may be linearized: not a model's own sliding-window layers, unless
+  student.local_layers = linearize): the K layers whose attention matrices have the largest DoF
+  (`dof.attention_dofs`): sharp, position-bound attention counts high, a sink low. Kept as `attention_dof.json`. Or (keep_softmax_by = copy) the
   K layers whose best head copies most from far back (`recall.copy_scores`), kept as `copy_scores.json`.
 Both are computed once, on rank 0, so a resumed run keeps the same dims and layers.
 """
@@ -55,10 +56,10 @@ def dims(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
     return resolve_dims(DofResult.from_json(_once(out / "dof.json", estimate)).dims, model, model_name)
 
 
-def softmax_layers(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
-    """The `student.keep_softmax` layers with the highest score of `student.keep_softmax_by` (ties: the earlier
-    layer): the mean DoF of their attention matrices (`attention_dof.json`), or their best head's copy score
-    (`copy_scores.json`)."""
+def softmax_layers(recipe: Recipe, model, tokenizer, out: Path, candidates: list[int]) -> list[int]:
+    """The `student.keep_softmax` layers of `candidates` (those that may be linearized) with the highest score of
+    `student.keep_softmax_by` (ties: the earlier layer): the mean DoF of their attention matrices
+    (`attention_dof.json`), or their best head's copy score (`copy_scores.json`)."""
     from dofattn.data import token_blocks
 
     K = recipe.student.keep_softmax
@@ -84,5 +85,5 @@ def softmax_layers(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
         score = json.loads(_once(out / "copy_scores.json", estimate_copy))["layers"]
     else:
         score = json.loads(_once(out / "attention_dof.json", estimate_dof))["layers"]
-    order = sorted(range(len(score)), key=lambda i: (-score[i], i))
+    order = sorted(candidates, key=lambda i: (-score[i], i))
     return sorted(order[:K])

@@ -25,8 +25,8 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
     which the student is saved and evaluated as it is (the same call later goes on)."""
     from dofattn.data import check_source, token_blocks
     from dofattn.hf import load_model, parse_dtype
-    from dofattn.student import (attention_modules, build, fingerprint, head_layout, is_student_tensor,
-                                 load_student_tensors, resolve_dims, save_student)
+    from dofattn.student import (attention_modules, build, fingerprint, global_layers, head_layout,
+                                 is_student_tensor, load_student_tensors, resolve_dims, save_student)
 
     r, out = recipe, Path(out)
     check_source(r.run.data)
@@ -44,9 +44,11 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
     num_layers = len(attention_modules(model))
     if r.student.dims not in ("dof", "clip"):      # a bad fix:C or another model's dof.json leaves no run folder
         resolve_dims(r.student.dims, model, r.run.model)
-    if r.student.keep_softmax >= num_layers:
+    # the layers that may be linearized: all, or (local_layers = keep) all but the model's sliding-window ones
+    candidates = global_layers(model) if r.student.local_layers == "keep" else list(range(num_layers))
+    if r.student.keep_softmax >= len(candidates):
         raise UserError(f"student.keep_softmax = {r.student.keep_softmax} leaves no layer to linearize: the model "
-                        f"has {num_layers} layers")
+                        f"has {len(candidates)} layers that may be linearized")
     # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
     lw, e2e = r.layerwise, r.end_to_end
     train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed)
@@ -76,10 +78,11 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
         print(f"{out}: {why} from step {done_steps} to {e2e.steps}", flush=True)
 
     dims = choose.dims(r, model, tokenizer, out)
-    kept = choose.softmax_layers(r, model, tokenizer, out)
+    chosen = choose.softmax_layers(r, model, tokenizer, out, candidates)
+    kept = [i for i in range(num_layers) if i not in candidates or i in chosen]
     s = r.student
     spec = StudentSpec(base_model=r.run.model, feature=s.feature, dims=dims,
-                       layers=[i for i in range(num_layers) if i not in kept], seed=r.run.seed,
+                       layers=[i for i in candidates if i not in chosen], seed=r.run.seed,
                        base=fingerprint(model), window=s.window, sink=s.sink, decay=s.decay, conv=s.conv,
                        delta=s.delta, lora_rank=s.lora_rank, lora_alpha=float(s.lora_rank),
                        lora_targets=s.lora_targets)
