@@ -73,12 +73,14 @@ class DofArgs:
 class GenerateArgs:
     """Generate text with a linearized student (or any supported model) and its constant-size state.
 
-    --model takes a student folder written by `dofattn distill` (or `dofattn.student.save_student`), or a base model
-    (alias, hub id, folder, .gguf). With a base model, --dims linearizes it on the fly with untrained features
-    (useful to check plumbing and speed, not quality); without --dims the base model generates as it is.
+    --model takes a student folder written by `dofattn distill` (or `dofattn.student.save_student`), a folder
+    written by `dofattn export`, or a base model (alias, hub id, folder, .gguf). With a base model, --dims
+    linearizes it on the fly with untrained features (useful to check plumbing and speed, not quality); without
+    --dims the base model generates as it is.
     """
 
-    model: str = _opt("smollm2-135m", "student folder, or a base model: alias, hub id, folder or .gguf file")
+    model: str = _opt("smollm2-135m", "student folder, dofattn export, or a base model: alias, hub id, folder or "
+                                      ".gguf file")
     prompt: str = _opt("The history of mathematics", "text to continue")
     max_new_tokens: int = _opt(40, "number of tokens to generate")
     dims: str | None = _opt(None, "linearize a base model first: fix, fix:C or a dof.json file")
@@ -97,6 +99,7 @@ def run_generate(args: GenerateArgs) -> int:
     """The `generate` verb."""
     import torch
 
+    from dofattn.export import is_export, load_export
     from dofattn.hf import load_model, parse_dtype
     from dofattn.student import is_student, linearize, load_student, resolve_dims
 
@@ -109,10 +112,11 @@ def run_generate(args: GenerateArgs) -> int:
     if args.compile and not args.static:
         raise UserError("--compile compiles the static decoder's step; add --static")
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
-    if is_student(args.model):
+    if is_student(args.model) or is_export(args.model):
         if args.dims:
             raise UserError(f"{args.model} is already a student; drop --dims")
-        model, tokenizer, config = load_student(args.model, dtype=dtype, device=device, merge_lora=True)
+        load = load_export if is_export(args.model) else load_student
+        model, tokenizer, config = load(args.model, dtype=dtype, device=device, merge_lora=True)
         what = f"student of {config.base_model} ({config.feature}, dims {min(config.dims)}-{max(config.dims)})"
     else:
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
@@ -277,7 +281,8 @@ class EvalArgs:
     teacher answers (the teacher's half of the time).
     """
 
-    model: str = _opt("runs/distill", "student folder (from dofattn distill), or any supported model")
+    model: str = _opt("runs/distill", "student folder (from dofattn distill), dofattn export, or any supported "
+                                      "model")
     teacher: str | None = _opt(None, "another model to compare against (same tokenizer); default: the base model")
     data: str = _opt("wiki-sample", DATA_HELP)
     split: str | None = _opt(None, "train, validation or all (default: validation where --data has wiki-sample "
@@ -315,6 +320,7 @@ def run_eval(args: EvalArgs) -> int:
 
     from dofattn.data import WIKI_SAMPLE, check_source, sources, token_blocks
     from dofattn.evaluate import compare, layer_errors
+    from dofattn.export import is_export, load_export, lora_merged
     from dofattn.hf import load_model, parse_dtype
     from dofattn.student import is_student, load_student
 
@@ -340,13 +346,18 @@ def run_eval(args: EvalArgs) -> int:
     held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(args.data))
     split = args.split or ("validation" if held_out else "all")
     device, dtype = _resolve_device(args.device), parse_dtype(args.dtype)
-    if is_student(args.model):
+    teacher_name = args.teacher
+    if is_export(args.model):
+        model, tokenizer, spec = load_export(args.model, dtype=dtype, device=device)
+        if lora_merged(args.model) and not teacher_name:   # its own base weights carry the merged adapters
+            teacher_name = spec.base_model
+    elif is_student(args.model):
         model, tokenizer, _ = load_student(args.model, dtype=dtype, device=device)
     else:
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     lengths = _recall_lengths(args.lengths, model.config) if recall_tasks else []
-    teacher = load_model(args.teacher, dtype=dtype, device=device)[0] if args.teacher else None
-    result = {"model": args.model, "teacher": args.teacher or "base model", "data": args.data, "split": split}
+    teacher = load_model(teacher_name, dtype=dtype, device=device)[0] if teacher_name else None
+    result = {"model": args.model, "teacher": teacher_name or "base model", "data": args.data, "split": split}
     errors = {}
     if args.num_blocks:
         blocks = token_blocks(args.data, tokenizer, args.seq_len, args.num_blocks, split=split, seed=0)
@@ -737,10 +748,43 @@ def run_sample(args: SampleArgs) -> int:
     return 0
 
 
+@dataclass
+class ExportArgs:
+    """Write a student as a Hugging Face model folder that transformers loads where dofattn is installed.
+
+    AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True) gives the student. OUT gets config.json (the
+    base config and the student's spec), modeling_dofattn.py, model.safetensors (every weight; the student's own
+    tensors in float32), the tokenizer, a generation config and a model card with the run's evaluation numbers.
+    `dofattn eval` and `dofattn generate` take OUT as --model.
+
+        dofattn export --model runs/distill --out exports/student
+        dofattn export --model runs/long --out exports/long --merge-lora --dtype bfloat16
+    """
+
+    model: str = _opt("runs/distill", "a dofattn distill run folder, or a student folder")
+    out: str | None = _opt(None, "the folder to write: new, empty, or a previous export (replaced)")
+    merge_lora: bool = _opt(False, "fold LoRA adapters into the projection weights (no peft needed to load; the "
+                                   "base model is then no longer inside); without it they are kept as peft layers")
+    dtype: str = _opt("float32", "dtype of the base model's weights: float32, bfloat16 or float16")
+
+
+def run_export(args: ExportArgs) -> int:
+    """The `export` verb."""
+    from dofattn.export import export
+
+    if not args.out:
+        raise UserError("give --out DIR, the folder to write the export to")
+    out = export(args.model, args.out, merge_lora=args.merge_lora, dtype=args.dtype)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    print(f"wrote {out} ({size / 2 ** 20:.1f} MiB); load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, "
+          f"trust_remote_code=True) or dofattn generate --model {out}")
+    return 0
+
+
 VERBS = {"dof": (DofArgs, run_dof), "distill": (DistillArgs, run_distill), "recipes": (RecipesArgs, run_recipes),
          "eval": (EvalArgs, run_eval),
          "generate": (GenerateArgs, run_generate), "bench": (BenchArgs, run_bench),
-         "sample": (SampleArgs, run_sample)}
+         "sample": (SampleArgs, run_sample), "export": (ExportArgs, run_export)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,8 +50,8 @@ CARD_FILE = "README.md"
 # Parameter-name parts of the tensors kept in float32 on a 16-bit base (transformers' keep-in-fp32 globs).
 FLOAT32_MODULES = ["dofattn", "lora_"]
 
-MODELING_TEMPLATE = '''"""A dofattn student of {base_model}: {model_class} with linear attention, written by `dofattn export`
-(dofattn {version}).
+MODELING_TEMPLATE = '''"""A dofattn student of {base_model}: {model_class} with linear attention, written by
+`dofattn export` (dofattn {version}).
 
     model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)     # needs `pip install dofattn`
 

@@ -1,0 +1,276 @@
+"""dofattn export: a student written as a Hugging Face model folder, loaded back by transformers in a fresh process
+(the student's logits and greedy tokens, a linear state in the cache), and read by `dofattn eval` and `generate`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dofattn.cli import main
+from dofattn.errors import UserError
+from dofattn.export import is_export, load_export
+from dofattn.spec import StudentSpec
+from dofattn.student import build, fingerprint, load_student, save_student
+from tests.conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+IDS = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(0))      # longer than the windows
+PROMPT = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+NEW_TOKENS = 8
+
+# What the fresh process does with each export: only transformers' own API (and dofattn, which the folder imports).
+RELOAD = r"""
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+cases, out = json.loads(sys.argv[1]), sys.argv[2]
+results = {}
+for name, folder in cases.items():
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    ids, prompt = torch.load(folder + "/../" + name + ".inputs.pt").values()
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits.float()
+        gen = model.generate(prompt, max_new_tokens=%d, do_sample=False, return_dict_in_generate=True)
+    results[name] = {"logits": logits, "tokens": gen.sequences, "attn": model.config._attn_implementation,
+                     "slots": [type(layer).__name__ for layer in gen.past_key_values.layers],
+                     "dtypes": {n: str(t.dtype) for n, t in model.state_dict().items()}}
+torch.save(results, out)
+""" % NEW_TOKENS
+
+
+def reload_in_fresh_process(exports: dict[str, Path], tmp: Path) -> dict:
+    """{case: what `from_pretrained(trust_remote_code=True)` gives} for every export, in one new Python process."""
+    for name, folder in exports.items():
+        torch.save({"ids": IDS, "prompt": PROMPT}, folder.parent / f"{name}.inputs.pt")
+    out = tmp / "reloaded.pt"
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp / "hf-modules"), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", RELOAD, json.dumps({k: str(v) for k, v in exports.items()}),
+                           str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+def reference(model) -> dict:
+    """The student's own logits on IDS and greedy tokens after PROMPT, in this process."""
+    with torch.no_grad():
+        return {"logits": model(IDS, use_cache=False).logits.float(),
+                "tokens": model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)}
+
+
+def make_student(family: str, folder: Path, base: Path, **arch):
+    """A student of the tiny `family` model whose own tensors differ from a fresh build, saved in `folder`."""
+    model = tiny_model(family)
+    spec = StudentSpec(base_model=str(base), feature=arch.pop("feature", "prf"), dims=[5, 12, 7],
+                       layers=arch.pop("layers", [0, 1, 2]), seed=4, base=fingerprint(model), **arch)
+    build(model, spec)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".dofattn." in name or "lora_B" in name:
+                p.add_(0.05 * torch.randn_like(p))
+        model(IDS[:1, :8], use_cache=False)                   # calibrates the key shifts
+    save_student(model, folder, spec)
+    return model
+
+
+def distill(model_dir: Path, corpus: Path, out: Path) -> Path:
+    """A tiny Llama distilled with a window and sink, LoRA rank 2, 3 end-to-end steps: a run folder with log.json."""
+    sets = ("layerwise.seq_len=32", "layerwise.blocks=4", "layerwise.batch_size=2", "layerwise.steps=2",
+            "end_to_end.batch_size=2", "end_to_end.seq_len=32", "end_to_end.steps=3", "end_to_end.lr=0.01",
+            "eval.blocks=2", "eval.seq_len=32", "student.dims=fix:8", "student.window=8", "student.sink=2",
+            "student.lora_rank=2")
+    argv = ["distill", "--model", str(model_dir), "--data", str(corpus), "--out", str(out), "--device", "cpu"]
+    assert main(argv + [x for key in sets for x in ("--set", key)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, model_dirs, corpus):
+    """{case: (export folder, the student's reference, the fresh process's result)} and the run folder."""
+    tmp = tmp_path_factory.mktemp("export")
+    students, refs = {}, {}
+    for name, family, arch in [("llama-linear", "llama", {}),
+                               ("gpt2-window-sink", "gpt2", {"window": 8, "sink": 2}),
+                               ("gpt_neox-window-sink-softmax", "gpt_neox", {"window": 8, "sink": 2,
+                                                                             "layers": [0, 2]}),
+                               ("llama-hedgehog-decay-conv", "llama", {"feature": "hedgehog", "decay": "head",
+                                                                      "conv": 2})]:
+        students[name] = tmp / f"student-{name}"
+        refs[name] = reference(make_student(family, students[name], model_dirs[family], **arch))
+    run = distill(model_dirs["llama"], corpus, tmp / "run")
+    refs["run-lora"] = refs["run-lora-merged"] = reference(load_student(run)[0])
+    refs["run-lora-bfloat16"] = reference(load_student(run, dtype=torch.bfloat16)[0])
+    exports = {name: tmp / "out" / name for name in refs}
+    for name, folder in students.items():
+        assert main(["export", "--model", str(folder), "--out", str(exports[name])]) == 0
+    assert main(["export", "--model", str(run), "--out", str(exports["run-lora"])]) == 0
+    assert main(["export", "--model", str(run), "--out", str(exports["run-lora-merged"]), "--merge-lora"]) == 0
+    assert main(["export", "--model", str(run), "--out", str(exports["run-lora-bfloat16"]), "--dtype",
+                 "bfloat16"]) == 0
+    reloaded = reload_in_fresh_process(exports, tmp)
+    return {name: (exports[name], refs[name], reloaded[name]) for name in refs}, run
+
+
+CASES = ["llama-linear", "gpt2-window-sink", "gpt_neox-window-sink-softmax", "llama-hedgehog-decay-conv", "run-lora",
+         "run-lora-merged", "run-lora-bfloat16"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_fresh_process_loads_the_student(exported, case):
+    folder, ref, got = exported[0][case]
+    torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-5, rtol=0)
+    assert torch.equal(got["tokens"], ref["tokens"])
+    assert got["attn"] == "dofattn"
+    softmax = [1] if "softmax" in case else []                  # a kept softmax layer keeps its KV cache
+    assert got["slots"] == ["DynamicLayer" if i in softmax else "LinearStateLayer" for i in range(3)]
+    assert sorted(p.name for p in folder.parent.iterdir() if ".partial" in p.name or ".old" in p.name) == []
+
+
+def test_lora_adapters_survive_or_are_merged(exported):
+    cases, _ = exported
+    kept, merged = cases["run-lora"][2]["dtypes"], cases["run-lora-merged"][2]["dtypes"]
+    assert sum(".lora_B." in n for n in kept) == 3 * 4 and not any(".lora_" in n for n in merged)
+    configs = {case: json.loads((cases[case][0] / "config.json").read_text()) for case in ("run-lora", "run-lora-merged")}
+    assert configs["run-lora"]["dofattn"]["lora_rank"] == 2 and configs["run-lora-merged"]["dofattn"]["lora_rank"] == 0
+    assert [configs[c]["dofattn_export"]["lora"] for c in configs] == ["adapters", "merged"]
+
+
+def test_16_bit_export_keeps_the_students_tensors_in_float32(exported):
+    folder, _, got = exported[0]["run-lora-bfloat16"]
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        stored = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    for dtypes in (stored, got["dtypes"]):
+        student = {n: d for n, d in dtypes.items() if ".dofattn." in n or ".lora_" in n}
+        base = {n: d for n, d in dtypes.items() if n not in student and "inv_freq" not in n}
+        assert student and set(map(str, student.values())) <= {"F32", "torch.float32", "BOOL", "torch.bool"}
+        assert set(map(str, base.values())) == ({"BF16"} if dtypes is stored else {"torch.bfloat16"})
+
+
+def test_the_card_states_base_recipe_and_evaluation(exported):
+    cases, run = exported
+    folder = cases["run-lora"][0]
+    card, log = (folder / "README.md").read_text(), json.loads((run / "log.json").read_text())
+    ev = log["evaluation"]
+    assert f"`{json.loads((folder / 'config.json').read_text())['dofattn']['base_model']}`" in card
+    assert "Recipe `default`" in card and (folder / "recipe.toml").read_text() == (run / "recipe.toml").read_text()
+    assert f"**{ev['student_ppl']:.2f}** | **{ev['student_vs_teacher']:.3f}**" in card
+    assert f"{ev['teacher_ppl']:.2f}" in card and "trust_remote_code=True" in card
+    bare = (cases["llama-linear"][0] / "README.md").read_text()
+    assert "No evaluation numbers" in bare and "Recipe `" not in bare
+
+
+def test_without_trust_remote_code_transformers_refuses_it(exported):
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoConfig.from_pretrained(exported[0]["llama-linear"][0], trust_remote_code=False)
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dofattn: error: ") and "\n" not in err, err
+    return err
+
+
+def test_export_refuses_a_bad_model_in_one_line(tmp_path, capsys, exported):
+    out = tmp_path / "out"
+    assert main(["export", "--model", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert "is not a folder" in one_line_error(capsys)
+    assert main(["export", "--model", str(exported[0]["llama-linear"][0]), "--out", str(out)]) == 2
+    assert "is a dofattn export already" in one_line_error(capsys)
+    assert main(["export", "--model", str(tmp_path)]) == 2
+    assert "--out" in one_line_error(capsys)
+    assert not out.exists()
+
+
+def test_export_refuses_a_folder_that_is_not_an_export(tmp_path, capsys, exported):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    student = exported[0]["llama-linear"][0].parent.parent / "student-llama-linear"
+    assert main(["export", "--model", str(student), "--out", str(out)]) == 2
+    assert "not empty and holds no dofattn export" in one_line_error(capsys)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]              # no staging left behind
+
+
+def test_export_replaces_a_previous_export(tmp_path, exported):
+    cases, _ = exported
+    out = tmp_path / "again"
+    student = cases["llama-linear"][0].parent.parent / "student-gpt2-window-sink"
+    assert main(["export", "--model", str(cases["llama-linear"][0].parent.parent / "student-llama-linear"),
+                 "--out", str(out)]) == 0
+    assert main(["export", "--model", str(student), "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["dofattn_export"]["base_model_type"] == "gpt2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
+
+
+def test_a_damaged_export_is_refused_in_one_line(tmp_path, capsys, exported):
+    import shutil
+
+    out = tmp_path / "damaged"
+    shutil.copytree(exported[0]["llama-linear"][0], out)
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    with pytest.raises(UserError, match="model.safetensors is damaged"):
+        load_export(out)
+    assert main(["generate", "--model", str(out), "--device", "cpu"]) == 2
+    assert "model.safetensors is damaged" in one_line_error(capsys)
+
+
+def test_generate_takes_an_export(exported, capsys):
+    cases, run = exported
+    argv = ["generate", "--prompt", "The quick brown fox", "--max-new-tokens", "6", "--device", "cpu"]
+    texts = []
+    for model in (run, cases["run-lora"][0], cases["run-lora-merged"][0]):
+        assert is_export(model) == (model != run)
+        assert main(argv + ["--model", str(model)]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] == texts[2]
+
+
+def test_eval_takes_an_export_and_finds_its_teacher(exported, text_file, tmp_path, capsys):
+    cases, run = exported
+    results = {}
+    for name, model in (("run", run), ("kept", cases["run-lora"][0]), ("merged", cases["run-lora-merged"][0])):
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", "--model", str(model), "--data", str(text_file), "--num-blocks", "2", "--seq-len", "32",
+                     "--layer-blocks", "0", "--device", "cpu", "--out", str(out)]) == 0
+        results[name] = json.loads(out.read_text())
+    capsys.readouterr()
+    for name in ("kept", "merged"):           # the merged export's teacher is its base model, loaded beside it
+        assert results[name]["ppl"] == pytest.approx(results["run"]["ppl"], rel=1e-5)
+        assert results[name]["teacher_ppl"] == pytest.approx(results["run"]["teacher_ppl"], rel=1e-5)
+    assert results["merged"]["teacher"] != "base model"
+
+
+# --- the built-in model ----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_builtin_model_exports_and_reloads(tmp_path):
+    from dofattn.hf import load_model
+    from dofattn.student import resolve_dims
+
+    model, tokenizer = load_model("smollm2-135m")
+    spec = StudentSpec(base_model="smollm2-135m", feature="prf", dims=resolve_dims("fix:16", model),
+                       layers=range(30), base=fingerprint(model), window=8, sink=4)
+    build(model, spec)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".dofattn." in name:
+                p.add_(0.01 * torch.randn_like(p))
+        model(IDS[:1], use_cache=False)
+    save_student(model, tmp_path / "student", spec)
+    ref = reference(model)
+    assert main(["export", "--model", str(tmp_path / "student"), "--out", str(tmp_path / "out" / "smollm2")]) == 0
+    got = reload_in_fresh_process({"smollm2": tmp_path / "out" / "smollm2"}, tmp_path)["smollm2"]
+    torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-5, rtol=0)
+    assert torch.equal(got["tokens"], ref["tokens"]) and set(got["slots"]) == {"LinearStateLayer"}
