@@ -9,7 +9,7 @@
     run.py          the job: `run(recipe, out, device)`
 
 `dofattn distill` is `run.run`; `torchrun --nproc_per_node N -m dofattn distill ...` splits the layerwise stage's layers
-over the processes and averages the end-to-end phase's gradients. A run killed at any point and started again with
-the same command ends with the same weights: layer l trains from a generator seeded by (seed, l), end-to-end step i
-on blocks drawn from (seed, i).
+over the processes and shards the end-to-end phase's model over them (FSDP2). A run killed at any point and started
+again with the same command ends with the same weights: layer l trains from a generator seeded by (seed, l),
+end-to-end step i on blocks drawn from (seed, i).
 """

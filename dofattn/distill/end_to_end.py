@@ -1,9 +1,16 @@
 """The end-to-end phase: the whole student against the frozen teacher, on text, resumable from checkpoints.
 
 The loss is the student's next-token cross-entropy on the text plus `kd_weight` × KL(teacher ‖ student) on the logits
-(`loss`); only student tensors train (feature maps, window gains, decays, filters, LoRA adapters). Step i trains on
-blocks drawn from (seed, i) alone (`draw`), so a resumed, continued or longer run draws what one run made at once
-would. With several processes each takes its share of a step's blocks and the gradients are averaged.
+(`loss`): the body runs once for each model, the LM head on `loss_chunk` positions at a time (each chunk recomputed in
+the backward pass), so neither model's full logits are ever kept. `activation_checkpointing` replays each decoder
+layer in the backward pass too (`layers_checkpointed`). Only student tensors train (feature maps, window gains,
+decays, filters, LoRA adapters). Step i trains on blocks drawn from (seed, i) alone (`draw`), so a resumed,
+continued or longer run draws what one run made at once would.
+
+With several processes (torchrun) each takes its share of a step's blocks, and the model is sharded over them with
+FSDP2 (`shard`): each decoder layer's weights, the teacher's frozen ones included, the student's tensors and their
+Adam state; gradients are averaged in float32. Checkpoints gather the student whole and rank 0 writes them, in the
+same files one process writes; after the phase rank 0 builds the student whole from the last one (run.py).
 """
 
 from __future__ import annotations
@@ -16,13 +23,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dofattn.attention import CONV_NAMES
-from dofattn.distill.world import all_mean, barrier, rank0_decides, world
+from dofattn.distill.world import all_max, barrier, rank0_decides, world
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
 from dofattn.io import read_safetensors, write_json
@@ -137,16 +147,30 @@ def draw(seed: int, step: int, num_blocks: int, count: int) -> torch.Tensor:
 
 # --- checkpoints ----------------------------------------------------------------------------------------------------
 
-def save_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path, step: int) -> None:
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """`t` entire: an FSDP shard gathered from every process (all must call), else `t` itself."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous()
+
+
+def like(value: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`value` (entire) as `t` holds it: this process's shard of it if `t` is an FSDP shard, on `t`'s device."""
+    value = value.to(device=t.device, dtype=t.dtype)
+    return distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None) if isinstance(t, DTensor) \
+        else value
+
+
+def save_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path | None, step: int) -> None:
+    """Adam's state by parameter name, gathered whole; written by the process given a `path`."""
     tensors = {}
     for name, p in zip(names, [p for g in optimizer.param_groups for p in g["params"]]):
         state = optimizer.state.get(p, {})
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
-                tensors[f"{name}::{key}"] = state[key].contiguous()
+                tensors[f"{name}::{key}"] = whole(state[key])
         if "step" in state:
             tensors[f"{name}::step"] = torch.as_tensor(state["step"]).reshape(1).float()
-    save_file(tensors, str(path), metadata={"step": str(step)})
+    if path is not None:
+        save_file(tensors, str(path), metadata={"step": str(step)})
 
 
 def load_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path) -> None:
@@ -154,20 +178,26 @@ def load_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path) ->
     for name, p in zip(names, [p for g in optimizer.param_groups for p in g["params"]]):
         if f"{name}::exp_avg" in tensors:
             optimizer.state[p] = {"step": tensors[f"{name}::step"].reshape(()),
-                                  "exp_avg": tensors[f"{name}::exp_avg"].to(p.device),
-                                  "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].to(p.device)}
+                                  "exp_avg": like(tensors[f"{name}::exp_avg"], p),
+                                  "exp_avg_sq": like(tensors[f"{name}::exp_avg_sq"], p)}
 
 
 def save_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: list, optimizer, names,
                     curve: list[dict]) -> None:
-    """A complete checkpoint in its own folder, then `state.json` pointing at it (atomic), then old folders go."""
-    folder = f"step_{step:06d}"
-    (ckpt / folder).mkdir(parents=True, exist_ok=True)
-    save_file({n: t.detach().contiguous() for n, t in tensors}, str(ckpt / folder / "features.safetensors"))
-    save_optimizer(optimizer, names, ckpt / folder / "optimizer.safetensors", step)
-    write_json(ckpt / "state.json", {"step": step, "folder": folder, "losses": losses, "curve": curve})
+    """A complete checkpoint in its own folder, then `state.json` pointing at it (atomic), then old folders go.
+    Every process calls it (FSDP shards are gathered); rank 0 writes."""
+    folder = ckpt / f"step_{step:06d}"
+    write = world()[0] == 0
+    if write:
+        folder.mkdir(parents=True, exist_ok=True)
+    features = {n: whole(t) for n, t in tensors}
+    save_optimizer(optimizer, names, folder / "optimizer.safetensors" if write else None, step)
+    if not write:
+        return
+    save_file(features, str(folder / "features.safetensors"))
+    write_json(ckpt / "state.json", {"step": step, "folder": folder.name, "losses": losses, "curve": curve})
     for old in ckpt.glob("step_*"):
-        if old.name != folder:
+        if old.name != folder.name:
             for f in old.iterdir():
                 f.unlink()
             old.rmdir()
@@ -185,9 +215,48 @@ def load_checkpoint(ckpt: Path, tensors: list, optimizer, names) -> tuple[int, l
                         f"folder's own recipe.toml")
     with torch.no_grad():
         for n, t in tensors:
-            t.copy_(state[n])
+            t.copy_(like(state[n], t))
     load_optimizer(optimizer, names, ckpt / meta["folder"] / "optimizer.safetensors")
     return meta["step"], meta["losses"], meta.get("curve", [])
+
+
+def load_trained(model, out: Path) -> None:
+    """The student tensors of the last checkpoint in `out/end_to_end` into `model` (whole, in one process)."""
+    meta = json.loads((out / "end_to_end" / "state.json").read_text())
+    state, _ = read_safetensors(out / "end_to_end" / meta["folder"] / "features.safetensors")
+    named = dict(model.named_parameters()) | dict(model.named_buffers())
+    with torch.no_grad():
+        for n, value in state.items():
+            named[n].copy_(value)
+
+
+# --- processes: FSDP ------------------------------------------------------------------------------------------------
+
+class Root(torch.nn.Module):
+    """FSDP's root unit: the model as its child, and a forward that calls a function of the model, so that the
+    weights outside the decoder layers (embeddings, final norm, LM head) are gathered for the call and its backward
+    pass (the loss runs the body and the head apart, and the teacher through the same modules)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn, *args, **kwargs):
+        return fn(self.model, *args, **kwargs)
+
+
+def shard(model, device: torch.device) -> Root:
+    """`model` sharded over the processes in place with FSDP2: each decoder layer a unit, the rest the root's.
+    Each weight computes in its own dtype (a bfloat16 base model in bfloat16, the student's float32 tensors in
+    float32, as in one process); gradients are averaged in float32. The teacher is the same modules: its frozen
+    weights are sharded with them."""
+    mesh = init_device_mesh(device.type, (world()[1],))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    root = Root(model)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+    return root
 
 
 # --- the phase ------------------------------------------------------------------------------------------------------
@@ -203,18 +272,23 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
     plain SGD, whose step shows a wrong gradient average that Adam's scale invariance would hide).
     """
     rank, size = world()
-    named = trainable(model)
-    if not named:
+    if not trainable(model):
         return {"steps": 0, "note": "no trainable student tensors"}
+    device = trainable(model)[0][1].device
+    root = shard(model, device) if size > 1 else None
+
+    def call(fn, *args, **kwargs):               # through FSDP's root where the model is sharded
+        return root(fn, *args, **kwargs) if root is not None else fn(model, *args, **kwargs)
+
+    named = trainable(model)
     steps, batch_size = config.steps, config.batch_size
     names, groups = param_groups(named, config.lr, config.conv_lr)
-    params = [p for group in groups for p in group["params"]]
     persistent = model.state_dict().keys()             # PRF key shifts move in training too; masks are fixed
     tensors = named + [(n, b) for n, b in model.named_buffers() if ".dofattn." in n and n in persistent]
+    shifts = [b for n, b in tensors if n.endswith("key_shift")]
     optimizer = optimizer_class(groups)
     ckpt = out / "end_to_end"
     start_step, losses, curve = load_checkpoint(ckpt, tensors, optimizer, names)
-    device = params[0].device
     linears = [m.dofattn for m in attention_modules(model) if hasattr(m, "dofattn")]
     for linear in linears:            # the base model stays in eval mode: no dropout, a deterministic teacher
         linear.train()
@@ -227,19 +301,19 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
         stack.enter_context(layers_checkpointed(model))
     for step in bar:
         idx = draw(seed, step, len(blocks), batch_size * size)[rank::size]
-        value = loss(model, blocks[idx].to(device), config.kd_weight, config.loss_chunk)
+        value = call(loss, blocks[idx].to(device), config.kd_weight, config.loss_chunk)
         for group in optimizer.param_groups:
             group["lr"] = cooldown_lr(group["base_lr"], step, steps, config.cooldown_steps)
         optimizer.zero_grad(set_to_none=True)
         value.backward()
-        all_mean([p.grad for p in params])
         optimizer.step()
+        all_max(shifts)                   # each process raised its key shifts on its own blocks
         losses.append(round(value.item(), 5))
         bar.set_postfix(loss=f"{value.item():.4f}")
-        if rank == 0 and config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == steps):
+        if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == steps):
             for linear in linears:    # eval mode: validation text must not move the PRF key shifts
                 linear.eval()
-            ppl = perplexity(model, eval_blocks, progress=False)
+            ppl = call(perplexity, eval_blocks, progress=False)   # every process: FSDP gathers the weights
             for linear in linears:
                 linear.train()
             curve.append({"step": step + 1, "tokens": (step + 1) * batch_size * size * blocks.shape[1],
@@ -247,7 +321,7 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
             bar.set_postfix(loss=f"{value.item():.4f}", ppl=f"{ppl:.1f}")
         out_of_time = rank0_decides(bool(time_limit) and time.perf_counter() - started > time_limit
                                     and step + 1 < steps, device)
-        if rank == 0 and ((step + 1) % config.checkpoint_every == 0 or step + 1 == steps or out_of_time):
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == steps or out_of_time:
             save_checkpoint(ckpt, step + 1, losses, tensors, optimizer, names, curve)
         if out_of_time:
             done = step + 1

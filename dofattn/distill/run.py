@@ -115,6 +115,12 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
         timer = time.perf_counter()
         log.end_to_end = end_to_end.train(model, e2e_train, out, e2e, r.run.seed, valid, time_limit=60 * time_limit,
                                           progress=rank == 0)
+        if world()[1] > 1 and log.end_to_end["steps"]:   # FSDP left the weights sharded: rank 0 builds them whole
+            del model
+            if rank == 0:
+                model, _ = load_model(r.run.model, dtype=parse_dtype(r.run.dtype), device=device)
+                build(model, spec)
+                end_to_end.load_trained(model, out)
         log.seconds["end_to_end"] = round(time.perf_counter() - timer + (finished["seconds"].get("end_to_end", 0)
                                                                           if finished else 0), 1)
     if rank == 0:

@@ -25,17 +25,16 @@ def join(device: str) -> str:
         backend = "nccl" if torch.cuda.is_available() and device != "cpu" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(hours=4))
     if device.startswith("cuda") and world()[1] > 1:
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)     # FSDP's device mesh takes each process's current device
     return device
 
 
-def all_mean(tensors: list[torch.Tensor]) -> None:
-    """Each tensor, in place, the mean of its values over the processes."""
-    size = world()[1]
-    if size > 1:
+def all_max(tensors: list[torch.Tensor]) -> None:
+    """Each tensor, in place, its largest value over the processes, element by element."""
+    if world()[1] > 1:
         for t in tensors:
-            dist.all_reduce(t)
-            t /= size
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
 
 
 def rank0_decides(flag: bool, device) -> bool:
