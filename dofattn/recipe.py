@@ -286,7 +286,7 @@ def validate(recipe: Recipe) -> None:
     at_least = {"layerwise.batch_size": 1, "layerwise.seq_len": 2, "layerwise.blocks": 1, "end_to_end.batch_size": 1,
                 "end_to_end.seq_len": 2, "end_to_end.checkpoint_every": 1, "eval.blocks": 1, "eval.seq_len": 2,
                 "layerwise.steps": 0, "end_to_end.steps": 0, "end_to_end.cooldown_steps": 0,
-                "end_to_end.eval_every": 0, "student.conv": 0}
+                "end_to_end.eval_every": 0, "end_to_end.loss_chunk": 0, "student.conv": 0}
     keys = recipe.keys()
     for key, low in at_least.items():
         if keys[key] < low:

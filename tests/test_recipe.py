@@ -61,6 +61,8 @@ def test_set_values_take_their_keys_type(item, key, value):
     (["run.dtype=float16"], "run.dtype = 'float16'; use one of float32, bfloat16"),
     (["layerwise.loss=output"], "layerwise.loss = 'output'; use one of softmax, l2"),
     (["eval.blocks=0"], "eval.blocks = 0: give >= 1"),
+    (["end_to_end.loss_chunk=-1"], "end_to_end.loss_chunk = -1: give >= 0"),
+    (["end_to_end.activation_checkpointing=2"], "end_to_end.activation_checkpointing = 2 is not true or false"),
 ])
 def test_bad_sets_are_one_line_errors(sets, message):
     with pytest.raises(UserError) as error:
