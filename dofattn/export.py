@@ -318,6 +318,7 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
         save_file(weights(model, torch_dtype), str(stage / WEIGHTS_FILE),
                   metadata={"format": "pt", "dofattn_version": __version__})
         write_json(stage / "config.json", export_config(model, spec, dtype_name, lora, str(model_path)), indent=2)
+        os.chmod(stage / WEIGHTS_FILE, (stage / "config.json").stat().st_mode & 0o777)   # not the writer's 0600
         write_atomic(stage / MODELING_FILE, modeling_file(model, spec.base_model))
         model.generation_config.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
@@ -382,6 +383,35 @@ def _architecture(spec: StudentSpec, lora: str) -> list[str]:
     return lines
 
 
+def _base_origin(base: str) -> str:
+    """Where a built-in base model comes from, for the card ("" for any other)."""
+    from dofattn.hf import BUILTIN
+
+    if base not in BUILTIN:
+        return ""
+    builtin = BUILTIN[base]
+    return f"dofattn's built-in model: {Path(builtin.member).name} from the {builtin.wheel.name} wheel, "
+
+
+def _recipe(run) -> list[str]:
+    """How the student was trained: the recipe, what the run changed in it, the training text."""
+    from dofattn import recipe as recipes
+
+    if run is None:
+        return ["Exported from a student folder; its training recipe is not recorded here."]
+    r, log = run.recipe, run.log or {}
+    changed = []
+    if r.name in recipes.packaged():           # the keys the run set otherwise (--set), beside its [run] table
+        packaged = recipes.load(r.name).keys()
+        changed = [f"`{k} = {v}`" for k, v in r.keys().items() if not k.startswith("run.") and packaged[k] != v]
+    steps = (log.get("end_to_end") or {}).get("steps")
+    what = f"Recipe `{r.name}`" + (f" ({r.description})" if r.description else "")
+    what += f" with {', '.join(changed)}." if changed else "."
+    return [what, f"Trained on `{r.run.data}` (seed {r.run.seed}, {r.run.dtype})"
+            + (f", {steps} end-to-end steps" if steps is not None else "") + ". The full recipe is `recipe.toml`: "
+            "`dofattn distill --recipe recipe.toml` runs it again."]
+
+
 def _evaluation(run) -> list[str]:
     """The run's validation numbers (log.json), one card line each."""
     log = run.log if run is not None else None
@@ -415,23 +445,13 @@ def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str) -> str:
     front = ["---", "library_name: transformers", "tags: [dofattn, linear-attention]"]
     front += [f"base_model: {base}"] if hub_id else []
     front += ["---", ""]
-    if run is not None:
-        r = run.recipe
-        log = run.log or {}
-        steps = (log.get("end_to_end") or {}).get("steps")
-        recipe = [f"Recipe `{r.name}`: {r.description}" if r.description else f"Recipe `{r.name}`.",
-                  f"Trained on `{r.run.data}` (seed {r.run.seed}, {r.run.dtype})"
-                  + (f", {steps} end-to-end steps" if steps is not None else "") + ". The full recipe is "
-                  f"`recipe.toml`: `dofattn distill --recipe recipe.toml` runs it again."]
-    else:
-        recipe = ["Exported from a student folder; its training recipe is not recorded here."]
     lines = front + [
         f"# {name}", "",
         f"A linear-attention student of `{base}`, made with dofattn {__version__}: its "
         "attention layers keep a state of fixed size instead of a KV cache that grows with the context.", "",
-        "## Base model", "", f"`{base}` ({spec.base.get('model_type', '?')}, {len(spec.dims)} layers). Its weights "
-        "are all here; the base model is not needed to load this one.", "",
-        "## Student", "", *_architecture(spec, lora), "", *recipe, "",
+        "## Base model", "", f"`{base}` ({_base_origin(base)}{spec.base.get('model_type', '?')}, {len(spec.dims)} "
+        "layers). Its weights are all here; the base model is not needed to load this one.", "",
+        "## Student", "", *_architecture(spec, lora), "", *_recipe(run), "",
         "## Evaluation", "", *_evaluation(run), "",
         "## Weights", "", f"The base model's weights in {dtype}; the student's own tensors (feature maps, window "
         "gains, LoRA adapters) in float32, as it trains and runs them.", "",

@@ -135,8 +135,10 @@ def test_a_fresh_process_loads_the_student(exported, case):
 def test_lora_adapters_survive_or_are_merged(exported):
     cases, _ = exported
     kept, merged = cases["run-lora"][2]["dtypes"], cases["run-lora-merged"][2]["dtypes"]
-    assert sum(".lora_B." in n for n in kept) == 3 * 4 and not any(".lora_" in n for n in merged)
-    configs = {case: json.loads((cases[case][0] / "config.json").read_text()) for case in ("run-lora", "run-lora-merged")}
+    assert sum(".lora_B." in n for n in kept) == 3 * 4
+    assert not any(".lora_" in n or ".base_layer." in n for n in merged)      # the base architecture's names again
+    configs = {case: json.loads((cases[case][0] / "config.json").read_text())
+               for case in ("run-lora", "run-lora-merged")}
     assert configs["run-lora"]["dofattn"]["lora_rank"] == 2 and configs["run-lora-merged"]["dofattn"]["lora_rank"] == 0
     assert [configs[c]["dofattn_export"]["lora"] for c in configs] == ["adapters", "merged"]
 
@@ -159,6 +161,7 @@ def test_the_card_states_base_recipe_and_evaluation(exported):
     ev = log["evaluation"]
     assert f"`{json.loads((folder / 'config.json').read_text())['dofattn']['base_model']}`" in card
     assert "Recipe `default`" in card and (folder / "recipe.toml").read_text() == (run / "recipe.toml").read_text()
+    assert "`student.window = 8`" in card and "`end_to_end.steps = 3`" in card        # what the run changed
     assert f"**{ev['student_ppl']:.2f}** | **{ev['student_vs_teacher']:.3f}**" in card
     assert f"{ev['teacher_ppl']:.2f}" in card and "trust_remote_code=True" in card
     bare = (cases["llama-linear"][0] / "README.md").read_text()
