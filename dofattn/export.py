@@ -141,11 +141,14 @@ def is_export(folder: str | Path) -> bool:
 def student_classes(config: dict) -> tuple[type, type]:
     """(DofattnConfig, DofattnForCausalLM) for an export's config.json: the same classes its modeling file defines,
     made here, so that dofattn loads an export without running code from the folder."""
-    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
+    import transformers
 
-    base_config = CONFIG_MAPPING[config["dofattn_export"]["base_model_type"]]
-    base_model = MODEL_FOR_CAUSAL_LM_MAPPING[base_config]
-    config_cls = type("DofattnConfig", (base_config,), {"model_type": MODEL_TYPE, "__module__": __name__})
+    name = config["dofattn_export"]["base_architecture"]
+    base_model = getattr(transformers, name, None)
+    if base_model is None:
+        raise UserError(f"this transformers ({transformers.__version__}) has no {name}, the export's base class: "
+                        f"install the transformers it was exported with")
+    config_cls = type("DofattnConfig", (base_model.config_class,), {"model_type": MODEL_TYPE, "__module__": __name__})
 
     def __init__(self, config):
         base_model.__init__(self, config)
@@ -173,8 +176,9 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
     config = read_config(folder)
     if config is None:
         raise UserError(f"{folder} is not a dofattn export: its config.json has no dofattn student spec")
-    if config.get("dofattn_export", {}).get("base_model_type") is None:
-        raise UserError(f"{folder}/config.json has no dofattn_export.base_model_type: export the student again")
+    if not {"base_model_type", "base_architecture"} <= set(config.get("dofattn_export", {})):
+        raise UserError(f"{folder}/config.json lacks dofattn_export's base_model_type and base_architecture: export "
+                        f"the student again")
     spec = export_spec(config["dofattn"])
     if spec.lora_rank:
         from dofattn.lora import require_peft
@@ -230,10 +234,9 @@ def _unwrap_lora(model: nn.Module) -> None:
     """Put each merged LoRA layer's base projection back in its place: the model no longer needs peft."""
     from dofattn.lora import lora_layers
 
-    for layer in lora_layers(model):
-        assert layer.merged, "fold the adapters (merge_lora) before unwrapping"
-    names = [name for name, module in model.named_modules() if module in set(lora_layers(model))]
-    for name in names:
+    layers = set(lora_layers(model))
+    assert all(layer.merged for layer in layers), "fold the adapters (merge_lora) before unwrapping"
+    for name in [name for name, module in model.named_modules() if module in layers]:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, getattr(parent, child).get_base_layer())
