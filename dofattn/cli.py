@@ -152,16 +152,16 @@ def run_generate(args: GenerateArgs) -> int:
 class DistillArgs:
     """Distil a linear-attention student from its softmax teacher, as a recipe says.
 
-    A recipe (a TOML file) holds everything the run does: the student's architecture, the layerwise stage, the
-    end-to-end phase, the evaluation. Pick one by name, change any of its keys with --set, or pass a run folder's
-    recipe.toml to make that run again. `dofattn recipes --keys` explains every key. The run folder (--out) ends up a
-    loadable student (`dofattn generate --model OUT`) with log.json and recipe.toml; the same command resumes an
-    interrupted run, or goes on when end_to_end.steps grew. It ends with the validation perplexity of the teacher,
-    the student and an untrained Performer of the same feature budget.
+    A recipe (a TOML file) holds everything the run does: the student, the layerwise stage, the end-to-end phase,
+    the evaluation. Pick one by name, change any key with --set (`dofattn recipes --keys` explains them), or pass a
+    run folder's recipe.toml to make that run again. The run folder (--out) ends up a loadable student with log.json
+    and recipe.toml; the same command resumes an interrupted run, or goes on when end_to_end.steps grew. It ends with
+    the perplexity of the teacher, the student and an untrained Performer of the same feature budget.
 
         dofattn distill                                          # the default recipe
         dofattn distill --recipe paper --set student.dims=fix --out runs/paper-fix
         dofattn distill --recipe runs/paper-fix/recipe.toml --seed 1 --out runs/paper-fix-s1
+        dofattn distill --model Qwen/Qwen2.5-1.5B --dry-run --world-size 8   # the plan, memory per GPU: no run
     """
 
     recipe: str | None = _opt(None, "a recipe name (below) or a .toml file; default: default, or with "
@@ -170,15 +170,19 @@ class DistillArgs:
                                  action="append", metavar="KEY=VALUE")
     model: str | None = _opt(None, "the teacher (run.model): built-in alias smollm2-135m, hub id, folder or .gguf")
     data: str | None = _opt(None, "training text (run.data): " + DATA_HELP)
-    eval_data: str | None = _opt(None, "the text scored, its validation split (run.eval_data); default: --data")
+    eval_data: str | None = _opt(None, "the text scored, its validation split (run.eval_data); default: --data",
+                                 metavar="TEXT")
     seed: int | None = _opt(None, "seed of the features, the data order and the DoF sample (run.seed)")
     dtype: str | None = _opt(None, "the frozen model's dtype (run.dtype): float32 or bfloat16")
     out: str = _opt("runs/distill", "run folder: created, or resumed when it holds a run of the same recipe")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
     time_limit: float = _opt(0.0, "minutes of end-to-end training, then save and evaluate; the same command goes "
-                                  "on later (0: no limit)")
+                                  "on later (0: no limit)", metavar="MIN")
     continue_from: str | None = _opt(None, "go on from a copy of this run folder's student with more end-to-end "
-                                           "steps or other text (--out is the new folder)")
+                                           "steps or other text (--out is the new folder)", metavar="RUN")
+    dry_run: bool = _opt(False, "print the plan from the model's config only, and stop")
+    world_size: int | None = _opt(None, "processes the plan is for (default: WORLD_SIZE or 1)", metavar="N")
+    json: bool = _opt(False, "with --dry-run: the plan as JSON")
 
 
 RUN_FLAGS = ("model", "data", "eval_data", "seed", "dtype")    # flags that set the recipe's [run] keys
@@ -198,6 +202,10 @@ def run_distill(args: DistillArgs) -> int:
                             f"recipe.toml")
     overrides = {f"run.{k}": getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None}
     recipe = recipes.load(name, args.set or [], overrides)
+    if args.dry_run:
+        return _dry_run(recipe, args)
+    if args.world_size is not None or args.json:
+        raise UserError("--world-size and --json go with --dry-run (a run's processes are torchrun's)")
     if recipe.student.lora_rank:                  # before hours of layerwise training, not after
         from dofattn.lora import require_peft
         require_peft()
@@ -207,6 +215,25 @@ def run_distill(args: DistillArgs) -> int:
     if log.get("evaluation"):
         print(format_evaluation(recipe, log))
         print(f"student saved in {args.out} (dofattn generate --model {args.out})")
+    return 0
+
+
+def _dry_run(recipe, args: DistillArgs) -> int:
+    """`distill --dry-run`: the plan (`distill.plan`), from the model's config alone; nothing is written."""
+    import os
+
+    from dofattn.distill.plan import make_plan
+
+    world = args.world_size
+    if world is None:
+        text = os.environ.get("WORLD_SIZE", "1")
+        if not text.isdigit():
+            raise UserError(f"WORLD_SIZE={text!r} is not a number of processes; unset it or give --world-size N")
+        world = int(text)
+    if world < 1:
+        raise UserError(f"--world-size {world}: give >= 1 processes")
+    plan = make_plan(recipe, world)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     return 0
 
 
