@@ -48,9 +48,9 @@ model_dir, out, batch_size = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 join("cpu")
 
 
-def student(feature, lora=False):
+def student(feature, lora=False, dtype=torch.float32):
     torch.manual_seed(0)
-    model, _ = load_model(model_dir)
+    model, _ = load_model(model_dir, dtype=dtype)
     linearize(model, [8, 8, 8], feature, seed=0, window=4, sink=1)
     if lora:
         add_lora(model, 2, seed=0)
@@ -69,8 +69,12 @@ config = EndToEnd(steps=2, batch_size=batch_size, seq_len=24, lr=0.5, checkpoint
                   activation_checkpointing=True)
 train(model, blocks, out / "sgd", config, seed=0, eval_blocks=blocks[:1], progress=False,
       optimizer_class=partial(torch.optim.SGD, lr=0.5))
+# the same on a bfloat16 base model (its student tensors are float32)
+train(student("hedgehog", dtype=torch.bfloat16), blocks, out / "sgd16", config, seed=0, eval_blocks=blocks[:1],
+      progress=False, optimizer_class=partial(torch.optim.SGD, lr=0.5))
 # 2. Adam on PRF features (their key shifts move) and LoRA: stopped after a step, then resumed in a new model
-config = EndToEnd(steps=5, batch_size=batch_size, seq_len=24, lr=0.01, checkpoint_every=2, loss_chunk=7)
+config = EndToEnd(steps=5, batch_size=batch_size, seq_len=24, lr=0.01, checkpoint_every=2, loss_chunk=7,
+                  eval_every=2)
 train(student("prf", lora=True), blocks, out / "whole", config, seed=0, eval_blocks=blocks[:1], progress=False)
 stopped = train(student("prf", lora=True), blocks, out / "resumed", config, seed=0, eval_blocks=blocks[:1],
                 progress=False, time_limit=1e-9)
@@ -85,7 +89,8 @@ def checkpoint_files(folder: Path, step: int) -> list[dict[str, torch.Tensor]]:
 
 
 def test_two_processes_take_the_step_one_process_takes_on_the_combined_batch(model_dirs, tmp_path):
-    """Also: FSDP with each layer checkpointed and the loss in chunks; a two-process run stopped after a step
+    """Also: FSDP with each layer checkpointed and the loss in chunks, on a float32 and on a bfloat16 base
+    model (the student's float32 tensors train in float32); a two-process run stopped after a step
     (checkpointed) and resumed in new models ends with the weights and Adam state of the run never stopped."""
     script = tmp_path / "step.py"
     script.write_text(SCRIPT)
@@ -106,13 +111,25 @@ def test_two_processes_take_the_step_one_process_takes_on_the_combined_batch(mod
         step = (a[name] - start[name]).abs().max().item()
         differ = (b[name] - a[name]).abs().max().item()
         assert step > 0 and differ <= 1e-6 * step, (name, step, differ)   # float rounding, not a share
+    (a16, _), (b16, _) = (checkpoint_files(f / "sgd16", 2) for f in (one, two))
+    assert sorted(a16) == sorted(a) and all(t.dtype == torch.float32 for t in b16.values())
+    for name in a16:    # bfloat16 rounds each block's forward in its own batch; a wrong share is off by 2x
+        step = (a16[name] - start[name]).abs().max().item()
+        assert step > 0 and (b16[name] - a16[name]).abs().max().item() <= 1e-3 * step, name
     losses = [json.loads((f / "sgd" / "end_to_end" / "state.json").read_text())["losses"] for f in (one, two)]
     assert len(losses[0]) == len(losses[1]) == 2
+    curves = []
     for folder in (one, two):
         whole, resumed = (checkpoint_files(folder / run, 5) for run in ("whole", "resumed"))
         assert any(".lora_" in n for n in whole[0]) and any(n.endswith("key_shift") for n in whole[0])
         for x, y in zip(whole, resumed):
             assert sorted(x) == sorted(y) and all(torch.equal(x[n], y[n]) for n in x), folder.name
+        curve, again = (json.loads((folder / run / "end_to_end" / "state.json").read_text())["curve"]
+                        for run in ("whole", "resumed"))
+        assert [c["step"] for c in curve] == [2, 4, 5] and curve == again, folder.name
+        curves.append(curve)
+    for a_point, b_point in zip(*curves):     # validation under FSDP: every process runs it, the weights gathered
+        assert a_point["tokens"] == b_point["tokens"] and abs(a_point["ppl"] / b_point["ppl"] - 1) < 1e-4
 
 
 # --- the loss: chunked over positions, against the whole block's logits ------------------------------------------
