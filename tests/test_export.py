@@ -277,3 +277,28 @@ def test_the_builtin_model_exports_and_reloads(tmp_path):
     got = reload_in_fresh_process({"smollm2": tmp_path / "out" / "smollm2"}, tmp_path)["smollm2"]
     torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-5, rtol=0)
     assert torch.equal(got["tokens"], ref["tokens"]) and set(got["slots"]) == {"LinearStateLayer"}
+
+
+@pytest.mark.slow
+def test_every_family_exports_to_the_same_logits(tmp_path, tokenizer):
+    """All ten families (tests/test_families.py's tiny models, window + sink students, a model's own sliding-window
+    layers kept exact), loaded back by `load_export`: the same classes as the folder's modeling file. 20-30 s."""
+    from dataclasses import replace
+
+    from tests.test_families import FAMILIES, ids, make_student as family_student, tiny
+
+    for family in FAMILIES:
+        model, spec = family_student(family)
+        base = tmp_path / family / "base"
+        tiny(family).save_pretrained(base)
+        tokenizer.save_pretrained(base)
+        save_student(model, tmp_path / family / "student", replace(spec, base_model=str(base)))
+        assert main(["export", "--model", str(tmp_path / family / "student"), "--out", str(tmp_path / family / "out")
+                     ]) == 0
+        loaded, _, _ = load_export(tmp_path / family / "out")
+        x = ids(2, 11, seed=2)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=x).logits, model(input_ids=x).logits, atol=1e-5, rtol=0,
+                                       msg=lambda m: f"{family}: {m}")
+            assert torch.equal(loaded.generate(x[:1], max_new_tokens=6, do_sample=False),
+                               model.generate(x[:1], max_new_tokens=6, do_sample=False)), family
