@@ -184,9 +184,15 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
         from dofattn.lora import require_peft
         require_peft()
     check_safetensors(folder / WEIGHTS_FILE)          # a missing or damaged file: one line, not a traceback
-    _, model_cls = student_classes(config)
-    model = model_cls.from_pretrained(folder, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, config=model.config)   # not the folder's code, nor a prompt
+    config_cls, model_cls = student_classes(config)
+    hf_config = config_cls.from_pretrained(folder)
+    try:                                            # config=: not the folder's code, nor a prompt for it
+        tokenizer = AutoTokenizer.from_pretrained(folder, config=hf_config)
+    except (OSError, ValueError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"{folder} has no usable tokenizer ({first}); copy the export again, or export again") \
+            from None
+    model = model_cls.from_pretrained(folder, config=hf_config, dtype=dtype).to(device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if merge_lora and spec.lora_rank:

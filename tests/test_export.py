@@ -227,6 +227,11 @@ def test_a_damaged_export_is_refused_in_one_line(tmp_path, capsys, exported):
         load_export(out)
     assert main(["generate", "--model", str(out), "--device", "cpu"]) == 2
     assert "model.safetensors is damaged" in one_line_error(capsys)
+    shutil.copy2(exported[0]["llama-linear"][0] / "model.safetensors", weights)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).unlink()
+    assert main(["generate", "--model", str(out), "--device", "cpu"]) == 2
+    assert "has no usable tokenizer" in one_line_error(capsys)
 
 
 def test_generate_takes_an_export(exported, capsys):
