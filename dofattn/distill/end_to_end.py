@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dofattn.attention import CONV_NAMES
-from dofattn.distill.world import all_max, barrier, rank0_decides, world
+from dofattn.distill.world import all_max, all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
 from dofattn.evaluate import perplexity, teacher_mode
 from dofattn.io import read_safetensors, write_json
@@ -309,6 +309,8 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
         value.backward()
         optimizer.step()
         all_max(shifts)                   # each process raised its key shifts on its own blocks
+        value = value.detach()
+        all_mean([value])                 # the step's loss over all its blocks, not rank 0's share
         losses.append(round(value.item(), 5))
         bar.set_postfix(loss=f"{value.item():.4f}")
         if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == steps):

@@ -30,6 +30,15 @@ def join(device: str) -> str:
     return device
 
 
+def all_mean(tensors: list[torch.Tensor]) -> None:
+    """Each tensor, in place, the mean of its values over the processes."""
+    size = world()[1]
+    if size > 1:
+        for t in tensors:
+            dist.all_reduce(t)
+            t /= size
+
+
 def all_max(tensors: list[torch.Tensor]) -> None:
     """Each tensor, in place, its largest value over the processes, element by element."""
     if world()[1] > 1:
