@@ -225,7 +225,16 @@ def _source(path: Path) -> tuple[Path, Path | None]:
         raise UserError(f"--model {path} is {what}; give a distill run folder or a student folder (dofattn.json + "
                         f"features.safetensors)")
     read_spec(path)
-    return path, path if (path / RECIPE_FILE).is_file() else None
+    if not (path / RECIPE_FILE).is_file():
+        return path, None
+    from dofattn.distill.run_folder import RunFolder
+
+    done = ((RunFolder(path).log or {}).get("end_to_end") or {})
+    steps = RunFolder(path).recipe.end_to_end.steps
+    if done and not done.get("stopped") and done.get("steps", 0) < steps:   # e.g. a --continue-from copy going on
+        raise UserError(f"--model {path} is a distill run going on ({done.get('steps', 0)} of {steps} end-to-end "
+                        f"steps): its student and log are not this recipe's yet; finish the run first")
+    return path, path
 
 
 def check_out(out: Path) -> None:

@@ -194,6 +194,24 @@ def test_export_refuses_a_bad_model_in_one_line(tmp_path, capsys, exported):
     assert not out.exists()
 
 
+def test_export_refuses_a_run_that_is_going_on(tmp_path, capsys, exported):
+    """A run asked for more end-to-end steps than its log has made (a --continue-from copy, say): its student and
+    numbers are not its recipe's."""
+    import dataclasses
+    import shutil
+
+    from dofattn import recipe as recipes
+
+    run = tmp_path / "run"
+    shutil.copytree(exported[1], run)
+    recipe = recipes.load(str(run / "recipe.toml"))
+    longer = dataclasses.replace(recipe, end_to_end=dataclasses.replace(recipe.end_to_end, steps=5))
+    (run / "recipe.toml").write_text(longer.to_toml())
+    assert main(["export", "--model", str(run), "--out", str(tmp_path / "out")]) == 2
+    assert "going on (3 of 5 end-to-end steps)" in one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_refuses_a_folder_that_is_not_an_export(tmp_path, capsys, exported):
     out = tmp_path / "mine"
     out.mkdir()
