@@ -21,6 +21,7 @@ from dofattn.cli import main
 from dofattn.distill.end_to_end import layers_checkpointed, loss
 from dofattn.distill.plan import make_plan
 from dofattn.distill.teacher import TeacherCache
+from dofattn.lora import add_lora
 from dofattn.student import head_layout, is_student_tensor, linearize
 from tests import test_families as families
 from tests.conftest import tiny_model
@@ -54,14 +55,14 @@ def test_dry_run_plans_a_public_config_without_weights_and_writes_nothing(capsys
         assert row in text, row
 
 
-def test_dry_run_json_shards_llama_8b_over_8_devices(capsys, monkeypatch):
-    """At 8 devices FSDP2 holds an eighth of every weight (Llama's dims all divide by 8: exactly 1/8 of 8.03 B
+def test_dry_run_json_shards_qwen_over_8_devices(capsys, monkeypatch):
+    """At 8 devices FSDP2 holds an eighth of every weight (Qwen2.5-1.5B's dims all divide by 8: exactly 1/8 of its
     float32 weights), and every process holds the whole model before the phase."""
     monkeypatch.setenv("WORLD_SIZE", "8")
-    code, text, err = dry_run(capsys, "--model", str(CONFIGS / "llama-3.1-8b"), "--json")
+    code, text, err = dry_run(capsys, "--model", str(CONFIGS / "qwen2.5-1.5b"), "--json")
     assert code == 0, err
     plan = json.loads(text)
-    params = PUBLIC["llama-3.1-8b"][1]
+    params = PUBLIC["qwen2.5-1.5b"][1]
     memory = plan["memory"]
     assert plan["parameters"] == params and memory["world_size"] == 8
     assert memory["weights"] == params * 4 // 8 and memory["whole_model"] == params * 4
@@ -73,7 +74,7 @@ def test_dry_run_json_shards_llama_8b_over_8_devices(capsys, monkeypatch):
 def test_dry_run_shows_given_dims_and_refuses_bad_input_in_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     qwen = str(CONFIGS / "qwen2.5-1.5b")
-    code, text, _ = dry_run(capsys, "--model", qwen, "--set", "student.dims='fix:96'")
+    code, text, _ = dry_run(capsys, "--model", qwen, "--set", "student.dims='fix:96'", "--set", "end_to_end.steps=0")
     assert code == 0 and "96 in every layer (fix:96)" in text
     bert = tmp_path / "bert"
     bert.mkdir()
@@ -133,12 +134,14 @@ def saved_bytes(run, existing) -> int:
     return sum(alive.values())
 
 
-# family -> (model, the recipe keys beside the common ones): Llama keeps its last layer softmax (SDPA), and once runs
-# with checkpointed layers and the logits in chunks; Gemma 2 and 3 keep their own sliding-window layers exact (eager
-# with soft-capped logits; SDPA with a mask) and norm q and k (3)
+# case -> (family, the recipe keys beside the common ones). Llama keeps its last layer softmax (SDPA); once more with
+# checkpointed layers and the logits in chunks, once in bfloat16 with LoRA on every projection. Gemma 2 and 3 keep
+# their own sliding-window layers exact (eager with soft-capped logits; SDPA with a mask), Gemma 3 norms q and k.
 CASES = {"llama": ("llama", ["student.keep_softmax=1"]),
          "llama-checkpointed": ("llama", ["student.keep_softmax=1", "end_to_end.activation_checkpointing=true",
                                           "end_to_end.loss_chunk=32"]),
+         "llama-lora-bfloat16": ("llama", ["student.keep_softmax=1", "student.lora_rank=4",
+                                           "student.lora_targets='all'", "run.dtype='bfloat16'"]),
          "gemma2": ("gemma2", []),
          "gemma3_text": ("gemma3_text", [])}
 
@@ -146,41 +149,44 @@ CASES = {"llama": ("llama", ["student.keep_softmax=1"]),
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_memory_model_matches_one_measured_end_to_end_step(case):
     """The plan of a small student (a tiny model, its linearized layers with PRF features beside a window and a
-    sink, 2 blocks of 192 tokens, the KL term on, logits unchunked but in one case) against one end-to-end step of
+    sink, 2 blocks of 128 tokens, the KL term on, logits unchunked but in one case) against one end-to-end step of
     it on the CPU: loss, backward, Adam step.
 
     - Weights, student tensors, gradients and Adam's state: counted exactly, so equal.
     - Activations of the model's body: the tensors autograd keeps, counted by saved-tensor hooks. The plan counts
-      the linear attention's on a 128-token probe and scales them to 192 tokens; the chunked linear op and the
-      window's blocks are linear in the length, so only per-chunk terms could differ: within 1%. (Not with
-      checkpointed layers, whose saved tensors go through hooks of their own. Not tested here:
-      Phi-3's fused projection, +1.3%, and GPT-NeoX's partial rotary embedding, -2.9%, which the plan does not
-      follow tensor by tensor.)
+      the linear attention's on a 64-token probe and scales them to 128 tokens; the chunked linear op and the
+      window's blocks are linear in the length, so only per-chunk terms could differ: within 1%. (Not measured with
+      checkpointed layers, whose saved tensors go through hooks of their own. Not among the cases: Phi-3's fused
+      projection, +1.3%, and GPT-NeoX's partial rotary embedding, -2.9%, which the plan does not follow tensor by
+      tensor.)
     - The step's peak (every storage made during forward, backward and the Adam step, alive at once, tracked by a
-      dispatch mode): the plan's total but the weights and student tensors, there before. The plan leaves out the backward pass's
-      own short-lived gradients of the layer it is in (less than one layer's activations: a quarter of the body
-      here, a thirtieth in a 30-layer model; Gemma 2's eager [T, T] attention gradients are the largest) and
-      allocator slack, so it may be under by up to 10%; it may not be over by more than 10% either (the loss's
-      four logits arrays are what it must get right).
+      dispatch mode) against the plan's total less the weights and student tensors, there before. The plan leaves
+      out the backward pass's own short-lived gradients of the layer it is in (less than one layer's activations: a
+      quarter of the body here, a thirtieth in a 30-layer model; Gemma 2's eager [T, T] attention gradients are the
+      largest) and allocator slack, so it may be under by up to 10%; it may not be over by more than 10% either (the
+      loss's four logits arrays are what it must get right).
     """
     family, sets = CASES[case]
     model = tiny_model("llama") if family == "llama" else families.tiny(family)
-    B, T = 2, 192
+    B, T = 2, 128
     recipe = recipes.load("default", [f"end_to_end.batch_size={B}", f"end_to_end.seq_len={T}", "student.window=4",
                                       "student.sink=1", "student.dims='fix:8'", "end_to_end.loss_chunk=0", *sets])
-    e2e = recipe.end_to_end
+    e2e, student = recipe.end_to_end, recipe.student
+    model = model.to(getattr(torch, recipe.run.dtype))
     plan = make_plan(recipe, 1, config=model.config)
     memory = plan.memory
     count = model.config.num_hidden_layers
     assert plan.layers.linear == ([0, 1] if family == "llama" else [1, 3])
     linearize(model, [8] * count, "prf", seed=0, window=4, sink=1, layers=plan.layers.linear)
+    if student.lora_rank:
+        add_lora(model, student.lora_rank, seed=0, targets=student.lora_targets)
     for name, p in model.named_parameters():
         p.requires_grad_(is_student_tensor(name))
     trained = [p for p in model.parameters() if p.requires_grad]
     base = [p for n, p in model.named_parameters() if not is_student_tensor(n)]
-    student = [t for n, t in model.state_dict().items() if is_student_tensor(n)]
+    tensors = [t for n, t in model.state_dict().items() if is_student_tensor(n)]
     assert memory.weights == sum(p.nbytes for p in base)
-    assert memory.student == sum(t.nbytes for t in student)
+    assert memory.student == sum(t.nbytes for t in tensors)
     assert plan.student_parameters == sum(p.numel() for p in trained)
 
     ids = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))

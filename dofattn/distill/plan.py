@@ -44,7 +44,7 @@ import torch
 from dofattn.errors import UserError
 from dofattn.recipe import Recipe
 
-PROBE_TOKENS = 128        # tokens of the attention probe, at least two windows (fewer when the blocks are shorter)
+PROBE_TOKENS = 64         # tokens of the attention probe, at least two windows (fewer when the blocks are shorter)
 GIB = 1024 ** 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 RMS_NORMS = {"llama": 2, "mistral": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "olmo2": 2, "gemma2": 4, "gemma3_text": 4}
@@ -352,13 +352,14 @@ def activation_bytes(recipe: Recipe, layers: Layers, config, linear_probe: tuple
         if i < first:
             per_layer.append(0)                                  # nothing before it needs a gradient
             continue
-        later = i > first or lora                                # its input needs a gradient
+        later = i > first                                        # its input needs a gradient
+        qkv = later or lora                                      # its q, k, v do (LoRA: in every layer)
         if i in linear:
-            attention = linear_probe[0] + batch * fused if later else linear_probe[1]
+            attention = linear_probe[0] + batch * fused if qkv else linear_probe[1]
         else:
-            attention = batch * (sliding if i in local else global_) if later else 0
+            attention = batch * (sliding if i in local else global_) if qkv else 0
         before = 0 if kind in POST_NORM_ONLY else 1              # norms whose input needs no gradient in the first
-        own = norm * (norms - (0 if later else before)) + qk_norm * later + mlp + adapters
+        own = norm * (norms - (0 if later else before)) + qk_norm * qkv + mlp + adapters
         per_layer.append(batch * own + attention)
     rope = 2 * D * e if getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None) else 0
     if kind == "gemma3_text":
@@ -444,11 +445,13 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
             probe.append((double - single) * e2e.batch_size + (2 * single - double))
     activations, recompute = (activation_bytes(recipe, layers, config, probe, tokens_per_block, e, bool(s.lora_rank))
                               if e2e.steps else (0, 0))
+    phase = int(e2e.steps > 0)        # no end-to-end phase: nothing trains at once, nothing is sharded
     memory = Memory(world_size=W, dtype=run_dtype, batch_size=e2e.batch_size, seq_len=e2e.seq_len,
                     loss_chunk=min(e2e.loss_chunk or e2e.seq_len - 1, e2e.seq_len - 1),
                     checkpointing=e2e.activation_checkpointing, weights=weights, student=student,
-                    gradients=trained_elements * 4, adam=trained_elements * 8 + len(trained) * 4, gathered=gathered,
-                    activations=activations, recompute=recompute, loss=loss_bytes(recipe, layers, e) if e2e.steps else 0,
+                    gradients=trained_elements * 4 * phase, adam=(trained_elements * 8 + len(trained) * 4) * phase,
+                    gathered=gathered * phase, activations=activations, recompute=recompute,
+                    loss=loss_bytes(recipe, layers, e) * phase,
                     whole_model=sum(p.numel() for p in model.parameters()) * e)
     notes = []
     if s.dims in ("dof", "clip"):
@@ -529,6 +532,11 @@ def format_plan(plan: Plan) -> str:
     rows.append(f"teacher cache   {_size(plan.teacher_cache) if plan.teacher_cache else 'none'} on disk "
                 f"(float32 q/k/v of every layer; deleted at the end)")
     rows.append("")
+    if not t.end_to_end:
+        rows.append(f"memory per device: no end-to-end phase; each process holds the whole model, "
+                    f"{_size(m.whole_model)} ({m.dtype})")
+        rows += [f"note: {note}" for note in plan.notes]
+        return "\n".join(rows)
     how = (f"FSDP2 over {m.world_size} devices" if m.world_size > 1 else "1 process, nothing sharded")
     rows.append(f"memory per device, end-to-end: {how}, {m.dtype}")
     rows.append(f"  ({m.batch_size} x {m.seq_len} tokens a step, logits in chunks of {m.loss_chunk}"
