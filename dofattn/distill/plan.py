@@ -12,11 +12,11 @@ How the numbers are made:
   biases, norms and tied embeddings count as in the real model. The student's tensors come from building one
   `LinearAttention` of each layer's shape (a few MB on the CPU), LoRA adapters from the projections they adapt.
 - The end-to-end phase under FSDP2 (`fully_shard`, one unit per decoder layer and the root): every tensor is split
-  along its first dim over the world (each device holds ⌈rows / world⌉ rows); frozen weights in run.dtype, trained
-  tensors, their gradients and Adam's two moments in float32. While a unit computes, its weights are gathered whole
-  in run.dtype: the root's (embeddings, head) for the whole step, and two decoder layers (the one running and the
-  next, prefetched). The teacher is the same model with its linear parts off: no second copy. With one process
-  nothing is sharded or gathered.
+  along its first dim over the world (each device holds ⌈rows / world⌉ rows; buffers stay whole); frozen weights in
+  run.dtype, trained tensors, their gradients and Adam's two moments in float32. While a unit computes, its weights
+  are gathered whole, each in its own dtype (`end_to_end.shard`): the root's (embeddings, final norm, head) for the
+  whole step, and two decoder layers (the one running and the next, prefetched). The teacher is the same model
+  with its linear parts off: no second copy. With one process nothing is sharded or gathered.
 - Activations are what autograd keeps for the backward pass of one step: `batch_size` blocks of `seq_len` tokens.
   Per layer, from the family's code: each RMSNorm keeps a float32 copy of its input and the inverse norm (4h + 4
   bytes per token, whatever the dtype); a gated MLP its gate, activation and up projection (3 × intermediate); frozen
@@ -421,7 +421,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
     W = world_size
     weights = sum(_shard(tuple(p.shape), W) for p in model.parameters()) * e
     trained_elements = sum(_shard(shape, W) for shape in trained)
-    student = (trained_elements + sum(_shard(shape, W) for shape in fixed)) * 4
+    student = (trained_elements + sum(math.prod(shape) for shape in fixed)) * 4     # FSDP leaves buffers whole
     gathered = 0
     if W > 1:                        # the root unit for the whole step, two decoder layers at a time
         from dofattn.distill.end_to_end import decoder_layers
@@ -431,7 +431,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
         root = sum(p.numel() for p in model.parameters() if id(p) not in in_layers)
         largest = max(sum(p.numel() for p in m.parameters()) for m in body)
         student_layer = sum(math.prod(shape) for shape in trained) // len(linear)
-        gathered = (root + 2 * (largest + student_layer)) * e
+        gathered = (root + 2 * largest) * e + 2 * student_layer * 4
 
     tokens_per_block = e2e.seq_len
     probe_len = min(max(PROBE_TOKENS, 2 * s.window), tokens_per_block)
