@@ -7,6 +7,7 @@
     end_to_end.py   the whole student against the teacher, checkpointed
     run_folder.py   what a run folder records, resuming, --continue-from, reading a run back (`RunFolder`)
     run.py          the job: `run(recipe, out, device)`
+    plan.py         what a run will do and need, from the config alone (`dofattn distill --dry-run`)
 
 `dofattn distill` is `run.run`; `torchrun --nproc_per_node N -m dofattn distill ...` splits the layerwise stage's layers
 over the processes and shards the end-to-end phase's model over them (FSDP2). A run killed at any point and started
