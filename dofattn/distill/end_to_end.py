@@ -266,11 +266,13 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
           time_limit: float = 0.0, progress: bool = True, optimizer_class=torch.optim.Adam) -> dict:
     """`config.steps` steps on `blocks`, resuming from the last checkpoint in `out/end_to_end`; returns the log.
 
-    With `config.eval_every` > 0 rank 0 measures the validation perplexity on `eval_blocks` every that many steps
-    (the log's `curve`: step, training tokens of all processes, perplexity). With `time_limit` > 0 (seconds) the
-    phase stops after the first step that ends past it, checkpointed; the log then has `stopped` and
-    `target_steps`, which the same command later goes on to. `optimizer_class` takes the param groups (tests use
-    plain SGD, whose step shows a wrong gradient average that Adam's scale invariance would hide).
+    With several processes `model` is left sharded (FSDP): only the checkpoints hold its student whole
+    (`load_trained`). With `config.eval_every` > 0 the validation perplexity on `eval_blocks` is measured every that
+    many steps (the log's `curve`: step, training tokens of all processes, perplexity; with several processes each
+    runs it). With `time_limit` > 0 (seconds) the phase stops after the first step that ends past it, checkpointed;
+    the log then has `stopped` and `target_steps`, which the same command later goes on to. `optimizer_class` takes
+    the param groups (tests use plain SGD, whose step shows a wrong gradient average that Adam's scale invariance
+    would hide).
     """
     rank, size = world()
     if not trainable(model):
@@ -297,39 +299,36 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
     bar = tqdm(range(start_step, steps), desc="end-to-end", unit="step", disable=not progress or rank != 0,
                initial=start_step, total=steps)
     done = steps
-    stack = contextlib.ExitStack()
-    if config.activation_checkpointing:
-        stack.enter_context(layers_checkpointed(model))
-    for step in bar:
-        idx = draw(seed, step, len(blocks), batch_size * size)[rank::size]
-        value = call(loss, blocks[idx].to(device), config.kd_weight, config.loss_chunk)
-        for group in optimizer.param_groups:
-            group["lr"] = cooldown_lr(group["base_lr"], step, steps, config.cooldown_steps)
-        optimizer.zero_grad(set_to_none=True)
-        value.backward()
-        optimizer.step()
-        all_max(shifts)                   # each process raised its key shifts on its own blocks
-        value = value.detach()
-        all_mean([value])                 # the step's loss over all its blocks, not rank 0's share
-        losses.append(round(value.item(), 5))
-        bar.set_postfix(loss=f"{value.item():.4f}")
-        if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == steps):
-            for linear in linears:    # eval mode: validation text must not move the PRF key shifts
-                linear.eval()
-            ppl = call(perplexity, eval_blocks, progress=False)   # every process: FSDP gathers the weights
-            for linear in linears:
-                linear.train()
-            curve.append({"step": step + 1, "tokens": (step + 1) * batch_size * size * blocks.shape[1],
-                          "ppl": ppl})
-            bar.set_postfix(loss=f"{value.item():.4f}", ppl=f"{ppl:.1f}")
-        out_of_time = rank0_decides(bool(time_limit) and time.perf_counter() - started > time_limit
-                                    and step + 1 < steps, device)
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == steps or out_of_time:
-            save_checkpoint(ckpt, step + 1, losses, tensors, optimizer, names, curve)
-        if out_of_time:
-            done = step + 1
-            break
-    stack.close()
+    with layers_checkpointed(model) if config.activation_checkpointing else contextlib.nullcontext():
+        for step in bar:
+            idx = draw(seed, step, len(blocks), batch_size * size)[rank::size]
+            value = call(loss, blocks[idx].to(device), config.kd_weight, config.loss_chunk)
+            for group in optimizer.param_groups:
+                group["lr"] = cooldown_lr(group["base_lr"], step, steps, config.cooldown_steps)
+            optimizer.zero_grad(set_to_none=True)
+            value.backward()
+            optimizer.step()
+            all_max(shifts)                   # each process raised its key shifts on its own blocks
+            value = value.detach()
+            all_mean([value])                 # the step's loss over all its blocks, not rank 0's share
+            losses.append(round(value.item(), 5))
+            bar.set_postfix(loss=f"{value.item():.4f}")
+            if config.eval_every and ((step + 1) % config.eval_every == 0 or step + 1 == steps):
+                for linear in linears:    # eval mode: validation text must not move the PRF key shifts
+                    linear.eval()
+                ppl = call(perplexity, eval_blocks, progress=False)   # every process: FSDP gathers the weights
+                for linear in linears:
+                    linear.train()
+                curve.append({"step": step + 1, "tokens": (step + 1) * batch_size * size * blocks.shape[1],
+                              "ppl": ppl})
+                bar.set_postfix(loss=f"{value.item():.4f}", ppl=f"{ppl:.1f}")
+            out_of_time = rank0_decides(bool(time_limit) and time.perf_counter() - started > time_limit
+                                        and step + 1 < steps, device)
+            if (step + 1) % config.checkpoint_every == 0 or step + 1 == steps or out_of_time:
+                save_checkpoint(ckpt, step + 1, losses, tensors, optimizer, names, curve)
+            if out_of_time:
+                done = step + 1
+                break
     for linear in linears:
         linear.eval()
     barrier()
