@@ -781,8 +781,8 @@ class ExportArgs:
 
     AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True) gives the student. OUT gets config.json (the
     base config and the student's spec), modeling_dofattn.py, model.safetensors (every weight; the student's own
-    tensors in float32), the tokenizer, a generation config and a model card with the run's evaluation numbers.
-    `dofattn eval` and `dofattn generate` take OUT as --model.
+    tensors in float32; shards past 5 GB), the tokenizer, a generation config and a model card with the run's
+    evaluation numbers. `dofattn eval` and `dofattn generate` take OUT as --model.
 
         dofattn export --model runs/distill --out exports/student
         dofattn export --model runs/long --out exports/long --merge-lora --dtype bfloat16

@@ -16,7 +16,8 @@ The folder holds
                             so the parameter names are the student's and the weights load as they are
     model.safetensors       every tensor of the student under its own name: the base model's in --dtype; the
                             student's own (feature maps, window gains, LoRA adapters) in float32, as they train and
-                            as a dofattn student keeps them on a 16-bit base model
+                            as a dofattn student keeps them on a 16-bit base model. Above 5 GB, shards
+                            (model-00001-of-0000N.safetensors ...) and their index, as transformers writes them
     generation_config.json, the tokenizer files, README.md (the model card), recipe.toml (a run's recipe)
 
 model_type "dofattn" keeps a plain `from_pretrained` without trust_remote_code from loading the base architecture and
@@ -41,11 +42,14 @@ from torch import nn
 
 from dofattn import __version__
 from dofattn.errors import UserError
+from dofattn.io import check_safetensors, write_atomic, write_json
 from dofattn.spec import StudentSpec
 
 MODEL_TYPE = "dofattn"
 MODELING_FILE = "modeling_dofattn.py"
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+MAX_SHARD = "5GB"                 # transformers' and the hub's default shard size
 CARD_FILE = "README.md"
 # Parameter-name parts of the tensors kept in float32 on a 16-bit base (transformers' keep-in-fp32 globs).
 FLOAT32_MODULES = ["dofattn", "lora_"]
@@ -170,8 +174,6 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
     weights (faster inference, but the base model, i.e. the teacher, is gone)."""
     from transformers import AutoTokenizer
 
-    from dofattn.io import check_safetensors
-
     folder = Path(folder)
     config = read_config(folder)
     if config is None:
@@ -183,7 +185,8 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
     if spec.lora_rank:
         from dofattn.lora import require_peft
         require_peft()
-    check_safetensors(folder / WEIGHTS_FILE)          # a missing or damaged file: one line, not a traceback
+    for name in weight_files(folder):               # a missing or damaged file: one line, not a traceback
+        check_safetensors(folder / name)
     config_cls, model_cls = student_classes(config)
     hf_config = config_cls.from_pretrained(folder)
     try:                                            # config=: not the folder's code, nor a prompt for it
@@ -200,6 +203,33 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
 
         merge(model)
     return model, tokenizer, spec
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The weight files of an export: model.safetensors, or the shards its index names."""
+    index = folder / WEIGHTS_INDEX
+    if not index.is_file():
+        return [WEIGHTS_FILE]
+    try:
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise UserError(f"{index} is damaged (no weight_map); copy the export again, or export again") from None
+
+
+def write_weights(tensors: dict[str, torch.Tensor], folder: Path, max_shard: int | str = MAX_SHARD) -> list[str]:
+    """Write `tensors` into `folder` as model.safetensors, or above `max_shard` as shards with their index (the
+    names transformers gives them); returns the files written."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard)
+    for name, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in names}, str(folder / name),
+                  metadata={"format": "pt", "dofattn_version": __version__})
+    if split.is_sharded:
+        write_json(folder / WEIGHTS_INDEX, {"metadata": split.metadata, "weight_map": split.tensor_to_filename},
+                   indent=2)
+    return list(split.filename_to_tensors)
 
 
 def lora_merged(folder: str | Path) -> bool:
@@ -296,15 +326,14 @@ def modeling_file(model: nn.Module, base_model: str) -> str:
                                     float32_modules=FLOAT32_MODULES)
 
 
-def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dtype: str = "float32") -> Path:
+def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dtype: str = "float32",
+           max_shard: int | str = MAX_SHARD) -> Path:
     """Write the student in `model_path` (a run folder or a student folder) as a Hugging Face model folder `out`.
 
     `out` must be new, empty, or a previous export (replaced whole: the new export is written beside it, then moved
-    into place). `dtype` is the base model's weights' (the student's own tensors stay float32)."""
-    from safetensors.torch import save_file
-
+    into place). `dtype` is the base model's weights' (the student's own tensors stay float32); weights above
+    `max_shard` (bytes, or "5GB") are written in shards."""
     from dofattn.hf import parse_dtype
-    from dofattn.io import write_atomic, write_json
     from dofattn.student import load_student, read_spec
 
     source, run = _source(Path(model_path))
@@ -333,10 +362,10 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
-        save_file(weights(model, torch_dtype), str(stage / WEIGHTS_FILE),
-                  metadata={"format": "pt", "dofattn_version": __version__})
+        files = write_weights(weights(model, torch_dtype), stage, max_shard)
         write_json(stage / "config.json", export_config(model, spec, dtype_name, lora, str(model_path)), indent=2)
-        os.chmod(stage / WEIGHTS_FILE, (stage / "config.json").stat().st_mode & 0o777)   # not the writer's 0600
+        for name in files:                                          # not the safetensors writer's 0600
+            os.chmod(stage / name, (stage / "config.json").stat().st_mode & 0o777)
         write_atomic(stage / MODELING_FILE, modeling_file(model, spec.base_model))
         model.generation_config.save_pretrained(stage)
         tokenizer.save_pretrained(stage)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from dofattn.cli import main
 from dofattn.errors import UserError
-from dofattn.export import is_export, load_export
+from dofattn.export import export, is_export, load_export
 from dofattn.spec import StudentSpec
 from dofattn.student import build, fingerprint, load_student, save_student
 from tests.conftest import tiny_model
@@ -152,6 +152,16 @@ def test_16_bit_export_keeps_the_students_tensors_in_float32(exported):
         base = {n: d for n, d in dtypes.items() if n not in student and "inv_freq" not in n}
         assert student and set(map(str, student.values())) <= {"F32", "torch.float32", "BOOL", "torch.bool"}
         assert set(map(str, base.values())) == ({"BF16"} if dtypes is stored else {"torch.bfloat16"})
+
+
+def test_large_weights_are_written_in_shards(exported, tmp_path):
+    folder, ref, _ = exported[0]["llama-linear"]
+    out = export(folder.parent.parent / "student-llama-linear", tmp_path / "sharded", max_shard=100_000)
+    files = sorted(p.name for p in out.iterdir() if p.name.startswith("model") and "safetensors" in p.name)
+    assert len(files) > 3 and files[-1] == "model.safetensors.index.json" and "model.safetensors" not in files
+    model, _, _ = load_export(out)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS, use_cache=False).logits, ref["logits"], atol=1e-5, rtol=0)
 
 
 def test_the_card_states_base_recipe_and_evaluation(exported):
