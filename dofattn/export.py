@@ -26,7 +26,8 @@ config's `model_type` is the base family's again, which dofattn's per-family tab
 
 LoRA adapters survive an export as peft layers (the base weights stay the teacher's, so `dofattn eval` can still
 compare with it); `merge_lora` folds them into the projections instead, and the folder is then the base
-architecture plus the linear attention, without peft.
+architecture plus the linear attention, without peft. `load_export` makes the modeling file's two classes inside
+dofattn (`student_classes`): dofattn itself runs no code from a folder it is given.
 """
 
 from __future__ import annotations
