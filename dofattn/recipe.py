@@ -325,13 +325,15 @@ def type_name(kind) -> str:
 
 def describe_keys() -> str:
     """Every key with its type, default and meaning: what `dofattn recipes --keys` prints."""
-    lines, table = ["KEY                 TYPE    DEFAULT         MEANING   (TYPE?: may be left unset)"], None
-    for key, (kind, default, help, choices) in key_fields().items():
+    fields = key_fields()
+    width = max(len(key.split(".")[1]) for key in fields) + 2
+    lines, table = [f"{'KEY':<{width + 2}}TYPE    DEFAULT         MEANING   (TYPE?: may be left unset)"], None
+    for key, (kind, default, help, choices) in fields.items():
         t, name = key.split(".")
         if t != table:
             lines.append(f"[{t}]")
             table = t
         shown = "unset" if default is None else _toml(default)
-        lines.append(f"  {name:<18}{type_name(kind):<8}{shown:<16}{help}"
+        lines.append(f"  {name:<{width}}{type_name(kind):<8}{shown:<16}{help}"
                      + (f" [{', '.join(choices)}]" if choices else ""))
     return "\n".join(lines)
