@@ -48,10 +48,10 @@ model_dir, out, batch_size = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 join("cpu")
 
 
-def student(feature, lora=False, dtype=torch.float32):
+def student(feature, lora=False, dtype=torch.float32, layers=None):
     torch.manual_seed(0)
     model, _ = load_model(model_dir, dtype=dtype)
-    linearize(model, [8, 8, 8], feature, seed=0, window=4, sink=1)
+    linearize(model, [8, 8, 8], feature, layers=layers, seed=0, window=4, sink=1)
     if lora:
         add_lora(model, 2, seed=0)
     for name, p in model.named_parameters():
@@ -60,8 +60,9 @@ def student(feature, lora=False, dtype=torch.float32):
 
 
 blocks = torch.randint(0, 300, (6, 24), generator=torch.Generator().manual_seed(1))
-# 1. two plain SGD steps, the loss in chunks of 7 positions, each layer checkpointed
-model = student("hedgehog")
+# 1. two plain SGD steps, the loss in chunks of 7 positions, each layer checkpointed; layer 1 keeps softmax
+# attention, so its FSDP unit has nothing to train
+model = student("hedgehog", layers=[0, 2])
 if world()[0] == 0:
     save_file({n: p.detach().clone().contiguous() for n, p in model.named_parameters() if is_student_tensor(n)},
               str(out / "start.safetensors"))
@@ -70,8 +71,8 @@ config = EndToEnd(steps=2, batch_size=batch_size, seq_len=24, lr=0.5, checkpoint
 train(model, blocks, out / "sgd", config, seed=0, eval_blocks=blocks[:1], progress=False,
       optimizer_class=partial(torch.optim.SGD, lr=0.5))
 # the same on a bfloat16 base model (its student tensors are float32)
-train(student("hedgehog", dtype=torch.bfloat16), blocks, out / "sgd16", config, seed=0, eval_blocks=blocks[:1],
-      progress=False, optimizer_class=partial(torch.optim.SGD, lr=0.5))
+train(student("hedgehog", dtype=torch.bfloat16, layers=[0, 2]), blocks, out / "sgd16", config, seed=0,
+      eval_blocks=blocks[:1], progress=False, optimizer_class=partial(torch.optim.SGD, lr=0.5))
 # 2. Adam on PRF features (their key shifts move) and LoRA: stopped after a step, then resumed in a new model
 config = EndToEnd(steps=5, batch_size=batch_size, seq_len=24, lr=0.01, checkpoint_every=2, loss_chunk=7,
                   eval_every=2)
