@@ -28,6 +28,7 @@ from dofattn.evaluate import teacher_mode
 from dofattn.lora import add_lora
 from dofattn.student import attention_modules, is_student_tensor, linearize
 from tests.conftest import tiny_model
+from tests.test_families import FAMILIES, tiny
 
 SCRIPT = r"""
 import sys
@@ -188,15 +189,18 @@ def assert_same(got: torch.Tensor, got_grads: dict, want: torch.Tensor, want_gra
         torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6 * g.abs().max().item(), msg=name)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "gemma2"])
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma2-capped"])
 def test_head_of_the_body_is_the_models_own_logits(family):
-    model = GEMMA2() if family == "gemma2" else tiny_model(family)
+    """For every supported family: what the chunked loss computes is the model's own logits, and its decoder layers
+    (FSDP's units, what activation checkpointing replays) are found."""
+    model = GEMMA2() if family == "gemma2-capped" else tiny(family)
     ids = torch.randint(0, 300, (2, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits
         got = head(model, hidden_states(model, ids))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    if family == "gemma2":                     # the cap bites: the raw logits are far from the model's
+    assert len(decoder_layers(model)) == model.config.num_hidden_layers
+    if family == "gemma2-capped":              # the cap bites: the raw logits are far from the model's
         with torch.no_grad():
             assert (model.get_output_embeddings()(hidden_states(model, ids)) - want).abs().max() > 0.1
 
