@@ -25,9 +25,10 @@ How the numbers are made:
   random q/k/v of `PROBE_TOKENS` tokens with autograd, and what it keeps is counted per token (`attention_probe`).
   Layers before the first one with a trained tensor keep nothing. With activation checkpointing each layer keeps its
   input, and the backward pass holds one layer's activations at a time.
-- The loss (`end_to_end.loss`): the LM head runs on `loss_chunk` positions at a time; at its peak the phase holds
-  four float32 [batch, chunk, vocab] arrays (the student's and the teacher's log-probabilities and two gradients;
-  three without the KL term) and the teacher's last hidden states.
+- The loss (`end_to_end.loss`): the LM head runs on `loss_chunk` positions at a time; at its peak, inside the KL
+  term, the phase holds five float32 [batch, chunk, vocab] arrays (the student's and the teacher's
+  log-probabilities, the teacher's probabilities, their difference and its product; three without the KL term:
+  log-probabilities and two gradients) and the teacher's last hidden states.
 `tests/test_plan.py` measures one end-to-end step of a small student on the CPU and compares.
 """
 
@@ -377,7 +378,7 @@ def loss_bytes(recipe: Recipe, layers: Layers, e: int) -> int:
     e2e = recipe.end_to_end
     positions = e2e.seq_len - 1
     chunk = min(e2e.loss_chunk or positions, positions)
-    arrays = 4 if e2e.kd_weight > 0 else 3
+    arrays = 5 if e2e.kd_weight > 0 else 3      # KL: log p, log q, exp(log q), their difference, its product
     teacher = e2e.batch_size * positions * layers.hidden * e if e2e.kd_weight > 0 else 0
     return arrays * e2e.batch_size * chunk * layers.vocab * 4 + teacher + e2e.batch_size * positions * 8
 
@@ -525,7 +526,8 @@ def format_plan(plan: Plan) -> str:
         rows.append(f"  layerwise     {t.layerwise_teacher:,} through the teacher; {t.layerwise_training:,} per layer "
                     f"in training")
     if t.end_to_end:
-        rows.append(f"  end-to-end    {t.end_to_end:,} in training ({m.world_size} processes), drawn from "
+        rows.append(f"  end-to-end    {t.end_to_end:,} in training ({m.world_size} "
+                    f"process{'es' if m.world_size > 1 else ''}), drawn from "
                     f"{t.end_to_end_data:,}")
     rows.append(f"  evaluation    {t.eval:,}")
     rows.append("")
@@ -539,7 +541,9 @@ def format_plan(plan: Plan) -> str:
         return "\n".join(rows)
     how = (f"FSDP2 over {m.world_size} devices" if m.world_size > 1 else "1 process, nothing sharded")
     rows.append(f"memory per device, end-to-end: {how}, {m.dtype}")
-    rows.append(f"  ({m.batch_size} x {m.seq_len} tokens a step, logits in chunks of {m.loss_chunk}"
+    chunks = (f"logits in chunks of {m.loss_chunk} positions" if m.loss_chunk < m.seq_len - 1 else
+              "logits of a whole block at once")
+    rows.append(f"  ({m.batch_size} x {m.seq_len} tokens a step, {chunks}"
                 f"{', layers checkpointed' if m.checkpointing else ''})")
     for label, value in (("frozen weights", m.weights), ("student tensors", m.student), ("gradients", m.gradients),
                          ("Adam moments", m.adam), ("gathered weights", m.gathered), ("activations", m.activations),
