@@ -17,6 +17,13 @@ about one in ten, so the split is deterministic and does not move when documents
 single document is split by characters instead: its last tenth (from a line break) is the validation text.
 `split="all"` takes everything. For `hf:` sources, SPLIT names the dataset split used whole; without it,
 `train` and `validation` map to the dataset's splits of those names.
+
+Reading: a document is read when it is tokenized, and only as many as the blocks need. An `hf:` dataset stays in
+its memory-mapped Arrow files and a .parquet file's column `text` in Arrow memory: one pass over the column finds
+the non-empty texts without making a Python string of each. A .jsonl file is read once to check every line and note
+where each text starts. `.txt` files and the built-in sample are read whole. With `by_rank=True`, every process of
+a torchrun group tokenizes a share of the documents and the processes gather the tokens, so all end with the blocks
+one process makes alone.
 """
 
 from __future__ import annotations
@@ -24,16 +31,21 @@ from __future__ import annotations
 import bz2
 import hashlib
 import json
+import math
 import random
 import re
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from dofattn.assets import GENSIM, cache_dir, wheel_member
+from dofattn.distill.world import world
 from dofattn.errors import UserError
 from dofattn.io import atomic_path
 
@@ -43,6 +55,10 @@ SPLITS = ("train", "validation", "all")
 VALIDATION_EVERY = 10  # about one document in VALIDATION_EVERY goes to validation
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+FIRST_ROUND = 8  # documents per process in the first round of a tokenization shared by the processes
 Document = tuple[str, str]  # (key, text): the key decides the split
 
 
@@ -118,49 +134,163 @@ def wiki_sample() -> list[Document]:
         return [(row["title"], row["text"]) for row in map(json.loads, f)]
 
 
+# --- lazy documents ----------------------------------------------------------------------------------------------
+
+class Texts(Sequence[str]):
+    """Documents read one at a time: document i is `read(rows[i])`, read when it is asked for."""
+
+    def __init__(self, read: Callable[[int], str], rows: np.ndarray):
+        self.read, self.rows = read, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> str:
+        return self.read(int(self.rows[i]))
+
+    def __iter__(self) -> Iterator[str]:
+        return (self.read(int(row)) for row in self.rows)
+
+    def select(self, keep: np.ndarray) -> Texts:
+        """The documents where the boolean array `keep` is true, in order."""
+        return Texts(self.read, self.rows[keep])
+
+
+class Pool(Sequence[str]):
+    """Several `Texts` as one sequence, in order."""
+
+    def __init__(self, parts: list[Sequence[str]]):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: int) -> str:
+        part = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.parts[part][i - int(self.starts[part])]
+
+    def __iter__(self) -> Iterator[str]:
+        return (text for part in self.parts for text in part)
+
+
+def _arrow_texts(column: pa.ChunkedArray) -> tuple[Texts, np.ndarray]:
+    """The strings of an Arrow column that are not empty or whitespace, read from the column (memory-mapped or in
+    memory) one at a time, and each one's position among the column's strings. No Python string is made here:
+    Arrow's whitespace is Python's `str.isspace` (a test checks every code point)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    rows, positions, seen, strings = [], [], 0, 0
+    for chunk in column.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            chunk = chunk.dictionary_decode()
+        if pa.types.is_string(chunk.type) or pa.types.is_large_string(chunk.type):
+            valid = np.asarray(chunk.is_valid())
+            full = np.asarray(pc.fill_null(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(chunk)), 0), False))
+            keep = np.flatnonzero(full)
+            rows.append(keep + seen)
+            positions.append(np.cumsum(valid)[keep] - 1 + strings)
+            strings += int(valid.sum())
+        seen += len(chunk)
+    rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    positions = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
+    return Texts(lambda row: column[row].as_py(), rows), positions
+
+
 # --- local files and Hugging Face datasets -----------------------------------------------------------------------
 
-def _file_documents(path: Path) -> list[str]:
+def _jsonl_texts(path: Path) -> tuple[Texts, np.ndarray]:
+    """A pass over a JSON-lines file that checks every line and keeps the byte offset of each non-empty text; the
+    texts are read back by offset."""
+    offsets, positions, position, offset = [], [], 0, 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(f"{path}:{n} is not UTF-8 ({err.reason}); save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            text = _jsonl_text(line, path, n)
+            if text.strip():
+                offsets.append(start)
+                positions.append(position)
+            position += 1
+
+    def read(start: int) -> str:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return json.loads(f.readline().decode("utf-8"))["text"]
+
+    return Texts(read, np.array(offsets, dtype=np.int64)), np.array(positions, dtype=np.int64)
+
+
+def _jsonl_text(line: str, path: Path, n: int) -> str:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{n} is not valid JSON ({err.msg}); each line must be an object "
+                        f"with a \"text\" field") from None
+    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+        raise UserError(f"{path}:{n} has no string field \"text\"; each line must be an object "
+                        f"with a \"text\" field")
+    return row["text"]
+
+
+def _file_texts(path: Path) -> tuple[Texts, np.ndarray]:
+    """The non-empty documents of one file, read lazily, and each one's position among the file's documents (its
+    split key is `NAME:POSITION`). A .txt file is one document; a .parquet file's column `text` is read into Arrow
+    memory (no other column, no Python strings)."""
     if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8", errors="replace")]
+        def read(_: int) -> str:
+            return path.read_text(encoding="utf-8", errors="replace")
+        rows = np.arange(1 if read(0).strip() else 0)
+        return Texts(read, rows), rows
     if path.suffix == ".jsonl":
-        texts = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise UserError(f"{path}:{n} is not valid JSON ({err.msg}); each line must be an object "
-                                    f"with a \"text\" field") from None
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise UserError(f"{path}:{n} has no string field \"text\"; each line must be an object "
-                                    f"with a \"text\" field")
-                texts.append(row["text"])
-        return texts
+        return _jsonl_texts(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
-        if "text" not in table.column_names:
-            raise UserError(f"{path} has no column \"text\" (columns: {', '.join(table.column_names)})")
-        return [t for t in table.column("text").to_pylist() if isinstance(t, str)]
+        names = pq.read_schema(path).names
+        if "text" not in names:
+            raise UserError(f"{path} has no column \"text\" (columns: {', '.join(names)})")
+        return _arrow_texts(pq.read_table(path, columns=["text"]).column("text"))
     raise UserError(f"{path} is not a .txt, .jsonl or .parquet file")
+
+
+def _local_files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    if not files:
+        raise UserError(f"folder {path} holds no .txt, .jsonl or .parquet files")
+    return files
 
 
 def local_documents(path: Path) -> list[Document]:
     """Documents of a local file or folder, keyed by file name and position."""
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-        if not files:
-            raise UserError(f"folder {path} holds no .txt, .jsonl or .parquet files")
-    else:
-        files = [path]
-    return [(f"{f.name}:{i}", text) for f in files for i, text in enumerate(_file_documents(f)) if text.strip()]
+    return [(f"{f.name}:{i}", text) for f in _local_files(path)
+            for text, i in zip(*_file_texts(f))]
 
 
-def _hf_texts(spec: str, split: str) -> list[str]:
+def _local_texts(path: Path, split: str) -> Sequence[str]:
+    """The documents of a local file or folder in `split`, read lazily (see `split_documents`)."""
+    files = [(f, *_file_texts(f)) for f in _local_files(path)]
+    if split == "all":
+        return Pool([texts for _, texts, _ in files])
+    if sum(len(texts) for _, texts, _ in files) == 1:
+        return split_documents([("", next(text for _, texts, _ in files for text in texts))], split)
+    want_validation = split == "validation"
+    return Pool([texts.select(np.array([_is_validation(f"{f.name}:{i}") == want_validation for i in positions],
+                                       dtype=bool))
+                 for f, texts, positions in files])
+
+
+def _hf_texts(spec: str, split: str) -> Texts:
+    """The non-empty texts of a Hugging Face dataset's split, read one at a time from its memory-mapped Arrow
+    table."""
     check_source(spec)
     name, config, hf_split = (spec[len("hf:"):].split(":") + [None, None])[:3]
     if hf_split is None:
@@ -176,7 +306,7 @@ def _hf_texts(spec: str, split: str) -> list[str]:
         raise UserError(f"cannot load dataset {spec!r} split {hf_split!r}: {first}") from None
     if "text" not in ds.column_names:
         raise UserError(f"dataset {spec!r} has no column \"text\" (columns: {', '.join(ds.column_names)})")
-    return [t for t in ds["text"] if isinstance(t, str) and t.strip()]
+    return _arrow_texts(ds.data.column("text"))[0]
 
 
 # --- splits and packing -------------------------------------------------------------------------------------------
@@ -228,50 +358,94 @@ def check_source(spec: str) -> None:
         raise UserError(f"data file {spec} is not a .txt, .jsonl or .parquet file")
 
 
-def load_texts(spec: str, split: str = "train") -> list[str]:
-    """The documents of data source `spec` (see the module docstring) in `split`, in source order."""
+def texts(spec: str, split: str = "train") -> Sequence[str]:
+    """The documents of data source `spec` (see the module docstring) in `split`, in source order, as a sequence
+    that reads each document when it is asked for (the built-in sample is in memory)."""
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     parts = sources(spec)
     if len(parts) > 1:
         check_source(spec)
-        return [text for part in parts for text in load_texts(part, split)]
+        return Pool([texts(part, split) for part in parts])
     if spec == WIKI_SAMPLE:
         return split_documents(wiki_sample(), split)
     if spec.startswith("hf:"):
         return _hf_texts(spec, split)
     check_source(spec)
-    return split_documents(local_documents(Path(spec).expanduser()), split)
+    return _local_texts(Path(spec).expanduser(), split)
 
 
-def _token_stream(texts: Iterable[str], tokenizer, eos_id: int | None) -> Iterator[list[int]]:
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        yield ids + ([eos_id] if eos_id is not None else [])
+def load_texts(spec: str, split: str = "train") -> list[str]:
+    """The documents of data source `spec` in `split`, in source order, all in memory."""
+    return list(texts(spec, split))
+
+
+def _encode(text: str, tokenizer, eos_id: int | None) -> torch.Tensor:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids + ([eos_id] if eos_id is not None else []), dtype=torch.long)
+
+
+def _tokens_alone(docs: Sequence[str], order: array, tokenizer, want: int | None) -> list[torch.Tensor]:
+    """The token ids of `docs` in `order` (each followed by EOS) until they hold `want` tokens (None: all)."""
+    out, have = [], 0
+    for i in order:
+        out.append(_encode(docs[i], tokenizer, tokenizer.eos_token_id))
+        have += len(out[-1])
+        if want is not None and have >= want:
+            break
+    return out
+
+
+def _tokens_by_rank(docs: Sequence[str], order: array, tokenizer, want: int | None) -> list[torch.Tensor]:
+    """`_tokens_alone`'s result on every process of the group, each process tokenizing a share: the documents go
+    in rounds, document j of a round to process j mod size, and the processes gather each round's tokens. A round
+    is sized to the tokens still wanted at the mean document length so far, at most twice the documents before it,
+    so that at most one round's surplus is tokenized beyond what one process would."""
+    import torch.distributed as dist
+
+    rank, size = world()
+    out, have, start, count = [], 0, 0, size * FIRST_ROUND
+    while start < len(order) and (want is None or have < want):
+        batch = order[start:start + count]
+        mine = [_encode(docs[i], tokenizer, tokenizer.eos_token_id) for i in batch[rank::size]]
+        flat = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.long)
+        shares: list = [None] * size
+        dist.all_gather_object(shares, ([len(ids) for ids in mine], flat))
+        split = [iter(torch.split(flat, lengths)) for lengths, flat in shares]
+        for j in range(len(batch)):
+            out.append(next(split[j % size]))
+            have += len(out[-1])
+            if want is not None and have >= want:
+                break
+        start += len(batch)
+        if want is not None and have < want:
+            docs_wanted = math.ceil((want - have) * start / max(have, 1))
+            count = size * max(1, min(math.ceil(docs_wanted / size), math.ceil(2 * start / size)))
+    return out
 
 
 def token_blocks(spec: str, tokenizer, seq_len: int, num_blocks: int | None = None, split: str = "train",
-                 seed: int = 0) -> torch.Tensor:
+                 seed: int = 0, by_rank: bool = False) -> torch.Tensor:
     """Documents of `spec` shuffled with `seed`, tokenized, joined by EOS and cut into blocks [N, seq_len].
 
-    Only as much text as `num_blocks` needs is tokenized; `num_blocks=None` takes every full block.
+    Only as much text as `num_blocks` needs is read and tokenized; `num_blocks=None` takes every full block. With
+    `by_rank`, every process of the torchrun group calls this together: each tokenizes only its share of the
+    documents, and all get the blocks one process makes alone.
     """
     if seq_len < 2:
         raise UserError(f"--seq-len must be at least 2, got {seq_len}")
     if num_blocks is not None and num_blocks < 1:
         raise UserError(f"the number of blocks must be at least 1, got {num_blocks}")
-    texts = load_texts(spec, split)
-    random.Random(seed).shuffle(texts)
+    docs = texts(spec, split)
+    order = array("q", range(len(docs)))
+    random.Random(seed).shuffle(order)      # the order a shuffled list of the documents would have
     want = None if num_blocks is None else num_blocks * seq_len
-    ids: list[int] = []
-    for doc in _token_stream(texts, tokenizer, tokenizer.eos_token_id):
-        ids.extend(doc)
-        if want is not None and len(ids) >= want:
-            break
+    tokens = _tokens_by_rank if by_rank and world()[1] > 1 else _tokens_alone
+    ids = torch.cat(tokens(docs, order, tokenizer, want) or [torch.zeros(0, dtype=torch.long)])
     have = len(ids) // seq_len
     if have == 0 or (num_blocks is not None and have < num_blocks):
         asked = f"{num_blocks} blocks of {seq_len} tokens" if num_blocks else f"one block of {seq_len} tokens"
         raise UserError(f"{spec} ({split} split) has {len(ids)} tokens = {have} blocks of {seq_len}, but "
                         f"{asked} were asked for; use fewer or shorter blocks, or more text")
     n = have if num_blocks is None else num_blocks
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    return ids[: n * seq_len].clone().view(n, seq_len)

@@ -1,16 +1,26 @@
-"""Wikitext cleaning, dump parsing, splits, local sources and packing into token blocks."""
+"""Wikitext cleaning, dump parsing, splits, local sources and packing into token blocks; documents read lazily
+give the blocks of the eager reader they replaced, and processes that share the tokenizing give one process's
+blocks."""
 
 import io
 import json
+import os
+import random
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dofattn.data import (check_source, clean_wikitext, load_texts, local_documents, parse_wiki_dump,
+from dofattn.data import (FIRST_ROUND, check_source, clean_wikitext, load_texts, local_documents, parse_wiki_dump,
                           split_documents, token_blocks)
 from dofattn.errors import UserError
+from tests.conftest import TEXT
 
 WIKITEXT = """{{Infobox person | name = Ada | birth_date = 1815}}
 '''Ada Lovelace''' was an [[England|English]] [[mathematician]].<ref>{{cite book|title=Ada}}</ref>
@@ -123,3 +133,193 @@ def test_too_little_text_says_how_much_there_is(tokenizer, tmp_path):
     path.write_text("The quick brown fox.")
     with pytest.raises(UserError, match=r"has \d+ tokens = 0 blocks of 64.*10 blocks of 64 tokens"):
         token_blocks(str(path), tokenizer, seq_len=64, num_blocks=10, split="all")
+
+
+# --- lazy documents against the eager reader they replaced ------------------------------------------------------
+
+def eager_documents(path: Path) -> list[tuple[str, str]]:
+    """The documents of a .jsonl or .parquet file as the eager reader read them: all texts in a list."""
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        texts = [row["text"] for row in rows]
+    else:
+        texts = [t for t in pq.read_table(path).column("text").to_pylist() if isinstance(t, str)]
+    return [(f"{path.name}:{i}", text) for i, text in enumerate(texts) if text.strip()]
+
+
+def eager_blocks(texts: list[str], tokenizer, seq_len: int, num_blocks: int | None, seed: int) -> torch.Tensor:
+    """The eager packing: the list of texts shuffled, tokenized in order until it holds num_blocks blocks."""
+    texts = list(texts)
+    random.Random(seed).shuffle(texts)
+    ids = []
+    for text in texts:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if num_blocks is not None and len(ids) >= num_blocks * seq_len:
+            break
+    n = num_blocks or len(ids) // seq_len
+    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+
+
+WORDS = TEXT.split()
+
+
+def corpus_texts(count: int, seed: int = 0) -> list:
+    """Texts of 3 to 60 words, with empty, whitespace-only and missing ones mixed in."""
+    rng = random.Random(seed)
+    odd = ["", "   ", "\n\t", "\u3000\x1c", None]
+    return [odd[i % 5] if i % 7 == 3 else " ".join(rng.choices(WORDS, k=rng.randint(3, 60))) + f" {i}."
+            for i in range(count)]
+
+
+@pytest.fixture
+def hf_dataset(tmp_path, monkeypatch):
+    """A dataset saved to disk, which `datasets.load_dataset` gives back memory-mapped, for any name and split."""
+    datasets = pytest.importorskip("datasets")
+
+    def save(texts: list, name: str = "ds") -> str:
+        datasets.Dataset.from_dict({"text": texts, "id": list(range(len(texts)))}).save_to_disk(tmp_path / name)
+        return str(tmp_path / name)
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config=None, split=None: datasets.load_from_disk(name))
+    return save
+
+
+def test_arrow_whitespace_is_pythons():
+    """Empty documents are found in Arrow, without a Python string per document: it must strip what
+    `str.strip` strips, for every code point."""
+    chars = [chr(c) for c in range(sys.maxunicode + 1) if not 0xD800 <= c <= 0xDFFF]
+    arrow_empty = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(pa.array(chars))), 0).to_pylist()
+    assert arrow_empty == [not c.strip() for c in chars]
+
+
+@pytest.mark.parametrize("seq_len,num_blocks,seed", [(16, 5, 0), (32, 3, 7), (24, None, 1)])
+def test_hf_blocks_equal_the_eager_readers(tokenizer, hf_dataset, seq_len, num_blocks, seed):
+    texts = corpus_texts(120)
+    spec = "hf:" + hf_dataset(texts)
+    eager = [t for t in texts if isinstance(t, str) and t.strip()]    # the eager reader's list of the column
+    assert len(eager) < len(texts)
+    for split in ("train", "all"):
+        blocks = token_blocks(spec, tokenizer, seq_len, num_blocks, split=split, seed=seed)
+        assert torch.equal(blocks, eager_blocks(eager, tokenizer, seq_len, num_blocks, seed))
+    assert load_texts(spec, "validation") == eager
+
+
+@pytest.mark.parametrize("split", ["train", "validation", "all"])
+def test_local_blocks_equal_the_eager_readers(tokenizer, tmp_path, split):
+    """A folder of a .jsonl and a .parquet file with empty and missing texts, and a file of one document."""
+    texts = corpus_texts(150, seed=1)
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" + "\n" * (i % 11 == 0)
+                                              for i, t in enumerate(texts[:80]) if t is not None))
+    pq.write_table(pa.table({"text": texts[80:], "n": list(range(70))}), tmp_path / "b.parquet",
+                   row_group_size=16)
+    docs = eager_documents(tmp_path / "a.jsonl") + eager_documents(tmp_path / "b.parquet")
+    want = split_documents(docs, split)
+    assert load_texts(str(tmp_path), split) == want
+    for num_blocks in (4, None):
+        blocks = token_blocks(str(tmp_path), tokenizer, 16, num_blocks, split=split, seed=3)
+        assert torch.equal(blocks, eager_blocks(want, tokenizer, 16, num_blocks, 3))
+    one = tmp_path / "one.jsonl"              # a single document is split by characters
+    one.write_text(json.dumps({"text": "\n".join(texts[:40:7])}) + "\n" + json.dumps({"text": " "}) + "\n")
+    assert load_texts(str(one), split) == split_documents(eager_documents(one), split)
+
+
+def test_bad_utf8_in_jsonl_is_one_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps({"text": "ok"}).encode() + b"\n" + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"latin1.jsonl:2 is not UTF-8"):
+        load_texts(str(path), "all")
+
+
+@pytest.mark.parametrize("source", ["hf", "jsonl"])
+def test_only_the_documents_tokenized_are_held_as_python_strings(tokenizer, hf_dataset, tmp_path, source):
+    """2000 documents of 5000 characters (10 MB); a few blocks need a handful. The Python memory at its peak stays
+    far below the text's size, where reading every text into a list exceeds it."""
+    texts = [(" ".join(WORDS) * 9)[:4990] + f" {i:04d}" for i in range(2000)]
+    if source == "hf":
+        spec = "hf:" + hf_dataset(texts)
+    else:
+        spec = str(tmp_path / "big.jsonl")
+        Path(spec).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    calls = []
+
+    def counting(text, **kwargs):
+        calls.append(text)
+        return tokenizer(text, **kwargs)
+    counting.eos_token_id = tokenizer.eos_token_id
+
+    size = sum(len(t) for t in texts)
+    tracemalloc.start()
+    try:
+        blocks = token_blocks(spec, counting, 64, 4, split="all")
+        lazy = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        eager = load_texts(spec, "all")
+        whole = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert blocks.shape == (4, 64) and len(eager) == 2000
+    assert len(calls) <= 2                      # a document holds more than 64 x 4 tokens
+    assert whole > size and lazy < size / 10, (lazy, whole, size)
+
+
+SCRIPT = """
+import json, sys
+import datasets
+import torch
+from dofattn.data import token_blocks
+from dofattn.distill.world import join, world
+from tests.conftest import tiny_tokenizer
+
+datasets.load_dataset = lambda name, config=None, split=None: datasets.load_from_disk(name)
+spec, out = sys.argv[1], sys.argv[2]
+join("cpu")
+rank = world()[0]
+tokenizer = tiny_tokenizer()
+calls = []
+
+def counting(text, **kwargs):
+    calls.append(text)
+    return tokenizer(text, **kwargs)
+counting.eos_token_id = tokenizer.eos_token_id
+
+result = {}
+for name, seq_len, num_blocks in (("some", 32, 400), ("every", 24, None)):
+    calls.clear()
+    blocks = token_blocks(spec, counting, seq_len, num_blocks, split="train", seed=5, by_rank=True)
+    result[name] = {"blocks": blocks.tolist(), "calls": len(calls)}
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(result, f)
+"""
+
+
+def test_two_gloo_processes_tokenize_their_shares_into_one_processs_blocks(tokenizer, hf_dataset, tmp_path):
+    """A pool of a Hugging Face dataset and a local file: 400 blocks (about 120 documents), and every block."""
+    (tmp_path / "more.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_texts(90, 2)
+                                                 if t is not None))
+    spec = "hf:" + hf_dataset(corpus_texts(300)) + "+" + str(tmp_path / "more.jsonl")
+    alone = {}
+    for name, seq_len, num_blocks in (("some", 32, 400), ("every", 24, None)):
+        calls = []
+
+        def counting(text, **kwargs):
+            calls.append(text)
+            return tokenizer(text, **kwargs)
+        counting.eos_token_id = tokenizer.eos_token_id
+        alone[name] = (token_blocks(spec, counting, seq_len, num_blocks, split="train", seed=5, by_rank=True),
+                       len(calls))
+    script = tmp_path / "blocks.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           spec, str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for name, (blocks, calls) in alone.items():
+        for rank in ranks:
+            assert torch.equal(torch.tensor(rank[name]["blocks"]), blocks), name
+        shares = [rank[name]["calls"] for rank in ranks]
+        # each about half of what one process tokenizes; at most one round's surplus beyond
+        assert sum(shares) >= calls and max(shares) <= calls / 2 + FIRST_ROUND, (name, shares, calls)
+    assert sum(rank["every"]["calls"] for rank in ranks) == alone["every"][1]     # every document once

@@ -51,13 +51,14 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
                         f"has {len(candidates)} layers that may be linearized")
     # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
     lw, e2e = r.layerwise, r.end_to_end
-    train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed)
+    # under torchrun each process tokenizes a share of the documents; all get the same blocks
+    train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed, by_rank=True)
     e2e_train = train
     if e2e.steps and (r.end_to_end_blocks, e2e.seq_len) != tuple(train.shape):
         e2e_train = token_blocks(r.run.data, tokenizer, e2e.seq_len, r.end_to_end_blocks, split="train",
-                                 seed=r.run.seed)
+                                 seed=r.run.seed, by_rank=True)
     valid = token_blocks(r.run.eval_data or r.run.data, tokenizer, r.eval.seq_len, r.eval.blocks,
-                         split="validation", seed=0)
+                         split="validation", seed=0, by_rank=True)
     copied = False
     if rank == 0:                                  # after the model loaded: a typo in the model leaves no folder
         if continue_from:
