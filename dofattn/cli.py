@@ -446,7 +446,9 @@ def _recall_tasks(spec: str) -> list[str]:
 
 def _recall_lengths(spec: str, config) -> list[int]:
     """--lengths: 'auto' (1024, 2048, ... up to the model's context) or comma-separated token counts."""
-    context = getattr(config, "max_position_embeddings", None)
+    from dofattn.hf import context_length
+
+    context = context_length(config)
     if spec == "auto":
         if not context:
             raise UserError("the model names no context length; pass --lengths, e.g. --lengths 1024,2048,4096")

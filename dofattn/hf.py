@@ -56,6 +56,12 @@ def local_layers(config: PretrainedConfig) -> list[int]:
     return [i for i, kind in enumerate(types) if kind in LOCAL_TYPES]
 
 
+def context_length(config: PretrainedConfig) -> int | None:
+    """The longest context the model was made for (`max_position_embeddings`, which GPT-2's config maps to its
+    n_positions), or None where its config names none."""
+    return getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
 def softmax_implementation(config: PretrainedConfig) -> str:
     """The HF attention implementation a family's softmax layers run with: eager where its logits are soft-capped
     (Gemma 2's attn_logit_softcapping, which SDPA cannot apply), SDPA elsewhere."""

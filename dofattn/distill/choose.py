@@ -18,6 +18,7 @@ from pathlib import Path
 from dofattn.distill.world import barrier, world
 from dofattn.io import write_atomic
 from dofattn.dof import DofResult, allocate_dims, attention_dofs, sample_points
+from dofattn.hf import context_length
 from dofattn.recall import COPY_BLOCKS, COPY_SEQ_LEN, COPY_SPAN, copy_scores
 from dofattn.recipe import Recipe
 from dofattn.student import head_layout, resolve_dims
@@ -74,7 +75,7 @@ def softmax_layers(recipe: Recipe, model, tokenizer, out: Path, candidates: list
                            "layers": [sum(h) / len(h) for h in heads], "heads": heads}, indent=2)
 
     def estimate_copy() -> str:
-        context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        context = context_length(model.config)
         seq_len = min(COPY_SEQ_LEN, context) if context else COPY_SEQ_LEN
         blocks = token_blocks(recipe.run.data, tokenizer, seq_len, COPY_BLOCKS, split="train", seed=recipe.run.seed)
         heads = copy_scores(model, blocks, COPY_SPAN, progress=True)
