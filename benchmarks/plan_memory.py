@@ -1,0 +1,131 @@
+"""The dry run's memory plan against one measured end-to-end step of the same student, on CPU or CUDA.
+
+    python benchmarks/plan_memory.py --model tests/configs/qwen2.5-1.5b --device cuda --dtype bfloat16 \
+        --set end_to_end.seq_len=2048 --out plan_memory.json
+    python benchmarks/plan_memory.py --model tests/configs/qwen2.5-1.5b --layers 4 --set end_to_end.seq_len=256
+
+The model is built from its config.json with random weights (no download; `--layers N` keeps its first N layers),
+linearized as the recipe says (DoF dims at the budget's mean, the softmax layers the plan assumes), and takes one
+step as `dofattn distill` does: the loss (teacher and student, in chunks, checkpointed layers if the recipe says so),
+its backward pass and Adam's step, in one process. Measured: on CUDA the rise of `torch.cuda.max_memory_allocated`
+over what the model holds; on CPU the most bytes of tensors alive at once (a dispatch mode follows every storage made
+during the step). Printed beside the plan's total less the weights and student tensors (`dofattn.distill.plan`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages made since it began and still alive (`now`), and their most (`peak`)."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.now = self.peak = 0
+        self.seen = {t.untyped_storage().data_ptr() for t in existing}
+
+    def _free(self, key, size):
+        self.seen.discard(key)
+        self.now -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() and storage.data_ptr() not in self.seen:
+                    self.seen.add(storage.data_ptr())
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._free, storage.data_ptr(), storage.nbytes())
+        return out
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from dofattn import recipe as recipes
+    from dofattn.distill.end_to_end import layers_checkpointed, loss
+    from dofattn.distill.plan import make_plan, model_config
+    from dofattn.lora import add_lora
+    from dofattn.spec import StudentSpec
+    from dofattn.student import attention_modules, build, is_student_tensor
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a folder with config.json (or anything run.model takes)")
+    parser.add_argument("--recipe", default="default")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+
+    recipe = recipes.load(args.recipe, args.set, {"run.model": args.model, "run.dtype": args.dtype})
+    config = model_config(args.model)
+    if args.layers:
+        config.num_hidden_layers = args.layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:args.layers]
+    plan = make_plan(recipe, 1, config=config)
+    memory, s, e2e = plan.memory, recipe.student, recipe.end_to_end
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device).eval()
+    dims = plan.layers.dims or [round(plan.layers.mean_dim)] * plan.layers.count
+    spec = StudentSpec(base_model=args.model, feature=s.feature, dims=dims, layers=plan.layers.linear, seed=0,
+                       base={}, window=s.window, sink=s.sink, decay=s.decay, conv=s.conv, delta=s.delta,
+                       lora_rank=s.lora_rank, lora_alpha=float(s.lora_rank), lora_targets=s.lora_targets)
+    build(model, spec)
+    if s.lora_rank and not any(".lora_" in n for n, _ in model.named_parameters()):
+        add_lora(model, s.lora_rank, seed=0, targets=s.lora_targets)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_student_tensor(name))
+    for module in attention_modules(model):
+        if hasattr(module, "dofattn"):
+            module.dofattn.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trained, lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, (e2e.batch_size, e2e.seq_len), device=args.device)
+    cuda = args.device.startswith("cuda")
+    live = contextlib.nullcontext() if cuda else LiveBytes([*model.parameters(), *model.buffers(), ids])
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    with layers_checkpointed(model) if e2e.activation_checkpointing else contextlib.nullcontext(), live:
+        loss(model, ids, e2e.kd_weight, e2e.loss_chunk).backward()
+        optimizer.step()
+    if cuda:
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - before
+    else:
+        measured = live.peak
+    planned = memory.total - memory.weights - memory.student
+    row = {"model": args.model, "layers": plan.layers.count, "device": args.device, "dtype": args.dtype,
+           "recipe": recipe.name, "sets": args.set, "batch_size": e2e.batch_size, "seq_len": e2e.seq_len,
+           "loss_chunk": e2e.loss_chunk, "activation_checkpointing": e2e.activation_checkpointing,
+           "planned_mib": round(planned / 2**20, 1), "measured_mib": round(measured / 2**20, 1),
+           "ratio": round(planned / measured, 3), "plan": {k: round(v / 2**20, 1) for k, v in
+                                                          (("activations", memory.activations),
+                                                           ("recompute", memory.recompute), ("loss", memory.loss),
+                                                           ("gradients", memory.gradients), ("adam", memory.adam))},
+           "step_seconds": round(time.perf_counter() - start, 2)}
+    print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(row, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
