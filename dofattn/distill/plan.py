@@ -215,13 +215,14 @@ def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[
 
 def plan_tokens(recipe: Recipe, config, world: int) -> Tokens:
     from dofattn.distill.choose import (ATTENTION_DOF_BLOCKS, ATTENTION_DOF_SEQ_LEN, DOF_BLOCKS, DOF_SEQ_LEN)
+    from dofattn.hf import context_length
     from dofattn.recall import COPY_BLOCKS, COPY_SEQ_LEN
 
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
     dof = DOF_BLOCKS * DOF_SEQ_LEN if s.dims in ("dof", "clip") else 0
     choice = 0
     if s.keep_softmax and s.keep_softmax_by == "copy":
-        context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        context = context_length(config)                  # as choose.softmax_layers sizes the copy probe
         choice = COPY_BLOCKS * (min(COPY_SEQ_LEN, context) if context else COPY_SEQ_LEN)
     elif s.keep_softmax:
         choice = ATTENTION_DOF_BLOCKS * min(recipe.eval.seq_len, ATTENTION_DOF_SEQ_LEN)
