@@ -21,7 +21,7 @@ How the numbers are made:
   Per layer, from the family's code: each RMSNorm keeps a float32 copy of its input and the inverse norm (4h + 4
   bytes per token, whatever the dtype); a gated MLP its gate, activation and up projection (3 × intermediate); frozen
   projections keep nothing (their weight is all their backward needs); a kept softmax layer its q, k, v, output and
-  log-sum-exp. The linear attention itself is measured, not modelled: one layer of the student's shape runs on
+  log-sum-exp (SDPA; eager, for soft-capped logits, its [T, T] weights). The linear attention itself is measured, not modelled: one layer of the student's shape runs on
   random q/k/v of `PROBE_TOKENS` tokens with autograd, and what it keeps is counted per token (`attention_probe`).
   Layers before the first one with a trained tensor keep nothing. With activation checkpointing each layer keeps its
   input, and the backward pass holds one layer's activations at a time.
@@ -438,10 +438,9 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
     tokens_per_block = e2e.seq_len
     probe_len = min(max(PROBE_TOKENS, 2 * s.window), tokens_per_block)
     probe = (0, 0)
-    if e2e.steps:                    # at the mean dim (what a layer keeps is linear in it); per position: a part per
+    if e2e.steps:                    # at the mean dim: what a layer keeps is linear in it
         one = builds.get(round(mean_dim)) or linear_layer(recipe, heads, kv_heads, head_dim, round(mean_dim))
-        # sequence of the batch, and a part shared by them
-        probe = []
+        probe = []                   # per position: a part per sequence of the batch, and a part they share
         for grad in (True, False):
             single, double = (attention_probe(one, b, probe_len, dtype, grad) / probe_len for b in (1, 2))
             probe.append((double - single) * e2e.batch_size + (2 * single - double))
