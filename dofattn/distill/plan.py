@@ -23,8 +23,9 @@ How the numbers are made:
   projections keep nothing (their weight is all their backward needs); a kept softmax layer its q, k, v, output and
   log-sum-exp (SDPA; eager, for soft-capped logits, its [T, T] weights). The linear attention itself is measured,
   not modelled: one layer of the student's shape runs on random q/k/v of `PROBE_TOKENS` tokens with autograd, and
-  what it keeps is counted per token (`attention_probe`). Layers before the first one with a trained tensor keep nothing. With activation checkpointing each layer keeps its
-  input, and the backward pass holds one layer's activations at a time.
+  what it keeps is counted per token (`attention_probe`). Layers before the first one with a trained tensor keep
+  nothing. With activation checkpointing each layer keeps its input, and the backward pass holds one layer's
+  activations at a time.
 - The loss (`end_to_end.loss`): the LM head runs on `loss_chunk` positions at a time; at its peak, inside the KL
   term, the phase holds five float32 [batch, chunk, vocab] arrays (the student's and the teacher's
   log-probabilities, the teacher's probabilities, their difference and its product; three without the KL term:
