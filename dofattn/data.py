@@ -58,6 +58,7 @@ TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 if TYPE_CHECKING:
     import pyarrow as pa
 
+PASS_ROWS = 4096  # rows of an Arrow column looked at together when finding its non-empty texts
 FIRST_ROUND = 8  # documents per process in the first round of a tokenization shared by the processes
 Document = tuple[str, str]  # (key, text): the key decides the split
 
@@ -174,24 +175,35 @@ class Pool(Sequence[str]):
         return (text for part in self.parts for text in part)
 
 
+def _strings(piece: pa.Array) -> pa.Array | None:
+    """`piece` as an Arrow string array, or None where its values are not strings."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(piece.type):
+        piece = piece.dictionary_decode()
+    if str(piece.type) == "string_view":
+        piece = piece.cast(pa.large_string())
+    return piece if pa.types.is_string(piece.type) or pa.types.is_large_string(piece.type) else None
+
+
 def _arrow_texts(column: pa.ChunkedArray) -> tuple[Texts, np.ndarray]:
     """The strings of an Arrow column that are not empty or whitespace, read from the column (memory-mapped or in
-    memory) one at a time, and each one's position among the column's strings. No Python string is made here:
-    Arrow's whitespace is Python's `str.isspace` (a test checks every code point)."""
-    import pyarrow as pa
+    memory) one at a time, and each one's position among the column's strings. The pass that finds them goes
+    PASS_ROWS rows at a time in Arrow and makes no Python string: Arrow's whitespace is `str.strip`'s (a test
+    checks every code point)."""
     import pyarrow.compute as pc
 
     rows, positions, seen, strings = [], [], 0, 0
     for chunk in column.chunks:
-        if pa.types.is_dictionary(chunk.type):
-            chunk = chunk.dictionary_decode()
-        if pa.types.is_string(chunk.type) or pa.types.is_large_string(chunk.type):
-            valid = np.asarray(chunk.is_valid())
-            full = np.asarray(pc.fill_null(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(chunk)), 0), False))
-            keep = np.flatnonzero(full)
-            rows.append(keep + seen)
-            positions.append(np.cumsum(valid)[keep] - 1 + strings)
-            strings += int(valid.sum())
+        for start in range(0, len(chunk), PASS_ROWS):
+            piece = _strings(chunk.slice(start, PASS_ROWS))
+            if piece is not None:
+                valid = piece.is_valid().to_numpy(zero_copy_only=False)
+                full = pc.fill_null(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(piece)), 0), False)
+                keep = np.flatnonzero(full.to_numpy(zero_copy_only=False))
+                rows.append(keep + seen + start)
+                positions.append(np.cumsum(valid)[keep] - 1 + strings)
+                strings += int(valid.sum())
         seen += len(chunk)
     rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
     positions = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
@@ -441,11 +453,18 @@ def token_blocks(spec: str, tokenizer, seq_len: int, num_blocks: int | None = No
     random.Random(seed).shuffle(order)      # the order a shuffled list of the documents would have
     want = None if num_blocks is None else num_blocks * seq_len
     tokens = _tokens_by_rank if by_rank and world()[1] > 1 else _tokens_alone
-    ids = torch.cat(tokens(docs, order, tokenizer, want) or [torch.zeros(0, dtype=torch.long)])
-    have = len(ids) // seq_len
+    per_doc = tokens(docs, order, tokenizer, want)
+    total = sum(len(ids) for ids in per_doc)
+    have = total // seq_len
     if have == 0 or (num_blocks is not None and have < num_blocks):
         asked = f"{num_blocks} blocks of {seq_len} tokens" if num_blocks else f"one block of {seq_len} tokens"
-        raise UserError(f"{spec} ({split} split) has {len(ids)} tokens = {have} blocks of {seq_len}, but "
+        raise UserError(f"{spec} ({split} split) has {total} tokens = {have} blocks of {seq_len}, but "
                         f"{asked} were asked for; use fewer or shorter blocks, or more text")
     n = have if num_blocks is None else num_blocks
-    return ids[: n * seq_len].clone().view(n, seq_len)
+    cut, left = [], n * seq_len                 # the documents cut to n blocks, then joined in one copy
+    for ids in per_doc:
+        if left <= 0:
+            break
+        cut.append(ids[:left])
+        left -= len(ids)
+    return torch.cat(cut).view(n, seq_len)

@@ -205,8 +205,10 @@ def test_hf_blocks_equal_the_eager_readers(tokenizer, hf_dataset, seq_len, num_b
 
 
 @pytest.mark.parametrize("split", ["train", "validation", "all"])
-def test_local_blocks_equal_the_eager_readers(tokenizer, tmp_path, split):
-    """A folder of a .jsonl and a .parquet file with empty and missing texts, and a file of one document."""
+def test_local_blocks_equal_the_eager_readers(tokenizer, tmp_path, monkeypatch, split):
+    """A folder of a .jsonl and a .parquet file with empty and missing texts (its row groups of 16 rows looked at 5
+    rows at a time), and a file of one document."""
+    monkeypatch.setattr("dofattn.data.PASS_ROWS", 5)
     texts = corpus_texts(150, seed=1)
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" + "\n" * (i % 11 == 0)
                                               for i, t in enumerate(texts[:80]) if t is not None))
