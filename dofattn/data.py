@@ -392,23 +392,25 @@ def load_texts(spec: str, split: str = "train") -> list[str]:
     return list(texts(spec, split))
 
 
-def _encode(text: str, tokenizer, eos_id: int | None) -> torch.Tensor:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor(ids + ([eos_id] if eos_id is not None else []), dtype=torch.long)
+def _encode(text: str, tokenizer, into: array) -> None:
+    """The token ids of `text`, then EOS where the tokenizer has one, appended to `into`."""
+    into.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if tokenizer.eos_token_id is not None:
+        into.append(tokenizer.eos_token_id)
 
 
-def _tokens_alone(docs: Sequence[str], order: array, tokenizer, want: int | None) -> list[torch.Tensor]:
-    """The token ids of `docs` in `order` (each followed by EOS) until they hold `want` tokens (None: all)."""
-    out, have = [], 0
+def _tokens_alone(docs: Sequence[str], order: array, tokenizer, want: int | None) -> array:
+    """The token ids of `docs` in `order` (each followed by EOS), up to the document that brings them to `want`
+    tokens (None: all)."""
+    ids = array("q")
     for i in order:
-        out.append(_encode(docs[i], tokenizer, tokenizer.eos_token_id))
-        have += len(out[-1])
-        if want is not None and have >= want:
+        _encode(docs[i], tokenizer, ids)
+        if want is not None and len(ids) >= want:
             break
-    return out
+    return ids
 
 
-def _tokens_by_rank(docs: Sequence[str], order: array, tokenizer, want: int | None) -> list[torch.Tensor]:
+def _tokens_by_rank(docs: Sequence[str], order: array, tokenizer, want: int | None) -> array:
     """`_tokens_alone`'s result on every process of the group, each process tokenizing a share: the documents go
     in rounds, document j of a round to process j mod size, and the processes gather each round's tokens. A round
     is sized to the tokens still wanted at the mean document length so far, at most twice the documents before it,
@@ -416,24 +418,26 @@ def _tokens_by_rank(docs: Sequence[str], order: array, tokenizer, want: int | No
     import torch.distributed as dist
 
     rank, size = world()
-    out, have, start, count = [], 0, 0, size * FIRST_ROUND
-    while start < len(order) and (want is None or have < want):
+    ids, start, count = array("q"), 0, size * FIRST_ROUND
+    while start < len(order) and (want is None or len(ids) < want):
         batch = order[start:start + count]
-        mine = [_encode(docs[i], tokenizer, tokenizer.eos_token_id) for i in batch[rank::size]]
-        flat = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.long)
+        mine, ends = array("q"), []
+        for i in batch[rank::size]:
+            _encode(docs[i], tokenizer, mine)
+            ends.append(len(mine))
         shares: list = [None] * size
-        dist.all_gather_object(shares, ([len(ids) for ids in mine], flat))
-        split = [iter(torch.split(flat, lengths)) for lengths, flat in shares]
+        dist.all_gather_object(shares, (ends, mine))
         for j in range(len(batch)):
-            out.append(next(split[j % size]))
-            have += len(out[-1])
-            if want is not None and have >= want:
+            share_ends, share = shares[j % size]
+            k = j // size
+            ids.extend(share[share_ends[k - 1] if k else 0:share_ends[k]])
+            if want is not None and len(ids) >= want:
                 break
         start += len(batch)
-        if want is not None and have < want:
-            docs_wanted = math.ceil((want - have) * start / max(have, 1))
+        if want is not None and len(ids) < want:
+            docs_wanted = math.ceil((want - len(ids)) * start / max(len(ids), 1))
             count = size * max(1, min(math.ceil(docs_wanted / size), math.ceil(2 * start / size)))
-    return out
+    return ids
 
 
 def token_blocks(spec: str, tokenizer, seq_len: int, num_blocks: int | None = None, split: str = "train",
@@ -453,18 +457,11 @@ def token_blocks(spec: str, tokenizer, seq_len: int, num_blocks: int | None = No
     random.Random(seed).shuffle(order)      # the order a shuffled list of the documents would have
     want = None if num_blocks is None else num_blocks * seq_len
     tokens = _tokens_by_rank if by_rank and world()[1] > 1 else _tokens_alone
-    per_doc = tokens(docs, order, tokenizer, want)
-    total = sum(len(ids) for ids in per_doc)
-    have = total // seq_len
+    ids = tokens(docs, order, tokenizer, want)
+    have = len(ids) // seq_len
     if have == 0 or (num_blocks is not None and have < num_blocks):
         asked = f"{num_blocks} blocks of {seq_len} tokens" if num_blocks else f"one block of {seq_len} tokens"
-        raise UserError(f"{spec} ({split} split) has {total} tokens = {have} blocks of {seq_len}, but "
+        raise UserError(f"{spec} ({split} split) has {len(ids)} tokens = {have} blocks of {seq_len}, but "
                         f"{asked} were asked for; use fewer or shorter blocks, or more text")
     n = have if num_blocks is None else num_blocks
-    cut, left = [], n * seq_len                 # the documents cut to n blocks, then joined in one copy
-    for ids in per_doc:
-        if left <= 0:
-            break
-        cut.append(ids[:left])
-        left -= len(ids)
-    return torch.cat(cut).view(n, seq_len)
+    return torch.frombuffer(ids, dtype=torch.long, count=n * seq_len).clone().view(n, seq_len)
