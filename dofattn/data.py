@@ -158,7 +158,7 @@ class Texts(Sequence[str]):
 
 
 class Pool(Sequence[str]):
-    """Several `Texts` as one sequence, in order."""
+    """Several sequences of documents as one, in order."""
 
     def __init__(self, parts: list[Sequence[str]]):
         self.parts = parts
