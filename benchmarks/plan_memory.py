@@ -18,36 +18,8 @@ import argparse
 import contextlib
 import json
 import time
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages made since it began and still alive (`now`), and their most (`peak`)."""
-
-    def __init__(self, existing):
-        super().__init__()
-        self.now = self.peak = 0
-        self.seen = {t.untyped_storage().data_ptr() for t in existing}
-
-    def _free(self, key, size):
-        self.seen.discard(key)
-        self.now -= size
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr() and storage.data_ptr() not in self.seen:
-                    self.seen.add(storage.data_ptr())
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._free, storage.data_ptr(), storage.nbytes())
-        return out
 
 
 def main() -> None:
@@ -55,7 +27,7 @@ def main() -> None:
 
     from dofattn import recipe as recipes
     from dofattn.distill.end_to_end import layers_checkpointed, loss
-    from dofattn.distill.plan import make_plan, model_config
+    from dofattn.distill.plan import LiveBytes, make_plan, model_config
     from dofattn.lora import add_lora
     from dofattn.spec import StudentSpec
     from dofattn.student import attention_modules, build, is_student_tensor

@@ -13,13 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dofattn import recipe as recipes
 from dofattn.cli import main
 from dofattn.distill.end_to_end import layers_checkpointed, loss
-from dofattn.distill.plan import make_plan
+from dofattn.distill.plan import LiveBytes, make_plan
 from dofattn.distill.teacher import TeacherCache
 from dofattn.lora import add_lora
 from dofattn.student import head_layout, is_student_tensor, linearize
@@ -88,33 +86,6 @@ def test_dry_run_shows_given_dims_and_refuses_bad_input_in_one_line(capsys, tmp_
     assert code == 2 and "WORLD_SIZE" in err
     code, _, err = (main(["distill", "--json"]), *capsys.readouterr())
     assert code == 2 and "--dry-run" in err
-
-
-class LiveBytes(TorchDispatchMode):
-    """While active: bytes of the storages made by operators since it began and still alive (`now`), and their most
-    (`peak`). Storages that exist before (`existing`: weights, inputs) never count, even through views."""
-
-    def __init__(self, existing):
-        super().__init__()
-        self.now = self.peak = 0
-        self.seen = {t.untyped_storage().data_ptr() for t in existing}
-
-    def _free(self, key, size):
-        self.seen.discard(key)
-        self.now -= size
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.seen:
-                    self.seen.add(key)
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
-        return out
 
 
 def saved_bytes(run, existing) -> int:

@@ -30,7 +30,8 @@ How the numbers are made:
   term, the phase holds five float32 [batch, chunk, vocab] arrays (the student's and the teacher's
   log-probabilities, the teacher's probabilities, their difference and its product; three without the KL term:
   log-probabilities and two gradients) and the teacher's last hidden states.
-`tests/test_plan.py` measures one end-to-end step of a small student on the CPU and compares.
+`tests/test_plan.py` measures one end-to-end step of a small student on the CPU and compares, with `LiveBytes`
+(every storage the step makes, followed while alive), as `benchmarks/plan_memory.py` does.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dofattn.errors import UserError
 from dofattn.recipe import Recipe
@@ -287,6 +290,33 @@ def attention_probe(layer: torch.nn.Module, batch: int, tokens: int, dtype: torc
         kept = saved.bytes(exclude=[*layer.parameters(), *layer.buffers()])
     del out
     return kept
+
+
+class LiveBytes(TorchDispatchMode):
+    """While active: bytes of the storages made by operators since it began and still alive (`now`), and their most
+    (`peak`). Storages that exist before (`existing`: weights, inputs) never count, even through views."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.now = self.peak = 0
+        self.seen = {t.untyped_storage().data_ptr() for t in existing}
+
+    def _free(self, key, size):
+        self.seen.discard(key)
+        self.now -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.seen:
+                    self.seen.add(key)
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
 
 
 class saved_tensors:
