@@ -281,7 +281,7 @@ class DofResult:
         saturated = [layer.layer for layer in self.layers if layer.dof >= SATURATION * self.samples]
         if saturated:
             out.append(f"DoF saturates (>= {SATURATION:.0%} of J = {self.samples}) in {len(saturated)} of "
-                       f"{len(dofs)} layers ({_ranges(saturated)}): lam={self.lam:g} ({self.lam_scale}) is below "
+                       f"{len(dofs)} layers ({spans(saturated)}): lam={self.lam:g} ({self.lam_scale}) is below "
                        f"the kernel's spectrum, so DoF only counts J; raise --lam (or use --lam-scale trace)")
         if dofs and min(dofs) > 0 and max(dofs) / min(dofs) < FLAT_SPREAD:
             out.append(f"layer DoF is flat (max/min = {max(dofs) / min(dofs):.2f}): the allocation is close to "
@@ -298,7 +298,8 @@ class DofResult:
         return cls(**raw)
 
 
-def _ranges(items: list[int]) -> str:
+def spans(items: list[int]) -> str:
+    """Sorted integers as runs: [0, 1, 2, 5] -> "0-2, 5"."""
     spans, start = [], None
     for i, x in enumerate(items):
         if start is None:

@@ -46,6 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dofattn.dof import spans
 from dofattn.errors import UserError
 from dofattn.recipe import Recipe
 
@@ -513,25 +514,13 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
 
 
-def _spans(layers: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    out, start = [], None
-    for i, x in enumerate(layers):
-        if start is None:
-            start = x
-        if i + 1 == len(layers) or layers[i + 1] != x + 1:
-            out.append(str(start) if start == x else f"{start}-{x}")
-            start = None
-    return ", ".join(out) or "none"
-
-
 def format_plan(plan: Plan) -> str:
     L, t, m, r = plan.layers, plan.tokens, plan.memory, plan.recipe
     rows = [f"plan of recipe {r} on {plan.model} ({plan.model_type}, {_count(plan.parameters)} parameters); "
             f"nothing loaded, nothing written", ""]
     rows.append(f"layers          {L.count}: {L.heads} query heads, {L.kv_heads} key/value heads of {L.head_dim}; "
                 f"hidden {L.hidden}, MLP {L.intermediate}, vocabulary {L.vocab}")
-    rows.append(f"  linearized    {len(L.linear)}: {_spans(L.linear)}")
+    rows.append(f"  linearized    {len(L.linear)}: {spans(L.linear) or 'none'}")
     if L.dims is not None:
         shown = sorted(set(L.dims[i] for i in L.linear))
         dims = (f"{shown[0]} in every layer" if len(shown) == 1 else
@@ -542,7 +531,7 @@ def format_plan(plan: Plan) -> str:
     rows.append(f"  feature dims  {dims}")
     kept = []
     if L.local:
-        kept.append(f"{len(L.local)} sliding-window layers of the model ({_spans(L.local)})")
+        kept.append(f"{len(L.local)} sliding-window layers of the model ({spans(L.local)})")
     if L.keep_softmax:
         kept.append(f"{L.keep_softmax} chosen at run time by {L.keep_softmax_by} (student.keep_softmax)")
     rows.append(f"  softmax kept  {'; '.join(kept) or 'none'}")
