@@ -59,29 +59,30 @@ def write_json(path: str | Path, obj, indent: int | None = None) -> Path:
     return write_atomic(path, json.dumps(obj, indent=indent))
 
 
-def read_safetensors(path: str | Path, device: str = "cpu") -> tuple[dict, dict]:
-    """(tensors, metadata) of a safetensors file; a one-line UserError naming the file if it is missing, truncated or
-    not a safetensors file at all (instead of the reader's own traceback)."""
+@contextmanager
+def _safetensors(path: str | Path, device: str = "cpu"):
+    """A safetensors file opened for reading; a one-line UserError naming the file if it is missing, truncated or not
+    a safetensors file at all (instead of the reader's own traceback). The reader checks on opening that the header's
+    tensors cover the file exactly."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path} is missing; copy it again, or rerun what wrote it")
     try:
         with safe_open(str(path), "pt", device=device) as f:
-            return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+            yield f
     except SafetensorError as err:
         raise UserError(f"{path} is damaged ({err}): a truncated or partial copy? Copy it again, or rerun what wrote "
                         f"it") from None
+
+
+def read_safetensors(path: str | Path, device: str = "cpu") -> tuple[dict, dict]:
+    """(tensors, metadata) of a safetensors file, or the one-line UserError of `_safetensors`."""
+    with _safetensors(path, device) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
 
 
 def check_safetensors(path: str | Path) -> None:
     """The same one-line UserError as `read_safetensors` for a missing, truncated or foreign file, from its header
-    alone (the reader checks that the header's tensors cover the file exactly); no tensor is read."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path} is missing; copy it again, or rerun what wrote it")
-    try:
-        with safe_open(str(path), "pt") as f:
-            f.keys()
-    except SafetensorError as err:
-        raise UserError(f"{path} is damaged ({err}): a truncated or partial copy? Copy it again, or rerun what wrote "
-                        f"it") from None
+    alone; no tensor is read."""
+    with _safetensors(path) as f:
+        f.keys()
