@@ -260,8 +260,9 @@ def _source(path: Path) -> tuple[Path, Path | None]:
         return path, None
     from dofattn.distill.run_folder import RunFolder
 
-    done = ((RunFolder(path).log or {}).get("end_to_end") or {})
-    steps = RunFolder(path).recipe.end_to_end.steps
+    run = RunFolder(path)
+    done = (run.log or {}).get("end_to_end") or {}
+    steps = run.recipe.end_to_end.steps
     if done and not done.get("stopped") and done.get("steps", 0) < steps:   # e.g. a --continue-from copy going on
         raise UserError(f"--model {path} is a distill run going on ({done.get('steps', 0)} of {steps} end-to-end "
                         f"steps): its student and log are not this recipe's yet; finish the run first")
