@@ -175,6 +175,8 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
     weights (faster inference, but the base model, i.e. the teacher, is gone)."""
     from transformers import AutoTokenizer
 
+    from dofattn.hf import padded
+
     folder = Path(folder)
     config = read_config(folder)
     if config is None:
@@ -197,13 +199,11 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
         raise UserError(f"{folder} has no usable tokenizer ({first}); copy the export again, or export again") \
             from None
     model = model_cls.from_pretrained(folder, config=hf_config, dtype=dtype).to(device).eval()
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     if merge_lora and spec.lora_rank:
         from dofattn.lora import merge_lora as merge
 
         merge(model)
-    return model, tokenizer, spec
+    return model, padded(tokenizer), spec
 
 
 def weight_files(folder: Path) -> list[str]:

@@ -190,6 +190,13 @@ def _load_config(source: str | Path, spec: str) -> PretrainedConfig:
         raise UserError(f"cannot load model {spec!r}: {first} {hint}") from None
 
 
+def padded(tokenizer):
+    """`tokenizer`, padding with its EOS token where it names no pad token (batched generation needs one)."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[PreTrainedModel, object]:
     """Load a causal LM and its tokenizer from an alias, a .gguf file, a folder or a hub id; eval mode."""
@@ -215,6 +222,4 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32,
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
                                                      attn_implementation=softmax_implementation(config))
         tokenizer = AutoTokenizer.from_pretrained(source)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), padded(tokenizer)
