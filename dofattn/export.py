@@ -11,9 +11,10 @@ Anyone with dofattn installed then loads it the usual way:
 The folder holds
     config.json             the base model's config with model_type "dofattn", the student's spec under "dofattn",
                             what the export did under "dofattn_export", and an auto_map to modeling_dofattn.py
-    modeling_dofattn.py     DofattnConfig and DofattnForCausalLM: subclasses of the base family's own classes
-                            (LlamaForCausalLM, ...) whose __init__ builds the student into the model (`make_student`),
-                            so the parameter names are the student's and the weights load as they are
+    modeling_dofattn.py     one line that binds DofattnConfig and DofattnForCausalLM, made by dofattn's one
+                            factory (`student_classes`): subclasses of the base family's own classes (LlamaForCausalLM,
+                            ...) whose __init__ builds the student into the model (`make_student`), so the parameter
+                            names are the student's and the weights load as they are
     model.safetensors       every tensor of the student under its own name: the base model's in --dtype; the
                             student's own (feature maps, window gains, LoRA adapters) in float32, as they train and
                             as a dofattn student keeps them on a 16-bit base model. Above 5 GB, shards
@@ -26,12 +27,13 @@ config's `model_type` is the base family's again, which dofattn's per-family tab
 
 LoRA adapters survive an export as peft layers (the base weights stay the teacher's, so `dofattn eval` can still
 compare with it); `merge_lora` folds them into the projections instead, and the folder is then the base
-architecture plus the linear attention, without peft. `load_export` makes the modeling file's two classes inside
-dofattn (`student_classes`): dofattn itself runs no code from a folder it is given.
+architecture plus the linear attention, without peft. `load_export` gets the same two classes from
+`student_classes` itself: dofattn runs no code from a folder it is given.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -55,40 +57,56 @@ CARD_FILE = "README.md"
 # Parameter-name parts of the tensors kept in float32 on a 16-bit base (transformers' keep-in-fp32 globs).
 FLOAT32_MODULES = ["dofattn", "lora_"]
 
-MODELING_TEMPLATE = '''"""A dofattn student of {base_model}: {model_class} with linear attention, written by
-`dofattn export` (dofattn {version}).
+MODELING_TEMPLATE = '''"""A dofattn student of {base_model}: transformers' {model_class} with linear attention,
+written by `dofattn export` (dofattn {version}).
 
     model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)     # needs `pip install dofattn`
 
-These are transformers' own {config_class} and {model_class}; `dofattn.export.make_student` turns the model into
-the student that config.json's "dofattn" spec describes (the same parameter names as the student's, so the weights
-load as they are), and `after_loading` restores what loading on the meta device leaves unset.
+The classes are defined once, in dofattn (`dofattn.export.student_classes`); this file names them for transformers.
 """
 
-from transformers import {config_class}, {model_class}
+from dofattn.export import student_classes
 
-from dofattn import export
-
-
-class DofattnConfig({config_class}):
-    model_type = "{model_type}"
-
-
-class DofattnForCausalLM({model_class}):
-    config_class = DofattnConfig
-    _keep_in_fp32_modules_strict = {float32_modules!r}
-
-    def __init__(self, config):
-        super().__init__(config)
-        export.make_student(self)
-
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        return export.after_loading(super().from_pretrained(*args, **kwargs))
+DofattnConfig, DofattnForCausalLM = student_classes("{model_class}", module=__name__)
 '''
 
 
-# --- inside the exported model's classes -----------------------------------------------------------------------
+# --- the exported model's classes ------------------------------------------------------------------------------
+
+@functools.cache
+def student_classes(base_architecture: str, module: str = __name__) -> tuple[type, type]:
+    """(DofattnConfig, DofattnForCausalLM) of an export whose base class is transformers' `base_architecture`
+    (LlamaForCausalLM, ...): subclasses of the family's own config and model classes whose __init__ builds the
+    student into the model (`make_student`), so the parameter names are the student's and the weights load as they
+    are. The one definition of an export's classes: the folder's modeling file binds them under its own `module`
+    name (where transformers' save_pretrained finds the file to copy), and `load_export` makes them here, so that
+    dofattn runs no code from a folder it is given. Made once per (base class, module)."""
+    import transformers
+
+    base_model = getattr(transformers, base_architecture, None)
+    if base_model is None:
+        raise UserError(f"this transformers ({transformers.__version__}) has no {base_architecture}, the export's "
+                        f"base class: install the transformers it was exported with")
+
+    class DofattnConfig(base_model.config_class):
+        model_type = MODEL_TYPE
+
+    class DofattnForCausalLM(base_model):
+        config_class = DofattnConfig
+        _keep_in_fp32_modules_strict = FLOAT32_MODULES
+
+        def __init__(self, config):
+            super().__init__(config)
+            make_student(self)
+
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            return after_loading(super().from_pretrained(*args, **kwargs))
+
+    for cls in (DofattnConfig, DofattnForCausalLM):
+        cls.__module__, cls.__qualname__ = module, cls.__name__
+    return DofattnConfig, DofattnForCausalLM
+
 
 def export_spec(data) -> StudentSpec:
     """The student spec of an export: config.json's "dofattn" entry."""
@@ -98,8 +116,9 @@ def export_spec(data) -> StudentSpec:
 
 
 def make_student(model: nn.Module) -> nn.Module:
-    """Called by DofattnForCausalLM.__init__: give the config back its base family and build the student into
-    `model` (its layers linearized, LoRA adapters added) as the config's spec says."""
+    """Called by DofattnForCausalLM.__init__ (and by the modeling files of exports older than `student_classes`):
+    give the config back its base family and build the student into `model` (its layers linearized, LoRA adapters
+    added) as the config's spec says."""
     from dofattn.student import build
 
     model.config.model_type = model.config.dofattn_export["base_model_type"]
@@ -116,8 +135,7 @@ def after_loading(loaded):
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     for module in model.modules():
         if isinstance(module, FeatureMap) and module._non_persistent_buffers_set:
-            fresh = make_feature_map(module.kind, module.num_heads, module.head_dim, module.dim, module.scaling,
-                                     head_dims=getattr(module, "head_dims", None))
+            fresh = make_feature_map(module.kind, module.num_heads, module.head_dim, module.dim, module.scaling)
             for name in module._non_persistent_buffers_set:
                 setattr(module, name, getattr(fresh, name).to(getattr(module, name).device))
     install(model)
@@ -143,32 +161,6 @@ def is_export(folder: str | Path) -> bool:
     return read_config(folder) is not None
 
 
-def student_classes(config: dict) -> tuple[type, type]:
-    """(DofattnConfig, DofattnForCausalLM) for an export's config.json: the same classes its modeling file defines,
-    made here, so that dofattn loads an export without running code from the folder."""
-    import transformers
-
-    name = config["dofattn_export"]["base_architecture"]
-    base_model = getattr(transformers, name, None)
-    if base_model is None:
-        raise UserError(f"this transformers ({transformers.__version__}) has no {name}, the export's base class: "
-                        f"install the transformers it was exported with")
-    config_cls = type("DofattnConfig", (base_model.config_class,), {"model_type": MODEL_TYPE, "__module__": __name__})
-
-    def __init__(self, config):
-        base_model.__init__(self, config)
-        make_student(self)
-
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        return after_loading(super(model_cls, cls).from_pretrained(*args, **kwargs))
-
-    model_cls = type("DofattnForCausalLM", (base_model,), {
-        "config_class": config_cls, "_keep_in_fp32_modules_strict": FLOAT32_MODULES, "__init__": __init__,
-        "from_pretrained": from_pretrained, "__module__": __name__})
-    return config_cls, model_cls
-
-
 def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 merge_lora: bool = False):
     """(model, tokenizer, spec) of the export in `folder`, in eval mode; `merge_lora` folds LoRA adapters into the
@@ -190,7 +182,7 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
         require_peft()
     for name in weight_files(folder):               # a missing or damaged file: one line, not a traceback
         check_safetensors(folder / name)
-    config_cls, model_cls = student_classes(config)
+    config_cls, model_cls = student_classes(config["dofattn_export"]["base_architecture"])
     hf_config = config_cls.from_pretrained(folder)
     try:                                            # config=: not the folder's code, nor a prompt for it
         tokenizer = AutoTokenizer.from_pretrained(folder, config=hf_config)
@@ -323,9 +315,7 @@ def export_config(model: nn.Module, spec: StudentSpec, dtype: str, lora: str, so
 
 def modeling_file(model: nn.Module, base_model: str) -> str:
     """modeling_dofattn.py for `model`'s family."""
-    return MODELING_TEMPLATE.format(base_model=base_model, version=__version__, model_type=MODEL_TYPE,
-                                    config_class=type(model.config).__name__, model_class=type(model).__name__,
-                                    float32_modules=FLOAT32_MODULES)
+    return MODELING_TEMPLATE.format(base_model=base_model, version=__version__, model_class=type(model).__name__)
 
 
 def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dtype: str = "float32",
@@ -407,21 +397,21 @@ def _move_into_place(stage: Path, out: Path) -> None:
 
 def _architecture(spec: StudentSpec, lora: str) -> list[str]:
     """The student's architecture, one card line each."""
-    linear, total = len(spec.layers), len(spec.dims)
+    linear, total, attention = len(spec.layers), len(spec.dims), spec.attention
     dims = [spec.dims[i] for i in spec.layers]
-    lines = [f"- {linear} of {total} attention layers linear, `{spec.feature}` features, "
+    lines = [f"- {linear} of {total} attention layers linear, `{attention.feature}` features, "
              + (f"{dims[0]} per head" if len(set(dims)) == 1 else
                 f"{min(dims)}-{max(dims)} per head by layer (mean {sum(dims) / len(dims):.0f})")]
     if spec.softmax_layers:
         lines.append(f"- softmax attention kept in layer{'s' if len(spec.softmax_layers) > 1 else ''} "
                      f"{', '.join(map(str, spec.softmax_layers))} (their cache grows with the context)")
-    if spec.window:
-        lines.append(f"- exact softmax attention over the last {spec.window} tokens"
-                     + (f" and the first {spec.sink}" if spec.sink else "") + ", linear attention beyond")
-    for on, text in ((spec.decay == "head", "a learned decay per head"),
-                     (spec.decay == "gate", "a decay per token (gate)"),
-                     (spec.conv, f"a short convolution of {spec.conv} tokens on q, k and v"),
-                     (spec.delta, "the delta rule")):
+    if attention.window:
+        lines.append(f"- exact softmax attention over the last {attention.window} tokens"
+                     + (f" and the first {attention.sink}" if attention.sink else "") + ", linear attention beyond")
+    for on, text in ((attention.decay == "head", "a learned decay per head"),
+                     (attention.decay == "gate", "a decay per token (gate)"),
+                     (attention.conv, f"a short convolution of {attention.conv} tokens on q, k and v"),
+                     (attention.delta, "the delta rule")):
         if on:
             lines.append(f"- {text}")
     if lora == "adapters":

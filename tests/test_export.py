@@ -14,7 +14,7 @@ from safetensors import safe_open
 from dofattn.cli import main
 from dofattn.errors import UserError
 from dofattn.export import export, is_export, load_export
-from dofattn.spec import StudentSpec
+from dofattn.spec import Attention, StudentSpec
 from dofattn.student import build, fingerprint, load_student, save_student
 from tests.conftest import tiny_model
 
@@ -23,7 +23,8 @@ IDS = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(0))
 PROMPT = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
 NEW_TOKENS = 8
 
-# What the fresh process does with each export: only transformers' own API (and dofattn, which the folder imports).
+# What the fresh process does with each export: only transformers' own API (and dofattn, which the folder imports),
+# as the model card says. The first export is also saved again, as transformers saves a remote-code model.
 RELOAD = r"""
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -32,29 +33,36 @@ cases, out = json.loads(sys.argv[1]), sys.argv[2]
 results = {}
 for name, folder in cases.items():
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     ids, prompt = torch.load(folder + "/../" + name + ".inputs.pt").values()
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits.float()
         gen = model.generate(prompt, max_new_tokens=%d, do_sample=False, return_dict_in_generate=True)
     results[name] = {"logits": logits, "tokens": gen.sequences, "attn": model.config._attn_implementation,
-                     "slots": [type(layer).__name__ for layer in gen.past_key_values.layers],
-                     "dtypes": {n: str(t.dtype) for n, t in model.state_dict().items()}}
+                     "slots": [type(layer).__name__ for layer in gen.cache.layers],
+                     "dtypes": {n: str(t.dtype) for n, t in model.state_dict().items()},
+                     "classes": [(c.__module__, c.__name__) for c in type(model).__mro__[:2]]}
+    if len(results) == 1:
+        model.save_pretrained(folder + "/../" + name + ".resaved")
+        tokenizer.save_pretrained(folder + "/../" + name + ".resaved")
 torch.save(results, out)
 """ % NEW_TOKENS
 
 
-def reload_in_fresh_process(exports: dict[str, Path], tmp: Path) -> dict:
-    """{case: what `from_pretrained(trust_remote_code=True)` gives} for every export, in one new Python process."""
+def reload_in_fresh_process(exports: dict[str, Path], tmp: Path) -> tuple[dict, str]:
+    """({case: what `from_pretrained(trust_remote_code=True)` gives} for every export, in one new Python process;
+    what that process wrote to stderr). transformers logs at its default level (warnings shown), without progress
+    bars."""
     for name, folder in exports.items():
         torch.save({"ids": IDS, "prompt": PROMPT}, folder.parent / f"{name}.inputs.pt")
     out = tmp / "reloaded.pt"
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp / "hf-modules"), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT)}
+    env = {key: value for key, value in os.environ.items() if key not in ("TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS")}
+    env.update(HF_MODULES_CACHE=str(tmp / "hf-modules"), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
+               PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", RELOAD, json.dumps({k: str(v) for k, v in exports.items()}),
                            str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out)
+    return torch.load(out), done.stderr
 
 
 def reference(model) -> dict:
@@ -67,8 +75,9 @@ def reference(model) -> dict:
 def make_student(family: str, folder: Path, base: Path, **arch):
     """A student of the tiny `family` model whose own tensors differ from a fresh build, saved in `folder`."""
     model = tiny_model(family)
-    spec = StudentSpec(base_model=str(base), feature=arch.pop("feature", "prf"), dims=[5, 12, 7],
-                       layers=arch.pop("layers", [0, 1, 2]), seed=4, base=fingerprint(model), **arch)
+    layers = arch.pop("layers", [0, 1, 2])
+    spec = StudentSpec(base_model=str(base), dims=[5, 12, 7], layers=layers, attention=Attention(**arch), seed=4,
+                       base=fingerprint(model))
     build(model, spec)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -92,15 +101,16 @@ def distill(model_dir: Path, corpus: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, model_dirs, corpus):
-    """{case: (export folder, the student's reference, the fresh process's result)} and the run folder."""
+    """{case: (export folder, the student's reference, the fresh process's result)}, the run folder, and what the
+    fresh process wrote to stderr."""
     tmp = tmp_path_factory.mktemp("export")
     students, refs = {}, {}
-    for name, family, arch in [("llama-linear", "llama", {}),
+    for name, family, arch in [("llama-linear", "llama", {"window": 0, "sink": 0}),
                                ("gpt2-window-sink", "gpt2", {"window": 8, "sink": 2}),
                                ("gpt_neox-window-sink-softmax", "gpt_neox", {"window": 8, "sink": 2,
                                                                              "layers": [0, 2]}),
                                ("llama-hedgehog-decay-conv", "llama", {"feature": "hedgehog", "decay": "head",
-                                                                      "conv": 2})]:
+                                                                      "conv": 2, "window": 0, "sink": 0})]:
         students[name] = tmp / f"student-{name}"
         refs[name] = reference(make_student(family, students[name], model_dirs[family], **arch))
     run = distill(model_dirs["llama"], corpus, tmp / "run")
@@ -113,8 +123,8 @@ def exported(tmp_path_factory, model_dirs, corpus):
     assert main(["export", "--model", str(run), "--out", str(exports["run-lora-merged"]), "--merge-lora"]) == 0
     assert main(["export", "--model", str(run), "--out", str(exports["run-lora-bfloat16"]), "--dtype",
                  "bfloat16"]) == 0
-    reloaded = reload_in_fresh_process(exports, tmp)
-    return {name: (exports[name], refs[name], reloaded[name]) for name in refs}, run
+    reloaded, stderr = reload_in_fresh_process(exports, tmp)
+    return {name: (exports[name], refs[name], reloaded[name]) for name in refs}, run, stderr
 
 
 CASES = ["llama-linear", "gpt2-window-sink", "gpt_neox-window-sink-softmax", "llama-hedgehog-decay-conv", "run-lora",
@@ -133,7 +143,7 @@ def test_a_fresh_process_loads_the_student(exported, case):
 
 
 def test_lora_adapters_survive_or_are_merged(exported):
-    cases, _ = exported
+    cases = exported[0]
     kept, merged = cases["run-lora"][2]["dtypes"], cases["run-lora-merged"][2]["dtypes"]
     assert sum(".lora_B." in n for n in kept) == 3 * 4
     assert not any(".lora_" in n or ".base_layer." in n for n in merged)      # the base architecture's names again
@@ -165,7 +175,7 @@ def test_large_weights_are_written_in_shards(exported, tmp_path):
 
 
 def test_the_card_states_base_recipe_and_evaluation(exported):
-    cases, run = exported
+    cases, run = exported[:2]
     folder = cases["run-lora"][0]
     card, log = (folder / "README.md").read_text(), json.loads((run / "log.json").read_text())
     ev = log["evaluation"]
@@ -184,6 +194,78 @@ def test_without_trust_remote_code_transformers_refuses_it(exported):
     with pytest.raises(ValueError, match="trust_remote_code"):
         AutoConfig.from_pretrained(exported[0]["llama-linear"][0], trust_remote_code=False)
 
+
+
+def test_the_modeling_file_only_binds_dofattns_classes(exported):
+    """The classes are defined once, in dofattn (`student_classes`): the folder's file binds them for transformers,
+    which loads them under the file's module name (so that saving the model again copies that file), as
+    subclasses of the base family's own class; `load_export` gets the very same classes without the file."""
+    from dofattn.export import student_classes
+
+    cases = exported[0]
+    for case, (folder, _, got) in cases.items():
+        source = (folder / "modeling_dofattn.py").read_text()
+        assert "class " not in source and "student_classes(" in source, case
+        base = json.loads((folder / "config.json").read_text())["dofattn_export"]["base_architecture"]
+        (module, name), (base_module, base_name) = got["classes"]
+        assert name == "DofattnForCausalLM" and module.endswith(".modeling_dofattn"), case
+        assert base_name == base and base_module.startswith("transformers.models."), case
+    first, second = (load_export(cases[case][0])[0] for case in ("llama-linear", "llama-hedgehog-decay-conv"))
+    assert type(first) is type(second) is student_classes("LlamaForCausalLM")[1]
+    assert type(first.config) is student_classes("LlamaForCausalLM")[0]
+
+
+def test_a_loaded_export_saves_again_as_an_export(exported):
+    folder, ref, _ = exported[0]["llama-linear"]
+    again = folder.parent / "llama-linear.resaved"
+    assert (again / "modeling_dofattn.py").read_text() == (folder / "modeling_dofattn.py").read_text()
+    config, original = (json.loads((f / "config.json").read_text()) for f in (again, folder))
+    assert config["model_type"] == "dofattn" and config["auto_map"] == original["auto_map"]
+    assert config["dofattn"] == original["dofattn"]
+    model, _, _ = load_export(again)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS, use_cache=False).logits, ref["logits"], atol=1e-5, rtol=0)
+
+
+def test_loading_an_export_prints_no_warning(exported):
+    """The fresh process loads every export as the model card says (model and tokenizer with trust_remote_code),
+    runs and generates from it at transformers' default log level: nothing on stderr, in particular not
+    transformers' "You are using a model of type `dofattn` to instantiate a model of type ``"."""
+    stderr = exported[2]
+    assert "You are using a model of type" not in stderr
+    assert stderr.strip() == "", stderr[-3000:]
+
+
+def test_load_export_logs_no_warning(exported, capsys):
+    """dofattn's own loader (`dofattn eval` / `generate` on an export): no transformers warning (its warn-once
+    memory cleared first), no Python warning, nothing printed."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger, verbosity, bars = hf_logging.get_logger(), hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_warning()
+    hf_logging.disable_progress_bar()
+    hf_logging.warning_once.cache_clear()
+    logger.addHandler(handler)
+    capsys.readouterr()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for folder, _, _ in exported[0].values():
+                load_export(folder)
+    finally:
+        logger.removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    assert [record.getMessage() for record in records] == []
+    assert [f"{w.filename}:{w.lineno}: {w.message}" for w in caught] == []
+    assert capsys.readouterr() == ("", "")
 
 # --- the command line ------------------------------------------------------------------------------------------
 
@@ -234,7 +316,7 @@ def test_export_refuses_a_folder_that_is_not_an_export(tmp_path, capsys, exporte
 
 
 def test_export_replaces_a_previous_export(tmp_path, exported):
-    cases, _ = exported
+    cases = exported[0]
     out = tmp_path / "again"
     student = cases["llama-linear"][0].parent.parent / "student-gpt2-window-sink"
     assert main(["export", "--model", str(cases["llama-linear"][0].parent.parent / "student-llama-linear"),
@@ -263,7 +345,7 @@ def test_a_damaged_export_is_refused_in_one_line(tmp_path, capsys, exported):
 
 
 def test_generate_takes_an_export(exported, capsys):
-    cases, run = exported
+    cases, run = exported[:2]
     argv = ["generate", "--prompt", "The quick brown fox", "--max-new-tokens", "6", "--device", "cpu"]
     texts = []
     for model in (run, cases["run-lora"][0], cases["run-lora-merged"][0]):
@@ -274,7 +356,7 @@ def test_generate_takes_an_export(exported, capsys):
 
 
 def test_eval_takes_an_export_and_finds_its_teacher(exported, text_file, tmp_path, capsys):
-    cases, run = exported
+    cases, run = exported[:2]
     results = {}
     for name, model in (("run", run), ("kept", cases["run-lora"][0]), ("merged", cases["run-lora-merged"][0])):
         out = tmp_path / f"{name}.json"
@@ -296,8 +378,8 @@ def test_the_builtin_model_exports_and_reloads(tmp_path):
     from dofattn.student import resolve_dims
 
     model, tokenizer = load_model("smollm2-135m")
-    spec = StudentSpec(base_model="smollm2-135m", feature="prf", dims=resolve_dims("fix:16", model),
-                       layers=range(30), base=fingerprint(model), window=8, sink=4)
+    spec = StudentSpec(base_model="smollm2-135m", dims=resolve_dims("fix:16", model), layers=range(30),
+                       attention=Attention(window=8, sink=4), base=fingerprint(model))
     build(model, spec)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -307,7 +389,7 @@ def test_the_builtin_model_exports_and_reloads(tmp_path):
     save_student(model, tmp_path / "student", spec)
     ref = reference(model)
     assert main(["export", "--model", str(tmp_path / "student"), "--out", str(tmp_path / "out" / "smollm2")]) == 0
-    got = reload_in_fresh_process({"smollm2": tmp_path / "out" / "smollm2"}, tmp_path)["smollm2"]
+    got = reload_in_fresh_process({"smollm2": tmp_path / "out" / "smollm2"}, tmp_path)[0]["smollm2"]
     torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-5, rtol=0)
     assert torch.equal(got["tokens"], ref["tokens"]) and set(got["slots"]) == {"LinearStateLayer"}
 
