@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dofattn.hf import cache_kwargs, load_model  # noqa: E402
 from dofattn.student import attention_modules, linearize  # noqa: E402
+from dofattn.spec import Attention
 
 
 def aten_ops(run) -> Counter:
@@ -39,7 +40,7 @@ def count(window: int | None, sink: int, context: int) -> dict:
 
     model, _ = load_model("smollm2-135m")
     if window is not None:
-        linearize(model, [64] * len(attention_modules(model)), "prf", window=window, sink=sink)
+        linearize(model, [64] * len(attention_modules(model)), Attention(feature="prf", window=window, sink=sink))
     ids = torch.randint(100, 1000, (1, context), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=model.config)
     token = model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)

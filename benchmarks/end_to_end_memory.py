@@ -17,6 +17,7 @@ import resource
 import subprocess
 import sys
 import time
+from dofattn.spec import Attention
 
 
 def measure(chunk: int, checkpointed: bool, seq_len: int, batch: int, layers: int, device: str) -> dict:
@@ -35,7 +36,7 @@ def measure(chunk: int, checkpointed: bool, seq_len: int, batch: int, layers: in
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
                          max_position_embeddings=8192)
     model = AutoModelForCausalLM.from_config(config).to(device).eval()
-    linearize(model, [32] * layers, "prf")
+    linearize(model, [32] * layers, Attention(feature="prf", window=0, sink=0))
     add_lora(model, 8)
     for name, p in model.named_parameters():
         p.requires_grad_(is_student_tensor(name))

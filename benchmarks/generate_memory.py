@@ -17,6 +17,7 @@ import resource
 import subprocess
 import sys
 import time
+from dofattn.spec import Attention
 
 
 def measure(kind: str, context: int, new_tokens: int, chunk: int) -> dict:
@@ -29,7 +30,7 @@ def measure(kind: str, context: int, new_tokens: int, chunk: int) -> dict:
     torch.manual_seed(0)
     model, tokenizer = load_model("smollm2-135m")
     if kind == "student":
-        linearize(model, resolve_dims("fix", model))
+        linearize(model, resolve_dims("fix", model), Attention(window=0, sink=0))
     prompt = token_blocks("wiki-sample", tokenizer, seq_len=context, num_blocks=1)
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()

@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
 from dofattn.ops.softmax import attention_logits, expand_kv
+from dofattn.spec import Attention
 
 LAM_SCALES = ("trace", "raw")
 RESOLUTION = 1e-10  # smallest shift on the unit-diagonal kernel: float64 cannot resolve eigenvalues below it
@@ -164,13 +165,12 @@ def sample_points(model, blocks: torch.Tensor, samples: int = 1024, batch_size: 
 # --- the DoF of the attention matrices ----------------------------------------------------------------------
 
 def attention_dof(query: torch.Tensor, key: torch.Tensor, scaling: float, lam: float = 2.0 ** -8,
-                  window: int = 0, sink: int = 0) -> torch.Tensor:
+                  attention: Attention | None = None) -> torch.Tensor:
     """DoF [B, H] of each head's causal softmax attention matrix A [T, T], from queries and keys [B, T, H, D] (keys
-    on the query heads), in float64. With `window` W > 0, of the part of A beyond each query's last W keys (A[t, s]
-    for s ≤ t − W, the rest set to 0; rows keep their full softmax normalisation): the part a window hybrid's
-    linear attention has to produce, its directions counted against λ·‖A‖²_F of the whole matrix, so a head with
-    little mass beyond the window counts little (0 with none). With `sink` S > 0 as well, the first S keys are left
-    out of that part too (a hybrid with a sink attends to them exactly).
+    on the query heads), in float64. With an `attention` config (`spec.Attention`), of the part of A that its linear
+    branch has to produce (`Attention.linear_pairs`: beside a window W, A[t, s] for s ≤ t − W, and not the sink's
+    first S keys; the rest set to 0; rows keep their full softmax normalisation), its directions counted against
+    λ·‖A‖²_F of the whole matrix, so a head with little mass beyond the window counts little (0 with none).
 
     The estimator above applied to A Aᵀ in place of the kernel's Gram matrix, λ trace-relative as there:
     N(λ) = Σ σᵢ² / (σᵢ² + λ·‖A‖²_F) over A's singular values σ. It counts the directions the attention pattern
@@ -180,30 +180,24 @@ def attention_dof(query: torch.Tensor, key: torch.Tensor, scaling: float, lam: f
     """
     if lam <= 0:
         raise UserError(f"λ must be positive, got {lam}")
-    if window < 0 or sink < 0:
-        raise UserError(f"window and sink must be >= 0 tokens, got {window} and {sink}")
-    if sink and not window:
-        raise UserError(f"a sink of {sink} tokens sits beside a window: give window >= 1 as well")
     A = torch.softmax(attention_logits(query, key, scaling, torch.float64), -1)       # [B, H, T, T]
     T = A.shape[-1]
     total = A.square().sum((-2, -1))[..., None]                            # ‖A‖²_F [B, H, 1]: λ's scale
-    if window:
-        exact = torch.ones(T, T, dtype=torch.bool, device=A.device).triu(1 - window)
-        exact[:, :sink] = True
-        A = A.masked_fill(exact, 0)
+    if attention is not None:
+        A = A.masked_fill(~attention.linear_pairs(T, A.device), 0)
     energy = torch.linalg.svdvals(A) ** 2                                  # [B, H, T]
     return (energy / (energy + lam * total)).sum(-1)
 
 
 def attention_dofs(model, blocks: torch.Tensor, lam: float = 2.0 ** -8, progress: bool = True,
-                   window: int = 0, sink: int = 0) -> list[list[float]]:
+                   attention: Attention | None = None) -> list[list[float]]:
     """Per layer and head [L][H], the mean `attention_dof` of the model's attention over `blocks` [N, T], one block
-    at a time (memory: H·T² float64 per layer); `window` and `sink` as there."""
+    at a time (memory: H·T² float64 per layer); `attention` as there."""
     sums: dict[int, torch.Tensor] = {}
 
     def record(x: AttentionInputs) -> None:
         key = expand_kv(x.key, x.num_heads)
-        dof = attention_dof(x.query, key, x.scaling, lam, window, sink).sum(0).cpu()   # [H]
+        dof = attention_dof(x.query, key, x.scaling, lam, attention).sum(0).cpu()   # [H]
         sums[x.layer] = sums.get(x.layer, 0) + dof
 
     device = next(model.parameters()).device

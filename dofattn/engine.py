@@ -47,7 +47,7 @@ def layer_windows(model) -> dict[int, int | None]:
     """{layer: its window} for `model`'s attention layers: 0 for pure linear attention, None for a softmax layer."""
     from dofattn.student import attention_modules
 
-    return {i: (linear.window if (linear := getattr(module, "dofattn", None)) is not None else None)
+    return {i: (linear.attention.window if (linear := getattr(module, "dofattn", None)) is not None else None)
             for i, module in enumerate(attention_modules(model))}
 
 

@@ -71,9 +71,7 @@ class FeatureMap(nn.Module):
         return phi, phi.new_zeros(shape)
 
     def extra_repr(self) -> str:
-        per_head = getattr(self, "head_dims", None)
-        return (f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
-                + (f", head_dims={per_head}" if per_head else ""))
+        return f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
 
 
 def _orthogonal_rows(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -86,24 +84,15 @@ def _orthogonal_rows(rows: int, cols: int, generator: torch.Generator) -> torch.
 
 
 class PositiveRandomFeatures(FeatureMap):
-    """`prf` (learned) and `performer` (fixed orthogonal FAVOR+) positive random features.
-
-    Per-head dims (`head_dims`, each ≤ M): head h uses only its first head_dims[h] features; the rest have
-    exponent −inf (feature 0, no gradient) and the 1/M of the estimate becomes 1/head_dims[h].
-    """
+    """`prf` (learned) and `performer` (fixed orthogonal FAVOR+) positive random features."""
 
     estimates_kernel = True
 
     def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float, learned: bool = True,
-                 generator: torch.Generator | None = None, head_dims: list[int] | None = None):
+                 generator: torch.Generator | None = None):
         super().__init__(num_heads, head_dim, dim, scaling)
-        if head_dims is not None and (len(head_dims) != num_heads or min(head_dims) < 1 or max(head_dims) > dim):
-            raise UserError(f"head_dims must give each of the {num_heads} heads between 1 and {dim} features, "
-                            f"got {head_dims}")
-        counts = torch.tensor(head_dims if head_dims is not None else [dim] * num_heads, dtype=torch.float32)
-        self.head_dims = None if head_dims is None else [int(d) for d in head_dims]
-        self.register_buffer("active", torch.arange(dim)[None, :] < counts[:, None], persistent=False)  # [H, M]
-        self.register_buffer("log_dims", counts.log(), persistent=False)                              # [H]
+        counts = torch.full((num_heads,), float(dim))
+        self.register_buffer("log_dims", counts.log(), persistent=False)                              # [H]: log M
         self.kind = "prf" if learned else "performer"
         g = generator or torch.Generator().manual_seed(0)
         if learned:
@@ -122,7 +111,7 @@ class PositiveRandomFeatures(FeatureMap):
         u = x.float() * math.sqrt(self.scaling)                                      # [B, T, H, D]
         proj = torch.einsum("bthd,hmd->bthm", u, self.directions.float())
         e = proj - 0.5 * u.square().sum(-1, keepdim=True) + 0.5 * self.log_weights.float()
-        return e if self.head_dims is None else e.masked_fill(~self.active, -math.inf)
+        return e
 
     def shift_calibrated(self) -> bool:
         """True if every head's key shift is finite. Read from the GPU once per change of the buffer (its version
@@ -224,18 +213,13 @@ class DiJiangFeatures(FeatureMap):
 
 
 def make_feature_map(kind: str, num_heads: int, head_dim: int, dim: int, scaling: float,
-                     seed: int = 0, head_dims: list[int] | None = None) -> FeatureMap:
-    """A fresh feature map of `kind` (one of FEATURES) for one layer; `head_dims` (prf, performer) gives each head
-    its own number of features, at most `dim`."""
+                     seed: int = 0) -> FeatureMap:
+    """A fresh feature map of `kind` (one of FEATURES) for one layer."""
     g = torch.Generator().manual_seed(seed)
-    if head_dims is not None and kind not in ("prf", "performer"):
-        raise UserError(f"per-head dims need prf or performer features, not {kind!r}")
     if kind == "prf":
-        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=True, generator=g,
-                                      head_dims=head_dims)
+        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=True, generator=g)
     if kind == "performer":
-        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=False, generator=g,
-                                      head_dims=head_dims)
+        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=False, generator=g)
     if kind == "hedgehog":
         return HedgehogFeatures(num_heads, head_dim, dim, scaling, generator=g)
     if kind == "dijiang":

@@ -6,7 +6,8 @@
 
 The tables are the dataclasses below and their fields the keys; each field's `help` is its documentation
 (`dofattn recipes --keys` prints it). A file may leave keys out: they take the defaults here, which are the default
-recipe's. `validate` holds every rule on the training keys; the [student] table's rules are `spec.check_architecture`.
+recipe's. The [student] table holds the student's `spec.Attention` whole (`recipe.student.attention`): its keys are
+the table's keys (`student.window`), its rules its own. `validate` holds every other rule.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 import difflib
 import tomllib
 import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
 
 from dofattn.errors import UserError
-from dofattn.spec import DECAYS, FEATURES, LORA_TARGETS, check_architecture
+from dofattn.spec import LORA_TARGETS, Attention, check_lora
 
 FORMAT = 1          # of recipe files: a file with another `format` is refused
 LOSSES = ("softmax", "l2")
@@ -44,16 +45,9 @@ class Run:
 
 @dataclass(frozen=True)
 class Student:
-    feature: str = _key("prf", "feature map: learned positive random features (prf), fixed ones (performer), "
-                               "Hedgehog's learned softmax map, or DiJiang's", FEATURES)
+    attention: Attention = field(default_factory=Attention, metadata={"holds": Attention})  # keys: student.window
     dims: str = _key("dof", "features per layer: dof (in proportion to each layer's DoF, mean = head size), clip "
                             "(dof capped at the head size), fix, fix:C, or a dof.json from `dofattn dof`")
-    window: int = _key(64, "exact softmax attention over the last W tokens beside the linear part (0: pure linear)")
-    sink: int = _key(4, "the first S tokens stay exact for every query beside the window (0: none)")
-    decay: str = _key("none", "decay of the linear state: none, head (a learned rate per head) or gate (per token, "
-                              "read off its value; pure linear attention only)", DECAYS)
-    conv: int = _key(0, "a short causal convolution of this width on q, k and v (0: none)")
-    delta: bool = _key(False, "write the linear state by the delta rule (pure linear attention only)")
     keep_softmax: int = _key(0, "keep K layers as softmax attention, chosen by keep_softmax_by")
     keep_softmax_by: str = _key("dof", "which layers keep_softmax keeps: dof (the largest DoF of their attention "
                                        "matrices) or copy (the teacher's heads that copy most from far back, which "
@@ -131,17 +125,38 @@ class Recipe:
 
     def keys(self) -> dict[str, object]:
         """Every key as `table.key` -> value."""
-        return {f"{t}.{k}": v for t in TABLES for k, v in asdict(getattr(self, t)).items()}
+        return {f"{t}.{k}": v for t in TABLES for k, v in _flat(getattr(self, t)).items()}
 
     def to_toml(self) -> str:
         lines = ["# dofattn recipe (dofattn recipes --keys explains every key)", f"format = {FORMAT}",
                  f"name = {_toml(self.name)}", f"description = {_toml(self.description)}"]
         for table in TABLES:
             lines.append(f"\n[{table}]")
-            for key, value in asdict(getattr(self, table)).items():
+            for key, value in _flat(getattr(self, table)).items():
                 if value is not None:
                     lines.append(f"{key} = {_toml(value)}")
         return "\n".join(lines) + "\n"
+
+
+def _flat(table) -> dict[str, object]:
+    """A table's keys -> values, with a config it holds whole (the student's `Attention`) spread into its keys."""
+    out = {}
+    for f in fields(table):
+        value = getattr(table, f.name)
+        out.update(asdict(value) if is_dataclass(value) else {f.name: value})
+    return out
+
+
+def _build(cls, values: dict[str, object]):
+    """The table `cls` from its keys' values, a config it holds whole built from its own keys."""
+    own = {}
+    for f in fields(cls):
+        held = f.metadata.get("holds")
+        if held is not None:
+            own[f.name] = held(**{k: values[k] for k in (g.name for g in fields(held)) if k in values})
+        elif f.name in values:
+            own[f.name] = values[f.name]
+    return cls(**own)
 
 
 def _toml(value) -> str:
@@ -208,7 +223,7 @@ def load(name_or_path: str = "default", sets: list[str] = (), overrides: dict[st
         values[full] = coerce(full, value, "--set")
     for full, value in (overrides or {}).items():
         values[full] = coerce(full, value, "the command line")
-    tables = {t: cls(**{k.split(".")[1]: v for k, v in values.items() if k.split(".")[0] == t})
+    tables = {t: _build(cls, {k.split(".")[1]: v for k, v in values.items() if k.split(".")[0] == t})
               for t, cls in TABLES.items()}
     recipe = Recipe(name=str(name), description=str(description), **tables)
     validate(recipe)
@@ -217,9 +232,15 @@ def load(name_or_path: str = "default", sets: list[str] = (), overrides: dict[st
 
 def key_fields() -> dict[str, tuple[type, object, str, tuple | None]]:
     """Every key: `table.key` -> (type, default, help, choices)."""
-    hints = {t: typing.get_type_hints(cls) for t, cls in TABLES.items()}
-    return {f"{t}.{f.name}": (hints[t][f.name], f.default, f.metadata["help"], f.metadata["choices"])
-            for t, cls in TABLES.items() for f in fields(cls)}
+    found = {}
+    for t, cls in TABLES.items():
+        for f in fields(cls):
+            held = f.metadata.get("holds")
+            owner, keys = (held, fields(held)) if held is not None else (cls, [f])
+            hints = typing.get_type_hints(owner)
+            found.update({f"{t}.{g.name}": (hints[g.name], g.default, g.metadata["help"], g.metadata["choices"])
+                          for g in keys})
+    return found
 
 
 def resolve_key(key: str) -> str:
@@ -276,8 +297,8 @@ def coerce(key: str, value, where: str):
 def validate(recipe: Recipe) -> None:
     """Every rule on a recipe's keys, each a one-line UserError naming the key and what is allowed."""
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
-    check_architecture(feature=s.feature, window=s.window, sink=s.sink, decay=s.decay, conv=s.conv, delta=s.delta,
-                       lora_rank=s.lora_rank, lora_targets=s.lora_targets)
+    a = s.attention                                   # its own rules ran as it was built
+    check_lora(lora_rank=s.lora_rank, lora_targets=s.lora_targets)
     dims = s.dims
     if not (dims in ("dof", "clip", "fix") or dims.startswith("fix:") or dims.endswith(".json")):
         raise UserError(f"student.dims = {dims!r}; use dof, clip, fix, fix:C or a dof.json file")
@@ -286,7 +307,7 @@ def validate(recipe: Recipe) -> None:
     at_least = {"layerwise.batch_size": 1, "layerwise.seq_len": 2, "layerwise.blocks": 1, "end_to_end.batch_size": 1,
                 "end_to_end.seq_len": 2, "end_to_end.checkpoint_every": 1, "eval.blocks": 1, "eval.seq_len": 2,
                 "layerwise.steps": 0, "end_to_end.steps": 0, "end_to_end.cooldown_steps": 0,
-                "end_to_end.eval_every": 0, "end_to_end.loss_chunk": 0, "student.conv": 0}
+                "end_to_end.eval_every": 0, "end_to_end.loss_chunk": 0}
     keys = recipe.keys()
     for key, low in at_least.items():
         if keys[key] < low:
@@ -298,7 +319,7 @@ def validate(recipe: Recipe) -> None:
             raise UserError(f"{key} = {keys[key]}: give a value > 0")
     if e2e.conv_lr is not None and not e2e.conv_lr > 0:
         raise UserError(f"end_to_end.conv_lr = {e2e.conv_lr}: give a learning rate > 0 (or leave it out: lr)")
-    if e2e.conv_lr is not None and not s.conv:
+    if e2e.conv_lr is not None and not a.conv:
         raise UserError("end_to_end.conv_lr is the learning rate of the convolution filters: set student.conv too")
     if not e2e.kd_weight >= 0:
         raise UserError(f"end_to_end.kd_weight = {e2e.kd_weight}: give >= 0")
@@ -309,12 +330,12 @@ def validate(recipe: Recipe) -> None:
         raise UserError("layerwise.steps and end_to_end.steps are both 0: nothing would train")
     if s.lora_rank and e2e.steps == 0:
         raise UserError("student.lora_rank: adapters train in the end-to-end phase; set end_to_end.steps >= 1")
-    if lw.steps and lw.loss == "l2" and s.feature not in ("prf", "performer"):
+    if lw.steps and lw.loss == "l2" and a.feature not in ("prf", "performer"):
         raise UserError(f"layerwise.loss = 'l2' compares kernel values: use student.feature prf or performer, not "
-                        f"{s.feature!r}")
-    if lw.steps and lw.loss == "l2" and s.window >= lw.seq_len:
+                        f"{a.feature!r}")
+    if lw.steps and lw.loss == "l2" and a.window >= lw.seq_len:
         raise UserError(f"layerwise.loss = 'l2' fits only pairs beyond the window: set layerwise.seq_len > "
-                        f"student.window ({s.window})")
+                        f"student.window ({a.window})")
 
 
 def type_name(kind) -> str:

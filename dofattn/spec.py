@@ -1,13 +1,16 @@
-"""The student's architecture: one frozen spec, validated here and nowhere else, and what a student folder stores.
+"""The student's architecture: one frozen `Attention` config for how a linearized layer attends, and the
+`StudentSpec` of a whole student (base model, layers, dims, that config, LoRA), validated here and nowhere else.
 
-    spec = StudentSpec(base_model="smollm2-135m", feature="prf", dims=(64,) * 30, layers=tuple(range(30)),
-                       window=64, sink=4)
+    attention = Attention(window=64, sink=4)                       # the default student's layers
+    spec = StudentSpec(base_model="smollm2-135m", dims=(64,) * 30, layers=tuple(range(30)), attention=attention)
     spec.to_json()                  # dofattn.json of a student folder
-    StudentSpec.from_json(text)     # older folders (schema 1) are read too
+    StudentSpec.from_json(text)     # older folders (schemas 1 and 2) are read too
 
-`check_architecture` holds every rule on which switches combine (`check_attention` those of one linear layer, which
-`LinearAttention` calls too); the recipe's [student] table and the spec call it, so a bad combination fails with the
-same one-line message before a model loads, when a folder is read, or when a layer is built.
+`Attention` is the one object that the recipe's [student] table holds (its fields are the table's attention keys,
+their help the keys' documentation), the spec saves, and every `LinearAttention` receives whole. Its
+`__post_init__` holds every rule on how the parts combine, so a bad combination fails with the same one-line
+message before a model loads, when a folder is read, or when a layer is built; `linear_pairs` is the exact-token
+rule (window, sink) that the losses, the DoF mask and the layer all read.
 """
 
 from __future__ import annotations
@@ -15,42 +18,94 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+import torch
+
 from dofattn import __version__
 from dofattn.errors import UserError
 from dofattn.features import FEATURES
 
-SCHEMA = 2                        # of dofattn.json; 1: the flat StudentConfig with decay/gate flags
+SCHEMA = 3                        # of dofattn.json; 2: the attention keys flat in the spec; 1: decay/gate flags
 DECAYS = ("none", "head", "gate")  # no decay; a learned decay per head; a decay per token read off its value
 LORA_TARGETS = ("attention", "all")
 
 
-def check_attention(*, window: int, sink: int, decay: str, conv: int, delta: bool) -> None:
-    """The rules on how a linear layer attends (also `LinearAttention`'s); a UserError names the key (student.KEY)."""
-    if decay not in DECAYS:
-        raise UserError(f"student.decay = {decay!r}; use none, head (a learned decay per head) or gate (per token)")
-    if window < 0:
-        raise UserError(f"student.window = {window}: give >= 0 tokens (0: pure linear attention)")
-    if sink < 0:
-        raise UserError(f"student.sink = {sink}: give >= 0 tokens (0: none)")
-    if sink and not window:
-        raise UserError(f"student.sink = {sink} sits beside a softmax window: set student.window >= 1, or sink = 0")
-    if sink and decay != "none":
-        raise UserError(f"student.sink = {sink} and student.decay = {decay!r} do not combine: set one to 0 / none")
-    if decay == "gate" and window:
-        raise UserError("student.decay = 'gate' is for pure linear attention: set student.window = 0 (and sink = "
-                        "0), or decay = 'head'")
-    if delta and window:
-        raise UserError("student.delta is for pure linear attention: set student.window = 0 (and sink = 0)")
-    if conv < 0 or conv == 1:
-        raise UserError(f"student.conv = {conv}: a filter is at least 2 tokens wide (0: none)")
+def key(default, help: str, choices: tuple | None = None):
+    """A config field with its documentation (`dofattn recipes --keys` prints `help` and `choices`)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
-def check_architecture(*, feature: str, window: int, sink: int, decay: str, conv: int, delta: bool,
-                       lora_rank: int, lora_targets: str) -> None:
-    """Every rule on the student's switches; a UserError names the recipe key (student.KEY) and what is allowed."""
-    if feature not in FEATURES:
-        raise UserError(f"student.feature = {feature!r} is not a feature map; use one of {', '.join(FEATURES)}")
-    check_attention(window=window, sink=sink, decay=decay, conv=conv, delta=delta)
+@dataclass(frozen=True)
+class Attention:
+    """How every linearized layer attends: its feature map, the exact keys beside the linear branch (a window of the
+    last W tokens, a sink of the first S), and the linear branch's mechanisms (a decay or a gate, a short
+    convolution, the delta rule). `LinearAttention` composes one part per mechanism from it."""
+
+    feature: str = key("prf", "feature map: learned positive random features (prf), fixed ones (performer), "
+                              "Hedgehog's learned softmax map, or DiJiang's", FEATURES)
+    window: int = key(64, "exact softmax attention over the last W tokens beside the linear part (0: pure linear)")
+    sink: int = key(4, "the first S tokens stay exact for every query beside the window (0: none)")
+    decay: str = key("none", "decay of the linear state: none, head (a learned rate per head, beside a window "
+                             "counted from its edge) or gate (per token, read off its value; pure linear attention "
+                             "only)", DECAYS)
+    conv: int = key(0, "a short causal convolution of this width on q, k and v (0: none)")
+    delta: bool = key(False, "write the linear state by the delta rule (pure linear attention only)")
+
+    def __post_init__(self):
+        """Every rule on how the parts combine; a UserError names the recipe key (student.KEY)."""
+        if self.feature not in FEATURES:
+            raise UserError(f"student.feature = {self.feature!r} is not a feature map; use one of "
+                            f"{', '.join(FEATURES)}")
+        for name, kind in (("window", int), ("sink", int), ("conv", int), ("delta", bool)):
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise UserError(f"student.{name} = {value!r} is not {'an integer' if kind is int else 'true or false'}")
+        if self.decay not in DECAYS:
+            raise UserError(f"student.decay = {self.decay!r}; use none, head (a learned decay per head) or gate "
+                            f"(per token)")
+        if self.window < 0:
+            raise UserError(f"student.window = {self.window}: give >= 0 tokens (0: pure linear attention)")
+        if self.sink < 0:
+            raise UserError(f"student.sink = {self.sink}: give >= 0 tokens (0: none)")
+        if self.sink and not self.window:
+            raise UserError(f"student.sink = {self.sink} sits beside a softmax window: set student.window >= 1, or "
+                            f"sink = 0")
+        if self.decay == "gate" and self.window:
+            raise UserError("student.decay = 'gate' is for pure linear attention: set student.window = 0 (and sink "
+                            "= 0), or decay = 'head'")
+        if self.delta and self.window:
+            raise UserError("student.delta is for pure linear attention: set student.window = 0 (and sink = 0)")
+        if self.conv < 0 or self.conv == 1:
+            raise UserError(f"student.conv = {self.conv}: a filter is at least 2 tokens wide (0: none)")
+
+    @property
+    def decays(self) -> bool:
+        """Whether the linear state decays (a decay per head, or a gate per token)."""
+        return self.decay != "none"
+
+    def linear_pairs(self, length: int, device=None) -> torch.Tensor:
+        """[T, T] bool: the causal pairs (query t, key s) that the linear branch holds, the rest of the causal
+        triangle being exact: all of them in pure linear attention; beside a window, s <= t - W and s >= S (the
+        sink's keys stay exact). For a sequence that starts at position 0 without padding."""
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        if not self.window:
+            return causal
+        return causal.tril(-self.window) & (torch.arange(length, device=device) >= self.sink)
+
+    def describe(self) -> str:
+        """`window=64, sink=4, decay=head`: what differs from pure linear attention, for a layer's repr."""
+        parts = [f"window={self.window}"] if self.window else []
+        parts += [f"sink={self.sink}"] if self.sink else []
+        parts += [f"decay={self.decay}"] if self.decays else []
+        parts += [f"conv={self.conv}"] if self.conv else []
+        parts += ["delta"] if self.delta else []
+        return ", ".join(parts)
+
+
+PURE_LINEAR = Attention(window=0, sink=0)
+
+
+def check_lora(*, lora_rank: int, lora_targets: str) -> None:
+    """The rules on a student's LoRA adapters; a UserError names the recipe key (student.KEY)."""
     if lora_targets not in LORA_TARGETS:
         raise UserError(f"student.lora_targets = {lora_targets!r}; use attention or all")
     if lora_rank < 0:
@@ -64,16 +119,11 @@ class StudentSpec:
     """A student: which base model, which layers are linear with how many features, and how they attend."""
 
     base_model: str
-    feature: str
     dims: tuple[int, ...]             # features per layer, one entry for every layer of the base model
     layers: tuple[int, ...]           # the linearized layers; the rest keep softmax attention
+    attention: Attention = field(default_factory=Attention)
     seed: int = 0                     # of the untrained features
     base: dict = field(default_factory=dict, hash=False)   # the base model's fingerprint (`student.fingerprint`)
-    window: int = 0
-    sink: int = 0
-    decay: str = "none"
-    conv: int = 0
-    delta: bool = False
     lora_rank: int = 0
     lora_alpha: float = 0.0           # 0: the rank
     lora_targets: str = "attention"
@@ -83,9 +133,9 @@ class StudentSpec:
     def __post_init__(self):
         object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
         object.__setattr__(self, "layers", tuple(sorted(int(i) for i in self.layers)))
-        check_architecture(feature=self.feature, window=self.window, sink=self.sink, decay=self.decay,
-                           conv=self.conv, delta=self.delta, lora_rank=self.lora_rank,
-                           lora_targets=self.lora_targets)
+        if isinstance(self.attention, dict):
+            object.__setattr__(self, "attention", Attention(**self.attention))
+        check_lora(lora_rank=self.lora_rank, lora_targets=self.lora_targets)
         if not self.dims or min(self.dims) < 1:
             raise UserError(f"a student needs >= 1 feature in every layer, got dims {list(self.dims)}")
         if any(i < 0 or i >= len(self.dims) for i in self.layers):
@@ -108,11 +158,16 @@ class StudentSpec:
         schema = data.get("schema", 1)
         if schema == 1:
             data = _from_schema_1(data, where)
+        if schema in (1, 2):
+            data = _from_schema_2(data)
         elif schema != SCHEMA:
-            raise UserError(f"{where} has schema {schema}; this dofattn ({__version__}) reads schemas 1 and {SCHEMA}: "
+            raise UserError(f"{where} has schema {schema}; this dofattn ({__version__}) reads schemas 1 to {SCHEMA}: "
                             f"upgrade dofattn")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
+        attention = data.get("attention")
+        if isinstance(attention, dict):
+            unknown += sorted(f"attention.{k}" for k in set(attention) - {f.name for f in fields(Attention)})
         if unknown:
             raise UserError(f"{where} has unknown fields {unknown}: it was written by another dofattn version")
         try:
@@ -129,5 +184,13 @@ def _from_schema_1(data: dict, where: str) -> dict:
                         f"cannot load it: distill the student again")
     gate, decay = data.pop("gate", False), data.pop("decay", False)
     data["decay"] = "gate" if gate else "head" if decay else "none"
+    return data
+
+
+def _from_schema_2(data: dict) -> dict:
+    """A schema-2 dofattn.json (the attention keys flat in the spec) as schema 3."""
+    data = dict(data)
+    flat = {f.name: data.pop(f.name) for f in fields(Attention) if f.name in data}
+    data["attention"] = {**{f.name: f.default for f in fields(Attention)}, "window": 0, "sink": 0, **flat}
     data["schema"] = SCHEMA
     return data

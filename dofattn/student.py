@@ -1,12 +1,12 @@
 """The linearized student: turning a loaded HF model into linear attention, and saving / loading it.
 
     model, tok = load_model("smollm2-135m")
-    linearize(model, dims=resolve_dims("dof.json", model, "smollm2-135m"), feature="prf")
+    linearize(model, resolve_dims("dof.json", model, "smollm2-135m"), Attention(window=64, sink=4))
     save_student(model, "run/", spec)                  # spec: a `dofattn.spec.StudentSpec`
     student, tok, spec = load_student("run/")          # the base model again, linearized, trained features loaded
 
-A student folder holds `dofattn.json` (the `StudentSpec`: base model and its fingerprint, feature map, dims, linear
-layers, window, sink, decay, conv, delta rule, LoRA, schema version) and `features.safetensors` (only the student's
+A student folder holds `dofattn.json` (the `StudentSpec`: base model and its fingerprint, dims, linear layers, the
+`Attention` config, LoRA, schema version) and `features.safetensors` (only the student's
 parameters and buffers; the base model's weights are loaded from `base_model`). No pickle anywhere.
 """
 
@@ -25,9 +25,9 @@ from dofattn import __version__
 from dofattn.attention import LinearAttention, install
 from dofattn.dof import DofResult
 from dofattn.errors import UserError
-from dofattn.features import FEATURES, make_feature_map
+from dofattn.features import make_feature_map
 from dofattn.io import atomic_path, read_safetensors, write_atomic
-from dofattn.spec import StudentSpec
+from dofattn.spec import Attention, StudentSpec
 
 CONFIG_FILE = "dofattn.json"
 WEIGHTS_FILE = "features.safetensors"
@@ -110,22 +110,17 @@ def fingerprint(model: nn.Module) -> dict:
             "embedding_norm": round(float(embedding.detach().float().norm()), 3)}
 
 
-def linearize(model: nn.Module, dims: list[int], feature: str = "prf", *, layers: list[int] | None = None,
-              seed: int = 0, window: int = 0, head_dims: list[list[int]] | None = None,
-              decay: bool = False, sink: int = 0, gate: bool = False, conv: int = 0, delta: bool = False) -> nn.Module:
+def linearize(model: nn.Module, dims: list[int], attention: Attention = Attention(), *,
+              layers: list[int] | None = None, seed: int = 0) -> nn.Module:
     """Replace softmax attention by linear attention in `layers`, in place; returns `model`.
 
-    `layers` None: every layer but the model's own sliding-window ones (`global_layers`).
-    `dims[i]` is the feature dimension of layer i (entries of layers not linearized are ignored). `window` > 0
-    keeps exact softmax attention over the last `window` tokens beside the linear part (`ops.window`).
-    `head_dims[i][h]` (prf/performer) gives head h of layer i its own number of features, at most `dims[i]`.
-    `decay` gives every linear layer a learned per-head decay of its state (`LinearAttention`). `sink` > 0 (with a
-    window) keeps the first `sink` real tokens exact for every query as well. `gate` (no window) makes the decay
-    depend on each token. `conv` >= 2 passes each linear layer's q, k and v through a short causal convolution of
-    that width, started as the identity. `delta` (no window) writes each linear layer's state by the delta rule.
+    `layers` None: every layer but the model's own sliding-window ones (`global_layers`). `dims[i]` is the feature
+    dimension of layer i (entries of layers not linearized are ignored). `attention` (a `spec.Attention`) is how
+    every linear layer attends, passed whole to each `LinearAttention`: `Attention(window=0, sink=0)` is pure
+    linear attention, the default a 64-token window and a 4-token sink beside it.
     """
-    if feature not in FEATURES:
-        raise UserError(f"unknown feature map {feature!r}; use one of {', '.join(FEATURES)}")
+    if not isinstance(attention, Attention):
+        raise TypeError(f"linearize takes a dofattn.spec.Attention, got {type(attention).__name__}")
     modules = attention_modules(model)
     layers = global_layers(model) if layers is None else sorted(layers)
     if any(i < 0 or i >= len(modules) for i in layers):
@@ -133,10 +128,8 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", *, layers
     heads, kv_heads, head_dim = head_layout(model)
     param = next(model.parameters())
     for i in layers:
-        fmap = make_feature_map(feature, heads, head_dim, dims[i], modules[i].scaling, seed=seed * 1000 + i,
-                                head_dims=None if head_dims is None else head_dims[i])
-        linear = LinearAttention(fmap, heads, kv_heads, window, decay, sink, gate, head_dim, conv,
-                                 delta).to(param.device)
+        fmap = make_feature_map(attention.feature, heads, head_dim, dims[i], modules[i].scaling, seed=seed * 1000 + i)
+        linear = LinearAttention(attention, fmap, num_kv_heads=kv_heads).to(param.device)
         linear.train(modules[i].training)
         modules[i].add_module("dofattn", linear)
     install(model)
@@ -145,9 +138,7 @@ def linearize(model: nn.Module, dims: list[int], feature: str = "prf", *, layers
 
 def build(model: nn.Module, spec: StudentSpec) -> nn.Module:
     """Make `model` the (untrained) student `spec` describes, in place: its layers linearized, LoRA adapters added."""
-    linearize(model, list(spec.dims), spec.feature, layers=list(spec.layers), seed=spec.seed, window=spec.window,
-              decay=spec.decay == "head", gate=spec.decay == "gate", sink=spec.sink, conv=spec.conv,
-              delta=spec.delta)
+    linearize(model, list(spec.dims), spec.attention, layers=list(spec.layers), seed=spec.seed)
     if spec.lora_rank:
         from dofattn.lora import add_lora
 
@@ -185,9 +176,7 @@ def is_student_tensor(name: str) -> bool:
 
 
 def student_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The feature-map parameters and persistent buffers (and LoRA adapters), by their names in `model`.
-
-    Non-persistent buffers (e.g. per-head feature masks) are rebuilt from `dofattn.json`, not saved."""
+    """The student's parameters and persistent buffers (and LoRA adapters), by their names in `model`."""
     return {name: t.detach().contiguous() for name, t in model.state_dict().items() if is_student_tensor(name)}
 
 
@@ -239,6 +228,7 @@ def load_student_tensors(model: nn.Module, folder: str | Path) -> None:
     a UserError if the names or shapes differ."""
     state, _ = read_safetensors(Path(folder) / WEIGHTS_FILE, device=str(next(model.parameters()).device))
     own = student_state(model)
+    state = {_part_name(name, own): tensor for name, tensor in state.items()}
     if set(state) != set(own):
         missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         raise UserError(f"{folder}/{WEIGHTS_FILE} does not match its config (missing {missing[:3]}, "
@@ -254,6 +244,20 @@ def load_student_tensors(model: nn.Module, folder: str | Path) -> None:
         for name, tensor in model.named_buffers():
             if name in state:
                 tensor.copy_(state[name])
+
+
+# A layer's own tensors before they moved into its parts (folders of schema 2 and older): `dofattn.log_gain`.
+PART_OF = {"log_gain": "window", "decay_rate": "decay", "gate_weight": "decay", "delta_bias": "delta",
+           "delta_weight": "delta", "conv_q": "conv", "conv_k": "conv", "conv_v": "conv"}
+
+
+def _part_name(name: str, own: dict) -> str:
+    """`name` as the layer's parts name it: `…dofattn.log_gain` -> `…dofattn.window.log_gain` where the model has
+    that and not the old name."""
+    head, sep, leaf = name.rpartition(".dofattn.")
+    if not sep or name in own or leaf not in PART_OF:
+        return name
+    return f"{head}.dofattn.{PART_OF[leaf]}.{leaf}"
 
 
 def load_student(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",

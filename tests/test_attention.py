@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dofattn.spec import Attention
 from dofattn.attention import CONV_NAMES, LinearAttention, LinearStateLayer, RingWindowLayer
+from dofattn.attention.decay import Gate
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
 from dofattn.ops.delta import recurrent_delta_attention
@@ -28,17 +30,19 @@ def ids(batch=2, length=19, seed=0):
 
 # odd shapes: 13 tokens, 6 query heads on 2 kv heads, head dim 5, 7 features, a window of 4, a sink of 2
 B, T, H, HKV, D, M = 2, 13, 6, 2, 5, 7
-LAYERS = {"pure": {}, "decay": {"decay": True}, "gate": {"gate": True}, "delta": {"delta": True},
-          "delta+gate": {"delta": True, "gate": True}, "window": {"window": 4},
-          "window+decay": {"window": 4, "decay": True}, "window+sink": {"window": 4, "sink": 2},
-          "conv+gate": {"conv": 3, "gate": True}, "conv+window+sink": {"conv": 3, "window": 4, "sink": 2}}
+LAYERS = {"pure": {}, "decay": {"decay": "head"}, "gate": {"decay": "gate"}, "delta": {"delta": True},
+          "delta+gate": {"delta": True, "decay": "gate"}, "window": {"window": 4},
+          "window+decay": {"window": 4, "decay": "head"}, "window+sink": {"window": 4, "sink": 2},
+          "window+sink+decay": {"window": 4, "sink": 2, "decay": "head"},
+          "conv+gate": {"conv": 3, "decay": "gate"}, "conv+window+sink": {"conv": 3, "window": 4, "sink": 2}}
 
 
 def odd_layer(variant: str, feature: str) -> LinearAttention:
     """A float64 layer whose every parameter is off its start, so that each mechanism shows in the output."""
     torch.manual_seed(0)
-    layer = LinearAttention(make_feature_map(feature, H, D, M, scaling=D ** -0.5, seed=1), H, HKV, head_dim=D,
-                            **LAYERS[variant]).double()
+    attention = Attention(**{"window": 0, "sink": 0, **LAYERS[variant]})
+    layer = LinearAttention(attention, make_feature_map(feature, H, D, M, scaling=D ** -0.5, seed=1),
+                            num_kv_heads=HKV).double()
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if not name.startswith("feature_map."):
@@ -66,21 +70,21 @@ def reference_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def reference(layer: LinearAttention, q, k, v, valid) -> torch.Tensor:
     """The layer's output by the ops' naive forms (quadratic or token by token), none of the layer's dispatch."""
     fmap = layer.feature_map
-    if layer.conv:
+    if layer.conv is not None:
         keep = valid[:, :, None, None].to(q.dtype)
-        q, k, v = (reference_conv(x * keep, getattr(layer, name)) for x, name in zip((q, k, v), CONV_NAMES))
+        q, k, v = (reference_conv(x * keep, getattr(layer.conv, name)) for x, name in zip((q, k, v), CONV_NAMES))
     k, v = expand_kv(k, H), expand_kv(v, H)
-    if layer.window:
+    if layer.attention.window:
         phi_q, q_scale = fmap.features(q, "query")
         phi_k, k_scale = fmap.features(k, "key")
-        sink = first_keys(valid, B, T, layer.sink, q.device) if layer.sink else None
-        return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + layer.log_gain, fmap.scaling,
-                                             layer.window, valid, log_decay=layer.log_decay(), sink_mask=sink)[0]
+        sink = first_keys(valid, B, T, layer.attention.sink, q.device) if layer.attention.sink else None
+        return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + layer.window.log_gain, fmap.scaling,
+                                             layer.attention.window, valid, log_decay=layer.log_decay(), sink_mask=sink)[0]
     phi_q, phi_k = fmap(q, "query"), fmap(k, "key") * valid[:, :, None, None]
-    log_gate = layer.log_gates(v) if layer.gate else None
-    if layer.delta:
-        return recurrent_delta_attention(phi_q, phi_k, v, layer.betas(v), log_gate)[0]
-    return naive_linear_attention(phi_q, phi_k, v, log_decay=None if layer.gate else layer.log_decay(),
+    log_gate = layer.decay.log_gates(v) if (layer.attention.decay == "gate") else None
+    if layer.delta is not None:
+        return recurrent_delta_attention(phi_q, phi_k, v, layer.delta.betas(v), log_gate)[0]
+    return naive_linear_attention(phi_q, phi_k, v, log_decay=None if (layer.attention.decay == "gate") else layer.log_decay(),
                                   log_gate=log_gate)[0]
 
 
@@ -114,12 +118,12 @@ def test_every_path_matches_the_naive_forms(variant, feature):
         pieces = [slice(0, 5), *(slice(t, t + 1) for t in range(5, 9)), slice(9, T)]
         steps = [layer(q[:, s], k[:, s], v[:, s], valid[:, s], cache=cache) for s in pieces]
         torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-6, atol=1e-6)
-        if layer.window:                                            # static decoding after a prefill of 6 tokens
+        if layer.attention.window:                                            # static decoding after a prefill of 6 tokens
             cache = LinearStateLayer()
             layer(q[:, :6], k[:, :6], v[:, :6], valid[:, :6], cache=cache)
             cache.seen = 6
             position = torch.tensor([6])
-            ring = RingWindowLayer.from_layer(cache, layer.window, position)
+            ring = RingWindowLayer.from_layer(cache, layer.attention.window, position)
             for t in range(6, T):
                 out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)
                 torch.testing.assert_close(out, ref[:, t:t + 1], rtol=1e-6, atol=1e-6)
@@ -132,7 +136,7 @@ def test_every_path_matches_the_naive_forms(variant, feature):
 @pytest.mark.parametrize("feature", ["prf", "hedgehog"])
 def test_generation_matches_full_forward_for_64_steps(family, feature):
     model = tiny_model(family)
-    linearize(model, dims=[9, 16, 5], feature=feature, seed=1)
+    linearize(model, [9, 16, 5], Attention(feature=feature, window=0, sink=0), seed=1)
     prompt = ids(batch=1, length=11, seed=1)
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False, output_logits=True,
@@ -157,11 +161,11 @@ def test_batched_left_padded_generation_equals_one_by_one(family, tokenizer, win
     model.generation_config.eos_token_id = None  # every row generates all 12 tokens
     decay = "decay" in str(window)  # left padding passes while the state is zero: the decay changes nothing there
     window = 4 if window == "4+decay" else 0 if window == "decay" else window
-    linearize(model, dims=[16, 16, 16], seed=2, window=window, decay=decay)
+    linearize(model, [16, 16, 16], Attention(window=window, sink=0, decay="head" if decay else "none"), seed=2)
     if decay:
         with torch.no_grad():
             for module in attention_modules(model):
-                module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
+                module.dofattn.decay.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
     assert_batched_as_alone(model, 12)
 
 
@@ -193,7 +197,7 @@ def test_a_kept_softmax_layer_generates_batched_as_one_by_one(family):
     layers' states, and left-padded rows generate what they generate alone, and what the full forward predicts."""
     model = tiny_model(family)
     model.generation_config.eos_token_id = None
-    linearize(model, dims=[16, 16, 16], seed=2, window=4, sink=1, layers=[0, 2])
+    linearize(model, [16, 16, 16], Attention(window=4, sink=1), seed=2, layers=[0, 2])
 
     def like_the_full_forward(prompt, out):
         assert torch.equal(model(out).logits[0, len(prompt) - 1:-1].argmax(-1), out[0, len(prompt):])
@@ -211,7 +215,7 @@ def test_kv_cache_of_past_tokens_is_refused():
     cache = DynamicCache(config=teacher.config)
     with torch.no_grad():
         teacher(ids(1, 6), use_cache=True, **cache_kwargs(teacher, cache))
-    linearize(model, dims=[8, 8, 8])
+    linearize(model, [8, 8, 8], Attention(window=0, sink=0))
     with pytest.raises(UserError, match="cannot continue a DynamicLayer cache with 6 tokens"):
         model(ids(1, 1), use_cache=True, **cache_kwargs(model, cache))
 
@@ -220,7 +224,7 @@ def test_kv_cache_of_past_tokens_is_refused():
 @pytest.mark.parametrize("conv", [0, 4])    # 4: the filters' last inputs carry over from chunk to chunk
 def test_chunked_prefill_continues_the_state(family, conv):
     model = tiny_model(family)
-    linearize(model, dims=[6, 6, 6], seed=3, conv=conv)
+    linearize(model, [6, 6, 6], Attention(window=0, sink=0, conv=conv), seed=3)
     if conv:
         set_convs(model)
     prompt = ids(2, 23, seed=6)
@@ -249,10 +253,10 @@ def assert_40_steps_equal_the_full_forward(model, prompt: torch.Tensor) -> None:
 def test_decay_generation_matches_full_forward(family, feature):
     """With a learned per-head decay the state still carries everything: 40 decode steps equal the full forward."""
     model = tiny_model(family)
-    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, decay=True)
+    linearize(model, [9, 16, 5], Attention(feature=feature, window=0, sink=0, decay="head"), seed=1)
     with torch.no_grad():
         for module in attention_modules(model):      # strong and weak decays, so the test sees them
-            module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
+            module.dofattn.decay.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
     assert_40_steps_equal_the_full_forward(model, ids(batch=1, length=11, seed=1))
 
 
@@ -262,20 +266,19 @@ def test_decay_changes_the_output_and_round_trips(tmp_path, model_dirs, window):
 
     model, _ = load_model(str(model_dirs["llama"]))
     plain, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, dims=[5, 12, 7], decay=True, seed=2, window=window)
-    linearize(plain, dims=[5, 12, 7], seed=2, window=window)
+    linearize(model, [5, 12, 7], Attention(window=window, sink=0, decay="head"), seed=2)
+    linearize(plain, [5, 12, 7], Attention(window=window, sink=0), seed=2)
     with torch.no_grad():
         for module in attention_modules(model):
-            module.dofattn.decay_rate.add_(torch.arange(module.dofattn.num_heads) * 0.1)   # not the init
+            module.dofattn.decay.decay_rate.add_(torch.arange(module.dofattn.num_heads) * 0.1)   # not the init
     x = ids()
     with torch.no_grad():
         logits = model(x, use_cache=False).logits
         assert not torch.allclose(logits, plain(x, use_cache=False).logits)
-    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay="head",
-                           window=window)
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 1, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=window, sink=0, decay="head"))
     folder = save_student(model, tmp_path / "s", config)
     loaded, _, config = load_student(folder)
-    assert config.decay and config.window == window
+    assert config.attention.decay == "head" and config.attention.window == window
     with torch.no_grad():
         assert torch.equal(loaded(x, use_cache=False).logits, logits)
 
@@ -304,8 +307,8 @@ def set_gates(model) -> None:
     with torch.no_grad():
         for module in attention_modules(model):
             linear = module.dofattn
-            linear.decay_rate.copy_(torch.linspace(0.5, -6, linear.num_heads))
-            linear.gate_weight.copy_(3 * torch.randn(linear.gate_weight.shape, generator=g))
+            linear.decay.decay_rate.copy_(torch.linspace(0.5, -6, linear.num_heads))
+            linear.decay.gate_weight.copy_(3 * torch.randn(linear.decay.gate_weight.shape, generator=g))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -314,7 +317,7 @@ def test_gate_generation_matches_full_forward(family, feature):
     """With a gate the state still carries everything: 40 decode steps (each token's gate read off its own value
     vector) equal the full forward."""
     model = tiny_model(family)
-    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, gate=True)
+    linearize(model, [9, 16, 5], Attention(feature=feature, window=0, sink=0, decay="gate"), seed=1)
     set_gates(model)
     assert_40_steps_equal_the_full_forward(model, ids(batch=2, length=11, seed=1))
 
@@ -324,22 +327,22 @@ def test_gate_starts_as_the_decay_then_differs_and_round_trips(tmp_path, model_d
 
     model, _ = load_model(str(model_dirs["llama"]))
     decayed, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, dims=[5, 12, 7], gate=True, seed=2)
-    linearize(decayed, dims=[5, 12, 7], decay=True, seed=2)
+    linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="gate"), seed=2)
+    linearize(decayed, [5, 12, 7], Attention(window=0, sink=0, decay="head"), seed=2)
     x = ids()
     layer = attention_modules(model)[0].dofattn
-    assert layer.gate and layer.decay and "gate" in repr(layer)
+    assert layer.attention.decay == "gate" and isinstance(layer.decay, Gate) and "gate" in repr(layer)
     with torch.no_grad():
         torch.testing.assert_close(model(x, use_cache=False).logits, decayed(x, use_cache=False).logits)
         set_gates(model)
         for module in attention_modules(decayed):
-            module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
+            module.dofattn.decay.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
         logits = model(x, use_cache=False).logits
         assert not torch.allclose(logits, decayed(x, use_cache=False).logits, atol=1e-3)
-    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay="gate")
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 1, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="gate"))
     folder = save_student(model, tmp_path / "s", config)
     loaded, _, config = load_student(folder)
-    assert config.decay == "gate" and attention_modules(loaded)[2].dofattn.gate
+    assert config.attention.decay == "gate" and attention_modules(loaded)[2].dofattn.attention.decay == "gate"
     with torch.no_grad():
         assert torch.equal(loaded(x, use_cache=False).logits, logits)
 
@@ -349,25 +352,25 @@ def test_gate_log_factors_are_bounded_and_train():
     from dofattn.attention import GATE_FLOOR
 
     model = tiny_model("llama")
-    linearize(model, dims=[8, 8, 8], gate=True)
+    linearize(model, [8, 8, 8], Attention(window=0, sink=0, decay="gate"))
     linear = attention_modules(model)[0].dofattn
-    v = torch.randn(2, 9, linear.num_heads, linear.gate_weight.shape[1])
+    v = torch.randn(2, 9, linear.num_heads, linear.decay.gate_weight.shape[1])
     with torch.no_grad():
-        linear.gate_weight.fill_(1e4)
-        logs = linear.log_gates(v)
+        linear.decay.gate_weight.fill_(1e4)
+        logs = linear.decay.log_gates(v)
     assert logs.shape == (2, 9, linear.num_heads) and (logs <= 0).all() and (logs >= GATE_FLOOR).all()
     assert torch.isfinite(logs).all() and (logs == GATE_FLOOR).any() and (logs == 0).any()   # cleared and kept
     with torch.no_grad():
-        linear.gate_weight.zero_()
-    linear.log_gates(v).sum().backward()
-    assert linear.gate_weight.grad.abs().sum() > 0
+        linear.decay.gate_weight.zero_()
+    linear.decay.log_gates(v).sum().backward()
+    assert linear.decay.gate_weight.grad.abs().sum() > 0
 
 
 def test_gate_refuses_a_window_and_padding_it_would_count():
     with pytest.raises(UserError, match="student.decay = 'gate' is for pure linear attention"):
-        linearize(tiny_model("llama"), dims=[8, 8, 8], window=4, gate=True)
+        linearize(tiny_model("llama"), [8, 8, 8], Attention(window=4, sink=0, decay="gate"))
     model = tiny_model("llama")
-    linearize(model, dims=[8, 8, 8], gate=True)
+    linearize(model, [8, 8, 8], Attention(window=0, sink=0, decay="gate"))
     x, mask = ids(batch=2, length=9), torch.ones(2, 9, dtype=torch.long)
     mask[1, -2:] = 0
     with pytest.raises(UserError, match="needs left padding"), torch.no_grad():
@@ -376,7 +379,7 @@ def test_gate_refuses_a_window_and_padding_it_would_count():
 
 def test_window_decay_refuses_right_padding_in_a_model():
     model = tiny_model("llama")
-    linearize(model, dims=[8, 8, 8], window=4, decay=True)
+    linearize(model, [8, 8, 8], Attention(window=4, sink=0, decay="head"))
     x, mask = ids(batch=2, length=9), torch.ones(2, 9, dtype=torch.long)
     mask[1, -2:] = 0
     with pytest.raises(UserError, match="needs left padding"), torch.no_grad():
@@ -391,17 +394,17 @@ def set_convs(model, seed: int = 6) -> None:
     with torch.no_grad():
         for module in attention_modules(model):
             for name in ("conv_q", "conv_k", "conv_v"):
-                weight = getattr(module.dofattn, name)
+                weight = getattr(module.dofattn.conv, name)
                 weight.copy_(0.6 * torch.randn(weight.shape, generator=g))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_conv_starts_as_no_conv(family):
     model, plain = tiny_model(family), tiny_model(family)
-    linearize(model, dims=[9, 16, 5], seed=1, conv=4)
-    linearize(plain, dims=[9, 16, 5], seed=1)
+    linearize(model, [9, 16, 5], Attention(window=0, sink=0, conv=4), seed=1)
+    linearize(plain, [9, 16, 5], Attention(window=0, sink=0), seed=1)
     layer = attention_modules(model)[0].dofattn
-    assert layer.conv_q.shape == (4, model.config.num_attention_heads, 16) and "conv=4" in repr(layer)
+    assert layer.conv.conv_q.shape == (4, model.config.num_attention_heads, 16) and "conv=4" in repr(layer)
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(model(x, use_cache=False).logits, plain(x, use_cache=False).logits)
@@ -416,8 +419,7 @@ def test_conv_generation_matches_full_forward(family, variant):
     window (whose cached keys are the filtered ones) and a sink."""
     model = tiny_model(family)
     window = 4 if "window" in variant else 0
-    linearize(model, dims=[9, 16, 5], feature="hedgehog", seed=1, conv=3, window=window, gate=variant == "gate",
-              sink=2 if "sink" in variant else 0)
+    linearize(model, [9, 16, 5], Attention(feature="hedgehog", window=window, sink=2 if "sink" in variant else 0, decay="gate" if variant == "gate" else "none", conv=3), seed=1)
     set_convs(model)
     if variant == "gate":
         set_gates(model)
@@ -429,7 +431,7 @@ def test_conv_left_padding_is_the_start_of_a_sequence(family, tokenizer):
     """A padding token's inputs count as zeros in the filters: a left-padded row generates as it does alone."""
     model = tiny_model(family)
     model.generation_config.eos_token_id = None
-    linearize(model, dims=[6, 6, 6], seed=3, conv=4)
+    linearize(model, [6, 6, 6], Attention(window=0, sink=0, conv=4), seed=3)
     set_convs(model)
     short, long = ids(1, 5, seed=3)[0], ids(1, 9, seed=4)[0]
     batch = torch.stack([torch.cat([torch.full((4,), 7), short]), long])
@@ -447,23 +449,22 @@ def test_conv_round_trips_and_refuses_bad_widths(tmp_path, model_dirs):
     from dofattn.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, dims=[5, 12, 7], seed=2, conv=4, gate=True)
+    linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="gate", conv=4), seed=2)
     set_convs(model)
     x = ids()
     with torch.no_grad():
         logits = model(x, use_cache=False).logits
-    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay="gate",
-                           conv=4)
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 1, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="gate", conv=4))
     folder = save_student(model, tmp_path / "s", config)
     loaded, _, config = load_student(folder)
-    assert config.conv == 4 and attention_modules(loaded)[1].dofattn.conv == 4
+    assert config.attention.conv == 4 and attention_modules(loaded)[1].dofattn.attention.conv == 4
     with torch.no_grad():
         assert torch.equal(loaded(x, use_cache=False).logits, logits)
     for width in (1, -2):
         with pytest.raises(UserError, match="a filter is at least 2 tokens wide"):
-            linearize(tiny_model("llama"), dims=[8, 8, 8], conv=width)
-    with pytest.raises(UserError, match="give the head dimension"):
-        LinearAttention(make_feature_map("prf", 4, 16, 8, 0.25), 4, 2, conv=4)
+            linearize(tiny_model("llama"), [8, 8, 8], Attention(window=0, sink=0, conv=width))
+    with pytest.raises(UserError, match="4 query heads do not share 3 kv heads evenly"):
+        LinearAttention(Attention(window=0, sink=0, conv=4), make_feature_map("prf", 4, 16, 8, 0.25), num_kv_heads=3)
 
 
 # --- the delta rule --------------------------------------------------------------------------------------------
@@ -474,11 +475,11 @@ def test_delta_generation_matches_full_forward(family):
     read off its own value vector, strong enough to matter) equal the full forward. (Without a gate: the layer's
     own test, tests/test_delta.py.)"""
     model = tiny_model(family)
-    linearize(model, dims=[9, 16, 5], feature="hedgehog", seed=1, gate=True, delta=True)
+    linearize(model, [9, 16, 5], Attention(feature="hedgehog", window=0, sink=0, decay="gate", delta=True), seed=1)
     set_gates(model)
     g = torch.Generator().manual_seed(6)
     with torch.no_grad():
         for module in attention_modules(model):
-            module.dofattn.delta_bias.zero_()
-            module.dofattn.delta_weight.copy_(3 * torch.randn(module.dofattn.delta_weight.shape, generator=g))
+            module.dofattn.delta.delta_bias.zero_()
+            module.dofattn.delta.delta_weight.copy_(3 * torch.randn(module.dofattn.delta.delta_weight.shape, generator=g))
     assert_40_steps_equal_the_full_forward(model, ids(batch=2, length=11, seed=1))

@@ -10,6 +10,7 @@ import torch
 
 from dofattn.spec import StudentSpec
 from dofattn.student import attention_modules, fingerprint, linearize, save_student
+from dofattn.spec import Attention
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("conv_stats", ROOT / "benchmarks" / "conv_stats.py")
@@ -21,13 +22,13 @@ def student(tmp_path, model_dirs, conv=3) -> Path:
     from dofattn.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, dims=[5, 12, 7], seed=2, layers=[0, 2], conv=conv)
+    linearize(model, [5, 12, 7], Attention(window=0, sink=0, conv=conv), seed=2, layers=[0, 2])
     if conv:
         with torch.no_grad():     # layer 2's keys: half on the token itself, a quarter on each of the two before
-            attention_modules(model)[2].dofattn.conv_k.copy_(torch.tensor([0.5, -0.25, 0.25])[:, None, None])
-            conv_v = attention_modules(model)[2].dofattn.conv_v     # the tap before: +0.2 and -0.2 in turn
+            attention_modules(model)[2].dofattn.conv.conv_k.copy_(torch.tensor([0.5, -0.25, 0.25])[:, None, None])
+            conv_v = attention_modules(model)[2].dofattn.conv.conv_v     # the tap before: +0.2 and -0.2 in turn
             conv_v[1] = 0.2 * (1 - 2 * (torch.arange(conv_v.shape[-1]) % 2))
-    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model), conv=conv)
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, conv=conv))
     return save_student(model, tmp_path / "student", config)
 
 

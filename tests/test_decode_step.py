@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from dofattn.spec import Attention
 from dofattn.attention import LinearAttention, LinearStateLayer, RingWindowLayer
 from dofattn.features import make_feature_map
 from dofattn.ops.window import fold_key, naive_window_linear_attention, window_decode_step
@@ -69,24 +70,24 @@ def test_op_gives_zero_for_a_row_with_nothing():
 def layer_pair(H, Hkv, D, M, W, S, decay, seed=0):
     """A trained-looking hybrid layer (random gains, rates) and its calibration call's inputs."""
     torch.manual_seed(seed)
-    layer = LinearAttention(make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=seed), H, Hkv, W, decay, S)
+    layer = LinearAttention(Attention(window=W, sink=S, decay="head" if decay else "none"), make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=seed), num_kv_heads=Hkv)
     with torch.no_grad():
-        layer.log_gain.normal_(0, 1)
+        layer.window.log_gain.normal_(0, 1)
         if decay:
-            layer.decay_rate.copy_(torch.linspace(0.5, -4, H))
+            layer.decay.decay_rate.copy_(torch.linspace(0.5, -4, H))
     return layer
 
 
 def count_lean(layer, monkeypatch):
     """Counts the layer's steps through `decode_step`: the test must not pass on the general path alone."""
     calls = []
-    original = layer.decode_step
+    original = layer.window.decode_step
 
     def counted(*args):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(layer, "decode_step", counted)
+    monkeypatch.setattr(layer.window, "decode_step", counted)
     return calls
 
 
@@ -119,7 +120,7 @@ def test_steady_steps_equal_the_general_call(H, Hkv, W, S, decay, prompt, dtype,
             args = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], valid[:, :t + 1][:, -1:])
             out = layer(*args, cache=lean)
             with monkeypatch.context() as m:
-                m.setattr(layer, "lean_step_ok", lambda *a: False)
+                m.setattr(layer.window, "lean_step_ok", lambda *a: False)
                 ref = layer(*args, cache=general)
             tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
             torch.testing.assert_close(out, ref, **tol)
@@ -142,7 +143,7 @@ def test_ring_steps_equal_the_general_call(W, S, decay, prompt, monkeypatch):
     q = 2 * torch.randn(2, prompt + 2 * W + 3, H, D, generator=g)
     k, v = (2 * torch.randn(2, prompt + 2 * W + 3, Hkv, D, generator=g) for _ in range(2))
     listed, ringed = LinearStateLayer(), LinearStateLayer()
-    monkeypatch.setattr(layer, "lean_step_ok", lambda *a: False)     # the reference: the general call
+    monkeypatch.setattr(layer.window, "lean_step_ok", lambda *a: False)     # the reference: the general call
     with torch.no_grad():
         layer(q[:, :prompt], k[:, :prompt], v[:, :prompt])          # training mode: calibrates the shift
         layer.eval()
@@ -187,8 +188,7 @@ def test_lean_step_waits_for_a_full_window_and_sink(monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_lean_steps_finite_at_exponent_195(dtype, device):
     D = 64
-    layer = LinearAttention(make_feature_map("prf", 1, D, 16, scaling=D ** -0.5, seed=0), 1, 1, window=4,
-                            sink=2).to(device)
+    layer = LinearAttention(Attention(window=4, sink=2), make_feature_map("prf", 1, D, 16, scaling=D ** -0.5, seed=0)).to(device)
     x = torch.randn(1, 40, 1, D, device=device)
     x = x / x.norm(dim=-1, keepdim=True) * math.sqrt(195 * math.sqrt(D))  # s·qᵀq ≈ 195 on the diagonal
     v = torch.randn(1, 40, 1, D, device=device)

@@ -7,6 +7,7 @@ gradients), the recurrence against hand computations, β = 0 against gated linea
 import pytest
 import torch
 
+from dofattn.spec import Attention
 from dofattn.attention import DELTA_START, LinearAttention, LinearStateLayer
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
@@ -145,22 +146,22 @@ def test_dispatch_and_errors():
 
 def delta_layer(gate: bool = True, conv: int = 0, seed: int = 0, decay: bool = False) -> LinearAttention:
     fmap = make_feature_map("hedgehog", 4, 16, 8, 0.25, seed=seed)
-    return LinearAttention(fmap, 4, 2, gate=gate, head_dim=16, conv=conv, delta=True, decay=decay)
+    return LinearAttention(Attention(window=0, sink=0, decay="gate" if gate else "head" if decay else "none", conv=conv, delta=True), fmap, num_kv_heads=2)
 
 
 def test_layer_starts_near_the_layer_without_and_erases_once_trained():
     torch.manual_seed(0)
     layer = delta_layer()
-    plain = LinearAttention(layer.feature_map, 4, 2, gate=True, head_dim=16)
+    plain = LinearAttention(Attention(window=0, sink=0, decay="gate"), layer.feature_map, num_kv_heads=2)
     q, k, v = torch.randn(2, 40, 4, 16), torch.randn(2, 40, 2, 16), torch.randn(2, 40, 2, 16)
-    assert torch.allclose(layer.betas(layer.expand_kv(v)), torch.sigmoid(torch.tensor(DELTA_START)))
+    assert torch.allclose(layer.delta.betas(layer.expand_kv(v)), torch.sigmoid(torch.tensor(DELTA_START)))
     start = (layer(q, k, v) - plain(q, k, v)).norm() / plain(q, k, v).norm()
     assert 0 < start < 0.05, start
     with torch.no_grad():
-        layer.delta_bias.fill_(4.0)
+        layer.delta.delta_bias.fill_(4.0)
     assert (layer(q, k, v) - plain(q, k, v)).norm() / plain(q, k, v).norm() > 10 * start
     layer(q, k, v).square().sum().backward()
-    assert layer.delta_weight.grad.abs().sum() > 0 and layer.delta_bias.grad.abs().sum() > 0
+    assert layer.delta.delta_weight.grad.abs().sum() > 0 and layer.delta.delta_bias.grad.abs().sum() > 0
     assert "delta" in repr(layer)
 
 
@@ -170,8 +171,8 @@ def test_layer_decode_matches_prefill(conv, gate, decay):
     torch.manual_seed(1)
     layer = delta_layer(conv=conv, gate=gate, decay=decay)
     with torch.no_grad():
-        layer.delta_bias.fill_(-1.0)
-        layer.delta_weight.normal_()
+        layer.delta.delta_bias.fill_(-1.0)
+        layer.delta.delta_weight.normal_()
     q, k, v = torch.randn(2, 33, 4, 16), torch.randn(2, 33, 2, 16), torch.randn(2, 33, 2, 16)
     cache = LinearStateLayer()
     with torch.no_grad():
@@ -184,6 +185,6 @@ def test_layer_decode_matches_prefill(conv, gate, decay):
 def test_layer_refuses_a_window():
     fmap = make_feature_map("prf", 4, 16, 8, 0.25, seed=0)
     with pytest.raises(UserError, match="student.delta is for pure linear attention"):
-        LinearAttention(fmap, 4, 2, window=8, head_dim=16, delta=True)
-    with pytest.raises(UserError, match="give the head dimension"):
-        LinearAttention(fmap, 4, 2, delta=True)
+        LinearAttention(Attention(window=8, sink=0, delta=True), fmap, num_kv_heads=2)
+    with pytest.raises(UserError, match="4 query heads do not share 3 kv heads evenly"):
+        LinearAttention(Attention(window=0, sink=0, delta=True), fmap, num_kv_heads=3)

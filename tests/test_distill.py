@@ -29,6 +29,7 @@ from dofattn.dof import DofResult, LayerDof
 from dofattn.evaluate import perplexity
 from dofattn.hf import load_model
 from dofattn.student import attention_modules, head_layout, linearize, load_student
+from dofattn.spec import Attention
 from tests.conftest import tiny_model
 
 LAYERS = 3  # every tiny model has 3 layers, 4 heads of 16 (llama: 2 kv heads)
@@ -140,8 +141,7 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
     from dofattn.data import token_blocks
 
     model, tok = load_model(str(teachers[teacher]))
-    linearize(model, [8] * LAYERS, feature, seed=0, window=window, decay=decay == "head", sink=sink,
-              gate=decay == "gate")   # the start
+    linearize(model, [8] * LAYERS, Attention(feature=feature, window=window, sink=sink, decay="gate" if decay == "gate" else "head" if decay == "head" else "none"), seed=0)   # the start
     heads = head_layout(model)
     blocks = token_blocks(str(corpus), tok, 32, 8, split="train", seed=0)  # the run's training blocks
     cache = TeacherCache(tmp_path / "teacher", LAYERS, (8, 32), heads)
@@ -175,7 +175,7 @@ def test_end_to_end_training_lowers_the_lm_loss(capsys, trained_llama, corpus, t
     assert log["layers"] == {} and len(log["end_to_end"]["losses"]) == 40
 
     untrained, _ = load_model(str(trained_llama))
-    linearize(untrained, [8] * LAYERS, "prf", seed=0)  # the run's starting point
+    linearize(untrained, [8] * LAYERS, Attention(feature="prf", window=0, sink=0), seed=0)  # the run's starting point
     trained, _, _ = load_student(out)
     train = token_blocks(str(corpus), tokenizer, 32, 8, split="train", seed=0)  # the run's training blocks
     valid = token_blocks(str(corpus), tokenizer, 32, 4, split="validation", seed=0)
@@ -201,7 +201,7 @@ def test_end_to_end_loss_is_cross_entropy_plus_kl_to_the_teacher(kd_weight):
             model.model.norm.weight.mul_(30)
             for layer in model.model.layers:
                 layer.self_attn.o_proj.weight.mul_(20)
-    linearize(student, [8] * LAYERS, "prf", seed=0)
+    linearize(student, [8] * LAYERS, Attention(feature="prf", window=0, sink=0), seed=0)
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         log_s = torch.log_softmax(student(input_ids=ids).logits[:, :-1].double(), -1)
@@ -224,16 +224,16 @@ def test_conv_stays_the_identity_layerwise_and_trains_end_to_end(capsys, model_d
     identity = torch.zeros(3, 1, 1)
     identity[0] = 1
     layer = load_file(str(layer_file(out, 1)))
-    assert torch.equal(layer["conv_k"], identity.expand_as(layer["conv_k"]))
+    assert torch.equal(layer["conv.conv_k"], identity.expand_as(layer["conv.conv_k"]))
     spec = json.loads((out / "dofattn.json").read_text())
-    assert spec["conv"] == 3 and json.loads((out / "log.json").read_text())["recipe"]["student.conv"] == 3
+    assert spec["attention"]["conv"] == 3 and json.loads((out / "log.json").read_text())["recipe"]["student.conv"] == 3
     saved = features(out)
     for i in range(LAYERS):
         for name in ("conv_q", "conv_k", "conv_v"):
-            weight = saved[f"model.layers.{i}.self_attn.dofattn.{name}"]
+            weight = saved[f"model.layers.{i}.self_attn.dofattn.conv.{name}"]
             assert weight.shape[0] == 3 and (weight - identity).abs().max() > 1e-3, (i, name)
     student, _, _ = load_student(out)
-    assert attention_modules(student)[0].dofattn.conv == 3
+    assert attention_modules(student)[0].dofattn.attention.conv == 3
 
 
 def test_conv_lr_gives_the_filters_a_learning_rate_of_their_own(capsys, model_dirs, corpus, tmp_path):
@@ -269,15 +269,15 @@ def test_delta_trains_end_to_end(capsys, model_dirs, corpus, tmp_path):
                                              "end_to_end.steps=2"))
     assert code == 0, err
     layer = load_file(str(layer_file(out, 1)))                         # layerwise: the delta rule as it started
-    assert torch.equal(layer["delta_bias"], torch.full_like(layer["delta_bias"], DELTA_START))
-    assert torch.equal(layer["delta_weight"], torch.zeros_like(layer["delta_weight"]))
+    assert torch.equal(layer["delta.delta_bias"], torch.full_like(layer["delta.delta_bias"], DELTA_START))
+    assert torch.equal(layer["delta.delta_weight"], torch.zeros_like(layer["delta.delta_weight"]))
     saved = features(out)
     for i in range(LAYERS):
-        bias = saved[f"model.layers.{i}.self_attn.dofattn.delta_bias"]
+        bias = saved[f"model.layers.{i}.self_attn.dofattn.delta.delta_bias"]
         assert (bias - DELTA_START).abs().max() > 1e-3, i
-    assert json.loads((out / "dofattn.json").read_text())["delta"]
+    assert json.loads((out / "dofattn.json").read_text())["attention"]["delta"]
     student, _, _ = load_student(out)
-    assert all(m.dofattn.delta for m in attention_modules(student))
+    assert all(m.dofattn.delta is not None for m in attention_modules(student))
 
 
 # --- resuming -----------------------------------------------------------------------------------------------------
@@ -504,9 +504,9 @@ def test_every_packaged_recipe_builds_its_student(capsys, model_dirs, corpus, tm
     assert code == 0, err
     _, _, spec = load_student(out)
     s = recipe.student
-    assert (spec.feature, spec.sink, spec.decay, spec.conv, spec.delta, spec.lora_rank, spec.lora_targets) == \
-        (s.feature, s.sink, s.decay, s.conv, s.delta, s.lora_rank, s.lora_targets)
-    assert spec.window == min(s.window, 8) and len(spec.layers) == LAYERS - min(s.keep_softmax, 1)
+    assert (spec.attention.feature, spec.attention.sink, spec.attention.decay, spec.attention.conv, spec.attention.delta, spec.lora_rank, spec.lora_targets) == \
+        (s.attention.feature, s.attention.sink, s.attention.decay, s.attention.conv, s.attention.delta, s.lora_rank, s.lora_targets)
+    assert spec.attention.window == min(s.attention.window, 8) and len(spec.layers) == LAYERS - min(s.keep_softmax, 1)
     assert (out / {"dof": "attention_dof.json", "copy": "copy_scores.json"}[s.keep_softmax_by]).is_file() == \
         bool(s.keep_softmax)
     if s.dims == "fix":
@@ -540,7 +540,7 @@ def test_run_folder_is_a_loadable_student(capsys, model_dirs, corpus, tmp_path, 
     assert dof.model == str(model_dirs["gpt2"]) and log["dims"] == dof.dims and sum(dof.dims) == LAYERS * 16
 
     student, _, spec = load_student(out)
-    assert list(spec.dims) == dof.dims and spec.feature == "prf" and spec.layers == tuple(range(LAYERS))
+    assert list(spec.dims) == dof.dims and spec.attention.feature == "prf" and spec.layers == tuple(range(LAYERS))
     valid = token_blocks(str(corpus), tokenizer, 32, 2, split="validation", seed=0)
     assert perplexity(student, valid, progress=False) == log["evaluation"]["student_ppl"]  # the very same model
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from dofattn.spec import Attention
 from dofattn.distill.end_to_end import (decoder_layers, head, hidden_states, layers_checkpointed, loss,
                                         trainable)
 from dofattn.evaluate import teacher_mode
@@ -44,6 +45,7 @@ from dofattn.hf import load_model
 from dofattn.lora import add_lora
 from dofattn.recipe import EndToEnd
 from dofattn.student import is_student_tensor, linearize
+from dofattn.spec import Attention
 
 model_dir, out, batch_size = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 join("cpu")
@@ -150,7 +152,7 @@ def reference_loss(model, ids: torch.Tensor, kd_weight: float) -> torch.Tensor:
 
 def student(family: str, lora: bool = False):
     model = tiny_model(family)
-    linearize(model, [8, 8, 8], "prf", seed=0, window=4, sink=1)
+    linearize(model, [8, 8, 8], Attention(feature="prf", window=4, sink=1), seed=0)
     if lora:
         add_lora(model, 2, seed=0)
     for name, p in model.named_parameters():

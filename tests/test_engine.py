@@ -6,9 +6,11 @@ On CUDA the decoder replays a CUDA graph per token; on CPU it runs the same stat
 import pytest
 import torch
 
+from dofattn.attention.exact import Window
 from dofattn.engine import StaticDecoder
 from dofattn.errors import UserError
 from dofattn.student import attention_modules, linearize
+from dofattn.spec import Attention
 from tests.conftest import tiny_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -19,7 +21,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
 def test_same_tokens_as_hf_generate(family, window, device):
     model = tiny_model(family)
-    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=window)
+    linearize(model, [9, 16, 5], Attention(feature="prf", window=window, sink=0), seed=1)
     model.generation_config.eos_token_id = None
     model = model.to(device)
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
@@ -44,7 +46,7 @@ def test_prefill_keeps_only_the_last_logits(family):
     """The prompt's logits for every position would be [B, T, vocab]: at 32K tokens of SmolLM2, 3.2 GB in bf16, more
     than the state and the teacher's whole KV cache. The prefill asks for the last position's alone."""
     model = tiny_model(family)
-    linearize(model, dims=[9, 16, 5], feature="prf", seed=1)
+    linearize(model, [9, 16, 5], Attention(feature="prf", window=0, sink=0), seed=1)
     shapes = []
     model.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.logits.shape)))
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -72,13 +74,13 @@ def test_same_tokens_without_the_one_kernel_step(feature, decay, window, device)
     static step runs eagerly."""
     model = tiny_model("llama")
     gate = decay == "gate"
-    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, decay=bool(decay), window=window, gate=gate)
+    linearize(model, [9, 16, 5], Attention(feature=feature, window=window, sink=0, decay="gate" if gate else "head" if bool(decay) else "none"), seed=1)
     if decay:      # strong decays, so that a step that skipped or doubled one would change the tokens
         with torch.no_grad():
             for module in attention_modules(model):
-                module.dofattn.decay_rate.copy_(torch.linspace(0.5, -4, module.dofattn.num_heads))
+                module.dofattn.decay.decay_rate.copy_(torch.linspace(0.5, -4, module.dofattn.num_heads))
                 if gate:   # and gates that differ from token to token
-                    module.dofattn.gate_weight.normal_(0, 3, generator=torch.Generator().manual_seed(4))
+                    module.dofattn.decay.gate_weight.normal_(0, 3, generator=torch.Generator().manual_seed(4))
     assert_static_equals_hf(model, device)
 
 
@@ -91,7 +93,7 @@ def test_kept_softmax_layers_decode_on_static_slots(window, device):
     from dofattn.attention import StaticKVLayer
 
     model = tiny_model("llama")
-    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=window, sink=2 if window else 0, layers=[1])
+    linearize(model, [9, 16, 5], Attention(feature="prf", window=window, sink=2 if window else 0), seed=1, layers=[1])
     model.generation_config.eos_token_id = None
     model = model.to(device)
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
@@ -117,7 +119,7 @@ def test_kept_softmax_layers_decode_on_static_slots(window, device):
 
 def test_rows_are_cut_after_their_first_eos():
     model = tiny_model("llama")
-    linearize(model, dims=[8, 8, 8], seed=2)
+    linearize(model, [8, 8, 8], Attention(window=0, sink=0), seed=2)
     prompt = torch.randint(3, 300, (1, 7), generator=torch.Generator().manual_seed(2))
     tokens = StaticDecoder(model).generate(prompt, 12)
     eos = int(tokens[0, 9])                                                  # call the third new token EOS
@@ -132,7 +134,7 @@ def test_refuses_what_it_cannot_keep_static():
     with pytest.raises(UserError, match="every layer of this model is softmax attention"):
         StaticDecoder(model)
     model = tiny_model("llama")
-    linearize(model, dims=[8, 8, 8])
+    linearize(model, [8, 8, 8], Attention(window=0, sink=0))
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="CUDA graphs need the model on a CUDA device"):
             StaticDecoder(model, graph=True)
@@ -146,12 +148,12 @@ def test_same_tokens_with_a_conv(window, device):
     """A short convolution's last K-1 inputs ride in the cache beside the state (and the ring): on CUDA they are
     captured in place like the state, so every replay reads the previous token's inputs."""
     model = tiny_model("gpt_neox")
-    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=window, conv=3)
+    linearize(model, [9, 16, 5], Attention(feature="prf", window=window, sink=0, conv=3), seed=1)
     with torch.no_grad():
         g = torch.Generator().manual_seed(2)
         for module in attention_modules(model):
             for name in ("conv_q", "conv_k", "conv_v"):
-                getattr(module.dofattn, name).normal_(0, 0.6, generator=g)
+                getattr(module.dofattn.conv, name).normal_(0, 0.6, generator=g)
     assert_static_equals_hf(model, device)
 
 
@@ -168,14 +170,14 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
     if device == "cpu" and torch.cuda.is_available():
         pytest.skip("Triton's interpreter runs only without a GPU (tests/conftest.py); the CUDA case runs the kernel")
     model = tiny_model("llama")
-    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, window=4, sink=2)
+    linearize(model, [9, 16, 5], Attention(feature="prf", window=4, sink=2), seed=1)
     with torch.no_grad():
         for module in attention_modules(model):
-            module.dofattn.log_gain.normal_(0, 1, generator=torch.Generator().manual_seed(3))
+            module.dofattn.window.log_gain.normal_(0, 1, generator=torch.Generator().manual_seed(3))
     model = model.to(device)
     prompt = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
     with monkeypatch.context() as patch:         # the PyTorch ring step, on any device
-        patch.setattr(LinearAttention, "one_kernel_ring", lambda self, q, cache, backend: False)
+        patch.setattr(Window, "one_kernel_ring", lambda self, layer, q, cache, backend: False)
         decoder = StaticDecoder(model)
         ref = decoder.generate(prompt, 6)
         ref_cache = decoder.cache
@@ -183,9 +185,9 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
     step = hybrid.prf_ring_step
     monkeypatch.setattr(hybrid, "prf_ring_step", lambda *a, **k: calls.append(1) or step(*a, **k))
     if device == "cpu":
-        ring_step = LinearAttention.ring_step
-        monkeypatch.setattr(LinearAttention, "ring_step",
-                            lambda self, q, k, v, cache, backend="auto": ring_step(self, q, k, v, cache, "triton"))
+        ring_step = Window.ring_step
+        monkeypatch.setattr(Window, "ring_step", lambda self, layer, q, k, v, cache, backend="auto":
+                            ring_step(self, layer, q, k, v, cache, "triton"))
     decoder = StaticDecoder(model)
     assert torch.equal(decoder.generate(prompt, 6), ref)
     assert len(calls) == 3 * (5 if device == "cpu" else 3)       # CUDA: 2 warm-up steps and the capture
@@ -205,8 +207,7 @@ def test_a_static_step_takes_no_mask(gate):
     from dofattn.features import make_feature_map
 
     torch.manual_seed(0)
-    layer = LinearAttention(make_feature_map("hedgehog", 2, 8, 6, scaling=8 ** -0.5), 2, 2, decay=True, gate=gate,
-                            head_dim=8)
+    layer = LinearAttention(Attention(window=0, sink=0, decay="gate" if gate else "head" if True else "none"), make_feature_map("hedgehog", 2, 8, 6, scaling=8 ** -0.5))
     q, k, v = (torch.randn(1, 6, 2, 8) for _ in range(3))
     outs = []
     with torch.no_grad():
@@ -229,7 +230,7 @@ def test_compiled_step_gives_the_eager_tokens(feature, decay, window, sink, laye
     from torch._dynamo.utils import counters
 
     model = tiny_model("llama")
-    linearize(model, dims=[9, 16, 5], feature=feature, seed=1, window=window, sink=sink, decay=decay, layers=layers)
+    linearize(model, [9, 16, 5], Attention(feature=feature, window=window, sink=sink, decay="head" if decay else "none"), seed=1, layers=layers)
     model.eval()
     model.generation_config.eos_token_id = None
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))

@@ -11,6 +11,7 @@ import torch
 
 from dofattn.spec import StudentSpec
 from dofattn.student import attention_modules, fingerprint, linearize, save_student
+from dofattn.spec import Attention
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gate_stats", ROOT / "benchmarks" / "gate_stats.py")
@@ -22,12 +23,11 @@ def gated_student(tmp_path, model_dirs, gate=True) -> Path:
     from dofattn.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, dims=[5, 12, 7], gate=gate, decay=not gate, seed=2, layers=[0, 2])
+    linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="gate" if gate else "head" if not gate else "none"), seed=2, layers=[0, 2])
     if gate:
         with torch.no_grad():   # layer 2: every token clears the state (the floor); layer 0: the decay alone
-            attention_modules(model)[2].dofattn.decay_rate.fill_(10.0)
-    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model),
-                         decay="gate" if gate else "head")
+            attention_modules(model)[2].dofattn.decay.decay_rate.fill_(10.0)
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="gate" if gate else "head"))
     return save_student(model, tmp_path / "student", config)
 
 
@@ -66,11 +66,10 @@ def test_erase_strengths_of_a_delta_student(tmp_path, model_dirs, corpus, monkey
     from dofattn.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, dims=[5, 12, 7], decay=True, delta=True, seed=2, layers=[0, 2])
+    linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="head", delta=True), seed=2, layers=[0, 2])
     with torch.no_grad():
-        attention_modules(model)[2].dofattn.delta_bias.zero_()
-    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 2], 2, fingerprint(model), decay="head",
-                         delta=True)
+        attention_modules(model)[2].dofattn.delta.delta_bias.zero_()
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="head", delta=True))
     folder = save_student(model, tmp_path / "student", config)
     out = tmp_path / "stats.json"
     monkeypatch.setattr(sys, "argv", ["gate_stats", str(folder), "--data", str(corpus), "--blocks", "2",

@@ -12,6 +12,7 @@ from dofattn.errors import UserError
 from dofattn.evaluate import teacher_mode
 from dofattn.lora import add_lora, lora_layers, lora_parameters, merge_lora
 from dofattn.student import linearize, load_student
+from dofattn.spec import Attention
 from tests.conftest import tiny_model
 
 pytest.importorskip("peft")
@@ -38,7 +39,7 @@ def perturb(model, seed=1):
 def test_adapters_sit_on_their_projections_and_teacher_mode_removes_them(family, targets):
     stock = tiny_model(family)
     model = tiny_model(family)
-    linearize(model, [6, 6, 6], seed=0)
+    linearize(model, [6, 6, 6], Attention(window=0, sink=0), seed=0)
     x = ids()
     mlp = 3 * MLP_PER_LAYER[family] if targets == "all" else 0
     with torch.no_grad():
@@ -60,11 +61,11 @@ def test_adapters_sit_on_their_projections_and_teacher_mode_removes_them(family,
 
 def test_adapters_on_a_bfloat16_model_are_float32_and_train():
     model = tiny_model("llama").to(torch.bfloat16)
-    linearize(model, [6, 6, 6], seed=0)
+    linearize(model, [6, 6, 6], Attention(window=0, sink=0), seed=0)
     add_lora(model, rank=2)
     assert {p.dtype for _, p in lora_parameters(model)} == {torch.float32}
     reference = tiny_model("llama")
-    linearize(reference, [6, 6, 6], seed=0)
+    linearize(reference, [6, 6, 6], Attention(window=0, sink=0), seed=0)
     add_lora(reference, rank=2)
     perturb(model), perturb(reference)
     x = ids()

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from dofattn.spec import Attention
 from dofattn.errors import UserError
 from dofattn.spec import StudentSpec
 from dofattn.student import (attach_student, attention_modules, fingerprint, linearize,
@@ -23,7 +24,7 @@ def test_nothing_swapped_gives_stock_logits(family):
     model = tiny_model(family)
     x = ids()
     stock = model(x, use_cache=False).logits
-    linearize(model, dims=[8, 8, 8], layers=[])
+    linearize(model, [8, 8, 8], Attention(window=0, sink=0), layers=[])
     assert model.config._attn_implementation == "dofattn"
     assert torch.equal(model(x, use_cache=False).logits, stock)
 
@@ -31,7 +32,7 @@ def test_nothing_swapped_gives_stock_logits(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_layer_swap_changes_only_that_layer(family):
     teacher, student = tiny_model(family), tiny_model(family)
-    linearize(student, dims=[8, 8, 8], layers=[1])
+    linearize(student, [8, 8, 8], Attention(window=0, sink=0), layers=[1])
     x = ids()
     with torch.no_grad():
         ref = teacher(x, output_hidden_states=True, use_cache=False).hidden_states
@@ -44,8 +45,8 @@ def test_one_layer_swap_changes_only_that_layer(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_taking_the_linear_part_off_gives_the_layer_softmax_back(family):
     whole, partial = tiny_model(family), tiny_model(family)
-    linearize(whole, dims=[8, 8, 8])
-    linearize(partial, dims=[8, 8, 8], layers=[0, 2])
+    linearize(whole, [8, 8, 8], Attention(window=0, sink=0))
+    linearize(partial, [8, 8, 8], Attention(window=0, sink=0), layers=[0, 2])
     del attention_modules(whole)[1].dofattn            # e.g. benchmarks/layer_sensitivity.py
     x = ids()
     with torch.no_grad():
@@ -59,14 +60,13 @@ def test_taking_the_linear_part_off_gives_the_layer_softmax_back(family):
 def make_student(family, tmp_path, model_dirs, feature="prf"):
     model = tiny_model(family)
     dims = resolve_dims([5, 12, 7], model)
-    linearize(model, dims, feature=feature, seed=4)
+    linearize(model, dims, Attention(feature=feature, window=0, sink=0), seed=4)
     with torch.no_grad():  # make the features differ from a fresh init
         for name, p in model.named_parameters():
             if ".dofattn." in name:
                 p.add_(0.01 * torch.randn_like(p))
         model(ids(1, 8), use_cache=False)  # calibrates key shifts
-    config = StudentSpec(base_model=str(model_dirs[family]), feature=feature, dims=dims, layers=[0, 1, 2],
-                           seed=4, base=fingerprint(model))
+    config = StudentSpec(base_model=str(model_dirs[family]), dims=dims, layers=[0, 1, 2], seed=4, base=fingerprint(model), attention=Attention(feature=feature, window=0, sink=0))
     folder = save_student(model, tmp_path / f"student-{family}", config)
     return model, folder
 
@@ -80,7 +80,7 @@ def test_save_load_round_trip_is_exact(family, tmp_path, model_dirs):
     assert torch.equal(base.get_input_embeddings().weight, model.get_input_embeddings().weight)
     model, folder = make_student(family, tmp_path, model_dirs)
     loaded, tokenizer, config = load_student(folder)
-    assert config.dims == (5, 12, 7) and config.dofattn_version and config.schema == 2
+    assert config.dims == (5, 12, 7) and config.dofattn_version and config.schema == 3
     x = ids()
     with torch.no_grad():
         assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
@@ -121,9 +121,23 @@ def test_student_file_holds_only_trained_state(tmp_path, model_dirs):
     from dofattn.student import student_state
 
     model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, [5, 7, 3], seed=4, head_dims=[[5, 1, 2, 5], [7, 7, 7, 7], [1, 1, 3, 2]])
+    linearize(model, [5, 7, 3], Attention(window=4, sink=1), seed=4)
     names = sorted(student_state(model))
-    assert names and all(n.rsplit(".", 1)[-1] in ("directions", "log_weights", "key_shift") for n in names)
+    assert len(names) == 3 * 4 and {n.split(".dofattn.")[1] for n in names} == {
+        "feature_map.directions", "feature_map.log_weights", "feature_map.key_shift", "window.log_gain"}
+
+
+def test_per_head_dims_are_gone():
+    """Per-head feature counts were built but never saved (non-persistent masks): a student built with them reloaded
+    as another model. They are gone: linearize takes no head_dims, and a feature map has none."""
+    import inspect
+
+    from dofattn.features import make_feature_map
+
+    assert "head_dims" not in inspect.signature(linearize).parameters
+    assert "head_dims" not in inspect.signature(make_feature_map).parameters
+    with pytest.raises(TypeError):
+        linearize(tiny_model("llama"), [4, 4, 4], head_dims=[[4] * 4] * 3)
 
 
 def test_older_student_folders_load_or_fail_clearly(tmp_path, model_dirs):
@@ -134,23 +148,61 @@ def test_older_student_folders_load_or_fail_clearly(tmp_path, model_dirs):
     from dofattn.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, [5, 12, 7], seed=2, gate=True)
-    spec = StudentSpec(str(model_dirs["llama"]), "prf", [5, 12, 7], [0, 1, 2], 2, fingerprint(model), decay="gate")
+    linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="gate"), seed=2)
+    spec = StudentSpec(base_model=str(model_dirs["llama"]), dims=[0, 1, 2], layers=Attention(window=0, sink=0, decay="gate"), seed=2, base=fingerprint(model), attention=Attention(feature=[5, 12, 7], window=0, sink=0))
     folder = save_student(model, tmp_path / "s", spec)
-    old = {k: v for k, v in json.loads(spec.to_json()).items() if k != "schema"}
-    old.update(decay=True, gate=True, head_dims=None)                  # how schema 1 wrote a gated student
+    flat = {k: v for k, v in json.loads(spec.to_json()).items() if k not in ("schema", "attention")}
+    flat.update(spec.attention.__dict__)
+    old = {**flat, "decay": True, "gate": True, "head_dims": None}       # how schema 1 wrote a gated student
     (folder / "dofattn.json").write_text(json.dumps(old))
     loaded, _, read = load_student(folder)
-    assert read == spec and all(m.dofattn.gate for m in attention_modules(loaded))
+    assert read == spec and all(m.dofattn.attention.decay == "gate" for m in attention_modules(loaded))
     x = ids()
     with torch.no_grad():
         assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
     (folder / "dofattn.json").write_text(json.dumps({**old, "head_dims": [[5] * 4, [12] * 4, [7] * 4]}))
     with pytest.raises(UserError, match="every head its own feature count.*distill the student again"):
         read_spec(folder)
-    (folder / "dofattn.json").write_text(json.dumps({**json.loads(spec.to_json()), "schema": 3}))
-    with pytest.raises(UserError, match="has schema 3.*upgrade dofattn"):
+    (folder / "dofattn.json").write_text(json.dumps({**json.loads(spec.to_json()), "schema": 4}))
+    with pytest.raises(UserError, match="has schema 4.*upgrade dofattn"):
         read_spec(folder)
-    (folder / "dofattn.json").write_text(json.dumps({**json.loads(spec.to_json()), "window": 0, "sink": 4}))
+    (folder / "dofattn.json").write_text(json.dumps({**json.loads(spec.to_json()),
+                                                     "attention": {"window": 0, "sink": 4}}))
     with pytest.raises(UserError, match="student.sink = 4 sits beside a softmax window"):
         read_spec(folder)
+    (folder / "dofattn.json").write_text(json.dumps({**json.loads(spec.to_json()), "attention": {"windw": 3}}))
+    with pytest.raises(UserError, match=r"unknown fields \['attention.windw'\]"):
+        read_spec(folder)
+
+
+def test_schema_2_folders_with_flat_tensor_names_load(tmp_path, model_dirs):
+    """Before the attention parts, a layer's own tensors sat on it (`dofattn.log_gain`, `dofattn.decay_rate`, ...)
+    and dofattn.json held the attention keys flat (schema 2). Such a folder loads as the same student."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from dofattn.hf import load_model
+    from dofattn.student import WEIGHTS_FILE
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    attention = Attention(window=4, sink=0, decay="head", conv=2)
+    linearize(model, [5, 12, 7], attention, seed=2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".dofattn." in name and "feature_map" not in name:
+                p.add_(0.1 * torch.randn_like(p))
+    spec = StudentSpec(base_model=str(model_dirs["llama"]), dims=[0, 1, 2], layers=attention, seed=2, base=fingerprint(model), attention=Attention(feature=[5, 12, 7], window=0, sink=0))
+    folder = save_student(model, tmp_path / "s", spec)
+    state = load_file(folder / WEIGHTS_FILE)
+    flat_names = {n.replace(".dofattn.window.", ".dofattn.").replace(".dofattn.decay.", ".dofattn.")
+                  .replace(".dofattn.conv.", ".dofattn."): t for n, t in state.items()}
+    assert len(flat_names) == len(state) and any(n.endswith(".dofattn.log_gain") for n in flat_names)
+    save_file(flat_names, str(folder / WEIGHTS_FILE))
+    old = {k: v for k, v in json.loads(spec.to_json()).items() if k != "attention"}
+    (folder / "dofattn.json").write_text(json.dumps({**old, **spec.attention.__dict__, "schema": 2}))
+    loaded, _, read = load_student(folder)
+    assert read == spec
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)

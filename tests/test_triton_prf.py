@@ -14,14 +14,15 @@ from tests.triton_helpers import CUDA, DEVICE, RATIO
 
 from dofattn.ops import naive_linear_attention  # noqa: E402
 from dofattn.ops.triton import prf  # noqa: E402
+from dofattn.spec import Attention
 from tests.test_ops import assert_close  # noqa: E402
 
 
-def prf_map(H=3, D=16, M=37, head_dims=(37, 20, 5), seed=0):
+def prf_map(H=3, D=16, M=37, seed=0):
     """A learned PRF map with random log-weights and a key shift calibrated on large keys (exponents ~ 100)."""
     from dofattn.features import make_feature_map
 
-    fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=seed, head_dims=list(head_dims)).to(DEVICE)
+    fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=seed).to(DEVICE)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         fmap.log_weights.copy_(torch.randn(H, M, generator=g).to(DEVICE))
@@ -46,7 +47,6 @@ def test_prf_features_match_torch(shape):
         ref_phi, ref_scale = torch_features(fmap, x, role)
         phi, scale = prf.prf_features(fmap, x, role, MAX_KEY_EXCESS)
         assert_close(role, ref_phi, phi, RATIO)
-        assert torch.equal(phi[..., 5:][:, :, 2], torch.zeros_like(phi[..., 5:][:, :, 2]))   # head 2: 5 features
         if role == "query":
             assert_close("scale", ref_scale, scale, 1e-6)
         else:
@@ -72,7 +72,7 @@ def test_prf_decode_step_matches_the_layer():
     """The one-kernel step (features + state update + output, GQA) against features + the naive op."""
     from dofattn.features import MAX_KEY_EXCESS
 
-    fmap = prf_map(H=4, M=24, head_dims=(24, 24, 10, 3))
+    fmap = prf_map(H=4, M=24)
     g = torch.Generator().manual_seed(2)
     B, H, Hkv, D, V = 2, 4, 2, 16, 16
     q = 3 * torch.randn(B, 1, H, D, generator=g).to(DEVICE)
@@ -115,11 +115,11 @@ def test_generation_on_cuda_takes_one_kernel_steps(family, decay, monkeypatch):
     from tests.conftest import tiny_model
 
     model = tiny_model(family).cuda()
-    linearize(model, dims=[9, 16, 5], feature="prf", seed=1, decay=decay)
+    linearize(model, [9, 16, 5], Attention(feature="prf", window=0, sink=0, decay="head" if decay else "none"), seed=1)
     if decay:                                         # half-lives from under a token to hundreds
         with torch.no_grad():
             for module in attention_modules(model):
-                module.dofattn.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
+                module.dofattn.decay.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
     calls = []
     step = prf.prf_decode_step
     monkeypatch.setattr(prf, "prf_decode_step", lambda *a, **k: calls.append(1) or step(*a, **k))

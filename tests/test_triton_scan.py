@@ -14,6 +14,7 @@ from tests.triton_helpers import CUDA, DEVICE, RATIO, decay_leaf, gate_leaf, on_
 
 from dofattn.ops import linear_attention, naive_linear_attention, pick_backend  # noqa: E402
 from dofattn.ops.triton import scan  # noqa: E402
+from dofattn.spec import Attention
 from tests.test_ops import assert_close, forward_backward, make_inputs  # noqa: E402
 
 
@@ -333,13 +334,13 @@ def test_gated_layer_trains_on_triton_as_on_chunk():
     from tests.conftest import tiny_model
 
     model = tiny_model("llama").to(DEVICE)
-    linearize(model, dims=[20, 16, 9], feature="hedgehog", gate=True, seed=1)
+    linearize(model, [20, 16, 9], Attention(feature="hedgehog", window=0, sink=0, decay="gate"), seed=1)
     layer = attention_modules(model)[0].dofattn
     with torch.no_grad():
-        layer.gate_weight.normal_(0, 2.0, generator=torch.Generator(DEVICE).manual_seed(2))
-        layer.decay_rate.copy_(torch.linspace(-4, 1, layer.num_heads))
+        layer.decay.gate_weight.normal_(0, 2.0, generator=torch.Generator(DEVICE).manual_seed(2))
+        layer.decay.decay_rate.copy_(torch.linspace(-4, 1, layer.num_heads))
     g = torch.Generator().manual_seed(3)
-    H, D = layer.num_heads, layer.gate_weight.shape[1]
+    H, D = layer.num_heads, layer.decay.gate_weight.shape[1]
     q, k, v = (torch.randn(2, 150, H, D, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
     results = {}
     for backend in ("chunk", "triton"):

@@ -14,6 +14,7 @@ import torch
 from tests.triton_helpers import CUDA, DEVICE, RATIO, decay_leaf, on_device, skip_wrong_bf16_dots
 
 from dofattn.ops.triton import window as hybrid  # noqa: E402
+from dofattn.spec import Attention
 from tests.test_ops import assert_close  # noqa: E402
 
 
@@ -262,13 +263,14 @@ RING_CASES = [
     (5, 0, 4, 4, 24, 37, True, 3, torch.float16),
     (64, 4, 4, 2, 24, 37, False, 62, torch.float32),
     (64, 0, 4, 2, 40, 37, True, 66, torch.float32),
+    (5, 2, 4, 2, 24, 37, True, 4, torch.float32),        # a decay beside the window and the sink
 ]
 RING_IDS = [f"W{c[0]}-S{c[1]}-H{c[2]}kv{c[3]}-D{c[4]}{'-decay' if c[6] else ''}-p{c[7]}-{str(c[8])[6:]}"
             for c in RING_CASES]
 
 
 def ring_case(W, S, H, Hkv, D, M, decay, prompt, dtype, steps, scale=2.0):
-    """A PRF window hybrid (random log-weights, gains and decays; a head with fewer features) after a PyTorch
+    """A PRF window hybrid (random log-weights, gains and decays) after a PyTorch
     prefill of `prompt` tokens (training mode: calibrates the key shift), two rings of its cache (each its own
     buffers), their position tensors and the `steps` tokens after the prompt (q [B, steps, H, D], k, v)."""
     import copy
@@ -277,13 +279,13 @@ def ring_case(W, S, H, Hkv, D, M, decay, prompt, dtype, steps, scale=2.0):
     from dofattn.features import make_feature_map
 
     g = torch.Generator().manual_seed(W + 7 * S + D)
-    fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=3, head_dims=[M, 20, 5, M][:H])
-    layer = LinearAttention(fmap, H, Hkv, W, decay, sink=S)
+    fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=3)
+    layer = LinearAttention(Attention(window=W, sink=S, decay="head" if decay else "none"), fmap, num_kv_heads=Hkv)
     with torch.no_grad():
         fmap.log_weights.copy_(torch.randn(H, M, generator=g))
-        layer.log_gain.copy_(torch.randn(H, generator=g))
+        layer.window.log_gain.copy_(torch.randn(H, generator=g))
         if decay:                                      # half-lives from under a token to hundreds
-            layer.decay_rate.copy_(torch.linspace(0.5, -6, H))
+            layer.decay.decay_rate.copy_(torch.linspace(0.5, -6, H))
     layer = layer.to(DEVICE)
     q = scale * torch.randn(2, prompt + steps, H, D, generator=g)
     k = scale * torch.randn(2, prompt + steps, Hkv, D, generator=g)
@@ -354,17 +356,17 @@ def test_prf_ring_step_dispatch(monkeypatch):
     layer, rings, positions, qkv = ring_case(5, 0, 4, 2, 24, 37, False, 3, torch.float32, steps=1)
     ring = rings[1]
     with torch.no_grad():
-        assert layer.one_kernel_ring(qkv[0], ring, "auto") == CUDA
-        assert layer.one_kernel_ring(qkv[0], ring, "triton")
-        assert not layer.one_kernel_ring(qkv[0], ring, "naive")
+        assert layer.window.one_kernel_ring(layer, qkv[0], ring, "auto") == CUDA
+        assert layer.window.one_kernel_ring(layer, qkv[0], ring, "triton")
+        assert not layer.window.one_kernel_ring(layer, qkv[0], ring, "naive")
         layer.train()
-        assert not layer.one_kernel_ring(qkv[0], ring, "triton")   # training would move the key shift
+        assert not layer.window.one_kernel_ring(layer, qkv[0], ring, "triton")   # training would move the key shift
         layer.eval()
-    assert not layer.one_kernel_ring(qkv[0], ring, "triton")       # autograd: the parameters want gradients
+    assert not layer.window.one_kernel_ring(layer, qkv[0], ring, "triton")       # autograd: the parameters want gradients
     q, k, v = (x[:, :1] for x in qkv)
     with pytest.raises(ValueError, match="contiguous buffers shaped"):
         hybrid.prf_ring_step(layer.feature_map, q, k, v, ring.state, ring.keys.transpose(0, 1), ring.values,
-                             ring.key_valid, ring.position, layer.log_gain, MAX_KEY_EXCESS)
+                             ring.key_valid, ring.position, layer.window.log_gain, MAX_KEY_EXCESS)
     with pytest.raises(ValueError, match="contiguous float32 state"):
         hybrid.prf_ring_step(layer.feature_map, q, k, v, ring.state.double(), ring.keys, ring.values, ring.key_valid,
-                             ring.position, layer.log_gain, MAX_KEY_EXCESS)
+                             ring.position, layer.window.log_gain, MAX_KEY_EXCESS)

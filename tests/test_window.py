@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from dofattn.spec import Attention
 from dofattn.attention import LinearAttention, LinearStateLayer
 from dofattn.features import make_feature_map
 from dofattn.ops.window import naive_window_linear_attention, window_linear_attention
@@ -160,11 +161,11 @@ def test_a_window_covering_everything_is_softmax_attention():
 def test_streaming_in_pieces_equals_one_call(pieces, decay):
     torch.manual_seed(0)
     fmap = make_feature_map("prf", 2, 8, 6, scaling=8 ** -0.5, seed=1)
-    linear = LinearAttention(fmap, num_heads=2, num_kv_heads=1, window=4, decay=decay).eval()
+    linear = LinearAttention(Attention(window=4, sink=0, decay="head" if decay else "none"), fmap, num_kv_heads=1).eval()
     with torch.no_grad():
-        linear.log_gain.copy_(torch.tensor([0.3, -0.2]))
+        linear.window.log_gain.copy_(torch.tensor([0.3, -0.2]))
         if decay:                                       # log γ = -e^0.3 and -e^-3: one strong, one weak
-            linear.decay_rate.copy_(torch.tensor([0.3, -3.0]))
+            linear.decay.decay_rate.copy_(torch.tensor([0.3, -3.0]))
     T = sum(pieces)   # 13: dense form throughout; 39: the fast form for the whole and for pieces > 16
     q, k, v = torch.randn(2, T, 2, 8), torch.randn(2, T, 1, 8), torch.randn(2, T, 1, 8)
     valid = torch.ones(2, T, dtype=torch.bool)
@@ -185,7 +186,7 @@ def test_streaming_in_pieces_equals_one_call(pieces, decay):
 def test_finite_at_exponent_195(dtype, decay):
     D = 64
     fmap = make_feature_map("prf", 1, D, 16, scaling=D ** -0.5, seed=0).eval()
-    linear = LinearAttention(fmap, 1, 1, window=4, decay=decay).eval()
+    linear = LinearAttention(Attention(window=4, sink=0, decay="head" if decay else "none"), fmap).eval()
     x = torch.randn(1, 40, 1, D)
     x = x / x.norm(dim=-1, keepdim=True) * math.sqrt(195 * math.sqrt(D))  # s·qᵀq ≈ 195 on the diagonal
     with torch.no_grad():
@@ -197,7 +198,7 @@ def test_window_must_be_nonnegative():
     from dofattn.errors import UserError
 
     with pytest.raises(UserError, match="student.window = -1: give >= 0"):
-        LinearAttention(make_feature_map("prf", 1, 4, 4, 0.5), 1, 1, window=-1)
+        LinearAttention(Attention(window=-1, sink=0), make_feature_map("prf", 1, 4, 4, 0.5))
     with pytest.raises(ValueError, match="window must be >= 1"):
         window_linear_attention(*inputs(1, 3, 0, 1, 4, 4, 2, 2)[0], 0.5, 0)
 
@@ -212,14 +213,14 @@ def strong_decays(model) -> None:
     """Decays that change the output (a weak start would hide a wrong exponent): log γ from -e^0.5 to -e^-4."""
     with torch.no_grad():
         for module in attention_modules(model):
-            module.dofattn.decay_rate.copy_(torch.linspace(0.5, -4, module.dofattn.num_heads))
+            module.dofattn.decay.decay_rate.copy_(torch.linspace(0.5, -4, module.dofattn.num_heads))
 
 
 @pytest.mark.parametrize("decay", [False, True])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
 def test_generation_with_a_window_matches_the_full_forward(family, decay):
     model = tiny_model(family)
-    linearize(model, dims=[9, 16, 5], seed=1, window=6, decay=decay)
+    linearize(model, [9, 16, 5], Attention(window=6, sink=0, decay="head" if decay else "none"), seed=1)
     if decay:
         strong_decays(model)
     prompt = ids(1, 11, seed=1)
@@ -236,15 +237,15 @@ def test_window_student_round_trip(tmp_path, model_dirs):
     from dofattn.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, [5, 7, 3], seed=4, window=8)
+    linearize(model, [5, 7, 3], Attention(window=8, sink=0), seed=4)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, LinearAttention):
-                m.log_gain.uniform_(-1, 1)
-    config = StudentSpec(str(model_dirs["llama"]), "prf", [5, 7, 3], [0, 1, 2], 4, fingerprint(model), window=8)
+                m.window.log_gain.uniform_(-1, 1)
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 7, 3], layers=[0, 1, 2], seed=4, base=fingerprint(model), attention=Attention(feature="prf", window=8, sink=0))
     save_student(model, tmp_path / "s", config)
     loaded, _, cfg = load_student(tmp_path / "s")
-    assert cfg.window == 8
+    assert cfg.attention.window == 8
     x = ids(2, 19, seed=7)
     with torch.no_grad():
         assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
@@ -253,15 +254,15 @@ def test_window_student_round_trip(tmp_path, model_dirs):
 def test_gain_calibration_puts_a_scale_free_map_on_the_kernels_scale():
     torch.manual_seed(0)
     q, k = torch.randn(2, 48, 2, 8) * 2, torch.randn(2, 48, 2, 8) * 2
-    linear = LinearAttention(make_feature_map("hedgehog", 2, 8, 6, scaling=8 ** -0.5), 2, 2, window=8)
-    linear.calibrate_gain(q, k)
-    assert linear.log_gain.abs().min() > 1.0         # softmax features sit far from exp(s·qᵀk) at the start
+    linear = LinearAttention(Attention(window=8, sink=0), make_feature_map("hedgehog", 2, 8, 6, scaling=8 ** -0.5))
+    linear.window.calibrate_gain(linear, q, k)
+    assert linear.window.log_gain.abs().min() > 1.0         # softmax features sit far from exp(s·qᵀk) at the start
     from dofattn.ops.window import window_logits
 
     with torch.no_grad():                             # calibrated: the mean log-mass gap beyond the window is 0
         phi_q, q_scale = linear.feature_map.features(q, "query")
         phi_k, k_scale = linear.feature_map.features(k, "key")
-        logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + linear.log_gain, 8 ** -0.5, 8)
+        logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + linear.window.log_gain, 8 ** -0.5, 8)
     far = torch.ones(48, 48, dtype=torch.bool).tril(-8)
     exact = torch.einsum("bthd,bshd->bhts", q, k) * 8 ** -0.5
     gap = (torch.logsumexp(exact.masked_fill(~far, -torch.inf), -1)

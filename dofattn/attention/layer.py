@@ -1,97 +1,71 @@
-"""`LinearAttention`: one layer's linear attention, its parameters and the dispatch to its mechanisms.
+"""`LinearAttention`: one layer's linear attention, composed of parts from its `spec.Attention` config.
 
-The mechanisms live beside it: pure linear attention with its decay, gate, convolution and delta rule in
-`attention.linear`, the window/sink hybrid in `attention.hybrid`, the cache slots in `attention.cache`.
+    layer = LinearAttention(Attention(window=64, sink=4), feature_map, num_kv_heads=3)   # heads and size: the map's
+
+The parts, each a module that owns its parameters and its forms (`attention.exact`, `.decay`, `.conv`, `.delta`):
+    feature_map   φ of queries and keys (`features`)
+    window        exact softmax over the last W keys, the linear branch beyond, one normalisation (`exact.Window`)
+    sink          the first S real tokens exact for every later query (`exact.Sink`)
+    decay         a learned decay of the linear state per head (`decay.Decay`) or per token (`decay.Gate`)
+    conv          a short causal convolution of q, k and v (`conv.ShortConv`)
+    delta         the delta rule writing the state (`delta.DeltaRule`)
+A part the config leaves out is None. Every rule on how the parts combine is the config's (`Attention`), checked
+when it is made; the layer only dispatches a call to the forms.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from dofattn.attention.cache import LinearStateLayer, StaticStateLayer
-from dofattn.attention.hybrid import WindowHybrid
-from dofattn.attention.linear import CONV_NAMES, DECAY_START, DELTA_START, LinearMechanisms
+from dofattn.attention.conv import ShortConv
+from dofattn.attention.decay import Decay, Gate
+from dofattn.attention.delta import DeltaRule
+from dofattn.attention.exact import Sink, Window
+from dofattn.attention.linear import LinearBranch
 from dofattn.errors import UserError
-from dofattn.spec import check_attention
 from dofattn.features import FeatureMap
 from dofattn.ops.softmax import expand_kv
+from dofattn.spec import Attention
 
 
-class LinearAttention(WindowHybrid, LinearMechanisms, nn.Module):
-    """One layer's causal linear attention with a learned (or fixed) feature map, optionally beside a softmax window.
+class LinearAttention(LinearBranch, nn.Module):
+    """One layer's causal linear attention with a learned (or fixed) feature map, its parts as `attention` says.
 
     window = 0: pure linear attention. window = W > 0: exact softmax over the last W keys and linear attention
-    beyond, in one normalisation (`ops.window`); `log_gain` [H] (learned, init 0) scales the linear part's mass.
+    beyond, in one normalisation (`ops.window`); `window.log_gain` [H] (learned, init 0) scales the linear part's mass.
     decay: each head's state decays by a learned γ_h per token, so the pair (t, s) weighs γ_h^(t-s) φq_t·φk_s; beside
-    a window, the linear part's pairs weigh γ_h^(t-W-s) (counted from the window's edge; the exact part is the
-    teacher's kernel). γ_h = exp(-exp(decay_rate_h)), started weak: half-lives from about 180 to 1400 tokens across
-    the heads (log γ from -2^-8 to -2^-11); training shortens those that need it.
-    sink = S > 0 (beside a window, without a decay): the first S real tokens of a sequence stay exact for every later
-    query as well, and never enter the linear part (an attention sink; `ops.window`). Generation keeps their keys.
-    gate (pure linear attention only; implies decay): the decay depends on each token, read off its value vector.
-    Before token t head h's state is multiplied by exp(log g_th), log g_th = -exp(decay_rate_h + w_h·v_t/√D),
-    at least GATE_FLOOR. With w = 0 (the start) that is the decay above; training lets a token clear the state
-    (a large w·v) or keep it (a small one). `head_dim` (D) sizes w [H, D].
-    conv = K >= 2: before anything else, q, k and v (after RoPE) each pass through a short causal convolution over
-    the last K tokens, one learned filter per channel (`ops.conv`), started as the identity. It lets a layer mix a
-    token's neighbours into its query, key and value (with a decay, a head can then reach the token before, say,
-    which plain linear attention cannot single out). Generation keeps the last K-1 q, k and v beside the state.
-    delta (pure linear attention): the state is written by the delta rule (`ops.delta`): before token t adds
-    φk_t ⊗ v_t, it removes the fraction β_t of what the state holds along φk_t's direction, so a key can replace
-    what an earlier, similar key stored instead of piling onto it. β_t = sigmoid(delta_bias_h + u_h·v_t/√D), read
-    off the value like the gate, started at sigmoid(DELTA_START) for every token (u = 0): a student trained without
-    it moves only a little, and the end-to-end phase learns where to erase. Combines with a decay or a gate (as in
-    gated DeltaNet). The layerwise softmax and L2 losses score the kernel's rows, which the erasures do not change,
-    so the delta rule trains in the end-to-end phase (and in the layerwise output loss).
+    a window, the linear part's pairs weigh γ_h^(t-W-s) (counted from the window's edge; the exact keys, the window
+    and the sink, are the teacher's kernel, undecayed).
     """
 
-    def __init__(self, feature_map: FeatureMap, num_heads: int, num_kv_heads: int, window: int = 0,
-                 decay: bool = False, sink: int = 0, gate: bool = False, head_dim: int = 0, conv: int = 0,
-                 delta: bool = False):
+    def __init__(self, attention: Attention, feature_map: FeatureMap, *, num_kv_heads: int | None = None):
+        """`num_kv_heads` None: as many as the query heads; the heads and their size are the feature map's."""
         super().__init__()
-        check_attention(window=window, sink=sink, decay="gate" if gate else "head" if decay else "none", conv=conv,
-                        delta=delta)
-        if delta and head_dim < 1:
-            raise UserError(f"the delta rule reads the values: give the head dimension (head_dim >= 1), got {head_dim}")
-        if conv and head_dim < 1:
-            raise UserError(f"a convolution filters every channel: give the head dimension (head_dim >= 1), "
-                            f"got {head_dim}")
-        if gate and head_dim < 1:
-            raise UserError(f"a gate reads the values: give the head dimension (head_dim >= 1), got {head_dim}")
-        decay = decay or gate
-        self.sink = int(sink)
+        if not isinstance(attention, Attention):
+            raise TypeError(f"LinearAttention takes a dofattn.spec.Attention, got {type(attention).__name__}")
+        num_heads, head_dim = feature_map.num_heads, feature_map.head_dim
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise UserError(f"{num_heads} query heads do not share {num_kv_heads} kv heads evenly")
+        self.attention = attention
         self.feature_map = feature_map
-        self.num_heads, self.num_kv_heads, self.window = num_heads, num_kv_heads, int(window)
-        if self.window:
-            self.log_gain = nn.Parameter(torch.zeros(num_heads))                       # [H]
-        self.decay = bool(decay)
-        if self.decay:   # log γ_h = -exp(rate_h): always < 0; rates spread over the heads, -8 ln 2 to -11 ln 2
-            self.decay_rate = nn.Parameter(-math.log(2) * torch.linspace(*DECAY_START, num_heads))   # [H]
-        self.gate = bool(gate)
-        if self.gate:
-            self.gate_weight = nn.Parameter(torch.zeros(num_heads, head_dim))                    # [H, D]
-        self.delta = bool(delta)
-        if self.delta:
-            self.delta_bias = nn.Parameter(torch.full((num_heads,), DELTA_START))                # [H]
-            self.delta_weight = nn.Parameter(torch.zeros(num_heads, head_dim))                   # [H, D]
-        self.conv = int(conv)
-        if self.conv:   # [K, heads, D] each, weight[j] on the token j back: the identity to start
-            for name, heads in (("conv_q", num_heads), ("conv_k", num_kv_heads), ("conv_v", num_kv_heads)):
-                weight = torch.zeros(self.conv, heads, head_dim)
-                weight[0] = 1
-                self.register_parameter(name, nn.Parameter(weight))
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.window = Window(attention.window, num_heads) if attention.window else None
+        self.sink = Sink(attention.sink) if attention.sink else None
+        self.decay = (Decay(num_heads) if attention.decay == "head" else Gate(num_heads, head_dim)
+                      if attention.decay == "gate" else None)
+        self.delta = DeltaRule(num_heads, head_dim) if attention.delta else None
+        self.conv = ShortConv(attention.conv, num_heads, num_kv_heads, head_dim) if attention.conv else None
         self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
 
     def extra_repr(self) -> str:
-        return ", ".join(([f"window={self.window}"] if self.window else [])
-                         + (["gate"] if self.gate else ["decay"] if self.decay else [])
-                         + ([f"sink={self.sink}"] if self.sink else [])
-                         + ([f"conv={self.conv}"] if self.conv else [])
-                         + (["delta"] if self.delta else []))
+        return self.attention.describe()
 
+    def log_decay(self) -> torch.Tensor | None:
+        """[H] float32: log γ_h of each head (< 0), or None without a decay (a gate's rate without its tokens)."""
+        return None if self.decay is None else self.decay.log_decay()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
                 cache: LinearStateLayer | None = None, backend: str = "auto") -> torch.Tensor:
@@ -103,12 +77,12 @@ class LinearAttention(WindowHybrid, LinearMechanisms, nn.Module):
         """
         if isinstance(cache, StaticStateLayer):
             key_valid = None
-        if self.conv:
-            q, k, v = self.convolve(q, k, v, key_valid, cache)
+        if self.conv is not None:
+            q, k, v = self.conv(q, k, v, key_valid, cache)
         if cache is None:
             return self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, backend=backend)[0]
-        if self.window:
-            return self.hybrid_step(q, k, v, key_valid, cache, backend)
+        if self.window is not None:
+            return self.window.step(self, q, k, v, key_valid, cache, backend)
         return self.linear_step(q, k, v, key_valid, cache, backend)
 
     def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +95,6 @@ class LinearAttention(WindowHybrid, LinearMechanisms, nn.Module):
         """The attention on query-head layout: q [B, T, H, D], k and v [B, Tk, H, D] (Tk > T only for a window
         hybrid's cached keys), key_valid [B, Tk] -> (o [B, T, H, D], state or None). With a sink and no
         `sink_mask`, the call starts a sequence: its first S real keys are the sink."""
-        if self.window:
-            return self.hybrid_attend(q, k, v, key_valid, state, output_final_state, backend, sink_mask)
+        if self.window is not None:
+            return self.window.attend(self, q, k, v, key_valid, state, output_final_state, backend, sink_mask)
         return self.linear_attend(q, k, v, key_valid, state, output_final_state, backend)

@@ -54,9 +54,9 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
     gen = torch.Generator().manual_seed(seed)
     losses, start = [], time.perf_counter()
     linear.train()
-    if linear.window and not linear.feature_map.estimates_kernel:  # put the linear part on the window's scale
+    if linear.window is not None and not linear.feature_map.estimates_kernel:  # the linear part on the window's scale
         q, k, _ = batch(fixed)
-        linear.calibrate_gain(q, k)
+        linear.window.calibrate_gain(linear, q, k)
     bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False)
     for _ in bar:
         value = loss_fn(linear, *batch(torch.randint(len(q_all), (config.batch_size,), generator=gen)), scaling)

@@ -32,9 +32,9 @@ def log_pair_decay(linear: LinearAttention, v: torch.Tensor) -> torch.Tensor:
     """The log of the decay a layer's linear part puts on the pair (t, s), 0 for s ≥ t, for values v [B, T, H, D]:
     with a gate Σ_{s<j≤t} log g_j ([B, H, T, T]); else (t - s) log γ_h, beside a window (t - W - s) log γ_h counted
     from its edge, and 0 inside it ([H, T, T])."""
-    if linear.gate:
-        return segment_sums(gate_log(linear.log_gates(v), torch.float32))
-    return log_decay_matrix(linear.log_decay(), v.shape[1], offset=-linear.window)[0]
+    if linear.decay.per_token:
+        return segment_sums(gate_log(linear.decay.log_gates(v), torch.float32))
+    return log_decay_matrix(linear.log_decay(), v.shape[1], offset=-linear.attention.window)[0]
 
 
 def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -43,14 +43,14 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
 
     For a window hybrid the student's row is the hybrid's: exact weights on the last W keys, linear beyond.
     """
-    if linear.window:
+    if linear.window is not None:
         return _window_softmax_loss(linear, q, k, scaling)
     fmap = linear.feature_map
     phi_q, phi_k = fmap(q, "query"), fmap(k, "key")                               # [B, T, H, M]
     mask = _causal(q.shape[1], q.device)
     scores = torch.einsum("bthm,bshm->bhts", phi_q, phi_k).masked_fill(~mask, 0)  # [B, H, T, T]
     log_scores = torch.log(scores.clamp_min(TINY))
-    if linear.decay:  # the weight of a pair is its score times its decay, taken in log space for far pairs
+    if linear.decay is not None:  # a pair's weight is its score times its decay, in log space for far pairs
         log_factor = log_pair_decay(linear, v)
         log_scores = log_scores + log_factor
         scores = scores * log_factor.exp()                                        # scores are 0 above it already
@@ -64,8 +64,9 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
 def _window_softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     phi_q, q_scale = linear.feature_map.features(q, "query")
     phi_k, k_scale = linear.feature_map.features(k, "key")
-    sink = first_keys(None, k.shape[0], k.shape[1], linear.sink, k.device) if linear.sink else None
-    logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + linear.log_gain, scaling, linear.window,
+    a = linear.attention
+    sink = first_keys(None, k.shape[0], k.shape[1], a.sink, k.device) if a.sink else None
+    logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + linear.window.log_gain, scaling, a.window,
                               log_decay=linear.log_decay(), sink_mask=sink)
     mask = _causal(q.shape[1], q.device)
     log_student = torch.log_softmax(logits, -1).clamp_min(math.log(TINY))       # [B, H, T, T]
@@ -86,14 +87,12 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     dot = torch.einsum("bthm,bshm->bhts", torch.exp(e_q - c_q), torch.exp(e_k - c_k))
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
                       + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, T, T]
-    if linear.decay:  # the student's weight of a pair is its kernel estimate times its decay
+    if linear.decay is not None:  # the student's weight of a pair is its kernel estimate times its decay
         log_kernel_hat = log_kernel_hat + log_pair_decay(linear, v)
-    mask = _causal(q.shape[1], q.device)
-    if linear.window:  # the features only ever see pairs beyond the window (and not the sink)
-        mask = mask.tril(-linear.window) & (torch.arange(q.shape[1], device=q.device) >= linear.sink)
-        if not mask.any():
-            raise UserError(f"layerwise.loss = 'l2' beside a {linear.window}-token window needs layerwise.seq_len > "
-                            f"{linear.window}")
+    mask = linear.attention.linear_pairs(q.shape[1], q.device)   # the pairs the features see
+    if not mask.any():
+        raise UserError(f"layerwise.loss = 'l2' beside a {linear.attention.window}-token window needs "
+                        f"layerwise.seq_len > {linear.attention.window}")
     log_kernel = attention_logits(q, k, scaling).masked_fill(~mask, -math.inf)
     row_max = log_kernel.amax(-1, keepdim=True).clamp_min(-1e30)                    # rows with no pair: finite
     log_kernel_hat = log_kernel_hat.masked_fill(~mask, -math.inf)

@@ -16,7 +16,7 @@ from dofattn.distill.world import barrier, join, world
 from dofattn.errors import UserError
 from dofattn.evaluate import compare, perplexity
 from dofattn.recipe import Recipe
-from dofattn.spec import StudentSpec
+from dofattn.spec import Attention, StudentSpec
 
 
 def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float = 0.0,
@@ -25,7 +25,7 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
     which the student is saved and evaluated as it is (the same call later goes on)."""
     from dofattn.data import check_source, token_blocks
     from dofattn.hf import load_model, parse_dtype
-    from dofattn.student import (attention_modules, build, fingerprint, global_layers, head_layout,
+    from dofattn.student import (attention_modules, build, global_layers, head_layout,
                                  is_student_tensor, load_student_tensors, resolve_dims, save_student)
 
     r, out = recipe, Path(out)
@@ -81,12 +81,7 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
     dims = choose.dims(r, model, tokenizer, out)
     chosen = choose.softmax_layers(r, model, tokenizer, out, candidates)
     kept = [i for i in range(num_layers) if i not in candidates or i in chosen]
-    s = r.student
-    spec = StudentSpec(base_model=r.run.model, feature=s.feature, dims=dims,
-                       layers=[i for i in candidates if i not in chosen], seed=r.run.seed,
-                       base=fingerprint(model), window=s.window, sink=s.sink, decay=s.decay, conv=s.conv,
-                       delta=s.delta, lora_rank=s.lora_rank, lora_alpha=float(s.lora_rank),
-                       lora_targets=s.lora_targets)
+    spec = student_spec(r, model, dims, [i for i in candidates if i not in chosen])
     build(model, spec)
     for name, p in model.named_parameters():       # only the student's tensors ever train
         p.requires_grad_(is_student_tensor(name))
@@ -138,6 +133,17 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
     return asdict(log)
 
 
+def student_spec(recipe: Recipe, model, dims: list[int], layers: list[int]) -> StudentSpec:
+    """The student a run of `recipe` trains on `model`: these dims and linear layers, the recipe's attention config
+    whole, its LoRA adapters (alpha = rank), and the base model's fingerprint."""
+    from dofattn.student import fingerprint
+
+    s = recipe.student
+    return StudentSpec(base_model=recipe.run.model, dims=dims, layers=layers, attention=s.attention,
+                       seed=recipe.run.seed, base=fingerprint(model), lora_rank=s.lora_rank,
+                       lora_alpha=float(s.lora_rank), lora_targets=s.lora_targets)
+
+
 def evaluate(recipe: Recipe, model, blocks: torch.Tensor, dims: list[int]) -> dict:
     """On validation `blocks`: perplexity of the teacher, the student and an untrained Performer with the same
     budget, and the student's KL to the teacher, top-1 agreement and those by context length (`by_position`)."""
@@ -149,7 +155,7 @@ def evaluate(recipe: Recipe, model, blocks: torch.Tensor, dims: list[int]) -> di
     teacher, student = against["teacher_ppl"], against["ppl"]
     baseline, _ = load_model(recipe.run.model, dtype=parse_dtype(recipe.run.dtype), device=device)
     budget = round(sum(dims) / len(dims))
-    linearize(baseline, [budget] * len(dims), "performer", seed=recipe.run.seed)
+    linearize(baseline, [budget] * len(dims), Attention(feature="performer", window=0, sink=0), seed=recipe.run.seed)
     performer = perplexity(baseline, blocks, desc="performer ppl")
     return {"tokens": blocks.numel(), "seq_len": recipe.eval.seq_len, "teacher_ppl": teacher, "student_ppl": student,
             "performer_ppl": performer, "performer_dim": budget, "student_vs_teacher": student / teacher,

@@ -19,8 +19,8 @@ those W keys (and values) as the next call's cache, so generation memory is O(W 
 Attention sink (optional): sink_mask [B, Tk] marks keys that stay exact for every later query, however far back,
 and never enter the linear part or the state: the first few real tokens of a sequence, on which a trained model's
 late layers put much of each row. The mask is positional only through the caller: a cached call may put the sink
-keys first (before the cached window keys), since an exact key's weight does not depend on its distance. Not
-combined with a decay.
+keys first (before the cached window keys), since an exact key's weight does not depend on its distance: `lead`
+says how many keys come first that way, so that a decay counts positions after them. A sink is never decayed.
 
 Decay (optional): log_decay [H] (≤ 0, as in `ops.naive`) multiplies the linear part's weight of key s by
 γ_h^(t − W − s): the steps the key has spent beyond the window, so a key leaving the window enters the linear part
@@ -60,7 +60,7 @@ __all__ = ["naive_window_linear_attention", "window_linear_attention", "blocked_
 
 
 def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state,
-                        log_decay=None, sink_mask=None) -> None:
+                        log_decay=None, sink_mask=None, lead: int = 0) -> None:
     """ValueError saying what is wrong unless the shapes follow the layout in the module docstring."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -88,8 +88,9 @@ def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, 
         if sink_mask.shape != (B, Tk) or sink_mask.dtype != torch.bool:
             raise ValueError(f"sink_mask must be bool [B, Tk] = {(B, Tk)}, got {sink_mask.dtype} "
                              f"{tuple(sink_mask.shape)}")
-        if log_decay is not None:
-            raise ValueError("sink_mask and log_decay do not combine: pass one of them")
+    if not 0 <= lead <= Tk - T or (lead and sink_mask is None):
+        raise ValueError(f"lead = {lead}: the sink slots put before the cached keys are at most the {Tk - T} cached "
+                         f"keys, and marked in sink_mask")
 
 
 def first_keys(key_valid: torch.Tensor | None, batch: int, length: int, count: int, device) -> torch.Tensor:
@@ -107,7 +108,7 @@ def _log(x: torch.Tensor) -> torch.Tensor:
 
 def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                   key_valid=None, initial_state=None, log_decay=None,
-                  sink_mask=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  sink_mask=None, lead: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-weights of the spec: [B, H, T, Tk] over keys (−inf where masked), and [B, H, T] for the state.
 
     The layerwise softmax loss uses these rows directly; `naive_window_linear_attention` normalises them.
@@ -135,21 +136,21 @@ def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, w
     if initial_state is not None:
         den = torch.einsum("bthm,bhm->bht", phi_q.to(dtype), initial_state[..., -1].to(dtype))
         state_logit = _log(den) + shift[..., 0]                         # [B, H, T]
-        if log_decay is not None:                                        # γ^(t + 1 − min(P, W))
-            steps = (pos_q[:, 0] + 1 - min(Tk - T, window)).to(dtype)   # [T], ≥ 1
+        if log_decay is not None:                                        # γ^(t + 1 − min(P, W)), after the lead
+            steps = (pos_q[:, 0] - lead + 1 - min(Tk - T - lead, window)).to(dtype)   # [T], ≥ 1
             state_logit = state_logit + log_decay[:, None] * steps
     return logits, state_logit
 
 
 def naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                                   key_valid=None, initial_state=None, output_final_state: bool = False,
-                                  log_decay=None, sink_mask=None):
+                                  log_decay=None, sink_mask=None, lead: int = 0):
     """The spec: softmax over one row of log-weights per query (see the module docstring). O(T·Tk) memory."""
     check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay,
-                        sink_mask)
+                        sink_mask, lead)
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
     logits, state_logit = window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling, window, key_valid,
-                                        initial_state, log_decay, sink_mask)
+                                        initial_state, log_decay, sink_mask, lead)
     values = v.to(dtype).transpose(1, 2)                                 # [B, H, Tk, V]
     Tk = k.shape[1]
     if state_logit is not None:
@@ -167,7 +168,8 @@ def naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset
     final_state = None
     if output_final_state:
         linear_keys = key_valid if sink_mask is None else valid_and(key_valid, ~sink_mask)
-        final_state = _fold_state(phi_k, v, window, linear_keys, initial_state, dtype, log_decay, Tk - q.shape[1])
+        final_state = _fold_state(phi_k, v, window, linear_keys, initial_state, dtype, log_decay, Tk - q.shape[1],
+                                  lead)
     return o.to(v.dtype), final_state
 
 
@@ -211,9 +213,10 @@ def fold_key(state, phi_k, value, log_decay=None):
     return state + update
 
 
-def _fold_state(phi_k, v, window, key_valid, initial_state, dtype, log_decay=None, cached: int = 0):
+def _fold_state(phi_k, v, window, key_valid, initial_state, dtype, log_decay=None, cached: int = 0, lead: int = 0):
     """S_0 plus every key but the last `window`: [B, H, M, V+1]; with a decay, as of key Tk − 1 − W (the key s
-    weighs γ^(Tk − 1 − W − s), S_0 γ^(Tk − min(cached, W)))."""
+    weighs γ^(Tk − 1 − W − s), S_0 γ^(Tk − min(cached, W))), positions counted after the `lead` sink keys (masked
+    out of `key_valid`)."""
     Tk = phi_k.shape[1]
     keep = max(Tk - window, 0)
     pk = phi_k[:, :keep].to(dtype)
@@ -229,7 +232,7 @@ def _fold_state(phi_k, v, window, key_valid, initial_state, dtype, log_decay=Non
         return state
     S0 = initial_state.to(dtype)
     if log_decay is not None:
-        S0 = torch.exp(log_decay * (Tk - min(cached, window)))[:, None, None] * S0
+        S0 = torch.exp(log_decay * (Tk - lead - min(cached - lead, window)))[:, None, None] * S0
     return state + S0
 
 
@@ -304,12 +307,20 @@ def mix_parts(parts) -> torch.Tensor:
     return sum((w / total)[..., None] * o for (o, _, _), w in zip(parts, weights))
 
 
-def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend) -> bool:
+def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend,
+                    log_decay=None, sink_mask=None) -> bool:
     """True when the Triton hybrid (`ops.triton.window.window_forward`) gives this call's result: CUDA, a prefill (as
-    many keys as queries), a window in `ops.triton.window.WINDOWS`, no float64, and backend triton, or backend auto
-    without autograd (training takes the Triton backward when asked for by name: `backend="triton"`)."""
+    many keys as queries), a window in `ops.triton.window.WINDOWS`, no float64, not a decay and a sink together, and
+    backend triton, or backend auto without autograd (training takes the Triton backward when asked for by name:
+    `backend="triton"`). Asked for by name with a decay and a sink together: a ValueError (the kernel has not been
+    confirmed for the pair; backend auto runs the PyTorch form)."""
     from dofattn.ops import load_triton, triton_available
 
+    if log_decay is not None and sink_mask is not None:
+        if backend == "triton":
+            raise ValueError("the Triton window hybrid does not take a decay and a sink together: use backend auto "
+                             "(the PyTorch form)")
+        return False
     if backend not in ("auto", "triton") or not q.is_cuda or not triton_available():
         return False
     tensors = (q, k, v, phi_q, phi_k, q_log_scale, log_offset, initial_state)
@@ -322,7 +333,7 @@ def fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, init
 
 def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                             key_valid=None, initial_state=None, output_final_state: bool = False,
-                            backend: str = "auto", log_decay=None, sink_mask=None):
+                            backend: str = "auto", log_decay=None, sink_mask=None, lead: int = 0):
     """The fast form of `naive_window_linear_attention` (same arguments and result up to float rounding).
 
     `backend` picks the linear op (`ops.linear_attention`); the window part is plain PyTorch, O(T·W) memory.
@@ -335,23 +346,24 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     gradients are computed in PyTorch).
     """
     check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay,
-                        sink_mask)
+                        sink_mask, lead)
     if backend == "auto" and q.shape[1] <= DENSE_QUERIES:
         return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
-                                             key_valid, initial_state, output_final_state, log_decay, sink_mask)
-    if fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend):
+                                             key_valid, initial_state, output_final_state, log_decay, sink_mask, lead)
+    if fused_window_ok(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, initial_state, backend, log_decay,
+                       sink_mask):
         from dofattn.ops import load_triton
         return load_triton()[0].window.window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling,
                                                       window, key_valid, initial_state, output_final_state,
                                                       log_decay=log_decay, sink_mask=sink_mask)
     return blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                            key_valid, initial_state, output_final_state, backend, log_decay,
-                                           sink_mask)
+                                           sink_mask, lead)
 
 
 def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                                     key_valid=None, initial_state=None, output_final_state: bool = False,
-                                    backend: str = "auto", log_decay=None, sink_mask=None):
+                                    backend: str = "auto", log_decay=None, sink_mask=None, lead: int = 0):
     """The PyTorch form of the hybrid: banded exact attention in blocks of W, the linear op (`backend`) on keys
     delayed by W, mixed in log space; with a sink, a third part: exact attention to the sink keys beyond the band.
     Differentiable through autograd on any device."""
@@ -365,8 +377,8 @@ def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offs
     phi_q, delayed_k, delayed_v = delayed_keys(phi_q, phi_k, v, linear_keys, window, dtype)
     phi_qf = F.pad(phi_q, (0, 0, 0, 0, P, 0))
     # the first min(P, W) positions hold neither a query (cached keys) nor a delayed key (the pad): the op starts
-    # after them, so that with a decay S_0 sits where the last call's state ended (module docstring)
-    start = min(P, window)
+    # after them (and after the `lead` sink keys), so that with a decay S_0 sits where the last call's state ended
+    start = lead + min(P - lead, window)
     decay = {} if log_decay is None else {"log_decay": log_decay}
     o_aug, final_state = linear_attention(phi_qf[:, start:], delayed_k[:, start:], delayed_v[:, start:],
                                           initial_state=initial_state, output_final_state=output_final_state,

@@ -115,7 +115,7 @@ def _prf_args(fmap):
     key = (w.data_ptr(), w._version, lw.data_ptr(), lw._version, w.dtype, lw.dtype)
     cached = getattr(fmap, "_fused_args", None)
     if cached is None or cached[0] != key:
-        counts = fmap.head_dims if fmap.head_dims is not None else [fmap.dim] * fmap.num_heads
+        counts = [fmap.dim] * fmap.num_heads
         args = (w.detach().float().contiguous(), lw.detach().float().contiguous(),
                 torch.tensor(counts, dtype=torch.int32, device=w.device))
         cached = (key, args)

@@ -1,0 +1,258 @@
+"""The exact parts: keys a linear layer reads with the teacher's own softmax kernel, beside its linear branch, in one
+normalisation. A `Window` (the last W keys) and a `Sink` (the first S real tokens of a sequence) are each a set of
+exact keys; the op `ops.window` mixes them with the linear branch in log space.
+
+Every form runs the op: a prefill or a cached call `window_linear_attention` (the cache's keys still inside the
+window come first; a sink's S slots first of all, without positions); a steady decode step (one token, the window
+full: `Window.lean_step_ok`), on the growing cache or a static ring, `fold_key` and `window_decode_step` (on SmolLM2
+384 aten operators a layer against the general call's 637); or on CUDA with a PRF map a ring step the Triton kernel
+`ops.triton.window.prf_ring_step`. The cache state of a window is `keys`, `values`, `key_valid` of its
+`LinearStateLayer` (a ring of W slots in a `RingWindowLayer`), that of a sink `sink_keys`, `sink_values`,
+`sink_valid`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, keep_buffer
+from dofattn.attention.linear import check_left_padding
+from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
+from dofattn.ops.naive import needs_grad
+from dofattn.ops.softmax import attention_logits
+from dofattn.ops.window import first_keys, fold_key, window_decode_step, window_linear_attention, window_logits
+
+
+class Window(nn.Module):
+    """Exact softmax over the last W keys, the linear branch beyond; `log_gain` [H] (learned, init 0) scales the
+    linear part's mass against the window's. The forms take the layer (`LinearAttention`) whose feature map, decay
+    and sink they use."""
+
+    def __init__(self, width: int, num_heads: int):
+        super().__init__()
+        self.width = int(width)
+        self.log_gain = nn.Parameter(torch.zeros(num_heads))                       # [H]
+
+    def extra_repr(self) -> str:
+        return f"width={self.width}"
+
+    def attend(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
+               state: torch.Tensor | None, output_final_state: bool, backend: str, sink_mask: torch.Tensor | None,
+               lead: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`LinearAttention.attend` with a window: q [B, T, H, D], k and v [B, Tk, H, D] (Tk > T: cached keys come
+        first, after `lead` sink slots) -> (o [B, T, H, D], state or None). With a sink and no `sink_mask`, the call
+        starts a sequence: its first S real keys are the sink."""
+        sink = layer.attention.sink
+        if sink and sink_mask is None:
+            sink_mask = first_keys(key_valid, k.shape[0], k.shape[1], sink, k.device)
+        fmap = layer.feature_map
+        phi_q, q_scale = fmap.features(q, "query")                             # [B, T, H, M], [B, T, H]
+        phi_k, k_scale = fmap.features(k, "key")                               # [B, Tk, H, M], [H]
+        phi_q, phi_k = in_model_dtype(phi_q, q.dtype), in_model_dtype(phi_k, q.dtype)
+        if layer.decay is not None and key_valid is not None:   # the cached keys come first: left padding stays exact
+            check_left_padding(key_valid[:, lead:])
+        return window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + self.log_gain, fmap.scaling,
+                                       self.width, key_valid, state, output_final_state=output_final_state,
+                                       backend=backend, log_decay=layer.log_decay(), sink_mask=sink_mask, lead=lead)
+
+    def step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
+             cache: LinearStateLayer, backend: str) -> torch.Tensor:
+        """A cached call of the hybrid: q [B, T, H, D], k and v [B, T, Hkv, D] -> o [B, T, H, D]. A ring (static
+        decoding) takes `ring_step`, a sink `Sink.step`; otherwise the cache's keys still inside the window (each
+        with its padding flag) come before the new ones, and the last W of them stay for the next call."""
+        if isinstance(cache, RingWindowLayer):
+            return self.ring_step(layer, q, k, v, cache, backend)
+        if self.lean_step_ok(layer, q, cache):
+            return self.decode_step(layer, q, k, v, key_valid, cache)
+        if layer.sink is not None:
+            return layer.sink.step(layer, q, k, v, key_valid, cache, backend)
+        if key_valid is None:
+            key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
+        if cache.keys is not None:
+            k, v = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
+            key_valid = torch.cat([cache.key_valid, key_valid], 1)
+        o, state = self.attend(layer, q, layer.expand_kv(k), layer.expand_kv(v), key_valid, cache.state, True,
+                               backend, None)
+        keep_buffer(cache, "state", state)
+        self.keep(cache, k, v, key_valid)
+        return o
+
+    def keep(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor) -> None:
+        """The last W of these keys (kv heads), values and flags stay in the cache for the next call."""
+        keep = slice(max(k.shape[1] - self.width, 0), None)
+        cache.keys, cache.values, cache.key_valid = k[:, keep], v[:, keep], key_valid[:, keep]
+
+    def one_kernel_ring(self, layer, q: torch.Tensor, cache: RingWindowLayer, backend: str) -> bool:
+        """True when this ring step runs as one Triton kernel (`ops.triton.window.prf_ring_step`): backend auto on
+        CUDA, or backend triton (on CPU: Triton's interpreter, for tests); a PRF map with a calibrated key shift, in
+        eval mode, no autograd, a contiguous float32 state. Reads nothing from the GPU per step (the calibration
+        once)."""
+        fmap = layer.feature_map
+        if not (backend == "triton" or (backend == "auto" and q.is_cuda)) or layer.attention.decay == "gate":
+            return False
+        if needs_grad(q, *layer.parameters()):
+            return False
+        from dofattn.ops import load_triton
+        return (isinstance(fmap, PositiveRandomFeatures) and not fmap.training and fmap.shift_calibrated()
+                and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
+                and load_triton()[0] is not None)
+
+    def lean_step_ok(self, layer, q: torch.Tensor, cache: LinearStateLayer) -> bool:
+        """True when this cached call is a steady decode step, which `decode_step` gives with the general call's
+        numbers: one query, a full window of W cached keys, a full sink, and a feature map that the keys no longer
+        move (eval mode; a PRF map's key shift calibrated). Syncs with a GPU only until a cache's sink is full."""
+        fmap = layer.feature_map
+        if (q.shape[1] != 1 or fmap.training or cache.state is None or cache.keys is None
+                or cache.keys.shape[1] != self.width):
+            return False
+        if isinstance(fmap, PositiveRandomFeatures) and not fmap.shift_calibrated():
+            return False
+        return layer.sink is None or layer.sink.full(cache)
+
+    def decode_step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
+                    cache: LinearStateLayer) -> torch.Tensor:
+        """A steady decode step (`lean_step_ok`) on the growing-list cache: the oldest cached key leaves the window
+        and joins the state, the new key joins the window, and the query reads [sinks, window] exactly and the
+        state. q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1, H, D]."""
+        if key_valid is None:
+            key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
+        if layer.decay is not None:   # as the general call: padding after a real token would still decay the state
+            check_left_padding(torch.cat([cache.key_valid, key_valid], 1))
+        state, k_scale = self.fold(layer, cache.state, cache.keys[:, 0], cache.values[:, 0], cache.key_valid[:, 0],
+                                   q.dtype)
+        keep_buffer(cache, "state", state)
+        cache.keys, cache.values = torch.cat([cache.keys[:, 1:], k], 1), torch.cat([cache.values[:, 1:], v], 1)
+        cache.key_valid = torch.cat([cache.key_valid[:, 1:], key_valid], 1)
+        return self.read_exact(layer, q, cache, k_scale, q.dtype)
+
+    def fold(self, layer, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the state after the key [B, Hkv, D] with its value leaves the window, the keys' log-scale [H]): a key
+        that is padding or a sink (`valid` [B] False) adds nothing (with a decay, the state still decays: a step
+        passed). Features rounded to `dtype` if it is 16-bit (as `attend` does for a 16-bit model; the static ring
+        keeps them in float32, as its one-kernel step)."""
+        phi, k_scale = layer.feature_map.features(layer.expand_kv(key[:, None]), "key")      # [B, 1, H, M], [H]
+        phi = in_model_dtype(phi, dtype)[:, 0]
+        phi = phi * valid[:, None, None].to(phi.dtype)
+        return fold_key(state, phi, layer.expand_kv(value[:, None])[:, 0], layer.log_decay()), k_scale
+
+    def read_exact(self, layer, q: torch.Tensor, cache: LinearStateLayer, k_scale: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """The query q [B, 1, H, D] against the cache's sinks and window keys (exact) and its state -> [B, 1, H, D]
+        (`ops.window.window_decode_step`); its features rounded to `dtype` if 16-bit, as in `fold`."""
+        keys, values, valid = cache.keys, cache.values, cache.key_valid
+        if layer.sink is not None:
+            keys, values = torch.cat([cache.sink_keys, keys], 1), torch.cat([cache.sink_values, values], 1)
+            valid = torch.cat([cache.sink_valid, valid], 1)
+        phi_q, q_scale = layer.feature_map.features(q, "query")                             # [B, 1, H, M]
+        phi_q = in_model_dtype(phi_q, dtype)
+        o = window_decode_step(q[:, 0], keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + self.log_gain,
+                               layer.feature_map.scaling, cache.state)
+        return o[:, None]
+
+    def ring_step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: RingWindowLayer,
+                  backend: str = "auto") -> torch.Tensor:
+        """One static decode step on a ring of W key slots: the key leaving the window (the oldest, in slot position
+        mod W) is folded into the state, the new key takes its slot. Fixed shapes and in-place updates only, with the
+        position read from the cache's tensor, so a CUDA graph can replay it. q [B, 1, H, D], k and v [B, 1, Hkv, D]
+        -> o [B, 1, H, D]. On CUDA (or with backend triton) a PRF map runs it as one kernel (`one_kernel_ring`);
+        otherwise `fold` and `read_exact`, as the growing cache's `decode_step` (the ring's order does not matter:
+        an exact key's weight does not depend on its distance)."""
+        if self.one_kernel_ring(layer, q, cache, backend):
+            from dofattn.ops import load_triton
+            if cache.arrivals is None or cache.arrivals.shape[0] != q.shape[0]:
+                cache.arrivals = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
+            decay_rate = None if layer.decay is None else layer.decay.decay_rate
+            return load_triton()[0].window.prf_ring_step(
+                layer.feature_map, q, k, v, cache.state, cache.keys, cache.values, cache.key_valid, cache.position,
+                self.log_gain, MAX_KEY_EXCESS, decay_rate, cache.sink_keys, cache.sink_values, cache.sink_valid,
+                cache.arrivals)
+        slot = cache.position.remainder(self.width)                                # [1]: the oldest key's slot
+        state, k_scale = self.fold(layer, cache.state, cache.keys.index_select(1, slot)[:, 0],
+                                   cache.values.index_select(1, slot)[:, 0],
+                                   cache.key_valid.index_select(1, slot)[:, 0], torch.float32)
+        cache.state.copy_(state)
+        cache.keys.index_copy_(1, slot, k)
+        cache.values.index_copy_(1, slot, v)
+        cache.key_valid.index_fill_(1, slot, True)
+        return self.read_exact(layer, q, cache, k_scale, torch.float32).to(q.dtype)
+
+    @torch.no_grad()
+    def calibrate_gain(self, layer, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Set `log_gain` so that, per head, the linear part's mass beyond the window matches the exact kernel's on
+        average (in log space) over these queries and keys [B, T, H, D] (k on query heads). For maps whose scale is
+        not the kernel's own (hedgehog, dijiang), whose estimate can be off by e^50 at the start; PRF needs none."""
+        if q.shape[1] <= self.width:
+            return
+        fmap, sink = layer.feature_map, layer.attention.sink
+        phi_q, q_scale = fmap.features(q, "query")
+        phi_k, k_scale = fmap.features(k, "key")
+        sink_mask = first_keys(None, k.shape[0], k.shape[1], sink, k.device) if sink else None
+        logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale, fmap.scaling, self.width,
+                                  log_decay=layer.log_decay(), sink_mask=sink_mask)
+        far = layer.attention.linear_pairs(q.shape[1], q.device)                             # the linear pairs
+        exact = attention_logits(q, k, fmap.scaling)
+        exact_mass = torch.logsumexp(exact.masked_fill(~far, -torch.inf), -1)                  # [B, H, T]
+        linear_mass = torch.logsumexp(logits.masked_fill(~far, -torch.inf), -1)
+        rows = torch.isfinite(exact_mass) & torch.isfinite(linear_mass)
+        gap = torch.where(rows, exact_mass - linear_mass, 0).sum((0, 2)) / rows.sum((0, 2)).clamp_min(1)
+        self.log_gain.copy_(gap)
+
+
+class Sink(nn.Module):
+    """The first S real tokens of a sequence stay exact for every later query, however far back, and never enter the
+    linear branch (an attention sink; `ops.window`). Beside a window only; with a decay the sink is not decayed.
+    Generation keeps their keys in S slots of the cache."""
+
+    def __init__(self, count: int):
+        super().__init__()
+        self.count = int(count)
+
+    def extra_repr(self) -> str:
+        return f"count={self.count}"
+
+    def full(self, cache: LinearStateLayer) -> bool:
+        """Whether every row's S slots are filled (checked, with a GPU sync, until they are)."""
+        if not cache.sink_full:
+            cache.sink_full = cache.sink_valid is not None and bool(cache.sink_valid.all())
+        return cache.sink_full
+
+    def step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
+             cache: LinearStateLayer, backend: str) -> torch.Tensor:
+        """A cached call of a hybrid with a sink: the keys go in as [sink slots, cached window keys, new keys]. The
+        first S real tokens ever seen fill the S sink slots (a row's slots fill over calls if its first calls were
+        shorter); they are exact for every query and marked as padding in the window cache, so no key counts twice.
+        An exact key's weight does not depend on its distance, so putting the sinks first changes nothing (the op
+        counts a decay's positions after them: `lead`). The first call (an empty cache) has no slots to put first:
+        its keys are its own, as many as its queries, so a CUDA prefill takes the Triton hybrid."""
+        B, T = k.shape[:2]
+        S = self.count
+        if key_valid is None:
+            key_valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
+        first = cache.sink_keys is None
+        if first:
+            cache.sink_keys, cache.sink_values = k.new_zeros(B, S, *k.shape[2:]), v.new_zeros(B, S, *v.shape[2:])
+            cache.sink_valid = key_valid.new_zeros(B, S)
+        have = cache.sink_valid.sum(1, keepdim=True)                                # [B, 1]
+        rank = have + key_valid.cumsum(1)                                           # [B, T]: 1-based among real
+        new_sink = key_valid & (rank <= S)
+        lead = 0 if first else S                                                    # sink slots put first
+        keys, values, valid = ([], [], []) if first else ([cache.sink_keys], [cache.sink_values], [cache.sink_valid])
+        if cache.keys is not None:
+            keys, values, valid = keys + [cache.keys], values + [cache.values], valid + [cache.key_valid]
+        keys, values, valid = torch.cat(keys + [k], 1), torch.cat(values + [v], 1), torch.cat(valid + [key_valid], 1)
+        sinks = torch.cat(([] if first else [cache.sink_valid])
+                          + [valid.new_zeros(B, keys.shape[1] - lead - T), new_sink], 1)
+        o, cache.state = layer.window.attend(layer, q, layer.expand_kv(keys), layer.expand_kv(values), valid,
+                                             cache.state, True, backend, sinks, lead)
+        slot = torch.where(new_sink, rank - 1, S)                                   # slot S: a spare, dropped
+        for name, new in (("sink_keys", k), ("sink_values", v)):
+            buffer = torch.cat([getattr(cache, name), new.new_zeros(B, 1, *new.shape[2:])], 1)
+            index = slot.reshape(B, T, *[1] * (new.dim() - 2)).expand_as(new)
+            setattr(cache, name, buffer.scatter(1, index, new)[:, :S])
+        cache.sink_valid = torch.cat([cache.sink_valid, new_sink.new_zeros(B, 1)], 1).scatter(1, slot, new_sink)[:, :S]
+        window_valid = valid[:, lead:].clone()
+        window_valid[:, -T:] &= ~new_sink                                           # a sink is not a window key
+        layer.window.keep(cache, keys[:, lead:], values[:, lead:], window_valid)
+        return o
