@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from dofattn.spec import Attention
 from dofattn.data import token_blocks
 from dofattn.distill.end_to_end import loss as end_to_end_loss
 from dofattn.hf import load_model, parse_dtype
@@ -40,8 +41,8 @@ from dofattn.lora import add_lora
 from dofattn.student import is_student_tensor, linearize, load_student
 
 ROUNDED = "float32-rounded"      # float32 compute, frozen weights rounded to bfloat16
-STUDENTS = {"window": {"feature": "prf", "window": 64, "sink": 4},
-            "linear": {"feature": "hedgehog", "window": 0, "sink": 0}}
+STUDENTS = {"window": Attention(feature="prf", window=64, sink=4),
+            "linear": Attention(feature="hedgehog", window=0, sink=0)}
 
 
 def build(student: str, dtype: torch.dtype, device: str):
@@ -51,7 +52,7 @@ def build(student: str, dtype: torch.dtype, device: str):
     torch.manual_seed(0)
     model, tokenizer = load_model("smollm2-135m", dtype=dtype, device=device)
     layers = len(model.model.layers)
-    linearize(model, [64] * layers, layers=list(range(layers)), seed=0, **STUDENTS[student])
+    linearize(model, [64] * layers, STUDENTS[student], layers=list(range(layers)), seed=0)
     add_lora(model, 8, seed=0)
     return model, tokenizer
 

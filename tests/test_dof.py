@@ -8,6 +8,7 @@ import mpmath
 import pytest
 import torch
 
+from dofattn.spec import Attention
 from dofattn.capture import AttentionInputs
 from dofattn.dof import (DofResult, HeldoutAttentionError, LayerDof, PointSample, PointSampler, allocate,
                          allocate_dims, allocate_dims_auto, attention_dof, attention_dofs, head_dof, sample_points)
@@ -179,18 +180,18 @@ def test_attention_dof_beyond_a_window():
     q = torch.zeros(1, T, 1, D)
     q[..., 0] = 10.0
     far_energy = (T - 16) / T                                            # rows 16.. keep their one 1 of T
-    assert attention_dof(q, sink_k, 1.0, lam, window=16).item() == pytest.approx(far_energy / (far_energy + lam))
+    assert attention_dof(q, sink_k, 1.0, lam, attention=Attention(window=16, sink=0)).item() == pytest.approx(far_energy / (far_energy + lam))
     pos = torch.zeros(1, T, 1, T + 1)                                    # one-hot positions: q_t on k_(t-1)
     keys, queries = pos.clone(), pos.clone()
     keys[0, torch.arange(T), 0, torch.arange(T)] = 15.0
     queries[0, torch.arange(T), 0, (torch.arange(T) - 1).clamp_min(0)] = 15.0
-    prev = [attention_dof(queries, keys, 1.0, lam, window=w).item() for w in (0, 1, 2)]
+    prev = [attention_dof(queries, keys, 1.0, lam, attention=Attention(window=w, sink=0)).item() for w in (0, 1, 2)]
     assert prev[0] > 0.9 * T / (1 + lam * T) and abs(prev[1] - prev[0]) < 1 and prev[2] < 1e-9   # row 0: itself
-    assert attention_dof(q, sink_k, 1.0, lam, window=T).item() == 0.0
+    assert attention_dof(q, sink_k, 1.0, lam, attention=Attention(window=T, sink=0)).item() == 0.0
 
     g = torch.Generator().manual_seed(3)
     q, k = (torch.randn(2, 11, 3, 4, generator=g, dtype=torch.float64) for _ in range(2))
-    dof = attention_dof(q, k, 0.5, 0.1, window=3)
+    dof = attention_dof(q, k, 0.5, 0.1, attention=Attention(window=3, sink=0))
     for b in range(2):
         for h in range(3):
             A = torch.softmax((0.5 * q[b, :, h] @ k[b, :, h].T).masked_fill(torch.ones(11, 11).triu(1).bool(),
@@ -199,8 +200,8 @@ def test_attention_dof_beyond_a_window():
             e = torch.linalg.svdvals(A * far) ** 2
             assert abs(dof[b, h].item() - (e / (e + 0.1 * A.square().sum())).sum().item()) < 1e-12
     assert (dof < attention_dof(q, k, 0.5, 0.1)).all()
-    with pytest.raises(UserError, match="window and sink must be >= 0"):
-        attention_dof(q, k, 0.5, 0.1, window=-1)
+    with pytest.raises(UserError, match="student.window = -1: give >= 0"):
+        attention_dof(q, k, 0.5, 0.1, attention=Attention(window=-1, sink=0))
 
 
 def test_attention_dof_beyond_a_window_and_a_sink():
@@ -211,11 +212,11 @@ def test_attention_dof_beyond_a_window_and_a_sink():
     sink_k[0, 0, 0, 0] = 20.0
     q = torch.zeros(1, T, 1, D)
     q[..., 0] = 10.0
-    assert attention_dof(q, sink_k, 1.0, lam, window=16).item() > 0.9
-    assert attention_dof(q, sink_k, 1.0, lam, window=16, sink=1).item() < 1e-9
+    assert attention_dof(q, sink_k, 1.0, lam, attention=Attention(window=16, sink=0)).item() > 0.9
+    assert attention_dof(q, sink_k, 1.0, lam, attention=Attention(window=16, sink=1)).item() < 1e-9
     g = torch.Generator().manual_seed(4)
     q, k = (torch.randn(2, 13, 3, 4, generator=g, dtype=torch.float64) for _ in range(2))
-    dof = attention_dof(q, k, 0.5, 0.1, window=3, sink=2)
+    dof = attention_dof(q, k, 0.5, 0.1, attention=Attention(window=3, sink=2))
     for b in range(2):
         for h in range(3):
             A = torch.softmax((0.5 * q[b, :, h] @ k[b, :, h].T).masked_fill(torch.ones(13, 13).triu(1).bool(),
@@ -223,9 +224,9 @@ def test_attention_dof_beyond_a_window_and_a_sink():
             left = torch.tensor([[float(2 <= s <= t - 3) for s in range(13)] for t in range(13)], dtype=torch.float64)
             e = torch.linalg.svdvals(A * left) ** 2
             assert abs(dof[b, h].item() - (e / (e + 0.1 * A.square().sum())).sum().item()) < 1e-12
-    assert (dof < attention_dof(q, k, 0.5, 0.1, window=3)).all()
-    with pytest.raises(UserError, match="give window >= 1"):
-        attention_dof(q, k, 0.5, 0.1, sink=2)
+    assert (dof < attention_dof(q, k, 0.5, 0.1, attention=Attention(window=3, sink=0))).all()
+    with pytest.raises(UserError, match="sits beside a softmax window"):
+        attention_dof(q, k, 0.5, 0.1, attention=Attention(window=0, sink=2))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])

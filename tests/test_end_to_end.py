@@ -54,7 +54,7 @@ join("cpu")
 def student(feature, lora=False, dtype=torch.float32, layers=None):
     torch.manual_seed(0)
     model, _ = load_model(model_dir, dtype=dtype)
-    linearize(model, [8, 8, 8], feature, layers=layers, seed=0, window=4, sink=1)
+    linearize(model, [8, 8, 8], Attention(feature=feature, window=4, sink=1), layers=layers, seed=0)
     if lora:
         add_lora(model, 2, seed=0)
     for name, p in model.named_parameters():
