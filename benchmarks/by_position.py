@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{len(args.inputs)} inputs but {len(labels)} labels; give one label per input")
     runs = {label: load(path) for label, path in zip(labels, args.inputs)}
 
-    from dofattn.cli import format_positions
+    from dofattn.evaluate import format_positions
 
     for label, run in runs.items():
         print(f"\n{label}: {run['ratio']:.3f}x the teacher, KL {run['kl']:.3f} ({run['tokens']} tokens in blocks "

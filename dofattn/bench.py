@@ -27,34 +27,55 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+from dofattn.commands import option
 from dofattn.errors import UserError
+
+
+PARTS = ("prefill", "decode", "generation")
 
 
 @dataclass
 class BenchConfig:
-    device: str = "cpu"
-    dtype: str = "float32"
-    seq_lens: list[int] = field(default_factory=lambda: [512, 2048])
-    heads: int = 9
-    head_dim: int = 64
-    features: int = 64
-    window: int = 64
-    sink: int = 4                          # the second hybrid row's sink (0: no such row)
-    decode_batch: int = 1
-    repeats: int = 5
-    model: str | None = "smollm2-135m"     # None: skip the generation benchmark
-    gen_contexts: list[int] = field(default_factory=lambda: [512])
-    new_tokens: int = 16
-    parts: list[str] = field(default_factory=lambda: list(PARTS))
-    compile: bool = False                  # also the students' static decoder through torch.compile
+    """What `bench` measures, and where. Its fields are `dofattn bench`'s options of the same names; None (the
+    command line's `auto`) picks the device's default (`resolved`)."""
 
+    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = option("auto", "float32 or bfloat16; auto: bfloat16 on CUDA, float32 on CPU")
+    seq_lens: list[int] | None = option(None, "comma-separated T for prefill and decode; auto: 512,2048 on CPU, "
+                                              "2048,8192,32768,131072 on CUDA", none="auto")
+    heads: int = option(9, "attention heads of the op benchmarks")
+    head_dim: int = option(64, "head size of the op benchmarks")
+    features: int = option(64, "feature dimension M of the student")
+    window: int = option(64, "window of the hybrid rows (0: skip them)")
+    sink: int = option(4, "sink tokens of the second hybrid row, beside the window (0: skip it)")
+    decode_batch: int = option(1, "batch size of the decode benchmark")
+    repeats: int = option(5, "timed runs per measurement (the median is reported)")
+    model: str | None = option("smollm2-135m", "model for the generation benchmark; 'none' skips it", none="none")
+    gen_contexts: list[int] | None = option(None, "comma-separated prompt lengths for generation; auto: 512 on CPU, "
+                                                  "2048,8192,32768 on CUDA", none="auto")
+    new_tokens: int = option(16, "tokens generated after each prompt")
+    parts: list[str] = option(list(PARTS), "which measurements to run (comma-separated)")
+    compile: bool = option(False, "also time the students' static decoder compiled with torch.compile (for the "
+                                  "CPU): minutes of compilation per student, and once more at a second prompt "
+                                  "length; the first is reported as compile_ms")
 
-PARTS = ("prefill", "decode", "generation")
+    def resolved(self) -> BenchConfig:
+        """This config on a named device, with a dtype and the lengths: `auto` (None) made the device's default."""
+        from dofattn.evaluate import resolve_device
+
+        device = resolve_device(self.device)
+        cuda = device.startswith("cuda")
+        return replace(self, device=device, dtype=("bfloat16" if cuda else "float32") if self.dtype == "auto"
+                       else self.dtype,
+                       seq_lens=([2048, 8192, 32768, 131072] if cuda else [512, 2048]) if self.seq_lens is None
+                       else self.seq_lens,
+                       gen_contexts=([2048, 8192, 32768] if cuda else [512]) if self.gen_contexts is None
+                       else self.gen_contexts)
 
 
 def _sync(device: str) -> None:
@@ -94,9 +115,10 @@ def timed(fn, device: str, repeats: int, warmups: int = 2) -> float:
 def _linear_layer(cfg: BenchConfig, window: int, sink: int = 0):
     from dofattn.attention import LinearAttention
     from dofattn.features import make_feature_map
+    from dofattn.spec import Attention
 
     fmap = make_feature_map("prf", cfg.heads, cfg.head_dim, cfg.features, scaling=cfg.head_dim ** -0.5)
-    return LinearAttention(fmap, cfg.heads, cfg.heads, window, sink=sink).to(cfg.device).eval()
+    return LinearAttention(Attention(window=window, sink=sink), fmap, num_kv_heads=cfg.heads).to(cfg.device).eval()
 
 
 def op_backends(device: str) -> list[str]:
@@ -239,6 +261,7 @@ def _generation_row(cfg: BenchConfig, student: bool, window: int, sink: int, T: 
 def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     from dofattn.engine import StaticDecoder
     from dofattn.hf import load_model
+    from dofattn.spec import Attention
     from dofattn.student import attention_modules, linearize
 
     rows = []
@@ -247,7 +270,7 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
     for linearized, window, sink in students:
         model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
         if linearized:
-            linearize(model, [cfg.features] * len(attention_modules(model)), "prf", window=window, sink=sink)
+            linearize(model, [cfg.features] * len(attention_modules(model)), Attention(window=window, sink=sink))
         vocab = model.get_input_embeddings().weight.shape[0]
         decoders = []             # the student also on static buffers, and with --compile through torch.compile
         if linearized:
@@ -327,6 +350,7 @@ def bench(cfg: BenchConfig, progress: bool = True, save=None) -> dict:
     each row, so that a run stopped partway (a time limit, an out-of-memory kill) keeps what it measured."""
     from dofattn.hf import parse_dtype
 
+    cfg = cfg.resolved()
     validate(cfg)
     dtype = parse_dtype(cfg.dtype)
     say = print if progress else (lambda *a, **k: None)
@@ -402,12 +426,3 @@ def format_tables(result: dict) -> str:
                          f"{ratio} {graph} {r['cache_bytes'] / 2 ** 20:>9.2f} {peak}")
     return "\n".join(lines)
 
-
-def parse_ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{what} takes comma-separated token counts like 512,2048, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise UserError(f"{what} takes positive token counts like 512,2048, got {text!r}")
-    return values

@@ -18,6 +18,12 @@ the prompt) are read in one forward pass, and a prompt counts as answered when t
 is right at every token of the answer (teacher forcing: the same as greedy generation
 writing the answer first, without generating). Chance is 10^-5 for a pass key and 10^-6 for a magic number; a
 model that cannot see the fact scores about 0.
+
+    result = run(student, tokenizer, ["passkey", "multikey"], lengths=[1024, 2048], depths=5)   # teacher_mode's
+    print(format_recall(result))                                                               # as the teacher
+
+`dofattn eval --recall` runs it (`evaluate.run`). The copy probe that picks the layers a student keeps softmax for
+recall (`keep_softmax_by = "copy"`) is in `dofattn.distill.choose`.
 """
 
 from __future__ import annotations
@@ -28,11 +34,8 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
-from dofattn.capture import capture, run_forward
 from dofattn.errors import UserError
-from dofattn.ops.softmax import attention_logits, expand_kv
 
 TASKS = ("passkey", "multikey")
 
@@ -177,6 +180,8 @@ def read_answer(model, prompt: Prompt) -> tuple[list[int], float, int]:
     answer's log-probability, and the bytes its generation cache holds after the whole sequence (what it keeps
     per sequence at this length: a KV cache, or a state with its window and sink). One forward pass; logits only at
     the answer's positions."""
+    from transformers import DynamicCache
+
     from dofattn.attention.cache import cache_bytes
     from dofattn.hf import cache_kwargs
 
@@ -273,47 +278,101 @@ def accuracy(result: dict, name: str, task: str, length: int | None = None) -> f
     return sum(hits) / len(hits)
 
 
-# --- which layers recall: the copy probe ----------------------------------------------------------------------------
-
-COPY_SPAN = 32        # tokens of the passage the probe writes twice
-COPY_SEQ_LEN = 1024   # tokens per probe block (at most the model's context)
-COPY_BLOCKS = 4       # training blocks the scores average over
-
-
-def copy_probe(blocks: torch.Tensor, span: int = COPY_SPAN) -> tuple[torch.Tensor, int]:
-    """Probe inputs from text blocks [N, T]: each block's `span` tokens from T/8 on are written again over its last
-    `span` tokens, so that it ends by repeating a passage about 7/8 of the block back. -> (probe [N, T], where the
-    first copy starts). UserError for blocks shorter than 8 spans."""
-    N, T = blocks.shape
-    if T < 8 * span:
-        raise UserError(f"the copy probe needs blocks of at least {8 * span} tokens (8 × its span), got {T}")
-    at = T // 8
-    probe = blocks.clone()
-    probe[:, T - span:] = blocks[:, at:at + span]
-    return probe, at
+def check_tasks(names: list[str]) -> list[str]:
+    """`names` if they are recall tasks (at least one), else a UserError naming the unknown ones."""
+    unknown = [t for t in names if t not in TASKS]
+    if unknown or not names:
+        raise UserError(f"--recall {','.join(names)!r}: unknown task {', '.join(unknown) or '(none)'}; use "
+                        f"{', '.join(TASKS)}, comma-separated")
+    return names
 
 
-def copy_mass(query: torch.Tensor, key: torch.Tensor, scaling: float, at: int, span: int) -> torch.Tensor:
-    """query and key [B, T, H, D] (key on query heads) -> [B, H]: the causal softmax weight that the last `span`
-    queries (the repeat) give the keys [at, at + span) (the first copy), summed over those keys, averaged over the
-    queries. 1: a head that reads the first copy alone; about span/T: one that spreads its weight evenly."""
-    logits = attention_logits(query[:, -span:], key, scaling)                            # [B, H, span, T]
-    return logits.softmax(-1)[..., at:at + span].sum(-1).mean(-1)
+def resolve_lengths(lengths: list[int] | None, context: int | None) -> list[int]:
+    """The prompt lengths: `lengths`, each within the model's `context` (None: it names none); or for None (the
+    command line's `auto`) 1024, 2048, ... up to the context, the context alone if it is shorter than 1024."""
+    if lengths is None:
+        if not context:
+            raise UserError("the model names no context length; pass --lengths, e.g. --lengths 1024,2048,4096")
+        auto = [1024]
+        while auto[-1] * 2 <= context:
+            auto.append(auto[-1] * 2)
+        return auto if auto[-1] <= context else [context]
+    if context and max(lengths) > context:
+        raise UserError(f"--lengths {','.join(map(str, lengths))!r}: {max(lengths)} tokens is beyond the model's "
+                        f"context of {context}")
+    return lengths
 
 
-def copy_scores(model, blocks: torch.Tensor, span: int = COPY_SPAN, progress: bool = True) -> list[list[float]]:
-    """Per layer and head [L][H], how much the model's attention copies from far back: `copy_mass` on `copy_probe`
-    of `blocks` [N, T], averaged over the blocks. Recall beyond a student's window needs the heads that score high
-    (those that find the passage an answer repeats); a synthetic probe, so the recall tasks stay held out."""
-    probe, at = copy_probe(blocks, span)
-    sums: dict[int, torch.Tensor] = {}
+def read_teacher_answers(path: str) -> dict:
+    """{`record_key`: the teacher's answer} from an eval JSON with recall."""
+    import json
+    from pathlib import Path
 
-    def record(x) -> None:
-        mass = copy_mass(x.query, expand_kv(x.key, x.num_heads), x.scaling, at, span).sum(0).cpu()
-        sums[x.layer] = sums.get(x.layer, 0) + mass
+    try:
+        return {record_key(r): r["teacher"] for r in json.loads(Path(path).read_text())["recall"]["records"]}
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"--teacher-answers {path} is not an eval JSON with recall answers") from None
 
-    device = next(model.parameters()).device
-    with capture(model, record), torch.no_grad():
-        for block in tqdm(probe, desc="copy probe", unit="block", disable=not progress):
-            run_forward(model, block[None].to(device))
-    return [(sums[i] / len(probe)).tolist() for i in sorted(sums)]
+
+def run(model, tokenizer, names: list[str], lengths: list[int], depths: int = 5, samples: int = 1,
+        data: str = "wiki-sample", split: str = "validation", teacher=None, teacher_answers: str | None = None,
+        progress: bool = True) -> dict:
+    """The recall grid of `dofattn eval --recall`: every task of `names` at every length and depth, `samples`
+    prompts a cell (the multikey filler from `data`'s `split`), answered by `model` ("student") and `teacher`
+    (None: `model` in `evaluate.teacher_mode`), or with the teacher's answers read from `teacher_answers` (an eval
+    JSON of the same prompts). -> {"lengths", "depths", "samples", "records", "cells"[, "teacher_answers"]}."""
+    import contextlib
+
+    from dofattn.data import load_texts
+    from dofattn.evaluate import teacher_mode
+
+    @contextlib.contextmanager
+    def own_teacher():
+        with teacher_mode(model):
+            yield model
+
+    check_tasks(names)
+    documents = load_texts(data, split) if "multikey" in names else []
+    tasks = RecallTasks(tokenizer, documents, seed=0)
+    prompts = make_prompts(tasks, names, lengths, depths, samples)
+    models, given = {"student": lambda: contextlib.nullcontext(model)}, {}
+    if teacher_answers:             # checked before the student runs: the same prompts, every one answered
+        given["teacher"] = read_teacher_answers(teacher_answers)
+        missing = next((p for p in prompts if record_key(describe(p, tokenizer)) not in given["teacher"]), None)
+        if missing is not None:
+            raise UserError(f"--teacher-answers {teacher_answers} has no teacher answer for {missing.task} at "
+                            f"{missing.length} tokens, depth {missing.depth:g}, sample {missing.sample}; run the "
+                            f"same --recall, --lengths, --depths, --samples and --data, or drop it")
+    else:
+        models["teacher"] = (lambda: contextlib.nullcontext(teacher)) if teacher is not None else own_teacher
+    result = evaluate_recall(models, tasks, prompts, given, progress)
+    if given:
+        result["teacher_answers"] = teacher_answers
+    return {"lengths": lengths, "depths": depths, "samples": samples, **result}
+
+
+def format_recall(recall: dict) -> str:
+    """Accuracy per task and length, student against teacher, and the cache each holds per sequence there."""
+    tasks = list(dict.fromkeys(r["task"] for r in recall["records"]))
+    lines = [f"\n{'length':>8}" + "".join(f"{task + ' ' + who:>18}" for task in tasks for who in ("student", "teacher"))
+             + f"{'cache MiB student':>18}{'teacher':>9}"]
+    for length in recall["lengths"]:
+        lines.append(f"{length:>8}" + "".join(f"{accuracy(recall, who, task, length):18.2f}" for task in tasks
+                                              for who in ("student", "teacher"))
+                     + "".join(f"{'-' if size is None else f'{size / 2 ** 20:.1f}':>{width}}" for size, width in
+                               ((cache_at(recall, "student", length), 18), (cache_at(recall, "teacher", length), 9))))
+    n = len(recall["records"]) // (len(tasks) * len(recall["lengths"]))
+    lines.append(f"({n} prompts per task and length; accuracy is the share answered exactly)")
+    return "\n".join(lines)
+
+
+MOVED = ("COPY_SPAN", "COPY_SEQ_LEN", "COPY_BLOCKS", "copy_probe", "copy_mass", "copy_scores")
+
+
+def __getattr__(name: str):
+    """The copy probe, moved to `dofattn.distill.choose`, still read from here."""
+    if name in MOVED:
+        from dofattn.distill import choose
+
+        return getattr(choose, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,8 @@
     dofattn sample --data wiki-sample --samples 2000 --out runs/teacher-text.jsonl
     dofattn distill --data wiki-sample+runs/teacher-text.jsonl --eval-data wiki-sample ...
 
+    run(SampleSpec(data="wiki-sample"), samples=2000, out="runs/teacher-text.jsonl")    # the same from Python
+
 Each sample starts from a prompt of `prompt_tokens` tokens cut from the *train* split of the data (never from
 validation), and the teacher continues it for `new_tokens` tokens by ancestral sampling at `temperature` (1 = the
 teacher's own distribution; special tokens such as EOS are suppressed, so every sample has its full length). The
@@ -14,26 +16,30 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from dofattn.commands import DATA_HELP, option
 from dofattn.data import token_blocks
 from dofattn.errors import UserError
 
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """What decides the samples: a file is continued only with the same spec."""
-    model: str
-    data: str
-    prompt_tokens: int
-    new_tokens: int
-    temperature: float
-    batch_size: int
-    seed: int
+    """What decides the samples: a file is continued only with the same spec. Its fields are `dofattn sample`'s
+    options of the same names."""
+
+    model: str = option("smollm2-135m", "the teacher: alias, hub id, folder or .gguf file")
+    data: str = option("wiki-sample", "where the prompts come from (its train split): " + DATA_HELP)
+    prompt_tokens: int = option(32, "tokens of real text each sample starts from")
+    new_tokens: int = option(480, "tokens the model adds to each prompt")
+    temperature: float = option(1.0, "sampling temperature (> 0)")
+    batch_size: int = option(32, "samples generated together")
+    seed: int = option(0, "seed for the prompts and the sampling")
 
 
 def check(spec: SampleSpec, samples: int) -> None:
@@ -110,3 +116,23 @@ def sample_text(model, tokenizer, spec: SampleSpec, samples: int, out: Path, pro
             bar.update(min(b + spec.batch_size, samples) - max(b, start))
     bar.close()
     return {"samples": samples, "new": samples - start}
+
+
+def run(spec: SampleSpec, samples: int, out: str | Path, device: str = "auto", dtype: str = "float32",
+        progress: bool = True) -> dict:
+    """`dofattn sample`: load `spec.model` and append samples to `out` until it holds `samples` (a .jsonl file),
+    everything checked before the model loads. -> {"samples": in the file, "new": written now, "seconds", "out"}."""
+    from dofattn.data import check_source
+    from dofattn.evaluate import resolve_device
+    from dofattn.hf import load_model, parse_dtype
+
+    out = Path(out).expanduser()
+    if out.suffix != ".jsonl":
+        raise UserError(f"--out {out} must end in .jsonl")
+    check_source(spec.data)
+    check(spec, samples)
+    done_samples(out, spec)                        # refuse a foreign file before loading the model
+    model, tokenizer = load_model(spec.model, dtype=parse_dtype(dtype), device=resolve_device(device))
+    start = time.perf_counter()
+    result = sample_text(model, tokenizer, spec, samples, out, progress)
+    return {**result, "seconds": time.perf_counter() - start, "out": str(out)}

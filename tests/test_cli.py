@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from dofattn.cli import VERBS, main
+from dofattn.cli import main
+from dofattn.commands import VERBS, module
+from dofattn.spec import Attention
 
 
 def run(capsys, *argv):
@@ -24,17 +26,47 @@ def help_text(capsys, *argv) -> str:
     return "".join(capsys.readouterr().out.split())        # argparse wraps lines, at hyphens too: compare without spaces
 
 
-@pytest.mark.parametrize("verb", list(VERBS))
+@pytest.mark.parametrize("verb", VERBS)
 def test_help_lists_every_option_with_its_meaning(capsys, verb):
-    """Every field of the verb's options dataclass is a flag (or the positional) in its --help, with its help."""
-    cls, _ = VERBS[verb]
+    """Every field with help of the verb's option dataclasses (the library's config where there is one) is a flag
+    (or the positional) in its --help, with its help; the verb's module docstring is the description."""
+    command = module(verb)
     text = help_text(capsys, verb)
-    for f in dataclasses.fields(cls):
+    options = [f for cls in command.options() for f in dataclasses.fields(cls) if "help" in f.metadata]
+    assert options
+    for f in options:
         flag = f.name if f.metadata.get("positional") else "--" + f.name.replace("_", "-")
         assert flag in text, (verb, flag)
         meaning = "".join(f.metadata["help"].split())
         assert meaning in text, (verb, flag, meaning)
-    assert "".join(cls.__doc__.split()[:6]) in text
+    assert "".join(command.__doc__.split()) in text
+
+
+def test_options_come_from_the_library_configs(capsys):
+    """bench's options are `bench.BenchConfig`'s fields, eval's `evaluate.EvalConfig`'s, sample's include
+    `sample.SampleSpec`'s; dof's sample defaults are a distillation run's (`choose.DOF_*`)."""
+    from dofattn.bench import BenchConfig
+    from dofattn.distill.choose import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+    from dofattn.evaluate import EvalConfig
+    from dofattn.sample import SampleSpec
+
+    assert module("bench").options()[0] is BenchConfig and module("eval").options() == [EvalConfig]
+    assert SampleSpec in module("sample").options()
+    text = help_text(capsys, "dof")
+    for name, value in (("--samples", DOF_POINTS), ("--num-blocks", DOF_BLOCKS), ("--seq-len", DOF_SEQ_LEN)):
+        assert f"{name}{name[2:].upper().replace('-', '_')}" in text and f"(default:{value})" in text
+
+
+def test_top_level_help_lists_the_verbs_without_loading_them():
+    """`dofattn --help` reads the command modules' docstrings alone: no library module (nor torch) is imported."""
+    code = ("import sys; from dofattn.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('LOADED', [m for m in ('torch', 'dofattn.evaluate', 'dofattn.bench') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "LOADED []" in proc.stdout
+    for verb in VERBS:
+        assert module(verb).__doc__.strip().splitlines()[0][:40] in " ".join(proc.stdout.split())
 
 
 def test_distill_help_fits_one_screen_and_lists_the_recipes(capsys):
@@ -191,11 +223,47 @@ def test_generate_help(capsys):
         assert option in out
 
 
-def test_generate_linearized_tiny_model(capsys, model_dirs):
-    code, out, err = run(capsys, "generate", "--model", str(model_dirs["gpt_neox"]), "--dims", "fix:8",
-                         "--prompt", "The quick brown", "--max-new-tokens", "5")
+def greedy(model, ids, steps: int) -> list[int]:
+    """`steps` greedy tokens after `ids` [1, T], each from a full forward pass (no cache)."""
+    import torch
+
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
+    return ids[0, -steps:].tolist()
+
+
+def test_generate_linearized_tiny_model(capsys, tmp_path, tokenizer):
+    """--dims linearizes the model (pure linear attention, untrained PRF features of --seed): the text is the
+    linearized model's greedy continuation, computed here by full forward passes, not the softmax model's. (The
+    tiny model's attention weights are scaled up, so that its attention, and so linearizing it, moves its
+    predictions: at their initial size the residual stream alone decides them.)"""
+    import torch
+
+    from dofattn.hf import load_model
+    from dofattn.student import linearize
+    from tests.conftest import tiny_model
+
+    folder = tmp_path / "loud"
+    model = tiny_model("gpt_neox")
+    with torch.no_grad():
+        for layer in model.gpt_neox.layers:
+            layer.attention.query_key_value.weight.mul_(8)
+            layer.attention.dense.weight.mul_(8)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    prompt, steps = "The quick brown", 6
+    code, out, err = run(capsys, "generate", "--model", str(folder), "--dims", "fix:8", "--prompt", prompt,
+                         "--max-new-tokens", str(steps))
     assert code == 0, err
-    assert out.startswith("The quick brown") and "untrained prf features" in err
+    assert "untrained prf features" in err
+    model, tokenizer = load_model(str(folder))
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    teacher = greedy(model, ids, steps)
+    linearize(model, [8, 8, 8], Attention(feature="prf", window=0, sink=0), seed=0)
+    student = greedy(model, ids, steps)
+    assert student != teacher                                # the check below can tell them apart
+    assert out == prompt + tokenizer.decode(student, skip_special_tokens=True) + "\n"
 
 
 def test_generate_static_matches_hf(capsys, model_dirs):
@@ -216,9 +284,8 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
     from dofattn.student import fingerprint, linearize, save_student
 
     model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, [4, 4, 4], "hedgehog")
-    folder = save_student(model, tmp_path / "run", StudentSpec(str(model_dirs["llama"]), "hedgehog", [4, 4, 4],
-                                                                 [0, 1, 2], base=fingerprint(model)))
+    linearize(model, [4, 4, 4], Attention(feature="hedgehog", window=0, sink=0))
+    folder = save_student(model, tmp_path / "run", StudentSpec(base_model=str(model_dirs["llama"]), dims=[4, 4, 4], layers=[0, 1, 2], base=fingerprint(model), attention=Attention(feature="hedgehog", window=0, sink=0)))
     code, out, err = run(capsys, "generate", "--model", str(folder), "--max-new-tokens", "3", "--prompt", "fox")
     assert code == 0, err
     assert "student of" in err and "hedgehog" in err

@@ -7,8 +7,11 @@ import torch
 
 from dofattn.cli import main
 from dofattn.evaluate import compare, layer_errors, perplexity, teacher_mode
+from dofattn.spec import Attention
 from dofattn.student import linearize
 from tests.conftest import tiny_model
+
+LINEAR = Attention(window=0, sink=0)        # pure linear attention
 
 
 def blocks(n=3, length=17, seed=0):
@@ -28,7 +31,7 @@ def test_perplexity_matches_hand_computation():
 
 def test_by_position_buckets_match_the_per_prediction_numbers():
     student, ids = tiny_model("llama"), blocks(n=3, length=21)
-    linearize(student, [8, 8, 8], layers=[1])
+    linearize(student, [8, 8, 8], LINEAR, layers=[1])
     teacher = tiny_model("llama")
     result = compare(student, ids, teacher=teacher, batch_size=2, progress=False)
     with torch.no_grad():
@@ -62,7 +65,7 @@ def test_student_vs_its_base_model():
     model, ids = tiny_model("gpt_neox"), blocks()
     with torch.no_grad():
         stock = perplexity(model, ids, progress=False)
-    linearize(model, [8, 8, 8], layers=[0, 2])
+    linearize(model, [8, 8, 8], LINEAR, layers=[0, 2])
     result = compare(model, ids, progress=False)
     assert math.isclose(result["teacher_ppl"], stock, rel_tol=1e-6)
     assert result["kl"] > 0 and result["ppl"] != stock
@@ -80,7 +83,7 @@ def test_teacher_mode_keeps_a_kv_cache(family):
     model, ids = tiny_model(family), blocks(1, 20)
     with torch.no_grad():
         stock = model(input_ids=ids, use_cache=True)
-        linearize(model, [8, 8, 8], layers=[0, 2])
+        linearize(model, [8, 8, 8], LINEAR, layers=[0, 2])
         with teacher_mode(model):
             cached = model(input_ids=ids[:, :12], use_cache=True)
             more = model(input_ids=ids[:, 12:], past_key_values=cached.past_key_values, use_cache=True)
@@ -95,9 +98,8 @@ def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
     from dofattn.student import fingerprint, save_student
 
     model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, [4, 6, 8], "prf")
-    folder = save_student(model, tmp_path / "run", StudentSpec(str(model_dirs["llama"]), "prf", [4, 6, 8],
-                                                                 [0, 1, 2], base=fingerprint(model)))
+    linearize(model, [4, 6, 8], LINEAR)
+    folder = save_student(model, tmp_path / "run", StudentSpec(base_model=str(model_dirs["llama"]), dims=[4, 6, 8], layers=[0, 1, 2], base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0)))
     out, png, positions = tmp_path / "eval.json", tmp_path / "eval.png", tmp_path / "positions.svg"
     code = main(["eval", "--model", str(folder), "--data", str(text_file), "--seq-len", "32", "--num-blocks", "3",
                  "--out", str(out), "--plot", str(png), "--plot-positions", str(positions)])
@@ -143,7 +145,7 @@ def test_lm_eval_bridge_on_a_local_task(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     model = tiny_model("llama")
-    linearize(model, [8, 8, 8])
+    linearize(model, [8, 8, 8], LINEAR)
     folder = local_task(tmp_path)
     result = lm_eval_tasks(model, tokenizer, ["dofattn_mini_mc"], include_path=str(folder))
     assert set(result) == {"dofattn_mini_mc"} and 0.0 <= result["dofattn_mini_mc"]["acc"] <= 1.0

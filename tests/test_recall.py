@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from dofattn.cli import main
+from dofattn.distill.choose import copy_mass, copy_probe, copy_scores
 from dofattn.errors import UserError
-from dofattn.recall import (MULTIKEY_KEYS, TASKS, RecallTasks, accuracy, copy_mass, copy_probe, copy_scores,
-                            evaluate_recall, make_prompts, read_answer)
+from dofattn.recall import (MULTIKEY_KEYS, TASKS, RecallTasks, accuracy, evaluate_recall, make_prompts,
+                            read_answer)
+from dofattn.spec import Attention
 from tests.conftest import TEXT, tiny_model
 
 
@@ -143,9 +145,8 @@ def test_eval_verb_runs_the_recall_grid(capsys, tmp_path, long_llama, corpus):
     from dofattn.student import fingerprint, linearize, save_student
 
     model, _ = load_model(str(long_llama))
-    linearize(model, [4, 6, 8], "prf")
-    folder = save_student(model, tmp_path / "run", StudentSpec(str(long_llama), "prf", [4, 6, 8],
-                                                                 [0, 1, 2], base=fingerprint(model)))
+    linearize(model, [4, 6, 8], Attention(feature="prf", window=0, sink=0))
+    folder = save_student(model, tmp_path / "run", StudentSpec(base_model=str(long_llama), dims=[4, 6, 8], layers=[0, 1, 2], base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0)))
     out, png = tmp_path / "eval.json", tmp_path / "recall.png"
     code = main(["eval", "--model", str(folder), "--data", str(corpus), "--num-blocks", "0", "--recall",
                  "passkey,multikey", "--lengths", "600,1024", "--depths", "2", "--out", str(out), "--plot-recall",

@@ -5,8 +5,9 @@
   dof.json path give them directly.
 - softmax layers (among those that may be linearized: not a model's own sliding-window layers, unless
   student.local_layers = linearize): the K layers whose attention matrices have the largest DoF
-  (`dof.attention_dofs`): sharp, position-bound attention counts high, a sink low. Kept as `attention_dof.json`. Or (keep_softmax_by = copy) the
-  K layers whose best head copies most from far back (`recall.copy_scores`), kept as `copy_scores.json`.
+  (`dof.attention_dofs`): sharp, position-bound attention counts high, a sink low. Kept as `attention_dof.json`.
+  Or (keep_softmax_by = copy) the K layers whose best head copies most from far back (`copy_scores`, the copy
+  probe below), kept as `copy_scores.json`.
 Both are computed once, on rank 0, so a resumed run keeps the same dims and layers.
 """
 
@@ -15,17 +16,68 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+
+from dofattn.capture import capture, run_forward
 from dofattn.distill.world import barrier, world
+from dofattn.errors import UserError
 from dofattn.io import write_atomic
 from dofattn.dof import DofResult, allocate_dims, attention_dofs, sample_points
 from dofattn.hf import context_length
-from dofattn.recall import COPY_BLOCKS, COPY_SEQ_LEN, COPY_SPAN, copy_scores
+from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.recipe import Recipe
 from dofattn.student import head_layout, resolve_dims
 
 DOF_BLOCKS, DOF_SEQ_LEN, DOF_POINTS = 32, 256, 1024   # the DoF estimate's sample: blocks, their length, points/head
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which the teacher's attention matrices are measured
 ATTENTION_DOF_SEQ_LEN = 512   # tokens per block, at most (else eval.seq_len): each T x T matrix's SVD costs T³
+
+
+# --- which layers recall: the copy probe ----------------------------------------------------------------------------
+
+COPY_SPAN = 32        # tokens of the passage the probe writes twice
+COPY_SEQ_LEN = 1024   # tokens per probe block (at most the model's context)
+COPY_BLOCKS = 4       # training blocks the scores average over
+
+
+def copy_probe(blocks: torch.Tensor, span: int = COPY_SPAN) -> tuple[torch.Tensor, int]:
+    """Probe inputs from text blocks [N, T]: each block's `span` tokens from T/8 on are written again over its last
+    `span` tokens, so that it ends by repeating a passage about 7/8 of the block back. -> (probe [N, T], where the
+    first copy starts). UserError for blocks shorter than 8 spans."""
+    N, T = blocks.shape
+    if T < 8 * span:
+        raise UserError(f"the copy probe needs blocks of at least {8 * span} tokens (8 × its span), got {T}")
+    at = T // 8
+    probe = blocks.clone()
+    probe[:, T - span:] = blocks[:, at:at + span]
+    return probe, at
+
+
+def copy_mass(query: torch.Tensor, key: torch.Tensor, scaling: float, at: int, span: int) -> torch.Tensor:
+    """query and key [B, T, H, D] (key on query heads) -> [B, H]: the causal softmax weight that the last `span`
+    queries (the repeat) give the keys [at, at + span) (the first copy), summed over those keys, averaged over the
+    queries. 1: a head that reads the first copy alone; about span/T: one that spreads its weight evenly."""
+    logits = attention_logits(query[:, -span:], key, scaling)                            # [B, H, span, T]
+    return logits.softmax(-1)[..., at:at + span].sum(-1).mean(-1)
+
+
+def copy_scores(model, blocks: torch.Tensor, span: int = COPY_SPAN, progress: bool = True) -> list[list[float]]:
+    """Per layer and head [L][H], how much the model's attention copies from far back: `copy_mass` on `copy_probe`
+    of `blocks` [N, T], averaged over the blocks. Recall beyond a student's window needs the heads that score high
+    (those that find the passage an answer repeats); a synthetic probe, so the recall tasks stay held out."""
+    probe, at = copy_probe(blocks, span)
+    sums: dict[int, torch.Tensor] = {}
+
+    def record(x) -> None:
+        mass = copy_mass(x.query, expand_kv(x.key, x.num_heads), x.scaling, at, span).sum(0).cpu()
+        sums[x.layer] = sums.get(x.layer, 0) + mass
+
+    device = next(model.parameters()).device
+    with capture(model, record), torch.no_grad():
+        for block in tqdm(probe, desc="copy probe", unit="block", disable=not progress):
+            run_forward(model, block[None].to(device))
+    return [(sums[i] / len(probe)).tolist() for i in sorted(sums)]
 
 
 def _once(path: Path, compute) -> str:
@@ -88,3 +140,4 @@ def softmax_layers(recipe: Recipe, model, tokenizer, out: Path, candidates: list
         score = json.loads(_once(out / "attention_dof.json", estimate_dof))["layers"]
     order = sorted(candidates, key=lambda i: (-score[i], i))
     return sorted(order[:K])
+

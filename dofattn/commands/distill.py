@@ -1,0 +1,129 @@
+"""Distil a linear-attention student from its softmax teacher, as a recipe says.
+
+A recipe (a TOML file) holds everything the run does: the student, the layerwise stage, the end-to-end phase,
+the evaluation. Pick one by name, change any key with --set (`dofattn recipes --keys` explains them), or pass a
+run folder's recipe.toml to make that run again. The run folder (--out) ends up a loadable student with log.json
+and recipe.toml; the same command resumes an interrupted run, or goes on when end_to_end.steps grew. It ends with
+the perplexity of the teacher, the student and an untrained Performer of the same feature budget.
+
+    dofattn distill                                          # the default recipe
+    dofattn distill --recipe paper --set student.dims=fix --out runs/paper-fix
+    dofattn distill --recipe runs/paper-fix/recipe.toml --seed 1 --out runs/paper-fix-s1
+    dofattn distill --model Qwen/Qwen2.5-1.5B --dry-run --world-size 8   # the plan, memory per GPU: no run
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dofattn.commands import DATA_HELP, add_verb, config, option
+from dofattn.errors import UserError
+
+
+@dataclass
+class DistillArgs:
+    """What a run is given beside its recipe: the recipe and its [run] keys, and where and how long it runs."""
+
+    recipe: str | None = option(None, "a recipe name (below) or a .toml file; default: default, or with "
+                                      "--continue-from that run's recipe")
+    set: list[str] | None = option(None, "change one recipe key, e.g. --set student.window=32 (repeatable)",
+                                   action="append", metavar="KEY=VALUE")
+    model: str | None = option(None, "the teacher (run.model): built-in alias smollm2-135m, hub id, folder or .gguf")
+    data: str | None = option(None, "training text (run.data): " + DATA_HELP)
+    eval_data: str | None = option(None, "the text scored, its validation split (run.eval_data); default: --data",
+                                   metavar="TEXT")
+    seed: int | None = option(None, "seed of the features, the data order and the DoF sample (run.seed)")
+    dtype: str | None = option(None, "the frozen model's dtype (run.dtype): float32 or bfloat16")
+    out: str = option("runs/distill", "run folder: created, or resumed when it holds a run of the same recipe")
+    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    time_limit: float = option(0.0, "minutes of end-to-end training, then save and evaluate; the same command goes "
+                                    "on later (0: no limit)", metavar="MIN")
+    continue_from: str | None = option(None, "go on from a copy of this run folder's student with more end-to-end "
+                                             "steps or other text (--out is the new folder)", metavar="RUN")
+    dry_run: bool = option(False, "print the plan from the model's config only, and stop")
+    world_size: int | None = option(None, "processes the plan is for (default: WORLD_SIZE or 1)", metavar="N")
+    json: bool = option(False, "with --dry-run: the plan as JSON")
+
+
+RUN_FLAGS = ("model", "data", "eval_data", "seed", "dtype")    # flags that set the recipe's [run] keys
+
+
+def options() -> list[type]:
+    return [DistillArgs]
+
+
+def add_parser(verbs):
+    from dofattn.commands.recipes import recipe_lines
+
+    return add_verb(verbs, "distill", __doc__, options(), epilog="recipes:\n" + recipe_lines())
+
+
+def run(ns) -> int:
+    """The `distill` verb."""
+    from dofattn import recipe as recipes
+    from dofattn.evaluate import resolve_device
+
+    args = config(DistillArgs, ns)
+    if args.time_limit < 0:
+        raise UserError(f"--time-limit must be >= 0 minutes (0: none), got {args.time_limit:g}")
+    name = args.recipe
+    if name is None:
+        name = str(Path(args.continue_from) / "recipe.toml") if args.continue_from else "default"
+        if args.continue_from and not Path(name).is_file():
+            raise UserError(f"--continue-from {args.continue_from} is not a dofattn distill run folder: it has no "
+                            f"recipe.toml")
+    overrides = {f"run.{k}": getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None}
+    recipe = recipes.load(name, args.set or [], overrides)
+    if args.dry_run:
+        return dry_run(recipe, args)
+    if args.world_size is not None or args.json:
+        raise UserError("--world-size and --json go with --dry-run (a run's processes are torchrun's)")
+    if recipe.student.lora_rank:                  # before hours of layerwise training, not after
+        from dofattn.lora import require_peft
+        require_peft()
+    from dofattn.distill.run import run as run_recipe
+
+    log = run_recipe(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from)
+    if log.get("evaluation"):
+        print(format_evaluation(recipe, log))
+        print(f"student saved in {args.out} (dofattn generate --model {args.out})")
+    return 0
+
+
+def dry_run(recipe, args: DistillArgs) -> int:
+    """`distill --dry-run`: the plan (`distill.plan`), from the model's config alone; nothing is written."""
+    import os
+
+    from dofattn.distill.plan import make_plan
+
+    world = args.world_size
+    if world is None:
+        text = os.environ.get("WORLD_SIZE", "1")
+        if not text.isdigit():
+            raise UserError(f"WORLD_SIZE={text!r} is not a number of processes; unset it or give --world-size N")
+        world = int(text)
+    if world < 1:
+        raise UserError(f"--world-size {world}: give >= 1 processes")
+    plan = make_plan(recipe, world)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
+    return 0
+
+
+def format_evaluation(recipe, log: dict) -> str:
+    """The perplexity table `dofattn distill` ends with, from the run's log."""
+    ev = log["evaluation"]
+    rows = [("teacher", ev["teacher_ppl"], None)]
+    if "layerwise_student_ppl" in ev:
+        rows.append(("student after the layerwise stage", ev["layerwise_student_ppl"], ev["layerwise_vs_teacher"]))
+    rows.append((f"student (recipe {recipe.name})", ev["student_ppl"], ev["student_vs_teacher"]))
+    rows.append((f"untrained performer ({ev['performer_dim']})", ev["performer_ppl"], ev["performer_vs_teacher"]))
+    lines = [f"\nvalidation perplexity ({ev['tokens']} tokens, blocks of {ev['seq_len']}):"]
+    for label, ppl, ratio in rows:
+        lines.append(f"  {label:<40}{ppl:10.2f}" + (f"  ({ratio:.2f}x teacher)" if ratio else ""))
+    lines.append(f"  dims per layer ({recipe.student.dims}): {' '.join(map(str, log['dims']))}")
+    if log.get("softmax_layers"):
+        lines.append(f"  softmax layers: {' '.join(map(str, log['softmax_layers']))}")
+    lines.append("  wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in log["seconds"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""Write text sampled from the teacher, as a .jsonl training source for `dofattn distill --data`.
+
+Each sample is a prompt cut from the train split of --data (never its validation split), continued by the model
+for --new-tokens tokens at --temperature (1 samples the model's own distribution). Pool it with the real text
+and keep scoring on held-out real text:
+
+    dofattn sample --samples 2000 --out teacher.jsonl
+    dofattn distill --data wiki-sample+teacher.jsonl --eval-data wiki-sample ...
+
+Samples are appended one batch at a time; the same command goes on after an interruption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dofattn.commands import add_verb, config, option
+
+
+@dataclass
+class SampleRun:
+    """Beside `sample.SampleSpec` (what decides the text): how many samples, where they go, on what device."""
+
+    samples: int = option(1000, "number of samples to write in all")
+    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = option("float32", "model dtype: float32 or bfloat16 (sample with the teacher a bfloat16 distill "
+                                   "run compares against)")
+    out: str = option("teacher-text.jsonl", "the .jsonl file to write or go on with")
+
+
+ORDER = ("model", "data", "samples")      # then the spec's fields, then SampleRun's
+
+
+def options() -> list[type]:
+    from dofattn.sample import SampleSpec
+
+    return [SampleSpec, SampleRun]
+
+
+def add_parser(verbs):
+    return add_verb(verbs, "sample", __doc__, options(), order=ORDER)
+
+
+def run(ns) -> int:
+    """The `sample` verb: `sample.run`."""
+    from dofattn import sample
+
+    spec, args = config(sample.SampleSpec, ns), config(SampleRun, ns)
+    result = sample.run(spec, args.samples, args.out, args.device, args.dtype)
+    rate = f", {result['new'] * spec.new_tokens / result['seconds']:.0f} new tokens/s" if result["new"] else ""
+    print(f"{result['out']}: {result['samples']} samples of {spec.prompt_tokens}+{spec.new_tokens} tokens "
+          f"({result['new']} new in {result['seconds']:.0f} s{rate})")
+    return 0
