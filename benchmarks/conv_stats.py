@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from dofattn.student import WEIGHTS_FILE, read_spec
 
 STREAMS = ("q", "k", "v")
-NAME = re.compile(r"\.layers\.(\d+)\..*\.dofattn\.conv_([qkv])$")
+NAME = re.compile(r"\.layers\.(\d+)\..*\.dofattn\.(?:conv\.)?conv_([qkv])$")   # (older folders: no part)
 
 
 def filter_stats(weights: dict[str, torch.Tensor]) -> list[dict]:
@@ -51,17 +51,17 @@ def main() -> None:
     parser.add_argument("--plot", help="draw the share on earlier tokens per layer to this PNG")
     args = parser.parse_args()
     config = read_spec(args.student)
-    if not config.conv:
+    if not config.attention.conv:
         raise SystemExit(f"{args.student} has no convolutions (distill it with --conv K)")
     rows = filter_stats(load_file(str(Path(args.student) / WEIGHTS_FILE)))
-    print(f"{args.student}: conv {config.conv}; per layer, mean |w_j| over channels for j = 0..{config.conv - 1}, "
+    print(f"{args.student}: conv {config.attention.conv}; per layer, mean |w_j| over channels for j = 0..{config.attention.conv - 1}, "
           f"the share of |w| on earlier tokens, and [the signed mean w_j of the earlier taps]")
     for row in rows:
         cells = [f"{s}: {' '.join(f'{x:.3f}' for x in row[s]['taps'])} ({row[s]['earlier']:.2f}) "
                  f"[{' '.join(f'{x:+.3f}' for x in row[s]['signed'][1:])}]" for s in STREAMS]
         print(f"layer {row['layer']:2d}  " + "  ".join(cells))
     if args.out:
-        Path(args.out).write_text(json.dumps({"student": args.student, "conv": config.conv, "layers": rows},
+        Path(args.out).write_text(json.dumps({"student": args.student, "conv": config.attention.conv, "layers": rows},
                                              indent=1))
     if args.plot:
         import matplotlib
@@ -73,7 +73,7 @@ def main() -> None:
         for s in STREAMS:
             ax.plot([r["layer"] for r in rows], [r[s]["earlier"] for r in rows], marker="o", label=s)
         ax.set(xlabel="layer", ylabel="share of |w| on earlier tokens", ylim=(0, None),
-               title=f"{Path(args.student).name}: what the {config.conv}-token filters take from the tokens before")
+               title=f"{Path(args.student).name}: what the {config.attention.conv}-token filters take from the tokens before")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

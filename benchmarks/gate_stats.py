@@ -29,8 +29,8 @@ from dofattn.student import attention_modules, load_student
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
-# what `collect` records: a LinearAttention method of the values, and the flag of the layers that have it
-RECORDED = {"log_gates": "gate", "betas": "delta"}
+# what `collect` records: a method of the values, and the part of a LinearAttention that has it
+RECORDED = {"log_gates": "decay", "betas": "delta"}
 
 
 def collect(model, blocks: torch.Tensor, batch_size: int = 2) -> dict[str, dict[int, torch.Tensor]]:
@@ -40,17 +40,18 @@ def collect(model, blocks: torch.Tensor, batch_size: int = 2) -> dict[str, dict[
     seen: dict[str, dict[int, list[torch.Tensor]]] = {method: {} for method in RECORDED}
     for i, module in enumerate(attention_modules(model)):
         linear = getattr(module, "dofattn", None)
-        for method, flag in RECORDED.items():
-            if linear is None or not getattr(linear, flag):
+        for method, name in RECORDED.items():
+            part = None if linear is None else getattr(linear, name)
+            if part is None or not hasattr(part, method):          # a per-head decay has no gates
                 continue
-            original = getattr(linear, method)
+            original = getattr(part, method)
 
             def record(v, i=i, original=original, parts=seen[method]):
                 out = original(v)
                 parts.setdefault(i, []).append(out.detach().flatten().float())
                 return out
 
-            setattr(linear, method, record)
+            setattr(part, method, record)
     with torch.no_grad():
         for start in range(0, len(blocks), batch_size):
             model(blocks[start:start + batch_size], use_cache=False)

@@ -123,7 +123,7 @@ def main() -> int:
     model, tokenizer, config = load_student(args.run)
     model.eval()
     modules = attention_modules(model)
-    if config.window or len(config.layers) != len(modules):
+    if config.attention.window or len(config.layers) != len(modules):
         raise SystemExit(f"{args.run} is not a pure-linear student with every layer linear")
     dof = [layer.dof for layer in DofResult.from_json(args.dof.read_text()).layers]
     train = token_blocks(data, tokenizer, seq_len, args.blocks, split="train", seed=seed)

@@ -36,7 +36,7 @@ def ablate(folder: Path) -> dict:
         args = json.loads((folder / "run.json").read_text())
         data, seq_len, count = args.get("eval_data") or args["data"], args["eval_seq_len"], args["eval_blocks"]
     model, tokenizer, config = load_student(folder)
-    if not config.window:
+    if not config.attention.window:
         raise SystemExit(f"{folder} is not a window student (student.window = 0)")
     blocks = token_blocks(data, tokenizer, seq_len, count, split="validation", seed=0)
     student = compare(model, blocks, progress=False)
@@ -45,7 +45,7 @@ def ablate(folder: Path) -> dict:
             if hasattr(module, "log_gain"):
                 module.log_gain.fill_(-1e4)
     alone = compare(model, blocks, progress=False)
-    return {"run": str(folder), "window": config.window, "teacher_ppl": student["teacher_ppl"],
+    return {"run": str(folder), "window": config.attention.window, "teacher_ppl": student["teacher_ppl"],
             "student": student, "window_only": alone}
 
 

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from dofattn.errors import UserError
 from dofattn.features import FEATURES, make_feature_map
 
 
@@ -49,32 +48,6 @@ def test_key_shift_cancels_in_the_attention_ratio():
     fmap.key_shift += 5.0
     out2, _ = linear_attention(fmap(q, "query"), fmap(k, "key"), v)
     torch.testing.assert_close(out1, out2, rtol=1e-5, atol=1e-6)
-
-
-def test_per_head_dims_equal_separate_maps_of_those_sizes():
-    from dofattn.ops import linear_attention
-
-    torch.manual_seed(0)
-    fmap = make_feature_map("prf", 3, 8, 7, scaling=8 ** -0.5, seed=2, head_dims=[7, 2, 4])
-    q, k, v = torch.randn(2, 11, 3, 8), torch.randn(2, 11, 3, 8), torch.randn(2, 11, 3, 8)
-    phi_q, q_scale = fmap.features(q, "query")
-    phi_k, k_scale = fmap.features(k, "key")
-    assert (phi_q[..., 1, 2:] == 0).all() and (phi_k[..., 2, 4:] == 0).all() and (phi_q[..., 0, :] > 0).all()
-    out, _ = linear_attention(phi_q, phi_k, v)
-    for h, d in enumerate([7, 2, 4]):
-        own = make_feature_map("prf", 1, 8, d, scaling=8 ** -0.5)
-        with torch.no_grad():
-            own.directions.copy_(fmap.directions[h:h + 1, :d])
-            own.log_weights.copy_(fmap.log_weights[h:h + 1, :d])
-        pq, sq = own.features(q[:, :, h:h + 1], "query")
-        pk, sk = own.features(k[:, :, h:h + 1], "key")
-        torch.testing.assert_close(linear_attention(pq, pk, v[:, :, h:h + 1])[0], out[:, :, h:h + 1])
-        # the kernel's scale (1/d, shifts) matches too, which the window hybrid and the l2 loss rely on
-        torch.testing.assert_close(q_scale[..., h] + k_scale[h], sq[..., 0] + sk[0])
-    with pytest.raises(UserError, match="head_dims"):
-        make_feature_map("prf", 3, 8, 7, scaling=0.3, head_dims=[7, 8, 1])
-    with pytest.raises(UserError, match="per-head dims need prf"):
-        make_feature_map("hedgehog", 3, 8, 7, scaling=0.3, head_dims=[7, 2, 4])
 
 
 def test_key_shift_calibration_flag_follows_the_buffer():
