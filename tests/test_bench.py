@@ -7,7 +7,37 @@ import pytest
 from dofattn.cli import main
 
 
-def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path):
+STEP_S, PREFILL_S = 0.02, 0.1      # what each student attention layer waits per call, and more in a prefill
+
+
+def slow_students(monkeypatch):
+    """Every attention layer of a model `linearize` made waits STEP_S per call, and PREFILL_S more per call on more
+    than one token: a student's decode step then takes at least 3 STEP_S (3 layers), its prefill 3 (STEP_S +
+    PREFILL_S), while the teacher runs at full speed."""
+    import time
+
+    from dofattn import student
+
+    linearize = student.linearize
+
+    def wait(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        time.sleep(STEP_S + (PREFILL_S if hidden.shape[1] > 1 else 0.0))
+
+    def slow(model, *args, **kwargs):
+        linearize(model, *args, **kwargs)
+        for module in student.attention_modules(model):
+            module.register_forward_pre_hook(wait, with_kwargs=True)
+        return model
+
+    monkeypatch.setattr(student, "linearize", slow)
+
+
+def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path, monkeypatch):
+    """Every measurement, with its shapes; the generation rows' times are those of the steps they name: students
+    made to wait a known time per layer call decode no faster, and prefill no sooner, than that allows, while the
+    decode rate leaves the prefill out, and their rate against the teacher's is below 1."""
+    slow_students(monkeypatch)
     out = tmp_path / "bench.json"
     code = main(["bench", "--device", "cpu", "--seq-lens", "33,70", "--heads", "2", "--head-dim", "8",
                  "--features", "5", "--window", "16", "--repeats", "1", "--model", str(model_dirs["llama"]),
@@ -29,8 +59,13 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path):
     assert set(gen) == {(False, 0, "hf"), (True, 0, "hf"), (True, 0, "static"), (True, 16, "hf"), (True, 16, "static")}
     assert all(r["decode_tokens_per_s"] > 0 for r in gen.values())
     teacher = gen[False, 0, "hf"]["decode_tokens_per_s"]
-    assert "vs_teacher" not in gen[False, 0, "hf"]
-    assert all(r["vs_teacher"] == r["decode_tokens_per_s"] / teacher for key, r in gen.items() if key[0])
+    assert "vs_teacher" not in gen[False, 0, "hf"] and teacher > 1 / (3 * STEP_S)
+    for key, r in gen.items():
+        if key[0]:
+            assert r["prefill_ms"] >= 3 * (STEP_S + PREFILL_S) * 1e3, key       # the prefill's own time
+            assert r["decode_tokens_per_s"] <= 1 / (3 * STEP_S), key            # the decode steps' own rate,
+            assert 2 / r["decode_tokens_per_s"] < 3 * (STEP_S + PREFILL_S), key  # its 2 steps not the prefill's
+            assert r["vs_teacher"] < 1 and r["vs_teacher"] == pytest.approx(r["decode_tokens_per_s"] / teacher)
     assert "x teacher" in printed
     for engine in ("hf", "static"):
         assert gen[True, 0, engine]["cache_bytes"] == 3 * 4 * 5 * 17 * 4   # 3 layers of [1, 4, 5, 16 + 1] float32

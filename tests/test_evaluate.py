@@ -121,12 +121,49 @@ def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
     assert code == 0 and json.loads(out.read_text())["split"] == "all"   # files pooled are still evaluated whole
 
 
-def local_task(folder):
-    """A four-question multiple-choice task in lm-eval's YAML + jsonl format."""
-    rows = [{"question": "The sky on a clear day is", "choices": [" blue", " green", " loud"], "answer": 0},
-            {"question": "Two plus two equals", "choices": [" four", " seven", " purple"], "answer": 0},
-            {"question": "Water freezes into", "choices": [" ice", " fire", " music"], "answer": 0},
-            {"question": "A cat is an", "choices": [" animal", " equation", " country"], "answer": 0}]
+def test_eval_scores_a_short_plain_file_whole(capsys, tmp_path, model_dirs, tokenizer):
+    """A .txt file given with --data is scored whole: all its tokens, in blocks of at most --seq-len (one block
+    when it is shorter), every token predicted but each block's first; the perplexity is the hand-computed one."""
+    from dofattn.evaluate import EvalConfig, run
+    from dofattn.hf import load_model
+    from dofattn.spec import StudentSpec
+    from dofattn.student import fingerprint, save_student
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, [4, 6, 8], LINEAR)
+    folder = save_student(model, tmp_path / "run", StudentSpec(base_model=str(model_dirs["llama"]), dims=(4, 6, 8),
+                                                                 layers=(0, 1, 2), base=fingerprint(model),
+                                                                 attention=LINEAR))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The quick brown fox jumps over the lazy dog. Linear attention keeps a state. " * 2)
+    ids = tokenizer(notes.read_text(), add_special_tokens=False)["input_ids"]
+    n = len(ids)
+    assert 16 < n < 512 and n % 16 > 1
+    out = tmp_path / "eval.json"
+    code = main(["eval", "--model", str(folder), "--data", str(notes), "--out", str(out)])    # blocks of 512
+    assert code == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["tokens"] == n - 1
+    result = run(EvalConfig(model=str(folder), data=str(notes), seq_len=16, layer_blocks=5, out=None))
+    blocks = [ids[i:i + 16] for i in range(0, n, 16)]                   # the last one shorter
+    assert result["tokens"] == n - len(blocks) and sum(result["by_position"]["tokens"]) == result["tokens"]
+    nll = []
+    with torch.no_grad():
+        for block in blocks:
+            log_p = torch.log_softmax(model(input_ids=torch.tensor([block])).logits[0, :-1].double(), -1)
+            nll += [-log_p[t, block[t + 1]].item() for t in range(len(block) - 1)]
+    assert math.isclose(result["ppl"], math.exp(sum(nll) / len(nll)), rel_tol=1e-5)
+    assert all(e is not None for e in result["output_error"])          # layer errors on blocks of both lengths
+
+
+QUESTIONS = [("The sky on a clear day is", [" blue", " green", " loud"]),
+             ("Two plus two equals", [" four", " seven", " purple"]),
+             ("Water freezes into", [" ice", " fire", " music"]),
+             ("A cat is an", [" animal", " equation", " country"])]
+
+
+def local_task(folder, answers=(0, 0, 0, 0)):
+    """A four-question multiple-choice task in lm-eval's YAML + jsonl format, with these answers."""
+    rows = [{"question": q, "choices": c, "answer": a} for (q, c), a in zip(QUESTIONS, answers)]
     (folder / "mini.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "mini.yaml").write_text(
         "task: dofattn_mini_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
@@ -136,7 +173,34 @@ def local_task(folder):
     return folder
 
 
+def loud_model(family: str):
+    """A tiny model whose attention weights are scaled up, so that its attention (and linearizing it) moves its
+    predictions: at their initial size the residual stream alone decides them."""
+    model = tiny_model(family)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
+                p.mul_(8)
+    return model
+
+
+@torch.no_grad()
+def choice_scores(model, tokenizer, question: str, choices: list[str]) -> list[float]:
+    """The summed log-probability of each choice after the question, as lm-eval reads a multiple-choice request:
+    the continuation is the target delimiter " " and the choice, its tokens those of question + continuation after
+    the question's own."""
+    scores = []
+    for choice in choices:
+        context, whole = tokenizer.encode(question), tokenizer.encode(question + " " + choice)
+        log_p = torch.log_softmax(model(input_ids=torch.tensor([whole])).logits[0].double(), -1)
+        scores.append(sum(log_p[t - 1, whole[t]].item() for t in range(len(context), len(whole))))
+    return scores
+
+
 def test_lm_eval_bridge_on_a_local_task(tmp_path, tokenizer, monkeypatch):
+    """The accuracy lm-eval reports for the in-memory student is the one its own log-likelihoods give: each
+    question's answer is the student's most likely choice but for the last, so 3/4, where its teacher's choices
+    give another accuracy."""
     from huggingface_hub import constants
 
     from dofattn.errors import UserError
@@ -144,11 +208,16 @@ def test_lm_eval_bridge_on_a_local_task(tmp_path, tokenizer, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    model = tiny_model("llama")
+    model = loud_model("llama")
     linearize(model, [8, 8, 8], LINEAR)
-    folder = local_task(tmp_path)
+    picks = [max(range(3), key=choice_scores(model, tokenizer, q, c).__getitem__) for q, c in QUESTIONS]
+    with teacher_mode(model):
+        teacher_picks = [max(range(3), key=choice_scores(model, tokenizer, q, c).__getitem__) for q, c in QUESTIONS]
+    answers = picks[:3] + [(picks[3] + 1) % 3]
+    assert sum(t == a for t, a in zip(teacher_picks, answers)) != 3      # the teacher's accuracy is not 3/4
+    folder = local_task(tmp_path, answers)
     result = lm_eval_tasks(model, tokenizer, ["dofattn_mini_mc"], include_path=str(folder))
-    assert set(result) == {"dofattn_mini_mc"} and 0.0 <= result["dofattn_mini_mc"]["acc"] <= 1.0
+    assert set(result) == {"dofattn_mini_mc"} and result["dofattn_mini_mc"]["acc"] == 0.75
     import pytest
 
     with pytest.raises(UserError, match="piqa need their datasets from the Hugging Face hub"):

@@ -179,6 +179,37 @@ def test_eval_verb_runs_the_recall_grid(capsys, tmp_path, long_llama, corpus):
     assert main(base + ["--depths", "2"]) == 2 and "not an eval JSON with recall" in capsys.readouterr().err
 
 
+def test_lengths_auto_doubles_up_to_the_context():
+    """--lengths auto: 1024, 2048, ... up to the model's context (the context alone when shorter than 1024);
+    given lengths must fit it."""
+    from dofattn.recall import resolve_lengths
+
+    assert resolve_lengths(None, 1024) == [1024]
+    assert resolve_lengths(None, 3000) == [1024, 2048]
+    assert resolve_lengths(None, 8192) == [1024, 2048, 4096, 8192]
+    assert resolve_lengths(None, 600) == [600]
+    assert resolve_lengths([100, 700], 1024) == [100, 700] and resolve_lengths([5000], None) == [5000]
+    with pytest.raises(UserError, match="names no context length"):
+        resolve_lengths(None, None)
+    with pytest.raises(UserError, match="beyond the model's context of 1024"):
+        resolve_lengths([512, 2048], 1024)
+
+
+def test_eval_recall_with_lengths_auto(capsys, tmp_path, model_dirs, corpus):
+    """`dofattn eval --recall passkey` with --lengths auto (the default) on a model of a 256-token context: one
+    length, the context itself, every prompt within it, answered by student and teacher."""
+    out = tmp_path / "eval.json"
+    code = main(["eval", "--model", str(model_dirs["llama"]), "--data", str(corpus), "--num-blocks", "0",
+                 "--recall", "passkey", "--depths", "2", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    recall = json.loads(out.read_text())["recall"]
+    assert recall["lengths"] == [256] and len(recall["records"]) == 2
+    assert all(r["length"] == 256 and "correct" in r["student"] and "correct" in r["teacher"]
+               for r in recall["records"])
+    assert f"{256:>8}" in printed.out
+
+
 @pytest.mark.parametrize("args,message", [
     (["--recall", "passkey,needle"], "unknown task needle"),
     (["--recall", "passkey", "--lengths", "2048"], "beyond the model's context of 1024"),
@@ -227,10 +258,24 @@ def test_copy_mass_is_the_weight_on_the_first_copy():
 
 
 def test_copy_scores_per_layer_and_head():
-    model = tiny_model("llama")
-    blocks = torch.randint(3, 300, (2, 64), generator=torch.Generator().manual_seed(0))
+    """A GPT-2 with no position embeddings and one planted head (layer 1, head 2) whose queries and keys are the
+    same projection of the token: on blocks of distinct tokens, its repeat queries find their token again in the
+    first copy (and at their own position, each half of the weight), so it scores about 1/2; every other head
+    spreads its weight, about span/T."""
+    model = tiny_model("gpt2")
+    layer, head, size = 1, 2, 16
+    with torch.no_grad():
+        model.transformer.wpe.weight.zero_()
+        projection = torch.randn(64, size, generator=torch.Generator().manual_seed(1))
+        attention = model.transformer.h[layer].attn
+        for part in (0, 1):                                              # the query's and the key's columns
+            columns = slice(part * 64 + head * size, part * 64 + (head + 1) * size)
+            attention.c_attn.weight[:, columns] = 2 * projection
+            attention.c_attn.bias[columns] = 0
+    blocks = torch.stack([torch.randperm(297, generator=torch.Generator().manual_seed(i))[:64] + 3 for i in range(2)])
     scores = copy_scores(model, blocks, span=8, progress=False)
     heads = model.config.num_attention_heads
     assert len(scores) == model.config.num_hidden_layers and all(len(h) == heads for h in scores)
-    assert all(0 <= s <= 1 for h in scores for s in h)
+    assert 0.48 < scores[layer][head] < 0.52
+    assert all(s < 0.2 for i, h in enumerate(scores) for j, s in enumerate(h) if (i, j) != (layer, head))
     assert scores == copy_scores(model, blocks, span=8, progress=False)
