@@ -5,11 +5,12 @@
     python benchmarks/plan_memory.py --model tests/configs/qwen2.5-1.5b --layers 4 --set end_to_end.seq_len=256
 
 The model is built from its config.json with random weights (no download; `--layers N` keeps its first N layers),
-linearized as the recipe says (DoF dims at the budget's mean, the softmax layers the plan assumes), and takes one
-step as `dofattn distill` does: the loss (teacher and student, in chunks, checkpointed layers if the recipe says so),
-its backward pass and Adam's step, in one process. Measured: on CUDA the rise of `torch.cuda.max_memory_allocated`
-over what the model holds; on CPU the most bytes of tensors alive at once (a dispatch mode follows every storage made
-during the step). Printed beside the plan's total less the weights and student tensors (`dofattn.distill.plan`).
+made the student a run of the recipe trains (`run.student_spec`: DoF dims at the budget's mean, the softmax layers
+the plan assumes), and takes one step as `dofattn distill` does: the loss (teacher and student, in chunks,
+checkpointed layers if the recipe says so), its backward pass and Adam's step, in one process. Measured: on CUDA the
+rise of `torch.cuda.max_memory_allocated` over what the model holds; on CPU the most bytes of tensors alive at once
+(`memory.LiveBytes`, which the plan runs over fake tensors). Printed beside the plan's total less the weights and
+student tensors (`dofattn.distill.plan`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ def main() -> None:
 
     from dofattn import recipe as recipes
     from dofattn.distill.end_to_end import layers_checkpointed, loss
-    from dofattn.distill.plan import LiveBytes, make_plan, model_config
-    from dofattn.lora import add_lora
-    from dofattn.spec import StudentSpec
+    from dofattn.distill.plan import make_plan
+    from dofattn.distill.run import student_spec
+    from dofattn.hf import model_config, softmax_implementation
+    from dofattn.memory import LiveBytes
     from dofattn.student import attention_modules, build, is_student_tensor
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -49,17 +51,13 @@ def main() -> None:
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:args.layers]
     plan = make_plan(recipe, 1, config=config)
-    memory, s, e2e = plan.memory, recipe.student, recipe.end_to_end
+    memory, e2e = plan.memory, recipe.end_to_end
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(args.device).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=softmax_implementation(config))
+    model = model.to(args.device).eval()
     dims = plan.layers.dims or [round(plan.layers.mean_dim)] * plan.layers.count
-    spec = StudentSpec(base_model=args.model, feature=s.feature, dims=dims, layers=plan.layers.linear, seed=0,
-                       base={}, window=s.window, sink=s.sink, decay=s.decay, conv=s.conv, delta=s.delta,
-                       lora_rank=s.lora_rank, lora_alpha=float(s.lora_rank), lora_targets=s.lora_targets)
-    build(model, spec)
-    if s.lora_rank and not any(".lora_" in n for n, _ in model.named_parameters()):
-        add_lora(model, s.lora_rank, seed=0, targets=s.lora_targets)
+    build(model, student_spec(recipe, model, dims, plan.layers.linear))
     for name, p in model.named_parameters():
         p.requires_grad_(is_student_tensor(name))
     for module in attention_modules(model):

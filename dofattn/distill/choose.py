@@ -141,3 +141,19 @@ def softmax_layers(recipe: Recipe, model, tokenizer, out: Path, candidates: list
     order = sorted(candidates, key=lambda i: (-score[i], i))
     return sorted(order[:K])
 
+
+def linear_layers(recipe: Recipe, model, chosen: list[int] | None = None) -> list[int]:
+    """The layers a run of `recipe` linearizes in `model`: those that may be (every layer; with student.local_layers
+    = keep all but the model's own sliding-window ones, `student.global_layers`) less the softmax layers `chosen`
+    (`softmax_layers`). `chosen` [] gives the candidates themselves, None takes the last student.keep_softmax of
+    them (the dry run's plan: the layers are chosen at run time). A UserError where keep_softmax leaves none."""
+    from dofattn.errors import UserError
+    from dofattn.student import attention_modules, global_layers
+
+    s = recipe.student
+    candidates = global_layers(model) if s.local_layers == "keep" else list(range(len(attention_modules(model))))
+    if s.keep_softmax >= len(candidates):
+        raise UserError(f"student.keep_softmax = {s.keep_softmax} leaves no layer to linearize: the model has "
+                        f"{len(candidates)} layers that may be linearized")
+    chosen = candidates[len(candidates) - s.keep_softmax:] if chosen is None else chosen
+    return [i for i in candidates if i not in chosen]

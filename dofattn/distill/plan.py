@@ -8,103 +8,155 @@ queries and keys, so for `dof`/`clip` the plan gives the budget), the softmax la
 reads, the size of the teacher cache on disk, and the memory per device of the end-to-end phase.
 
 How the numbers are made:
-- Parameters: the model is built from its config on PyTorch's meta device (shapes without memory), so every family's
-  biases, norms and tied embeddings count as in the real model. The student's tensors come from building one
-  `LinearAttention` of each layer's shape (a few MB on the CPU), LoRA adapters from the projections they adapt.
+- The student is built as a run builds it, without memory: the model from its config on PyTorch's meta device, made
+  the student by `student.build` (the layers `choose.linear_layers` linearizes; the K softmax layers picked at run
+  time taken as the last candidates; a dof/clip layer at the budget's mean, the head size: every student tensor and
+  every per-token activation is linear in the dim, so the sum over layers is the same). Parameters, the student's
+  tensors and their LoRA adapters are that model's, every family's biases, norms and tied embeddings included.
 - The end-to-end phase under FSDP2 (`fully_shard`, one unit per decoder layer and the root): every tensor is split
   along its first dim over the world (each device holds ⌈rows / world⌉ rows; buffers stay whole); frozen weights in
-  run.dtype, trained tensors, their gradients and Adam's two moments in float32. While a unit computes, its weights
-  are gathered whole, each in its own dtype (`end_to_end.shard`): the root's (embeddings, final norm, head) for the
-  whole step, and two decoder layers (the one running and the next, prefetched). The teacher is the same model
-  with its linear parts off: no second copy. With one process nothing is sharded or gathered.
-- Activations are what autograd keeps for the backward pass of one step: `batch_size` blocks of `seq_len` tokens.
-  Per layer, from the family's code: each RMSNorm keeps a float32 copy of its input and the inverse norm (4h + 4
-  bytes per token, whatever the dtype); a gated MLP its gate, activation and up projection (3 × intermediate); frozen
-  projections keep nothing (their weight is all their backward needs); a kept softmax layer its q, k, v, output and
-  log-sum-exp (SDPA; eager, for soft-capped logits, its [T, T] weights). The linear attention itself is measured,
-  not modelled: one layer of the student's shape runs on random q/k/v of `PROBE_TOKENS` tokens with autograd, and
-  what it keeps is counted per token (`attention_probe`). Layers before the first one with a trained tensor keep
-  nothing. With activation checkpointing each layer keeps its input, and the backward pass holds one layer's
-  activations at a time.
-- The loss (`end_to_end.loss`): the LM head runs on `loss_chunk` positions at a time; at its peak, inside the KL
-  term, the phase holds five float32 [batch, chunk, vocab] arrays (the student's and the teacher's
-  log-probabilities, the teacher's probabilities, their difference and its product; three without the KL term:
-  log-probabilities and two gradients) and the teacher's last hidden states.
-`tests/test_plan.py` measures one end-to-end step of a small student on the CPU and compares, with `LiveBytes`
-(every storage the step makes, followed while alive), as `benchmarks/plan_memory.py` does.
+  run.dtype, trained tensors, their gradients and Adam's two moments in their own dtype (float32). While a unit
+  computes, its weights are gathered whole, each in its own dtype (`end_to_end.shard`): the root's (embeddings,
+  final norm, head) for the whole step, and two decoder layers (the one running and the next, prefetched). The
+  teacher is the same model with its linear parts off: no second copy. With one process nothing is sharded.
+- Activations and the loss are measured, not modelled: the student's tensors become fake ones (FakeTensorMode:
+  shapes, dtypes and storages, no memory, no arithmetic) and one step of the end-to-end loss (`end_to_end.loss`:
+  teacher and student, the LM head on `loss_chunk` positions at a time, layers checkpointed if the recipe says so)
+  and its backward pass run on `batch_size` blocks of `seq_len` tokens on the CPU, with `memory.LiveBytes` following
+  every storage (`measure_step`). What the student's body leaves alive is the activations; the most alive beyond
+  them while the loss runs forward and back is the loss, and while the backward pass goes through the layers (one
+  layer again under checkpointing, and the gradients flowing back) the backward row. The kernels are the CPU's:
+  the linear attention's PyTorch path, SDPA's (eager for soft-capped logits) for the softmax layers.
+`tests/test_plan.py` compares with one real end-to-end step of small students on the CPU, measured the same way, as
+`benchmarks/plan_memory.py` does at a model's own widths.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-import re
-import weakref
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dofattn.dof import spans
 from dofattn.errors import UserError
 from dofattn.recipe import Recipe
 
-PROBE_TOKENS = 64         # tokens of the attention probe, at least two windows (fewer when the blocks are shorter)
 GIB = 1024 ** 3
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-RMS_NORMS = {"llama": 2, "mistral": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "olmo2": 2, "gemma2": 4, "gemma3_text": 4}
-QK_NORMS = ("qwen3", "olmo2", "gemma3_text")            # an RMSNorm on q and k of every head (OLMo-2: of the whole q)
-POST_NORM_ONLY = ("olmo2",)                              # no norm before the attention: its norms follow each block
-FUSED_QKV = ("phi3", "gpt2", "gpt_neox")               # q, k, v one projection: a kept v keeps q's and k's rows too
-GATED_MLP = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3_text")
 
 
 # --- the model, from its config --------------------------------------------------------------------------------------
 
-def model_config(spec: str):
-    """The config of the model `spec` names (alias, folder, .gguf file or hub id), read as `hf.load_model` reads it
-    and refused the same way, without its weights."""
-    from transformers import AutoConfig
-
-    from dofattn import hf
-
-    if spec in hf.BUILTIN:
-        folder = hf.cache_dir() / "models" / spec
-        if (folder / "config.json").is_file():
-            config = AutoConfig.from_pretrained(folder)
-        else:                                          # not converted yet: the GGUF file's header holds the config
-            gguf = hf.wheel_member(hf.BUILTIN[spec].wheel, hf.BUILTIN[spec].member)
-            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    else:
-        path = Path(spec).expanduser()
-        if spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or path.exists():
-            if not path.exists():
-                raise UserError(f"model path {spec} does not exist; give a folder with config.json, a .gguf file, "
-                                f"a hub id, or one of: {', '.join(hf.BUILTIN)}")
-            if path.is_file():
-                if path.suffix != ".gguf":
-                    raise UserError(f"model file {spec} is not a .gguf file; give a .gguf file or a model folder")
-                config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-            elif not (path / "config.json").is_file():
-                raise UserError(f"model folder {spec} has no config.json; give a Hugging Face model folder")
-            else:
-                config = hf._load_config(path, spec)
-        else:
-            config = hf._load_config(spec, spec)
-    hf.check_supported(config, spec)
-    return config
-
-
 def meta_model(config, dtype: torch.dtype = torch.float32):
-    """The model of `config` on the meta device: every parameter's shape, no memory, no weights read."""
+    """The model of `config` on the meta device, with the softmax attention a run loads it with, in eval mode:
+    every parameter's shape, no memory, no weights read."""
     from transformers import AutoModelForCausalLM
 
+    from dofattn.hf import softmax_implementation
+
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=softmax_implementation(config))
+    return model.eval()                              # as `hf.load_model` leaves it: no dropout
 
 
-# --- pieces of the plan ----------------------------------------------------------------------------------------------
+def student_spec(recipe: Recipe, dims: list[int], layers: list[int]):
+    """The `StudentSpec` a run of `recipe` trains (`distill.run.student_spec`), less the base model's fingerprint,
+    which reads its weights' values."""
+    from dofattn.spec import StudentSpec
+
+    s = recipe.student
+    return StudentSpec(base_model=recipe.run.model, dims=dims, layers=layers, attention=s.attention,
+                       seed=recipe.run.seed, lora_rank=s.lora_rank, lora_alpha=float(s.lora_rank),
+                       lora_targets=s.lora_targets)
+
+
+def fake_model(model, mode) -> None:
+    """`model`'s meta tensors (parameters, buffers, tensors modules hold) as `mode`'s fake CPU tensors, in place;
+    a tensor two modules share (tied embeddings) stays shared."""
+    made = {}
+
+    def fake(t):
+        if id(t) not in made:
+            made[id(t)] = mode.fake_tensor_converter.from_meta_and_device(mode, t, torch.device("cpu"))
+            if isinstance(t, torch.nn.Parameter):
+                made[id(t)] = torch.nn.Parameter(made[id(t)], requires_grad=t.requires_grad)
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = fake(t)
+        for name, t in list(vars(module).items()):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                object.__setattr__(module, name, fake(t))
+
+
+@dataclass
+class Step:
+    """Bytes one end-to-end step adds beside the weights, the student's tensors and their gradients."""
+
+    activations: int       # what the student's body leaves alive for the backward pass (its output included)
+    loss: int              # the most beyond them while the loss runs forward and back (the teacher's states, logits)
+    backward: int          # the most beyond them while the backward pass goes through the layers
+
+
+def measure_step(recipe: Recipe, model) -> Step:
+    """One step of the end-to-end loss and its backward pass on `model` (the student on the meta device, its
+    tensors made fake here: it is spent after), at the recipe's batch, length, loss chunk and checkpointing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dofattn.distill.end_to_end import layers_checkpointed, loss
+    from dofattn.memory import LiveBytes, RealConstants
+    from dofattn.student import attention_modules, is_student_tensor
+
+    e2e = recipe.end_to_end
+    mode = FakeTensorMode()
+    fake_model(model, mode)
+    for name, p in model.named_parameters():             # as run.py: only the student's tensors train
+        p.requires_grad_(is_student_tensor(name))
+    for module in attention_modules(model):              # and end_to_end.train: its linear layers in training mode
+        if hasattr(module, "dofattn"):
+            module.dofattn.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    ids = torch.zeros(e2e.batch_size, e2e.seq_len, dtype=torch.long)
+    with mode:
+        for p in trained:                                 # the gradients are counted apart: made before
+            p.grad = torch.zeros_like(p)
+    live = LiveBytes([*model.parameters(), *model.buffers(), *(p.grad for p in trained), ids])
+    marks = {}
+
+    def body_grad(grad):                                   # the loss's backward pass is through
+        marks["loss"] = live.reset_peak()
+
+    def before(module, args, kwargs):
+        if torch.is_grad_enabled():                        # the student's body (the teacher's runs without autograd)
+            marks["start"] = live.now
+
+    def after(module, args, kwargs, output):
+        if torch.is_grad_enabled():
+            marks["end"] = live.now
+            if output.last_hidden_state.requires_grad:
+                output.last_hidden_state.register_hook(body_grad)
+
+    body = model.base_model
+    hooks = [body.register_forward_pre_hook(before, with_kwargs=True),
+             body.register_forward_hook(after, with_kwargs=True)]
+    try:
+        with (mode, RealConstants(mode, live), layers_checkpointed(model) if e2e.activation_checkpointing else
+              contextlib.nullcontext(), live):
+            loss(model, ids, e2e.kd_weight, e2e.loss_chunk).backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    activations = marks["end"] - marks["start"]
+    return Step(activations=activations, loss=marks.get("loss", live.peak) - activations,
+                backward=max(0, live.peak - activations) if "loss" in marks else 0)
+
+
+# --- pieces of the plan -----------------------------------------------------------------------------------------------
 
 @dataclass
 class Layers:
@@ -150,15 +202,16 @@ class Memory:
     gradients: int
     adam: int
     gathered: int                     # weights gathered whole while their unit computes (FSDP2, world > 1)
-    activations: int                  # kept by autograd for the backward pass (checkpointing: each layer's input)
-    recompute: int                    # checkpointing: one layer's activations, made again in the backward pass
-    loss: int                         # the LM head's logits of one chunk and their gradients, the teacher's states
+    activations: int                  # the body's, kept for the backward pass (checkpointing: each layer's input)
+    recompute: int                    # the backward pass through the layers beyond them (checkpointing: one layer
+                                      # again), measured
+    loss: int                         # the loss's beyond them: a chunk's logits, their gradients, the teacher's states
     whole_model: int                  # the model in run.dtype, as every process holds it before the phase
 
     @property
     def total(self) -> int:
-        """The peak: what stays, and the larger of the loss's arrays and a layer run again (never at once: the
-        backward pass is through the loss before it reaches the layers)."""
+        """The peak: what stays, and the larger of the loss's arrays and the layers' backward pass (never at once:
+        the backward pass is through the loss before it reaches the layers)."""
         return (self.weights + self.student + self.gradients + self.adam + self.gathered + self.activations
                 + max(self.loss, self.recompute))
 
@@ -190,21 +243,6 @@ def _shard(shape: tuple[int, ...], world: int) -> int:
     if not shape:
         return 1
     return math.ceil(shape[0] / world) * math.prod(shape[1:])
-
-
-def layer_roles(recipe: Recipe, model) -> tuple[list[int], list[int]]:
-    """(linearized layers, the model's own sliding-window layers kept exact), as `distill.run` chooses them; the K
-    softmax layers picked at run time are taken as the last of those that may be linearized."""
-    from dofattn.hf import local_layers
-    from dofattn.student import attention_modules, global_layers
-
-    s = recipe.student
-    keep_local = s.local_layers == "keep"
-    candidates = global_layers(model) if keep_local else list(range(len(attention_modules(model))))
-    if s.keep_softmax >= len(candidates):
-        raise UserError(f"student.keep_softmax = {s.keep_softmax} leaves no layer to linearize: the model has "
-                        f"{len(candidates)} layers that may be linearized")
-    return candidates[:len(candidates) - s.keep_softmax], local_layers(model.config) if keep_local else []
 
 
 def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[list[int] | None, float]:
@@ -245,247 +283,56 @@ def teacher_cache_bytes(recipe: Recipe, count: int, heads: int, kv_heads: int, h
     return count * lw.blocks * lw.seq_len * (heads + 2 * kv_heads) * head_dim * 4 if lw.steps else 0
 
 
-def linear_layer(recipe: Recipe, heads: int, kv_heads: int, head_dim: int, dim: int) -> torch.nn.Module:
-    """One `LinearAttention` of the student's shape (CPU, float32, as `student.linearize` makes it)."""
-    from dofattn.attention import LinearAttention
-    from dofattn.features import make_feature_map
-
-    s = recipe.student
-    fmap = make_feature_map(s.feature, heads, head_dim, dim, head_dim ** -0.5, seed=0)
-    return LinearAttention(fmap, heads, kv_heads, s.window, s.decay == "head", s.sink, s.decay == "gate", head_dim,
-                           s.conv, s.delta)
-
-
-def lora_shapes(recipe: Recipe, model) -> list[tuple[int, ...]]:
-    """The shapes of the LoRA adapters `lora.add_lora` gives `model` (A [r, in] and B [out, r] per projection)."""
-    from dofattn import lora
-
-    s = recipe.student
-    if not s.lora_rank:
-        return []
-    patterns = [lora.TARGETS[model.config.model_type]]
-    if s.lora_targets == "all":
-        patterns.append(lora.MLP_TARGETS[model.config.model_type])
-    shapes = []
-    for name, module in model.named_modules():
-        if any(re.fullmatch(p, name) for p in patterns):
-            w = module.weight                          # nn.Linear [out, in]; GPT-2's Conv1D [in, out]
-            fan_in, fan_out = (w.shape[1], w.shape[0]) if isinstance(module, torch.nn.Linear) else tuple(w.shape)
-            shapes += [(s.lora_rank, fan_in), (fan_out, s.lora_rank)]
-    return shapes
-
-
-def attention_probe(layer: torch.nn.Module, batch: int, tokens: int, dtype: torch.dtype,
-                    inputs_need_grad: bool) -> int:
-    """Bytes autograd keeps for the backward pass of `layer` (a `LinearAttention`, training mode) on random q, k, v
-    [batch, tokens, heads, D] in `dtype`: every tensor saved for backward that is still alive after the forward,
-    each storage once, the layer's own parameters and buffers not counted."""
-    heads, kv_heads = layer.num_heads, layer.num_kv_heads
-    D = layer.feature_map.head_dim
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch, tokens, h, D, generator=gen).to(dtype).requires_grad_(inputs_need_grad)
-               for h in (heads, kv_heads, kv_heads))
-    layer.train()
-    with saved_tensors() as saved:
-        out = layer(q, k, v)
-        kept = saved.bytes(exclude=[*layer.parameters(), *layer.buffers()])
-    del out
-    return kept
-
-
-class LiveBytes(TorchDispatchMode):
-    """While active: bytes of the storages made by operators since it began and still alive (`now`), and their most
-    (`peak`). Storages that exist before (`existing`: weights, inputs) never count, even through views."""
-
-    def __init__(self, existing):
-        super().__init__()
-        self.now = self.peak = 0
-        self.seen = {t.untyped_storage().data_ptr() for t in existing}
-
-    def _free(self, key, size):
-        self.seen.discard(key)
-        self.now -= size
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.seen:
-                    self.seen.add(key)
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
-        return out
-
-
-class saved_tensors:
-    """While active, records every tensor autograd saves for the backward pass; `bytes()` is what is still kept:
-    each storage once, those of `exclude` (parameters, say) left out. Tensors of a graph already freed don't count."""
-
-    def __enter__(self):
-        self.packed = []
-
-        def pack(t):
-            s = t.untyped_storage()
-            self.packed.append((weakref.ref(t), s.data_ptr(), s.nbytes()))
-            return t
-
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    def bytes(self, exclude=()) -> int:
-        skip = {t.untyped_storage().data_ptr() for t in exclude}
-        alive = {ptr: n for ref, ptr, n in self.packed if ref() is not None and ptr not in skip}
-        return sum(alive.values())
-
-
-def activation_bytes(recipe: Recipe, layers: Layers, config, linear_probe: tuple[int, int], tokens: int,
-                     e: int, lora: bool) -> tuple[int, int]:
-    """(bytes autograd keeps over one step's forward pass but the loss's own, bytes of the layer run again in the
-    backward pass under activation checkpointing (else 0)): see the module docstring.
-    `linear_probe`: bytes per position of the batch's blocks, of a linear layer whose q/k/v need gradients and of
-    one whose don't."""
-    kind, h, I = config.model_type, layers.hidden, layers.intermediate
-    H, Hkv, D = layers.heads, layers.kv_heads, layers.head_dim
-    norm = 4 * h + 4 if kind in RMS_NORMS else e * h + 8        # RMSNorm: float32 copy + 1/rms; LayerNorm: x, μ, σ
-    norms = RMS_NORMS.get(kind, 2)
-    qk_norm = 0
-    if kind in QK_NORMS:                                         # float32 copies and 1/rms, per head or per row
-        qk_norm = 4 * (H + Hkv) * D + (8 if kind == "olmo2" else 4 * (H + Hkv))
-    if kind in GATED_MLP:
-        mlp = 3 * I * e                                          # gate, act(gate), up
-    elif getattr(config, "activation_function", "") == "gelu_new":
-        mlp = 4 * I * e                                          # GPT-2's tanh GELU, written out in PyTorch ops
-    else:
-        mlp = I * e                                              # one activation function: its input
-    T, eager = tokens, bool(getattr(config, "attn_logit_softcapping", None))
-    if eager:                                                    # eager: q, k and v on every head, the capped
-        sliding = global_ = 3 * H * D * e + H * T * (e + 4 + (e if e != 4 else 0))   # logits, the float32 softmax
-    else:                                                        # SDPA: q, k, v, out, log-sum-exp; a mask (sliding
-        global_ = (2 * H * D + 2 * Hkv * D) * e + 4 * H          # window) makes HF repeat k and v for every head
-        sliding = 4 * H * D * e + 4 * H
-    local = set(layers.local)
-    fused = (H + Hkv) * D * e if kind in FUSED_QKV else 0        # the fused projection's q and k rows beside v
-    adapters = 0
-    if lora:                       # each adapter keeps its float32 input (a copy unless the model is float32) and A·x
-        r = recipe.student.lora_rank
-        shared = 4 * h if e == 4 else 3 * 4 * h                  # q, k, v read the same normed input
-        adapters = shared + 4 * H * D + 4 * r * 4
-        if recipe.student.lora_targets == "all":
-            adapters += (4 * h if e == 4 else 2 * 4 * h) + 4 * I + 3 * 4 * r
-    first = 0 if lora else min(layers.linear)
-    linear, batch = set(layers.linear), recipe.end_to_end.batch_size
-    per_layer = []                                               # bytes per position of the batch's blocks
-    for i in range(layers.count):
-        if i < first:
-            per_layer.append(0)                                  # nothing before it needs a gradient
-            continue
-        later = i > first                                        # its input needs a gradient
-        qkv = later or lora                                      # its q, k, v do (LoRA: in every layer)
-        if i in linear:
-            attention = linear_probe[0] + batch * fused if qkv else linear_probe[1]
-        else:
-            attention = batch * (sliding if i in local else global_) if qkv else 0
-        before = 0 if kind in POST_NORM_ONLY else 1              # norms whose input needs no gradient in the first
-        own = norm * (norms - (0 if later else before)) + qk_norm * qkv + mlp + adapters
-        per_layer.append(batch * own + attention)
-    rope = 2 * D * e if getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None) else 0
-    if kind == "gemma3_text":
-        rope *= 2                                                # its local and global layers rotate differently
-    masks = T * e if local and not eager else 0                  # SDPA's [B, 1, T, T] sliding-window mask, once
-    top = batch * (norm + masks) + rope                          # the final norm; a mask and cos, sin once
-    if recipe.end_to_end.activation_checkpointing:               # each layer's input; one layer again in backward
-        return round(T * (batch * (layers.count - first) * h * e + top)), round(T * max(per_layer))
-    return round(T * (sum(per_layer) + top)), 0
-
-
-def loss_bytes(recipe: Recipe, layers: Layers, e: int) -> int:
-    """The loss's peak beyond the body's activations (module docstring): float32 [B, chunk, V] arrays and, with the
-    KL term, the teacher's last hidden states."""
-    e2e = recipe.end_to_end
-    positions = e2e.seq_len - 1
-    chunk = min(e2e.loss_chunk or positions, positions)
-    arrays = 5 if e2e.kd_weight > 0 else 3      # KL: log p, log q, exp(log q), their difference, its product
-    teacher = e2e.batch_size * positions * layers.hidden * e if e2e.kd_weight > 0 else 0
-    return arrays * e2e.batch_size * chunk * layers.vocab * 4 + teacher + e2e.batch_size * positions * 8
-
-
 def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
     """The plan of `recipe` at `world_size` processes; `config` (a transformers config) instead of reading
     run.model's."""
-    from dofattn.student import attention_modules, head_layout
+    from dofattn.distill.choose import linear_layers
+    from dofattn.distill.end_to_end import decoder_layers
+    from dofattn.hf import local_layers, model_config
+    from dofattn.student import attention_modules, build, head_layout, is_student_tensor
 
     if world_size < 1:
         raise UserError(f"world size {world_size}: give >= 1 processes")
     config = config if config is not None else model_config(recipe.run.model)
     run_dtype = recipe.run.dtype
-    e, dtype = DTYPE_BYTES[run_dtype], getattr(torch, run_dtype)
-    model = meta_model(config, dtype)
+    model = meta_model(config, getattr(torch, run_dtype))
+    base = list(model.parameters())
     count = len(attention_modules(model))
     heads, kv_heads, head_dim = head_layout(model)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     hidden = model.get_input_embeddings().weight.shape[1]
     vocab = model.get_input_embeddings().weight.shape[0]
     intermediate = (getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden)
-    linear, local = layer_roles(recipe, model)
-    dims, mean_dim = plan_dims(recipe, model, head_dim, linear)
     s, e2e = recipe.student, recipe.end_to_end
+    linear = linear_layers(recipe, model)
+    local = local_layers(model.config) if s.local_layers == "keep" else []
+    dims, mean_dim = plan_dims(recipe, model, head_dim, linear)
     layers = Layers(count=count, heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
                     intermediate=intermediate, vocab=vocab, linear=linear, local=local, keep_softmax=s.keep_softmax,
                     keep_softmax_by=s.keep_softmax_by, dims_rule=s.dims, dims=dims, mean_dim=mean_dim)
 
-    # the student's tensors, per linearized layer (a dof/clip layer at the budget's mean: every tensor and every
-    # per-token activation is linear in the dim, so the sum over layers is the same)
-    builds = {}
-    trained, fixed = [], []          # shapes
-    for i in linear:
-        dim = dims[i] if dims else round(mean_dim)
-        if dim not in builds:
-            builds[dim] = linear_layer(recipe, heads, kv_heads, head_dim, dim)
-        module = builds[dim]
-        trained += [tuple(p.shape) for p in module.parameters() if p.requires_grad]
-        fixed += [tuple(b.shape) for n, b in module.named_buffers() if n in module.state_dict()]
-    trained += lora_shapes(recipe, model)
+    build(model, student_spec(recipe, dims or [round(mean_dim)] * count, linear))
+    persistent = model.state_dict().keys()
+    trained = [p for n, p in model.named_parameters() if is_student_tensor(n)]
+    fixed = [b for n, b in model.named_buffers() if is_student_tensor(n) and n in persistent]
     W = world_size
-    weights = sum(_shard(tuple(p.shape), W) for p in model.parameters()) * e
-    trained_elements = sum(_shard(shape, W) for shape in trained)
-    student = (trained_elements + sum(math.prod(shape) for shape in fixed)) * 4     # FSDP leaves buffers whole
+    weights = sum(_shard(tuple(p.shape), W) * p.element_size() for p in base)
+    trained_bytes = sum(_shard(tuple(p.shape), W) * p.element_size() for p in trained)
+    student = trained_bytes + sum(b.nbytes for b in fixed)                  # FSDP leaves buffers whole
     gathered = 0
     if W > 1:                        # the root unit for the whole step, two decoder layers at a time
-        from dofattn.distill.end_to_end import decoder_layers
-
         body = decoder_layers(model)
         in_layers = {id(p) for m in body for p in m.parameters()}
-        root = sum(p.numel() for p in model.parameters() if id(p) not in in_layers)
-        largest = max(sum(p.numel() for p in m.parameters()) for m in body)
-        student_layer = sum(math.prod(shape) for shape in trained) // len(linear)
-        gathered = (root + 2 * largest) * e + 2 * student_layer * 4
-
-    tokens_per_block = e2e.seq_len
-    probe_len = min(max(PROBE_TOKENS, 2 * s.window), tokens_per_block)
-    probe = (0, 0)
-    if e2e.steps:                    # at the mean dim: what a layer keeps is linear in it
-        one = builds.get(round(mean_dim)) or linear_layer(recipe, heads, kv_heads, head_dim, round(mean_dim))
-        probe = []                   # per position: a part per sequence of the batch, and a part they share
-        for grad in (True, False):
-            single, double = (attention_probe(one, b, probe_len, dtype, grad) / probe_len for b in (1, 2))
-            probe.append((double - single) * e2e.batch_size + (2 * single - double))
-    activations, recompute = (activation_bytes(recipe, layers, config, probe, tokens_per_block, e, bool(s.lora_rank))
-                              if e2e.steps else (0, 0))
+        root = sum(p.nbytes for p in model.parameters() if id(p) not in in_layers)
+        gathered = root + 2 * max(sum(p.nbytes for p in m.parameters()) for m in body)
+    step = measure_step(recipe, model) if e2e.steps else Step(0, 0, 0)
     phase = int(e2e.steps > 0)        # no end-to-end phase: nothing trains at once, nothing is sharded
     memory = Memory(world_size=W, dtype=run_dtype, batch_size=e2e.batch_size, seq_len=e2e.seq_len,
                     loss_chunk=min(e2e.loss_chunk or e2e.seq_len - 1, e2e.seq_len - 1),
                     checkpointing=e2e.activation_checkpointing, weights=weights, student=student,
-                    gradients=trained_elements * 4 * phase, adam=(trained_elements * 8 + len(trained) * 4) * phase,
-                    gathered=gathered * phase, activations=activations, recompute=recompute,
-                    loss=loss_bytes(recipe, layers, e) * phase,
-                    whole_model=sum(p.numel() for p in model.parameters()) * e)
+                    gradients=trained_bytes * phase, adam=(2 * trained_bytes + len(trained) * 4) * phase,
+                    gathered=gathered * phase, activations=step.activations, recompute=step.backward,
+                    loss=step.loss, whole_model=sum(p.nbytes for p in base))
     notes = []
     if s.dims in ("dof", "clip"):
         notes.append("feature dims come from the DoF stage at run time; the student's size is at the budget's mean"
@@ -494,9 +341,8 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
         notes.append(f"the {s.keep_softmax} softmax layers are chosen at run time (by {s.keep_softmax_by}); the "
                      f"plan takes them as the last layers")
     return Plan(recipe=recipe.name, model=recipe.run.model, model_type=config.model_type,
-                parameters=sum(p.numel() for p in model.parameters()),
-                student_parameters=sum(math.prod(shape) for shape in trained), layers=layers,
-                tokens=plan_tokens(recipe, config, W),
+                parameters=sum(p.numel() for p in base), student_parameters=sum(p.numel() for p in trained),
+                layers=layers, tokens=plan_tokens(recipe, config, W),
                 teacher_cache=teacher_cache_bytes(recipe, count, heads, kv_heads, head_dim), memory=memory,
                 notes=notes)
 
@@ -565,13 +411,14 @@ def format_plan(plan: Plan) -> str:
               "logits of a whole block at once")
     rows.append(f"  ({m.batch_size} x {m.seq_len} tokens a step, {chunks}"
                 f"{', layers checkpointed' if m.checkpointing else ''})")
+    backward = "one layer again" if m.checkpointing else "layers' backward"     # the backward pass's extra
     for label, value in (("frozen weights", m.weights), ("student tensors", m.student), ("gradients", m.gradients),
                          ("Adam moments", m.adam), ("gathered weights", m.gathered), ("activations", m.activations),
-                         ("one layer again", m.recompute), ("loss (logits)", m.loss)):
+                         (backward, m.recompute), ("loss (logits)", m.loss)):
         if value or label in ("frozen weights", "activations"):
             rows.append(f"  {label:<16}{_size(value):>12}")
-    rows.append(f"  {'total':<16}{_size(m.total):>12}" + ("   (the larger of the loss and the layer run again: "
-                                                          "never at once)" if m.recompute else ""))
+    rows.append(f"  {'total':<16}{_size(m.total):>12}" + (f"   (the larger of the loss and the {backward}: never "
+                                                          f"at once)" if m.recompute else ""))
     rows.append(f"  (before it, every process holds the whole model: {_size(m.whole_model)})")
     for note in plan.notes:
         rows.append(f"note: {note}")
