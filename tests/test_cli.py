@@ -285,7 +285,9 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [4, 4, 4], Attention(feature="hedgehog", window=0, sink=0))
-    folder = save_student(model, tmp_path / "run", StudentSpec(base_model=str(model_dirs["llama"]), dims=[4, 4, 4], layers=[0, 1, 2], base=fingerprint(model), attention=Attention(feature="hedgehog", window=0, sink=0)))
+    spec = StudentSpec(base_model=str(model_dirs["llama"]), dims=[4, 4, 4], layers=[0, 1, 2], base=fingerprint(model),
+                       attention=Attention(feature="hedgehog", window=0, sink=0))
+    folder = save_student(model, tmp_path / "run", spec)
     code, out, err = run(capsys, "generate", "--model", str(folder), "--max-new-tokens", "3", "--prompt", "fox")
     assert code == 0, err
     assert "student of" in err and "hedgehog" in err

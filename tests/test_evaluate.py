@@ -99,7 +99,9 @@ def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [4, 6, 8], LINEAR)
-    folder = save_student(model, tmp_path / "run", StudentSpec(base_model=str(model_dirs["llama"]), dims=[4, 6, 8], layers=[0, 1, 2], base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0)))
+    spec = StudentSpec(base_model=str(model_dirs["llama"]), dims=[4, 6, 8], layers=[0, 1, 2], base=fingerprint(model),
+                       attention=LINEAR)
+    folder = save_student(model, tmp_path / "run", spec)
     out, png, positions = tmp_path / "eval.json", tmp_path / "eval.png", tmp_path / "positions.svg"
     code = main(["eval", "--model", str(folder), "--data", str(text_file), "--seq-len", "32", "--num-blocks", "3",
                  "--out", str(out), "--plot", str(png), "--plot-positions", str(positions)])
@@ -140,7 +142,7 @@ def test_eval_scores_a_short_plain_file_whole(capsys, tmp_path, model_dirs, toke
     n = len(ids)
     assert 16 < n < 512 and n % 16 > 1
     out = tmp_path / "eval.json"
-    code = main(["eval", "--model", str(folder), "--data", str(notes), "--out", str(out)])    # blocks of 512
+    code = main(["eval", "--model", str(folder), "--data", str(notes), "--num-blocks", "auto", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     assert json.loads(out.read_text())["tokens"] == n - 1
     result = run(EvalConfig(model=str(folder), data=str(notes), seq_len=16, layer_blocks=5, out=None))

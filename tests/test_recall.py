@@ -146,7 +146,9 @@ def test_eval_verb_runs_the_recall_grid(capsys, tmp_path, long_llama, corpus):
 
     model, _ = load_model(str(long_llama))
     linearize(model, [4, 6, 8], Attention(feature="prf", window=0, sink=0))
-    folder = save_student(model, tmp_path / "run", StudentSpec(base_model=str(long_llama), dims=[4, 6, 8], layers=[0, 1, 2], base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0)))
+    spec = StudentSpec(base_model=str(long_llama), dims=[4, 6, 8], layers=[0, 1, 2], base=fingerprint(model),
+                       attention=Attention(feature="prf", window=0, sink=0))
+    folder = save_student(model, tmp_path / "run", spec)
     out, png = tmp_path / "eval.json", tmp_path / "recall.png"
     code = main(["eval", "--model", str(folder), "--data", str(corpus), "--num-blocks", "0", "--recall",
                  "passkey,multikey", "--lengths", "600,1024", "--depths", "2", "--out", str(out), "--plot-recall",

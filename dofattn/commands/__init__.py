@@ -110,9 +110,20 @@ def add_options(parser: argparse.ArgumentParser, *classes, order: tuple[str, ...
         shown = _shown(default, none)
         suffix = f" (default: {shown})" if shown is not None else ""
         parse = kind if kind in (int, float) else str          # lists are split and checked by `config`
+        if none is not None and parse is not str:
+            parse = _or_word(parse, none)
         if meta.get("action") == "append":
             parse = _base(typing.get_args(kind)[0]) if typing.get_origin(kind) is list else str
         parser.add_argument(flag(f.name), type=parse, default=default, help=help_text + suffix, **meta)
+
+
+def _or_word(parse, word: str):
+    """`parse` (int, float) that lets `word` through as it is, for `config` to make None."""
+    def parse_or_word(text: str):
+        return text if text == word else parse(text)
+
+    parse_or_word.__name__ = parse.__name__           # argparse's message: "invalid int value: 'x'"
+    return parse_or_word
 
 
 def token_counts(text: str, what: str) -> list[int]:
