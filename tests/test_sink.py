@@ -129,7 +129,7 @@ def test_generation_with_a_sink_matches_the_full_forward(family, chunk):
     torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
     assert (full - without).abs().max() > 1e-3           # the sink is there to be checked
     layer = out.past_key_values.layers[0]
-    assert isinstance(layer, LinearStateLayer) and layer.keys.shape[1] == 6 and layer.sink_valid.all()
+    assert isinstance(layer, LinearStateLayer) and layer.parts["window"].keys.shape[1] == 6 and layer.parts["sink"].valid.all()
 
 
 def test_a_prefill_with_a_sink_hands_the_op_its_own_keys(monkeypatch):

@@ -328,9 +328,9 @@ def test_prf_ring_step_matches_the_ring_step(case, monkeypatch):
     half = case[-1] != torch.float32
     assert_close("o", ref, out, 2e-3 if half else 1e-5)
     assert_close("ht", rings[0].state, rings[1].state, 1e-2 if half and CUDA else 1e-5)   # CUDA: 16-bit features
-    for name in ("keys", "values", "key_valid"):
-        assert torch.equal(getattr(rings[0], name), getattr(rings[1], name)), name
-    assert rings[1].key_valid.all() == (case[7] + 6 >= case[0] + case[1])       # filled, but for the sink's slots
+    for name in ("keys", "values", "valid"):
+        assert torch.equal(getattr(rings[0].parts["window"], name), getattr(rings[1].parts["window"], name)), name
+    assert rings[1].parts["window"].valid.all() == (case[7] + 6 >= case[0] + case[1])   # but for the sink's slots
     assert torch.equal(rings[1].arrivals, torch.zeros_like(rings[1].arrivals))
 
 
@@ -364,9 +364,10 @@ def test_prf_ring_step_dispatch(monkeypatch):
         layer.eval()
     assert not layer.window.one_kernel_ring(layer, qkv[0], ring, "triton")       # autograd: the parameters want gradients
     q, k, v = (x[:, :1] for x in qkv)
+    slots = ring.parts["window"]
     with pytest.raises(ValueError, match="contiguous buffers shaped"):
-        hybrid.prf_ring_step(layer.feature_map, q, k, v, ring.state, ring.keys.transpose(0, 1), ring.values,
-                             ring.key_valid, ring.position, layer.window.log_gain, MAX_KEY_EXCESS)
+        hybrid.prf_ring_step(layer.feature_map, q, k, v, ring.state, slots.keys.transpose(0, 1), slots.values,
+                             slots.valid, ring.position, layer.window.log_gain, MAX_KEY_EXCESS)
     with pytest.raises(ValueError, match="contiguous float32 state"):
-        hybrid.prf_ring_step(layer.feature_map, q, k, v, ring.state.double(), ring.keys, ring.values, ring.key_valid,
+        hybrid.prf_ring_step(layer.feature_map, q, k, v, ring.state.double(), slots.keys, slots.values, slots.valid,
                              ring.position, layer.window.log_gain, MAX_KEY_EXCESS)

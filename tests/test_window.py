@@ -177,7 +177,7 @@ def test_streaming_in_pieces_equals_one_call(pieces, decay):
                            valid[:, start:start + n], cache=cache))
         start += n
     torch.testing.assert_close(torch.cat(outs, 1), whole, rtol=1e-5, atol=1e-6)
-    assert cache.keys.shape == (2, 4, 1, 8) and cache.key_valid.shape == (2, 4)
+    assert cache.parts["window"].keys.shape == (2, 4, 1, 8) and cache.parts["window"].valid.shape == (2, 4)
     assert cache.state.shape == (2, 2, 6, 9)
 
 
@@ -230,7 +230,7 @@ def test_generation_with_a_window_matches_the_full_forward(family, decay):
         full = model(out.sequences, use_cache=False).logits
     torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
     layer = out.past_key_values.layers[0]
-    assert isinstance(layer, LinearStateLayer) and layer.keys.shape[1] == 6   # W keys, whatever the context
+    assert isinstance(layer, LinearStateLayer) and layer.parts["window"].keys.shape[1] == 6   # W keys, whatever the context
 
 
 def test_window_student_round_trip(tmp_path, model_dirs):

@@ -1,8 +1,8 @@
 """Cache slots for linearized layers in a Hugging Face `Cache`: a recurrent state instead of a growing KV cache.
 
-`LinearStateLayer` holds a layer's state [B, H, M, V+1] and its token count (plus, for a window hybrid, the last W
-keys and values, with a sink its first S real tokens' keys, and with a short convolution its last K-1 inputs), so
-memory stays flat in context length. `RingWindowLayer` keeps a hybrid's window in a fixed ring of W slots for
+`LinearStateLayer` holds a layer's state [B, H, M, V+1], its token count, and a state per part that keeps one
+(`WindowState`: the last W keys and values; `SinkState`: the first S real tokens' keys; `ConvState`: a short
+convolution's last K-1 inputs), so memory stays flat in context length. `RingWindowLayer` keeps a hybrid's window in a fixed ring of W slots for
 static decoding (`engine.StaticDecoder`). `state_layer` puts a `LinearStateLayer` into a fresh cache slot.
 """
 
@@ -14,20 +14,60 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from dofattn.errors import UserError
 
 
-def keep_buffer(cache: LinearStateLayer, name: str, value: torch.Tensor) -> None:
-    """Store `value` as the cache's tensor `name`. While a CUDA graph is being captured (`engine.StaticDecoder`) it
-    is copied into the tensor already there, so that every replay reads and writes the same buffer."""
-    old = getattr(cache, name)
+def keep_buffer(holder, name: str, value: torch.Tensor) -> None:
+    """Store `value` as `holder`'s tensor `name` (a cache slot's, or a part's state's). While a CUDA graph is being
+    captured (`engine.StaticDecoder`) it is copied into the tensor already there, so that every replay reads and
+    writes the same buffer."""
+    old = getattr(holder, name)
     if (old is not None and value.is_cuda and torch.cuda.is_current_stream_capturing()
             and value.shape == old.shape and value.dtype == old.dtype):
         old.copy_(value)
     else:
-        setattr(cache, name, value)
+        setattr(holder, name, value)
 
+
+class PartState:
+    """One part's tensors in a cache slot, every one [B, ...] (None until the part's first call); the slot reorders,
+    selects, repeats and moves them whatever the part."""
+
+    NAMES: tuple[str, ...] = ()
+
+    def __init__(self):
+        for name in self.NAMES:
+            setattr(self, name, None)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.NAMES if getattr(self, name) is not None}
+
+
+class WindowState(PartState):
+    """A window's last W keys and values (after RoPE, kv heads: [B, ≤W, Hkv, D]) and whether each is a real token
+    ([B, ≤W] bool); in a `RingWindowLayer` a ring of W slots, the key at position p in slot p mod W."""
+
+    NAMES = ("keys", "values", "valid")
+
+
+class SinkState(PartState):
+    """A sink's first S real tokens' keys and values ([B, S, Hkv, D]) in S slots, which slots are filled ([B, S]),
+    and `full`: every row's slots filled (checked until they are)."""
+
+    NAMES = ("keys", "values", "valid")
+    full = False
+
+
+class ConvState(PartState):
+    """A short convolution's last K-1 inputs of q, k and v ([B, K-1, heads, D]; zeros before the first token)."""
+
+    NAMES = ("q", "k", "v")
+
+
+PART_STATES = {"window": WindowState, "sink": SinkState, "conv": ConvState}
 
 
 class LinearStateLayer(CacheLayerMixin):
-    """A cache slot for a linear layer: the recurrent state and the number of tokens seen, no keys or values.
+    """A cache slot for a linear layer: the linear branch's recurrent state, a state per part that keeps one (a
+    window's last keys, a sink's, a convolution's last inputs: `part`), and the number of tokens seen, no growing
+    keys or values, so memory stays flat in context length.
 
     Its mask sizes cover only the new tokens (`get_mask_sizes`), and `is_sliding` is True so that HF sizes the
     causal mask on the first layer that is not (`masking_utils.find_first_full_attention_index`): a softmax layer
@@ -40,27 +80,33 @@ class LinearStateLayer(CacheLayerMixin):
 
     def __init__(self):
         super().__init__()
-        self.state: torch.Tensor | None = None   # [B, H, M, V+1], float32
+        self.state: torch.Tensor | None = None   # [B, H, M, V+1], float32: the linear branch
+        self.parts: dict[str, PartState] = {}    # by part name (`LinearAttention`'s attribute): window, sink, conv
         self.seen = 0
-        # Window hybrids only: the last W keys and values (after RoPE, kv heads) and whether each is a real token.
-        self.keys: torch.Tensor | None = None        # [B, ≤W, Hkv, D]
-        self.values: torch.Tensor | None = None      # [B, ≤W, Hkv, D]
-        self.key_valid: torch.Tensor | None = None   # [B, ≤W] bool
-        # With a sink: the first S real tokens' keys and values, in S slots, and which slots are filled.
-        self.sink_keys: torch.Tensor | None = None    # [B, S, Hkv, D]
-        self.sink_values: torch.Tensor | None = None  # [B, S, Hkv, D]
-        self.sink_valid: torch.Tensor | None = None   # [B, S] bool
-        self.sink_full = False                        # every row's sink slots filled (checked until they are)
-        # With a short convolution: the last K-1 inputs of q, k and v (zeros before the first token).
-        self.conv_q: torch.Tensor | None = None       # [B, K-1, H, D]
-        self.conv_k: torch.Tensor | None = None       # [B, K-1, Hkv, D]
-        self.conv_v: torch.Tensor | None = None       # [B, K-1, Hkv, D]
+
+    def part(self, name: str) -> PartState:
+        """The state of the layer's part `name`, made empty on first use."""
+        if name not in self.parts:
+            self.parts[name] = PART_STATES[name]()
+        return self.parts[name]
+
+    def holders(self) -> list:
+        """Every object holding tensors of this slot: the slot itself (its `state`) and its parts' states."""
+        return [self, *self.parts.values()]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
+        found = {} if self.state is None else {"state": self.state}
+        for part, state in self.parts.items():
+            found.update({f"{part}.{name}": t for name, t in state.tensors().items()})
+        return found
 
-    TENSORS = ("state", "keys", "values", "key_valid", "sink_keys", "sink_values", "sink_valid", "conv_q", "conv_k",
-               "conv_v")
+    def _map(self, fn) -> None:
+        """Every tensor t of the slot replaced by fn(t)."""
+        for holder in self.holders():
+            names = ("state",) if holder is self else holder.NAMES
+            for name in names:
+                if getattr(holder, name) is not None:
+                    setattr(holder, name, fn(getattr(holder, name)))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -82,33 +128,23 @@ class LinearStateLayer(CacheLayerMixin):
         return -1
 
     def offload(self):
-        for name, t in self.tensors().items():
-            setattr(self, name, t.to("cpu", non_blocking=True))
+        self._map(lambda t: t.to("cpu", non_blocking=True))
 
     def prefetch(self):
         if self.is_initialized:
-            for name, t in self.tensors().items():
-                if t.device != self.device:
-                    setattr(self, name, t.to(self.device, non_blocking=True))
+            self._map(lambda t: t if t.device == self.device else t.to(self.device, non_blocking=True))
 
     def reset(self) -> None:
-        self.state = self.keys = self.values = self.key_valid = None
-        self.sink_keys = self.sink_values = self.sink_valid = None
-        self.sink_full = False
-        self.conv_q = self.conv_k = self.conv_v = None
-        self.seen = 0
+        self.state, self.parts, self.seen = None, {}, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for name, t in self.tensors().items():
-            setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        for name, t in self.tensors().items():
-            setattr(self, name, t.repeat_interleave(repeats, dim=0))
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for name, t in self.tensors().items():
-            setattr(self, name, t[indices])
+        self._map(lambda t: t[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")
@@ -145,20 +181,25 @@ class RingWindowLayer(StaticStateLayer):
         ring.is_initialized = layer.is_initialized
         ring.dtype, ring.device = getattr(layer, "dtype", None), getattr(layer, "device", None)
         ring.seen, ring.state, ring.position = layer.seen, layer.state.float().contiguous(), position
-        ring.conv_q, ring.conv_k, ring.conv_v = layer.conv_q, layer.conv_k, layer.conv_v
-        B, n, Hkv, D = layer.keys.shape
-        slots = torch.arange(layer.seen - n, layer.seen, device=layer.keys.device) % window
-        ring.keys = layer.keys.new_zeros(B, window, Hkv, D).index_copy_(1, slots, layer.keys)
-        ring.values = layer.values.new_zeros(B, window, Hkv, layer.values.shape[-1]).index_copy_(1, slots,
-                                                                                                 layer.values)
-        ring.key_valid = layer.key_valid.new_zeros(B, window).index_copy_(1, slots, layer.key_valid)
-        ring.arrivals = torch.zeros(B, dtype=torch.int32, device=layer.keys.device)
-        if layer.sink_keys is not None:   # a sink: its slots are full after a prompt of at least S real tokens
-            if not layer.sink_valid.all():
-                raise UserError(f"static decoding with a sink of {layer.sink_valid.shape[1]} tokens needs prompts of "
+        if "conv" in layer.parts:
+            ring.parts["conv"] = layer.parts["conv"]
+        last, ring_window = layer.parts["window"], ring.part("window")
+        B, n, Hkv, D = last.keys.shape
+        slots = torch.arange(layer.seen - n, layer.seen, device=last.keys.device) % window
+        ring_window.keys = last.keys.new_zeros(B, window, Hkv, D).index_copy_(1, slots, last.keys)
+        ring_window.values = last.values.new_zeros(B, window, Hkv, last.values.shape[-1]).index_copy_(1, slots,
+                                                                                                      last.values)
+        ring_window.valid = last.valid.new_zeros(B, window).index_copy_(1, slots, last.valid)
+        ring.arrivals = torch.zeros(B, dtype=torch.int32, device=last.keys.device)
+        sink = layer.parts.get("sink")
+        if sink is not None and sink.keys is not None:   # a sink: its slots are full after a prompt of >= S tokens
+            if not sink.valid.all():
+                raise UserError(f"static decoding with a sink of {sink.valid.shape[1]} tokens needs prompts of "
                                 f"at least that many real tokens; use a longer prompt or HF generate")
-            ring.sink_keys, ring.sink_values, ring.sink_valid = (x.contiguous() for x in (
-                layer.sink_keys, layer.sink_values, layer.sink_valid))   # slices of a longer buffer: the kernel's rows
+            ring_sink = ring.part("sink")
+            ring_sink.keys, ring_sink.values, ring_sink.valid = (x.contiguous() for x in (
+                sink.keys, sink.values, sink.valid))   # slices of a longer buffer: the kernel's rows
+            ring_sink.full = True
         return ring
 
 
@@ -208,9 +249,10 @@ class StaticKVLayer(CacheLayerMixin):
 
 def cache_bytes(cache: Cache | None) -> int:
     """Bytes a generation cache holds for its sequences: every tensor of every layer (a KV cache; or a state with
-    its window, sink and convolution history). 0 for no cache."""
+    its parts' window, sink and convolution history). 0 for no cache."""
     return sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
-               for t in vars(layer).values() if isinstance(t, torch.Tensor))
+               for t in (layer.tensors() if isinstance(layer, LinearStateLayer) else vars(layer)).values()
+               if isinstance(t, torch.Tensor))
 
 
 def state_layer(cache: Cache, layer_idx: int) -> LinearStateLayer:

@@ -3,7 +3,7 @@ convolution over the last K tokens, one learned filter per channel (`ops.conv`),
 
 It lets a layer mix a token's neighbours into its query, key and value (with a decay, a head can then reach the
 token before, say, which plain linear attention cannot single out). Its cache state is the last K-1 inputs of q, k
-and v (`conv_q`, `conv_k`, `conv_v` of a `LinearStateLayer`).
+and v (a `ConvState` in the slot's parts).
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ class ShortConv(nn.Module):
         if key_valid is not None:
             keep = key_valid[:, :, None, None]
             q, k, v = (x * keep.to(x.dtype) for x in (q, k, v))
+        state = None if cache is None else cache.part("conv")
         out = []
         for name, x in zip(CONV_NAMES, (q, k, v)):
-            y, tail = short_conv(x, getattr(self, name), None if cache is None else getattr(cache, name))
-            if cache is not None:
-                keep_buffer(cache, name, tail)
+            stream = name[-1]                                            # the state's q, k or v
+            y, tail = short_conv(x, getattr(self, name), None if state is None else getattr(state, stream))
+            if state is not None:
+                keep_buffer(state, stream, tail)
             out.append(y)
         return tuple(out)
 

@@ -6,9 +6,8 @@ Every form runs the op: a prefill or a cached call `window_linear_attention` (th
 window come first; a sink's S slots first of all, without positions); a steady decode step (one token, the window
 full: `Window.lean_step_ok`), on the growing cache or a static ring, `fold_key` and `window_decode_step` (on SmolLM2
 384 aten operators a layer against the general call's 637); or on CUDA with a PRF map a ring step the Triton kernel
-`ops.triton.window.prf_ring_step`. The cache state of a window is `keys`, `values`, `key_valid` of its
-`LinearStateLayer` (a ring of W slots in a `RingWindowLayer`), that of a sink `sink_keys`, `sink_values`,
-`sink_valid`.
+`ops.triton.window.prf_ring_step`. Each part keeps its cache state in its slot's `parts` (`cache.part("window")`,
+a `WindowState`: a ring of W slots in a `RingWindowLayer`; `cache.part("sink")`, a `SinkState`).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, keep_buffer
+from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, SinkState, keep_buffer
 from dofattn.attention.linear import check_left_padding
 from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops.naive import needs_grad
@@ -69,9 +68,10 @@ class Window(nn.Module):
             return layer.sink.step(layer, q, k, v, key_valid, cache, backend)
         if key_valid is None:
             key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
-        if cache.keys is not None:
-            k, v = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
-            key_valid = torch.cat([cache.key_valid, key_valid], 1)
+        last = cache.part("window")
+        if last.keys is not None:
+            k, v = torch.cat([last.keys, k], 1), torch.cat([last.values, v], 1)
+            key_valid = torch.cat([last.valid, key_valid], 1)
         o, state = self.attend(layer, q, layer.expand_kv(k), layer.expand_kv(v), key_valid, cache.state, True,
                                backend, None)
         keep_buffer(cache, "state", state)
@@ -81,7 +81,8 @@ class Window(nn.Module):
     def keep(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor) -> None:
         """The last W of these keys (kv heads), values and flags stay in the cache for the next call."""
         keep = slice(max(k.shape[1] - self.width, 0), None)
-        cache.keys, cache.values, cache.key_valid = k[:, keep], v[:, keep], key_valid[:, keep]
+        last = cache.part("window")
+        last.keys, last.values, last.valid = k[:, keep], v[:, keep], key_valid[:, keep]
 
     def one_kernel_ring(self, layer, q: torch.Tensor, cache: RingWindowLayer, backend: str) -> bool:
         """True when this ring step runs as one Triton kernel (`ops.triton.window.prf_ring_step`): backend auto on
@@ -102,9 +103,9 @@ class Window(nn.Module):
         """True when this cached call is a steady decode step, which `decode_step` gives with the general call's
         numbers: one query, a full window of W cached keys, a full sink, and a feature map that the keys no longer
         move (eval mode; a PRF map's key shift calibrated). Syncs with a GPU only until a cache's sink is full."""
-        fmap = layer.feature_map
-        if (q.shape[1] != 1 or fmap.training or cache.state is None or cache.keys is None
-                or cache.keys.shape[1] != self.width):
+        fmap, last = layer.feature_map, cache.part("window")
+        if (q.shape[1] != 1 or fmap.training or cache.state is None or last.keys is None
+                or last.keys.shape[1] != self.width):
             return False
         if isinstance(fmap, PositiveRandomFeatures) and not fmap.shift_calibrated():
             return False
@@ -117,13 +118,13 @@ class Window(nn.Module):
         state. q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1, H, D]."""
         if key_valid is None:
             key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
+        last = cache.part("window")
         if layer.decay is not None:   # as the general call: padding after a real token would still decay the state
-            check_left_padding(torch.cat([cache.key_valid, key_valid], 1))
-        state, k_scale = self.fold(layer, cache.state, cache.keys[:, 0], cache.values[:, 0], cache.key_valid[:, 0],
-                                   q.dtype)
+            check_left_padding(torch.cat([last.valid, key_valid], 1))
+        state, k_scale = self.fold(layer, cache.state, last.keys[:, 0], last.values[:, 0], last.valid[:, 0], q.dtype)
         keep_buffer(cache, "state", state)
-        cache.keys, cache.values = torch.cat([cache.keys[:, 1:], k], 1), torch.cat([cache.values[:, 1:], v], 1)
-        cache.key_valid = torch.cat([cache.key_valid[:, 1:], key_valid], 1)
+        last.keys, last.values = torch.cat([last.keys[:, 1:], k], 1), torch.cat([last.values[:, 1:], v], 1)
+        last.valid = torch.cat([last.valid[:, 1:], key_valid], 1)
         return self.read_exact(layer, q, cache, k_scale, q.dtype)
 
     def fold(self, layer, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,
@@ -141,10 +142,12 @@ class Window(nn.Module):
                    dtype: torch.dtype) -> torch.Tensor:
         """The query q [B, 1, H, D] against the cache's sinks and window keys (exact) and its state -> [B, 1, H, D]
         (`ops.window.window_decode_step`); its features rounded to `dtype` if 16-bit, as in `fold`."""
-        keys, values, valid = cache.keys, cache.values, cache.key_valid
+        last = cache.part("window")
+        keys, values, valid = last.keys, last.values, last.valid
         if layer.sink is not None:
-            keys, values = torch.cat([cache.sink_keys, keys], 1), torch.cat([cache.sink_values, values], 1)
-            valid = torch.cat([cache.sink_valid, valid], 1)
+            sink = cache.part("sink")
+            keys, values, valid = (torch.cat([a, b], 1) for a, b in zip((sink.keys, sink.values, sink.valid),
+                                                                         (keys, values, valid)))
         phi_q, q_scale = layer.feature_map.features(q, "query")                             # [B, 1, H, M]
         phi_q = in_model_dtype(phi_q, dtype)
         o = window_decode_step(q[:, 0], keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + self.log_gain,
@@ -159,23 +162,24 @@ class Window(nn.Module):
         -> o [B, 1, H, D]. On CUDA (or with backend triton) a PRF map runs it as one kernel (`one_kernel_ring`);
         otherwise `fold` and `read_exact`, as the growing cache's `decode_step` (the ring's order does not matter:
         an exact key's weight does not depend on its distance)."""
+        ring = cache.part("window")
         if self.one_kernel_ring(layer, q, cache, backend):
             from dofattn.ops import load_triton
             if cache.arrivals is None or cache.arrivals.shape[0] != q.shape[0]:
                 cache.arrivals = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
             decay_rate = None if layer.decay is None else layer.decay.decay_rate
+            sink = cache.parts.get("sink", SinkState())                         # no sink: None tensors
             return load_triton()[0].window.prf_ring_step(
-                layer.feature_map, q, k, v, cache.state, cache.keys, cache.values, cache.key_valid, cache.position,
-                self.log_gain, MAX_KEY_EXCESS, decay_rate, cache.sink_keys, cache.sink_values, cache.sink_valid,
-                cache.arrivals)
+                layer.feature_map, q, k, v, cache.state, ring.keys, ring.values, ring.valid, cache.position,
+                self.log_gain, MAX_KEY_EXCESS, decay_rate, sink.keys, sink.values, sink.valid, cache.arrivals)
         slot = cache.position.remainder(self.width)                                # [1]: the oldest key's slot
-        state, k_scale = self.fold(layer, cache.state, cache.keys.index_select(1, slot)[:, 0],
-                                   cache.values.index_select(1, slot)[:, 0],
-                                   cache.key_valid.index_select(1, slot)[:, 0], torch.float32)
+        state, k_scale = self.fold(layer, cache.state, ring.keys.index_select(1, slot)[:, 0],
+                                   ring.values.index_select(1, slot)[:, 0],
+                                   ring.valid.index_select(1, slot)[:, 0], torch.float32)
         cache.state.copy_(state)
-        cache.keys.index_copy_(1, slot, k)
-        cache.values.index_copy_(1, slot, v)
-        cache.key_valid.index_fill_(1, slot, True)
+        ring.keys.index_copy_(1, slot, k)
+        ring.values.index_copy_(1, slot, v)
+        ring.valid.index_fill_(1, slot, True)
         return self.read_exact(layer, q, cache, k_scale, torch.float32).to(q.dtype)
 
     @torch.no_grad()
@@ -214,9 +218,10 @@ class Sink(nn.Module):
 
     def full(self, cache: LinearStateLayer) -> bool:
         """Whether every row's S slots are filled (checked, with a GPU sync, until they are)."""
-        if not cache.sink_full:
-            cache.sink_full = cache.sink_valid is not None and bool(cache.sink_valid.all())
-        return cache.sink_full
+        sink = cache.part("sink")
+        if not sink.full:
+            sink.full = sink.valid is not None and bool(sink.valid.all())
+        return sink.full
 
     def step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
              cache: LinearStateLayer, backend: str) -> torch.Tensor:
@@ -230,28 +235,29 @@ class Sink(nn.Module):
         S = self.count
         if key_valid is None:
             key_valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
-        first = cache.sink_keys is None
+        sink, last = cache.part("sink"), cache.part("window")
+        first = sink.keys is None
         if first:
-            cache.sink_keys, cache.sink_values = k.new_zeros(B, S, *k.shape[2:]), v.new_zeros(B, S, *v.shape[2:])
-            cache.sink_valid = key_valid.new_zeros(B, S)
-        have = cache.sink_valid.sum(1, keepdim=True)                                # [B, 1]
+            sink.keys, sink.values = k.new_zeros(B, S, *k.shape[2:]), v.new_zeros(B, S, *v.shape[2:])
+            sink.valid = key_valid.new_zeros(B, S)
+        have = sink.valid.sum(1, keepdim=True)                                      # [B, 1]
         rank = have + key_valid.cumsum(1)                                           # [B, T]: 1-based among real
         new_sink = key_valid & (rank <= S)
         lead = 0 if first else S                                                    # sink slots put first
-        keys, values, valid = ([], [], []) if first else ([cache.sink_keys], [cache.sink_values], [cache.sink_valid])
-        if cache.keys is not None:
-            keys, values, valid = keys + [cache.keys], values + [cache.values], valid + [cache.key_valid]
+        keys, values, valid = ([], [], []) if first else ([sink.keys], [sink.values], [sink.valid])
+        if last.keys is not None:
+            keys, values, valid = keys + [last.keys], values + [last.values], valid + [last.valid]
         keys, values, valid = torch.cat(keys + [k], 1), torch.cat(values + [v], 1), torch.cat(valid + [key_valid], 1)
-        sinks = torch.cat(([] if first else [cache.sink_valid])
+        sinks = torch.cat(([] if first else [sink.valid])
                           + [valid.new_zeros(B, keys.shape[1] - lead - T), new_sink], 1)
         o, cache.state = layer.window.attend(layer, q, layer.expand_kv(keys), layer.expand_kv(values), valid,
                                              cache.state, True, backend, sinks, lead)
         slot = torch.where(new_sink, rank - 1, S)                                   # slot S: a spare, dropped
-        for name, new in (("sink_keys", k), ("sink_values", v)):
-            buffer = torch.cat([getattr(cache, name), new.new_zeros(B, 1, *new.shape[2:])], 1)
+        for name, new in (("keys", k), ("values", v)):
+            buffer = torch.cat([getattr(sink, name), new.new_zeros(B, 1, *new.shape[2:])], 1)
             index = slot.reshape(B, T, *[1] * (new.dim() - 2)).expand_as(new)
-            setattr(cache, name, buffer.scatter(1, index, new)[:, :S])
-        cache.sink_valid = torch.cat([cache.sink_valid, new_sink.new_zeros(B, 1)], 1).scatter(1, slot, new_sink)[:, :S]
+            setattr(sink, name, buffer.scatter(1, index, new)[:, :S])
+        sink.valid = torch.cat([sink.valid, new_sink.new_zeros(B, 1)], 1).scatter(1, slot, new_sink)[:, :S]
         window_valid = valid[:, lead:].clone()
         window_valid[:, -T:] &= ~new_sink                                           # a sink is not a window key
         layer.window.keep(cache, keys[:, lead:], values[:, lead:], window_valid)
