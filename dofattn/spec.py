@@ -101,9 +101,6 @@ class Attention:
         return ", ".join(parts)
 
 
-PURE_LINEAR = Attention(window=0, sink=0)
-
-
 def check_lora(*, lora_rank: int, lora_targets: str) -> None:
     """The rules on a student's LoRA adapters; a UserError names the recipe key (student.KEY)."""
     if lora_targets not in LORA_TARGETS:
