@@ -120,6 +120,7 @@ def teachers(model_dirs, trained_llama) -> dict[str, Path]:
     ("trained-llama", "hedgehog", "softmax", "decay"), ("trained-llama", "prf", "l2", "decay"),
     ("trained-llama", "prf", "softmax", "8+decay"), ("trained-llama", "prf", "l2", "8+decay"),
     ("trained-llama", "prf", "softmax", "8+sink"), ("trained-llama", "prf", "l2", "8+sink"),
+    ("trained-llama", "prf", "softmax", "8+sink+decay"), ("trained-llama", "prf", "l2", "8+sink+decay"),
     ("trained-llama", "hedgehog", "softmax", "gate"), ("trained-llama", "prf", "l2", "gate"),
 ])
 def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, tmp_path, teacher, feature, loss,
@@ -127,7 +128,7 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
     out = tmp_path / "run"
     decay = "head" if "decay" in str(window) else "gate" if window == "gate" else "none"
     sink = 2 if "sink" in str(window) else 0   # the first 2 tokens exact beside an 8-token window
-    window = 8 if window in ("8+decay", "8+sink") else 0 if decay != "none" else window
+    window = 8 if window in ("8+decay", "8+sink", "8+sink+decay") else 0 if decay != "none" else window
     code, _, err = run(capsys, *distill_argv(teachers[teacher], corpus, out, f"student.feature={feature}",
                                              f"layerwise.loss={loss}", "layerwise.steps=150",
                                              f"student.window={window}", f"student.decay={decay}",
@@ -141,7 +142,7 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
     from dofattn.data import token_blocks
 
     model, tok = load_model(str(teachers[teacher]))
-    linearize(model, [8] * LAYERS, Attention(feature=feature, window=window, sink=sink, decay="gate" if decay == "gate" else "head" if decay == "head" else "none"), seed=0)   # the start
+    linearize(model, [8] * LAYERS, Attention(feature=feature, window=window, sink=sink, decay=decay), seed=0)   # the start
     heads = head_layout(model)
     blocks = token_blocks(str(corpus), tok, 32, 8, split="train", seed=0)  # the run's training blocks
     cache = TeacherCache(tmp_path / "teacher", LAYERS, (8, 32), heads)
@@ -378,7 +379,6 @@ def other_model_dims(folder: Path) -> Path:
     (["student.window=-1"], "student.window = -1: give >= 0 tokens"),
     (["student.window=8", "student.sink=-1"], "student.sink = -1: give >= 0 tokens"),
     (["student.sink=4"], "student.sink = 4 sits beside a softmax window"),
-    (["student.window=8", "student.sink=4", "student.decay=head"], "do not combine"),
     (["student.window=8", "student.decay=gate"], "student.decay = 'gate' is for pure linear attention"),
     (["student.decay=fast"], "student.decay = 'fast'; use one of none, head, gate"),
     (["student.window=8", "student.delta=true"], "student.delta is for pure linear attention"),

@@ -250,9 +250,11 @@ class StaticKVLayer(CacheLayerMixin):
 def cache_bytes(cache: Cache | None) -> int:
     """Bytes a generation cache holds for its sequences: every tensor of every layer (a KV cache; or a state with
     its parts' window, sink and convolution history). 0 for no cache."""
-    return sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", [])
-               for t in (layer.tensors() if isinstance(layer, LinearStateLayer) else vars(layer)).values()
-               if isinstance(t, torch.Tensor))
+    def held(layer) -> list:
+        parts = getattr(layer, "parts", {})
+        return [t for holder in (layer, *parts.values()) for t in vars(holder).values() if isinstance(t, torch.Tensor)]
+
+    return sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", []) for t in held(layer))
 
 
 def state_layer(cache: Cache, layer_idx: int) -> LinearStateLayer:
