@@ -54,7 +54,8 @@ def main() -> None:
     if not config.attention.conv:
         raise SystemExit(f"{args.student} has no convolutions (distill it with --conv K)")
     rows = filter_stats(load_file(str(Path(args.student) / WEIGHTS_FILE)))
-    print(f"{args.student}: conv {config.attention.conv}; per layer, mean |w_j| over channels for j = 0..{config.attention.conv - 1}, "
+    width = config.attention.conv
+    print(f"{args.student}: conv {width}; per layer, mean |w_j| over channels for j = 0..{width - 1}, "
           f"the share of |w| on earlier tokens, and [the signed mean w_j of the earlier taps]")
     for row in rows:
         cells = [f"{s}: {' '.join(f'{x:.3f}' for x in row[s]['taps'])} ({row[s]['earlier']:.2f}) "
@@ -73,7 +74,8 @@ def main() -> None:
         for s in STREAMS:
             ax.plot([r["layer"] for r in rows], [r[s]["earlier"] for r in rows], marker="o", label=s)
         ax.set(xlabel="layer", ylabel="share of |w| on earlier tokens", ylim=(0, None),
-               title=f"{Path(args.student).name}: what the {config.attention.conv}-token filters take from the tokens before")
+               title=f"{Path(args.student).name}: what the {config.attention.conv}-token filters take from the "
+                     f"tokens before")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

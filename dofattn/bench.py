@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from dofattn.commands import option
+from dofattn.options import option
 from dofattn.errors import UserError
 
 

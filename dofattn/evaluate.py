@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.commands import DATA_HELP, option
+from dofattn.options import DATA_HELP, option
 from dofattn.errors import UserError
 
 Blocks = torch.Tensor | list[torch.Tensor]

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from dofattn.errors import UserError
+from dofattn.options import option
 from dofattn.spec import LORA_TARGETS, Attention, check_lora
 
 FORMAT = 1          # of recipe files: a file with another `format` is refused
@@ -29,76 +30,72 @@ KEEP_BY = ("dof", "copy")
 LOCAL = ("keep", "linearize")
 
 
-def _key(default, help: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-
 @dataclass(frozen=True)
 class Run:
-    model: str = _key("smollm2-135m", "the teacher: built-in alias (smollm2-135m), hub id, model folder or .gguf")
-    data: str = _key("wiki-sample", "training text: wiki-sample, a .txt/.jsonl/.parquet file or folder, "
+    model: str = option("smollm2-135m", "the teacher: built-in alias (smollm2-135m), hub id, model folder or .gguf")
+    data: str = option("wiki-sample", "training text: wiki-sample, a .txt/.jsonl/.parquet file or folder, "
                                     "hf:NAME[:CONFIG[:SPLIT]], or several joined by + (pooled)")
-    eval_data: str | None = _key(None, "the text scored (its validation split) when it is not data's")
-    seed: int = _key(0, "seed of the features' start, the data order and the DoF sample")
-    dtype: str = _key("float32", "the frozen model's dtype; trained tensors stay float32", DTYPES)
+    eval_data: str | None = option(None, "the text scored (its validation split) when it is not data's")
+    seed: int = option(0, "seed of the features' start, the data order and the DoF sample")
+    dtype: str = option("float32", "the frozen model's dtype; trained tensors stay float32", choices=DTYPES)
 
 
 @dataclass(frozen=True)
 class Student:
     attention: Attention = field(default_factory=Attention, metadata={"holds": Attention})  # keys: student.window
-    dims: str = _key("dof", "features per layer: dof (in proportion to each layer's DoF, mean = head size), clip "
+    dims: str = option("dof", "features per layer: dof (in proportion to each layer's DoF, mean = head size), clip "
                             "(dof capped at the head size), fix, fix:C, or a dof.json from `dofattn dof`")
-    keep_softmax: int = _key(0, "keep K layers as softmax attention, chosen by keep_softmax_by")
-    keep_softmax_by: str = _key("dof", "which layers keep_softmax keeps: dof (the largest DoF of their attention "
+    keep_softmax: int = option(0, "keep K layers as softmax attention, chosen by keep_softmax_by")
+    keep_softmax_by: str = option("dof", "which layers keep_softmax keeps: dof (the largest DoF of their attention "
                                        "matrices) or copy (the teacher's heads that copy most from far back, which "
                                        "recall beyond the window needs; their KV cache grows with the context)",
-                                KEEP_BY)
-    local_layers: str = _key("keep", "the model's own sliding-window layers (Gemma 2/3, Mistral): keep (exact, as "
-                                     "they are bounded already) or linearize (like the rest)", LOCAL)
-    lora_rank: int = _key(0, "LoRA adapters of this rank, trained in the end-to-end phase (0: none)")
-    lora_targets: str = _key("attention", "what LoRA adapts: attention (q, k, v, o) or all (the MLP too)",
-                             LORA_TARGETS)
+                                  choices=KEEP_BY)
+    local_layers: str = option("keep", "the model's own sliding-window layers (Gemma 2/3, Mistral): keep (exact, as "
+                                     "they are bounded already) or linearize (like the rest)", choices=LOCAL)
+    lora_rank: int = option(0, "LoRA adapters of this rank, trained in the end-to-end phase (0: none)")
+    lora_targets: str = option("attention", "what LoRA adapts: attention (q, k, v, o) or all (the MLP too)",
+                               choices=LORA_TARGETS)
 
 
 @dataclass(frozen=True)
 class Dof:
-    lam: float = _key(2.0 ** -8, "λ of the DoF estimate, relative to the trace of each head's Gram matrix")
+    lam: float = option(2.0 ** -8, "λ of the DoF estimate, relative to the trace of each head's Gram matrix")
 
 
 @dataclass(frozen=True)
 class Layerwise:
-    loss: str = _key("softmax", "each layer's loss against the teacher: softmax (KL of attention rows) or l2 "
-                                "(kernel values; prf or performer)", LOSSES)
-    steps: int = _key(150, "Adam steps per layer (0: no layerwise stage)")
-    batch_size: int = _key(4, "blocks per step")
-    seq_len: int = _key(256, "tokens per block")
-    blocks: int = _key(64, "training blocks whose teacher q/k/v the stage keeps")
-    lr: float = _key(0.02, "learning rate of feature directions and projections")
-    lr_weights: float = _key(0.2, "learning rate of the PRF weights")
+    loss: str = option("softmax", "each layer's loss against the teacher: softmax (KL of attention rows) or l2 "
+                                "(kernel values; prf or performer)", choices=LOSSES)
+    steps: int = option(150, "Adam steps per layer (0: no layerwise stage)")
+    batch_size: int = option(4, "blocks per step")
+    seq_len: int = option(256, "tokens per block")
+    blocks: int = option(64, "training blocks whose teacher q/k/v the stage keeps")
+    lr: float = option(0.02, "learning rate of feature directions and projections")
+    lr_weights: float = option(0.2, "learning rate of the PRF weights")
 
 
 @dataclass(frozen=True)
 class EndToEnd:
-    steps: int = _key(30, "steps of the whole student against the teacher (0: none)")
-    batch_size: int = _key(1, "blocks per step in each process")
-    seq_len: int = _key(512, "tokens per block")
-    blocks: int | None = _key(None, "training blocks the steps draw from (default: layerwise.blocks)")
-    lr: float = _key(2e-3, "Adam learning rate")
-    conv_lr: float | None = _key(None, "learning rate of the convolution filters (default: lr)")
-    kd_weight: float = _key(1.0, "weight of KL(teacher || student) on the logits beside the text's cross-entropy")
-    cooldown_steps: int = _key(0, "lower the learning rate linearly towards 0 over the last N steps (0: constant)")
-    eval_every: int = _key(0, "validation perplexity every N steps, kept in log.json (0: at the end only)")
-    checkpoint_every: int = _key(10, "steps between checkpoints")
-    loss_chunk: int = _key(1024, "positions per chunk of the logits in the loss, so the teacher's and the student's "
+    steps: int = option(30, "steps of the whole student against the teacher (0: none)")
+    batch_size: int = option(1, "blocks per step in each process")
+    seq_len: int = option(512, "tokens per block")
+    blocks: int | None = option(None, "training blocks the steps draw from (default: layerwise.blocks)")
+    lr: float = option(2e-3, "Adam learning rate")
+    conv_lr: float | None = option(None, "learning rate of the convolution filters (default: lr)")
+    kd_weight: float = option(1.0, "weight of KL(teacher || student) on the logits beside the text's cross-entropy")
+    cooldown_steps: int = option(0, "lower the learning rate linearly towards 0 over the last N steps (0: constant)")
+    eval_every: int = option(0, "validation perplexity every N steps, kept in log.json (0: at the end only)")
+    checkpoint_every: int = option(10, "steps between checkpoints")
+    loss_chunk: int = option(1024, "positions per chunk of the logits in the loss, so the teacher's and the student's "
                                  "full logits never exist at once (0: the whole block in one)")
-    activation_checkpointing: bool = _key(False, "recompute each decoder layer's activations in the backward pass: "
+    activation_checkpointing: bool = option(False, "recompute each decoder layer's activations in the backward pass: "
                                                  "less memory, about a third more time")
 
 
 @dataclass(frozen=True)
 class Eval:
-    blocks: int = _key(8, "validation blocks scored at the end")
-    seq_len: int = _key(512, "tokens per validation block")
+    blocks: int = option(8, "validation blocks scored at the end")
+    seq_len: int = option(512, "tokens per validation block")
 
 
 TABLES = {"run": Run, "student": Student, "dof": Dof, "layerwise": Layerwise, "end_to_end": EndToEnd,
@@ -210,13 +207,13 @@ def load(name_or_path: str = "default", sets: list[str] = (), overrides: dict[st
         if table not in TABLES or not isinstance(content, dict):
             raise UserError(f"recipe {where}: unknown table [{table}]; the tables are {', '.join(TABLES)}")
         for key, value in content.items():
-            full = resolve_key(f"{table}.{key}")
+            full = resolveoption(f"{table}.{key}")
             values[full] = coerce(full, value, where)
     for item in sets:
         key, sep, text_value = item.partition("=")
         if not sep:
             raise UserError(f"--set {item!r}: give KEY=VALUE, e.g. --set student.window=32")
-        full = resolve_key(key.strip())
+        full = resolveoption(key.strip())
         value = parse_value(text_value.strip())
         if value is None and type(None) not in typing.get_args(key_fields()[full][0]):
             value = text_value.strip()        # "none" is a value of its own where a key cannot be unset
@@ -243,7 +240,7 @@ def key_fields() -> dict[str, tuple[type, object, str, tuple | None]]:
     return found
 
 
-def resolve_key(key: str) -> str:
+def resolveoption(key: str) -> str:
     """`table.key`, or a bare key that only one table has, as `table.key`; else a one-line error."""
     keys = key_fields()
     if key in keys:

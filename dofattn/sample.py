@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.commands import DATA_HELP, option
+from dofattn.options import DATA_HELP, option
 from dofattn.data import token_blocks
 from dofattn.errors import UserError
 

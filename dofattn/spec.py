@@ -23,15 +23,11 @@ import torch
 from dofattn import __version__
 from dofattn.errors import UserError
 from dofattn.features import FEATURES
+from dofattn.options import option
 
 SCHEMA = 3                        # of dofattn.json; 2: the attention keys flat in the spec; 1: decay/gate flags
 DECAYS = ("none", "head", "gate")  # no decay; a learned decay per head; a decay per token read off its value
 LORA_TARGETS = ("attention", "all")
-
-
-def key(default, help: str, choices: tuple | None = None):
-    """A config field with its documentation (`dofattn recipes --keys` prints `help` and `choices`)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -40,15 +36,15 @@ class Attention:
     last W tokens, a sink of the first S), and the linear branch's mechanisms (a decay or a gate, a short
     convolution, the delta rule). `LinearAttention` composes one part per mechanism from it."""
 
-    feature: str = key("prf", "feature map: learned positive random features (prf), fixed ones (performer), "
-                              "Hedgehog's learned softmax map, or DiJiang's", FEATURES)
-    window: int = key(64, "exact softmax attention over the last W tokens beside the linear part (0: pure linear)")
-    sink: int = key(4, "the first S tokens stay exact for every query beside the window (0: none)")
-    decay: str = key("none", "decay of the linear state: none, head (a learned rate per head, beside a window "
+    feature: str = option("prf", "feature map: learned positive random features (prf), fixed ones (performer), "
+                              "Hedgehog's learned softmax map, or DiJiang's", choices=FEATURES)
+    window: int = option(64, "exact softmax attention over the last W tokens beside the linear part (0: pure linear)")
+    sink: int = option(4, "the first S tokens stay exact for every query beside the window (0: none)")
+    decay: str = option("none", "decay of the linear state: none, head (a learned rate per head, beside a window "
                              "counted from its edge) or gate (per token, read off its value; pure linear attention "
-                             "only)", DECAYS)
-    conv: int = key(0, "a short causal convolution of this width on q, k and v (0: none)")
-    delta: bool = key(False, "write the linear state by the delta rule (pure linear attention only)")
+                             "only)", choices=DECAYS)
+    conv: int = option(0, "a short causal convolution of this width on q, k and v (0: none)")
+    delta: bool = option(False, "write the linear state by the delta rule (pure linear attention only)")
 
     def __post_init__(self):
         """Every rule on how the parts combine; a UserError names the recipe key (student.KEY)."""

@@ -78,13 +78,15 @@ def reference(layer: LinearAttention, q, k, v, valid) -> torch.Tensor:
         phi_q, q_scale = fmap.features(q, "query")
         phi_k, k_scale = fmap.features(k, "key")
         sink = first_keys(valid, B, T, layer.attention.sink, q.device) if layer.attention.sink else None
-        return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + layer.window.log_gain, fmap.scaling,
-                                             layer.attention.window, valid, log_decay=layer.log_decay(), sink_mask=sink)[0]
+        return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + layer.window.log_gain,
+                                             fmap.scaling, layer.attention.window, valid, log_decay=layer.log_decay(),
+                                             sink_mask=sink)[0]
     phi_q, phi_k = fmap(q, "query"), fmap(k, "key") * valid[:, :, None, None]
     log_gate = layer.decay.log_gates(v) if (layer.attention.decay == "gate") else None
     if layer.delta is not None:
         return recurrent_delta_attention(phi_q, phi_k, v, layer.delta.betas(v), log_gate)[0]
-    return naive_linear_attention(phi_q, phi_k, v, log_decay=None if (layer.attention.decay == "gate") else layer.log_decay(),
+    return naive_linear_attention(phi_q, phi_k, v,
+                                  log_decay=None if (layer.attention.decay == "gate") else layer.log_decay(),
                                   log_gate=log_gate)[0]
 
 
@@ -118,7 +120,7 @@ def test_every_path_matches_the_naive_forms(variant, feature):
         pieces = [slice(0, 5), *(slice(t, t + 1) for t in range(5, 9)), slice(9, T)]
         steps = [layer(q[:, s], k[:, s], v[:, s], valid[:, s], cache=cache) for s in pieces]
         torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-6, atol=1e-6)
-        if layer.attention.window:                                            # static decoding after a prefill of 6 tokens
+        if layer.attention.window:                                  # static decoding after a prefill of 6 tokens
             cache = LinearStateLayer()
             layer(q[:, :6], k[:, :6], v[:, :6], valid[:, :6], cache=cache)
             cache.seen = 6
@@ -275,7 +277,9 @@ def test_decay_changes_the_output_and_round_trips(tmp_path, model_dirs, window):
     with torch.no_grad():
         logits = model(x, use_cache=False).logits
         assert not torch.allclose(logits, plain(x, use_cache=False).logits)
-    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 1, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=window, sink=0, decay="head"))
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 1, 2], seed=2,
+                         base=fingerprint(model), attention=Attention(feature="prf", window=window, sink=0,
+                                                                      decay="head"))
     folder = save_student(model, tmp_path / "s", config)
     loaded, _, config = load_student(folder)
     assert config.attention.decay == "head" and config.attention.window == window
@@ -339,7 +343,8 @@ def test_gate_starts_as_the_decay_then_differs_and_round_trips(tmp_path, model_d
             module.dofattn.decay.decay_rate.copy_(torch.linspace(0.5, -6, module.dofattn.num_heads))
         logits = model(x, use_cache=False).logits
         assert not torch.allclose(logits, decayed(x, use_cache=False).logits, atol=1e-3)
-    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 1, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="gate"))
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 1, 2], seed=2,
+                         base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="gate"))
     folder = save_student(model, tmp_path / "s", config)
     loaded, _, config = load_student(folder)
     assert config.attention.decay == "gate" and attention_modules(loaded)[2].dofattn.attention.decay == "gate"
@@ -419,7 +424,8 @@ def test_conv_generation_matches_full_forward(family, variant):
     window (whose cached keys are the filtered ones) and a sink."""
     model = tiny_model(family)
     window = 4 if "window" in variant else 0
-    linearize(model, [9, 16, 5], Attention(feature="hedgehog", window=window, sink=2 if "sink" in variant else 0, decay="gate" if variant == "gate" else "none", conv=3), seed=1)
+    linearize(model, [9, 16, 5], Attention(feature="hedgehog", window=window, sink=2 if "sink" in variant else 0,
+              decay="gate" if variant == "gate" else "none", conv=3), seed=1)
     set_convs(model)
     if variant == "gate":
         set_gates(model)
@@ -454,7 +460,9 @@ def test_conv_round_trips_and_refuses_bad_widths(tmp_path, model_dirs):
     x = ids()
     with torch.no_grad():
         logits = model(x, use_cache=False).logits
-    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 1, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="gate", conv=4))
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 1, 2], seed=2,
+                         base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="gate",
+                                                                      conv=4))
     folder = save_student(model, tmp_path / "s", config)
     loaded, _, config = load_student(folder)
     assert config.attention.conv == 4 and attention_modules(loaded)[1].dofattn.attention.conv == 4
@@ -481,5 +489,6 @@ def test_delta_generation_matches_full_forward(family):
     with torch.no_grad():
         for module in attention_modules(model):
             module.dofattn.delta.delta_bias.zero_()
-            module.dofattn.delta.delta_weight.copy_(3 * torch.randn(module.dofattn.delta.delta_weight.shape, generator=g))
+            module.dofattn.delta.delta_weight.copy_(3 * torch.randn(module.dofattn.delta.delta_weight.shape,
+                                                    generator=g))
     assert_40_steps_equal_the_full_forward(model, ids(batch=2, length=11, seed=1))

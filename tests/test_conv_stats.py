@@ -28,7 +28,8 @@ def student(tmp_path, model_dirs, conv=3) -> Path:
             attention_modules(model)[2].dofattn.conv.conv_k.copy_(torch.tensor([0.5, -0.25, 0.25])[:, None, None])
             conv_v = attention_modules(model)[2].dofattn.conv.conv_v     # the tap before: +0.2 and -0.2 in turn
             conv_v[1] = 0.2 * (1 - 2 * (torch.arange(conv_v.shape[-1]) % 2))
-    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, conv=conv))
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 2], seed=2,
+                         base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, conv=conv))
     return save_student(model, tmp_path / "student", config)
 
 

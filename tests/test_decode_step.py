@@ -70,7 +70,8 @@ def test_op_gives_zero_for_a_row_with_nothing():
 def layer_pair(H, Hkv, D, M, W, S, decay, seed=0):
     """A trained-looking hybrid layer (random gains, rates) and its calibration call's inputs."""
     torch.manual_seed(seed)
-    layer = LinearAttention(Attention(window=W, sink=S, decay="head" if decay else "none"), make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=seed), num_kv_heads=Hkv)
+    layer = LinearAttention(Attention(window=W, sink=S, decay="head" if decay else "none"), make_feature_map("prf", H,
+                            D, M, scaling=D ** -0.5, seed=seed), num_kv_heads=Hkv)
     with torch.no_grad():
         layer.window.log_gain.normal_(0, 1)
         if decay:
@@ -189,7 +190,8 @@ def test_lean_step_waits_for_a_full_window_and_sink(monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_lean_steps_finite_at_exponent_195(dtype, device):
     D = 64
-    layer = LinearAttention(Attention(window=4, sink=2), make_feature_map("prf", 1, D, 16, scaling=D ** -0.5, seed=0)).to(device)
+    layer = LinearAttention(Attention(window=4, sink=2), make_feature_map("prf", 1, D, 16, scaling=D ** -0.5,
+                            seed=0)).to(device)
     x = torch.randn(1, 40, 1, D, device=device)
     x = x / x.norm(dim=-1, keepdim=True) * math.sqrt(195 * math.sqrt(D))  # s·qᵀq ≈ 195 on the diagonal
     v = torch.randn(1, 40, 1, D, device=device)

@@ -146,7 +146,8 @@ def test_dispatch_and_errors():
 
 def delta_layer(gate: bool = True, conv: int = 0, seed: int = 0, decay: bool = False) -> LinearAttention:
     fmap = make_feature_map("hedgehog", 4, 16, 8, 0.25, seed=seed)
-    return LinearAttention(Attention(window=0, sink=0, decay="gate" if gate else "head" if decay else "none", conv=conv, delta=True), fmap, num_kv_heads=2)
+    return LinearAttention(Attention(window=0, sink=0, decay="gate" if gate else "head" if decay else "none",
+                           conv=conv, delta=True), fmap, num_kv_heads=2)
 
 
 def test_layer_starts_near_the_layer_without_and_erases_once_trained():

@@ -143,7 +143,8 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
     from dofattn.data import token_blocks
 
     model, tok = load_model(str(teachers[teacher]))
-    linearize(model, [8] * LAYERS, Attention(feature=feature, window=window, sink=sink, decay=decay), seed=0)   # the start
+    linearize(model, [8] * LAYERS, Attention(feature=feature, window=window, sink=sink, decay=decay),
+              seed=0)   # the start
     heads = head_layout(model)
     blocks = token_blocks(str(corpus), tok, 32, 8, split="train", seed=0)  # the run's training blocks
     cache = TeacherCache(tmp_path / "teacher", LAYERS, (8, 32), heads)

@@ -180,7 +180,8 @@ def test_attention_dof_beyond_a_window():
     q = torch.zeros(1, T, 1, D)
     q[..., 0] = 10.0
     far_energy = (T - 16) / T                                            # rows 16.. keep their one 1 of T
-    assert attention_dof(q, sink_k, 1.0, lam, attention=Attention(window=16, sink=0)).item() == pytest.approx(far_energy / (far_energy + lam))
+    assert attention_dof(q, sink_k, 1.0, lam, attention=Attention(window=16,
+                         sink=0)).item() == pytest.approx(far_energy / (far_energy + lam))
     pos = torch.zeros(1, T, 1, T + 1)                                    # one-hot positions: q_t on k_(t-1)
     keys, queries = pos.clone(), pos.clone()
     keys[0, torch.arange(T), 0, torch.arange(T)] = 15.0

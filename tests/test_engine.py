@@ -74,7 +74,8 @@ def test_same_tokens_without_the_one_kernel_step(feature, decay, window, device)
     static step runs eagerly."""
     model = tiny_model("llama")
     gate = decay == "gate"
-    linearize(model, [9, 16, 5], Attention(feature=feature, window=window, sink=0, decay="gate" if gate else "head" if bool(decay) else "none"), seed=1)
+    linearize(model, [9, 16, 5], Attention(feature=feature, window=window, sink=0,
+              decay="gate" if gate else "head" if bool(decay) else "none"), seed=1)
     if decay:      # strong decays, so that a step that skipped or doubled one would change the tokens
         with torch.no_grad():
             for module in attention_modules(model):
@@ -209,7 +210,8 @@ def test_a_static_step_takes_no_mask(gate):
     from dofattn.features import make_feature_map
 
     torch.manual_seed(0)
-    layer = LinearAttention(Attention(window=0, sink=0, decay="gate" if gate else "head" if True else "none"), make_feature_map("hedgehog", 2, 8, 6, scaling=8 ** -0.5))
+    layer = LinearAttention(Attention(window=0, sink=0, decay="gate" if gate else "head" if True else "none"),
+                            make_feature_map("hedgehog", 2, 8, 6, scaling=8 ** -0.5))
     q, k, v = (torch.randn(1, 6, 2, 8) for _ in range(3))
     outs = []
     with torch.no_grad():
@@ -232,7 +234,8 @@ def test_compiled_step_gives_the_eager_tokens(feature, decay, window, sink, laye
     from torch._dynamo.utils import counters
 
     model = tiny_model("llama")
-    linearize(model, [9, 16, 5], Attention(feature=feature, window=window, sink=sink, decay="head" if decay else "none"), seed=1, layers=layers)
+    linearize(model, [9, 16, 5], Attention(feature=feature, window=window, sink=sink,
+              decay="head" if decay else "none"), seed=1, layers=layers)
     model.eval()
     model.generation_config.eos_token_id = None
     prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))

@@ -73,7 +73,9 @@ def student_layers(family: str) -> list[int]:
 def make_student(family: str, window: int = 4, seed: int = 0):
     """A tiny student with moved features (so a wrong load cannot pass), and its spec."""
     model = tiny(family, seed)
-    spec = StudentSpec(base_model="tiny", dims=[12] * LAYERS, layers=student_layers(family), seed=1, base=fingerprint(model), attention=Attention(feature="prf", window=window, sink=1 if window else 0))
+    spec = StudentSpec(base_model="tiny", dims=[12] * LAYERS, layers=student_layers(family), seed=1,
+                       base=fingerprint(model), attention=Attention(feature="prf", window=window,
+                                                                    sink=1 if window else 0))
     build(model, spec)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -111,7 +113,8 @@ def test_nothing_swapped_gives_stock_logits(family):
     mask[1, :5] = 0
     with torch.no_grad():
         expected = stock(input_ids=x, attention_mask=mask).logits
-        build(ours, StudentSpec(base_model="tiny", dims=[12] * LAYERS, layers=[], base=fingerprint(ours), attention=Attention(feature="prf", window=0, sink=0)))
+        build(ours, StudentSpec(base_model="tiny", dims=[12] * LAYERS, layers=[], base=fingerprint(ours),
+              attention=Attention(feature="prf", window=0, sink=0)))
         assert ours.config._attn_implementation.startswith("dofattn")
         torch.testing.assert_close(ours(input_ids=x, attention_mask=mask).logits, expected, rtol=0, atol=0)
 

@@ -23,11 +23,14 @@ def gated_student(tmp_path, model_dirs, gate=True) -> Path:
     from dofattn.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="gate" if gate else "head" if not gate else "none"), seed=2, layers=[0, 2])
+    linearize(model, [5, 12, 7], Attention(window=0, sink=0,
+              decay="gate" if gate else "head" if not gate else "none"), seed=2, layers=[0, 2])
     if gate:
         with torch.no_grad():   # layer 2: every token clears the state (the floor); layer 0: the decay alone
             attention_modules(model)[2].dofattn.decay.decay_rate.fill_(10.0)
-    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="gate" if gate else "head"))
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 2], seed=2,
+                         base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0,
+                                                                      decay="gate" if gate else "head"))
     return save_student(model, tmp_path / "student", config)
 
 
@@ -69,7 +72,9 @@ def test_erase_strengths_of_a_delta_student(tmp_path, model_dirs, corpus, monkey
     linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="head", delta=True), seed=2, layers=[0, 2])
     with torch.no_grad():
         attention_modules(model)[2].dofattn.delta.delta_bias.zero_()
-    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 2], seed=2, base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="head", delta=True))
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 2], seed=2,
+                         base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="head",
+                                                                      delta=True))
     folder = save_student(model, tmp_path / "student", config)
     out = tmp_path / "stats.json"
     monkeypatch.setattr(sys, "argv", ["gate_stats", str(folder), "--data", str(corpus), "--blocks", "2",

@@ -129,7 +129,8 @@ def test_generation_with_a_sink_matches_the_full_forward(family, chunk):
     torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
     assert (full - without).abs().max() > 1e-3           # the sink is there to be checked
     layer = out.past_key_values.layers[0]
-    assert isinstance(layer, LinearStateLayer) and layer.parts["window"].keys.shape[1] == 6 and layer.parts["sink"].valid.all()
+    assert isinstance(layer,
+                      LinearStateLayer) and layer.parts["window"].keys.shape[1] == 6 and layer.parts["sink"].valid.all()
 
 
 def test_a_prefill_with_a_sink_hands_the_op_its_own_keys(monkeypatch):
@@ -189,7 +190,8 @@ def test_sink_student_round_trip(tmp_path, model_dirs):
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [5, 7, 3], Attention(window=8, sink=2), seed=4)
-    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 7, 3], layers=[0, 1, 2], seed=4, base=fingerprint(model), attention=Attention(feature="prf", window=8, sink=2))
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 7, 3], layers=[0, 1, 2], seed=4,
+                         base=fingerprint(model), attention=Attention(feature="prf", window=8, sink=2))
     save_student(model, tmp_path / "s", config)
     loaded, _, cfg = load_student(tmp_path / "s")
     assert cfg.attention.sink == 2 and all(m.dofattn.sink.count == 2 for m in attention_modules(loaded))

@@ -66,7 +66,8 @@ def make_student(family, tmp_path, model_dirs, feature="prf"):
             if ".dofattn." in name:
                 p.add_(0.01 * torch.randn_like(p))
         model(ids(1, 8), use_cache=False)  # calibrates key shifts
-    config = StudentSpec(base_model=str(model_dirs[family]), dims=dims, layers=[0, 1, 2], seed=4, base=fingerprint(model), attention=Attention(feature=feature, window=0, sink=0))
+    config = StudentSpec(base_model=str(model_dirs[family]), dims=dims, layers=[0, 1, 2], seed=4,
+                         base=fingerprint(model), attention=Attention(feature=feature, window=0, sink=0))
     folder = save_student(model, tmp_path / f"student-{family}", config)
     return model, folder
 
@@ -149,7 +150,8 @@ def test_older_student_folders_load_or_fail_clearly(tmp_path, model_dirs):
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="gate"), seed=2)
-    spec = StudentSpec(base_model=str(model_dirs["llama"]), dims=[0, 1, 2], layers=Attention(window=0, sink=0, decay="gate"), seed=2, base=fingerprint(model), attention=Attention(feature=[5, 12, 7], window=0, sink=0))
+    spec = StudentSpec(str(model_dirs["llama"]), [5, 12, 7], [0, 1, 2], Attention(window=0, sink=0, decay="gate"),
+                       seed=2, base=fingerprint(model))
     folder = save_student(model, tmp_path / "s", spec)
     flat = {k: v for k, v in json.loads(spec.to_json()).items() if k not in ("schema", "attention")}
     flat.update(spec.attention.__dict__)
@@ -192,7 +194,7 @@ def test_schema_2_folders_with_flat_tensor_names_load(tmp_path, model_dirs):
         for name, p in model.named_parameters():
             if ".dofattn." in name and "feature_map" not in name:
                 p.add_(0.1 * torch.randn_like(p))
-    spec = StudentSpec(base_model=str(model_dirs["llama"]), dims=[0, 1, 2], layers=attention, seed=2, base=fingerprint(model), attention=Attention(feature=[5, 12, 7], window=0, sink=0))
+    spec = StudentSpec(str(model_dirs["llama"]), [5, 12, 7], [0, 1, 2], attention, seed=2, base=fingerprint(model))
     folder = save_student(model, tmp_path / "s", spec)
     state = load_file(folder / WEIGHTS_FILE)
     flat_names = {n.replace(".dofattn.window.", ".dofattn.").replace(".dofattn.decay.", ".dofattn.")

@@ -362,7 +362,8 @@ def test_prf_ring_step_dispatch(monkeypatch):
         layer.train()
         assert not layer.window.one_kernel_ring(layer, qkv[0], ring, "triton")   # training would move the key shift
         layer.eval()
-    assert not layer.window.one_kernel_ring(layer, qkv[0], ring, "triton")       # autograd: the parameters want gradients
+    assert not layer.window.one_kernel_ring(layer, qkv[0], ring,
+                                            "triton")       # autograd: the parameters want gradients
     q, k, v = (x[:, :1] for x in qkv)
     slots = ring.parts["window"]
     with pytest.raises(ValueError, match="contiguous buffers shaped"):

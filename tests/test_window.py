@@ -161,7 +161,8 @@ def test_a_window_covering_everything_is_softmax_attention():
 def test_streaming_in_pieces_equals_one_call(pieces, decay):
     torch.manual_seed(0)
     fmap = make_feature_map("prf", 2, 8, 6, scaling=8 ** -0.5, seed=1)
-    linear = LinearAttention(Attention(window=4, sink=0, decay="head" if decay else "none"), fmap, num_kv_heads=1).eval()
+    linear = LinearAttention(Attention(window=4, sink=0, decay="head" if decay else "none"), fmap,
+                             num_kv_heads=1).eval()
     with torch.no_grad():
         linear.window.log_gain.copy_(torch.tensor([0.3, -0.2]))
         if decay:                                       # log γ = -e^0.3 and -e^-3: one strong, one weak
@@ -230,7 +231,8 @@ def test_generation_with_a_window_matches_the_full_forward(family, decay):
         full = model(out.sequences, use_cache=False).logits
     torch.testing.assert_close(torch.stack(out.logits, 1), full[:, prompt.shape[1] - 1: -1], rtol=1e-4, atol=1e-4)
     layer = out.past_key_values.layers[0]
-    assert isinstance(layer, LinearStateLayer) and layer.parts["window"].keys.shape[1] == 6   # W keys, whatever the context
+    assert isinstance(layer,
+                      LinearStateLayer) and layer.parts["window"].keys.shape[1] == 6   # W keys, whatever the context
 
 
 def test_window_student_round_trip(tmp_path, model_dirs):
@@ -242,7 +244,8 @@ def test_window_student_round_trip(tmp_path, model_dirs):
         for m in model.modules():
             if isinstance(m, LinearAttention):
                 m.window.log_gain.uniform_(-1, 1)
-    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 7, 3], layers=[0, 1, 2], seed=4, base=fingerprint(model), attention=Attention(feature="prf", window=8, sink=0))
+    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 7, 3], layers=[0, 1, 2], seed=4,
+                         base=fingerprint(model), attention=Attention(feature="prf", window=8, sink=0))
     save_student(model, tmp_path / "s", config)
     loaded, _, cfg = load_student(tmp_path / "s")
     assert cfg.attention.window == 8

@@ -2,8 +2,8 @@
 
 `LinearStateLayer` holds a layer's state [B, H, M, V+1], its token count, and a state per part that keeps one
 (`WindowState`: the last W keys and values; `SinkState`: the first S real tokens' keys; `ConvState`: a short
-convolution's last K-1 inputs), so memory stays flat in context length. `RingWindowLayer` keeps a hybrid's window in a fixed ring of W slots for
-static decoding (`engine.StaticDecoder`). `state_layer` puts a `LinearStateLayer` into a fresh cache slot.
+convolution's last K-1 inputs), so memory stays flat in context length. `RingWindowLayer` keeps a hybrid's window
+in a fixed ring of W slots for static decoding (`engine.StaticDecoder`). `state_layer` puts a `LinearStateLayer` into a fresh cache slot.
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ class LinearAttention(LinearBranch, nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
                state: torch.Tensor | None = None, output_final_state: bool = False,
-               backend: str = "auto", sink_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               backend: str = "auto",
+               sink_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention on query-head layout: q [B, T, H, D], k and v [B, Tk, H, D] (Tk > T only for a window
         hybrid's cached keys), key_valid [B, Tk] -> (o [B, T, H, D], state or None). With a sink and no
         `sink_mask`, the call starts a sequence: its first S real keys are the sink."""

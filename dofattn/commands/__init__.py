@@ -29,15 +29,7 @@ from dofattn.errors import UserError
 
 VERBS = ("dof", "distill", "recipes", "eval", "generate", "bench", "sample", "export")
 
-DATA_HELP = ("wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several of these "
-             "joined by + (pooled)")
-
-
-def option(default, help: str, **extra):
-    """A config field that is a command-line option: its default, its help and any of the keys above."""
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **extra})
-    return dataclasses.field(default=default, metadata={"help": help, **extra})
+from dofattn.options import DATA_HELP, option  # noqa: F401  (the commands' names for them)
 
 
 def module(verb: str) -> types.ModuleType:

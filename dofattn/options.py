@@ -1,0 +1,26 @@
+"""One way to declare a documented config field, for every config of the package: the student's `spec.Attention`,
+the recipe's tables (`recipe`), and the library configs that the commands turn into options (`bench.BenchConfig`,
+`evaluate.EvalConfig`, `sample.SampleSpec`; `dofattn.commands`).
+
+    window: int = option(64, "exact softmax attention over the last W tokens (0: pure linear)")
+    decay: str = option("none", "decay of the linear state", choices=("none", "head", "gate"))
+
+The metadata holds `help` (a recipe key's meaning, an option's help line), `choices` (None: any value) and whatever
+else a command's option takes (`dofattn.commands`: metavar, action, positional, none). Importing this module
+imports nothing heavy, so `dofattn --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DATA_HELP = ("wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several of these "
+             "joined by + (pooled)")
+
+
+def option(default, help: str, **extra):
+    """A config field: its default (a list is copied for each instance), its help and any of the keys above."""
+    metadata = {"help": help, "choices": extra.pop("choices", None), **extra}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
