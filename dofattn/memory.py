@@ -93,7 +93,9 @@ class RealConstants(TorchDispatchMode):
     explicit causal mask for fake positions, to be safe under tracing). Every other operator runs fake, its real
     inputs made fake once each (`live`, the `LiveBytes` above, counts the real one only)."""
 
-    def __init__(self, fake_mode, live: LiveBytes | None = None, limit: int = 1 << 26):
+    LIMIT = 1 << 28          # bytes: a [1, 1, T, T] float32 mask at T = 8192
+
+    def __init__(self, fake_mode, live: LiveBytes | None = None, limit: int = LIMIT):
         super().__init__()
         self.fake_mode, self.live, self.limit = fake_mode, live, limit
         self.fakes = WeakTensorKeyDictionary()

@@ -25,8 +25,10 @@ How the numbers are made:
   and its backward pass run on `batch_size` blocks of `seq_len` tokens on the CPU, with `memory.LiveBytes` following
   every storage (`measure_step`). What the student's body leaves alive is the activations; the most alive beyond
   them while the loss runs forward and back is the loss, and while the backward pass goes through the layers (one
-  layer again under checkpointing, and the gradients flowing back) the backward row. The kernels are the CPU's:
-  the linear attention's PyTorch path, SDPA's (eager for soft-capped logits) for the softmax layers.
+  layer again under checkpointing, and the gradients flowing back) the backward row. The token ids and the small
+  tensors made of them alone (positions, masks) stay real (`memory.RealConstants`), so that code reading their
+  values runs as in a real step. The kernels are the CPU's: the linear attention's PyTorch path, SDPA's (eager for
+  soft-capped logits) for the softmax layers; on a GPU, where the linear op runs in Triton, it is unchecked.
 `tests/test_plan.py` compares with one real end-to-end step of small students on the CPU, measured the same way, as
 `benchmarks/plan_memory.py` does at a model's own widths.
 """
@@ -106,7 +108,8 @@ class Step:
 def measure_step(recipe: Recipe, model) -> Step:
     """One step of the end-to-end loss and its backward pass on `model` (the student on the meta device, its
     tensors made fake here: it is spent after), at the recipe's batch, length, loss chunk and checkpointing."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensorMode)
 
     from dofattn.distill.end_to_end import layers_checkpointed, loss
     from dofattn.memory import LiveBytes, RealConstants
@@ -148,6 +151,10 @@ def measure_step(recipe: Recipe, model) -> Step:
         with (mode, RealConstants(mode, live), layers_checkpointed(model) if e2e.activation_checkpointing else
               contextlib.nullcontext(), live):
             loss(model, ids, e2e.kd_weight, e2e.loss_chunk).backward()
+    except (DataDependentOutputException, DynamicOutputShapeException) as err:
+        raise UserError(f"the plan cannot measure an end-to-end step of {e2e.batch_size} x {e2e.seq_len} tokens: "
+                        f"{err.func} needs the values of a tensor too large to make for real on the CPU (over "
+                        f"{RealConstants.LIMIT >> 20} MiB); plan a shorter end_to_end.seq_len") from None
     finally:
         for hook in hooks:
             hook.remove()
@@ -311,7 +318,8 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
                     intermediate=intermediate, vocab=vocab, linear=linear, local=local, keep_softmax=s.keep_softmax,
                     keep_softmax_by=s.keep_softmax_by, dims_rule=s.dims, dims=dims, mean_dim=mean_dim)
 
-    build(model, student_spec(recipe, dims or [round(mean_dim)] * count, linear))
+    with torch.device("meta"):                  # the student's tensors too: no random features drawn
+        build(model, student_spec(recipe, dims or [round(mean_dim)] * count, linear))
     persistent = model.state_dict().keys()
     trained = [p for n, p in model.named_parameters() if is_student_tensor(n)]
     fixed = [b for n, b in model.named_buffers() if is_student_tensor(n) and n in persistent]
