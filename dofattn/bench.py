@@ -66,7 +66,7 @@ class BenchConfig:
 
     def resolved(self) -> BenchConfig:
         """This config on a named device, with a dtype and the lengths: `auto` (None) made the device's default."""
-        from dofattn.evaluate import resolve_device
+        from dofattn.hf import resolve_device
 
         device = resolve_device(self.device)
         cuda = device.startswith("cuda")

@@ -246,3 +246,15 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32,
                                                      attn_implementation=softmax_implementation(config))
         tokenizer = AutoTokenizer.from_pretrained(source)
     return model.to(device).eval(), padded(tokenizer)
+
+
+def resolve_device(name: str) -> str:
+    """`auto` -> cuda where there is one, else cpu; cpu, cuda and cuda:N as they are (a UserError for cuda without
+    a CUDA device, or for any other name)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name} was asked for but no CUDA device is available; use --device cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise UserError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto")
+    return name

@@ -86,3 +86,15 @@ def check_safetensors(path: str | Path) -> None:
     alone; no tensor is read."""
     with _safetensors(path) as f:
         f.keys()
+
+
+def check_output(path: str, what: str, suffixes: tuple[str, ...]) -> Path:
+    """`path` as a file that can be written, with one of `suffixes`; a UserError naming option `what` if not."""
+    out = Path(path)
+    if out.suffix.lower() not in suffixes:
+        raise UserError(f"{what} {path} should end in {' or '.join(suffixes)}")
+    if out.is_dir():
+        raise UserError(f"{what} {path} is a folder; give a file name")
+    if not out.parent.is_dir():
+        raise UserError(f"{what} folder {out.parent} does not exist; create it first")
+    return out

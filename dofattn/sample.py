@@ -123,7 +123,7 @@ def run(spec: SampleSpec, samples: int, out: str | Path, device: str = "auto", d
     """`dofattn sample`: load `spec.model` and append samples to `out` until it holds `samples` (a .jsonl file),
     everything checked before the model loads. -> {"samples": in the file, "new": written now, "seconds", "out"}."""
     from dofattn.data import check_source
-    from dofattn.evaluate import resolve_device
+    from dofattn.hf import resolve_device
     from dofattn.hf import load_model, parse_dtype
 
     out = Path(out).expanduser()

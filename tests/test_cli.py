@@ -43,11 +43,11 @@ def test_help_lists_every_option_with_its_meaning(capsys, verb):
 
 
 def test_options_come_from_the_library_configs(capsys):
-    """bench's options are `bench.BenchConfig`'s fields, eval's `evaluate.EvalConfig`'s, sample's include
+    """bench's options are `bench.BenchConfig`'s fields, eval's `eval_job.EvalConfig`'s, sample's include
     `sample.SampleSpec`'s; dof's sample defaults are a distillation run's (`choose.DOF_*`)."""
     from dofattn.bench import BenchConfig
     from dofattn.distill.choose import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
-    from dofattn.evaluate import EvalConfig
+    from dofattn.eval_job import EvalConfig
     from dofattn.sample import SampleSpec
 
     assert module("bench").options()[0] is BenchConfig and module("eval").options() == [EvalConfig]

@@ -126,7 +126,7 @@ def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
 def test_eval_scores_a_short_plain_file_whole(capsys, tmp_path, model_dirs, tokenizer):
     """A .txt file given with --data is scored whole: all its tokens, in blocks of at most --seq-len (one block
     when it is shorter), every token predicted but each block's first; the perplexity is the hand-computed one."""
-    from dofattn.evaluate import EvalConfig, run
+    from dofattn.eval_job import EvalConfig, run
     from dofattn.hf import load_model
     from dofattn.spec import StudentSpec
     from dofattn.student import fingerprint, save_student

@@ -4,7 +4,7 @@ dataclass.
 A command module has
 - a docstring: the verb's `--help` description, its first line the verb's line in `dofattn --help`;
 - `options()`: the dataclasses whose fields are its options, the library's own config where there is one
-  (`bench.BenchConfig`, `evaluate.EvalConfig`, `sample.SampleSpec`);
+  (`bench.BenchConfig`, `eval_job.EvalConfig`, `sample.SampleSpec`);
 - `add_parser(verbs)`: its subparser, made by `add_verb`;
 - `run(ns) -> int`: the verb, from the parsed namespace (`config(cls, ns)` turns it into the dataclass).
 

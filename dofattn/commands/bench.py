@@ -36,7 +36,7 @@ def add_parser(verbs):
 def run(ns) -> int:
     """The `bench` verb: `bench.bench`, its tables, and the JSON written after every row."""
     from dofattn.bench import BenchConfig, bench, format_tables
-    from dofattn.evaluate import check_output
+    from dofattn.io import check_output
     from dofattn.io import write_atomic
 
     cfg = config(BenchConfig, ns)

@@ -63,7 +63,7 @@ def add_parser(verbs):
 def run(ns) -> int:
     """The `distill` verb."""
     from dofattn import recipe as recipes
-    from dofattn.evaluate import resolve_device
+    from dofattn.hf import resolve_device
 
     args = config(DistillArgs, ns)
     if args.time_limit < 0:

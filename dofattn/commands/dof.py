@@ -71,7 +71,8 @@ def run(ns) -> int:
     from dofattn.data import SPLITS, check_source, token_blocks
     from dofattn.dof import (HELDOUT_POINTS, allocate_dims, allocate_dims_auto, attention_dofs, check_sample_size,
                              sample_points)
-    from dofattn.evaluate import check_output, resolve_device
+    from dofattn.hf import resolve_device
+    from dofattn.io import check_output
     from dofattn.hf import load_model, parse_dtype
     from dofattn.io import write_atomic
 

@@ -24,8 +24,8 @@ from dofattn.commands import add_verb, config
 
 
 def options() -> list[type]:
-    """`evaluate.EvalConfig`'s fields."""
-    from dofattn.evaluate import EvalConfig
+    """`eval_job.EvalConfig`'s fields."""
+    from dofattn.eval_job import EvalConfig
 
     return [EvalConfig]
 
@@ -35,8 +35,8 @@ def add_parser(verbs):
 
 
 def run(ns) -> int:
-    """The `eval` verb: `evaluate.run`, its tables printed as they are ready."""
-    from dofattn import evaluate
+    """The `eval` verb: `eval_job.run`, its tables printed as they are ready."""
+    from dofattn import eval_job
 
-    evaluate.run(config(evaluate.EvalConfig, ns), show=print)
+    eval_job.run(config(eval_job.EvalConfig, ns), show=print)
     return 0

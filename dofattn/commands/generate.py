@@ -49,7 +49,7 @@ def run(ns) -> int:
     """The `generate` verb."""
     import torch
 
-    from dofattn.evaluate import resolve_device
+    from dofattn.hf import resolve_device
     from dofattn.export import is_export, load_export
     from dofattn.features import FEATURES
     from dofattn.hf import load_model, parse_dtype

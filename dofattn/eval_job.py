@@ -1,0 +1,207 @@
+"""The `dofattn eval` job: a student, an export or any supported model scored against its teacher on text (whole
+plain files too), lm-eval tasks and long-context recall, as one `EvalConfig` asks.
+
+    result = run(EvalConfig(model="runs/distill", num_blocks=4, out=None))    # what `dofattn eval` does
+    result["ppl"] / result["teacher_ppl"], result["by_position"]["ratio"]
+
+The measures are `evaluate`'s and `recall`'s; this module loads the models, reads the text, runs what is asked for
+and writes the JSON and the figures.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dofattn.errors import UserError
+from dofattn.evaluate import (compare, first_blocks, format_comparison, format_layer_errors, format_tasks, layer_errors,
+                              lm_eval_tasks)
+from dofattn.hf import resolve_device
+from dofattn.io import check_output
+from dofattn.options import DATA_HELP, option
+
+
+# --- `dofattn eval` -------------------------------------------------------------------------------------------------
+
+@dataclass
+class EvalConfig:
+    """What `run` evaluates, on what, and where it writes; the fields are `dofattn eval`'s options of the same
+    names (`dofattn eval --help` says more). `out` None: no JSON; a plot None: no figure."""
+
+    model: str = option("runs/distill", "student folder (from dofattn distill), dofattn export, or any supported "
+                                        "model")
+    teacher: str | None = option(None, "another model to compare against (same tokenizer); default: the base "
+                                       "model")
+    data: str = option("wiki-sample", DATA_HELP)
+    split: str | None = option(None, "train, validation or all (default: validation where --data has wiki-sample "
+                                     "or hf: in it, all for files alone)")
+    seq_len: int = option(512, "tokens per block")
+    num_blocks: int | None = option(None, "blocks to evaluate (0: no perplexity, e.g. with --recall alone); auto: "
+                                          "8, or where --data is plain .txt files, all of their text (the last "
+                                          "block shorter)", none="auto")
+    layer_blocks: int = option(2, "blocks used for the per-layer errors")
+    batch_size: int = option(2, "blocks per forward pass")
+    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = option("float32", "model dtype: float32 or bfloat16")
+    tasks: list[str] | None = option(None, "also run zero-shot lm-eval tasks, comma-separated (piqa,arc_easy,"
+                                           "arc_challenge,winogrande,logiqa,wsc273,mmlu need the hub; local ones "
+                                           "via --task-path)")
+    task_path: str | None = option(None, "folder of local lm-eval task YAMLs")
+    limit: int | None = option(None, "evaluate at most this many examples per lm-eval task")
+    out: str | None = option("eval.json", "where to write the JSON result")
+    plot: str | None = option(None, "also write a figure of the per-layer errors (.png, .pdf or .svg)")
+    plot_positions: str | None = option(None, "also write a figure of perplexity and KL by context length (.png, "
+                                              ".pdf or .svg)")
+    recall: list[str] | None = option(None, "long-context recall tasks, comma-separated: passkey, multikey")
+    lengths: list[int] | None = option(None, "comma-separated prompt lengths in tokens (answer included) of the "
+                                             "recall tasks; auto: 1024, 2048, ... up to the model's context",
+                                       none="auto")
+    depths: int = option(5, "depths of the hidden fact per length, evenly spaced from 0 (the filler's start) to 1 "
+                            "(just before the question)")
+    samples: int = option(1, "recall prompts per task, length and depth, each with its own fact, keys and filler")
+    plot_recall: str | None = option(None, "also write a figure of recall accuracy by length and depth (.png, "
+                                           ".pdf or .svg)")
+    teacher_answers: str | None = option(None, "the teacher's recall answers from an earlier eval JSON of the same "
+                                               "prompts (same --data, --lengths, --depths, --samples), instead of "
+                                               "running the teacher again")
+
+
+DEFAULT_BLOCKS = 8        # --num-blocks auto, where the text is not plain .txt files
+FIGURES = ("plot", "plot_positions", "plot_recall")
+
+
+def plain_text(data: str) -> bool:
+    """Whether `data` is plain .txt files alone (one, or several joined by +)."""
+    from dofattn.data import sources
+
+    return all(Path(part).expanduser().is_file() and Path(part).suffix == ".txt" for part in sources(data))
+
+
+def text_blocks(data: str, tokenizer, seq_len: int, split: str = "all") -> list[torch.Tensor]:
+    """Every token of `data`'s documents in `split`, in their order (EOS between documents, where the tokenizer has
+    one), in blocks of `seq_len` and a last shorter one: [[N, seq_len], [1, rest]] (either part left out when
+    empty; a rest of one token, which nothing predicts, too). Scoring them predicts every token but each block's
+    first."""
+    from dofattn.data import texts
+
+    ids: list[int] = []
+    for i, text in enumerate(texts(data, split)):
+        if i and tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < 2:
+        raise UserError(f"{data} ({split} split) has {len(ids)} tokens; scoring needs at least 2")
+    full = len(ids) // seq_len * seq_len
+    whole = torch.tensor(ids, dtype=torch.long)
+    parts = [whole[:full].view(-1, seq_len)] if full else []
+    return parts + ([whole[full:][None]] if len(ids) - full >= 2 else [])
+
+
+def check(cfg: EvalConfig) -> dict[str, Path]:
+    """Everything about `cfg` that can be checked before a model loads; -> the output paths ({"out": ..., and each
+    figure asked for})."""
+    from dofattn.data import check_source
+
+    paths = {"out": check_output(cfg.out, "--out", (".json",))} if cfg.out else {}
+    paths.update({name: check_output(path, "--" + name.replace("_", "-"), (".png", ".pdf", ".svg"))
+                  for name in FIGURES if (path := getattr(cfg, name))})
+    check_source(cfg.data)
+    if cfg.task_path and not Path(cfg.task_path).is_dir():
+        raise UserError(f"--task-path {cfg.task_path} is not a folder of lm-eval task YAMLs")
+    if (cfg.num_blocks or 0) < 0 or cfg.layer_blocks < 0 or cfg.batch_size < 1:
+        raise UserError("--batch-size must be >= 1, --num-blocks and --layer-blocks >= 0")
+    if cfg.teacher_answers and cfg.recall is None:
+        raise UserError("--teacher-answers gives the teacher's recall answers: use it with --recall")
+    if cfg.num_blocks == 0 and not (cfg.recall or cfg.tasks):
+        raise UserError("--num-blocks 0 leaves nothing to evaluate; add --recall or --tasks, or score some blocks")
+    if cfg.recall is not None:
+        from dofattn.recall import check_grid, check_tasks
+
+        check_tasks(cfg.recall)
+        if cfg.teacher_answers and not Path(cfg.teacher_answers).is_file():
+            raise UserError(f"--teacher-answers {cfg.teacher_answers} does not exist; give an eval JSON with recall")
+        check_grid(cfg.depths, cfg.samples)
+    return paths
+
+
+def run(cfg: EvalConfig, show=None) -> dict:
+    """`dofattn eval`: the student `cfg.model` against its teacher, as `cfg` asks (see `EvalConfig`); returns what
+    it writes to `cfg.out`. `show(text)` gets each table as it is ready and each file written (print, say).
+
+        result = run(EvalConfig(model="runs/distill", data="notes.txt", out=None))   # a plain file, scored whole
+        result["tokens"], result["ppl"], result["kl"]
+    """
+    from dofattn.data import WIKI_SAMPLE, sources, token_blocks
+    from dofattn.export import is_export, load_export, lora_merged
+    from dofattn.hf import load_model, parse_dtype
+    from dofattn.io import write_atomic
+    from dofattn.student import is_student, load_student
+
+    say = show or (lambda text: None)
+    paths = check(cfg)
+    held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(cfg.data))
+    split = cfg.split or ("validation" if held_out else "all")
+    device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+    teacher_name = cfg.teacher
+    if is_export(cfg.model):
+        model, tokenizer, spec = load_export(cfg.model, dtype=dtype, device=device)
+        if lora_merged(cfg.model) and not teacher_name:   # its own base weights carry the merged adapters
+            teacher_name = spec.base_model
+    elif is_student(cfg.model):
+        model, tokenizer, _ = load_student(cfg.model, dtype=dtype, device=device)
+    else:
+        model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
+    if cfg.recall is not None:
+        from dofattn.hf import context_length
+        from dofattn.recall import resolve_lengths
+
+        lengths = resolve_lengths(cfg.lengths, context_length(model.config))
+    teacher = load_model(teacher_name, dtype=dtype, device=device)[0] if teacher_name else None
+    result = {"model": cfg.model, "teacher": teacher_name or "base model", "data": cfg.data, "split": split}
+    errors = {}
+    if cfg.num_blocks != 0:
+        if cfg.num_blocks is None and plain_text(cfg.data):
+            blocks = text_blocks(cfg.data, tokenizer, cfg.seq_len, split)
+        else:
+            blocks = token_blocks(cfg.data, tokenizer, cfg.seq_len, cfg.num_blocks or DEFAULT_BLOCKS, split=split,
+                                  seed=0)
+        result.update(seq_len=cfg.seq_len, **compare(model, blocks, teacher, cfg.batch_size))
+        errors = layer_errors(model, first_blocks(blocks, cfg.layer_blocks)) if cfg.layer_blocks else {}
+        result.update(errors)
+        say(format_comparison(result))
+    if errors:
+        say(format_layer_errors(errors))
+    if cfg.recall is not None:
+        from dofattn import recall
+
+        result["recall"] = recall.run(model, tokenizer, cfg.recall, lengths, cfg.depths, cfg.samples, data=cfg.data,
+                                      split=split, teacher=teacher, teacher_answers=cfg.teacher_answers)
+        say(recall.format_recall(result["recall"]))
+    if cfg.tasks:
+        result["tasks"] = lm_eval_tasks(model, tokenizer, cfg.tasks, cfg.task_path, cfg.limit, cfg.batch_size)
+        say(format_tasks(result["tasks"]))
+    if "out" in paths:
+        write_atomic(paths["out"], json.dumps(result, indent=2))
+        say(f"wrote {paths['out']}")
+    if "plot" in paths and errors:
+        from dofattn.plots import plot_layer_errors
+
+        plot_layer_errors(errors, paths["plot"], title=f"{cfg.model} vs {result['teacher']}")
+        say(f"wrote {paths['plot']}")
+    if "plot_positions" in paths and cfg.num_blocks != 0:
+        from dofattn.plots import plot_by_position
+
+        plot_by_position({cfg.model: result["by_position"]}, paths["plot_positions"],
+                         title=f"{cfg.data} ({split}), blocks of {cfg.seq_len} tokens")
+        say(f"wrote {paths['plot_positions']}")
+    if "plot_recall" in paths and cfg.recall is not None:
+        from dofattn.plots import plot_recall
+
+        plot_recall(result["recall"], paths["plot_recall"], title=f"{cfg.model}: recall against the teacher")
+        say(f"wrote {paths['plot_recall']}")
+    return result
+
+
