@@ -5,7 +5,7 @@
     python benchmarks/plan_memory.py --model tests/configs/qwen2.5-1.5b --layers 4 --set end_to_end.seq_len=256
 
 The model is built from its config.json with random weights (no download; `--layers N` keeps its first N layers),
-made the student a run of the recipe trains (`run.student_spec`: DoF dims at the budget's mean, the softmax layers
+made the student a run of the recipe trains (`Recipe.student_spec`: DoF dims at the budget's mean, the softmax layers
 the plan assumes), and takes one step as `dofattn distill` does: the loss (teacher and student, in chunks,
 checkpointed layers if the recipe says so), its backward pass and Adam's step, in one process. Measured: on CUDA the
 rise of `torch.cuda.max_memory_allocated` over what the model holds; on CPU the most bytes of tensors alive at once
@@ -29,7 +29,6 @@ def main() -> None:
     from dofattn import recipe as recipes
     from dofattn.distill.end_to_end import layers_checkpointed, loss
     from dofattn.distill.plan import make_plan
-    from dofattn.distill.run import student_spec
     from dofattn.hf import model_config, softmax_implementation
     from dofattn.memory import LiveBytes
     from dofattn.student import attention_modules, build, is_student_tensor
@@ -57,7 +56,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=softmax_implementation(config))
     model = model.to(args.device).eval()
     dims = plan.layers.dims or [round(plan.layers.mean_dim)] * plan.layers.count
-    build(model, student_spec(recipe, model, dims, plan.layers.linear))
+    build(model, recipe.student_spec(dims, plan.layers.linear))
     for name, p in model.named_parameters():
         p.requires_grad_(is_student_tensor(name))
     for module in attention_modules(model):

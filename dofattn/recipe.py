@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dofattn.errors import UserError
 from dofattn.options import option
-from dofattn.spec import LORA_TARGETS, Attention, check_lora
+from dofattn.spec import LORA_TARGETS, Attention, StudentSpec, check_lora
 
 FORMAT = 1          # of recipe files: a file with another `format` is refused
 LOSSES = ("softmax", "l2")
@@ -119,6 +119,15 @@ class Recipe:
     @property
     def end_to_end_blocks(self) -> int:
         return self.end_to_end.blocks or self.layerwise.blocks
+
+    def student_spec(self, dims: list[int], layers: list[int], base: dict | None = None) -> StudentSpec:
+        """The student a run of this recipe trains: these dims and linear layers, its [student] table's attention
+        config whole, its LoRA adapters (alpha = rank), and `base`, the base model's fingerprint
+        (`student.fingerprint`; None where the weights have no values, as in the dry run's plan)."""
+        s = self.student
+        return StudentSpec(base_model=self.run.model, dims=dims, layers=layers, attention=s.attention,
+                           seed=self.run.seed, base=base or {}, lora_rank=s.lora_rank,
+                           lora_alpha=float(s.lora_rank), lora_targets=s.lora_targets)
 
     def keys(self) -> dict[str, object]:
         """Every key as `table.key` -> value."""

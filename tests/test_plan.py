@@ -19,7 +19,6 @@ from dofattn.cli import main
 from dofattn.distill.choose import linear_layers
 from dofattn.distill.end_to_end import layers_checkpointed, loss
 from dofattn.distill.plan import make_plan
-from dofattn.distill.run import student_spec
 from dofattn.distill.teacher import TeacherCache
 from dofattn.errors import UserError
 from dofattn.memory import LiveBytes
@@ -180,7 +179,7 @@ CASES = {"llama": ("llama", ["student.keep_softmax=1"]),
 def test_memory_plan_matches_one_measured_end_to_end_step(case):
     """The plan of a small student (a tiny model, its linearized layers with PRF features beside a window and a
     sink, 2 blocks of 128 tokens, the KL term on, logits unchunked but in one case) against one real end-to-end
-    step of it on the CPU, built as a run builds it (`run.student_spec`): loss, backward pass, Adam's step.
+    step of it on the CPU, built as a run builds it (`Recipe.student_spec`): loss, backward pass, Adam's step.
 
     - Weights, student tensors, gradients and Adam's state: counted exactly, so equal.
     - The body's activations (what it leaves alive, checkpointed or not): the plan measures them on fake tensors,
@@ -201,7 +200,7 @@ def test_memory_plan_matches_one_measured_end_to_end_step(case):
     count = model.config.num_hidden_layers
     assert plan.layers.linear == ([0, 1] if family == "llama" else [1, 3] if family.startswith("gemma") else
                                   [0, 1, 2, 3])
-    build(model, student_spec(recipe, model, [8] * count, plan.layers.linear))
+    build(model, recipe.student_spec([8] * count, plan.layers.linear))
     base = [p for n, p in model.named_parameters() if not is_student_tensor(n)]
     tensors = [t for n, t in model.state_dict().items() if is_student_tensor(n)]
     assert memory.weights == sum(p.nbytes for p in base)
@@ -247,7 +246,7 @@ def test_the_peak_at_a_real_vocabulary_is_the_one_planned():
         recipe = recipes.load("default", ["student.dims='fix:32'", "end_to_end.batch_size=2",
                                           "end_to_end.seq_len=128", "end_to_end.loss_chunk=64", *sets])
         memory = make_plan(recipe, 1, config=config).memory
-        build(model, student_spec(recipe, model, [32] * 2, [0, 1]))
+        build(model, recipe.student_spec([32] * 2, [0, 1]))
         ids = torch.randint(0, config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(1))
         measured = measure(model, recipe, ids)
         planned = memory.total - memory.weights - memory.student

@@ -351,7 +351,7 @@ def test_gated_layer_trains_on_triton_as_on_chunk():
         (o * torch.linspace(-1, 1, o.numel(), device=DEVICE).view_as(o)).sum().backward()
         results[backend] = {"o": o.detach(), "dq": q.grad.clone(), "dk": k.grad.clone(), "dv": v.grad.clone(),
                             **{name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}}
-    assert {"gate_weight", "decay_rate"} <= set(results["chunk"])
+    assert {"decay.gate_weight", "decay.decay_rate"} <= set(results["chunk"])
     assert results["chunk"].keys() == results["triton"].keys()
     for name, ref in results["chunk"].items():
         assert_close(name, ref, results["triton"][name], RATIO)

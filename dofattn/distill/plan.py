@@ -63,17 +63,6 @@ def meta_model(config, dtype: torch.dtype = torch.float32):
     return model.eval()                              # as `hf.load_model` leaves it: no dropout
 
 
-def student_spec(recipe: Recipe, dims: list[int], layers: list[int]):
-    """The `StudentSpec` a run of `recipe` trains (`distill.run.student_spec`), less the base model's fingerprint,
-    which reads its weights' values."""
-    from dofattn.spec import StudentSpec
-
-    s = recipe.student
-    return StudentSpec(base_model=recipe.run.model, dims=dims, layers=layers, attention=s.attention,
-                       seed=recipe.run.seed, lora_rank=s.lora_rank, lora_alpha=float(s.lora_rank),
-                       lora_targets=s.lora_targets)
-
-
 def fake_model(model, mode) -> None:
     """`model`'s meta tensors (parameters, buffers, tensors modules hold) as `mode`'s fake CPU tensors, in place;
     a tensor two modules share (tied embeddings) stays shared."""
@@ -319,7 +308,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
                     keep_softmax_by=s.keep_softmax_by, dims_rule=s.dims, dims=dims, mean_dim=mean_dim)
 
     with torch.device("meta"):                  # the student's tensors too: no random features drawn
-        build(model, student_spec(recipe, dims or [round(mean_dim)] * count, linear))
+        build(model, recipe.student_spec(dims or [round(mean_dim)] * count, linear))
     persistent = model.state_dict().keys()
     trained = [p for n, p in model.named_parameters() if is_student_tensor(n)]
     fixed = [b for n, b in model.named_buffers() if is_student_tensor(n) and n in persistent]

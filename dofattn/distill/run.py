@@ -13,10 +13,9 @@ from dofattn.distill import choose, end_to_end, run_folder
 from dofattn.distill.layerwise import layerwise
 from dofattn.distill.teacher import TeacherCache
 from dofattn.distill.world import barrier, join, world
-from dofattn.errors import UserError
 from dofattn.evaluate import compare, perplexity
 from dofattn.recipe import Recipe
-from dofattn.spec import Attention, StudentSpec
+from dofattn.spec import Attention
 
 
 def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float = 0.0,
@@ -25,7 +24,7 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
     which the student is saved and evaluated as it is (the same call later goes on)."""
     from dofattn.data import check_source, token_blocks
     from dofattn.hf import load_model, parse_dtype
-    from dofattn.student import (attention_modules, build, global_layers, head_layout,
+    from dofattn.student import (attention_modules, build, fingerprint, head_layout,
                                  is_student_tensor, load_student_tensors, resolve_dims, save_student)
 
     r, out = recipe, Path(out)
@@ -44,11 +43,7 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
     num_layers = len(attention_modules(model))
     if r.student.dims not in ("dof", "clip"):      # a bad fix:C or another model's dof.json leaves no run folder
         resolve_dims(r.student.dims, model, r.run.model)
-    # the layers that may be linearized: all, or (local_layers = keep) all but the model's sliding-window ones
-    candidates = global_layers(model) if r.student.local_layers == "keep" else list(range(num_layers))
-    if r.student.keep_softmax >= len(candidates):
-        raise UserError(f"student.keep_softmax = {r.student.keep_softmax} leaves no layer to linearize: the model "
-                        f"has {len(candidates)} layers that may be linearized")
+    candidates = choose.linear_layers(r, model, [])   # all, or (local_layers = keep) all but sliding-window ones
     # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
     lw, e2e = r.layerwise, r.end_to_end
     # under torchrun each process tokenizes a share of the documents; all get the same blocks
@@ -81,7 +76,7 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
     dims = choose.dims(r, model, tokenizer, out)
     chosen = choose.softmax_layers(r, model, tokenizer, out, candidates)
     kept = [i for i in range(num_layers) if i not in candidates or i in chosen]
-    spec = student_spec(r, model, dims, [i for i in candidates if i not in chosen])
+    spec = r.student_spec(dims, choose.linear_layers(r, model, chosen), base=fingerprint(model))
     build(model, spec)
     for name, p in model.named_parameters():       # only the student's tensors ever train
         p.requires_grad_(is_student_tensor(name))
@@ -131,17 +126,6 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
         shutil.rmtree(out / "teacher", ignore_errors=True)  # only needed to resume the layerwise stage
     barrier()
     return asdict(log)
-
-
-def student_spec(recipe: Recipe, model, dims: list[int], layers: list[int]) -> StudentSpec:
-    """The student a run of `recipe` trains on `model`: these dims and linear layers, the recipe's attention config
-    whole, its LoRA adapters (alpha = rank), and the base model's fingerprint."""
-    from dofattn.student import fingerprint
-
-    s = recipe.student
-    return StudentSpec(base_model=recipe.run.model, dims=dims, layers=layers, attention=s.attention,
-                       seed=recipe.run.seed, base=fingerprint(model), lora_rank=s.lora_rank,
-                       lora_alpha=float(s.lora_rank), lora_targets=s.lora_targets)
 
 
 def evaluate(recipe: Recipe, model, blocks: torch.Tensor, dims: list[int]) -> dict:
