@@ -58,24 +58,43 @@ class Window(nn.Module):
     def step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
              cache: LinearStateLayer, backend: str) -> torch.Tensor:
         """A cached call of the hybrid: q [B, T, H, D], k and v [B, T, Hkv, D] -> o [B, T, H, D]. A ring (static
-        decoding) takes `ring_step`, a sink `Sink.step`; otherwise the cache's keys still inside the window (each
-        with its padding flag) come before the new ones, and the last W of them stay for the next call."""
+        decoding) takes `ring_step`, a steady decode step `decode_step`. Otherwise the keys go in as [the exact
+        sets' slots (a sink's S), the cache's keys still inside the window (each with its padding flag), the new
+        keys]; the keys an exact set takes stay exact for the later queries and leave the window's keys (no key
+        counts twice), and the last W of the rest stay for the next call. The first call of a sequence (empty
+        slots) puts nothing first: its keys are its own, as many as its queries, so a CUDA prefill takes the Triton
+        hybrid."""
         if isinstance(cache, RingWindowLayer):
             return self.ring_step(layer, q, k, v, cache, backend)
         if self.lean_step_ok(layer, q, cache):
             return self.decode_step(layer, q, k, v, key_valid, cache)
-        if layer.sink is not None:
-            return layer.sink.step(layer, q, k, v, key_valid, cache, backend)
+        B, T = k.shape[:2]
         if key_valid is None:
-            key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
+            key_valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
+        sets = layer.exact_sets()
+        held = [cache.part(part.name) for part in sets]
+        held = [slots for slots in held if slots.keys is not None]       # none on a first call: its keys are its own
+        taken = [part.take(cache, key_valid) for part in sets]            # [B, T] each: new keys a set holds
+        exact_new = torch.stack(taken).any(0) if taken else None
+        lead = sum(slots.keys.shape[1] for slots in held)
         last = cache.part("window")
+        parts = [(slots.keys, slots.values, slots.valid) for slots in held]
         if last.keys is not None:
-            k, v = torch.cat([last.keys, k], 1), torch.cat([last.values, v], 1)
-            key_valid = torch.cat([last.valid, key_valid], 1)
-        o, state = self.attend(layer, q, layer.expand_kv(k), layer.expand_kv(v), key_valid, cache.state, True,
-                               backend, None)
+            parts.append((last.keys, last.values, last.valid))
+        keys, values, valid = (torch.cat([*(p[i] for p in parts), x], 1) for i, x in enumerate((k, v, key_valid)))
+        sink_mask = None
+        if sets:   # the held slots and this call's new set keys stay exact for every later query
+            sink_mask = torch.cat([*(slots.valid for slots in held),
+                                   valid.new_zeros(B, keys.shape[1] - lead - T), exact_new], 1)
+        o, state = self.attend(layer, q, layer.expand_kv(keys), layer.expand_kv(values), valid, cache.state, True,
+                               backend, sink_mask, lead)
         keep_buffer(cache, "state", state)
-        self.keep(cache, k, v, key_valid)
+        for part, new in zip(sets, taken):
+            part.store(cache, k, v, new)
+        window_valid = valid[:, lead:]
+        if exact_new is not None:   # a key a set holds is not a window key: none counts twice
+            window_valid = torch.cat([window_valid[:, :-T], window_valid[:, -T:] & ~exact_new], 1)
+        self.keep(cache, keys[:, lead:], values[:, lead:], window_valid)
         return o
 
     def keep(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor) -> None:
@@ -109,7 +128,7 @@ class Window(nn.Module):
             return False
         if isinstance(fmap, PositiveRandomFeatures) and not fmap.shift_calibrated():
             return False
-        return layer.sink is None or layer.sink.full(cache)
+        return all(part.ready(cache) for part in layer.exact_sets())
 
     def decode_step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
                     cache: LinearStateLayer) -> torch.Tensor:
@@ -142,12 +161,9 @@ class Window(nn.Module):
                    dtype: torch.dtype) -> torch.Tensor:
         """The query q [B, 1, H, D] against the cache's sinks and window keys (exact) and its state -> [B, 1, H, D]
         (`ops.window.window_decode_step`); its features rounded to `dtype` if 16-bit, as in `fold`."""
-        last = cache.part("window")
-        keys, values, valid = last.keys, last.values, last.valid
-        if layer.sink is not None:
-            sink = cache.part("sink")
-            keys, values, valid = (torch.cat([a, b], 1) for a, b in zip((sink.keys, sink.values, sink.valid),
-                                                                         (keys, values, valid)))
+        held = [cache.part(part.name) for part in layer.exact_sets()] + [cache.part("window")]
+        keys, values, valid = (torch.cat([getattr(slots, name) for slots in held], 1)
+                               for name in ("keys", "values", "valid"))
         phi_q, q_scale = layer.feature_map.features(q, "query")                             # [B, 1, H, M]
         phi_q = in_model_dtype(phi_q, dtype)
         o = window_decode_step(q[:, 0], keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + self.log_gain,
@@ -204,10 +220,33 @@ class Window(nn.Module):
         self.log_gain.copy_(gap)
 
 
-class Sink(nn.Module):
+class ExactSet(nn.Module):
+    """A set of exact keys beside the window: keys that every later query reads with the teacher's kernel however
+    far back, never in the linear branch. The cache slot holds them in slots without positions (`cache.part(name)`,
+    with `keys`, `values`, `valid`), which a cached call puts before the window's keys (the op's `lead`: an exact
+    key's weight does not depend on its distance). A set says which of a call's keys it takes (`take`), keeps them
+    (`store`), and whether its slots are settled for the lean decode step (`ready`)."""
+
+    name = ""
+
+    def take(self, cache: LinearStateLayer, key_valid: torch.Tensor) -> torch.Tensor:
+        """[B, T] bool: the keys of this call (key_valid [B, T]) that join the set."""
+        raise NotImplementedError
+
+    def store(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, taken: torch.Tensor) -> None:
+        """Keep the keys `taken` [B, T] of k, v [B, T, Hkv, D] in the set's slots."""
+        raise NotImplementedError
+
+    def ready(self, cache: LinearStateLayer) -> bool:
+        return True
+
+
+class Sink(ExactSet):
     """The first S real tokens of a sequence stay exact for every later query, however far back, and never enter the
     linear branch (an attention sink; `ops.window`). Beside a window only; with a decay the sink is not decayed.
-    Generation keeps their keys in S slots of the cache."""
+    Generation keeps their keys in S slots of the cache (a `SinkState`)."""
+
+    name = "sink"
 
     def __init__(self, count: int):
         super().__init__()
@@ -216,49 +255,29 @@ class Sink(nn.Module):
     def extra_repr(self) -> str:
         return f"count={self.count}"
 
-    def full(self, cache: LinearStateLayer) -> bool:
+    def ready(self, cache: LinearStateLayer) -> bool:
         """Whether every row's S slots are filled (checked, with a GPU sync, until they are)."""
         sink = cache.part("sink")
         if not sink.full:
             sink.full = sink.valid is not None and bool(sink.valid.all())
         return sink.full
 
-    def step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
-             cache: LinearStateLayer, backend: str) -> torch.Tensor:
-        """A cached call of a hybrid with a sink: the keys go in as [sink slots, cached window keys, new keys]. The
-        first S real tokens ever seen fill the S sink slots (a row's slots fill over calls if its first calls were
-        shorter); they are exact for every query and marked as padding in the window cache, so no key counts twice.
-        An exact key's weight does not depend on its distance, so putting the sinks first changes nothing (the op
-        counts a decay's positions after them: `lead`). The first call (an empty cache) has no slots to put first:
-        its keys are its own, as many as its queries, so a CUDA prefill takes the Triton hybrid."""
-        B, T = k.shape[:2]
-        S = self.count
-        if key_valid is None:
-            key_valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
-        sink, last = cache.part("sink"), cache.part("window")
-        first = sink.keys is None
-        if first:
+    def take(self, cache: LinearStateLayer, key_valid: torch.Tensor) -> torch.Tensor:
+        """The first S real tokens ever seen: a row's slots fill over calls if its first calls were shorter."""
+        sink = cache.part("sink")
+        have = 0 if sink.valid is None else sink.valid.sum(1, keepdim=True)        # [B, 1]
+        return key_valid & (have + key_valid.cumsum(1) <= self.count)
+
+    def store(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, taken: torch.Tensor) -> None:
+        B, T = taken.shape
+        S, sink = self.count, cache.part("sink")
+        if sink.keys is None:
             sink.keys, sink.values = k.new_zeros(B, S, *k.shape[2:]), v.new_zeros(B, S, *v.shape[2:])
-            sink.valid = key_valid.new_zeros(B, S)
-        have = sink.valid.sum(1, keepdim=True)                                      # [B, 1]
-        rank = have + key_valid.cumsum(1)                                           # [B, T]: 1-based among real
-        new_sink = key_valid & (rank <= S)
-        lead = 0 if first else S                                                    # sink slots put first
-        keys, values, valid = ([], [], []) if first else ([sink.keys], [sink.values], [sink.valid])
-        if last.keys is not None:
-            keys, values, valid = keys + [last.keys], values + [last.values], valid + [last.valid]
-        keys, values, valid = torch.cat(keys + [k], 1), torch.cat(values + [v], 1), torch.cat(valid + [key_valid], 1)
-        sinks = torch.cat(([] if first else [sink.valid])
-                          + [valid.new_zeros(B, keys.shape[1] - lead - T), new_sink], 1)
-        o, cache.state = layer.window.attend(layer, q, layer.expand_kv(keys), layer.expand_kv(values), valid,
-                                             cache.state, True, backend, sinks, lead)
-        slot = torch.where(new_sink, rank - 1, S)                                   # slot S: a spare, dropped
+            sink.valid = taken.new_zeros(B, S)
+        rank = sink.valid.sum(1, keepdim=True) + taken.cumsum(1)                   # [B, T]: 1-based among taken
+        slot = torch.where(taken, rank - 1, S)                                      # slot S: a spare, dropped
         for name, new in (("keys", k), ("values", v)):
             buffer = torch.cat([getattr(sink, name), new.new_zeros(B, 1, *new.shape[2:])], 1)
             index = slot.reshape(B, T, *[1] * (new.dim() - 2)).expand_as(new)
             setattr(sink, name, buffer.scatter(1, index, new)[:, :S])
-        sink.valid = torch.cat([sink.valid, new_sink.new_zeros(B, 1)], 1).scatter(1, slot, new_sink)[:, :S]
-        window_valid = valid[:, lead:].clone()
-        window_valid[:, -T:] &= ~new_sink                                           # a sink is not a window key
-        layer.window.keep(cache, keys[:, lead:], values[:, lead:], window_valid)
-        return o
+        sink.valid = torch.cat([sink.valid, taken.new_zeros(B, 1)], 1).scatter(1, slot, taken)[:, :S]

@@ -63,6 +63,10 @@ class LinearAttention(LinearBranch, nn.Module):
     def extra_repr(self) -> str:
         return self.attention.describe()
 
+    def exact_sets(self) -> list:
+        """The parts that hold exact keys beside the window (`exact.ExactSet`: the sink)."""
+        return [self.sink] if self.sink is not None else []
+
     def log_decay(self) -> torch.Tensor | None:
         """[H] float32: log γ_h of each head (< 0), or None without a decay (a gate's rate without its tokens)."""
         return None if self.decay is None else self.decay.log_decay()
