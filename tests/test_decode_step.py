@@ -1,4 +1,4 @@
-"""The hybrid's decode step in few operations (`ops.window.window_decode_step`, `fold_key`; `WindowHybrid.decode_step`
+"""The hybrid's decode step in few operations (`ops.window.window_decode_step`, `fold_key`; `exact.Window.decode_step`
 and the ring's step): the op against the spec's last row, the layer's steady steps against its general cached call
 (outputs, states and caches, step after step), and numerics at exponent 195."""
 
