@@ -210,7 +210,8 @@ def window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: floa
         raise ValueError(f"window_forward takes windows {WINDOWS} and as many keys as queries; got window {window}, "
                          f"{k.shape[1]} keys for {q.shape[1]} queries")
     if sink_mask is not None and log_decay is not None:
-        raise ValueError("sink_mask and log_decay do not combine: pass one of them")
+        raise ValueError("the Triton window hybrid does not take a decay and a sink together (unconfirmed on a GPU): "
+                         "use ops.window.window_linear_attention with backend auto")
     S0 = None if initial_state is None else initial_state.float().contiguous()
     if log_decay is not None:
         log_decay = decay_log(log_decay, torch.float32)                # differentiable clamp to [-1e4, 0]
