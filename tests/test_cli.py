@@ -46,7 +46,7 @@ def test_options_come_from_the_library_configs(capsys):
     """bench's options are `bench.BenchConfig`'s fields, eval's `eval_job.EvalConfig`'s, sample's include
     `sample.SampleSpec`'s; dof's sample defaults are a distillation run's (`choose.DOF_*`)."""
     from dofattn.bench import BenchConfig
-    from dofattn.distill.choose import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+    from dofattn.dof_job import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
     from dofattn.eval_job import EvalConfig
     from dofattn.sample import SampleSpec
 

@@ -24,12 +24,12 @@ from dofattn.distill.world import barrier, world
 from dofattn.errors import UserError
 from dofattn.io import write_atomic
 from dofattn.dof import DofResult, allocate_dims, attention_dofs, sample_points
+from dofattn.dof_job import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
 from dofattn.hf import context_length
 from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.recipe import Recipe
 from dofattn.student import head_layout, resolve_dims
 
-DOF_BLOCKS, DOF_SEQ_LEN, DOF_POINTS = 32, 256, 1024   # the DoF estimate's sample: blocks, their length, points/head
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which the teacher's attention matrices are measured
 ATTENTION_DOF_SEQ_LEN = 512   # tokens per block, at most (else eval.seq_len): each T x T matrix's SVD costs T³
 
