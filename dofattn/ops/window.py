@@ -56,6 +56,7 @@ from dofattn.ops.naive import (TINY, check_log_decay, compute_dtype, decay_facto
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
 __all__ = ["naive_window_linear_attention", "window_linear_attention", "blocked_window_linear_attention",
+           "window_parts",
            "window_decode_step", "fold_key", "window_logits", "check_window_inputs", "sink_softmax", "mix_parts"]
 
 
@@ -367,6 +368,27 @@ def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offs
     """The PyTorch form of the hybrid: banded exact attention in blocks of W, the linear op (`backend`) on keys
     delayed by W, mixed in log space; with a sink, a third part: exact attention to the sink keys beyond the band.
     Differentiable through autograd on any device."""
+    parts, final_state = window_parts(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window, key_valid,
+                                      initial_state, output_final_state, backend, log_decay, sink_mask, lead)
+    P = k.shape[1] - q.shape[1]
+    if sink_mask is None:
+        (o_win, lam_win, has_win), (o_lin, lam_lin, has_lin) = parts
+        both = has_win & has_lin
+        w_win = torch.where(both, torch.sigmoid(lam_win - lam_lin), has_win.to(o_win.dtype))[..., None]
+        o = w_win * o_win + (1 - w_win) * o_lin
+    else:
+        o = mix_parts(parts)
+    return o[:, P:].to(v.dtype), final_state
+
+
+def window_parts(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int, key_valid=None,
+                 initial_state=None, output_final_state: bool = False, backend: str = "auto", log_decay=None,
+                 sink_mask=None, lead: int = 0):
+    """The hybrid's parts before they are mixed, over the Tk key positions (the P cached ones first, without
+    queries): ([(ō, λ, present) of the window's band, of the linear branch, and with a sink of the sink keys beyond
+    the band], final state). ō [B, Tk, H, V] is a part's own normalised output, λ [B, Tk, H] its log-mass: a
+    query's share of a part is e^λ over the sum of e^λ of the parts it has (`mix_parts`). What
+    `blocked_window_linear_attention` mixes, and what `benchmarks/linear_share.py` reads."""
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
     P = k.shape[1] - q.shape[1]
     # Every tensor is laid out over the Tk key positions; the P cached positions get zero queries, dropped at the end.
@@ -389,15 +411,9 @@ def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offs
     o_lin = o_aug[..., :-1] / den.clamp_min(TINY)[..., None]
     shift = F.pad(q_log_scale.to(dtype), (0, 0, P, 0)) + log_offset.to(dtype)
     lam_lin = torch.where(has_lin, torch.log(den.clamp_min(TINY)) + shift, 0)
-
-    if sink_mask is None:
-        both = has_win & has_lin
-        w_win = torch.where(both, torch.sigmoid(lam_win - lam_lin), has_win.to(dtype))[..., None]
-        o = w_win * o_win + (1 - w_win) * o_lin
-    else:
-        parts = [(o_win, lam_win, has_win), (o_lin, lam_lin, has_lin),
-                 sink_softmax(qf, k, v, scaling, window, valid_and(key_valid, sink_mask))]
-        o = mix_parts(parts)
+    parts = [(o_win, lam_win, has_win), (o_lin, lam_lin, has_lin)]
+    if sink_mask is not None:
+        parts.append(sink_softmax(qf, k, v, scaling, window, valid_and(key_valid, sink_mask)))
     if final_state is not None:
         final_state = final_state.to(dtype)
-    return o[:, P:].to(v.dtype), final_state
+    return parts, final_state
