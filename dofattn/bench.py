@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from dofattn.options import option
 from dofattn.errors import UserError
+from dofattn.options import option
 
 
 PARTS = ("prefill", "decode", "generation")

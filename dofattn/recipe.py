@@ -34,7 +34,7 @@ LOCAL = ("keep", "linearize")
 class Run:
     model: str = option("smollm2-135m", "the teacher: built-in alias (smollm2-135m), hub id, model folder or .gguf")
     data: str = option("wiki-sample", "training text: wiki-sample, a .txt/.jsonl/.parquet file or folder, "
-                                    "hf:NAME[:CONFIG[:SPLIT]], or several joined by + (pooled)")
+                                      "hf:NAME[:CONFIG[:SPLIT]], or several joined by + (pooled)")
     eval_data: str | None = option(None, "the text scored (its validation split) when it is not data's")
     seed: int = option(0, "seed of the features' start, the data order and the DoF sample")
     dtype: str = option("float32", "the frozen model's dtype; trained tensors stay float32", choices=DTYPES)
@@ -44,14 +44,14 @@ class Run:
 class Student:
     attention: Attention = field(default_factory=Attention, metadata={"holds": Attention})  # keys: student.window
     dims: str = option("dof", "features per layer: dof (in proportion to each layer's DoF, mean = head size), clip "
-                            "(dof capped at the head size), fix, fix:C, or a dof.json from `dofattn dof`")
+                              "(dof capped at the head size), fix, fix:C, or a dof.json from `dofattn dof`")
     keep_softmax: int = option(0, "keep K layers as softmax attention, chosen by keep_softmax_by")
     keep_softmax_by: str = option("dof", "which layers keep_softmax keeps: dof (the largest DoF of their attention "
-                                       "matrices) or copy (the teacher's heads that copy most from far back, which "
-                                       "recall beyond the window needs; their KV cache grows with the context)",
+                                         "matrices) or copy (the teacher's heads that copy most from far back, which "
+                                         "recall beyond the window needs; their KV cache grows with the context)",
                                   choices=KEEP_BY)
     local_layers: str = option("keep", "the model's own sliding-window layers (Gemma 2/3, Mistral): keep (exact, as "
-                                     "they are bounded already) or linearize (like the rest)", choices=LOCAL)
+                                       "they are bounded already) or linearize (like the rest)", choices=LOCAL)
     lora_rank: int = option(0, "LoRA adapters of this rank, trained in the end-to-end phase (0: none)")
     lora_targets: str = option("attention", "what LoRA adapts: attention (q, k, v, o) or all (the MLP too)",
                                choices=LORA_TARGETS)
@@ -65,7 +65,7 @@ class Dof:
 @dataclass(frozen=True)
 class Layerwise:
     loss: str = option("softmax", "each layer's loss against the teacher: softmax (KL of attention rows) or l2 "
-                                "(kernel values; prf or performer)", choices=LOSSES)
+                                  "(kernel values; prf or performer)", choices=LOSSES)
     steps: int = option(150, "Adam steps per layer (0: no layerwise stage)")
     batch_size: int = option(4, "blocks per step")
     seq_len: int = option(256, "tokens per block")
@@ -87,9 +87,9 @@ class EndToEnd:
     eval_every: int = option(0, "validation perplexity every N steps, kept in log.json (0: at the end only)")
     checkpoint_every: int = option(10, "steps between checkpoints")
     loss_chunk: int = option(1024, "positions per chunk of the logits in the loss, so the teacher's and the student's "
-                                 "full logits never exist at once (0: the whole block in one)")
+                                   "full logits never exist at once (0: the whole block in one)")
     activation_checkpointing: bool = option(False, "recompute each decoder layer's activations in the backward pass: "
-                                                 "less memory, about a third more time")
+                                                   "less memory, about a third more time")
 
 
 @dataclass(frozen=True)

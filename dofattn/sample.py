@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.options import DATA_HELP, option
 from dofattn.data import token_blocks
 from dofattn.errors import UserError
+from dofattn.options import DATA_HELP, option
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,7 @@ def run(spec: SampleSpec, samples: int, out: str | Path, device: str = "auto", d
     """`dofattn sample`: load `spec.model` and append samples to `out` until it holds `samples` (a .jsonl file),
     everything checked before the model loads. -> {"samples": in the file, "new": written now, "seconds", "out"}."""
     from dofattn.data import check_source
-    from dofattn.hf import resolve_device
-    from dofattn.hf import load_model, parse_dtype
+    from dofattn.hf import load_model, parse_dtype, resolve_device
 
     out = Path(out).expanduser()
     if out.suffix != ".jsonl":

@@ -37,12 +37,12 @@ class Attention:
     convolution, the delta rule). `LinearAttention` composes one part per mechanism from it."""
 
     feature: str = option("prf", "feature map: learned positive random features (prf), fixed ones (performer), "
-                              "Hedgehog's learned softmax map, or DiJiang's", choices=FEATURES)
+                                 "Hedgehog's learned softmax map, or DiJiang's", choices=FEATURES)
     window: int = option(64, "exact softmax attention over the last W tokens beside the linear part (0: pure linear)")
     sink: int = option(4, "the first S tokens stay exact for every query beside the window (0: none)")
     decay: str = option("none", "decay of the linear state: none, head (a learned rate per head, beside a window "
-                             "counted from its edge) or gate (per token, read off its value; pure linear attention "
-                             "only)", choices=DECAYS)
+                                "counted from its edge) or gate (per token, read off its value; pure linear attention "
+                                "only)", choices=DECAYS)
     conv: int = option(0, "a short causal convolution of this width on q, k and v (0: none)")
     delta: bool = option(False, "write the linear state by the delta rule (pure linear attention only)")
 

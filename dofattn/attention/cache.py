@@ -3,7 +3,8 @@
 `LinearStateLayer` holds a layer's state [B, H, M, V+1], its token count, and a state per part that keeps one
 (`WindowState`: the last W keys and values; `SinkState`: the first S real tokens' keys; `ConvState`: a short
 convolution's last K-1 inputs), so memory stays flat in context length. `RingWindowLayer` keeps a hybrid's window
-in a fixed ring of W slots for static decoding (`engine.StaticDecoder`). `state_layer` puts a `LinearStateLayer` into a fresh cache slot.
+in a fixed ring of W slots for static decoding (`engine.StaticDecoder`). `state_layer` puts a `LinearStateLayer`
+into a fresh cache slot.
 """
 
 from __future__ import annotations
@@ -90,10 +91,6 @@ class LinearStateLayer(CacheLayerMixin):
             self.parts[name] = PART_STATES[name]()
         return self.parts[name]
 
-    def holders(self) -> list:
-        """Every object holding tensors of this slot: the slot itself (its `state`) and its parts' states."""
-        return [self, *self.parts.values()]
-
     def tensors(self) -> dict[str, torch.Tensor]:
         found = {} if self.state is None else {"state": self.state}
         for part, state in self.parts.items():
@@ -101,12 +98,12 @@ class LinearStateLayer(CacheLayerMixin):
         return found
 
     def _map(self, fn) -> None:
-        """Every tensor t of the slot replaced by fn(t)."""
-        for holder in self.holders():
-            names = ("state",) if holder is self else holder.NAMES
-            for name in names:
-                if getattr(holder, name) is not None:
-                    setattr(holder, name, fn(getattr(holder, name)))
+        """Every tensor t of the slot replaced by fn(t): the state and each part's."""
+        if self.state is not None:
+            self.state = fn(self.state)
+        for part in self.parts.values():
+            for name, t in part.tensors().items():
+                setattr(part, name, fn(t))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device

@@ -4,7 +4,7 @@ dataclass.
 A command module has
 - a docstring: the verb's `--help` description, its first line the verb's line in `dofattn --help`;
 - `options()`: the dataclasses whose fields are its options, the library's own config where there is one
-  (`bench.BenchConfig`, `eval_job.EvalConfig`, `sample.SampleSpec`);
+  (`bench.BenchConfig`, `dof_job.DofConfig`, `eval_job.EvalConfig`, `sample.SampleSpec`);
 - `add_parser(verbs)`: its subparser, made by `add_verb`;
 - `run(ns) -> int`: the verb, from the parsed namespace (`config(cls, ns)` turns it into the dataclass).
 
@@ -28,8 +28,6 @@ import typing
 from dofattn.errors import UserError
 
 VERBS = ("dof", "distill", "recipes", "eval", "generate", "bench", "sample", "export")
-
-from dofattn.options import DATA_HELP, option  # noqa: F401  (the commands' names for them)
 
 
 def module(verb: str) -> types.ModuleType:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from dofattn.commands import add_verb, config, option
+from dofattn.commands import add_verb, config
+from dofattn.options import option
 
 
 @dataclass
@@ -36,8 +37,7 @@ def add_parser(verbs):
 def run(ns) -> int:
     """The `bench` verb: `bench.bench`, its tables, and the JSON written after every row."""
     from dofattn.bench import BenchConfig, bench, format_tables
-    from dofattn.io import check_output
-    from dofattn.io import write_atomic
+    from dofattn.io import check_output, write_atomic
 
     cfg = config(BenchConfig, ns)
     out = check_output(config(BenchOutput, ns).out, "--out", (".json",))

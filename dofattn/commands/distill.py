@@ -18,8 +18,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dofattn.commands import DATA_HELP, add_verb, config, option
+from dofattn.commands import add_verb, config
 from dofattn.errors import UserError
+from dofattn.options import DATA_HELP, option
 
 
 @dataclass

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dofattn.commands import add_verb, config, option
+from dofattn.commands import add_verb, config
 from dofattn.errors import UserError
+from dofattn.options import option
 
 
 @dataclass

@@ -12,8 +12,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from dofattn.commands import add_verb, config, option
+from dofattn.commands import add_verb, config
 from dofattn.errors import UserError
+from dofattn.options import option
 
 
 @dataclass
@@ -49,10 +50,9 @@ def run(ns) -> int:
     """The `generate` verb."""
     import torch
 
-    from dofattn.hf import resolve_device
     from dofattn.export import is_export, load_export
     from dofattn.features import FEATURES
-    from dofattn.hf import load_model, parse_dtype
+    from dofattn.hf import load_model, parse_dtype, resolve_device
     from dofattn.spec import Attention
     from dofattn.student import is_student, linearize, load_student, resolve_dims
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dofattn.commands import add_verb, config, option
+from dofattn.commands import add_verb, config
+from dofattn.options import option
 
 
 @dataclass
