@@ -364,15 +364,3 @@ def format_recall(recall: dict) -> str:
     n = len(recall["records"]) // (len(tasks) * len(recall["lengths"]))
     lines.append(f"({n} prompts per task and length; accuracy is the share answered exactly)")
     return "\n".join(lines)
-
-
-MOVED = ("COPY_SPAN", "COPY_SEQ_LEN", "COPY_BLOCKS", "copy_probe", "copy_mass", "copy_scores")
-
-
-def __getattr__(name: str):
-    """The copy probe, moved to `dofattn.distill.choose`, still read from here."""
-    if name in MOVED:
-        from dofattn.distill import choose
-
-        return getattr(choose, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

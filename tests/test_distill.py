@@ -570,7 +570,7 @@ def test_keep_softmax_leaves_the_layers_with_the_largest_attention_dof_exact(cap
 
 
 def test_keep_softmax_by_copy_keeps_the_layers_whose_heads_copy_most(capsys, model_dirs, corpus, tmp_path):
-    """keep_softmax_by = copy: the layers of the best copy scores (`recall.copy_scores`) stay softmax; the scores
+    """keep_softmax_by = copy: the layers of the best copy scores (`choose.copy_scores`) stay softmax; the scores
     are measured once and kept in the run folder."""
     out = tmp_path / "run"
     code, _, err = run(capsys, *distill_argv(model_dirs["llama"], corpus, out, "layerwise.steps=2",

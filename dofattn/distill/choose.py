@@ -21,14 +21,14 @@ from tqdm.auto import tqdm
 
 from dofattn.capture import capture, run_forward
 from dofattn.distill.world import barrier, world
-from dofattn.errors import UserError
-from dofattn.io import write_atomic
 from dofattn.dof import DofResult, allocate_dims, attention_dofs, sample_points
 from dofattn.dof_job import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+from dofattn.errors import UserError
 from dofattn.hf import context_length
+from dofattn.io import write_atomic
 from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.recipe import Recipe
-from dofattn.student import head_layout, resolve_dims
+from dofattn.student import attention_modules, global_layers, head_layout, resolve_dims
 
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which the teacher's attention matrices are measured
 ATTENTION_DOF_SEQ_LEN = 512   # tokens per block, at most (else eval.seq_len): each T x T matrix's SVD costs T³
@@ -147,8 +147,6 @@ def linear_layers(recipe: Recipe, model, chosen: list[int] | None = None) -> lis
     = keep all but the model's own sliding-window ones, `student.global_layers`) less the softmax layers `chosen`
     (`softmax_layers`). `chosen` [] gives the candidates themselves, None takes the last student.keep_softmax of
     them (the dry run's plan: the layers are chosen at run time). A UserError where keep_softmax leaves none."""
-    from dofattn.errors import UserError
-    from dofattn.student import attention_modules, global_layers
 
     s = recipe.student
     candidates = global_layers(model) if s.local_layers == "keep" else list(range(len(attention_modules(model))))
