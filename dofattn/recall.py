@@ -178,20 +178,29 @@ class RecallTasks:
 def read_answer(model, prompt: Prompt) -> tuple[list[int], float, int]:
     """The model's most likely token at each answer position (given the prompt and the answer before it), the
     answer's log-probability, and the bytes its generation cache holds after the whole sequence (what it keeps
-    per sequence at this length: a KV cache, or a state with its window and sink). One forward pass; logits only at
-    the answer's positions."""
+    per sequence at this length: a KV cache, or a state with its window and sink). The prompt is read in one cached
+    call and the answer in a second, as generation would (a student's selected keys, `exact.Select`, are chosen
+    after the prompt); logits only at the answer's positions. A model without a cache: one forward pass."""
     from transformers import DynamicCache
 
     from dofattn.attention.cache import cache_bytes
     from dofattn.hf import cache_kwargs
 
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt.ids + prompt.answer], device=device)
     n = len(prompt.answer)
     cache = DynamicCache(config=model.config) if hasattr(model, "config") else None
-    kwargs = cache_kwargs(model, cache) if cache is not None else {}
-    logits = model(input_ids=ids, use_cache=cache is not None, logits_to_keep=n + 1,
-                   **kwargs).logits[0, :-1].float()                                             # [n, vocab]
+    if cache is None:
+        ids = torch.tensor([prompt.ids + prompt.answer], device=device)
+        logits = model(input_ids=ids, logits_to_keep=n + 1).logits[0, :-1].float()            # [n, vocab]
+    else:
+        kwargs = cache_kwargs(model, cache)
+        first = model(input_ids=torch.tensor([prompt.ids], device=device), use_cache=True, logits_to_keep=1,
+                      **kwargs).logits[0]                                                       # [1, vocab]
+        logits = [first.float()]
+        if n > 1:
+            rest = torch.tensor([prompt.answer[:-1]], device=device)
+            logits.append(model(input_ids=rest, use_cache=True, **kwargs).logits[0].float())
+        logits = torch.cat(logits)                                                              # [n, vocab]
     answer = torch.tensor(prompt.answer, device=device)
     log_p = torch.log_softmax(logits, -1).gather(1, answer[:, None]).sum().item()
     return logits.argmax(-1).tolist(), log_p, cache_bytes(cache)

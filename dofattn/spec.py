@@ -43,6 +43,11 @@ class Attention:
     decay: str = option("none", "decay of the linear state: none, head (a learned rate per head, beside a window "
                                 "counted from its edge) or gate (per token, read off its value; pure linear attention "
                                 "only)", choices=DECAYS)
+    select: int = option(0, "after the prompt, keep exact the C keys per kv head that its last queries attend to "
+                            "most (SnapKV-style), beside the window: recall of a fact asked for at the end, in fixed "
+                            "memory (0: none)")
+    select_observe: int = option(32, "the prompt's last queries whose attention chooses the selected keys")
+    select_pool: int = option(7, "a selected key brings its neighbours: scores max-pooled over this many keys (odd)")
     conv: int = option(0, "a short causal convolution of this width on q, k and v (0: none)")
     delta: bool = option(False, "write the linear state by the delta rule (pure linear attention only)")
 
@@ -51,7 +56,8 @@ class Attention:
         if self.feature not in FEATURES:
             raise UserError(f"student.feature = {self.feature!r} is not a feature map; use one of "
                             f"{', '.join(FEATURES)}")
-        for name, kind in (("window", int), ("sink", int), ("conv", int), ("delta", bool)):
+        for name, kind in (("window", int), ("sink", int), ("select", int), ("select_observe", int),
+                           ("select_pool", int), ("conv", int), ("delta", bool)):
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise UserError(f"student.{name} = {value!r} is not {'an integer' if kind is int else 'true or false'}")
@@ -65,6 +71,16 @@ class Attention:
         if self.sink and not self.window:
             raise UserError(f"student.sink = {self.sink} sits beside a softmax window: set student.window >= 1, or "
                             f"sink = 0")
+        if self.select < 0:
+            raise UserError(f"student.select = {self.select}: give >= 0 keys per kv head (0: none)")
+        if self.select and not self.window:
+            raise UserError(f"student.select = {self.select} keys are read exactly with a softmax window: set "
+                            f"student.window >= 1, or select = 0")
+        if self.select and self.decay != "none":
+            raise UserError(f"student.select beside a decay is not built: set student.decay = 'none', or select = 0")
+        if self.select_observe < 1 or self.select_pool < 1 or self.select_pool % 2 == 0:
+            raise UserError(f"student.select_observe = {self.select_observe} must be >= 1 and student.select_pool "
+                            f"= {self.select_pool} odd and >= 1")
         if self.decay == "gate" and self.window:
             raise UserError("student.decay = 'gate' is for pure linear attention: set student.window = 0 (and sink "
                             "= 0), or decay = 'head'")
@@ -91,6 +107,7 @@ class Attention:
         """`window=64, sink=4, decay=head`: what differs from pure linear attention, for a layer's repr."""
         parts = [f"window={self.window}"] if self.window else []
         parts += [f"sink={self.sink}"] if self.sink else []
+        parts += [f"select={self.select}"] if self.select else []
         parts += [f"decay={self.decay}"] if self.decays else []
         parts += [f"conv={self.conv}"] if self.conv else []
         parts += ["delta"] if self.delta else []

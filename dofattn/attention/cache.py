@@ -56,13 +56,20 @@ class SinkState(PartState):
     full = False
 
 
+class SelectState(PartState):
+    """A bounded exact cache's chosen keys and values per kv head ([B, C, Hkv, D]; slot c of a kv head holds that
+    head's c-th choice, without positions) and which slots are filled ([B, C])."""
+
+    NAMES = ("keys", "values", "valid")
+
+
 class ConvState(PartState):
     """A short convolution's last K-1 inputs of q, k and v ([B, K-1, heads, D]; zeros before the first token)."""
 
     NAMES = ("q", "k", "v")
 
 
-PART_STATES = {"window": WindowState, "sink": SinkState, "conv": ConvState}
+PART_STATES = {"window": WindowState, "sink": SinkState, "select": SelectState, "conv": ConvState}
 
 
 class LinearStateLayer(CacheLayerMixin):
@@ -197,6 +204,10 @@ class RingWindowLayer(StaticStateLayer):
             ring_sink.keys, ring_sink.values, ring_sink.valid = (x.contiguous() for x in (
                 sink.keys, sink.values, sink.valid))   # slices of a longer buffer: the kernel's rows
             ring_sink.full = True
+        chosen = layer.parts.get("select")
+        if chosen is not None and chosen.keys is not None:
+            ring_chosen = ring.part("select")
+            ring_chosen.keys, ring_chosen.values, ring_chosen.valid = chosen.keys, chosen.values, chosen.valid
         return ring
 
 

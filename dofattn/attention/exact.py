@@ -19,7 +19,8 @@ from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, SinkState
 from dofattn.attention.linear import check_left_padding
 from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops.naive import needs_grad
-from dofattn.ops.softmax import attention_logits
+from dofattn.ops.select import select_keys
+from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.ops.window import first_keys, fold_key, window_decode_step, window_linear_attention, window_logits
 
 
@@ -91,10 +92,14 @@ class Window(nn.Module):
         keep_buffer(cache, "state", state)
         for part, new in zip(sets, taken):
             part.store(cache, k, v, new)
+        settled = [part.settle(layer, cache, q, k, v, key_valid, exact_new) for part in sets]
         window_valid = valid[:, lead:]
         if exact_new is not None:   # a key a set holds is not a window key: none counts twice
             window_valid = torch.cat([window_valid[:, :-T], window_valid[:, -T:] & ~exact_new], 1)
         self.keep(cache, keys[:, lead:], values[:, lead:], window_valid)
+        k_scale = next((x for x in settled if x is not None), None)
+        if k_scale is not None:   # keys chosen by this call's last queries: its last query reads them too
+            o = torch.cat([o[:, :-1], self.read_exact(layer, q[:, -1:], cache, k_scale, q.dtype)], 1)
         return o
 
     def keep(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor) -> None:
@@ -110,6 +115,8 @@ class Window(nn.Module):
         once)."""
         fmap = layer.feature_map
         if not (backend == "triton" or (backend == "auto" and q.is_cuda)) or layer.attention.decay == "gate":
+            return False
+        if layer.select is not None:   # the kernel reads a sink and a ring only: PyTorch reads every exact set
             return False
         if needs_grad(q, *layer.parameters()):
             return False
@@ -240,6 +247,13 @@ class ExactSet(nn.Module):
     def ready(self, cache: LinearStateLayer) -> bool:
         return True
 
+    def settle(self, layer, cache: LinearStateLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               key_valid: torch.Tensor, exact_new: torch.Tensor) -> torch.Tensor | None:
+        """After a cached call (q [B, T, H, D], k, v [B, T, Hkv, D], key_valid [B, T], exact_new [B, T]: the keys
+        other sets took), with its state in the cache: a set that chooses from a whole call does it here, and
+        returns the call's key log-scale [H] (its last query then reads the chosen keys too); otherwise None."""
+        return None
+
 
 class Sink(ExactSet):
     """The first S real tokens of a sequence stay exact for every later query, however far back, and never enter the
@@ -281,3 +295,58 @@ class Sink(ExactSet):
             index = slot.reshape(B, T, *[1] * (new.dim() - 2)).expand_as(new)
             setattr(sink, name, buffer.scatter(1, index, new)[:, :S])
         sink.valid = torch.cat([sink.valid, taken.new_zeros(B, 1)], 1).scatter(1, slot, taken)[:, :S]
+
+
+class Select(ExactSet):
+    """A bounded cache of `count` keys per kv head chosen from the prompt by its last queries (`ops.select`): after
+    a sequence's first cached call (the prompt), the keys its last `observe` queries attend to most, beyond the final
+    window and outside the sink, leave the linear state and stay exact for the prompt's last query and every later
+    one (the answer, the generated tokens). The prompt's other outputs are unchanged (none reads a key chosen by
+    later queries), as is the full forward without a cache: the set serves what comes after a prompt. Later calls
+    choose nothing; memory stays `count` keys per kv head at any length."""
+
+    name = "select"
+
+    def __init__(self, count: int, observe: int, pool: int):
+        super().__init__()
+        self.count, self.observe, self.pool = int(count), int(observe), int(pool)
+
+    def extra_repr(self) -> str:
+        return f"count={self.count}, observe={self.observe}, pool={self.pool}"
+
+    def take(self, cache: LinearStateLayer, key_valid: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(key_valid)          # the set chooses after the call (`settle`), not per key
+
+    def store(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, taken: torch.Tensor) -> None:
+        pass
+
+    def ready(self, cache: LinearStateLayer) -> bool:
+        return cache.part("select").keys is not None
+
+    def settle(self, layer, cache: LinearStateLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               key_valid: torch.Tensor, exact_new: torch.Tensor) -> None:
+        """On a sequence's first call: choose the keys, keep them, and take them out of the state (which held every
+        key of the call beyond the last W and the sink)."""
+        chosen = cache.part("select")
+        if chosen.keys is not None:
+            return None
+        B, T, Hkv, D = k.shape
+        candidates = key_valid & ~exact_new
+        candidates[:, max(T - layer.window.width, 0):] = False                # still in the window: exact anyway
+        index, valid = select_keys(q, k, layer.feature_map.scaling, candidates, self.count, self.observe,
+                                   self.pool, key_valid)                      # [B, Hkv, C], [B, C]
+        at = index.transpose(1, 2)                                            # [B, C, Hkv]
+        keys = k.gather(1, at[..., None].expand(-1, -1, -1, D))
+        values = v.gather(1, at[..., None].expand(-1, -1, -1, v.shape[-1]))
+        phi, k_scale = layer.feature_map.features(layer.expand_kv(k), "key")  # as the call's op: the same keys
+        if cache.state is not None:
+            phi = in_model_dtype(phi, q.dtype)
+            at_q = expand_kv(at, layer.num_heads)                             # [B, C, H]
+            phi = phi.gather(1, at_q[..., None].expand(-1, -1, -1, phi.shape[-1])) * valid[:, :, None, None]
+            ones = torch.ones_like(values[..., :1])
+            read = layer.expand_kv(torch.cat([values, ones], -1))               # [B, C, H, V+1]
+            dtype = cache.state.dtype
+            update = torch.einsum("bchm,bchv->bhmv", phi.to(dtype), read.to(dtype))
+            keep_buffer(cache, "state", cache.state - update)
+        chosen.keys, chosen.values, chosen.valid = keys, values, valid
+        return k_scale
