@@ -28,6 +28,7 @@ from dofattn.options import option
 SCHEMA = 3                        # of dofattn.json; 2: the attention keys flat in the spec; 1: decay/gate flags
 DECAYS = ("none", "head", "gate")  # no decay; a learned decay per head; a decay per token read off its value
 LORA_TARGETS = ("attention", "all")
+SELECT_IN = ("softmax", "all")     # the kept softmax layers; those and the linear layers
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class Attention:
     select: int = option(0, "after the prompt, keep exact the C keys per kv head that its last queries attend to "
                             "most (SnapKV-style), beside the window: recall of a fact asked for at the end, in fixed "
                             "memory (0: none)")
+    select_in: str = option("softmax", "the layers that keep selected keys: softmax (the layers kept exact, whose "
+                                       "cache after the prompt becomes the sink, the window and the selected keys) "
+                                       "or all (the linear layers too, beside their window)", choices=SELECT_IN)
     select_observe: int = option(32, "the prompt's last queries whose attention chooses the selected keys")
     select_pool: int = option(7, "a selected key brings its neighbours: scores max-pooled over this many keys (odd)")
     conv: int = option(0, "a short causal convolution of this width on q, k and v (0: none)")
@@ -78,6 +82,8 @@ class Attention:
                             f"student.window >= 1, or select = 0")
         if self.select and self.decay != "none":
             raise UserError(f"student.select beside a decay is not built: set student.decay = 'none', or select = 0")
+        if self.select_in not in SELECT_IN:
+            raise UserError(f"student.select_in = {self.select_in!r}; use softmax (the layers kept exact) or all")
         if self.select_observe < 1 or self.select_pool < 1 or self.select_pool % 2 == 0:
             raise UserError(f"student.select_observe = {self.select_observe} must be >= 1 and student.select_pool "
                             f"= {self.select_pool} odd and >= 1")
@@ -107,7 +113,7 @@ class Attention:
         """`window=64, sink=4, decay=head`: what differs from pure linear attention, for a layer's repr."""
         parts = [f"window={self.window}"] if self.window else []
         parts += [f"sink={self.sink}"] if self.sink else []
-        parts += [f"select={self.select}"] if self.select else []
+        parts += [f"select={self.select}" + ("" if self.select_in == "softmax" else " (all layers)")] if self.select else []
         parts += [f"decay={self.decay}"] if self.decays else []
         parts += [f"conv={self.conv}"] if self.conv else []
         parts += ["delta"] if self.delta else []

@@ -23,6 +23,7 @@ from torch import nn
 
 from dofattn import __version__
 from dofattn.attention import LinearAttention, install
+from dofattn.attention.bounded import BoundedSoftmax
 from dofattn.dof import DofResult
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
@@ -132,6 +133,9 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
         linear = LinearAttention(attention, fmap, num_kv_heads=kv_heads).to(param.device)
         linear.train(modules[i].training)
         modules[i].add_module("dofattn", linear)
+    for i in global_layers(model):   # kept softmax layers: their cache bounded after the prompt (`attention.bounded`)
+        if i not in layers and attention.select:
+            modules[i].add_module("dofattn_bounded", BoundedSoftmax(attention, modules[i].scaling))
     install(model)
     return model
 

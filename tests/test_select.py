@@ -60,7 +60,8 @@ def test_selection_follows_the_last_queries():
 
 def odd_layer(**extra) -> LinearAttention:
     torch.manual_seed(0)
-    attention = Attention(window=WINDOW, sink=SINK, select=COUNT, select_observe=OBSERVE, select_pool=POOL, **extra)
+    attention = Attention(window=WINDOW, sink=SINK, select=COUNT, select_in="all", select_observe=OBSERVE,
+                          select_pool=POOL, **extra)
     layer = LinearAttention(attention, make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=1),
                             num_kv_heads=HKV).double()
     with torch.no_grad():
@@ -157,7 +158,7 @@ def test_the_state_loses_exactly_the_chosen_keys():
 
 def test_select_bounds_the_cache_and_counts_in_its_bytes():
     model = tiny_model("llama")
-    linearize(model, [4] * 3, Attention(window=4, sink=2, select=5, select_observe=3), seed=1)
+    linearize(model, [4] * 3, Attention(window=4, sink=2, select=5, select_in="all", select_observe=3), seed=1)
     prompt = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(0))
     sizes = []
     for extra in (0, 30):
@@ -182,3 +183,76 @@ def test_select_errors_and_round_trip():
     spec = StudentSpec(base_model="x", dims=(4, 4), layers=(0, 1), attention=Attention(select=16, select_observe=8))
     assert StudentSpec.from_json(spec.to_json()) == spec
     assert "select=16" in Attention(select=16).describe()
+
+
+# --- a kept softmax layer's bounded cache (`attention.bounded`) ------------------------------------------------
+
+def test_bounded_softmax_cache_reads_what_the_spec_keeps():
+    """A prompt read in full, then chunks: each later query of head h attends, exactly, to the sink, its kv head's
+    selected keys and the keys less than W back, by a naive softmax over that set."""
+    from types import SimpleNamespace
+
+    from transformers.cache_utils import DynamicLayer
+
+    from dofattn.attention.bounded import BoundedSoftmax
+
+    q, k, v, valid = inputs()
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))                                    # HF layout [B, heads, T, D]
+    scaling = D ** -0.5
+    bounded = BoundedSoftmax(Attention(window=WINDOW, sink=SINK, select=COUNT, select_observe=OBSERVE,
+                                       select_pool=POOL), scaling)
+    cache = SimpleNamespace(layers=[DynamicLayer()])
+    bounded.cache, bounded.layer_idx = cache, 0
+    keys, values = cache.layers[0].update(k[:, :, :P], v[:, :, :P])
+    bounded.after(q[:, :, :P], keys, values, valid[:, :P])
+    got = []
+    for piece in (slice(P, P + 1), slice(P + 1, P + 2), slice(P + 2, T)):
+        keys, values = cache.layers[0].update(k[:, :, piece], v[:, :, piece])
+        mask = bounded.mask()                                                            # [B, 1, t, n]
+        logits = scaling * expand_kv(keys, H, dim=1).transpose(-1, -2).__rmatmul__(q[:, :, piece])
+        weights = torch.softmax(logits.masked_fill(~mask, -torch.inf), -1)
+        got.append(weights @ expand_kv(values, H, dim=1))
+    got = torch.cat(got, 2)                                                              # [B, H, T - P, D]
+    assert cache.layers[0].keys.shape[2] <= WINDOW + (T - P - 2)
+    sink = first_keys(valid, B, T, SINK, q.device)
+    candidates = valid[:, :P] & ~sink[:, :P] & (torch.arange(P) < P - WINDOW)
+    index, chosen = naive_select_keys(q[:, :, :P].transpose(1, 2), k[:, :, :P].transpose(1, 2), scaling, candidates,
+                                      COUNT, OBSERVE, POOL, valid[:, :P])
+    for b in range(B):
+        for h in range(H):
+            held = {int(s) for s, ok in zip(index[b, h // (H // HKV)], chosen[b]) if ok}
+            held |= {s for s in range(P) if sink[b, s]}
+            for t in range(P, T):
+                seen = sorted(held | {s for s in range(max(t - WINDOW + 1, 0), t + 1) if valid[b, s]})
+                w = torch.softmax(scaling * k[b, h // (H // HKV), seen] @ q[b, h, t], 0)
+                want = w @ v[b, h // (H // HKV), seen]
+                torch.testing.assert_close(got[b, h, t - P], want, rtol=1e-9, atol=1e-9)
+
+
+def test_a_bounded_cache_that_drops_nothing_generates_as_the_full_one():
+    """With a window past the whole sequence (nothing dropped) the bounded kept layer generates exactly what the
+    student with a full KV cache generates; with little room it differs, and its cache stays the same size at any
+    prompt length."""
+    prompt = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for name, attention in {"full": Attention(window=64, sink=2),
+                            "roomy": Attention(window=64, sink=2, select=64, select_observe=3),
+                            "tight": Attention(window=4, sink=2, select=3, select_observe=3)}.items():
+        model = tiny_model("llama")
+        linearize(model, [4] * 3, attention, layers=[0, 2], seed=1)
+        with torch.no_grad():
+            outs[name] = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                        return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+        if name != "full":
+            assert type(outs[name].past_key_values.layers[1]).__name__ == "BoundedKVLayer"
+    torch.testing.assert_close(torch.stack(outs["roomy"].logits), torch.stack(outs["full"].logits))
+    assert not torch.allclose(torch.stack(outs["tight"].logits), torch.stack(outs["full"].logits))
+    sizes = []
+    for length in (12, 30):
+        model = tiny_model("llama")
+        linearize(model, [4] * 3, Attention(window=4, sink=2, select=3, select_observe=3), layers=[0, 2], seed=1)
+        with torch.no_grad():
+            out = model.generate(prompt[:, :length], max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        sizes.append(cache_bytes(out.past_key_values))
+    assert sizes[0] == sizes[1]

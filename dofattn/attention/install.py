@@ -32,16 +32,24 @@ CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
 
 def _bind_cache(module: nn.Module, args, kwargs) -> None:
     linear = getattr(module, "dofattn", None)       # None: the linear part taken off, softmax again
+    bounded = getattr(module, "dofattn_bounded", None)
     config = getattr(module, "config", None)        # in `teacher_mode` (SDPA) the slot stays a KV cache
-    if linear is not None and getattr(config, "_attn_implementation", IMPLEMENTATION) in IMPLEMENTATIONS:
-        cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
+    if getattr(config, "_attn_implementation", IMPLEMENTATION) not in IMPLEMENTATIONS:
+        return
+    cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
+    if linear is not None:
         linear.cache_layer = None if cache is None else state_layer(cache, module.layer_idx)
+    elif bounded is not None:
+        bounded.cache, bounded.layer_idx = cache, module.layer_idx
 
 
 def _unbind_cache(module: nn.Module, args, kwargs, output) -> None:
     linear = getattr(module, "dofattn", None)
     if linear is not None:
         linear.cache_layer = None
+    bounded = getattr(module, "dofattn_bounded", None)
+    if bounded is not None:
+        bounded.cache = None
 
 
 def _key_padding(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -57,16 +65,24 @@ def _key_padding(attention_mask: torch.Tensor | None, length: int) -> torch.Tens
 def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: torch.Tensor | None, eager: bool, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A softmax layer's attention: SDPA, or the family's eager attention. In static decoding a kept layer attends
-    over the slots written so far (its `dofattn_static_kv`), in place of HF's mask."""
+    over the slots written so far (its `dofattn_static_kv`), in place of HF's mask; a kept layer with a bounded cache
+    (`dofattn_bounded`) over what its cache keeps after the prompt, and it bounds the cache after the prompt."""
     static = getattr(module, "dofattn_static_kv", None)
-    if static is not None:
-        attention_mask = static.slot_mask()
+    bounded = getattr(module, "dofattn_bounded", None)
+    own = static.slot_mask() if static is not None else bounded.mask() if bounded is not None else None
+    prompt_valid = _key_padding(attention_mask, key.shape[2]) if bounded is not None and own is None else None
+    if own is not None:
+        attention_mask = own
         if eager:                       # eager attention adds its mask to the logits
             attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 ~attention_mask, torch.finfo(query.dtype).min)
     if eager:
-        return base_attention("eager", module)(module, query, key, value, attention_mask, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        out = base_attention("eager", module)(module, query, key, value, attention_mask, **kwargs)
+    else:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if bounded is not None and bounded.cache is not None:    # after a prompt, the cache keeps what it bounds
+        bounded.after(query, key, value, prompt_valid)
+    return out
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -97,8 +113,9 @@ def install(model: nn.Module) -> None:
     eager = softmax_implementation(model.config) == "eager"
     model.set_attn_implementation(EAGER_IMPLEMENTATION if eager else IMPLEMENTATION)
     for module in model.modules():
-        if isinstance(getattr(module, "dofattn", None), LinearAttention) and not getattr(module, "_dofattn_hooked",
-                                                                                          False):
+        hooks = (isinstance(getattr(module, "dofattn", None), LinearAttention)
+                 or getattr(module, "dofattn_bounded", None) is not None)
+        if hooks and not getattr(module, "_dofattn_hooked", False):
             module.register_forward_pre_hook(_bind_cache, with_kwargs=True)
             module.register_forward_hook(_unbind_cache, with_kwargs=True)
             module._dofattn_hooked = True

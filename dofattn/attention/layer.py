@@ -56,7 +56,7 @@ class LinearAttention(LinearBranch, nn.Module):
         self.window = Window(attention.window, num_heads) if attention.window else None
         self.sink = Sink(attention.sink) if attention.sink else None
         self.select = (Select(attention.select, attention.select_observe, attention.select_pool)
-                       if attention.select else None)
+                       if attention.select and attention.select_in == "all" else None)
         self.decay = (Decay(num_heads) if attention.decay == "head" else Gate(num_heads, head_dim)
                       if attention.decay == "gate" else None)
         self.delta = DeltaRule(num_heads, head_dim) if attention.delta else None

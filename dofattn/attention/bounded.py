@@ -1,0 +1,150 @@
+"""A kept softmax layer with a bounded cache: after the prompt, its sink, its selected keys and a sliding window.
+
+A layer the student keeps as exact softmax attention (`keep_softmax`) holds every past key in a KV cache, which grows
+with the context. With `student.select` > 0 its module carries a `BoundedSoftmax` (`dofattn_bounded`): the prompt is
+read with full attention, as the teacher reads it; then the cache keeps the first S real tokens (the sink), the C keys
+per kv head that the prompt's last queries attend to most (`ops.select`, SnapKV-style) and the last W keys, and drops
+the rest (`BoundedKVLayer`). Every later query (the answer, the generated tokens) reads those, exactly, and a key
+leaving its window is gone: memory after the prompt is (S + C + W) keys per kv head at any length.
+
+    attention = Attention(window=64, sink=4, select=128)   # linearize(...) gives every kept layer its BoundedSoftmax
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+
+from dofattn.ops.select import select_keys
+from dofattn.ops.window import first_keys
+
+
+class BoundedKVLayer(CacheLayerMixin):
+    """A kept softmax layer's cache slot after a prompt: `held` keys and values [B, Hkv, S + C, D] (the sink's, then
+    each kv head's C selected; slot c of a kv head is that head's own choice, without positions) and which are real
+    ([B, S + C]), and the window's last keys [B, Hkv, n, D] with theirs ([B, n]). `update` appends a call's keys to
+    the window (after trimming it to the last W of the calls before) and returns [held, window]; `mask` says which of
+    them each new query sees."""
+
+    is_sliding = True            # HF sizes its causal mask on another layer; this slot hands SDPA its own (`mask`)
+    is_compileable = False
+    is_croppable = False
+    NAMES = ("held_keys", "held_values", "held_valid", "keys", "values", "valid")
+
+    def __init__(self, held_keys, held_values, held_valid, keys, values, valid, width: int, seen: int):
+        super().__init__()
+        self.held_keys, self.held_values, self.held_valid = held_keys, held_values, held_valid
+        self.keys, self.values, self.valid = keys, values, valid
+        self.width, self.seen, self.new = int(width), int(seen), 0
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a BoundedKVLayer is made from a prefilled layer (BoundedSoftmax)")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keep = slice(max(self.keys.shape[2] - self.width, 0), None)
+        B, _, T, _ = key_states.shape
+        self.keys = torch.cat([self.keys[:, :, keep], key_states], 2)
+        self.values = torch.cat([self.values[:, :, keep], value_states], 2)
+        self.valid = torch.cat([self.valid[:, keep], self.valid.new_ones(B, T)], 1)
+        self.seen, self.new = self.seen + T, T
+        return torch.cat([self.held_keys, self.keys], 2), torch.cat([self.held_values, self.values], 2)
+
+    def mask(self) -> torch.Tensor:
+        """[B, 1, T, S + C + n] bool for the last call's T queries: every real held key; a window key if it is real,
+        not after the query and less than W tokens before it."""
+        n, T = self.keys.shape[2], self.new
+        key_at = torch.arange(self.seen - n, self.seen, device=self.keys.device)              # [n]
+        query_at = torch.arange(self.seen - T, self.seen, device=self.keys.device)[:, None]   # [T, 1]
+        near = (key_at <= query_at) & (key_at > query_at - self.width)                         # [T, n]
+        window = near[None] & self.valid[:, None, :]                                           # [B, T, n]
+        held = self.held_valid[:, None, :].expand(-1, T, -1)
+        return torch.cat([held, window], -1)[:, None]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.NAMES}
+
+    def _map(self, fn) -> None:
+        for name in self.NAMES:
+            setattr(self, name, fn(getattr(self, name)))
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("a bounded cache cannot restart; let generate() create a fresh cache")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices])
+
+    def offload(self):
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        self._map(lambda t: t if t.device == self.device else t.to(self.device, non_blocking=True))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a bounded cache cannot drop tokens (no assisted or speculative decoding)")
+
+
+class BoundedSoftmax(nn.Module):
+    """A kept softmax layer's bounded cache (no parameters): the sink, window and selection of a `spec.Attention`.
+    `install` binds the HF cache and the layer's index for the duration of a call (`cache`, `layer_idx`)."""
+
+    def __init__(self, attention, scaling: float):
+        super().__init__()
+        self.scaling = float(scaling)
+        self.sink, self.width = attention.sink, attention.window
+        self.count, self.observe, self.pool = attention.select, attention.select_observe, attention.select_pool
+        self.cache, self.layer_idx = None, None
+
+    def extra_repr(self) -> str:
+        return f"sink={self.sink}, window={self.width}, select={self.count}"
+
+    def slot(self):
+        """The bound cache's slot for this layer (None without a cache)."""
+        if self.cache is None:
+            return None
+        cache = getattr(self.cache, "self_attention_cache", self.cache)
+        return cache.layers[self.layer_idx] if self.layer_idx < len(cache.layers) else None
+
+    def mask(self) -> torch.Tensor | None:
+        """The slot's own mask once it is bounded (a call after the prompt), else None (HF's mask stands)."""
+        slot = self.slot()
+        return slot.mask() if isinstance(slot, BoundedKVLayer) else None
+
+    @torch.no_grad()
+    def after(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | None):
+        """After a call's attention (query [B, H, T, D], key and value [B, Hkv, T, D] as the layer attended,
+        key_valid [B, T] or None): if it was a sequence's first (the prompt), the slot becomes bounded."""
+        slot = self.slot()
+        B, _, T, _ = key.shape
+        if type(slot) is not DynamicLayer or key.shape[2] != query.shape[2]:
+            return                        # bounded already, or not a prompt's first call: nothing to choose
+        q, k = query.transpose(1, 2), key.transpose(1, 2)                           # [B, T, H, D], [B, T, Hkv, D]
+        valid = torch.ones(B, T, dtype=torch.bool, device=key.device) if key_valid is None else key_valid
+        sink = first_keys(valid, B, T, self.sink, key.device) if self.sink else torch.zeros_like(valid)
+        candidates = valid & ~sink
+        candidates[:, max(T - self.width, 0):] = False
+        index, chosen = select_keys(q, k, self.scaling, candidates, self.count, self.observe, self.pool, valid)
+        order = torch.sort(torch.where(sink, 0, 1), dim=1, stable=True).indices[:, :self.sink]    # sink positions
+        at = torch.cat([order[:, None, :].expand(-1, k.shape[2], -1), index], -1)              # [B, Hkv, S + C]
+        held_valid = torch.cat([sink.gather(1, order), chosen], 1)
+        gather = lambda x: x.gather(2, at[..., None].expand(-1, -1, -1, x.shape[-1]))
+        last = slice(max(T - self.width, 0), None)
+        cache = getattr(self.cache, "self_attention_cache", self.cache)
+        cache.layers[self.layer_idx] = BoundedKVLayer(gather(key), gather(value), held_valid, key[:, :, last],
+                                                      value[:, :, last], (valid & ~sink)[:, last], self.width, T)
