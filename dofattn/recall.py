@@ -196,11 +196,9 @@ def read_answer(model, prompt: Prompt) -> tuple[list[int], float, int]:
         kwargs = cache_kwargs(model, cache)
         first = model(input_ids=torch.tensor([prompt.ids], device=device), use_cache=True, logits_to_keep=1,
                       **kwargs).logits[0]                                                       # [1, vocab]
-        logits = [first.float()]
-        if n > 1:
-            rest = torch.tensor([prompt.answer[:-1]], device=device)
-            logits.append(model(input_ids=rest, use_cache=True, **kwargs).logits[0].float())
-        logits = torch.cat(logits)                                                              # [n, vocab]
+        answer = torch.tensor([prompt.answer], device=device)    # all of it, so the cache holds the whole sequence
+        rest = model(input_ids=answer, use_cache=True, logits_to_keep=n, **kwargs).logits[0, :-1]
+        logits = torch.cat([first.float(), rest.float()])                                       # [n, vocab]
     answer = torch.tensor(prompt.answer, device=device)
     log_p = torch.log_softmax(logits, -1).gather(1, answer[:, None]).sum().item()
     return logits.argmax(-1).tolist(), log_p, cache_bytes(cache)
