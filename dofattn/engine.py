@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from dofattn.attention import RingWindowLayer, StaticKVLayer, StaticStateLayer
 from dofattn.errors import UserError
 from dofattn.hf import cache_kwargs, local_layers
+from dofattn.student import attention_modules
 
 WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
 
@@ -102,6 +103,10 @@ class StaticDecoder:
         if local:   # their HF slots keep the last W keys only; static slots for them are not written yet
             raise UserError(f"static decoding does not yet run a model's own sliding-window layers ({local}); use "
                             f"HF generate (model.generate(), or drop --static)")
+        bounded = [i for i, m in enumerate(attention_modules(model)) if getattr(m, "dofattn_bounded", None) is not None]
+        if bounded:   # their slots are bounded after the prompt; static slots for them are not written yet
+            raise UserError(f"static decoding does not yet run kept softmax layers with selected keys (student."
+                            f"select, layers {bounded}); use HF generate (model.generate(), or drop --static)")
         self.model = model
         self.device = next(model.parameters()).device
         if compile and graph:

@@ -256,3 +256,12 @@ def test_a_bounded_cache_that_drops_nothing_generates_as_the_full_one():
                                  pad_token_id=0)
         sizes.append(cache_bytes(out.past_key_values))
     assert sizes[0] == sizes[1]
+
+
+def test_static_decoding_refuses_a_bounded_kept_layer():
+    from dofattn.engine import StaticDecoder
+
+    model = tiny_model("llama")
+    linearize(model, [4] * 3, Attention(window=4, sink=2, select=3), layers=[0, 2], seed=1)
+    with pytest.raises(UserError, match=r"selected keys .*layers \[1\].*HF generate"):
+        StaticDecoder(model)
