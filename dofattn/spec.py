@@ -50,8 +50,9 @@ class Attention:
     select_in: str = option("softmax", "the layers that keep selected keys: softmax (the layers kept exact, whose "
                                        "cache after the prompt becomes the sink, the window and the selected keys) "
                                        "or all (the linear layers too, beside their window)", choices=SELECT_IN)
-    select_observe: int = option(32, "the prompt's last queries whose attention chooses the selected keys")
-    select_pool: int = option(7, "a selected key brings its neighbours: scores max-pooled over this many keys (odd)")
+    select_observe: int = option(8, "the prompt's last queries whose attention chooses the selected keys (its "
+                                    "question)")
+    select_pool: int = option(15, "a selected key brings its neighbours: scores max-pooled over this many keys (odd)")
     conv: int = option(0, "a short causal convolution of this width on q, k and v (0: none)")
     delta: bool = option(False, "write the linear state by the delta rule (pure linear attention only)")
 

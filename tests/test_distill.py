@@ -488,7 +488,8 @@ def test_a_run_folders_recipe_makes_the_same_run_again(capsys, model_dirs, corpu
     assert (spec["attention"]["window"], spec["attention"]["sink"], spec["seed"], spec["schema"]) == (8, 2, 3, 3)
 
 
-@pytest.mark.parametrize("name", ["default", "long", "paper", "paper-fix", "pure-linear", "keep-softmax", "recall"])
+@pytest.mark.parametrize("name", ["default", "long", "paper", "paper-fix", "pure-linear", "keep-softmax", "recall",
+                                  "long-context"])
 def test_every_packaged_recipe_builds_its_student(capsys, model_dirs, corpus, tmp_path, name):
     """Each packaged recipe, shrunk to a tiny model and a step or two, runs end to end, and the saved student is
     the architecture its file asks for."""

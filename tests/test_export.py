@@ -110,7 +110,9 @@ def exported(tmp_path_factory, model_dirs, corpus):
                                ("gpt_neox-window-sink-softmax", "gpt_neox", {"window": 8, "sink": 2,
                                                                              "layers": [0, 2]}),
                                ("llama-hedgehog-decay-conv", "llama", {"feature": "hedgehog", "decay": "head",
-                                                                      "conv": 2, "window": 0, "sink": 0})]:
+                                                                      "conv": 2, "window": 0, "sink": 0}),
+                               ("llama-select", "llama", {"window": 4, "sink": 1, "select": 2, "select_observe": 2,
+                                                          "select_pool": 1, "layers": [0, 2]})]:
         students[name] = tmp / f"student-{name}"
         refs[name] = reference(make_student(family, students[name], model_dirs[family], **arch))
     run = distill(model_dirs["llama"], corpus, tmp / "run")
@@ -127,8 +129,8 @@ def exported(tmp_path_factory, model_dirs, corpus):
     return {name: (exports[name], refs[name], reloaded[name]) for name in refs}, run, stderr
 
 
-CASES = ["llama-linear", "gpt2-window-sink", "gpt_neox-window-sink-softmax", "llama-hedgehog-decay-conv", "run-lora",
-         "run-lora-merged", "run-lora-bfloat16"]
+CASES = ["llama-linear", "gpt2-window-sink", "gpt_neox-window-sink-softmax", "llama-hedgehog-decay-conv", "llama-select",
+         "run-lora", "run-lora-merged", "run-lora-bfloat16"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -137,8 +139,9 @@ def test_a_fresh_process_loads_the_student(exported, case):
     torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-5, rtol=0)
     assert torch.equal(got["tokens"], ref["tokens"])
     assert got["attn"] == "dofattn"
-    softmax = [1] if "softmax" in case else []                  # a kept softmax layer keeps its KV cache
-    assert got["slots"] == ["DynamicLayer" if i in softmax else "LinearStateLayer" for i in range(3)]
+    kept = "BoundedKVLayer" if "select" in case else "DynamicLayer"   # a kept softmax layer keeps its KV cache,
+    softmax = [1] if "softmax" in case or "select" in case else []    # bounded after the prompt with selected keys
+    assert got["slots"] == [kept if i in softmax else "LinearStateLayer" for i in range(3)]
     assert sorted(p.name for p in folder.parent.iterdir() if ".partial" in p.name or ".old" in p.name) == []
 
 
@@ -417,3 +420,4 @@ def test_every_family_exports_to_the_same_logits(tmp_path, tokenizer):
                                        msg=lambda m: f"{family}: {m}")
             assert torch.equal(loaded.generate(x[:1], max_new_tokens=6, do_sample=False),
                                model.generate(x[:1], max_new_tokens=6, do_sample=False)), family
+

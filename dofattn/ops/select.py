@@ -1,6 +1,6 @@
 """Choosing the keys a bounded exact cache holds: the keys that a prompt's last queries attend to (SnapKV-style).
 
-    index, valid = select_keys(q, k, scaling, candidates, count=128, observe=32, pool=7)
+    index, valid = select_keys(q, k, scaling, candidates, count=256, observe=8, pool=15)
 
 q [B, T, H, D] and k [B, T, Hkv, D] are one prompt's queries and keys (after RoPE; a grouped-query model's kv heads
 as they are); candidates [B, T] bool marks the keys that may be chosen (real keys outside the sink and the final
@@ -44,7 +44,7 @@ def _observers(key_valid: torch.Tensor, observe: int) -> torch.Tensor:
     return key_valid & (from_end <= observe)
 
 
-def select_keys(q, k, scaling: float, candidates, count: int, observe: int = 32, pool: int = 7,
+def select_keys(q, k, scaling: float, candidates, count: int, observe: int = 8, pool: int = 15,
                 key_valid=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast form (see the module docstring). key_valid [B, T] (None: all real) marks padding, which no query
     attends to and no observer is."""
@@ -81,7 +81,7 @@ def _top(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> tuple[to
 
 
 @torch.no_grad()
-def naive_select_keys(q, k, scaling: float, candidates, count: int, observe: int = 32, pool: int = 7,
+def naive_select_keys(q, k, scaling: float, candidates, count: int, observe: int = 8, pool: int = 15,
                       key_valid=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec, one row, kv head and observer at a time, in float64."""
     check_select_inputs(q, k, candidates, count, observe, pool)
