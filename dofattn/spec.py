@@ -81,8 +81,9 @@ class Attention:
         if self.select and not self.window:
             raise UserError(f"student.select = {self.select} keys are read exactly with a softmax window: set "
                             f"student.window >= 1, or select = 0")
-        if self.select and self.decay != "none":
-            raise UserError(f"student.select beside a decay is not built: set student.decay = 'none', or select = 0")
+        if self.select and self.select_in == "all" and self.decay != "none":
+            raise UserError("student.select_in = 'all' (selected keys in the linear layers) beside a decay is not "
+                            "built: set student.decay = 'none', or select_in = 'softmax'")
         if self.select_in not in SELECT_IN:
             raise UserError(f"student.select_in = {self.select_in!r}; use softmax (the layers kept exact) or all")
         if self.select_observe < 1 or self.select_pool < 1 or self.select_pool % 2 == 0:

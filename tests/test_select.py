@@ -175,7 +175,8 @@ def test_select_errors_and_round_trip():
     with pytest.raises(UserError, match="student.window >= 1"):
         Attention(window=0, sink=0, select=8)
     with pytest.raises(UserError, match="decay"):
-        Attention(select=8, decay="head")
+        Attention(select=8, select_in="all", decay="head")
+    assert Attention(select=8, decay="head").select == 8        # kept layers bounded, linear layers decayed
     with pytest.raises(UserError, match="odd"):
         Attention(select=8, select_pool=4)
     with pytest.raises(UserError, match=">= 0"):

@@ -1,0 +1,86 @@
+"""Memory per sequence of a saved student (and its teacher) against prompt length: after the prompt, during
+generation, and the prefill's peak.
+
+    python benchmarks/bounded_memory.py runs/long-context --lengths 1024 8192 32768 --out memory.json
+
+Each (model, length) runs in its own process, so that its peak RSS (ru_maxrss) is its own. The prompt is real text
+(wiki-sample, train split, the blocks joined) of exactly `length` tokens, read in one call as `generate` reads it;
+then `--new-tokens` tokens are generated one at a time. `cache_bytes` counts every tensor the cache holds for the
+sequence (a KV cache; or states, windows, sinks and selected keys). The prefill peak is the process's peak RSS above
+what it held with the model loaded: the activations of one call over the whole prompt, which grow with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+
+MIB = 2 ** 20
+
+
+def measure(folder: str, kind: str, length: int, new_tokens: int) -> dict:
+    import torch
+    from transformers import DynamicCache
+
+    from dofattn.attention.cache import cache_bytes
+    from dofattn.data import token_blocks
+    from dofattn.hf import cache_kwargs, load_model
+    from dofattn.student import load_student, read_spec
+
+    if kind == "student":
+        model, tokenizer, _ = load_student(folder)
+    else:
+        model, tokenizer = load_model(read_spec(folder).base_model)
+    model.eval()
+    block = min(length, 8192)
+    ids = token_blocks("wiki-sample", tokenizer, seq_len=block, num_blocks=-(-length // block), split="train")
+    prompt = ids.reshape(1, -1)[:, :length]
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits
+        after_prompt = cache_bytes(cache)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - loaded
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(new_tokens):
+            logits = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
+    return {"model": kind, "length": length, "new_tokens": new_tokens,
+            "cache_after_prompt_mib": after_prompt / MIB, "cache_after_generation_mib": cache_bytes(cache) / MIB,
+            "prefill_peak_mib": peak / MIB}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("student", help="a student folder (dofattn distill --out)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--models", nargs="+", default=["student", "teacher"], choices=["student", "teacher"])
+    parser.add_argument("--out", default="bounded_memory.json")
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)               # internal: KIND LENGTH
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.student, args.one[0], int(args.one[1]), args.new_tokens)))
+        return
+    rows = []
+    for kind in args.models:
+        for length in args.lengths:
+            done = subprocess.run([sys.executable, __file__, args.student, "--new-tokens", str(args.new_tokens),
+                                   "--one", kind, str(length)], capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"{kind} at {length} tokens failed:\n{done.stderr[-2000:]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            r = rows[-1]
+            print(f"{kind:8} {length:6} tokens: cache {r['cache_after_prompt_mib']:7.1f} MiB after the prompt, "
+                  f"{r['cache_after_generation_mib']:7.1f} after {args.new_tokens} tokens; prefill peak "
+                  f"{r['prefill_peak_mib']:7.0f} MiB", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"student": args.student, "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
