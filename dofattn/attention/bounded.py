@@ -7,6 +7,10 @@ per kv head that the prompt's last queries attend to most (`ops.select`, SnapKV-
 the rest (`BoundedKVLayer`). Every later query (the answer, the generated tokens) reads those, exactly, and a key
 leaving its window is gone: memory after the prompt is (S + C + W) keys per kv head at any length.
 
+The prompt is the first call of a sequence: read a prompt in one call (as `generate` and `dofattn eval --recall`
+do). A prompt fed in chunks (HF's `prefill_chunk_size`) is bounded after its first chunk, which is not the method.
+The prefill itself holds the whole prompt's keys, as the teacher's does: its peak grows with the prompt.
+
     attention = Attention(window=64, sink=4, select=128)   # linearize(...) gives every kept layer its BoundedSoftmax
 """
 
