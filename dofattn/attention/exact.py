@@ -1,6 +1,7 @@
 """The exact parts: keys a linear layer reads with the teacher's own softmax kernel, beside its linear branch, in one
-normalisation. A `Window` (the last W keys) and a `Sink` (the first S real tokens of a sequence) are each a set of
-exact keys; the op `ops.window` mixes them with the linear branch in log space.
+normalisation. A `Window` (the last W keys), a `Sink` (the first S real tokens of a sequence) and a `Select` (C keys
+per kv head that a prompt's last queries attend to, `ops.select`) are each a set of exact keys; the op `ops.window`
+mixes them with the linear branch in log space.
 
 Every form runs the op: a prefill or a cached call `window_linear_attention` (the cache's keys still inside the
 window come first; a sink's S slots first of all, without positions); a steady decode step (one token, the window
