@@ -1,10 +1,9 @@
 """Distil a linear-attention student from its softmax teacher, as a recipe says.
 
-A recipe (a TOML file) holds everything the run does: the student, the layerwise stage, the end-to-end phase,
-the evaluation. Pick one by name, change any key with --set (`dofattn recipes --keys` explains them), or pass a
-run folder's recipe.toml to make that run again. The run folder (--out) ends up a loadable student with log.json
-and recipe.toml; the same command resumes an interrupted run, or goes on when end_to_end.steps grew. It ends with
-the perplexity of the teacher, the student and an untrained Performer of the same feature budget.
+A recipe (a TOML file) holds everything the run does: student, layerwise stage, end-to-end phase, evaluation.
+Pick one by name, change any key with --set (`dofattn recipes --keys` explains them), or pass a run folder's
+recipe.toml to run it again. The run folder (--out) ends up a loadable student; the same command resumes an
+interrupted run, or goes on when end_to_end.steps grew. It prints teacher's, student's and a Performer's perplexity.
 
     dofattn distill                                          # the default recipe
     dofattn distill --recipe paper --set student.dims=fix --out runs/paper-fix
