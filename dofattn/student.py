@@ -133,8 +133,11 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
         linear = LinearAttention(attention, fmap, num_kv_heads=kv_heads).to(param.device)
         linear.train(modules[i].training)
         modules[i].add_module("dofattn", linear)
-    for i in global_layers(model):   # kept softmax layers: their cache bounded after the prompt (`attention.bounded`)
-        if i not in layers and attention.select:
+    from dofattn.hf import local_layers
+
+    local = set(local_layers(model.config)) if attention.select else set()
+    for i in range(len(modules)):   # kept softmax layers: their cache bounded after the prompt (`attention.bounded`)
+        if attention.select and i not in layers and i not in local:
             modules[i].add_module("dofattn_bounded", BoundedSoftmax(attention, modules[i].scaling))
     install(model)
     return model
