@@ -133,11 +133,10 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
         linear = LinearAttention(attention, fmap, num_kv_heads=kv_heads).to(param.device)
         linear.train(modules[i].training)
         modules[i].add_module("dofattn", linear)
-    from dofattn.hf import local_layers
+    if attention.select:   # the kept softmax layers (not a model's own local ones): bounded after the prompt
+        from dofattn.hf import local_layers
 
-    local = set(local_layers(model.config)) if attention.select else set()
-    for i in range(len(modules)):   # kept softmax layers: their cache bounded after the prompt (`attention.bounded`)
-        if attention.select and i not in layers and i not in local:
+        for i in sorted(set(range(len(modules))) - set(layers) - set(local_layers(model.config))):
             modules[i].add_module("dofattn_bounded", BoundedSoftmax(attention, modules[i].scaling))
     install(model)
     return model

@@ -38,9 +38,13 @@ LAYERS = {"pure": {}, "decay": {"decay": "head"}, "gate": {"decay": "gate"}, "de
 
 
 def odd_layer(variant: str, feature: str) -> LinearAttention:
-    """A float64 layer whose every parameter is off its start, so that each mechanism shows in the output."""
+    return off_its_start(Attention(**{"window": 0, "sink": 0, **LAYERS[variant]}), feature)
+
+
+def off_its_start(attention: Attention, feature: str = "prf") -> LinearAttention:
+    """A float64 layer of the odd shapes whose every parameter is off its start, so that each mechanism shows in the
+    output."""
     torch.manual_seed(0)
-    attention = Attention(**{"window": 0, "sink": 0, **LAYERS[variant]})
     layer = LinearAttention(attention, make_feature_map(feature, H, D, M, scaling=D ** -0.5, seed=1),
                             num_kv_heads=HKV).double()
     with torch.no_grad():

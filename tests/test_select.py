@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from dofattn.attention import LinearAttention, LinearStateLayer
+from dofattn.attention import CONV_NAMES, LinearAttention, LinearStateLayer
 from dofattn.attention.cache import RingWindowLayer, cache_bytes
 from dofattn.errors import UserError
-from dofattn.features import make_feature_map
 from dofattn.ops.select import naive_select_keys, select_keys
 from dofattn.ops.softmax import expand_kv
 from dofattn.ops.window import first_keys, naive_window_linear_attention
 from dofattn.spec import Attention, StudentSpec
 from dofattn.student import linearize
 from tests.conftest import tiny_model
+from tests.test_attention import off_its_start, reference_conv
 
 # odd shapes: 23 tokens (a prompt of 15), 6 query heads on 2 kv heads, head dim 5, 7 features
 B, T, P, H, HKV, D, M = 2, 23, 15, 6, 2, 5, 7
@@ -59,16 +59,8 @@ def test_selection_follows_the_last_queries():
 
 
 def odd_layer(**extra) -> LinearAttention:
-    torch.manual_seed(0)
-    attention = Attention(window=WINDOW, sink=SINK, select=COUNT, select_in="all", select_observe=OBSERVE,
-                          select_pool=POOL, **extra)
-    layer = LinearAttention(attention, make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=1),
-                            num_kv_heads=HKV).double()
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if not name.startswith("feature_map."):
-                p.add_(0.5 * torch.randn_like(p))
-    return layer
+    return off_its_start(Attention(window=WINDOW, sink=SINK, select=COUNT, select_in="all", select_observe=OBSERVE,
+                                   select_pool=POOL, **extra))
 
 
 def reference(layer, q, k, v, valid):
@@ -77,8 +69,6 @@ def reference(layer, q, k, v, valid):
     per head), by the naive op and the naive selection, head by head."""
     fmap = layer.feature_map
     if layer.conv is not None:
-        from tests.test_attention import reference_conv
-        from dofattn.attention.conv import CONV_NAMES
         keep = valid[:, :, None, None].to(q.dtype)
         q, k, v = (reference_conv(x * keep, getattr(layer.conv, name)) for x, name in zip((q, k, v), CONV_NAMES))
     sink = first_keys(valid, B, T, SINK, q.device)

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 
-from dofattn.ops.select import select_keys
+from dofattn.attention.cache import BatchSlot
+
+from dofattn.ops.select import prompt_candidates, select_keys
 from dofattn.ops.window import first_keys
 
 
-class BoundedKVLayer(CacheLayerMixin):
+class BoundedKVLayer(BatchSlot):
     """A kept softmax layer's cache slot after a prompt: `held` keys and values [B, Hkv, S + C, D] (the sink's, then
     each kv head's C selected; slot c of a kv head is that head's own choice, without positions) and which are real
     ([B, S + C]), and the window's last keys [B, Hkv, n, D] with theirs ([B, n]). `update` appends a call's keys to
@@ -66,9 +68,6 @@ class BoundedKVLayer(CacheLayerMixin):
         held = self.held_valid[:, None, :].expand(-1, T, -1)
         return torch.cat([held, window], -1)[:, None]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in self.NAMES}
-
     def _map(self, fn) -> None:
         for name in self.NAMES:
             setattr(self, name, fn(getattr(self, name)))
@@ -84,21 +83,6 @@ class BoundedKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         raise NotImplementedError("a bounded cache cannot restart; let generate() create a fresh cache")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices])
-
-    def offload(self):
-        self._map(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        self._map(lambda t: t if t.device == self.device else t.to(self.device, non_blocking=True))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a bounded cache cannot drop tokens (no assisted or speculative decoding)")
@@ -118,12 +102,16 @@ class BoundedSoftmax(nn.Module):
     def extra_repr(self) -> str:
         return f"sink={self.sink}, window={self.width}, select={self.count}"
 
+    def layers(self) -> list:
+        """The bound cache's slots (an EncoderDecoderCache: its self-attention cache's)."""
+        return getattr(self.cache, "self_attention_cache", self.cache).layers
+
     def slot(self):
         """The bound cache's slot for this layer (None without a cache)."""
         if self.cache is None:
             return None
-        cache = getattr(self.cache, "self_attention_cache", self.cache)
-        return cache.layers[self.layer_idx] if self.layer_idx < len(cache.layers) else None
+        layers = self.layers()
+        return layers[self.layer_idx] if self.layer_idx < len(layers) else None
 
     def mask(self) -> torch.Tensor | None:
         """The slot's own mask once it is bounded (a call after the prompt), else None (HF's mask stands)."""
@@ -141,14 +129,12 @@ class BoundedSoftmax(nn.Module):
         q, k = query.transpose(1, 2), key.transpose(1, 2)                           # [B, T, H, D], [B, T, Hkv, D]
         valid = torch.ones(B, T, dtype=torch.bool, device=key.device) if key_valid is None else key_valid
         sink = first_keys(valid, B, T, self.sink, key.device) if self.sink else torch.zeros_like(valid)
-        candidates = valid & ~sink
-        candidates[:, max(T - self.width, 0):] = False
+        candidates = prompt_candidates(valid, sink, self.width)
         index, chosen = select_keys(q, k, self.scaling, candidates, self.count, self.observe, self.pool, valid)
         order = torch.sort(torch.where(sink, 0, 1), dim=1, stable=True).indices[:, :self.sink]    # sink positions
         at = torch.cat([order[:, None, :].expand(-1, k.shape[2], -1), index], -1)              # [B, Hkv, S + C]
         held_valid = torch.cat([sink.gather(1, order), chosen], 1)
         gather = lambda x: x.gather(2, at[..., None].expand(-1, -1, -1, x.shape[-1]))
-        last = slice(max(T - self.width, 0), None)
-        cache = getattr(self.cache, "self_attention_cache", self.cache)
-        cache.layers[self.layer_idx] = BoundedKVLayer(gather(key), gather(value), held_valid, key[:, :, last],
+        last = slice(max(T - self.width, 0), None)                                  # the window's keys
+        self.layers()[self.layer_idx] = BoundedKVLayer(gather(key), gather(value), held_valid, key[:, :, last],
                                                       value[:, :, last], (valid & ~sink)[:, last], self.width, T)

@@ -72,7 +72,32 @@ class ConvState(PartState):
 PART_STATES = {"window": WindowState, "sink": SinkState, "select": SelectState, "conv": ConvState}
 
 
-class LinearStateLayer(CacheLayerMixin):
+class BatchSlot(CacheLayerMixin):
+    """A cache slot whose every tensor has the batch first: the slot says how to replace each one (`_map`), and beam
+    search, batch selection and offloading follow for all of them."""
+
+    def _map(self, fn) -> None:
+        """Every tensor t of the slot replaced by fn(t)."""
+        raise NotImplementedError
+
+    def offload(self):
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.is_initialized:
+            self._map(lambda t: t if t.device == self.device else t.to(self.device, non_blocking=True))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices])
+
+
+class LinearStateLayer(BatchSlot):
     """A cache slot for a linear layer: the linear branch's recurrent state, a state per part that keeps one (a
     window's last keys, a sink's, a convolution's last inputs: `part`), and the number of tokens seen, no growing
     keys or values, so memory stays flat in context length.
@@ -131,24 +156,8 @@ class LinearStateLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def offload(self):
-        self._map(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        if self.is_initialized:
-            self._map(lambda t: t if t.device == self.device else t.to(self.device, non_blocking=True))
-
     def reset(self) -> None:
         self.state, self.parts, self.seen = None, {}, 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")

@@ -20,7 +20,7 @@ from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, SinkState
 from dofattn.attention.linear import check_left_padding
 from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops.naive import needs_grad
-from dofattn.ops.select import select_keys
+from dofattn.ops.select import prompt_candidates, select_keys
 from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.ops.window import first_keys, fold_key, window_decode_step, window_linear_attention, window_logits
 
@@ -325,15 +325,14 @@ class Select(ExactSet):
         return cache.part("select").keys is not None
 
     def settle(self, layer, cache: LinearStateLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               key_valid: torch.Tensor, exact_new: torch.Tensor) -> None:
+               key_valid: torch.Tensor, exact_new: torch.Tensor) -> torch.Tensor | None:
         """On a sequence's first call: choose the keys, keep them, and take them out of the state (which held every
         key of the call beyond the last W and the sink)."""
         chosen = cache.part("select")
         if chosen.keys is not None:
             return None
-        B, T, Hkv, D = k.shape
-        candidates = key_valid & ~exact_new
-        candidates[:, max(T - layer.window.width, 0):] = False                # still in the window: exact anyway
+        D = k.shape[-1]
+        candidates = prompt_candidates(key_valid, exact_new, layer.window.width)
         index, valid = select_keys(q, k, layer.feature_map.scaling, candidates, self.count, self.observe,
                                    self.pool, key_valid)                      # [B, Hkv, C], [B, C]
         at = index.transpose(1, 2)                                            # [B, C, Hkv]

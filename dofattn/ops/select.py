@@ -22,7 +22,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["select_keys", "naive_select_keys", "check_select_inputs"]
+__all__ = ["select_keys", "naive_select_keys", "check_select_inputs", "prompt_candidates"]
+
+
+def prompt_candidates(key_valid: torch.Tensor, exact: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, T] bool: the keys of a prompt (key_valid [B, T]) that may be chosen: real, not already exact (`exact`
+    [B, T]: a sink's), and not among the last `window` positions, which stay exact in the window anyway."""
+    candidates = key_valid & ~exact
+    candidates[:, max(key_valid.shape[1] - window, 0):] = False
+    return candidates
 
 
 def check_select_inputs(q, k, candidates, count: int, observe: int, pool: int) -> None:
