@@ -98,8 +98,18 @@ class Eval:
     seq_len: int = option(512, "tokens per validation block")
 
 
+@dataclass(frozen=True)
+class Scorer:
+    steps: int = option(300, "Adam steps of each streaming kept layer's key scorer (student.select_by = stream), "
+                             "with the backbone frozen")
+    seq_len: int = option(2048, "tokens per block the scorers learn on (a key's target: the most attention a query "
+                                "beyond its window pays it)")
+    blocks: int = option(16, "training blocks (a quarter of them only measure)")
+    lr: float = option(0.01, "Adam learning rate of the scorers")
+
+
 TABLES = {"run": Run, "student": Student, "dof": Dof, "layerwise": Layerwise, "end_to_end": EndToEnd,
-          "eval": Eval}
+          "scorer": Scorer, "eval": Eval}
 # What `--continue-from` may change of the run it copies: the end-to-end phase's text and length, not the student.
 CONTINUE_MAY_CHANGE = ("run.data", "run.eval_data", "end_to_end.steps", "end_to_end.blocks",
                        "end_to_end.cooldown_steps", "end_to_end.eval_every", "end_to_end.checkpoint_every")
@@ -114,6 +124,7 @@ class Recipe:
     dof: Dof = field(default_factory=Dof)
     layerwise: Layerwise = field(default_factory=Layerwise)
     end_to_end: EndToEnd = field(default_factory=EndToEnd)
+    scorer: Scorer = field(default_factory=Scorer)
     eval: Eval = field(default_factory=Eval)
 
     @property

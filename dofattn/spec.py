@@ -29,6 +29,8 @@ SCHEMA = 3                        # of dofattn.json; 2: the attention keys flat 
 DECAYS = ("none", "head", "gate")  # no decay; a learned decay per head; a decay per token read off its value
 LORA_TARGETS = ("attention", "all")
 SELECT_IN = ("softmax", "all")     # the kept softmax layers; those and the linear layers
+SELECT_BY = ("prompt", "stream")   # chosen once by the prompt's last queries; scored as they arrive (trained)
+STREAM_MIN_WINDOW = 8              # a streaming score reads 8 tokens, which the window holds (`attention.scorer`)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ class Attention:
     select_in: str = option("softmax", "the layers that keep selected keys: softmax (the layers kept exact, whose "
                                        "cache after the prompt becomes the sink, the window and the selected keys) "
                                        "or all (the linear layers too, beside their window)", choices=SELECT_IN)
+    select_by: str = option("prompt", "how the kept layers choose their selected keys: prompt (after the prompt, the "
+                                      "keys its last queries attend to; the prompt itself is read in full) or stream "
+                                      "(a trained scorer rates each key as it arrives; every query, the prompt's too, "
+                                      "sees the best C that have left its window: bounded from the first token)",
+                            choices=SELECT_BY)
     select_observe: int = option(8, "the prompt's last queries whose attention chooses the selected keys (its "
                                     "question)")
     select_pool: int = option(15, "a selected key brings its neighbours: scores max-pooled over this many keys (odd)")
@@ -86,6 +93,15 @@ class Attention:
                             "built: set student.decay = 'none', or select_in = 'softmax'")
         if self.select_in not in SELECT_IN:
             raise UserError(f"student.select_in = {self.select_in!r}; use softmax (the layers kept exact) or all")
+        if self.select_by not in SELECT_BY:
+            raise UserError(f"student.select_by = {self.select_by!r}; use prompt (the prompt's last queries choose) "
+                            f"or stream (a trained scorer, as keys arrive)")
+        if self.select and self.select_by == "stream" and self.select_in != "softmax":
+            raise UserError("student.select_by = 'stream' is built for the kept softmax layers: set "
+                            "student.select_in = 'softmax', or select_by = 'prompt'")
+        if self.select and self.select_by == "stream" and self.window < STREAM_MIN_WINDOW:
+            raise UserError(f"student.select_by = 'stream' scores a key from the {STREAM_MIN_WINDOW} tokens up to it, "
+                            f"which its window holds: set student.window >= {STREAM_MIN_WINDOW}")
         if self.select_observe < 1 or self.select_pool < 1 or self.select_pool % 2 == 0:
             raise UserError(f"student.select_observe = {self.select_observe} must be >= 1 and student.select_pool "
                             f"= {self.select_pool} odd and >= 1")
@@ -115,7 +131,8 @@ class Attention:
         """`window=64, sink=4, decay=head`: what differs from pure linear attention, for a layer's repr."""
         parts = [f"window={self.window}"] if self.window else []
         parts += [f"sink={self.sink}"] if self.sink else []
-        parts += [f"select={self.select}" + ("" if self.select_in == "softmax" else " (all layers)")] if self.select else []
+        parts += [f"select={self.select}" + ("" if self.select_in == "softmax" else " (all layers)")
+                  + (", streamed" if self.select_by == "stream" else "")] if self.select else []
         parts += [f"decay={self.decay}"] if self.decays else []
         parts += [f"conv={self.conv}"] if self.conv else []
         parts += ["delta"] if self.delta else []

@@ -137,7 +137,8 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
         from dofattn.hf import local_layers
 
         for i in sorted(set(range(len(modules))) - set(layers) - set(local_layers(model.config))):
-            modules[i].add_module("dofattn_bounded", BoundedSoftmax(attention, modules[i].scaling))
+            bounded = BoundedSoftmax(attention, modules[i].scaling, kv_heads, head_dim).to(param.device)
+            modules[i].add_module("dofattn_bounded", bounded)
     install(model)
     return model
 
@@ -177,8 +178,9 @@ def softmax_in(model: nn.Module, layers: list[int]) -> Iterator[None]:
 
 
 def is_student_tensor(name: str) -> bool:
-    """Whether a parameter/buffer name belongs to the student (feature maps, window gains, LoRA adapters)."""
-    return ".dofattn." in name or ".lora_" in name
+    """Whether a parameter/buffer name belongs to the student (feature maps, window gains, a streaming cache's
+    scorer, LoRA adapters)."""
+    return ".dofattn." in name or ".dofattn_bounded." in name or ".lora_" in name
 
 
 def student_state(model: nn.Module) -> dict[str, torch.Tensor]:

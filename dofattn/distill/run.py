@@ -11,6 +11,7 @@ import torch
 
 from dofattn.distill import choose, end_to_end, run_folder
 from dofattn.distill.layerwise import layerwise
+from dofattn.distill.scorer import train_scorers
 from dofattn.distill.teacher import TeacherCache
 from dofattn.distill.world import barrier, join, world
 from dofattn.evaluate import compare, perplexity
@@ -79,9 +80,15 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
     spec = r.student_spec(dims, choose.linear_layers(r, model, chosen), base=fingerprint(model))
     build(model, spec)
     for name, p in model.named_parameters():       # only the student's tensors ever train
-        p.requires_grad_(is_student_tensor(name))
+        p.requires_grad_(is_student_tensor(name) and ".scorer." not in name)   # a scorer trains alone (below)
     log.dims, log.softmax_layers = dims, kept
     log.seconds["setup"] = round(time.perf_counter() - timer, 1)
+    if not finished and spec.attention.select_by == "stream" and rank == 0:
+        timer = time.perf_counter()         # the teacher alone decides them: before the students' stages
+        blocks = token_blocks(r.run.data, tokenizer, r.scorer.seq_len, r.scorer.blocks, split="train",
+                              seed=r.run.seed + 1)
+        log.scorer = train_scorers(model, blocks, r.scorer, r.run.seed, progress=True)
+        log.seconds["scorer"] = round(time.perf_counter() - timer, 1)
 
     if finished:            # going on with the end-to-end phase: the layerwise stage is done
         log.layers, log.seconds = finished.get("layers", {}), {**finished["seconds"], **log.seconds}

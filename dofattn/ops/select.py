@@ -69,9 +69,6 @@ def select_keys(q, k, scaling: float, candidates, count: int, observe: int = 8, 
     attn = torch.softmax(logits, -1).nan_to_num(0.0) * watch[:, None, None, :, None]
     scores = attn.sum((2, 3))                                                   # [B, Hkv, T]
     scores = F.max_pool1d(scores, pool, stride=1, padding=pool // 2)
-    import os
-    if os.environ.get("SEL_SHARED"):
-        scores = scores.sum(1, keepdim=True).expand_as(scores)
     return _top(scores, candidates, count)
 
 

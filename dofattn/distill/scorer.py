@@ -1,0 +1,115 @@
+"""The scorers of a streaming bounded cache (`student.select_by = stream`), trained with the backbone frozen.
+
+    log = train_scorers(model, blocks, recipe.scorer, seed=0)     # blocks [N, T]: training text
+
+For every kept layer that streams (`BoundedSoftmax` with a `KeyScorer`), the teacher's own queries, keys and values
+on the training blocks give each key a target: the most attention that any query beyond the key's window pays it
+(summed over the kv head's query heads), that is how much a cache that drops it would miss. The scorer regresses
+log(target + FLOOR) from the key, its value and the tokens before it, so the best-scored keys are those the
+teacher's later queries want. The layer's own weights and the rest of the student do not move.
+
+The log says, on held-out blocks, how much of the attention that queries pay beyond their window lands on keys the
+cache still holds (`retained`), for the scorer and for a cache that keeps the most recent keys instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from dofattn.attention.bounded import arriving_kinds
+from dofattn.capture import AttentionInputs, capture, run_forward
+from dofattn.evaluate import teacher_mode
+from dofattn.ops.stream import stream_visible
+from dofattn.student import attention_modules
+
+FLOOR = 1e-3       # targets below this are all "not wanted": the scorer spends nothing on ranking them
+HELD_OUT = 0.25    # the share of blocks that only measure
+
+
+def streaming_layers(model) -> dict[int, torch.nn.Module]:
+    """{layer: its BoundedSoftmax} of the kept layers that stream."""
+    return {i: m.dofattn_bounded for i, m in enumerate(attention_modules(model))
+            if getattr(getattr(m, "dofattn_bounded", None), "streams", False)}
+
+
+def far_attention(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
+    """q [T, H, D], k [T, Hkv, D] of one block -> [Hkv, T]: for each key, the most causal softmax attention that a
+    query at least `window` tokens after it pays it, summed over the kv head's query heads (0 if none is that far)."""
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    logits = scaling * torch.einsum("thd,shd->hts", q.float(), k.float().repeat_interleave(H // Hkv, 1))
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    weights = torch.softmax(logits.masked_fill(~causal, -torch.inf), -1)            # [H, T, T]
+    weights = weights.reshape(Hkv, H // Hkv, T, T).sum(1)
+    far = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-window)
+    return weights.masked_fill(~far, 0).amax(1)                                       # [Hkv, T]
+
+
+def retained(q, k, scaling: float, score: torch.Tensor, bounded) -> float:
+    """The share of the attention that queries pay beyond their window (sink aside) which lands on keys a streaming
+    cache with these scores [Hkv, T] still holds, on one block (q [T, H, D], k [T, Hkv, D])."""
+    T, H, _ = q.shape
+    Hkv = k.shape[1]
+    logits = scaling * torch.einsum("thd,shd->hts", q.float(), k.float().repeat_interleave(H // Hkv, 1))
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    weights = torch.softmax(logits.masked_fill(~causal, -torch.inf), -1)
+    kind, _ = arriving_kinds(torch.ones(1, T, dtype=torch.bool), torch.zeros(1, dtype=torch.long), bounded.sink)
+    pos = torch.arange(T).expand(1, Hkv, T)
+    seen = stream_visible(pos, score[None], kind[:, None].expand(1, Hkv, T), torch.arange(T), bounded.width,
+                          bounded.count)[0].repeat_interleave(H // Hkv, 0)               # [H, T, T]
+    far = torch.ones(T, T, dtype=torch.bool).tril(-bounded.width) & (torch.arange(T) >= bounded.sink)
+    return float((weights * (far & seen)).sum() / (weights * far).sum().clamp_min(1e-30))
+
+
+def train_scorers(model, blocks: torch.Tensor, config, seed: int = 0, progress: bool = True) -> dict:
+    """Train every streaming layer's scorer on `blocks` [N, T] (see the module docstring); returns the log."""
+    layers = streaming_layers(model)
+    if not layers or not config.steps:
+        return {}
+    device = next(model.parameters()).device
+    inputs = {i: [] for i in layers}
+
+    def keep(a: AttentionInputs) -> None:
+        inputs[a.layer].append((a.query[0].detach().float().cpu(), a.key[0].detach().float().cpu(),
+                                a.value[0].detach().float().cpu(), a.scaling))
+
+    with torch.no_grad(), teacher_mode(model), capture(model, keep, layers=list(layers)):
+        for block in tqdm(blocks, desc="scorer: teacher q/k/v", unit="block", disable=not progress):
+            run_forward(model, block[None].to(device))
+    split = max(1, math.ceil(len(blocks) * (1 - HELD_OUT))) if len(blocks) > 1 else 1
+    generator = torch.Generator().manual_seed(seed)
+    log = {}
+    for i, bounded in tqdm(layers.items(), desc="scorer: layers", unit="layer", disable=not progress):
+        scorer = bounded.scorer
+        data = [(q, k, v, torch.log(far_attention(q, k, s, bounded.width) + FLOOR)) for q, k, v, s in inputs[i]]
+        train, held = data[:split], data[split:] or data[:1]
+        params = [p for p in scorer.parameters()]
+        was = [p.requires_grad for p in params]
+        for p in params:
+            p.requires_grad_(True)
+        opt = torch.optim.Adam(params, lr=config.lr)
+        losses = []
+        with torch.enable_grad():
+            for _ in range(config.steps):
+                q, k, v, target = train[int(torch.randint(len(train), (1,), generator=generator))]
+                score = scorer(k[None].to(device), v[None].to(device))[0]                # [Hkv, T]
+                loss = (score - target.to(device)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+        for p, g in zip(params, was):
+            p.requires_grad_(g)
+        with torch.no_grad():
+            scaling = inputs[i][0][3]
+            kept = [retained(q, k, scaling, scorer(k[None].to(device), v[None].to(device))[0].cpu(), bounded)
+                    for q, k, v, _ in held]
+            recent = [retained(q, k, scaling, torch.arange(k.shape[0], dtype=torch.float32).expand(k.shape[1], -1),
+                               bounded) for q, k, v, _ in held]
+        log[str(i)] = {"loss_first": round(sum(losses[:10]) / len(losses[:10]), 4),
+                       "loss_last": round(sum(losses[-10:]) / len(losses[-10:]), 4),
+                       "retained": round(sum(kept) / len(kept), 4), "retained_recent": round(sum(recent) / len(recent), 4)}
+    return log
