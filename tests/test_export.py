@@ -112,7 +112,9 @@ def exported(tmp_path_factory, model_dirs, corpus):
                                ("llama-hedgehog-decay-conv", "llama", {"feature": "hedgehog", "decay": "head",
                                                                       "conv": 2, "window": 0, "sink": 0}),
                                ("llama-select", "llama", {"window": 4, "sink": 1, "select": 2, "select_observe": 2,
-                                                          "select_pool": 1, "layers": [0, 2]})]:
+                                                          "select_pool": 1, "layers": [0, 2]}),
+                               ("llama-stream", "llama", {"window": 8, "sink": 1, "select": 2, "select_by": "stream",
+                                                          "layers": [0, 2]})]:
         students[name] = tmp / f"student-{name}"
         refs[name] = reference(make_student(family, students[name], model_dirs[family], **arch))
     run = distill(model_dirs["llama"], corpus, tmp / "run")
@@ -130,7 +132,7 @@ def exported(tmp_path_factory, model_dirs, corpus):
 
 
 CASES = ["llama-linear", "gpt2-window-sink", "gpt_neox-window-sink-softmax", "llama-hedgehog-decay-conv", "llama-select",
-         "run-lora", "run-lora-merged", "run-lora-bfloat16"]
+         "llama-stream", "run-lora", "run-lora-merged", "run-lora-bfloat16"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -139,8 +141,9 @@ def test_a_fresh_process_loads_the_student(exported, case):
     torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-5, rtol=0)
     assert torch.equal(got["tokens"], ref["tokens"])
     assert got["attn"] == "dofattn"
-    kept = "BoundedKVLayer" if "select" in case else "DynamicLayer"   # a kept softmax layer keeps its KV cache,
-    softmax = [1] if "softmax" in case or "select" in case else []    # bounded after the prompt with selected keys
+    # a kept softmax layer keeps its KV cache, bounded after the prompt with selected keys, or streamed
+    kept = {"llama-select": "BoundedKVLayer", "llama-stream": "StreamKVLayer"}.get(case, "DynamicLayer")
+    softmax = [1] if "softmax" in case or kept != "DynamicLayer" else []
     assert got["slots"] == [kept if i in softmax else "LinearStateLayer" for i in range(3)]
     assert sorted(p.name for p in folder.parent.iterdir() if ".partial" in p.name or ".old" in p.name) == []
 

@@ -62,14 +62,18 @@ def test_a_pool_kept_after_a_call_decides_as_the_whole_sequence():
 
 
 def test_scores_do_not_depend_on_how_the_text_is_fed():
-    """A key's score reads it and the tokens before it: one call = a call continued from the tokens before it."""
+    """A key's score reads it, the tokens before it and its position: one call = a call continued from the tokens
+    before it."""
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(2, 30, 3, 6, generator=g), torch.randn(2, 30, 3, 6, generator=g)
     valid = torch.ones(2, 30, dtype=torch.bool)
     valid[1, :4] = False
     scorer = KeyScorer(3, 6, hidden=5)
     whole = scorer(k, v, valid)
-    later = scorer(k[:, 20:], v[:, 20:], valid[:, 20:], before=(k[:, 9:20], v[:, 9:20], valid[:, 9:20]))
+    with torch.no_grad():
+        scorer.log_rate.fill_(0.5)
+    whole = scorer(k, v, valid)
+    later = scorer(k[:, 20:], v[:, 20:], valid[:, 20:], before=(k[:, 9:20], v[:, 9:20], valid[:, 9:20]), start=20)
     torch.testing.assert_close(later, whole[..., 20:])
     start = scorer(k[:, :3], v[:, :3], valid[:, :3])
     torch.testing.assert_close(start, whole[..., :3])
@@ -185,3 +189,25 @@ def test_static_decoding_refuses_a_streaming_kept_layer():
 
     with pytest.raises(UserError, match="HF generate"):
         StaticDecoder(streaming_model())
+
+
+def test_distill_trains_the_scorers_first_and_saves_them(model_dirs, corpus, tmp_path):
+    """`dofattn distill` with select_by = stream trains each kept layer's scorer (logged), then the student."""
+    import json
+
+    from dofattn.cli import main
+    from dofattn.student import load_student
+
+    sets = ("layerwise.steps=2", "layerwise.blocks=2", "layerwise.seq_len=32", "end_to_end.steps=1",
+            "end_to_end.seq_len=32", "eval.blocks=1", "eval.seq_len=32", "student.dims=fix:4", "student.window=8",
+            "student.sink=2", "student.keep_softmax=1", "student.select=3", "student.select_by=stream",
+            "scorer.steps=5", "scorer.blocks=2", "scorer.seq_len=40")
+    out = tmp_path / "run"
+    argv = ["distill", "--model", str(model_dirs["llama"]), "--data", str(corpus), "--out", str(out), "--device", "cpu"]
+    assert main(argv + [x for key in sets for x in ("--set", key)]) == 0
+    log = json.loads((out / "log.json").read_text())
+    (kept,) = log["softmax_layers"]
+    assert set(log["scorer"]) == {str(kept)} and "scorer" in log["seconds"]
+    model, _, spec = load_student(out)
+    assert spec.attention.select_by == "stream"
+    assert model.model.layers[kept].self_attn.dofattn_bounded.scorer is not None

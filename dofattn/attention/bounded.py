@@ -215,7 +215,7 @@ class BoundedSoftmax(nn.Module):
         new_k, new_v = key[:, :, -T:].transpose(1, 2), value[:, :, -T:].transpose(1, 2)      # [B, T, Hkv, D]
         slot = self.slot()
         if isinstance(slot, StreamKVLayer):
-            score = self.scorer(new_k, new_v, valid, before=slot.before())
+            score = self.scorer(new_k, new_v, valid, before=slot.before(), start=slot.seen - T)
             kind, slot.sunk = arriving_kinds(valid, slot.sunk, self.sink)
             slot.admit(score, kind)
             pos, score, kind = slot.pool()

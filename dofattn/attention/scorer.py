@@ -8,9 +8,11 @@ its value and the few tokens before it, once, as it arrives (`KeyScorer`).
 The features of a key do not depend on its position: its value, and the norm of each pair of its coordinates that
 RoPE rotates together (the HF rotate-half layout: coordinates c and c + D/2). Per kv head, a linear map to `hidden`
 channels, a causal depthwise convolution over the key and its `reach - 1` predecessors (padding and the start of a
-sequence read as zeros), GELU, and a linear read-out. A score depends only on tokens that came before it, so a
-text read in one call, in chunks or token by token gets the same scores. It is trained with the backbone frozen
-(`distill.scorer`) to rank keys as the teacher's attention later does.
+sequence read as zeros), GELU, and a linear read-out: the key's content. Its score adds a learned rate per kv head
+times its position, so that a later query's ranking of the keys, content − rate · distance, is the same for every
+query (the teacher's attention to a key fades with distance). A score depends only on tokens that came before it, so
+a text read in one call, in chunks or token by token gets the same scores. It is trained with the backbone frozen
+(`distill.scorer`) to predict the log of the attention that the teacher's later queries pay a key.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 REACH = 8          # a score reads its key and the 7 before it
+SPAN = 1000.0      # the recency rate is per this many tokens
 
 
 def key_features(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -44,15 +47,26 @@ class KeyScorer(nn.Module):
         self.conv = nn.Parameter(torch.randn(num_kv_heads, hidden, reach) / math.sqrt(reach))
         self.bias = nn.Parameter(torch.zeros(num_kv_heads, hidden))
         self.out = nn.Parameter(torch.randn(num_kv_heads, hidden) / math.sqrt(hidden))
+        self.log_rate = nn.Parameter(torch.zeros(num_kv_heads))                          # rate 1 per SPAN tokens
+
+    def rate(self) -> torch.Tensor:
+        """[Hkv] float32: how much a key's content score its later queries discount per SPAN tokens of distance."""
+        return self.log_rate.float().exp()
 
     def extra_repr(self) -> str:
         return f"reach={self.reach}"
 
     def forward(self, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
+                before: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
+        """k, v [B, T, Hkv, D], key_valid [B, T] (None: all real) -> scores [B, Hkv, T] float32: content + rate ·
+        position / SPAN, the keys at positions start, start + 1, ... `before`: the keys, values and validity
+        ([B, n, Hkv, D], [B, n]) just before these (a cache's last ones); without it the call starts the sequence."""
+        at = torch.arange(start, start + k.shape[1], device=k.device, dtype=torch.float32)
+        return self.content(k, v, key_valid, before) + self.rate()[:, None] * at / SPAN
+
+    def content(self, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
                 before: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """k, v [B, T, Hkv, D], key_valid [B, T] (None: all real) -> [B, Hkv, T] float32. `before`: the keys,
-        values and validity ([B, n, Hkv, D], [B, n]) just before these (a cache's last ones); without it the call
-        starts the sequence."""
+        """The position-free part of `forward`'s scores: [B, Hkv, T] float32."""
         B, T, Hkv, _ = k.shape
         x = key_features(k, v)                                                          # [B, T, Hkv, F]
         if key_valid is not None:

@@ -3,10 +3,10 @@
     log = train_scorers(model, blocks, recipe.scorer, seed=0)     # blocks [N, T]: training text
 
 For every kept layer that streams (`BoundedSoftmax` with a `KeyScorer`), the teacher's own queries, keys and values
-on the training blocks give each key a target: the most attention that any query beyond the key's window pays it
-(summed over the kv head's query heads), that is how much a cache that drops it would miss. The scorer regresses
-log(target + FLOOR) from the key, its value and the tokens before it, so the best-scored keys are those the
-teacher's later queries want. The layer's own weights and the rest of the student do not move.
+on the training blocks give pairs (query i, key j) with i beyond j's window, PAIRS per key drawn at random, and their
+target: log(a_ij + FLOOR), a_ij the attention query i pays key j summed over the kv head's query heads. The scorer
+predicts it as content_j − rate · (i − j) / SPAN (`KeyScorer`), so the keys it keeps are those the teacher's later
+queries are expected to want most. The layer's own weights and the rest of the student do not move.
 
 The log says, on held-out blocks, how much of the attention that queries pay beyond their window lands on keys the
 cache still holds (`retained`), for the scorer and for a cache that keeps the most recent keys instead.
@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dofattn.attention.bounded import arriving_kinds
+from dofattn.attention.scorer import SPAN
 from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.evaluate import teacher_mode
 from dofattn.ops.stream import stream_visible
@@ -27,6 +28,7 @@ from dofattn.student import attention_modules
 
 FLOOR = 1e-3       # targets below this are all "not wanted": the scorer spends nothing on ranking them
 HELD_OUT = 0.25    # the share of blocks that only measure
+PAIRS = 16         # far queries drawn per key
 
 
 def streaming_layers(model) -> dict[int, torch.nn.Module]:
@@ -35,17 +37,26 @@ def streaming_layers(model) -> dict[int, torch.nn.Module]:
             if getattr(getattr(m, "dofattn_bounded", None), "streams", False)}
 
 
-def far_attention(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
-    """q [T, H, D], k [T, Hkv, D] of one block -> [Hkv, T]: for each key, the most causal softmax attention that a
-    query at least `window` tokens after it pays it, summed over the kv head's query heads (0 if none is that far)."""
+def group_attention(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q [T, H, D], k [T, Hkv, D] of one block -> [Hkv, T, T]: causal softmax attention, summed over each kv head's
+    query heads."""
     T, H, D = q.shape
     Hkv = k.shape[1]
     logits = scaling * torch.einsum("thd,shd->hts", q.float(), k.float().repeat_interleave(H // Hkv, 1))
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    weights = torch.softmax(logits.masked_fill(~causal, -torch.inf), -1)            # [H, T, T]
-    weights = weights.reshape(Hkv, H // Hkv, T, T).sum(1)
-    far = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-window)
-    return weights.masked_fill(~far, 0).amax(1)                                       # [Hkv, T]
+    return torch.softmax(logits.masked_fill(~causal, -torch.inf), -1).reshape(Hkv, H // Hkv, T, T).sum(1)
+
+
+def far_pairs(q, k, scaling: float, window: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """For each key j with a query beyond its window, PAIRS queries i >= j + window drawn at random: (keys [n],
+    distances [n, PAIRS], targets log(a_ij + FLOOR) [Hkv, n, PAIRS])."""
+    T = q.shape[0]
+    attention = group_attention(q, k, scaling)                                          # [Hkv, T, T]
+    keys = torch.arange(max(T - window, 0))
+    room = (T - window - keys).float()                                                  # far queries of each key
+    i = keys[:, None] + window + (torch.rand(len(keys), PAIRS, generator=generator) * room[:, None]).long()
+    target = torch.log(attention[:, i, keys[:, None]] + FLOOR)                          # [Hkv, n, PAIRS]
+    return keys, (i - keys[:, None]).float(), target
 
 
 def retained(q, k, scaling: float, score: torch.Tensor, bounded) -> float:
@@ -53,13 +64,11 @@ def retained(q, k, scaling: float, score: torch.Tensor, bounded) -> float:
     cache with these scores [Hkv, T] still holds, on one block (q [T, H, D], k [T, Hkv, D])."""
     T, H, _ = q.shape
     Hkv = k.shape[1]
-    logits = scaling * torch.einsum("thd,shd->hts", q.float(), k.float().repeat_interleave(H // Hkv, 1))
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    weights = torch.softmax(logits.masked_fill(~causal, -torch.inf), -1)
+    weights = group_attention(q, k, scaling)                                            # [Hkv, T, T]
     kind, _ = arriving_kinds(torch.ones(1, T, dtype=torch.bool), torch.zeros(1, dtype=torch.long), bounded.sink)
     pos = torch.arange(T).expand(1, Hkv, T)
     seen = stream_visible(pos, score[None], kind[:, None].expand(1, Hkv, T), torch.arange(T), bounded.width,
-                          bounded.count)[0].repeat_interleave(H // Hkv, 0)               # [H, T, T]
+                          bounded.count)[0]                                               # [Hkv, T, T]
     far = torch.ones(T, T, dtype=torch.bool).tril(-bounded.width) & (torch.arange(T) >= bounded.sink)
     return float((weights * (far & seen)).sum() / (weights * far).sum().clamp_min(1e-30))
 
@@ -84,7 +93,7 @@ def train_scorers(model, blocks: torch.Tensor, config, seed: int = 0, progress: 
     log = {}
     for i, bounded in tqdm(layers.items(), desc="scorer: layers", unit="layer", disable=not progress):
         scorer = bounded.scorer
-        data = [(q, k, v, torch.log(far_attention(q, k, s, bounded.width) + FLOOR)) for q, k, v, s in inputs[i]]
+        data = [(q, k, v, far_pairs(q, k, s, bounded.width, generator)) for q, k, v, s in inputs[i]]
         train, held = data[:split], data[split:] or data[:1]
         params = [p for p in scorer.parameters()]
         was = [p.requires_grad for p in params]
@@ -94,9 +103,10 @@ def train_scorers(model, blocks: torch.Tensor, config, seed: int = 0, progress: 
         losses = []
         with torch.enable_grad():
             for _ in range(config.steps):
-                q, k, v, target = train[int(torch.randint(len(train), (1,), generator=generator))]
-                score = scorer(k[None].to(device), v[None].to(device))[0]                # [Hkv, T]
-                loss = (score - target.to(device)).square().mean()
+                q, k, v, (keys, distance, target) = train[int(torch.randint(len(train), (1,), generator=generator))]
+                content = scorer.content(k[None].to(device), v[None].to(device))[0][:, keys]     # [Hkv, n]
+                guess = content[..., None] - scorer.rate()[:, None, None] * distance.to(device) / SPAN
+                loss = (guess - target.to(device)).square().mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
@@ -111,5 +121,6 @@ def train_scorers(model, blocks: torch.Tensor, config, seed: int = 0, progress: 
                                bounded) for q, k, v, _ in held]
         log[str(i)] = {"loss_first": round(sum(losses[:10]) / len(losses[:10]), 4),
                        "loss_last": round(sum(losses[-10:]) / len(losses[-10:]), 4),
-                       "retained": round(sum(kept) / len(kept), 4), "retained_recent": round(sum(recent) / len(recent), 4)}
+                       "retained": round(sum(kept) / len(kept), 4), "retained_recent": round(sum(recent) / len(recent), 4),
+                       "rate": [round(float(r), 4) for r in scorer.rate().detach()]}
     return log
