@@ -28,6 +28,7 @@ from dofattn.options import option
 SCHEMA = 3                        # of dofattn.json; 2: the attention keys flat in the spec; 1: decay/gate flags
 DECAYS = ("none", "head", "gate")  # no decay; a learned decay per head; a decay per token read off its value
 LORA_TARGETS = ("attention", "all")
+GAINS = ("head", "query")          # the linear part's weight beside a window: per head; per head and query
 SELECT_IN = ("softmax", "all")     # the kept softmax layers; those and the linear layers
 SELECT_BY = ("prompt", "stream")   # chosen once by the prompt's last queries; scored as they arrive (trained)
 STREAM_MIN_WINDOW = 8              # a streaming score reads 8 tokens, which the window holds (`attention.scorer`)
@@ -43,6 +44,9 @@ class Attention:
                                  "Hedgehog's learned softmax map, or DiJiang's", choices=FEATURES)
     window: int = option(64, "exact softmax attention over the last W tokens beside the linear part (0: pure linear)")
     sink: int = option(4, "the first S tokens stay exact for every query beside the window (0: none)")
+    gain: str = option("head", "the linear part's weight against the window's exact keys: head (a learned number per "
+                               "head) or query (also one read off each query: how much it reads beyond the window)",
+                       choices=GAINS)
     decay: str = option("none", "decay of the linear state: none, head (a learned rate per head, beside a window "
                                 "counted from its edge) or gate (per token, read off its value; pure linear attention "
                                 "only)", choices=DECAYS)
@@ -73,6 +77,11 @@ class Attention:
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise UserError(f"student.{name} = {value!r} is not {'an integer' if kind is int else 'true or false'}")
+        if self.gain not in GAINS:
+            raise UserError(f"student.gain = {self.gain!r}; use head (a learned gain per head) or query (per query too)")
+        if self.gain == "query" and not self.window:
+            raise UserError("student.gain = 'query' weighs the linear part against a window: set student.window >= 1, "
+                            "or gain = 'head'")
         if self.decay not in DECAYS:
             raise UserError(f"student.decay = {self.decay!r}; use none, head (a learned decay per head) or gate "
                             f"(per token)")
@@ -133,6 +142,7 @@ class Attention:
         parts += [f"sink={self.sink}"] if self.sink else []
         parts += [f"select={self.select}" + ("" if self.select_in == "softmax" else " (all layers)")
                   + (", streamed" if self.select_by == "stream" else "")] if self.select else []
+        parts += ["gain per query"] if self.gain == "query" else []
         parts += [f"decay={self.decay}"] if self.decays else []
         parts += [f"conv={self.conv}"] if self.conv else []
         parts += ["delta"] if self.delta else []

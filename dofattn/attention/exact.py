@@ -25,18 +25,36 @@ from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.ops.window import first_keys, fold_key, window_decode_step, window_linear_attention, window_logits
 
 
+def pair_norms(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [..., D/2] float32: the norm of each pair of coordinates that RoPE rotates together (the HF
+    rotate-half layout: c and c + D/2), which no position changes."""
+    x = x.float()
+    half = x.shape[-1] // 2
+    return (x[..., :half].square() + x[..., half:2 * half].square()).sqrt()
+
+
 class Window(nn.Module):
     """Exact softmax over the last W keys, the linear branch beyond; `log_gain` [H] (learned, init 0) scales the
-    linear part's mass against the window's. The forms take the layer (`LinearAttention`) whose feature map, decay
-    and sink they use."""
+    linear part's mass against the window's. With `head_dim` (`student.gain = query`) each query adds its own log
+    gain, `query_gain`·pair_norms(q)/√(D/2) (learned, init 0): a query weighs how much it reads beyond the window.
+    The forms take the layer (`LinearAttention`) whose feature map, decay and sink they use."""
 
-    def __init__(self, width: int, num_heads: int):
+    def __init__(self, width: int, num_heads: int, head_dim: int = 0):
         super().__init__()
         self.width = int(width)
         self.log_gain = nn.Parameter(torch.zeros(num_heads))                       # [H]
+        self.query_gain = nn.Parameter(torch.zeros(num_heads, head_dim // 2)) if head_dim else None   # [H, D/2]
 
     def extra_repr(self) -> str:
-        return f"width={self.width}"
+        return f"width={self.width}" + (", gain per query" if self.query_gain is not None else "")
+
+    def query_scale(self, q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
+        """A query's log-scale in the linear branch (q [B, T, H, D], q_scale [B, T, H] from the feature map), with
+        its own gain added where the window has one."""
+        if self.query_gain is None:
+            return q_scale
+        w = self.query_gain.float()
+        return q_scale + torch.einsum("bthc,hc->bth", pair_norms(q), w) / w.shape[1] ** 0.5
 
     def attend(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
                state: torch.Tensor | None, output_final_state: bool, backend: str, sink_mask: torch.Tensor | None,
@@ -49,6 +67,7 @@ class Window(nn.Module):
             sink_mask = first_keys(key_valid, k.shape[0], k.shape[1], sink, k.device)
         fmap = layer.feature_map
         phi_q, q_scale = fmap.features(q, "query")                             # [B, T, H, M], [B, T, H]
+        q_scale = self.query_scale(q, q_scale)
         phi_k, k_scale = fmap.features(k, "key")                               # [B, Tk, H, M], [H]
         phi_q, phi_k = in_model_dtype(phi_q, q.dtype), in_model_dtype(phi_k, q.dtype)
         if layer.decay is not None and key_valid is not None:   # the cached keys come first: left padding stays exact
@@ -117,8 +136,8 @@ class Window(nn.Module):
         fmap = layer.feature_map
         if not (backend == "triton" or (backend == "auto" and q.is_cuda)) or layer.attention.decay == "gate":
             return False
-        if layer.select is not None:   # the kernel reads a sink and a ring only: PyTorch reads every exact set
-            return False
+        if layer.select is not None or self.query_gain is not None:   # the kernel reads a sink and a ring, a gain
+            return False                                                 # per head: PyTorch reads the rest
         if needs_grad(q, *layer.parameters()):
             return False
         from dofattn.ops import load_triton
@@ -173,6 +192,7 @@ class Window(nn.Module):
         keys, values, valid = (torch.cat([getattr(slots, name) for slots in held], 1)
                                for name in ("keys", "values", "valid"))
         phi_q, q_scale = layer.feature_map.features(q, "query")                             # [B, 1, H, M]
+        q_scale = self.query_scale(q, q_scale)
         phi_q = in_model_dtype(phi_q, dtype)
         o = window_decode_step(q[:, 0], keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + self.log_gain,
                                layer.feature_map.scaling, cache.state)
@@ -215,6 +235,7 @@ class Window(nn.Module):
             return
         fmap, sink = layer.feature_map, layer.attention.sink
         phi_q, q_scale = fmap.features(q, "query")
+        q_scale = self.query_scale(q, q_scale)
         phi_k, k_scale = fmap.features(k, "key")
         sink_mask = first_keys(None, k.shape[0], k.shape[1], sink, k.device) if sink else None
         logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale, fmap.scaling, self.width,

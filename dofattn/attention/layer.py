@@ -4,7 +4,8 @@
 
 The parts, each a module that owns its parameters and its forms (`attention.exact`, `.decay`, `.conv`, `.delta`):
     feature_map   φ of queries and keys (`features`)
-    window        exact softmax over the last W keys, the linear branch beyond, one normalisation (`exact.Window`)
+    window        exact softmax over the last W keys, the linear branch beyond, one normalisation (`exact.Window`);
+                  the linear branch's weight per head, or per query too (`gain`)
     sink          the first S real tokens exact for every later query (`exact.Sink`)
     select        C keys per kv head that a prompt's last queries attend to, exact after the prompt (`exact.Select`)
     decay         a learned decay of the linear state per head (`decay.Decay`) or per token (`decay.Gate`)
@@ -53,7 +54,8 @@ class LinearAttention(LinearBranch, nn.Module):
         self.attention = attention
         self.feature_map = feature_map
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.window = Window(attention.window, num_heads) if attention.window else None
+        self.window = (Window(attention.window, num_heads, head_dim if attention.gain == "query" else 0)
+                       if attention.window else None)
         self.sink = Sink(attention.sink) if attention.sink else None
         self.select = (Select(attention.select, attention.select_observe, attention.select_pool)
                        if attention.select and attention.select_in == "all" else None)

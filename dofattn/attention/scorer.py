@@ -23,16 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dofattn.attention.exact import pair_norms
+
 REACH = 8          # a score reads its key and the 7 before it
 SPAN = 1000.0      # the recency rate is per this many tokens
 
 
 def key_features(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """k, v [B, T, Hkv, D] -> [B, T, Hkv, D + D/2] float32: the value and the RoPE pairs' norms of the key."""
-    k = k.float()
-    half = k.shape[-1] // 2
-    pairs = (k[..., :half].square() + k[..., half:2 * half].square()).sqrt()
-    return torch.cat([v.float(), pairs], -1)
+    return torch.cat([v.float(), pair_norms(k)], -1)
 
 
 class KeyScorer(nn.Module):
