@@ -27,6 +27,7 @@ from transformers.cache_utils import DynamicLayer
 
 from dofattn.attention.cache import BatchSlot
 from dofattn.attention.scorer import KeyScorer
+from dofattn.errors import UserError
 from dofattn.ops.select import prompt_candidates, select_keys
 from dofattn.ops.stream import KEY, PAD, SINK, keep_after, stream_visible
 from dofattn.ops.window import first_keys
@@ -221,8 +222,8 @@ class BoundedSoftmax(nn.Module):
             pos, score, kind = slot.pool()
         else:
             if slot is not None and key.shape[2] != T:
-                raise RuntimeError(f"layer {self.layer_idx} streams its cache but found {key.shape[2] - T} past keys "
-                                   f"in a {type(slot).__name__}: start from a fresh cache")
+                raise UserError(f"layer {self.layer_idx} streams its cache but found {key.shape[2] - T} past keys in "
+                                f"a {type(slot).__name__}: start generation from a fresh cache")
             score = self.scorer(new_k, new_v, valid)
             kind, sunk = arriving_kinds(valid, valid.new_zeros(B, dtype=torch.long), self.sink)
             if slot is not None:          # a sequence's first call: its slot streams from here on
