@@ -13,7 +13,8 @@ every token, which at 30 layers and batch 1 dominates.
 A softmax layer kept beside them (`student.keep_softmax`) gets buffers of T + max_new_tokens slots for its keys
 and values (`attention.StaticKVLayer`): the prompt's at the front, each step's written in place at the cache
 position, and the layer attends over the slots written so far. Each step reads every slot (the unwritten ones
-masked), so its cost is the same at every token of a call.
+masked), so its cost is the same at every token of a call. One bounded after the prompt (`student.select`) keeps its
+held keys and a ring of W slots (`attention.bounded.StaticBoundedLayer`): the same size at any length.
 
 On CPU (or with graph=False) the same static step runs eagerly, token by token: the tokens are the same, which is
 what the tests check. With compile=True (for the CPU) the step runs through `torch.compile` instead: the whole
@@ -37,6 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from dofattn.attention import RingWindowLayer, StaticKVLayer, StaticStateLayer
+from dofattn.attention.bounded import BoundedKVLayer, StaticBoundedLayer
 from dofattn.errors import UserError
 from dofattn.hf import cache_kwargs, local_layers
 from dofattn.student import attention_modules
@@ -59,7 +61,7 @@ def bind_static_kv(model, cache):
     from dofattn.student import attention_modules
 
     modules = attention_modules(model)
-    bound = [i for i, layer in enumerate(cache.layers) if isinstance(layer, StaticKVLayer)]
+    bound = [i for i, layer in enumerate(cache.layers) if isinstance(layer, (StaticKVLayer, StaticBoundedLayer))]
     for i in bound:
         modules[i].dofattn_static_kv = cache.layers[i]
     try:
@@ -103,10 +105,12 @@ class StaticDecoder:
         if local:   # their HF slots keep the last W keys only; static slots for them are not written yet
             raise UserError(f"static decoding does not yet run a model's own sliding-window layers ({local}); use "
                             f"HF generate (model.generate(), or drop --static)")
-        bounded = [i for i, m in enumerate(attention_modules(model)) if getattr(m, "dofattn_bounded", None) is not None]
-        if bounded:   # their slots are bounded after the prompt; static slots for them are not written yet
-            raise UserError(f"static decoding does not yet run kept softmax layers with selected keys (student."
-                            f"select, layers {bounded}); use HF generate (model.generate(), or drop --static)")
+        streams = [i for i, m in enumerate(attention_modules(model))
+                   if getattr(getattr(m, "dofattn_bounded", None), "streams", False)]
+        if streams:   # their kept keys change with every token; static slots for them are not written yet
+            raise UserError(f"static decoding does not yet run kept softmax layers that stream their selected keys "
+                            f"(student.select_by = stream, layers {streams}); use HF generate (model.generate(), or "
+                            f"drop --static)")
         self.model = model
         self.device = next(model.parameters()).device
         if compile and graph:
@@ -145,7 +149,9 @@ class StaticDecoder:
         new = [token.clone()]
         for i, window in self.windows.items():    # window hybrids: their last W keys go into a ring of W slots
             layer = cache.layers[i]
-            if window is None:                    # a kept softmax layer: T + max_new_tokens slots
+            if isinstance(layer, BoundedKVLayer):  # a bounded kept layer: its held keys and a ring of W slots
+                cache.layers[i] = StaticBoundedLayer.from_layer(layer, cache_position)
+            elif window is None:                  # a kept softmax layer: T + max_new_tokens slots
                 cache.layers[i] = StaticKVLayer.from_layer(layer, T + max_new_tokens, cache_position)
             elif window:
                 cache.layers[i] = RingWindowLayer.from_layer(layer, window, cache_position)

@@ -249,10 +249,27 @@ def test_a_bounded_cache_that_drops_nothing_generates_as_the_full_one():
     assert sizes[0] == sizes[1]
 
 
-def test_static_decoding_refuses_a_bounded_kept_layer():
+@pytest.mark.parametrize("length", [3, 30], ids=["prompt inside the window", "prompt past it"])
+def test_static_decoding_of_a_bounded_kept_layer_matches_hf_generate(length):
+    """The static decoder's ring of W slots after the held keys reads what the growing bounded cache reads: the same
+    greedy tokens as HF generate, over more steps than the window has slots."""
+    from dofattn.attention.bounded import StaticBoundedLayer
     from dofattn.engine import StaticDecoder
 
     model = tiny_model("llama")
-    linearize(model, [4] * 3, Attention(window=4, sink=2, select=3), layers=[0, 2], seed=1)
-    with pytest.raises(UserError, match=r"selected keys .*layers \[1\].*HF generate"):
-        StaticDecoder(model)
+    linearize(model, [4] * 3, Attention(window=4, sink=2, select=3, select_observe=3), layers=[0, 2], seed=1)
+    prompt = torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=11, min_new_tokens=11, do_sample=False, pad_token_id=0,
+                              return_dict_in_generate=True)
+    decoder = StaticDecoder(model, graph=False)
+    got = decoder.generate(prompt, max_new_tokens=11)
+    assert torch.equal(got, want.sequences)
+    static, grown = decoder.cache.layers[1], want.past_key_values.layers[1]
+    assert isinstance(static, StaticBoundedLayer) and static.keys.shape[2] == 2 + 3 + 4
+    # the same keys: the held ones, and the last W in their ring slots (position p in slot p mod W)
+    seen = length + 10
+    torch.testing.assert_close(static.keys[:, :, :5], grown.held_keys, rtol=1e-5, atol=1e-6)
+    ring = torch.stack([grown.keys[:, :, grown.keys.shape[2] - (seen - p)] for p in range(seen - 4, seen)], 2)
+    order = [p % 4 for p in range(seen - 4, seen)]
+    torch.testing.assert_close(static.keys[:, :, 5:][:, :, order], ring, rtol=1e-5, atol=1e-6)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from dofattn.attention.cache import BatchSlot
 from dofattn.attention.scorer import KeyScorer
@@ -95,6 +95,56 @@ class BoundedKVLayer(BatchSlot):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a bounded cache cannot drop tokens (no assisted or speculative decoding)")
+
+
+class StaticBoundedLayer(CacheLayerMixin):
+    """A bounded kept layer's slot for static decoding (`engine.StaticDecoder`), made from its `BoundedKVLayer` after
+    the prompt: the held keys (sink and selected, [B, Hkv, S + C, D]) and a ring of W slots after them, the key at
+    position p in slot p mod W; `position` is the decoder's [1] tensor. Each step writes its key into its ring slot in
+    place and the layer attends over the real held keys and the ring's written slots (`slot_mask`, bound to the module
+    as `dofattn_static_kv`): the same shapes every token, and the same keys as the growing `BoundedKVLayer` reads."""
+
+    is_sliding = False
+    is_compileable = True
+    is_croppable = False
+
+    @classmethod
+    def from_layer(cls, layer: BoundedKVLayer, position: torch.Tensor) -> StaticBoundedLayer:
+        static = cls()
+        B, Hkv, n, D = layer.keys.shape
+        width, lead = layer.width, layer.held_keys.shape[2]
+        slots = torch.arange(layer.seen - n, layer.seen, device=layer.keys.device).remainder(width)
+        ring = lambda x: x.new_zeros(*x.shape[:2], width, x.shape[-1]).index_copy_(2, slots, x)
+        static.keys = torch.cat([layer.held_keys, ring(layer.keys)], 2)
+        static.values = torch.cat([layer.held_values, ring(layer.values)], 2)
+        static.valid = torch.cat([layer.held_valid, layer.valid.new_zeros(B, width).index_copy_(1, slots, layer.valid)],
+                                 1)
+        static.position, static.lead, static.width, static.seen = position, lead, width, layer.seen
+        static.dtype, static.device, static.is_initialized = layer.keys.dtype, layer.keys.device, True
+        return static
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a StaticBoundedLayer is made from a bounded layer (StaticBoundedLayer.from_layer)")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        slot = self.lead + self.position.remainder(self.width)                  # [1]
+        self.keys.index_copy_(2, slot, key_states)
+        self.values.index_copy_(2, slot, value_states)
+        self.valid.index_fill_(1, slot, True)
+        return self.keys, self.values
+
+    def slot_mask(self) -> torch.Tensor:
+        """[B, 1, 1, S + C + W] bool: the real held keys and the ring's written slots (the current token's included)."""
+        return self.valid[:, None, None]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
 
 
 class StreamKVLayer(BatchSlot):
