@@ -35,16 +35,43 @@ from dofattn.ops.window import first_keys
 QUERY_BLOCK = 1024      # a streaming layer's queries attend in blocks of this many (its mask is per kv head)
 
 
-class BoundedKVLayer(BatchSlot):
+class BoundedSlot(BatchSlot):
+    """A kept layer's bounded cache slot after its first call (`BoundedKVLayer`, `StreamKVLayer`): its tensors are
+    `NAMES`, `seen` counts the tokens read; it neither restarts nor drops tokens. It hands SDPA its own mask, so HF
+    sizes its causal mask on another layer (`is_sliding`)."""
+
+    is_sliding = True
+    is_compileable = False
+    is_croppable = False
+    NAMES: tuple[str, ...] = ()
+
+    def _map(self, fn) -> None:
+        for name in self.NAMES:
+            setattr(self, name, fn(getattr(self, name)))
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("a bounded cache cannot restart; let generate() create a fresh cache")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a bounded cache cannot drop tokens (no assisted or speculative decoding)")
+
+
+class BoundedKVLayer(BoundedSlot):
     """A kept softmax layer's cache slot after a prompt: `held` keys and values [B, Hkv, S + C, D] (the sink's, then
     each kv head's C selected; slot c of a kv head is that head's own choice, without positions) and which are real
     ([B, S + C]), and the window's last keys [B, Hkv, n, D] with theirs ([B, n]). `update` appends a call's keys to
     the window (after trimming it to the last W of the calls before) and returns [held, window]; `mask` says which of
     them each new query sees."""
 
-    is_sliding = True            # HF sizes its causal mask on another layer; this slot hands SDPA its own (`mask`)
-    is_compileable = False
-    is_croppable = False
     NAMES = ("held_keys", "held_values", "held_valid", "keys", "values", "valid")
 
     def __init__(self, held_keys, held_values, held_valid, keys, values, valid, width: int, seen: int):
@@ -76,25 +103,6 @@ class BoundedKVLayer(BatchSlot):
         window = near[None] & self.valid[:, None, :]                                           # [B, T, n]
         held = self.held_valid[:, None, :].expand(-1, T, -1)
         return torch.cat([held, window], -1)[:, None]
-
-    def _map(self, fn) -> None:
-        for name in self.NAMES:
-            setattr(self, name, fn(getattr(self, name)))
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        raise NotImplementedError("a bounded cache cannot restart; let generate() create a fresh cache")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a bounded cache cannot drop tokens (no assisted or speculative decoding)")
 
 
 class StaticBoundedLayer(CacheLayerMixin):
@@ -147,16 +155,13 @@ class StaticBoundedLayer(CacheLayerMixin):
         return -1
 
 
-class StreamKVLayer(BatchSlot):
+class StreamKVLayer(BoundedSlot):
     """A streaming kept layer's cache slot (`student.select_by = stream`): `held`, the sink and the chosen keys that
     have left the window ([B, Hkv, S + C, D], with their positions, scores and kinds [B, Hkv, S + C]), and the
     window, the last keys in order ([B, Hkv, n, D]; positions seen - n .. seen - 1, scores [B, Hkv, n], kinds
     [B, n]); `sunk` [B]: the sink tokens each row has had. `update` appends a call's keys to the window and returns
     [held, window]; `BoundedSoftmax.stream` scores them (`admit`), attends, then `settle` keeps the bound."""
 
-    is_sliding = True
-    is_compileable = False
-    is_croppable = False
     NAMES = ("held_keys", "held_values", "held_pos", "held_score", "held_kind", "keys", "values", "score", "kind",
              "sunk")
 
@@ -197,37 +202,17 @@ class StreamKVLayer(BatchSlot):
         return (torch.cat([self.held_pos, at], 2), torch.cat([self.held_score, self.score], 2),
                 torch.cat([self.held_kind, self.kind[:, None].expand(B, Hkv, n)], 2))
 
-    def settle(self, width: int, count: int) -> None:
-        """After a call: keep the sink and the best `count` keys that have left the window, and the window's last
-        width - 1 keys (those the next query still sees)."""
+    def settle(self, width: int, count: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """After a call that attended over `keys` and `values` (what `update` returned): keep the sink and the best
+        `count` keys that have left the window, and the window's last width - 1 keys (those the next query sees)."""
         pos, score, kind = self.pool()
         held, held_kind = keep_after(pos, score, kind, self.seen, width, count)
-        keys, values = torch.cat([self.held_keys, self.keys], 2), torch.cat([self.held_values, self.values], 2)
         gather = lambda x: x.gather(2, held[..., None].expand(-1, -1, -1, x.shape[-1]))
         self.held_keys, self.held_values = gather(keys), gather(values)
         self.held_pos, self.held_score, self.held_kind = pos.gather(2, held), score.gather(2, held), held_kind
         last = slice(max(self.keys.shape[2] - (width - 1), 0), None)
         self.keys, self.values = self.keys[:, :, last], self.values[:, :, last]
         self.score, self.kind, self.new = self.score[:, :, last], self.kind[:, last], 0
-
-    def _map(self, fn) -> None:
-        for name in self.NAMES:
-            setattr(self, name, fn(getattr(self, name)))
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        raise NotImplementedError("a bounded cache cannot restart; let generate() create a fresh cache")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a bounded cache cannot drop tokens (no assisted or speculative decoding)")
 
 
 def arriving_kinds(key_valid: torch.Tensor, sunk: torch.Tensor, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,7 +273,7 @@ class BoundedSoftmax(nn.Module):
                                 seen[:, :, lo:lo + QUERY_BLOCK].repeat_interleave(H // Hkv, dim=1))
                          for lo in range(0, T, QUERY_BLOCK)], 1)
         if slot is not None:
-            slot.settle(self.width, self.count)
+            slot.settle(self.width, self.count, key, value)
         return out
 
     def layers(self) -> list:
