@@ -47,11 +47,10 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.T
     return torch.softmax(logits.masked_fill(~causal, -torch.inf), -1).reshape(Hkv, H // Hkv, T, T).sum(1)
 
 
-def far_pairs(q, k, scaling: float, window: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """For each key j with a query beyond its window, PAIRS queries i >= j + window drawn at random: (keys [n],
-    distances [n, PAIRS], targets log(a_ij + FLOOR) [Hkv, n, PAIRS])."""
-    T = q.shape[0]
-    attention = group_attention(q, k, scaling)                                          # [Hkv, T, T]
+def far_pairs(attention: torch.Tensor, window: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """For each key j with a query beyond its window, PAIRS queries i >= j + window drawn at random from one block's
+    `group_attention` [Hkv, T, T]: (keys [n], distances [n, PAIRS], targets log(a_ij + FLOOR) [Hkv, n, PAIRS])."""
+    T = attention.shape[-1]
     keys = torch.arange(max(T - window, 0))
     room = (T - window - keys).float()                                                  # far queries of each key
     i = keys[:, None] + window + (torch.rand(len(keys), PAIRS, generator=generator) * room[:, None]).long()
@@ -59,12 +58,10 @@ def far_pairs(q, k, scaling: float, window: int, generator: torch.Generator) -> 
     return keys, (i - keys[:, None]).float(), target
 
 
-def retained(q, k, scaling: float, score: torch.Tensor, bounded) -> float:
+def retained(weights: torch.Tensor, score: torch.Tensor, bounded) -> float:
     """The share of the attention that queries pay beyond their window (sink aside) which lands on keys a streaming
-    cache with these scores [Hkv, T] still holds, on one block (q [T, H, D], k [T, Hkv, D])."""
-    T, H, _ = q.shape
-    Hkv = k.shape[1]
-    weights = group_attention(q, k, scaling)                                            # [Hkv, T, T]
+    cache with these scores [Hkv, T] still holds, on one block (its `group_attention` weights [Hkv, T, T])."""
+    Hkv, T, _ = weights.shape
     kind, _ = arriving_kinds(torch.ones(1, T, dtype=torch.bool), torch.zeros(1, dtype=torch.long), bounded.sink)
     pos = torch.arange(T).expand(1, Hkv, T)
     seen = stream_visible(pos, score[None], kind[:, None].expand(1, Hkv, T), torch.arange(T), bounded.width,
@@ -93,9 +90,15 @@ def train_scorers(model, blocks: torch.Tensor, config, seed: int = 0, progress: 
     log = {}
     for i, bounded in tqdm(layers.items(), desc="scorer: layers", unit="layer", disable=not progress):
         scorer = bounded.scorer
-        data = [(q, k, v, far_pairs(q, k, s, bounded.width, generator)) for q, k, v, s in inputs[i]]
-        train, held = data[:split], data[split:] or data[:1]
-        params = [p for p in scorer.parameters()]
+        held = range(split, len(inputs[i])) or range(1)      # too few blocks: the first one measures
+        data, weights = [], []     # the held blocks' pairs are drawn too: a block's pairs do not depend on the split
+        for n, (q, k, v, s) in enumerate(inputs[i]):
+            attention = group_attention(q, k, s)                                        # [Hkv, T, T]
+            data.append((k, v, far_pairs(attention, bounded.width, generator)))
+            if n in held:
+                weights.append((k, v, attention))
+        train = data[:split]
+        params = list(scorer.parameters())
         was = [p.requires_grad for p in params]
         for p in params:
             p.requires_grad_(True)
@@ -103,7 +106,7 @@ def train_scorers(model, blocks: torch.Tensor, config, seed: int = 0, progress: 
         losses = []
         with torch.enable_grad():
             for _ in range(config.steps):
-                q, k, v, (keys, distance, target) = train[int(torch.randint(len(train), (1,), generator=generator))]
+                k, v, (keys, distance, target) = train[int(torch.randint(len(train), (1,), generator=generator))]
                 content = scorer.content(k[None].to(device), v[None].to(device))[0][:, keys]     # [Hkv, n]
                 guess = content[..., None] - scorer.rate()[:, None, None] * distance.to(device) / SPAN
                 loss = (guess - target.to(device)).square().mean()
@@ -114,13 +117,13 @@ def train_scorers(model, blocks: torch.Tensor, config, seed: int = 0, progress: 
         for p, g in zip(params, was):
             p.requires_grad_(g)
         with torch.no_grad():
-            scaling = inputs[i][0][3]
-            kept = [retained(q, k, scaling, scorer(k[None].to(device), v[None].to(device))[0].cpu(), bounded)
-                    for q, k, v, _ in held]
-            recent = [retained(q, k, scaling, torch.arange(k.shape[0], dtype=torch.float32).expand(k.shape[1], -1),
-                               bounded) for q, k, v, _ in held]
+            kept = [retained(a, scorer(k[None].to(device), v[None].to(device))[0].cpu(), bounded)
+                    for k, v, a in weights]
+            recent = [retained(a, torch.arange(k.shape[0], dtype=torch.float32).expand(k.shape[1], -1), bounded)
+                      for k, v, a in weights]
         log[str(i)] = {"loss_first": round(sum(losses[:10]) / len(losses[:10]), 4),
                        "loss_last": round(sum(losses[-10:]) / len(losses[-10:]), 4),
-                       "retained": round(sum(kept) / len(kept), 4), "retained_recent": round(sum(recent) / len(recent), 4),
+                       "retained": round(sum(kept) / len(kept), 4),
+                       "retained_recent": round(sum(recent) / len(recent), 4),
                        "rate": [round(float(r), 4) for r in scorer.rate().detach()]}
     return log
