@@ -1,4 +1,4 @@
-"""benchmarks/conv_stats.py on a tiny student with set filters: taps and shares per layer and stream."""
+"""experiments/conv_stats.py on a tiny student with set filters: taps and shares per layer and stream."""
 
 import importlib.util
 import json
@@ -13,7 +13,7 @@ from dofattn.student import attention_modules, fingerprint, linearize, save_stud
 from dofattn.spec import Attention
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("conv_stats", ROOT / "benchmarks" / "conv_stats.py")
+spec = importlib.util.spec_from_file_location("conv_stats", ROOT / "experiments" / "conv_stats.py")
 conv_stats = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(conv_stats)
 

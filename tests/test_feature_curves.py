@@ -1,4 +1,4 @@
-"""benchmarks/feature_curves.py on hand-written logs: interpolation in log M, the greedy allocation, refusals."""
+"""experiments/feature_curves.py on hand-written logs: interpolation in log M, the greedy allocation, refusals."""
 
 import importlib.util
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("feature_curves", ROOT / "benchmarks" / "feature_curves.py")
+spec = importlib.util.spec_from_file_location("feature_curves", ROOT / "experiments" / "feature_curves.py")
 feature_curves = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(feature_curves)
 

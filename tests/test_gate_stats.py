@@ -1,4 +1,4 @@
-"""benchmarks/gate_stats.py on a tiny gated student: one row per gated layer, half-lives as the gates set them."""
+"""experiments/gate_stats.py on a tiny gated student: one row per gated layer, half-lives as the gates set them."""
 
 import importlib.util
 import json
@@ -14,7 +14,7 @@ from dofattn.student import attention_modules, fingerprint, linearize, save_stud
 from dofattn.spec import Attention
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("gate_stats", ROOT / "benchmarks" / "gate_stats.py")
+spec = importlib.util.spec_from_file_location("gate_stats", ROOT / "experiments" / "gate_stats.py")
 gate_stats = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gate_stats)
 

@@ -1,4 +1,4 @@
-"""benchmarks/matrix.py at toy scale: every cell runs, skipped cells say why, JSON, table and figures are written."""
+"""experiments/matrix.py at toy scale: every cell runs, skipped cells say why, JSON, table and figures are written."""
 
 import json
 import os
@@ -14,7 +14,7 @@ def test_matrix_toy_scale(tmp_path, model_dirs, corpus):
     out, table = tmp_path / "matrix.json", tmp_path / "matrix.md"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "matrix.py"), "--scale", "toy", "--model",
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "matrix.py"), "--scale", "toy", "--model",
                            str(model_dirs["llama"]), "--data", str(corpus), "--runs", str(tmp_path / "runs"),
                            "--out", str(out), "--markdown", str(table),
                            "--figures", str(tmp_path / "fig")], capture_output=True, text=True, env=env,

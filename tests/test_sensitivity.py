@@ -1,4 +1,4 @@
-"""benchmarks/layer_sensitivity.py's measurements: where attention goes, and the rank correlation."""
+"""experiments/layer_sensitivity.py's measurements: where attention goes, and the rank correlation."""
 
 import importlib.util
 from pathlib import Path
@@ -9,7 +9,7 @@ import torch
 from tests.conftest import tiny_model
 
 spec = importlib.util.spec_from_file_location(
-    "layer_sensitivity", Path(__file__).resolve().parents[1] / "benchmarks" / "layer_sensitivity.py")
+    "layer_sensitivity", Path(__file__).resolve().parents[1] / "experiments" / "layer_sensitivity.py")
 sensitivity = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sensitivity)
 
@@ -48,7 +48,7 @@ def test_replot_draws_the_figure_from_a_kept_json(tmp_path):
     result = {"run": "runs/fix", "restore_gain": [0.1, 0.3, 0.0], "alone": [{"kl": 0.2}, {"kl": 0.1}, {"kl": 0.0}],
               "dof": [4.0, 9.0, 2.0], "spearman": {"dof vs restore gain": 0.5}}
     (tmp_path / "s.json").write_text(json.dumps(result))
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "layer_sensitivity.py"
+    script = Path(__file__).resolve().parents[1] / "experiments" / "layer_sensitivity.py"
     proc = subprocess.run([sys.executable, str(script), "--replot", str(tmp_path / "s.json"), "--plot",
                            str(tmp_path / "s.png")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -63,7 +63,7 @@ def test_attention_dof_seeds_compares_every_pair(tmp_path):
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_dof_seeds.py"
+    script = Path(__file__).resolve().parents[1] / "experiments" / "attention_dof_seeds.py"
     layers = {"a": [10.0, 40.0, 20.0, 30.0], "b": [10.0, 40.0, 20.0, 30.0], "c": [40.0, 10.0, 30.0, 20.0]}
     for name, values in layers.items():
         (tmp_path / f"{name}.json").write_text(json.dumps({"layers": values}))

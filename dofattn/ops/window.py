@@ -388,7 +388,7 @@ def window_parts(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float,
     queries): ([(ō, λ, present) of the window's band, of the linear branch, and with a sink of the sink keys beyond
     the band], final state). ō [B, Tk, H, V] is a part's own normalised output, λ [B, Tk, H] its log-mass: a
     query's share of a part is e^λ over the sum of e^λ of the parts it has (`mix_parts`). What
-    `blocked_window_linear_attention` mixes, and what `benchmarks/linear_share.py` reads."""
+    `blocked_window_linear_attention` mixes, and what `experiments/linear_share.py` reads."""
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
     P = k.shape[1] - q.shape[1]
     # Every tensor is laid out over the Tk key positions; the P cached positions get zero queries, dropped at the end.

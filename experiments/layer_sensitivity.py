@@ -1,8 +1,8 @@
 """Which layers does linear attention hurt most end to end, and does the DoF predict it?
 
-    python benchmarks/layer_sensitivity.py runs/fix --dof runs/default/dof.json \
+    python experiments/layer_sensitivity.py runs/fix --dof runs/default/dof.json \
         --out docs/results/layer-sensitivity.json --plot docs/results/layer-sensitivity.png
-    python benchmarks/layer_sensitivity.py --replot docs/results/layer-sensitivity.json \
+    python experiments/layer_sensitivity.py --replot docs/results/layer-sensitivity.json \
         --plot docs/results/layer-sensitivity.png                  # the figure again, from a kept JSON
 
 For a trained pure-linear student (every layer linear, student.window = 0), on blocks of its run's

@@ -1,7 +1,7 @@
 """Per layer, the layerwise loss against the feature count, read from distill runs with uniform dims, and what it
 says about an allocation of features.
 
-    python benchmarks/feature_curves.py runs/lw-fix16 runs/lw-fix32 runs/wl-sink4-fix-s0 runs/lw-fix128 \
+    python experiments/feature_curves.py runs/lw-fix16 runs/lw-fix32 runs/wl-sink4-fix-s0 runs/lw-fix128 \
         --compare runs/wl-sink4-s0 runs/wl-sink4-linear-dof-s0 --out curves.json --plot curves.png
 
 Each curve run is a finished `dofattn distill` folder (or its kept log.json) whose dims are one count M for every

@@ -2,7 +2,7 @@
 normaliser that the linear branch takes, against the teacher's own mass beyond the window, and the layer's output
 error against the teacher's attention output.
 
-    python benchmarks/linear_share.py runs/distill --length 8192 --out docs/results/linear-share.json \
+    python experiments/linear_share.py runs/distill --length 8192 --out docs/results/linear-share.json \
         --plot docs/results/linear-share.png
 
 The teacher runs once over a block of `--length` tokens of the validation articles (joined, as `dofattn eval`

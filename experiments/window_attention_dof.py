@@ -1,7 +1,7 @@
 """What a window leaves to the linear part, per layer: the attention's mass beyond the last W keys, and the DoF of
 that part of the attention matrices beside the DoF of the whole.
 
-    python benchmarks/window_attention_dof.py --window 64 --out docs/results/window-attention-dof.json \
+    python experiments/window_attention_dof.py --window 64 --out docs/results/window-attention-dof.json \
         --plot docs/results/window-attention-dof.png
 
 With a window, a layer's features only produce the attention beyond each query's last W keys. `--dims attn-dof`
@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.dof_sensitivity import compare  # noqa: E402
-from benchmarks.layer_sensitivity import spearman, top  # noqa: E402
+from experiments.dof_sensitivity import compare  # noqa: E402
+from experiments.layer_sensitivity import spearman, top  # noqa: E402
 from dofattn.ops.softmax import attention_logits, expand_kv  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def main() -> int:
     total = args.budget * len(layers)
     dims = {name: allocate(per_layer[name], total) for name in ("whole", "beyond")}
     result = {
-        "command": " ".join(["benchmarks/window_attention_dof.py", *sys.argv[1:]]), "model": args.model,
+        "command": " ".join(["experiments/window_attention_dof.py", *sys.argv[1:]]), "model": args.model,
         "window": args.window, "seq_len": args.seq_len, "blocks": args.blocks, "seed": args.seed, "lam": args.lam,
         "attention_dof": per_layer["whole"], "beyond_window_dof": per_layer["beyond"],
         "beyond_window_mass": per_layer["mass"], "sink": args.sink, "sink_mass": per_layer["sink_mass"],

@@ -1,6 +1,6 @@
 """How much of each head's Gram trace its single largest-norm point holds, next to the head's DoF.
 
-    python benchmarks/trace_share.py --layers 0 7 23 [--model smollm2-135m] [--lam 0.00390625]
+    python experiments/trace_share.py --layers 0 7 23 [--model smollm2-135m] [--lam 0.00390625]
 
 Trace-relative DoF counts how spread the kernel's energy is across points: a head where one outlier holds most of
 tr G has a DoF near 1. Prints one line per head.

@@ -1,8 +1,8 @@
 """The paper's experiment matrix on one model: feature allocation/map × training loss, at one total budget.
 
-    python benchmarks/matrix.py --scale small --out docs/results/matrix-small.json     # 2-core CPU
-    python benchmarks/matrix.py --scale full --out docs/results/matrix-full.json       # meant for a GPU
-    python benchmarks/matrix.py --scale toy --model DIR --data FILE --out m.json      # seconds, for tests
+    python experiments/matrix.py --scale small --out docs/results/matrix-small.json     # 2-core CPU
+    python experiments/matrix.py --scale full --out docs/results/matrix-full.json       # meant for a GPU
+    python experiments/matrix.py --scale toy --model DIR --data FILE --out m.json      # seconds, for tests
 
 Rows: performer (untrained, fixed dims), dijiang, fix (learned PRF, head-size dims everywhere), dof (learned PRF,
 DoF dims), dof+clip. Columns: l2 and softmax (layerwise.loss, no end-to-end phase) and direct (end to end only:

@@ -1,6 +1,6 @@
 """The DoF of the teacher's attention matrices per layer, against the measured cost of linearizing each layer.
 
-    python benchmarks/attention_dof.py --gains docs/results/layer-sensitivity.json \
+    python experiments/attention_dof.py --gains docs/results/layer-sensitivity.json \
         --out docs/results/attention-dof.json --plot docs/results/attention-dof.png
 
 `layer_sensitivity.py` measured, per layer of SmolLM2-135M, how much of a pure-linear student's KL to the teacher
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.layer_sensitivity import spearman, top  # noqa: E402
+from experiments.layer_sensitivity import spearman, top  # noqa: E402
 
 
 def main() -> int:
@@ -55,7 +55,7 @@ def main() -> int:
         estimates[name] = [sum(h) / len(h) for h in heads]
     attn = estimates["same_blocks"]
     result = {
-        "command": " ".join(["benchmarks/attention_dof.py", *sys.argv[1:]]), "model": args.model, "lam": args.lam,
+        "command": " ".join(["experiments/attention_dof.py", *sys.argv[1:]]), "model": args.model, "lam": args.lam,
         "seq_len": args.seq_len, "attention_dof": estimates, "kernel_dof": kernel_dof, "restore_gain": gain,
         "alone_kl": alone,
         "spearman": {

@@ -1,13 +1,13 @@
 """How much the DoF of the attention matrices moves with the text sample: pairwise, over the per-layer estimates of
 several runs (each run's attention_dof.json, measured on other training blocks with its --seed).
 
-    python benchmarks/attention_dof_seeds.py docs/results/attention-dof-s{0,1,2}.json \
+    python experiments/attention_dof_seeds.py docs/results/attention-dof-s{0,1,2}.json \
         --out docs/results/attention-dof-seeds.json
 
 For each pair: the Pearson correlation of the layer DoF, and of the dims they allocate at a mean of --budget
 features per layer (`dofattn.dof.allocate`, as `--dims attn-dof` does), with the mean and largest absolute
 difference of those dims; and each run's --keep top layers. The same comparison for the kernel's DoF is
-`benchmarks/dof_sensitivity.py`.
+`experiments/dof_sensitivity.py`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.dof_sensitivity import compare  # noqa: E402
-from benchmarks.layer_sensitivity import top  # noqa: E402
+from experiments.dof_sensitivity import compare  # noqa: E402
+from experiments.layer_sensitivity import top  # noqa: E402
 
 def main() -> int:
     from dofattn.dof import allocate
@@ -48,7 +48,7 @@ def main() -> int:
     for name, layers in tops.items():
         print(f"{name}: dims {min(dims[name])}-{max(dims[name])}, top {args.keep} layers {layers}")
     if args.out:
-        args.out.write_text(json.dumps({"command": " ".join(["benchmarks/attention_dof_seeds.py", *sys.argv[1:]]),
+        args.out.write_text(json.dumps({"command": " ".join(["experiments/attention_dof_seeds.py", *sys.argv[1:]]),
                                         "budget": args.budget, "pairs": pairs, "dims": dims, "top": tops}, indent=2))
     return 0
 

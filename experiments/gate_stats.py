@@ -1,7 +1,7 @@
 """What a gated student's gates do on real text: per layer, how far back each token lets the state reach (and with
 the delta rule, how much each token erases).
 
-    python benchmarks/gate_stats.py runs/hh-gate-mlp-bf16 [--blocks 8] [--seq-len 512] [--out gate-stats.json]
+    python experiments/gate_stats.py runs/hh-gate-mlp-bf16 [--blocks 8] [--seq-len 512] [--out gate-stats.json]
 
 A gate multiplies the state by g_t before token t (`--gate`, `attention.LinearAttention`). Its half-life,
 ln 2 / −ln g_t, is how many more tokens halve what the state holds: a token with a half-life under 1 all but

@@ -1,9 +1,9 @@
 """Speed of one end-to-end training step of a linearized SmolLM2-135M with its frozen model in float32 and bfloat16,
 and how far the two steps' gradients are apart.
 
-    python benchmarks/train_dtype.py [--students window,linear] [--runs RUN ...] [--dtypes float32,bfloat16]
+    python experiments/train_dtype.py [--students window,linear] [--runs RUN ...] [--dtypes float32,bfloat16]
                                      [--steps 5] [--out train_dtype.json]
-    python benchmarks/train_dtype.py --students linear --dtypes float32,float32-rounded,bfloat16 --steps 2
+    python experiments/train_dtype.py --students linear --dtypes float32,float32-rounded,bfloat16 --steps 2
 
 What `dofattn distill`'s end-to-end phase does per step: the student's and the teacher's forward on B blocks of T
 tokens of the Wikipedia sample's train split, next-token loss plus KL to the teacher, backward into the trained

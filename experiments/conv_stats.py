@@ -1,6 +1,6 @@
 """What a student's short convolutions learned: per layer, how much of q, k and v comes from the tokens before.
 
-    python benchmarks/conv_stats.py runs/hh-gate-conv4-mlp [--out conv-stats.json] [--plot conv-stats.png]
+    python experiments/conv_stats.py runs/hh-gate-conv4-mlp [--out conv-stats.json] [--plot conv-stats.png]
 
 A filter (`--conv K`, `attention.LinearAttention`) weighs the token itself by w_0 and the token j back by w_j, one
 filter per channel, started at w_0 = 1 and w_j = 0. For each layer and each of q, k and v this prints the mean over

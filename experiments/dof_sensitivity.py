@@ -1,6 +1,6 @@
 """How the DoF allocation on one model moves with λ, with J (points per head) and with the text sample.
 
-    python benchmarks/dof_sensitivity.py --out docs/results/dof_sensitivity.json --plot docs/dof-sensitivity.png
+    python experiments/dof_sensitivity.py --out docs/results/dof_sensitivity.json --plot docs/dof-sensitivity.png
 
 One capture of 4096 points per head and seed serves every J: the first J of a uniformly drawn sample are a uniform
 sample. Seed 1 (other text blocks, other points) gives the sample-to-sample variation at the reference setting, and

@@ -1,6 +1,6 @@
 """What the linear part adds to a window student: the same student with its linear part switched off.
 
-    python benchmarks/window_ablation.py runs/window64 --out docs/results/window-ablation.json
+    python experiments/window_ablation.py runs/window64 --out docs/results/window-ablation.json
 
 For each run folder of a window student (`dofattn distill --window W`), on the validation blocks its distill run
 evaluated on: perplexity, KL(teacher ‖ student) and top-1 agreement of
