@@ -41,7 +41,6 @@ from dofattn.attention import RingWindowLayer, StaticKVLayer, StaticStateLayer
 from dofattn.attention.bounded import BoundedKVLayer, StaticBoundedLayer
 from dofattn.errors import UserError
 from dofattn.hf import cache_kwargs, local_layers
-from dofattn.student import attention_modules
 
 WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
 
@@ -105,12 +104,6 @@ class StaticDecoder:
         if local:   # their HF slots keep the last W keys only; static slots for them are not written yet
             raise UserError(f"static decoding does not yet run a model's own sliding-window layers ({local}); use "
                             f"HF generate (model.generate(), or drop --static)")
-        streams = [i for i, m in enumerate(attention_modules(model))
-                   if getattr(getattr(m, "dofattn_bounded", None), "streams", False)]
-        if streams:   # their kept keys change with every token; static slots for them are not written yet
-            raise UserError(f"static decoding does not yet run kept softmax layers that stream their selected keys "
-                            f"(student.select_by = stream, layers {streams}); use HF generate (model.generate(), or "
-                            f"drop --static)")
         self.model = model
         self.device = next(model.parameters()).device
         if compile and graph:

@@ -396,24 +396,9 @@ def _move_into_place(stage: Path, out: Path) -> None:
 # --- the model card --------------------------------------------------------------------------------------------
 
 def _architecture(spec: StudentSpec, lora: str) -> list[str]:
-    """The student's architecture, one card line each."""
-    linear, total, attention = len(spec.layers), len(spec.dims), spec.attention
-    dims = [spec.dims[i] for i in spec.layers]
-    lines = [f"- {linear} of {total} attention layers linear, `{attention.feature}` features, "
-             + (f"{dims[0]} per head" if len(set(dims)) == 1 else
-                f"{min(dims)}-{max(dims)} per head by layer (mean {sum(dims) / len(dims):.0f})")]
-    if spec.softmax_layers:
-        lines.append(f"- softmax attention kept in layer{'s' if len(spec.softmax_layers) > 1 else ''} "
-                     f"{', '.join(map(str, spec.softmax_layers))} (their cache grows with the context)")
-    if attention.window:
-        lines.append(f"- exact softmax attention over the last {attention.window} tokens"
-                     + (f" and the first {attention.sink}" if attention.sink else "") + ", linear attention beyond")
-    for on, text in ((attention.decay == "head", "a learned decay per head"),
-                     (attention.decay == "gate", "a decay per token (gate)"),
-                     (attention.conv, f"a short convolution of {attention.conv} tokens on q, k and v"),
-                     (attention.delta, "the delta rule")):
-        if on:
-            lines.append(f"- {text}")
+    """The student's architecture, one card line each: its spec's own description, and what the export did with
+    its LoRA adapters."""
+    lines = [f"- {line}" for line in spec.describe(lora=False)]
     if lora == "adapters":
         lines.append(f"- LoRA adapters of rank {spec.lora_rank} on the {spec.lora_targets} projections, kept as "
                      f"peft layers (needs peft)")

@@ -6,8 +6,9 @@
 
 The tables are the dataclasses below and their fields the keys; each field's `help` is its documentation
 (`dofattn recipes --keys` prints it). A file may leave keys out: they take the defaults here, which are the default
-recipe's. The [student] table holds the student's `spec.Attention` whole (`recipe.student.attention`): its keys are
-the table's keys (`student.window`), its rules its own. `validate` holds every other rule.
+recipe's. The [student] table holds the student's two configs whole, the linear layers' `spec.Attention`
+(`recipe.student.attention`) and the kept softmax layers' `spec.Kept` (`recipe.student.kept`): their keys are the
+table's keys (`student.window`, `student.select`), their rules their own. `validate` holds every other rule.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from dofattn.errors import UserError
 from dofattn.options import option
-from dofattn.spec import LORA_TARGETS, Attention, StudentSpec, check_lora
+from dofattn.spec import LORA_TARGETS, Attention, Kept, StudentSpec, check_kept, check_lora
 
 FORMAT = 1          # of recipe files: a file with another `format` is refused
 LOSSES = ("softmax", "l2")
@@ -43,6 +44,7 @@ class Run:
 @dataclass(frozen=True)
 class Student:
     attention: Attention = field(default_factory=Attention, metadata={"holds": Attention})  # keys: student.window
+    kept: Kept = field(default_factory=Kept, metadata={"holds": Kept})                 # keys: student.select
     dims: str = option("dof", "features per layer: dof (in proportion to each layer's DoF, mean = head size), clip "
                               "(dof capped at the head size), fix, fix:C, or a dof.json from `dofattn dof`")
     keep_softmax: int = option(0, "keep K layers as softmax attention, chosen by keep_softmax_by")
@@ -98,18 +100,8 @@ class Eval:
     seq_len: int = option(512, "tokens per validation block")
 
 
-@dataclass(frozen=True)
-class Scorer:
-    steps: int = option(300, "Adam steps of each streaming kept layer's key scorer (student.select_by = stream), "
-                             "with the backbone frozen")
-    seq_len: int = option(2048, "tokens per block the scorers learn on (a key's target: the most attention a query "
-                                "beyond its window pays it)")
-    blocks: int = option(16, "training blocks (a quarter of them only measure)")
-    lr: float = option(0.01, "Adam learning rate of the scorers")
-
-
 TABLES = {"run": Run, "student": Student, "dof": Dof, "layerwise": Layerwise, "end_to_end": EndToEnd,
-          "scorer": Scorer, "eval": Eval}
+          "eval": Eval}
 # What `--continue-from` may change of the run it copies: the end-to-end phase's text and length, not the student.
 CONTINUE_MAY_CHANGE = ("run.data", "run.eval_data", "end_to_end.steps", "end_to_end.blocks",
                        "end_to_end.cooldown_steps", "end_to_end.eval_every", "end_to_end.checkpoint_every")
@@ -124,7 +116,6 @@ class Recipe:
     dof: Dof = field(default_factory=Dof)
     layerwise: Layerwise = field(default_factory=Layerwise)
     end_to_end: EndToEnd = field(default_factory=EndToEnd)
-    scorer: Scorer = field(default_factory=Scorer)
     eval: Eval = field(default_factory=Eval)
 
     @property
@@ -136,7 +127,7 @@ class Recipe:
         config whole, its LoRA adapters (alpha = rank), and `base`, the base model's fingerprint
         (`student.fingerprint`; None where the weights have no values, as in the dry run's plan)."""
         s = self.student
-        return StudentSpec(base_model=self.run.model, dims=dims, layers=layers, attention=s.attention,
+        return StudentSpec(base_model=self.run.model, dims=dims, layers=layers, attention=s.attention, kept=s.kept,
                            seed=self.run.seed, base=base or {}, lora_rank=s.lora_rank,
                            lora_alpha=float(s.lora_rank), lora_targets=s.lora_targets)
 
@@ -316,11 +307,12 @@ def validate(recipe: Recipe) -> None:
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
     a = s.attention                                   # its own rules ran as it was built
     check_lora(lora_rank=s.lora_rank, lora_targets=s.lora_targets)
+    if s.keep_softmax < 0:
+        raise UserError(f"student.keep_softmax = {s.keep_softmax}: give >= 0 layers")
+    check_kept(a, s.kept, s.keep_softmax)
     dims = s.dims
     if not (dims in ("dof", "clip", "fix") or dims.startswith("fix:") or dims.endswith(".json")):
         raise UserError(f"student.dims = {dims!r}; use dof, clip, fix, fix:C or a dof.json file")
-    if s.keep_softmax < 0:
-        raise UserError(f"student.keep_softmax = {s.keep_softmax}: give >= 0 layers")
     at_least = {"layerwise.batch_size": 1, "layerwise.seq_len": 2, "layerwise.blocks": 1, "end_to_end.batch_size": 1,
                 "end_to_end.seq_len": 2, "end_to_end.checkpoint_every": 1, "eval.blocks": 1, "eval.seq_len": 2,
                 "layerwise.steps": 0, "end_to_end.steps": 0, "end_to_end.cooldown_steps": 0,

@@ -25,13 +25,9 @@ from dofattn.errors import UserError
 from dofattn.features import FEATURES
 from dofattn.options import option
 
-SCHEMA = 3                        # of dofattn.json; 2: the attention keys flat in the spec; 1: decay/gate flags
+SCHEMA = 4    # of dofattn.json; 3: the kept layers' keys in `attention`; 2: its keys flat in the spec; 1: flags
 DECAYS = ("none", "head", "gate")  # no decay; a learned decay per head; a decay per token read off its value
 LORA_TARGETS = ("attention", "all")
-GAINS = ("head", "query")          # the linear part's weight beside a window: per head; per head and query
-SELECT_IN = ("softmax", "all")     # the kept softmax layers; those and the linear layers
-SELECT_BY = ("prompt", "stream")   # chosen once by the prompt's last queries; scored as they arrive (trained)
-STREAM_MIN_WINDOW = 8              # a streaming score reads 8 tokens, which the window holds (`attention.scorer`)
 
 
 @dataclass(frozen=True)
@@ -44,26 +40,9 @@ class Attention:
                                  "Hedgehog's learned softmax map, or DiJiang's", choices=FEATURES)
     window: int = option(64, "exact softmax attention over the last W tokens beside the linear part (0: pure linear)")
     sink: int = option(4, "the first S tokens stay exact for every query beside the window (0: none)")
-    gain: str = option("head", "the linear part's weight against the window's exact keys: head (a learned number per "
-                               "head) or query (also one read off each query: how much it reads beyond the window)",
-                       choices=GAINS)
     decay: str = option("none", "decay of the linear state: none, head (a learned rate per head, beside a window "
                                 "counted from its edge) or gate (per token, read off its value; pure linear attention "
                                 "only)", choices=DECAYS)
-    select: int = option(0, "after the prompt, keep exact the C keys per kv head that its last queries attend to "
-                            "most (SnapKV-style), beside the window: recall of a fact asked for at the end, in fixed "
-                            "memory (0: none)")
-    select_in: str = option("softmax", "the layers that keep selected keys: softmax (the layers kept exact, whose "
-                                       "cache after the prompt becomes the sink, the window and the selected keys) "
-                                       "or all (the linear layers too, beside their window)", choices=SELECT_IN)
-    select_by: str = option("prompt", "how the kept layers choose their selected keys: prompt (after the prompt, the "
-                                      "keys its last queries attend to; the prompt itself is read in full) or stream "
-                                      "(a trained scorer rates each key as it arrives; every query, the prompt's too, "
-                                      "sees the best C that have left its window: bounded from the first token)",
-                            choices=SELECT_BY)
-    select_observe: int = option(8, "the prompt's last queries whose attention chooses the selected keys (its "
-                                    "question)")
-    select_pool: int = option(15, "a selected key brings its neighbours: scores max-pooled over this many keys (odd)")
     conv: int = option(0, "a short causal convolution of this width on q, k and v (0: none)")
     delta: bool = option(False, "write the linear state by the delta rule (pure linear attention only)")
 
@@ -72,16 +51,10 @@ class Attention:
         if self.feature not in FEATURES:
             raise UserError(f"student.feature = {self.feature!r} is not a feature map; use one of "
                             f"{', '.join(FEATURES)}")
-        for name, kind in (("window", int), ("sink", int), ("select", int), ("select_observe", int),
-                           ("select_pool", int), ("conv", int), ("delta", bool)):
+        for name, kind in (("window", int), ("sink", int), ("conv", int), ("delta", bool)):
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise UserError(f"student.{name} = {value!r} is not {'an integer' if kind is int else 'true or false'}")
-        if self.gain not in GAINS:
-            raise UserError(f"student.gain = {self.gain!r}; use head (a learned gain per head) or query (per query too)")
-        if self.gain == "query" and not self.window:
-            raise UserError("student.gain = 'query' weighs the linear part against a window: set student.window >= 1, "
-                            "or gain = 'head'")
         if self.decay not in DECAYS:
             raise UserError(f"student.decay = {self.decay!r}; use none, head (a learned decay per head) or gate "
                             f"(per token)")
@@ -92,28 +65,6 @@ class Attention:
         if self.sink and not self.window:
             raise UserError(f"student.sink = {self.sink} sits beside a softmax window: set student.window >= 1, or "
                             f"sink = 0")
-        if self.select < 0:
-            raise UserError(f"student.select = {self.select}: give >= 0 keys per kv head (0: none)")
-        if self.select and not self.window:
-            raise UserError(f"student.select = {self.select} keys are read exactly with a softmax window: set "
-                            f"student.window >= 1, or select = 0")
-        if self.select and self.select_in == "all" and self.decay != "none":
-            raise UserError("student.select_in = 'all' (selected keys in the linear layers) beside a decay is not "
-                            "built: set student.decay = 'none', or select_in = 'softmax'")
-        if self.select_in not in SELECT_IN:
-            raise UserError(f"student.select_in = {self.select_in!r}; use softmax (the layers kept exact) or all")
-        if self.select_by not in SELECT_BY:
-            raise UserError(f"student.select_by = {self.select_by!r}; use prompt (the prompt's last queries choose) "
-                            f"or stream (a trained scorer, as keys arrive)")
-        if self.select and self.select_by == "stream" and self.select_in != "softmax":
-            raise UserError("student.select_by = 'stream' is built for the kept softmax layers: set "
-                            "student.select_in = 'softmax', or select_by = 'prompt'")
-        if self.select and self.select_by == "stream" and self.window < STREAM_MIN_WINDOW:
-            raise UserError(f"student.select_by = 'stream' scores a key from the {STREAM_MIN_WINDOW} tokens up to it, "
-                            f"which its window holds: set student.window >= {STREAM_MIN_WINDOW}")
-        if self.select_observe < 1 or self.select_pool < 1 or self.select_pool % 2 == 0:
-            raise UserError(f"student.select_observe = {self.select_observe} must be >= 1 and student.select_pool "
-                            f"= {self.select_pool} odd and >= 1")
         if self.decay == "gate" and self.window:
             raise UserError("student.decay = 'gate' is for pure linear attention: set student.window = 0 (and sink "
                             "= 0), or decay = 'head'")
@@ -140,13 +91,54 @@ class Attention:
         """`window=64, sink=4, decay=head`: what differs from pure linear attention, for a layer's repr."""
         parts = [f"window={self.window}"] if self.window else []
         parts += [f"sink={self.sink}"] if self.sink else []
-        parts += [f"select={self.select}" + ("" if self.select_in == "softmax" else " (all layers)")
-                  + (", streamed" if self.select_by == "stream" else "")] if self.select else []
-        parts += ["gain per query"] if self.gain == "query" else []
         parts += [f"decay={self.decay}"] if self.decays else []
         parts += [f"conv={self.conv}"] if self.conv else []
         parts += ["delta"] if self.delta else []
         return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """How the layers kept as softmax attention (`student.keep_softmax`) hold their cache: every key (select = 0), or
+    bounded after the prompt (`attention.bounded.BoundedSoftmax`): the sink and window of the linear layers'
+    `Attention`, and the C keys per kv head that the prompt's last queries attend to most."""
+
+    select: int = option(0, "after the prompt, the kept softmax layers hold only the sink, the window and the C keys "
+                            "per kv head that its last queries attend to most (SnapKV-style): recall of a fact asked "
+                            "for at the end, in fixed memory (0: they hold every key)")
+    select_observe: int = option(8, "the prompt's last queries whose attention chooses the selected keys (its "
+                                    "question)")
+    select_pool: int = option(15, "a selected key brings its neighbours: scores max-pooled over this many keys (odd)")
+
+    def __post_init__(self):
+        """Its own rules; a UserError names the recipe key (student.KEY)."""
+        for name in ("select", "select_observe", "select_pool"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise UserError(f"student.{name} = {value!r} is not an integer")
+        if self.select < 0:
+            raise UserError(f"student.select = {self.select}: give >= 0 keys per kv head (0: none)")
+        if self.select_observe < 1 or self.select_pool < 1 or self.select_pool % 2 == 0:
+            raise UserError(f"student.select_observe = {self.select_observe} must be >= 1 and student.select_pool "
+                            f"= {self.select_pool} odd and >= 1")
+        if not self.select and (self.select_observe, self.select_pool) != (8, 15):
+            raise UserError("student.select_observe and select_pool choose the selected keys, but student.select = "
+                            "0 selects none: set student.select >= 1, or leave them out")
+
+    def describe(self, attention: Attention) -> str:
+        """`sink=4, window=64, select=256`: what a kept layer holds after the prompt, for a layer's repr."""
+        parts = [f"sink={attention.sink}"] if attention.sink else []
+        return ", ".join([*parts, f"window={attention.window}", f"select={self.select}"])
+
+
+def check_kept(attention: Attention, kept: Kept, num_kept: int) -> None:
+    """The rules between the linear layers' `attention` and the `kept` layers' cache (`num_kept` of them)."""
+    if kept.select and not attention.window:
+        raise UserError(f"student.select = {kept.select}: a kept layer's bound holds the window's keys beside the "
+                        f"selected ones; set student.window >= 1, or select = 0")
+    if kept.select and not num_kept:
+        raise UserError(f"student.select = {kept.select} bounds the layers kept as softmax attention, and this "
+                        f"student keeps none: set student.keep_softmax >= 1, or select = 0")
 
 
 def check_lora(*, lora_rank: int, lora_targets: str) -> None:
@@ -161,12 +153,14 @@ def check_lora(*, lora_rank: int, lora_targets: str) -> None:
 
 @dataclass(frozen=True)
 class StudentSpec:
-    """A student: which base model, which layers are linear with how many features, and how they attend."""
+    """A student: which base model, which layers are linear with how many features, how they attend (`attention`)
+    and how the layers kept as softmax attention hold their cache (`kept`)."""
 
     base_model: str
     dims: tuple[int, ...]             # features per layer, one entry for every layer of the base model
     layers: tuple[int, ...]           # the linearized layers; the rest keep softmax attention
     attention: Attention = field(default_factory=Attention)
+    kept: Kept = field(default_factory=Kept)
     seed: int = 0                     # of the untrained features
     base: dict = field(default_factory=dict, hash=False)   # the base model's fingerprint (`student.fingerprint`)
     lora_rank: int = 0
@@ -180,6 +174,9 @@ class StudentSpec:
         object.__setattr__(self, "layers", tuple(sorted(int(i) for i in self.layers)))
         if isinstance(self.attention, dict):
             object.__setattr__(self, "attention", Attention(**self.attention))
+        if isinstance(self.kept, dict):
+            object.__setattr__(self, "kept", Kept(**self.kept))
+        check_kept(self.attention, self.kept, len(self.dims) - len(self.layers))
         check_lora(lora_rank=self.lora_rank, lora_targets=self.lora_targets)
         if not self.dims or min(self.dims) < 1:
             raise UserError(f"a student needs >= 1 feature in every layer, got dims {list(self.dims)}")
@@ -189,6 +186,34 @@ class StudentSpec:
     @property
     def softmax_layers(self) -> list[int]:
         return [i for i in range(len(self.dims)) if i not in self.layers]
+
+    def describe(self, lora: bool = True) -> list[str]:
+        """The architecture in words, a line each (the export's model card, `dofattn generate`): the linear layers
+        and their features, the kept ones and what their cache holds, each mechanism the config names."""
+        a, kept, dims = self.attention, self.kept, [self.dims[i] for i in self.layers]
+        lines = [f"{len(self.layers)} of {len(self.dims)} attention layers linear" + (
+            "" if not dims else f", `{a.feature}` features, " + (
+                f"{dims[0]} per head" if len(set(dims)) == 1 else
+                f"{min(dims)}-{max(dims)} per head by layer (mean {sum(dims) / len(dims):.0f})"))]
+        softmax = self.softmax_layers
+        if softmax:
+            held = (f"after the prompt each holds its first {a.sink} tokens, its last {a.window} and the "
+                    f"{kept.select} keys per kv head that the prompt's last {kept.select_observe} queries attend to "
+                    f"most: fixed memory" if kept.select else "their cache grows with the context")
+            lines.append(f"softmax attention kept in layer{'s' if len(softmax) > 1 else ''} "
+                         f"{', '.join(map(str, softmax))} ({held})")
+        if a.window and self.layers:
+            lines.append(f"exact softmax attention over the last {a.window} tokens"
+                         + (f" and the first {a.sink}" if a.sink else "") + ", linear attention beyond")
+        for on, text in ((a.decay == "head", "a learned decay per head"),
+                         (a.decay == "gate", "a decay per token (gate)"),
+                         (a.conv, f"a short convolution of {a.conv} tokens on q, k and v"),
+                         (a.delta, "the delta rule"),
+                         (lora and self.lora_rank, f"LoRA adapters of rank {self.lora_rank} on the "
+                                                   f"{self.lora_targets} projections")):
+            if on:
+                lines.append(text)
+        return lines
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -205,14 +230,16 @@ class StudentSpec:
             data = _from_schema_1(data, where)
         if schema in (1, 2):
             data = _from_schema_2(data)
+        if schema in (1, 2, 3):
+            data = _from_schema_3(data, where)
         elif schema != SCHEMA:
             raise UserError(f"{where} has schema {schema}; this dofattn ({__version__}) reads schemas 1 to {SCHEMA}: "
                             f"upgrade dofattn")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
-        attention = data.get("attention")
-        if isinstance(attention, dict):
-            unknown += sorted(f"attention.{k}" for k in set(attention) - {f.name for f in fields(Attention)})
+        for name, config in (("attention", Attention), ("kept", Kept)):
+            if isinstance(data.get(name), dict):
+                unknown += sorted(f"{name}.{k}" for k in set(data[name]) - {f.name for f in fields(config)})
         if unknown:
             raise UserError(f"{where} has unknown fields {unknown}: it was written by another dofattn version")
         try:
@@ -237,5 +264,23 @@ def _from_schema_2(data: dict) -> dict:
     data = dict(data)
     flat = {f.name: data.pop(f.name) for f in fields(Attention) if f.name in data}
     data["attention"] = {**{f.name: f.default for f in fields(Attention)}, "window": 0, "sink": 0, **flat}
-    data["schema"] = SCHEMA
+    return data
+
+
+# Options of schema 3 that measured worse and left (docs/log/experiments.md, 2026-11-27): their defaults.
+REMOVED = {"gain": "head", "select_in": "softmax", "select_by": "prompt"}
+
+
+def _from_schema_3(data: dict, where: str) -> dict:
+    """A schema-3 dofattn.json (the kept layers' selection in `attention`) as schema 4; a UserError for a student
+    built with an option that has left (a gain per query, selection in the linear layers, a streamed cache)."""
+    data, attention = dict(data), dict(data.get("attention") or {})
+    for key, default in REMOVED.items():
+        if attention.pop(key, default) != default:
+            raise UserError(f"{where} was built with student.{key} = {data['attention'][key]!r}, an option that "
+                            f"measured worse and left dofattn (docs/log/experiments.md); distill the student again")
+    selected = {k: attention.pop(k) for k in [f.name for f in fields(Kept)] if k in attention}
+    if not selected.get("select"):
+        selected = {}                # schema 3 saved the selection's settings whether or not it selected
+    data["attention"], data["kept"], data["schema"] = attention, selected, SCHEMA
     return data

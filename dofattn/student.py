@@ -28,7 +28,7 @@ from dofattn.dof import DofResult
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
 from dofattn.io import atomic_path, read_safetensors, write_atomic
-from dofattn.spec import Attention, StudentSpec
+from dofattn.spec import Attention, Kept, StudentSpec, check_kept
 
 CONFIG_FILE = "dofattn.json"
 WEIGHTS_FILE = "features.safetensors"
@@ -111,14 +111,16 @@ def fingerprint(model: nn.Module) -> dict:
             "embedding_norm": round(float(embedding.detach().float().norm()), 3)}
 
 
-def linearize(model: nn.Module, dims: list[int], attention: Attention = Attention(), *,
+def linearize(model: nn.Module, dims: list[int], attention: Attention = Attention(), *, kept: Kept = Kept(),
               layers: list[int] | None = None, seed: int = 0) -> nn.Module:
     """Replace softmax attention by linear attention in `layers`, in place; returns `model`.
 
     `layers` None: every layer but the model's own sliding-window ones (`global_layers`). `dims[i]` is the feature
     dimension of layer i (entries of layers not linearized are ignored). `attention` (a `spec.Attention`) is how
     every linear layer attends, passed whole to each `LinearAttention`: `Attention(window=0, sink=0)` is pure
-    linear attention, the default a 64-token window and a 4-token sink beside it.
+    linear attention, the default a 64-token window and a 4-token sink beside it. `kept` (a `spec.Kept`) is how the
+    layers kept as softmax attention (not a model's own local ones) hold their cache: every key, or bounded after
+    the prompt (`attention.bounded.BoundedSoftmax`).
     """
     if not isinstance(attention, Attention):
         raise TypeError(f"linearize takes a dofattn.spec.Attention, got {type(attention).__name__}")
@@ -133,19 +135,20 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
         linear = LinearAttention(attention, fmap, num_kv_heads=kv_heads).to(param.device)
         linear.train(modules[i].training)
         modules[i].add_module("dofattn", linear)
-    if attention.select:   # the kept softmax layers (not a model's own local ones): bounded after the prompt
+    if kept.select:   # the kept softmax layers (not a model's own local ones): bounded after the prompt
         from dofattn.hf import local_layers
 
-        for i in sorted(set(range(len(modules))) - set(layers) - set(local_layers(model.config))):
-            bounded = BoundedSoftmax(attention, modules[i].scaling, kv_heads, head_dim).to(param.device)
-            modules[i].add_module("dofattn_bounded", bounded)
+        bounded = sorted(set(range(len(modules))) - set(layers) - set(local_layers(model.config)))
+        check_kept(attention, kept, len(bounded))
+        for i in bounded:
+            modules[i].add_module("dofattn_bounded", BoundedSoftmax(kept, attention, modules[i].scaling))
     install(model)
     return model
 
 
 def build(model: nn.Module, spec: StudentSpec) -> nn.Module:
     """Make `model` the (untrained) student `spec` describes, in place: its layers linearized, LoRA adapters added."""
-    linearize(model, list(spec.dims), spec.attention, layers=list(spec.layers), seed=spec.seed)
+    linearize(model, list(spec.dims), spec.attention, kept=spec.kept, layers=list(spec.layers), seed=spec.seed)
     if spec.lora_rank:
         from dofattn.lora import add_lora
 
@@ -178,9 +181,8 @@ def softmax_in(model: nn.Module, layers: list[int]) -> Iterator[None]:
 
 
 def is_student_tensor(name: str) -> bool:
-    """Whether a parameter/buffer name belongs to the student (feature maps, window gains, a streaming cache's
-    scorer, LoRA adapters)."""
-    return ".dofattn." in name or ".dofattn_bounded." in name or ".lora_" in name
+    """Whether a parameter/buffer name belongs to the student (feature maps, window gains, LoRA adapters)."""
+    return ".dofattn." in name or ".lora_" in name
 
 
 def student_state(model: nn.Module) -> dict[str, torch.Tensor]:

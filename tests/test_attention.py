@@ -34,9 +34,7 @@ LAYERS = {"pure": {}, "decay": {"decay": "head"}, "gate": {"decay": "gate"}, "de
           "delta+gate": {"delta": True, "decay": "gate"}, "window": {"window": 4},
           "window+decay": {"window": 4, "decay": "head"}, "window+sink": {"window": 4, "sink": 2},
           "window+sink+decay": {"window": 4, "sink": 2, "decay": "head"},
-          "conv+gate": {"conv": 3, "decay": "gate"}, "conv+window+sink": {"conv": 3, "window": 4, "sink": 2},
-          "window+sink+gain": {"window": 4, "sink": 2, "gain": "query"},
-          "window+decay+gain": {"window": 4, "decay": "head", "gain": "query"}}
+          "conv+gate": {"conv": 3, "decay": "gate"}, "conv+window+sink": {"conv": 3, "window": 4, "sink": 2}}
 
 
 def odd_layer(variant: str, feature: str) -> LinearAttention:
@@ -82,10 +80,6 @@ def reference(layer: LinearAttention, q, k, v, valid) -> torch.Tensor:
     k, v = expand_kv(k, H), expand_kv(v, H)
     if layer.attention.window:
         phi_q, q_scale = fmap.features(q, "query")
-        if layer.attention.gain == "query":        # each query's own log gain: w_h · (norms of its RoPE pairs)
-            half = D // 2
-            norms = torch.stack([torch.hypot(q[..., c], q[..., c + half]) for c in range(half)], -1)
-            q_scale = q_scale + (norms * layer.window.query_gain).sum(-1) / half ** 0.5
         phi_k, k_scale = fmap.features(k, "key")
         sink = first_keys(valid, B, T, layer.attention.sink, q.device) if layer.attention.sink else None
         return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + layer.window.log_gain,

@@ -29,6 +29,7 @@ from dofattn.distill.teacher import TeacherCache
 from dofattn.dof import DofResult, LayerDof
 from dofattn.evaluate import perplexity
 from dofattn.hf import load_model
+from dofattn.recipe import packaged as packaged_recipes
 from dofattn.student import attention_modules, head_layout, linearize, load_student
 from dofattn.spec import Attention
 from tests.conftest import tiny_model
@@ -485,11 +486,10 @@ def test_a_run_folders_recipe_makes_the_same_run_again(capsys, model_dirs, corpu
     assert_identical(features(again), features(first))
     assert (again / "recipe.toml").read_text() == text
     spec = json.loads((again / "dofattn.json").read_text())
-    assert (spec["attention"]["window"], spec["attention"]["sink"], spec["seed"], spec["schema"]) == (8, 2, 3, 3)
+    assert (spec["attention"]["window"], spec["attention"]["sink"], spec["seed"], spec["schema"]) == (8, 2, 3, 4)
 
 
-@pytest.mark.parametrize("name", ["default", "long", "paper", "paper-fix", "pure-linear", "keep-softmax", "recall",
-                                  "long-context"])
+@pytest.mark.parametrize("name", sorted(packaged_recipes()))      # a new recipe is tested by being packaged
 def test_every_packaged_recipe_builds_its_student(capsys, model_dirs, corpus, tmp_path, name):
     """Each packaged recipe, shrunk to a tiny model and a step or two, runs end to end, and the saved student is
     the architecture its file asks for."""
@@ -509,6 +509,7 @@ def test_every_packaged_recipe_builds_its_student(capsys, model_dirs, corpus, tm
     _, _, spec = load_student(out)
     s = recipe.student
     assert spec.attention == dataclasses.replace(s.attention, window=min(s.attention.window, 8))   # all of it
+    assert spec.kept == s.kept
     assert (spec.lora_rank, spec.lora_targets) == (s.lora_rank, s.lora_targets)
     assert len(spec.layers) == LAYERS - min(s.keep_softmax, 1)
     assert (out / {"dof": "attention_dof.json", "copy": "copy_scores.json"}[s.keep_softmax_by]).is_file() == \

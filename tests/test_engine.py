@@ -165,7 +165,6 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
     asked for by name, in Triton's interpreter: slow, so few tokens) gives the tokens of the PyTorch ring step, after
     the ring has wrapped. GQA: 4 query heads on 2 kv heads, batch 2."""
     pytest.importorskip("triton", reason="needs the triton package")
-    from dofattn.attention import LinearAttention
     from dofattn.ops import load_triton
 
     if device == "cpu" and torch.cuda.is_available():

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from dofattn.cli import main
 from dofattn.errors import UserError
 from dofattn.export import export, is_export, load_export
-from dofattn.spec import Attention, StudentSpec
+from dofattn.spec import Attention, Kept, StudentSpec
 from dofattn.student import build, fingerprint, load_student, save_student
 from tests.conftest import tiny_model
 
@@ -76,8 +76,9 @@ def make_student(family: str, folder: Path, base: Path, **arch):
     """A student of the tiny `family` model whose own tensors differ from a fresh build, saved in `folder`."""
     model = tiny_model(family)
     layers = arch.pop("layers", [0, 1, 2])
-    spec = StudentSpec(base_model=str(base), dims=[5, 12, 7], layers=layers, attention=Attention(**arch), seed=4,
-                       base=fingerprint(model))
+    kept = Kept(**arch.pop("kept", {}))
+    spec = StudentSpec(base_model=str(base), dims=[5, 12, 7], layers=layers, attention=Attention(**arch), kept=kept,
+                       seed=4, base=fingerprint(model))
     build(model, spec)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -111,10 +112,8 @@ def exported(tmp_path_factory, model_dirs, corpus):
                                                                              "layers": [0, 2]}),
                                ("llama-hedgehog-decay-conv", "llama", {"feature": "hedgehog", "decay": "head",
                                                                       "conv": 2, "window": 0, "sink": 0}),
-                               ("llama-select", "llama", {"window": 4, "sink": 1, "select": 2, "select_observe": 2,
-                                                          "select_pool": 1, "layers": [0, 2]}),
-                               ("llama-stream", "llama", {"window": 8, "sink": 1, "select": 2, "select_by": "stream",
-                                                          "layers": [0, 2]})]:
+                               ("llama-select", "llama", {"window": 4, "sink": 1, "layers": [0, 2], "kept": {
+                                   "select": 2, "select_observe": 2, "select_pool": 1}})]:
         students[name] = tmp / f"student-{name}"
         refs[name] = reference(make_student(family, students[name], model_dirs[family], **arch))
     run = distill(model_dirs["llama"], corpus, tmp / "run")
@@ -132,7 +131,7 @@ def exported(tmp_path_factory, model_dirs, corpus):
 
 
 CASES = ["llama-linear", "gpt2-window-sink", "gpt_neox-window-sink-softmax", "llama-hedgehog-decay-conv", "llama-select",
-         "llama-stream", "run-lora", "run-lora-merged", "run-lora-bfloat16"]
+         "run-lora", "run-lora-merged", "run-lora-bfloat16"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -141,8 +140,8 @@ def test_a_fresh_process_loads_the_student(exported, case):
     torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-5, rtol=0)
     assert torch.equal(got["tokens"], ref["tokens"])
     assert got["attn"] == "dofattn"
-    # a kept softmax layer keeps its KV cache, bounded after the prompt with selected keys, or streamed
-    kept = {"llama-select": "BoundedKVLayer", "llama-stream": "StreamKVLayer"}.get(case, "DynamicLayer")
+    # a kept softmax layer keeps its KV cache, or bounds it after the prompt to its selected keys
+    kept = {"llama-select": "BoundedKVLayer"}.get(case, "DynamicLayer")
     softmax = [1] if "softmax" in case or kept != "DynamicLayer" else []
     assert got["slots"] == [kept if i in softmax else "LinearStateLayer" for i in range(3)]
     assert sorted(p.name for p in folder.parent.iterdir() if ".partial" in p.name or ".old" in p.name) == []

@@ -1,4 +1,5 @@
-"""The selected keys (`exact.Select`, `ops.select`): a bounded exact cache chosen by a prompt's last queries."""
+"""The selected keys (`ops.select`, `attention.bounded`): a kept softmax layer's cache after the prompt, bounded to its
+sink, its window and the keys the prompt's last queries attend to most (`spec.Kept`)."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from dofattn.errors import UserError
 from dofattn.ops.select import naive_select_keys, select_keys
 from dofattn.ops.softmax import expand_kv
 from dofattn.ops.window import first_keys, naive_window_linear_attention
-from dofattn.spec import Attention, StudentSpec
+from dofattn.spec import Attention, Kept, StudentSpec
 from dofattn.student import linearize
 from tests.conftest import tiny_model
 from tests.test_attention import off_its_start, reference_conv
@@ -58,122 +59,61 @@ def test_selection_follows_the_last_queries():
         assert {7, 8, 9} == set(index[b, 1].tolist())
 
 
-def odd_layer(**extra) -> LinearAttention:
-    return off_its_start(Attention(window=WINDOW, sink=SINK, select=COUNT, select_in="all", select_observe=OBSERVE,
-                                   select_pool=POOL, **extra))
-
-
-def reference(layer, q, k, v, valid):
-    """The spec of a prompt of P tokens and its continuation: the prompt's queries but its last as without a
-    selection; its last query and each later one of head h reads, beside the window and the sink, the keys its kv head chose exactly (a sink mask
-    per head), by the naive op and the naive selection, head by head."""
-    fmap = layer.feature_map
-    if layer.conv is not None:
-        keep = valid[:, :, None, None].to(q.dtype)
-        q, k, v = (reference_conv(x * keep, getattr(layer.conv, name)) for x, name in zip((q, k, v), CONV_NAMES))
-    sink = first_keys(valid, B, T, SINK, q.device)
-    candidates = valid[:, :P] & ~sink[:, :P] & (torch.arange(P) < P - WINDOW)
-    index, chosen = naive_select_keys(q[:, :P], k[:, :P], fmap.scaling, candidates, COUNT, OBSERVE, POOL,
-                                      valid[:, :P])
-    kq, vq = expand_kv(k, H), expand_kv(v, H)
-    phi_q, q_scale = fmap.features(q, "query")
-    phi_k, k_scale = fmap.features(kq, "key")
-    offset = k_scale + layer.window.log_gain
-    out = naive_window_linear_attention(q, kq, vq, phi_q, phi_k, q_scale, offset, fmap.scaling, WINDOW, valid,
-                                        sink_mask=sink)[0].clone()
-    for h in range(H):
-        mask = sink.clone()
-        for b in range(B):
-            mask[b, index[b, h // (H // HKV)][chosen[b]]] = True
-        one = slice(h, h + 1)
-        later = naive_window_linear_attention(q[:, :, one], kq[:, :, one], vq[:, :, one], phi_q[:, :, one],
-                                              phi_k[:, :, one], q_scale[:, :, one], offset[one], fmap.scaling, WINDOW,
-                                              valid, sink_mask=mask)[0]
-        out[:, P - 1:, one] = later[:, P - 1:]
-    return out
-
-
-@pytest.mark.parametrize("extra", [{}, {"conv": 3}], ids=["window+sink+select", "conv+window+sink+select"])
-def test_prompt_then_continuation_matches_the_spec(extra):
-    """A prompt in one cached call, then single steps (lean decode steps once the window is full) and a chunk; and
-    static ring steps after the prompt: each against the naive forms, per head."""
-    layer = odd_layer(**extra)
-    q, k, v, valid = inputs()
-    layer(q, k, v, valid)                                          # training mode: the PRF map calibrates its shift
-    layer.eval()
-    ref = reference(layer, q, k, v, valid)
-    with torch.no_grad():
-        full = layer(q, k, v, valid)                               # no cache: no selection
-        torch.testing.assert_close(full[:, :P - 1], ref[:, :P - 1], rtol=1e-6, atol=1e-6)
-        assert (full[:, P - 1:] - ref[:, P - 1:]).abs().amax((0, 2, 3)).min() > 1e-3   # the selection shows
-        cache = LinearStateLayer()
-        pieces = [slice(0, P), *(slice(t, t + 1) for t in range(P, P + 4)), slice(P + 4, T)]
-        steps = [layer(q[:, s], k[:, s], v[:, s], valid[:, s], cache=cache) for s in pieces]
-        torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-6, atol=1e-6)
-        chosen = cache.part("select")
-        assert chosen.keys.shape == (B, COUNT, HKV, D) and chosen.valid.sum(1).tolist() == [7, 6]
-        cache = LinearStateLayer()
-        layer(q[:, :P], k[:, :P], v[:, :P], valid[:, :P], cache=cache)
-        cache.seen = P
-        position = torch.tensor([P])
-        ring = RingWindowLayer.from_layer(cache, WINDOW, position)
-        for t in range(P, T):
-            out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)
-            torch.testing.assert_close(out, ref[:, t:t + 1], rtol=1e-6, atol=1e-6)
-            position.add_(1)
-
-
-def test_the_state_loses_exactly_the_chosen_keys():
-    """After the prompt, the state equals the one folded from the linear keys minus the chosen ones."""
-    layer = odd_layer()
-    q, k, v, valid = inputs()
-    layer(q, k, v, valid)
-    layer.eval()
-    with torch.no_grad():
-        cache = LinearStateLayer()
-        layer(q[:, :P], k[:, :P], v[:, :P], valid[:, :P], cache=cache)
-        held_keys, chosen = cache.part("select").keys, cache.part("select").valid
-        kq = expand_kv(k[:, :P], H)
-        phi, _ = layer.feature_map.features(kq, "key")
-        sink = first_keys(valid[:, :P], B, P, SINK, q.device)
-        linear = valid[:, :P] & ~sink & (torch.arange(P) < P - WINDOW)
-        for b in range(B):
-            for h in range(H):
-                held = {tuple(x.tolist()) for x, ok in zip(held_keys[b, :, h // 3], chosen[b]) if ok}
-                keep = [s for s in range(P) if linear[b, s] and tuple(k[b, s, h // 3].tolist()) not in held]
-                values = v[b, keep, h // 3]
-                want = phi[b, keep, h].T @ torch.cat([values, torch.ones(len(keep), 1, dtype=values.dtype)], -1)
-                torch.testing.assert_close(cache.state[b, h], want, rtol=1e-9, atol=1e-9)
-
-
-def test_select_bounds_the_cache_and_counts_in_its_bytes():
-    model = tiny_model("llama")
-    linearize(model, [4] * 3, Attention(window=4, sink=2, select=5, select_in="all", select_observe=3), seed=1)
-    prompt = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(0))
-    sizes = []
-    for extra in (0, 30):
-        with torch.no_grad():
-            out = model.generate(prompt[:, :10 + extra], max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        sizes.append(cache_bytes(out.past_key_values))
-        layer = out.past_key_values.layers[0]
-        assert layer.parts["select"].keys.shape[1] == 5
-    assert sizes[0] == sizes[1]
+def test_select_bounds_the_kept_layers_cache_and_counts_in_its_bytes():
+    """A kept layer (layer 1) holds S + C + W keys per kv head after the prompt, whatever its length, and the bytes
+    counted are the linear layers' state and parts plus exactly those keys; with select = 0 it holds every key."""
+    prompt = torch.randint(3, 300, (1, 60), generator=torch.Generator().manual_seed(0))
+    sizes = {}
+    for select in (0, 5):
+        for length in (20, 50):
+            model = tiny_model("llama")
+            linearize(model, [4] * 3, Attention(window=4, sink=2), kept=Kept(select=select, select_observe=3)
+                      if select else Kept(), layers=[0, 2], seed=1)
+            with torch.no_grad():
+                out = model.generate(prompt[:, :length], max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                     return_dict_in_generate=True, pad_token_id=0)
+            cache = out.past_key_values
+            kept = cache.layers[1]
+            if select:
+                assert type(kept).__name__ == "BoundedKVLayer" and kept.held_keys.shape[2] == 2 + 5
+            linear = sum(t.numel() * t.element_size() for i in (0, 2) for t in cache.layers[i].tensors().values())
+            held = sum(t.numel() * t.element_size() for t in vars(kept).values() if isinstance(t, torch.Tensor))
+            assert cache_bytes(cache) == linear + held
+            sizes[select, length] = cache_bytes(cache)
+    assert sizes[5, 20] == sizes[5, 50]
+    assert sizes[0, 20] < sizes[0, 50]
 
 
 def test_select_errors_and_round_trip():
     with pytest.raises(UserError, match="student.window >= 1"):
-        Attention(window=0, sink=0, select=8)
-    with pytest.raises(UserError, match="decay"):
-        Attention(select=8, select_in="all", decay="head")
-    assert Attention(select=8, decay="head").select == 8        # kept layers bounded, linear layers decayed
+        StudentSpec(base_model="x", dims=(4, 4), layers=(0,), attention=Attention(window=0, sink=0),
+                    kept=Kept(select=8))
+    with pytest.raises(UserError, match="keep_softmax >= 1"):     # a setting that would do nothing
+        StudentSpec(base_model="x", dims=(4, 4), layers=(0, 1), kept=Kept(select=8))
+    with pytest.raises(UserError, match="selects none"):
+        Kept(select_observe=4)
     with pytest.raises(UserError, match="odd"):
-        Attention(select=8, select_pool=4)
+        Kept(select=8, select_pool=4)
     with pytest.raises(UserError, match=">= 0"):
-        Attention(select=-1)
-    spec = StudentSpec(base_model="x", dims=(4, 4), layers=(0, 1), attention=Attention(select=16, select_observe=8))
+        Kept(select=-1)
+    spec = StudentSpec(base_model="x", dims=(4, 4), layers=(0,), attention=Attention(decay="head"),
+                       kept=Kept(select=16, select_observe=4))
     assert StudentSpec.from_json(spec.to_json()) == spec
-    assert "select=16" in Attention(select=16).describe()
+    assert "select=16" in spec.kept.describe(spec.attention)
+
+
+def test_a_schema_3_folder_reads_its_selection_or_refuses_an_option_that_left():
+    import json
+
+    old = {"base_model": "x", "dims": [4, 4], "layers": [0], "schema": 3,
+           "attention": {"feature": "prf", "window": 64, "sink": 4, "gain": "head", "decay": "head", "select": 256,
+                         "select_in": "softmax", "select_by": "prompt", "select_observe": 8, "select_pool": 15,
+                         "conv": 0, "delta": False}}
+    spec = StudentSpec.from_json(json.dumps(old))
+    assert spec.kept == Kept(select=256) and spec.attention == Attention(decay="head")
+    for key, value in (("gain", "query"), ("select_by", "stream"), ("select_in", "all")):
+        with pytest.raises(UserError, match=f"student.{key} = '{value}'.*distill the student again"):
+            StudentSpec.from_json(json.dumps({**old, "attention": {**old["attention"], key: value}}))
 
 
 # --- a kept softmax layer's bounded cache (`attention.bounded`) ------------------------------------------------
@@ -190,8 +130,8 @@ def test_bounded_softmax_cache_reads_what_the_spec_keeps():
     q, k, v, valid = inputs()
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))                                    # HF layout [B, heads, T, D]
     scaling = D ** -0.5
-    bounded = BoundedSoftmax(Attention(window=WINDOW, sink=SINK, select=COUNT, select_observe=OBSERVE,
-                                       select_pool=POOL), scaling)
+    bounded = BoundedSoftmax(Kept(select=COUNT, select_observe=OBSERVE, select_pool=POOL),
+                             Attention(window=WINDOW, sink=SINK), scaling)
     cache = SimpleNamespace(layers=[DynamicLayer()])
     bounded.cache, bounded.layer_idx = cache, 0
     keys, values = cache.layers[0].update(k[:, :, :P], v[:, :, :P])
@@ -226,11 +166,11 @@ def test_a_bounded_cache_that_drops_nothing_generates_as_the_full_one():
     prompt length."""
     prompt = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(0))
     outs = {}
-    for name, attention in {"full": Attention(window=64, sink=2),
-                            "roomy": Attention(window=64, sink=2, select=64, select_observe=3),
-                            "tight": Attention(window=4, sink=2, select=3, select_observe=3)}.items():
+    for name, (attention, kept) in {"full": (Attention(window=64, sink=2), Kept()),
+                                    "roomy": (Attention(window=64, sink=2), Kept(select=64, select_observe=3)),
+                                    "tight": (Attention(window=4, sink=2), Kept(select=3, select_observe=3))}.items():
         model = tiny_model("llama")
-        linearize(model, [4] * 3, attention, layers=[0, 2], seed=1)
+        linearize(model, [4] * 3, attention, kept=kept, layers=[0, 2], seed=1)
         with torch.no_grad():
             outs[name] = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                         return_dict_in_generate=True, output_logits=True, pad_token_id=0)
@@ -241,7 +181,8 @@ def test_a_bounded_cache_that_drops_nothing_generates_as_the_full_one():
     sizes = []
     for length in (12, 30):
         model = tiny_model("llama")
-        linearize(model, [4] * 3, Attention(window=4, sink=2, select=3, select_observe=3), layers=[0, 2], seed=1)
+        linearize(model, [4] * 3, Attention(window=4, sink=2), kept=Kept(select=3, select_observe=3), layers=[0, 2],
+                  seed=1)
         with torch.no_grad():
             out = model.generate(prompt[:, :length], max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
                                  pad_token_id=0)
@@ -257,7 +198,8 @@ def test_static_decoding_of_a_bounded_kept_layer_matches_hf_generate(length):
     from dofattn.engine import StaticDecoder
 
     model = tiny_model("llama")
-    linearize(model, [4] * 3, Attention(window=4, sink=2, select=3, select_observe=3), layers=[0, 2], seed=1)
+    linearize(model, [4] * 3, Attention(window=4, sink=2), kept=Kept(select=3, select_observe=3), layers=[0, 2],
+                  seed=1)
     prompt = torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model.generate(prompt, max_new_tokens=11, min_new_tokens=11, do_sample=False, pad_token_id=0,

@@ -47,7 +47,7 @@ def test_taking_the_linear_part_off_gives_the_layer_softmax_back(family):
     whole, partial = tiny_model(family), tiny_model(family)
     linearize(whole, [8, 8, 8], Attention(window=0, sink=0))
     linearize(partial, [8, 8, 8], Attention(window=0, sink=0), layers=[0, 2])
-    del attention_modules(whole)[1].dofattn            # e.g. benchmarks/layer_sensitivity.py
+    del attention_modules(whole)[1].dofattn            # e.g. experiments/layer_sensitivity.py
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(whole(x, use_cache=False).logits, partial(x, use_cache=False).logits)

@@ -40,6 +40,14 @@ class PartState:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.NAMES if getattr(self, name) is not None}
 
+    def frozen(self) -> PartState:
+        """This state for static decoding (`RingWindowLayer.from_layer`): the same tensors, each contiguous (a
+        one-kernel step reads their rows). A part whose state must change shape for it says so (the window)."""
+        copy = type(self)()
+        for name, t in self.tensors().items():
+            setattr(copy, name, t.contiguous())
+        return copy
+
 
 class WindowState(PartState):
     """A window's last W keys and values (after RoPE, kv heads: [B, ≤W, Hkv, D]) and whether each is a real token
@@ -54,6 +62,15 @@ class SinkState(PartState):
 
     NAMES = ("keys", "values", "valid")
     full = False
+
+    def frozen(self) -> SinkState:
+        """Static decoding reads S filled slots: after a prompt of at least S real tokens."""
+        if self.valid is not None and not self.valid.all():
+            raise UserError(f"static decoding with a sink of {self.valid.shape[1]} tokens needs prompts of at least "
+                            f"that many real tokens; use a longer prompt or HF generate")
+        copy = super().frozen()
+        copy.full = self.valid is not None
+        return copy
 
 
 class SelectState(PartState):
@@ -194,8 +211,9 @@ class RingWindowLayer(StaticStateLayer):
         ring.is_initialized = layer.is_initialized
         ring.dtype, ring.device = getattr(layer, "dtype", None), getattr(layer, "device", None)
         ring.seen, ring.state, ring.position = layer.seen, layer.state.float().contiguous(), position
-        if "conv" in layer.parts:
-            ring.parts["conv"] = layer.parts["conv"]
+        for name, part in layer.parts.items():     # the window becomes the ring; every other part as it is
+            if name != "window":
+                ring.parts[name] = part.frozen()
         last, ring_window = layer.parts["window"], ring.part("window")
         B, n, Hkv, D = last.keys.shape
         slots = torch.arange(layer.seen - n, layer.seen, device=last.keys.device) % window
@@ -204,19 +222,6 @@ class RingWindowLayer(StaticStateLayer):
                                                                                                       last.values)
         ring_window.valid = last.valid.new_zeros(B, window).index_copy_(1, slots, last.valid)
         ring.arrivals = torch.zeros(B, dtype=torch.int32, device=last.keys.device)
-        sink = layer.parts.get("sink")
-        if sink is not None and sink.keys is not None:   # a sink: its slots are full after a prompt of >= S tokens
-            if not sink.valid.all():
-                raise UserError(f"static decoding with a sink of {sink.valid.shape[1]} tokens needs prompts of "
-                                f"at least that many real tokens; use a longer prompt or HF generate")
-            ring_sink = ring.part("sink")
-            ring_sink.keys, ring_sink.values, ring_sink.valid = (x.contiguous() for x in (
-                sink.keys, sink.values, sink.valid))   # slices of a longer buffer: the kernel's rows
-            ring_sink.full = True
-        chosen = layer.parts.get("select")
-        if chosen is not None and chosen.keys is not None:
-            ring_chosen = ring.part("select")
-            ring_chosen.keys, ring_chosen.values, ring_chosen.valid = chosen.keys, chosen.values, chosen.valid
         return ring
 
 

@@ -1,7 +1,6 @@
 """The exact parts: keys a linear layer reads with the teacher's own softmax kernel, beside its linear branch, in one
-normalisation. A `Window` (the last W keys), a `Sink` (the first S real tokens of a sequence) and a `Select` (C keys
-per kv head that a prompt's last queries attend to, `ops.select`) are each a set of exact keys; the op `ops.window`
-mixes them with the linear branch in log space.
+normalisation. A `Window` (the last W keys) and a `Sink` (the first S real tokens of a sequence) are each a set of
+exact keys; the op `ops.window` mixes them with the linear branch in log space.
 
 Every form runs the op: a prefill or a cached call `window_linear_attention` (the cache's keys still inside the
 window come first; a sink's S slots first of all, without positions); a steady decode step (one token, the window
@@ -20,41 +19,22 @@ from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, SinkState
 from dofattn.attention.linear import check_left_padding
 from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops.naive import needs_grad
-from dofattn.ops.select import prompt_candidates, select_keys
-from dofattn.ops.softmax import attention_logits, expand_kv
+from dofattn.ops.softmax import attention_logits
 from dofattn.ops.window import first_keys, fold_key, window_decode_step, window_linear_attention, window_logits
-
-
-def pair_norms(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [..., D/2] float32: the norm of each pair of coordinates that RoPE rotates together (the HF
-    rotate-half layout: c and c + D/2), which no position changes."""
-    x = x.float()
-    half = x.shape[-1] // 2
-    return (x[..., :half].square() + x[..., half:2 * half].square()).sqrt()
 
 
 class Window(nn.Module):
     """Exact softmax over the last W keys, the linear branch beyond; `log_gain` [H] (learned, init 0) scales the
-    linear part's mass against the window's. With `head_dim` (`student.gain = query`) each query adds its own log
-    gain, `query_gain`·pair_norms(q)/√(D/2) (learned, init 0): a query weighs how much it reads beyond the window.
-    The forms take the layer (`LinearAttention`) whose feature map, decay and sink they use."""
+    linear part's mass against the window's. The forms take the layer (`LinearAttention`) whose feature map, decay
+    and sink they use."""
 
-    def __init__(self, width: int, num_heads: int, head_dim: int = 0):
+    def __init__(self, width: int, num_heads: int):
         super().__init__()
         self.width = int(width)
         self.log_gain = nn.Parameter(torch.zeros(num_heads))                       # [H]
-        self.query_gain = nn.Parameter(torch.zeros(num_heads, head_dim // 2)) if head_dim else None   # [H, D/2]
 
     def extra_repr(self) -> str:
-        return f"width={self.width}" + (", gain per query" if self.query_gain is not None else "")
-
-    def query_scale(self, q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
-        """A query's log-scale in the linear branch (q [B, T, H, D], q_scale [B, T, H] from the feature map), with
-        its own gain added where the window has one."""
-        if self.query_gain is None:
-            return q_scale
-        w = self.query_gain.float()
-        return q_scale + torch.einsum("bthc,hc->bth", pair_norms(q), w) / w.shape[1] ** 0.5
+        return f"width={self.width}"
 
     def attend(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
                state: torch.Tensor | None, output_final_state: bool, backend: str, sink_mask: torch.Tensor | None,
@@ -67,7 +47,6 @@ class Window(nn.Module):
             sink_mask = first_keys(key_valid, k.shape[0], k.shape[1], sink, k.device)
         fmap = layer.feature_map
         phi_q, q_scale = fmap.features(q, "query")                             # [B, T, H, M], [B, T, H]
-        q_scale = self.query_scale(q, q_scale)
         phi_k, k_scale = fmap.features(k, "key")                               # [B, Tk, H, M], [H]
         phi_q, phi_k = in_model_dtype(phi_q, q.dtype), in_model_dtype(phi_k, q.dtype)
         if layer.decay is not None and key_valid is not None:   # the cached keys come first: left padding stays exact
@@ -92,34 +71,28 @@ class Window(nn.Module):
         B, T = k.shape[:2]
         if key_valid is None:
             key_valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
-        sets = layer.exact_sets()
-        held = [cache.part(part.name) for part in sets]
-        held = [slots for slots in held if slots.keys is not None]       # none on a first call: its keys are its own
-        taken = [part.take(cache, key_valid) for part in sets]            # [B, T] each: new keys a set holds
-        exact_new = torch.stack(taken).any(0) if taken else None
-        lead = sum(slots.keys.shape[1] for slots in held)
+        sink = layer.sink
+        held = cache.part("sink") if sink is not None else None
+        held = held if held is not None and held.keys is not None else None   # none on a first call
+        taken = sink.take(cache, key_valid) if sink is not None else None        # [B, T]: new keys the sink holds
+        lead = held.keys.shape[1] if held is not None else 0
         last = cache.part("window")
-        parts = [(slots.keys, slots.values, slots.valid) for slots in held]
+        parts = [(held.keys, held.values, held.valid)] if held is not None else []
         if last.keys is not None:
             parts.append((last.keys, last.values, last.valid))
         keys, values, valid = (torch.cat([*(p[i] for p in parts), x], 1) for i, x in enumerate((k, v, key_valid)))
         sink_mask = None
-        if sets:   # the held slots and this call's new set keys stay exact for every later query
-            sink_mask = torch.cat([*(slots.valid for slots in held),
-                                   valid.new_zeros(B, keys.shape[1] - lead - T), exact_new], 1)
+        if sink is not None:   # the held slots and this call's new sink keys stay exact for every later query
+            sink_mask = torch.cat([*([held.valid] if held is not None else []),
+                                   valid.new_zeros(B, keys.shape[1] - lead - T), taken], 1)
         o, state = self.attend(layer, q, layer.expand_kv(keys), layer.expand_kv(values), valid, cache.state, True,
                                backend, sink_mask, lead)
         keep_buffer(cache, "state", state)
-        for part, new in zip(sets, taken):
-            part.store(cache, k, v, new)
-        settled = [part.settle(layer, cache, q, k, v, key_valid, exact_new) for part in sets]
         window_valid = valid[:, lead:]
-        if exact_new is not None:   # a key a set holds is not a window key: none counts twice
-            window_valid = torch.cat([window_valid[:, :-T], window_valid[:, -T:] & ~exact_new], 1)
+        if sink is not None:   # a key the sink holds is not a window key: none counts twice
+            sink.store(cache, k, v, taken)
+            window_valid = torch.cat([window_valid[:, :-T], window_valid[:, -T:] & ~taken], 1)
         self.keep(cache, keys[:, lead:], values[:, lead:], window_valid)
-        k_scale = next((x for x in settled if x is not None), None)
-        if k_scale is not None:   # keys chosen by this call's last queries: its last query reads them too
-            o = torch.cat([o[:, :-1], self.read_exact(layer, q[:, -1:], cache, k_scale, q.dtype)], 1)
         return o
 
     def keep(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor) -> None:
@@ -136,8 +109,6 @@ class Window(nn.Module):
         fmap = layer.feature_map
         if not (backend == "triton" or (backend == "auto" and q.is_cuda)) or layer.attention.decay == "gate":
             return False
-        if layer.select is not None or self.query_gain is not None:   # the kernel reads a sink and a ring, a gain
-            return False                                                 # per head: PyTorch reads the rest
         if needs_grad(q, *layer.parameters()):
             return False
         from dofattn.ops import load_triton
@@ -155,7 +126,7 @@ class Window(nn.Module):
             return False
         if isinstance(fmap, PositiveRandomFeatures) and not fmap.shift_calibrated():
             return False
-        return all(part.ready(cache) for part in layer.exact_sets())
+        return layer.sink is None or layer.sink.ready(cache)
 
     def decode_step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
                     cache: LinearStateLayer) -> torch.Tensor:
@@ -188,11 +159,10 @@ class Window(nn.Module):
                    dtype: torch.dtype) -> torch.Tensor:
         """The query q [B, 1, H, D] against the cache's sinks and window keys (exact) and its state -> [B, 1, H, D]
         (`ops.window.window_decode_step`); its features rounded to `dtype` if 16-bit, as in `fold`."""
-        held = [cache.part(part.name) for part in layer.exact_sets()] + [cache.part("window")]
+        held = ([cache.part("sink")] if layer.sink is not None else []) + [cache.part("window")]
         keys, values, valid = (torch.cat([getattr(slots, name) for slots in held], 1)
                                for name in ("keys", "values", "valid"))
         phi_q, q_scale = layer.feature_map.features(q, "query")                             # [B, 1, H, M]
-        q_scale = self.query_scale(q, q_scale)
         phi_q = in_model_dtype(phi_q, dtype)
         o = window_decode_step(q[:, 0], keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + self.log_gain,
                                layer.feature_map.scaling, cache.state)
@@ -235,7 +205,6 @@ class Window(nn.Module):
             return
         fmap, sink = layer.feature_map, layer.attention.sink
         phi_q, q_scale = fmap.features(q, "query")
-        q_scale = self.query_scale(q, q_scale)
         phi_k, k_scale = fmap.features(k, "key")
         sink_mask = first_keys(None, k.shape[0], k.shape[1], sink, k.device) if sink else None
         logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale, fmap.scaling, self.width,
@@ -249,40 +218,11 @@ class Window(nn.Module):
         self.log_gain.copy_(gap)
 
 
-class ExactSet(nn.Module):
-    """A set of exact keys beside the window: keys that every later query reads with the teacher's kernel however
-    far back, never in the linear branch. The cache slot holds them in slots without positions (`cache.part(name)`,
-    with `keys`, `values`, `valid`), which a cached call puts before the window's keys (the op's `lead`: an exact
-    key's weight does not depend on its distance). A set says which of a call's keys it takes (`take`), keeps them
-    (`store`), and whether its slots are settled for the lean decode step (`ready`)."""
-
-    name = ""
-
-    def take(self, cache: LinearStateLayer, key_valid: torch.Tensor) -> torch.Tensor:
-        """[B, T] bool: the keys of this call (key_valid [B, T]) that join the set."""
-        raise NotImplementedError
-
-    def store(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, taken: torch.Tensor) -> None:
-        """Keep the keys `taken` [B, T] of k, v [B, T, Hkv, D] in the set's slots."""
-        raise NotImplementedError
-
-    def ready(self, cache: LinearStateLayer) -> bool:
-        return True
-
-    def settle(self, layer, cache: LinearStateLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               key_valid: torch.Tensor, exact_new: torch.Tensor) -> torch.Tensor | None:
-        """After a cached call (q [B, T, H, D], k, v [B, T, Hkv, D], key_valid [B, T], exact_new [B, T]: the keys
-        other sets took), with its state in the cache: a set that chooses from a whole call does it here, and
-        returns the call's key log-scale [H] (its last query then reads the chosen keys too); otherwise None."""
-        return None
-
-
-class Sink(ExactSet):
+class Sink(nn.Module):
     """The first S real tokens of a sequence stay exact for every later query, however far back, and never enter the
     linear branch (an attention sink; `ops.window`). Beside a window only; with a decay the sink is not decayed.
-    Generation keeps their keys in S slots of the cache (a `SinkState`)."""
-
-    name = "sink"
+    Generation keeps their keys in S slots of the cache (a `SinkState`), which a cached call puts before the
+    window's keys (the op's `lead`: an exact key's weight does not depend on its distance)."""
 
     def __init__(self, count: int):
         super().__init__()
@@ -317,57 +257,3 @@ class Sink(ExactSet):
             index = slot.reshape(B, T, *[1] * (new.dim() - 2)).expand_as(new)
             setattr(sink, name, buffer.scatter(1, index, new)[:, :S])
         sink.valid = torch.cat([sink.valid, taken.new_zeros(B, 1)], 1).scatter(1, slot, taken)[:, :S]
-
-
-class Select(ExactSet):
-    """A bounded cache of `count` keys per kv head chosen from the prompt by its last queries (`ops.select`): after
-    a sequence's first cached call (the prompt), the keys its last `observe` queries attend to most, beyond the final
-    window and outside the sink, leave the linear state and stay exact for the prompt's last query and every later
-    one (the answer, the generated tokens). The prompt's other outputs are unchanged (none reads a key chosen by
-    later queries), as is the full forward without a cache: the set serves what comes after a prompt. Later calls
-    choose nothing; memory stays `count` keys per kv head at any length."""
-
-    name = "select"
-
-    def __init__(self, count: int, observe: int, pool: int):
-        super().__init__()
-        self.count, self.observe, self.pool = int(count), int(observe), int(pool)
-
-    def extra_repr(self) -> str:
-        return f"count={self.count}, observe={self.observe}, pool={self.pool}"
-
-    def take(self, cache: LinearStateLayer, key_valid: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(key_valid)          # the set chooses after the call (`settle`), not per key
-
-    def store(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, taken: torch.Tensor) -> None:
-        pass
-
-    def ready(self, cache: LinearStateLayer) -> bool:
-        return cache.part("select").keys is not None
-
-    def settle(self, layer, cache: LinearStateLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               key_valid: torch.Tensor, exact_new: torch.Tensor) -> torch.Tensor | None:
-        """On a sequence's first call: choose the keys, keep them, and take them out of the state (which held every
-        key of the call beyond the last W and the sink)."""
-        chosen = cache.part("select")
-        if chosen.keys is not None:
-            return None
-        D = k.shape[-1]
-        candidates = prompt_candidates(key_valid, exact_new, layer.window.width)
-        index, valid = select_keys(q, k, layer.feature_map.scaling, candidates, self.count, self.observe,
-                                   self.pool, key_valid)                      # [B, Hkv, C], [B, C]
-        at = index.transpose(1, 2)                                            # [B, C, Hkv]
-        keys = k.gather(1, at[..., None].expand(-1, -1, -1, D))
-        values = v.gather(1, at[..., None].expand(-1, -1, -1, v.shape[-1]))
-        phi, k_scale = layer.feature_map.features(layer.expand_kv(k), "key")  # as the call's op: the same keys
-        if cache.state is not None:
-            phi = in_model_dtype(phi, q.dtype)
-            at_q = expand_kv(at, layer.num_heads)                             # [B, C, H]
-            phi = phi.gather(1, at_q[..., None].expand(-1, -1, -1, phi.shape[-1])) * valid[:, :, None, None]
-            ones = torch.ones_like(values[..., :1])
-            read = layer.expand_kv(torch.cat([values, ones], -1))               # [B, C, H, V+1]
-            dtype = cache.state.dtype
-            update = torch.einsum("bchm,bchv->bhmv", phi.to(dtype), read.to(dtype))
-            keep_buffer(cache, "state", cache.state - update)
-        chosen.keys, chosen.values, chosen.valid = keys, values, valid
-        return k_scale

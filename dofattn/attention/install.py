@@ -66,8 +66,7 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
              attention_mask: torch.Tensor | None, eager: bool, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A softmax layer's attention: SDPA, or the family's eager attention. In static decoding a kept layer attends
     over the slots written so far (its `dofattn_static_kv`), in place of HF's mask; a kept layer with a bounded cache
-    (`dofattn_bounded`) over what its cache keeps after the prompt, and it bounds the cache after the prompt; a
-    streaming one (`select_by = stream`) attends within its bound from its first key on (`BoundedSoftmax.stream`)."""
+    (`dofattn_bounded`) over what its cache keeps after the prompt, and it bounds the cache after the prompt."""
     static = getattr(module, "dofattn_static_kv", None)
     bounded = getattr(module, "dofattn_bounded", None)
 
@@ -79,9 +78,6 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
             return base_attention("eager", module)(module, query, key, value, mask, **kwargs)
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
-    if bounded is not None and bounded.streams:       # it attends within its bound, the prompt included
-        block = lambda q, k, v, mask: attend(q, k, v, mask)[0]
-        return bounded.stream(query, key, value, _key_padding(attention_mask, query.shape[2]), block), None
     own = static.slot_mask() if static is not None else bounded.mask() if bounded is not None else None
     prompt_valid = _key_padding(attention_mask, key.shape[2]) if bounded is not None and own is None else None
     out = attend(query, key, value, own if own is not None else attention_mask)

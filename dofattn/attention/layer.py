@@ -5,9 +5,8 @@
 The parts, each a module that owns its parameters and its forms (`attention.exact`, `.decay`, `.conv`, `.delta`):
     feature_map   φ of queries and keys (`features`)
     window        exact softmax over the last W keys, the linear branch beyond, one normalisation (`exact.Window`);
-                  the linear branch's weight per head, or per query too (`gain`)
+                  the linear branch's weight per head
     sink          the first S real tokens exact for every later query (`exact.Sink`)
-    select        C keys per kv head that a prompt's last queries attend to, exact after the prompt (`exact.Select`)
     decay         a learned decay of the linear state per head (`decay.Decay`) or per token (`decay.Gate`)
     conv          a short causal convolution of q, k and v (`conv.ShortConv`)
     delta         the delta rule writing the state (`delta.DeltaRule`)
@@ -24,7 +23,7 @@ from dofattn.attention.cache import LinearStateLayer, StaticStateLayer
 from dofattn.attention.conv import ShortConv
 from dofattn.attention.decay import Decay, Gate
 from dofattn.attention.delta import DeltaRule
-from dofattn.attention.exact import Select, Sink, Window
+from dofattn.attention.exact import Sink, Window
 from dofattn.attention.linear import LinearBranch
 from dofattn.errors import UserError
 from dofattn.features import FeatureMap
@@ -54,11 +53,8 @@ class LinearAttention(LinearBranch, nn.Module):
         self.attention = attention
         self.feature_map = feature_map
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.window = (Window(attention.window, num_heads, head_dim if attention.gain == "query" else 0)
-                       if attention.window else None)
+        self.window = Window(attention.window, num_heads) if attention.window else None
         self.sink = Sink(attention.sink) if attention.sink else None
-        self.select = (Select(attention.select, attention.select_observe, attention.select_pool)
-                       if attention.select and attention.select_in == "all" else None)
         self.decay = (Decay(num_heads) if attention.decay == "head" else Gate(num_heads, head_dim)
                       if attention.decay == "gate" else None)
         self.delta = DeltaRule(num_heads, head_dim) if attention.delta else None
@@ -67,10 +63,6 @@ class LinearAttention(LinearBranch, nn.Module):
 
     def extra_repr(self) -> str:
         return self.attention.describe()
-
-    def exact_sets(self) -> list:
-        """The parts that hold exact keys beside the window (`exact.ExactSet`: the sink, the selected keys)."""
-        return [part for part in (self.sink, self.select) if part is not None]
 
     def log_decay(self) -> torch.Tensor | None:
         """[H] float32: log γ_h of each head (< 0), or None without a decay (a gate's rate without its tokens)."""

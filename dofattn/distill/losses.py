@@ -63,7 +63,6 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
 
 def _window_softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     phi_q, q_scale = linear.feature_map.features(q, "query")
-    q_scale = linear.window.query_scale(q, q_scale)
     phi_k, k_scale = linear.feature_map.features(k, "key")
     a = linear.attention
     sink = first_keys(None, k.shape[0], k.shape[1], a.sink, k.device) if a.sink else None

@@ -11,9 +11,8 @@ import torch
 
 from dofattn.distill import choose, end_to_end, run_folder
 from dofattn.distill.layerwise import layerwise
-from dofattn.distill.scorer import train_scorers
 from dofattn.distill.teacher import TeacherCache
-from dofattn.distill.world import all_mean, barrier, join, world
+from dofattn.distill.world import barrier, join, world
 from dofattn.evaluate import compare, perplexity
 from dofattn.recipe import Recipe
 from dofattn.spec import Attention
@@ -80,20 +79,12 @@ def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float 
     spec = r.student_spec(dims, choose.linear_layers(r, model, chosen), base=fingerprint(model))
     build(model, spec)
     for name, p in model.named_parameters():       # only the student's tensors ever train
-        p.requires_grad_(is_student_tensor(name) and ".scorer." not in name)   # a scorer trains alone (below)
+        p.requires_grad_(is_student_tensor(name))
     log.dims, log.softmax_layers = dims, kept
     log.seconds["setup"] = round(time.perf_counter() - timer, 1)
-    if not finished and spec.attention.select_by == "stream":
-        timer = time.perf_counter()         # the teacher alone decides them: before the students' stages
-        blocks = token_blocks(r.run.data, tokenizer, r.scorer.seq_len, r.scorer.blocks, split="train",
-                              seed=r.run.seed + 1)   # the same blocks and seed in every process under torchrun,
-        log.scorer = train_scorers(model, blocks, r.scorer, r.run.seed, progress=rank == 0)
-        all_mean([p.data for name, p in model.named_parameters() if ".scorer." in name])   # then the same scorers
-        log.seconds["scorer"] = round(time.perf_counter() - timer, 1)
 
     if finished:            # going on with the end-to-end phase: the layerwise stage is done
         log.layers, log.seconds = finished.get("layers", {}), {**finished["seconds"], **log.seconds}
-        log.scorer = finished.get("scorer", {})
         before = finished.get("evaluation", {})
         if "layerwise_student_ppl" in before:
             log.evaluation["layerwise_student_ppl"] = before["layerwise_student_ppl"]

@@ -33,7 +33,6 @@ class RunLog:
     softmax_layers: list[int] = field(default_factory=list)
     layers: dict = field(default_factory=dict)        # layer -> the layerwise stage's log
     end_to_end: dict = field(default_factory=dict)
-    scorer: dict = field(default_factory=dict)        # layer -> its key scorer's log (select_by = stream)
     evaluation: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
 

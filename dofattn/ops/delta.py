@@ -31,7 +31,6 @@ Computed in float32 (float64 when any input is float64); the output is cast back
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dofattn.ops.chunk import from_chunks, to_chunks
 from dofattn.ops.naive import TINY, check_inputs, compute_dtype, gate_log, segment_sums, suffix_sums
