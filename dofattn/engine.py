@@ -37,7 +37,7 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache
 
-from dofattn.attention import RingWindowLayer, StaticKVLayer, StaticStateLayer
+from dofattn.attention import LinearStateLayer, RingWindowLayer, StaticKVLayer, StaticStateLayer
 from dofattn.attention.bounded import BoundedKVLayer, StaticBoundedLayer
 from dofattn.errors import UserError
 from dofattn.hf import cache_kwargs, local_layers
@@ -45,12 +45,17 @@ from dofattn.hf import cache_kwargs, local_layers
 WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
 
 
-def layer_windows(model) -> dict[int, int | None]:
-    """{layer: its window} for `model`'s attention layers: 0 for pure linear attention, None for a softmax layer."""
-    from dofattn.student import attention_modules
-
-    return {i: (linear.attention.window if (linear := getattr(module, "dofattn", None)) is not None else None)
-            for i, module in enumerate(attention_modules(model))}
+def static_slot(slot, length: int, position: torch.Tensor):
+    """The static form of a prefilled cache slot, as the slot's own kind says: a window hybrid's state and a ring of
+    its W slots, a linear layer's state alone, a bounded kept layer's held keys and a ring, a kept softmax layer's
+    `length` slots. `position` is the decoder's [1] tensor."""
+    if isinstance(slot, BoundedKVLayer):
+        return StaticBoundedLayer.from_layer(slot, position)
+    if isinstance(slot, LinearStateLayer):
+        window = slot.parts.get("window")
+        return (RingWindowLayer.from_layer(slot, window.width, position) if window is not None
+                else StaticStateLayer.freeze(slot))
+    return StaticKVLayer.from_layer(slot, length, position)
 
 
 @contextmanager
@@ -96,11 +101,13 @@ class StaticDecoder:
         # after generate: prefill_s, decode_steps, decode_s; graphed: capture_s, replays, replay_s; compiled: the first
         # compiled step's compile_s (that step is then not among decode_steps)
         self.timings: dict = {}
-        self.windows = layer_windows(model)
-        if all(window is None for window in self.windows.values()):
+        from dofattn.student import attention_modules
+
+        linear = {i for i, module in enumerate(attention_modules(model)) if hasattr(module, "dofattn")}
+        if not linear:
             raise UserError("static decoding is for linearized students, but every layer of this model is softmax "
                             "attention; use HF generate (model.generate(), or drop --static)")
-        local = [i for i in local_layers(model.config) if self.windows[i] is None]
+        local = [i for i in local_layers(model.config) if i not in linear]
         if local:   # their HF slots keep the last W keys only; static slots for them are not written yet
             raise UserError(f"static decoding does not yet run a model's own sliding-window layers ({local}); use "
                             f"HF generate (model.generate(), or drop --static)")
@@ -140,16 +147,8 @@ class StaticDecoder:
         position = torch.full((B, 1), T, dtype=torch.long, device=self.device)        # [B, 1]
         cache_position = torch.full((1,), T, dtype=torch.long, device=self.device)    # [1]
         new = [token.clone()]
-        for i, window in self.windows.items():    # window hybrids: their last W keys go into a ring of W slots
-            layer = cache.layers[i]
-            if isinstance(layer, BoundedKVLayer):  # a bounded kept layer: its held keys and a ring of W slots
-                cache.layers[i] = StaticBoundedLayer.from_layer(layer, cache_position)
-            elif window is None:                  # a kept softmax layer: T + max_new_tokens slots
-                cache.layers[i] = StaticKVLayer.from_layer(layer, T + max_new_tokens, cache_position)
-            elif window:
-                cache.layers[i] = RingWindowLayer.from_layer(layer, window, cache_position)
-            else:
-                cache.layers[i] = StaticStateLayer.freeze(layer)
+        for i, layer in enumerate(cache.layers):
+            cache.layers[i] = static_slot(layer, T + max_new_tokens, cache_position)
 
         def step() -> None:
             (self.compiled or self.step)(token, position, cache_position, cache)

@@ -1,5 +1,5 @@
-"""The hybrid's decode step in few operations (`ops.window.window_decode_step`, `fold_key`; `exact.Window.decode_step`
-and the ring's step): the op against the spec's last row, the layer's steady steps against its general cached call
+"""The hybrid's decode step in few operations (`ops.window.window_decode_step`, `fold_key`;
+`hybrid.WindowBranch.decode_step` and the ring's step): the op against the spec's last row, the layer's steady steps against its general cached call
 (outputs, states and caches, step after step), and numerics at exponent 195."""
 
 import math
@@ -82,13 +82,13 @@ def layer_pair(H, Hkv, D, M, W, S, decay, seed=0):
 def count_lean(layer, monkeypatch):
     """Counts the layer's steps through `decode_step`: the test must not pass on the general path alone."""
     calls = []
-    original = layer.window.decode_step
+    original = layer.decode_step
 
     def counted(*args):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(layer.window, "decode_step", counted)
+    monkeypatch.setattr(layer, "decode_step", counted)
     return calls
 
 
@@ -121,7 +121,7 @@ def test_steady_steps_equal_the_general_call(H, Hkv, W, S, decay, prompt, dtype,
             args = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], valid[:, :t + 1][:, -1:])
             out = layer(*args, cache=lean)
             with monkeypatch.context() as m:
-                m.setattr(layer.window, "lean_step_ok", lambda *a: False)
+                m.setattr(layer, "lean_step_ok", lambda *a: False)
                 ref = layer(*args, cache=general)
             tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
             torch.testing.assert_close(out, ref, **tol)
@@ -145,7 +145,7 @@ def test_ring_steps_equal_the_general_call(W, S, decay, prompt, monkeypatch):
     q = 2 * torch.randn(2, prompt + 2 * W + 3, H, D, generator=g)
     k, v = (2 * torch.randn(2, prompt + 2 * W + 3, Hkv, D, generator=g) for _ in range(2))
     listed, ringed = LinearStateLayer(), LinearStateLayer()
-    monkeypatch.setattr(layer.window, "lean_step_ok", lambda *a: False)     # the reference: the general call
+    monkeypatch.setattr(layer, "lean_step_ok", lambda *a: False)     # the reference: the general call
     with torch.no_grad():
         layer(q[:, :prompt], k[:, :prompt], v[:, :prompt])          # training mode: calibrates the shift
         layer.eval()

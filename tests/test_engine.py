@@ -6,7 +6,7 @@ On CUDA the decoder replays a CUDA graph per token; on CPU it runs the same stat
 import pytest
 import torch
 
-from dofattn.attention.exact import Window
+from dofattn.attention import LinearAttention
 from dofattn.engine import StaticDecoder
 from dofattn.errors import UserError
 from dofattn.student import attention_modules, linearize
@@ -177,7 +177,7 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
     model = model.to(device)
     prompt = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
     with monkeypatch.context() as patch:         # the PyTorch ring step, on any device
-        patch.setattr(Window, "one_kernel_ring", lambda self, layer, q, cache, backend: False)
+        patch.setattr(LinearAttention, "one_kernel_ring", lambda self, q, cache, backend: False)
         decoder = StaticDecoder(model)
         ref = decoder.generate(prompt, 6)
         ref_cache = decoder.cache
@@ -185,9 +185,9 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
     step = hybrid.prf_ring_step
     monkeypatch.setattr(hybrid, "prf_ring_step", lambda *a, **k: calls.append(1) or step(*a, **k))
     if device == "cpu":
-        ring_step = Window.ring_step
-        monkeypatch.setattr(Window, "ring_step", lambda self, layer, q, k, v, cache, backend="auto":
-                            ring_step(self, layer, q, k, v, cache, "triton"))
+        ring_step = LinearAttention.ring_step
+        monkeypatch.setattr(LinearAttention, "ring_step", lambda self, q, k, v, cache, backend="auto":
+                            ring_step(self, q, k, v, cache, "triton"))
     decoder = StaticDecoder(model)
     assert torch.equal(decoder.generate(prompt, 6), ref)
     assert len(calls) == 3 * (5 if device == "cpu" else 3)       # CUDA: 2 warm-up steps and the capture

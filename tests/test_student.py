@@ -81,7 +81,7 @@ def test_save_load_round_trip_is_exact(family, tmp_path, model_dirs):
     assert torch.equal(base.get_input_embeddings().weight, model.get_input_embeddings().weight)
     model, folder = make_student(family, tmp_path, model_dirs)
     loaded, tokenizer, config = load_student(folder)
-    assert config.dims == (5, 12, 7) and config.dofattn_version and config.schema == 3
+    assert config.dims == (5, 12, 7) and config.dofattn_version and config.schema == 4
     x = ids()
     with torch.no_grad():
         assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
@@ -165,8 +165,8 @@ def test_older_student_folders_load_or_fail_clearly(tmp_path, model_dirs):
     (folder / "dofattn.json").write_text(json.dumps({**old, "head_dims": [[5] * 4, [12] * 4, [7] * 4]}))
     with pytest.raises(UserError, match="every head its own feature count.*distill the student again"):
         read_spec(folder)
-    (folder / "dofattn.json").write_text(json.dumps({**json.loads(spec.to_json()), "schema": 4}))
-    with pytest.raises(UserError, match="has schema 4.*upgrade dofattn"):
+    (folder / "dofattn.json").write_text(json.dumps({**json.loads(spec.to_json()), "schema": 5}))
+    with pytest.raises(UserError, match="has schema 5.*upgrade dofattn"):
         read_spec(folder)
     (folder / "dofattn.json").write_text(json.dumps({**json.loads(spec.to_json()),
                                                      "attention": {"window": 0, "sink": 4}}))

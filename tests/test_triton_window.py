@@ -363,13 +363,13 @@ def test_prf_ring_step_dispatch(monkeypatch):
     layer, rings, positions, qkv = ring_case(5, 0, 4, 2, 24, 37, False, 3, torch.float32, steps=1)
     ring = rings[1]
     with torch.no_grad():
-        assert layer.window.one_kernel_ring(layer, qkv[0], ring, "auto") == CUDA
-        assert layer.window.one_kernel_ring(layer, qkv[0], ring, "triton")
-        assert not layer.window.one_kernel_ring(layer, qkv[0], ring, "naive")
+        assert layer.one_kernel_ring(qkv[0], ring, "auto") == CUDA
+        assert layer.one_kernel_ring(qkv[0], ring, "triton")
+        assert not layer.one_kernel_ring(qkv[0], ring, "naive")
         layer.train()
-        assert not layer.window.one_kernel_ring(layer, qkv[0], ring, "triton")   # training would move the key shift
+        assert not layer.one_kernel_ring(qkv[0], ring, "triton")   # training would move the key shift
         layer.eval()
-    assert not layer.window.one_kernel_ring(layer, qkv[0], ring,
+    assert not layer.one_kernel_ring(qkv[0], ring,
                                             "triton")       # autograd: the parameters want gradients
     q, k, v = (x[:, :1] for x in qkv)
     slots = ring.parts["window"]

@@ -258,7 +258,7 @@ def test_gain_calibration_puts_a_scale_free_map_on_the_kernels_scale():
     torch.manual_seed(0)
     q, k = torch.randn(2, 48, 2, 8) * 2, torch.randn(2, 48, 2, 8) * 2
     linear = LinearAttention(Attention(window=8, sink=0), make_feature_map("hedgehog", 2, 8, 6, scaling=8 ** -0.5))
-    linear.window.calibrate_gain(linear, q, k)
+    linear.calibrate_gain(q, k)
     assert linear.window.log_gain.abs().min() > 1.0         # softmax features sit far from exp(s·qᵀk) at the start
     from dofattn.ops.window import window_logits
 

@@ -44,6 +44,7 @@ class PartState:
         """This state for static decoding (`RingWindowLayer.from_layer`): the same tensors, each contiguous (a
         one-kernel step reads their rows). A part whose state must change shape for it says so (the window)."""
         copy = type(self)()
+        copy.__dict__.update({k: v for k, v in vars(self).items() if not isinstance(v, torch.Tensor)})
         for name, t in self.tensors().items():
             setattr(copy, name, t.contiguous())
         return copy
@@ -54,6 +55,7 @@ class WindowState(PartState):
     ([B, ≤W] bool); in a `RingWindowLayer` a ring of W slots, the key at position p in slot p mod W."""
 
     NAMES = ("keys", "values", "valid")
+    width = 0          # W: how many it keeps (its `exact.Window` says, on its first call)
 
 
 class SinkState(PartState):

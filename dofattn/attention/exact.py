@@ -1,13 +1,7 @@
-"""The exact parts: keys a linear layer reads with the teacher's own softmax kernel, beside its linear branch, in one
-normalisation. A `Window` (the last W keys) and a `Sink` (the first S real tokens of a sequence) are each a set of
-exact keys; the op `ops.window` mixes them with the linear branch in log space.
-
-Every form runs the op: a prefill or a cached call `window_linear_attention` (the cache's keys still inside the
-window come first; a sink's S slots first of all, without positions); a steady decode step (one token, the window
-full: `Window.lean_step_ok`), on the growing cache or a static ring, `fold_key` and `window_decode_step` (on SmolLM2
-384 aten operators a layer against the general call's 637); or on CUDA with a PRF map a ring step the Triton kernel
-`ops.triton.window.prf_ring_step`. Each part keeps its cache state in its slot's `parts` (`cache.part("window")`,
-a `WindowState`: a ring of W slots in a `RingWindowLayer`; `cache.part("sink")`, a `SinkState`).
+"""The exact parts: keys a linear layer reads with the teacher's own softmax kernel beside its linear branch, in one
+normalisation. A `Window` (the last W keys, and the linear branch's gain against them) and a `Sink` (the first S
+real tokens of a sequence) each own their parameters and their cache state; the forms that mix them with the linear
+branch are the layer's (`attention.hybrid`), on the op `ops.window`.
 """
 
 from __future__ import annotations
@@ -15,18 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, SinkState, keep_buffer
-from dofattn.attention.linear import check_left_padding
-from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
-from dofattn.ops.naive import needs_grad
-from dofattn.ops.softmax import attention_logits
-from dofattn.ops.window import first_keys, fold_key, window_decode_step, window_linear_attention, window_logits
+from dofattn.attention.cache import LinearStateLayer
 
 
 class Window(nn.Module):
     """Exact softmax over the last W keys, the linear branch beyond; `log_gain` [H] (learned, init 0) scales the
-    linear part's mass against the window's. The forms take the layer (`LinearAttention`) whose feature map, decay
-    and sink they use."""
+    linear part's mass against the window's. Its cache state is the last W keys (`keep`)."""
 
     def __init__(self, width: int, num_heads: int):
         super().__init__()
@@ -36,186 +24,12 @@ class Window(nn.Module):
     def extra_repr(self) -> str:
         return f"width={self.width}"
 
-    def attend(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
-               state: torch.Tensor | None, output_final_state: bool, backend: str, sink_mask: torch.Tensor | None,
-               lead: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`LinearAttention.attend` with a window: q [B, T, H, D], k and v [B, Tk, H, D] (Tk > T: cached keys come
-        first, after `lead` sink slots) -> (o [B, T, H, D], state or None). With a sink and no `sink_mask`, the call
-        starts a sequence: its first S real keys are the sink."""
-        sink = layer.attention.sink
-        if sink and sink_mask is None:
-            sink_mask = first_keys(key_valid, k.shape[0], k.shape[1], sink, k.device)
-        fmap = layer.feature_map
-        phi_q, q_scale = fmap.features(q, "query")                             # [B, T, H, M], [B, T, H]
-        phi_k, k_scale = fmap.features(k, "key")                               # [B, Tk, H, M], [H]
-        phi_q, phi_k = in_model_dtype(phi_q, q.dtype), in_model_dtype(phi_k, q.dtype)
-        if layer.decay is not None and key_valid is not None:   # the cached keys come first: left padding stays exact
-            check_left_padding(key_valid[:, lead:])
-        return window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + self.log_gain, fmap.scaling,
-                                       self.width, key_valid, state, output_final_state=output_final_state,
-                                       backend=backend, log_decay=layer.log_decay(), sink_mask=sink_mask, lead=lead)
-
-    def step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
-             cache: LinearStateLayer, backend: str) -> torch.Tensor:
-        """A cached call of the hybrid: q [B, T, H, D], k and v [B, T, Hkv, D] -> o [B, T, H, D]. A ring (static
-        decoding) takes `ring_step`, a steady decode step `decode_step`. Otherwise the keys go in as [the exact
-        sets' slots (a sink's S), the cache's keys still inside the window (each with its padding flag), the new
-        keys]; the keys an exact set takes stay exact for the later queries and leave the window's keys (no key
-        counts twice), and the last W of the rest stay for the next call. The first call of a sequence (empty
-        slots) puts nothing first: its keys are its own, as many as its queries, so a CUDA prefill takes the Triton
-        hybrid."""
-        if isinstance(cache, RingWindowLayer):
-            return self.ring_step(layer, q, k, v, cache, backend)
-        if self.lean_step_ok(layer, q, cache):
-            return self.decode_step(layer, q, k, v, key_valid, cache)
-        B, T = k.shape[:2]
-        if key_valid is None:
-            key_valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
-        sink = layer.sink
-        held = cache.part("sink") if sink is not None else None
-        held = held if held is not None and held.keys is not None else None   # none on a first call
-        taken = sink.take(cache, key_valid) if sink is not None else None        # [B, T]: new keys the sink holds
-        lead = held.keys.shape[1] if held is not None else 0
-        last = cache.part("window")
-        parts = [(held.keys, held.values, held.valid)] if held is not None else []
-        if last.keys is not None:
-            parts.append((last.keys, last.values, last.valid))
-        keys, values, valid = (torch.cat([*(p[i] for p in parts), x], 1) for i, x in enumerate((k, v, key_valid)))
-        sink_mask = None
-        if sink is not None:   # the held slots and this call's new sink keys stay exact for every later query
-            sink_mask = torch.cat([*([held.valid] if held is not None else []),
-                                   valid.new_zeros(B, keys.shape[1] - lead - T), taken], 1)
-        o, state = self.attend(layer, q, layer.expand_kv(keys), layer.expand_kv(values), valid, cache.state, True,
-                               backend, sink_mask, lead)
-        keep_buffer(cache, "state", state)
-        window_valid = valid[:, lead:]
-        if sink is not None:   # a key the sink holds is not a window key: none counts twice
-            sink.store(cache, k, v, taken)
-            window_valid = torch.cat([window_valid[:, :-T], window_valid[:, -T:] & ~taken], 1)
-        self.keep(cache, keys[:, lead:], values[:, lead:], window_valid)
-        return o
-
     def keep(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor) -> None:
         """The last W of these keys (kv heads), values and flags stay in the cache for the next call."""
         keep = slice(max(k.shape[1] - self.width, 0), None)
         last = cache.part("window")
         last.keys, last.values, last.valid = k[:, keep], v[:, keep], key_valid[:, keep]
-
-    def one_kernel_ring(self, layer, q: torch.Tensor, cache: RingWindowLayer, backend: str) -> bool:
-        """True when this ring step runs as one Triton kernel (`ops.triton.window.prf_ring_step`): backend auto on
-        CUDA, or backend triton (on CPU: Triton's interpreter, for tests); a PRF map with a calibrated key shift, in
-        eval mode, no autograd, a contiguous float32 state. Reads nothing from the GPU per step (the calibration
-        once)."""
-        fmap = layer.feature_map
-        if not (backend == "triton" or (backend == "auto" and q.is_cuda)) or layer.attention.decay == "gate":
-            return False
-        if needs_grad(q, *layer.parameters()):
-            return False
-        from dofattn.ops import load_triton
-        return (isinstance(fmap, PositiveRandomFeatures) and not fmap.training and fmap.shift_calibrated()
-                and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
-                and load_triton()[0] is not None)
-
-    def lean_step_ok(self, layer, q: torch.Tensor, cache: LinearStateLayer) -> bool:
-        """True when this cached call is a steady decode step, which `decode_step` gives with the general call's
-        numbers: one query, a full window of W cached keys, a full sink, and a feature map that the keys no longer
-        move (eval mode; a PRF map's key shift calibrated). Syncs with a GPU only until a cache's sink is full."""
-        fmap, last = layer.feature_map, cache.part("window")
-        if (q.shape[1] != 1 or fmap.training or cache.state is None or last.keys is None
-                or last.keys.shape[1] != self.width):
-            return False
-        if isinstance(fmap, PositiveRandomFeatures) and not fmap.shift_calibrated():
-            return False
-        return layer.sink is None or layer.sink.ready(cache)
-
-    def decode_step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
-                    cache: LinearStateLayer) -> torch.Tensor:
-        """A steady decode step (`lean_step_ok`) on the growing-list cache: the oldest cached key leaves the window
-        and joins the state, the new key joins the window, and the query reads [sinks, window] exactly and the
-        state. q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1, H, D]."""
-        if key_valid is None:
-            key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
-        last = cache.part("window")
-        if layer.decay is not None:   # as the general call: padding after a real token would still decay the state
-            check_left_padding(torch.cat([last.valid, key_valid], 1))
-        state, k_scale = self.fold(layer, cache.state, last.keys[:, 0], last.values[:, 0], last.valid[:, 0], q.dtype)
-        keep_buffer(cache, "state", state)
-        last.keys, last.values = torch.cat([last.keys[:, 1:], k], 1), torch.cat([last.values[:, 1:], v], 1)
-        last.valid = torch.cat([last.valid[:, 1:], key_valid], 1)
-        return self.read_exact(layer, q, cache, k_scale, q.dtype)
-
-    def fold(self, layer, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the state after the key [B, Hkv, D] with its value leaves the window, the keys' log-scale [H]): a key
-        that is padding or a sink (`valid` [B] False) adds nothing (with a decay, the state still decays: a step
-        passed). Features rounded to `dtype` if it is 16-bit (as `attend` does for a 16-bit model; the static ring
-        keeps them in float32, as its one-kernel step)."""
-        phi, k_scale = layer.feature_map.features(layer.expand_kv(key[:, None]), "key")      # [B, 1, H, M], [H]
-        phi = in_model_dtype(phi, dtype)[:, 0]
-        phi = phi * valid[:, None, None].to(phi.dtype)
-        return fold_key(state, phi, layer.expand_kv(value[:, None])[:, 0], layer.log_decay()), k_scale
-
-    def read_exact(self, layer, q: torch.Tensor, cache: LinearStateLayer, k_scale: torch.Tensor,
-                   dtype: torch.dtype) -> torch.Tensor:
-        """The query q [B, 1, H, D] against the cache's sinks and window keys (exact) and its state -> [B, 1, H, D]
-        (`ops.window.window_decode_step`); its features rounded to `dtype` if 16-bit, as in `fold`."""
-        held = ([cache.part("sink")] if layer.sink is not None else []) + [cache.part("window")]
-        keys, values, valid = (torch.cat([getattr(slots, name) for slots in held], 1)
-                               for name in ("keys", "values", "valid"))
-        phi_q, q_scale = layer.feature_map.features(q, "query")                             # [B, 1, H, M]
-        phi_q = in_model_dtype(phi_q, dtype)
-        o = window_decode_step(q[:, 0], keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + self.log_gain,
-                               layer.feature_map.scaling, cache.state)
-        return o[:, None]
-
-    def ring_step(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: RingWindowLayer,
-                  backend: str = "auto") -> torch.Tensor:
-        """One static decode step on a ring of W key slots: the key leaving the window (the oldest, in slot position
-        mod W) is folded into the state, the new key takes its slot. Fixed shapes and in-place updates only, with the
-        position read from the cache's tensor, so a CUDA graph can replay it. q [B, 1, H, D], k and v [B, 1, Hkv, D]
-        -> o [B, 1, H, D]. On CUDA (or with backend triton) a PRF map runs it as one kernel (`one_kernel_ring`);
-        otherwise `fold` and `read_exact`, as the growing cache's `decode_step` (the ring's order does not matter:
-        an exact key's weight does not depend on its distance)."""
-        ring = cache.part("window")
-        if self.one_kernel_ring(layer, q, cache, backend):
-            from dofattn.ops import load_triton
-            if cache.arrivals is None or cache.arrivals.shape[0] != q.shape[0]:
-                cache.arrivals = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
-            decay_rate = None if layer.decay is None else layer.decay.decay_rate
-            sink = cache.parts.get("sink", SinkState())                         # no sink: None tensors
-            return load_triton()[0].window.prf_ring_step(
-                layer.feature_map, q, k, v, cache.state, ring.keys, ring.values, ring.valid, cache.position,
-                self.log_gain, MAX_KEY_EXCESS, decay_rate, sink.keys, sink.values, sink.valid, cache.arrivals)
-        slot = cache.position.remainder(self.width)                                # [1]: the oldest key's slot
-        state, k_scale = self.fold(layer, cache.state, ring.keys.index_select(1, slot)[:, 0],
-                                   ring.values.index_select(1, slot)[:, 0],
-                                   ring.valid.index_select(1, slot)[:, 0], torch.float32)
-        cache.state.copy_(state)
-        ring.keys.index_copy_(1, slot, k)
-        ring.values.index_copy_(1, slot, v)
-        ring.valid.index_fill_(1, slot, True)
-        return self.read_exact(layer, q, cache, k_scale, torch.float32).to(q.dtype)
-
-    @torch.no_grad()
-    def calibrate_gain(self, layer, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Set `log_gain` so that, per head, the linear part's mass beyond the window matches the exact kernel's on
-        average (in log space) over these queries and keys [B, T, H, D] (k on query heads). For maps whose scale is
-        not the kernel's own (hedgehog, dijiang), whose estimate can be off by e^50 at the start; PRF needs none."""
-        if q.shape[1] <= self.width:
-            return
-        fmap, sink = layer.feature_map, layer.attention.sink
-        phi_q, q_scale = fmap.features(q, "query")
-        phi_k, k_scale = fmap.features(k, "key")
-        sink_mask = first_keys(None, k.shape[0], k.shape[1], sink, k.device) if sink else None
-        logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale, fmap.scaling, self.width,
-                                  log_decay=layer.log_decay(), sink_mask=sink_mask)
-        far = layer.attention.linear_pairs(q.shape[1], q.device)                             # the linear pairs
-        exact = attention_logits(q, k, fmap.scaling)
-        exact_mass = torch.logsumexp(exact.masked_fill(~far, -torch.inf), -1)                  # [B, H, T]
-        linear_mass = torch.logsumexp(logits.masked_fill(~far, -torch.inf), -1)
-        rows = torch.isfinite(exact_mass) & torch.isfinite(linear_mass)
-        gap = torch.where(rows, exact_mass - linear_mass, 0).sum((0, 2)) / rows.sum((0, 2)).clamp_min(1)
-        self.log_gain.copy_(gap)
+        last.width = self.width
 
 
 class Sink(nn.Module):

@@ -11,10 +11,14 @@ The parts, each a module that owns its parameters and its forms (`attention.exac
     conv          a short causal convolution of q, k and v (`conv.ShortConv`)
     delta         the delta rule writing the state (`delta.DeltaRule`)
 A part the config leaves out is None. Every rule on how the parts combine is the config's (`Attention`), checked
-when it is made; the layer only dispatches a call to the forms.
+when it is made. The layer dispatches a call to its forms: pure linear attention's (`linear.LinearBranch`), the
+window hybrid's (`hybrid.WindowBranch`); `naive` is its attention matrix the quadratic way, which the layerwise
+loss, the gain calibration and the tests read.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -24,14 +28,19 @@ from dofattn.attention.conv import ShortConv
 from dofattn.attention.decay import Decay, Gate
 from dofattn.attention.delta import DeltaRule
 from dofattn.attention.exact import Sink, Window
+from dofattn.attention.hybrid import WindowBranch
 from dofattn.attention.linear import LinearBranch
 from dofattn.errors import UserError
 from dofattn.features import FeatureMap
-from dofattn.ops.softmax import expand_kv
+from dofattn.ops.naive import gate_log, log_decay_matrix, segment_sums
+from dofattn.ops.softmax import attention_logits, expand_kv
+from dofattn.ops.window import first_keys, window_logits
 from dofattn.spec import Attention
 
+TINY = torch.finfo(torch.float32).tiny
 
-class LinearAttention(LinearBranch, nn.Module):
+
+class LinearAttention(WindowBranch, LinearBranch, nn.Module):
     """One layer's causal linear attention with a learned (or fixed) feature map, its parts as `attention` says.
 
     window = 0: pure linear attention. window = W > 0: exact softmax over the last W keys and linear attention
@@ -83,7 +92,7 @@ class LinearAttention(LinearBranch, nn.Module):
         if cache is None:
             return self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, backend=backend)[0]
         if self.window is not None:
-            return self.window.step(self, q, k, v, key_valid, cache, backend)
+            return self.window_step(q, k, v, key_valid, cache, backend)
         return self.linear_step(q, k, v, key_valid, cache, backend)
 
     def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,5 +107,61 @@ class LinearAttention(LinearBranch, nn.Module):
         hybrid's cached keys), key_valid [B, Tk] -> (o [B, T, H, D], state or None). With a sink and no
         `sink_mask`, the call starts a sequence: its first S real keys are the sink."""
         if self.window is not None:
-            return self.window.attend(self, q, k, v, key_valid, state, output_final_state, backend, sink_mask)
+            return self.window_attend(q, k, v, key_valid, state, output_final_state, backend, sink_mask)
         return self.linear_attend(q, k, v, key_valid, state, output_final_state, backend)
+
+    # --- the naive form: the layer's attention matrix, which every fast form above computes without ---------------
+
+    def naive(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, rows: bool = True,
+              gain: bool = True) -> torch.Tensor:
+        """The layer's attention the quadratic way: [B, H, T, T] float32 log weights of the causal pairs (query t,
+        key s) of q, k [B, T, H, D] on query heads (v only for a gate's decay), a sequence from position 0 without
+        padding. `rows`: each row normalised, the attention matrix that the layerwise loss holds against the
+        teacher's; else the log weights before it (log TINY above the diagonal), whose masses the gain calibration
+        compares. `gain`: with the window's learned gain on the linear part.
+
+        Beside a window the exact keys (the last W, the first S) weigh as the teacher's kernel, the linear pairs as
+        the features' (`ops.window.window_logits`); pure linear attention, φq·φk. Either with its decay."""
+        fmap = self.feature_map
+        if self.window is not None:
+            a = self.attention
+            phi_q, q_scale = fmap.features(q, "query")
+            phi_k, k_scale = fmap.features(k, "key")
+            sink = first_keys(None, k.shape[0], k.shape[1], a.sink, k.device) if a.sink else None
+            logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + self.window.log_gain if gain else k_scale,
+                                      fmap.scaling, a.window, log_decay=self.log_decay(), sink_mask=sink)
+            return torch.log_softmax(logits, -1).clamp_min(math.log(TINY)) if rows else logits
+        phi_q, phi_k = fmap(q, "query"), fmap(k, "key")                                  # [B, T, H, M]
+        mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
+        scores = torch.einsum("bthm,bshm->bhts", phi_q, phi_k).masked_fill(~mask, 0)      # [B, H, T, T]
+        log_scores = torch.log(scores.clamp_min(TINY))
+        if self.decay is not None:  # a pair's weight is its score times its decay, in log space for far pairs
+            log_factor = self.log_pair_decay(v, q.shape[1])
+            log_scores = log_scores + log_factor
+            scores = scores * log_factor.exp()                                            # 0 above the diagonal
+        return log_scores - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY)) if rows else log_scores
+
+    def log_pair_decay(self, v: torch.Tensor, length: int) -> torch.Tensor:
+        """The log of the decay the linear part puts on the pair (t, s) of a sequence of `length`, 0 for s ≥ t: with
+        a gate Σ_{s<j≤t} log g_j, read off the values v [B, T, H, D] ([B, H, T, T]); else (t - s) log γ_h, beside a
+        window (t - W - s) log γ_h counted from its edge, and 0 inside it ([H, T, T])."""
+        if self.decay.per_token:
+            return segment_sums(gate_log(self.decay.log_gates(v), torch.float32))
+        return log_decay_matrix(self.log_decay(), length, offset=-self.attention.window)[0]
+
+    @torch.no_grad()
+    def calibrate_gain(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Set the window's `log_gain` so that, per head, the linear part's mass beyond the window matches the exact
+        kernel's on average (in log space) over these queries and keys [B, T, H, D] (k on query heads). For maps
+        whose scale is not the kernel's own (hedgehog, dijiang), whose estimate can be off by e^50 at the start;
+        PRF needs none."""
+        if self.window is None or q.shape[1] <= self.window.width:
+            return
+        logits = self.naive(q, k, rows=False, gain=False)
+        far = self.attention.linear_pairs(q.shape[1], q.device)                           # the linear pairs
+        exact = attention_logits(q, k, self.feature_map.scaling)
+        exact_mass = torch.logsumexp(exact.masked_fill(~far, -torch.inf), -1)              # [B, H, T]
+        linear_mass = torch.logsumexp(logits.masked_fill(~far, -torch.inf), -1)
+        rows = torch.isfinite(exact_mass) & torch.isfinite(linear_mass)
+        gap = torch.where(rows, exact_mass - linear_mass, 0).sum((0, 2)) / rows.sum((0, 2)).clamp_min(1)
+        self.window.log_gain.copy_(gap)

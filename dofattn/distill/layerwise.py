@@ -56,7 +56,7 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
     linear.train()
     if linear.window is not None and not linear.feature_map.estimates_kernel:  # the linear part on the window's scale
         q, k, _ = batch(fixed)
-        linear.window.calibrate_gain(linear, q, k)
+        linear.calibrate_gain(q, k)
     bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False)
     for _ in bar:
         value = loss_fn(linear, *batch(torch.randint(len(q_all), (config.batch_size,), generator=gen)), scaling)
