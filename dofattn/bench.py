@@ -1,33 +1,34 @@
-"""`dofattn bench`: the linear student's attention and generation against softmax attention, on one machine.
+"""`dofattn bench`: a student's attention and generation against softmax attention and its teacher, on one machine.
 
-    results = bench(BenchConfig(device="cpu", seq_lens=[512, 2048]))
+    results = run(BenchConfig(device="cpu", seq_lens=[512, 2048], student="runs/distill"))
 
-Three measurements, each the median of `repeats` timed runs after one warm-up (CUDA is synchronised around each):
-1. prefill op: one layer's causal attention over T tokens. SDPA (softmax) against the student's attention on the
-   same q/k/v: PRF feature map + causal linear attention (`ops`, backend picked as in training/prefill), and, with
-   a window, the sliding-window hybrid, without and with an attention sink of `sink` tokens. Also the linear op
-   alone on precomputed features.
+The student is a config, not loose numbers (`student`): a recipe's (its [student] architecture with untrained
+features: speed does not depend on training) or a trained one, a run folder or an export. Three measurements, each
+the median of `repeats` timed runs after one warm-up (CUDA is synchronised around each):
+1. prefill op: one layer's causal attention over T tokens. SDPA (softmax) against the student's layer (its
+   `spec.Attention` whole: feature map, window, sink, decay, ...) and against pure linear attention with the same
+   features (`ops`, backend picked as in training/prefill); also the linear op alone on precomputed features.
 2. decode step: one new query against a context of T tokens at batch B. SDPA over a KV cache of T keys against the
-   student layer's generation step on the [B, H, M, V+1] state (constant in T; on CUDA one Triton kernel with the
-   feature map inside), and the linear op's step alone on precomputed features.
-3. generation: a model and its linearized students (untrained PRF features: speed does not depend on training;
-   pure linear, and with the window and the sink) prefill a prompt of T tokens and greedily generate `new_tokens`
-   with HF `generate`; the students also with `engine.StaticDecoder` (static buffers, a CUDA graph per token on
-   CUDA; its rows add the graph's capture time and the replays' own rate, which a long generation approaches).
-   The prefill's time and the decode steps' own rate are clocked inside one generation (each new token out, the
-   device's work finished), and the cache each holds at the end (KV cache against state; plus the peak CUDA
-   memory on CUDA).
-Every result row carries its shapes; the JSON also records the hardware and software versions.
+   student layer's generation step on its fixed-size cache, and pure linear attention's step on the [B, H, M, V+1]
+   state (on CUDA one Triton kernel with the feature map inside) and the linear op's step alone.
+3. generation: the teacher and the student prefill a prompt of T tokens and greedily generate `new_tokens` with HF
+   `generate`; the student also with `engine.StaticDecoder` (static buffers, a CUDA graph per token on CUDA; its
+   rows add the graph's capture time and the replays' own rate, which a long generation approaches). The
+   prefill's time and the decode steps' own rate are clocked inside one generation (each new token out, the
+   device's work finished), and the cache each holds at the end (plus the peak CUDA memory on CUDA).
+Every result row carries its shapes; the JSON also records the hardware and software versions and the student.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +51,15 @@ class BenchConfig:
                                               "2048,8192,32768,131072 on CUDA", none="auto")
     heads: int = option(9, "attention heads of the op benchmarks")
     head_dim: int = option(64, "head size of the op benchmarks")
-    features: int = option(64, "feature dimension M of the student")
-    window: int = option(64, "window of the hybrid rows (0: skip them)")
-    sink: int = option(4, "sink tokens of the second hybrid row, beside the window (0: skip it)")
+    features: int = option(64, "features per head M of the op rows, and of a recipe's untrained student")
+    student: str = option("default", "the student timed: a recipe, packaged name or .toml file (its [student] "
+                                     "architecture, untrained, with --features per head), or a trained student: a "
+                                     "run folder or an export (generation against its own base model)")
     decode_batch: int = option(1, "batch size of the decode benchmark")
     repeats: int = option(5, "timed runs per measurement (the median is reported)")
-    model: str | None = option("smollm2-135m", "model for the generation benchmark; 'none' skips it", none="none")
+    model: str | None = option("smollm2-135m", "the teacher of a recipe's student, for the generation benchmark "
+                                               "(a trained student's is its base model); 'none' skips it",
+                               none="none")
     gen_contexts: list[int] | None = option(None, "comma-separated prompt lengths for generation; auto: 512 on CPU, "
                                                   "2048,8192,32768 on CUDA", none="auto")
     new_tokens: int = option(16, "tokens generated after each prompt")
@@ -63,6 +67,8 @@ class BenchConfig:
     compile: bool = option(False, "also time the students' static decoder compiled with torch.compile (for the "
                                   "CPU): minutes of compilation per student, and once more at a second prompt "
                                   "length; the first is reported as compile_ms")
+    out: str | None = option("bench.json", "where to write the JSON result (rewritten after each row; none: "
+                                           "nowhere)", none="none")
 
     def resolved(self) -> BenchConfig:
         """This config on a named device, with a dtype and the lengths: `auto` (None) made the device's default."""
@@ -112,13 +118,25 @@ def timed(fn, device: str, repeats: int, warmups: int = 2) -> float:
     return statistics.median(times)
 
 
-def _linear_layer(cfg: BenchConfig, window: int, sink: int = 0):
+def _layer(cfg: BenchConfig, attention):
+    """One linear layer of `attention` (a `spec.Attention`) at the op rows' shape, untrained, in eval mode."""
     from dofattn.attention import LinearAttention
     from dofattn.features import make_feature_map
-    from dofattn.spec import Attention
 
-    fmap = make_feature_map("prf", cfg.heads, cfg.head_dim, cfg.features, scaling=cfg.head_dim ** -0.5)
-    return LinearAttention(Attention(window=window, sink=sink), fmap, num_kv_heads=cfg.heads).to(cfg.device).eval()
+    fmap = make_feature_map(attention.feature, cfg.heads, cfg.head_dim, cfg.features, scaling=cfg.head_dim ** -0.5)
+    return LinearAttention(attention, fmap, num_kv_heads=cfg.heads).to(cfg.device).eval()
+
+
+def student_config(cfg: BenchConfig):
+    """(the student's spec.Attention, its description, a trained student's path or None, its recipe or None)."""
+    from dofattn import recipe as recipes
+    from dofattn.student import is_trained_student, spec_at
+
+    if is_trained_student(cfg.student):
+        spec = spec_at(cfg.student)
+        return spec.attention, f"{cfg.student} ({'; '.join(spec.describe())})", cfg.student, None
+    recipe = recipes.load(cfg.student)
+    return recipe.student.attention, f"recipe {recipe.name}, untrained ({recipe.description})", None, recipe
 
 
 def op_backends(device: str) -> list[str]:
@@ -140,13 +158,20 @@ def try_timed(fn, device: str, repeats: int) -> float | str:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
 
 
+def _pure(attention):
+    """Pure linear attention with `attention`'s feature map: the paper's layer, beside the student's."""
+    from dofattn.spec import Attention
+
+    return Attention(feature=attention.feature, window=0, sink=0)
+
+
 @torch.no_grad()
 def bench_prefill(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     from dofattn.ops import linear_attention, pick_backend
 
     rows = []
-    linear, hybrid = _linear_layer(cfg, 0), _linear_layer(cfg, cfg.window) if cfg.window else None
-    sunk = _linear_layer(cfg, cfg.window, cfg.sink) if cfg.window and cfg.sink else None
+    attention = student_config(cfg)[0]
+    linear, student = _layer(cfg, _pure(attention)), _layer(cfg, attention)
     for T in cfg.seq_lens:
         g = torch.Generator(device=cfg.device).manual_seed(T)
         q, k, v = (torch.randn(1, T, cfg.heads, cfg.head_dim, generator=g, device=cfg.device, dtype=dtype)
@@ -156,23 +181,18 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None)
         # and hand the op contiguous features (the calibrating call's PyTorch path gives a strided φk, which the
         # op would copy, and the op rows would time that copy too)
         linear.feature_map(k, "key")
+        student.feature_map(k, "key")
         phi_q, phi_k = (linear.feature_map(x, role).to(dtype) for x, role in ((q, "query"), (k, "key")))
         row = {"T": T, "batch": 1, "heads": cfg.heads, "head_dim": cfg.head_dim, "features": cfg.features,
-               "dtype": str(dtype).removeprefix("torch."), "backend": pick_backend(phi_q),
+               "student": attention.describe() or "pure linear", "dtype": str(dtype).removeprefix("torch."),
+               "backend": pick_backend(phi_q),
                "sdpa_ms": timed(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True), cfg.device,
                                 cfg.repeats),
                "linear_op_ms": timed(lambda: linear_attention(phi_q, phi_k, v), cfg.device, cfg.repeats),
-               "student_ms": timed(lambda: linear.attend(q, k, v), cfg.device, cfg.repeats)}
+               "linear_ms": timed(lambda: linear.attend(q, k, v), cfg.device, cfg.repeats),
+               "student_ms": timed(lambda: student.attend(q, k, v), cfg.device, cfg.repeats)}
         row["op_ms"] = {name: try_timed(lambda name=name: linear_attention(phi_q, phi_k, v, backend=name),
                                         cfg.device, cfg.repeats) for name in op_backends(cfg.device)}
-        if hybrid is not None:
-            row["window"] = cfg.window
-            row["hybrid_ms"] = timed(lambda: hybrid.attend(q, k, v), cfg.device, cfg.repeats)
-            row["hybrid_vs_student"] = row["hybrid_ms"] / row["student_ms"]
-        if sunk is not None:
-            row["sink"] = cfg.sink
-            row["hybrid_sink_ms"] = timed(lambda: sunk.attend(q, k, v), cfg.device, cfg.repeats)
-            row["hybrid_sink_vs_student"] = row["hybrid_sink_ms"] / row["student_ms"]
         row["speedup_op_vs_sdpa"] = row["sdpa_ms"] / row["linear_op_ms"]
         row["speedup_student_vs_sdpa"] = row["sdpa_ms"] / row["student_ms"]
         rows.append(row)
@@ -185,11 +205,15 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None)
 
 @torch.no_grad()
 def bench_decode(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
+    """The student's step runs on a cache it prefilled with W + S + 1 tokens (its window full, its sink filled):
+    the steady step of a long generation, whose cost does not grow with T."""
     from dofattn.attention import LinearStateLayer
+    from dofattn.attention.cache import cache_bytes
     from dofattn.ops import linear_attention
 
     rows = []
-    linear = _linear_layer(cfg, 0)
+    attention = student_config(cfg)[0]
+    linear, student = _layer(cfg, _pure(attention)), _layer(cfg, attention)
     B, H, D, M = cfg.decode_batch, cfg.heads, cfg.head_dim, cfg.features
     for T in cfg.seq_lens:
         g = torch.Generator(device=cfg.device).manual_seed(T)
@@ -201,14 +225,21 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) 
         phi_q1, phi_k1 = (linear.feature_map(x, role).to(dtype) for x, role in ((q1, "query"), (k1, "key")))
         cache = LinearStateLayer()                 # the layer's generation step, as `generate` runs it
         cache.state = state.clone()
+        prompt = (torch.randn(B, attention.window + attention.sink + 1, H, D, generator=g, device=cfg.device,
+                              dtype=dtype) for _ in range(3))
+        student_cache = LinearStateLayer()
+        student(*prompt, cache=student_cache)      # calibrates its key shift too
         row = {"T": T, "batch": B, "heads": H, "head_dim": D, "features": M,
+               "student": attention.describe() or "pure linear",
                "op_ms": timed(lambda: linear_attention(phi_q1, phi_k1, v1, state, output_final_state=True),
                               cfg.device, cfg.repeats),
                "sdpa_ms": timed(lambda: F.scaled_dot_product_attention(q, k_cache, v_cache), cfg.device,
                                 cfg.repeats),
-               "student_ms": timed(lambda: linear(q1, k1, v1, cache=cache), cfg.device, cfg.repeats),
+               "linear_ms": timed(lambda: linear(q1, k1, v1, cache=cache), cfg.device, cfg.repeats),
+               "student_ms": timed(lambda: student(q1, k1, v1, cache=student_cache), cfg.device, cfg.repeats),
                "kv_cache_bytes": 2 * k_cache.numel() * k_cache.element_size(),
-               "state_bytes": state.numel() * state.element_size()}
+               "state_bytes": state.numel() * state.element_size(),
+               "student_cache_bytes": cache_bytes(SimpleNamespace(layers=[student_cache]))}
         row["speedup_student_vs_sdpa"] = row["sdpa_ms"] / row["student_ms"]
         rows.append(row)
         report(row)
@@ -239,8 +270,8 @@ class TokenClock:
                 "decode_s": self.stamps[-1] - self.stamps[1]}
 
 
-def _generation_row(cfg: BenchConfig, student: bool, window: int, sink: int, T: int, engine: str,
-                    timings: dict, cache) -> dict:
+def _generation_row(cfg: BenchConfig, model: str, student: bool, T: int, engine: str, timings: dict,
+                    cache) -> dict:
     """One generation row from timings of the steps themselves (`TokenClock`, `StaticDecoder.timings`)."""
     from dofattn.attention.cache import cache_bytes
 
@@ -249,7 +280,7 @@ def _generation_row(cfg: BenchConfig, student: bool, window: int, sink: int, T: 
         raise RuntimeError(f"{engine} generation made {steps + 1} tokens, not the {cfg.new_tokens} asked for")
     if not (decode_s > 0 and math.isfinite(decode_s) and timings["prefill_s"] > 0):
         raise RuntimeError(f"{engine} generation timed {decode_s} s for {steps} decode steps: no rate to report")
-    row = {"model": cfg.model, "student": student, "window": window, "sink": sink, "engine": engine, "context": T,
+    row = {"model": model, "student": student, "engine": engine, "context": T,
            "new_tokens": cfg.new_tokens, "prefill_ms": timings["prefill_s"] * 1e3,
            "decode_tokens_per_s": steps / decode_s, "cache_bytes": cache_bytes(cache)}
     if cfg.device.startswith("cuda"):
@@ -257,23 +288,35 @@ def _generation_row(cfg: BenchConfig, student: bool, window: int, sink: int, T: 
     return row
 
 
+def load_models(cfg: BenchConfig, dtype: torch.dtype):
+    """(name, is the student, model, tokenizer) of the teacher, then the student: a trained one and its base model,
+    or a recipe's student on `cfg.model` with untrained features (each loaded when its turn comes)."""
+    from dofattn.hf import load_model
+    from dofattn.student import attention_modules, build_untrained, load_student, spec_at
+
+    _, _, path, recipe = student_config(cfg)
+    if path is not None:
+        base = spec_at(path).base_model
+        yield base, False, *load_model(base, dtype=dtype, device=cfg.device)
+        yield path, True, *load_student(path, dtype=dtype, device=cfg.device, merge_lora=True)[:2]
+        return
+    if recipe.student.keep_softmax:       # before the teacher loads: refused at once
+        build_untrained(None, recipe, [])
+    yield cfg.model, False, *load_model(cfg.model, dtype=dtype, device=cfg.device)
+    model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
+    build_untrained(model, recipe, [cfg.features] * len(attention_modules(model)))
+    yield f"{cfg.model}, recipe {recipe.name}", True, model.eval(), tokenizer
+
+
 @torch.no_grad()
 def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     from dofattn.engine import StaticDecoder
-    from dofattn.hf import load_model
-    from dofattn.spec import Attention
-    from dofattn.student import attention_modules, linearize
 
     rows = []
-    # the teacher, the pure linear student, and the default recipe's student: the window with the sink beside it
-    students = [(False, 0, 0), (True, 0, 0)] + ([(True, cfg.window, cfg.sink)] if cfg.window else [])
-    for linearized, window, sink in students:
-        model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
-        if linearized:
-            linearize(model, [cfg.features] * len(attention_modules(model)), Attention(window=window, sink=sink))
+    for name, is_student, model, tokenizer in load_models(cfg, dtype):
         vocab = model.get_input_embeddings().weight.shape[0]
         decoders = []             # the student also on static buffers, and with --compile through torch.compile
-        if linearized:
+        if is_student:
             decoders = [StaticDecoder(model)] + ([StaticDecoder(model, compile=True)] if cfg.compile else [])
         for T in cfg.gen_contexts:
             ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(cfg.device)
@@ -284,8 +327,7 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
             clock = TokenClock(cfg.device)
             out = model.generate(ids, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
                                  return_dict_in_generate=True, streamer=clock, **kwargs)
-            rows.append(_generation_row(cfg, linearized, window, sink, T, "hf", clock.timings(),
-                                        out.past_key_values))
+            rows.append(_generation_row(cfg, name, is_student, T, "hf", clock.timings(), out.past_key_values))
             report(rows[-1])
             # static decoding (a CUDA graph on CUDA; compiled with --compile: the first prompt length's warm-up
             # compiles, the second's once more with the lengths symbolic, the timed call runs the compiled step)
@@ -296,15 +338,14 @@ def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None
                 compile_s = decoder.timings.get("compile_s")             # the decoder's first call only
                 decoder.generate(ids, cfg.new_tokens)
                 engine = "static+graph" if decoder.graph else "static+compile" if decoder.compiled else "static"
-                rows.append(_generation_row(cfg, linearized, window, sink, T, engine, decoder.timings,
-                                            decoder.cache))
+                rows.append(_generation_row(cfg, name, is_student, T, engine, decoder.timings, decoder.cache))
                 if "replays" in decoder.timings:   # the replays alone: the rate of a long generation
                     rows[-1]["graph_capture_ms"] = decoder.timings["capture_s"] * 1e3
                     rows[-1]["graph_tokens_per_s"] = decoder.timings["replays"] / decoder.timings["replay_s"]
                 if compile_s is not None:
                     rows[-1]["compile_ms"] = compile_s * 1e3
                 report(rows[-1])
-        del model
+        del model, decoders
         if cfg.device.startswith("cuda"):
             torch.cuda.empty_cache()
     teacher = {r["context"]: r["decode_tokens_per_s"] for r in rows if not r["student"]}
@@ -336,37 +377,41 @@ def validate(cfg: BenchConfig) -> None:
     for name in ("heads", "head_dim", "features", "decode_batch", "repeats", "new_tokens"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.window < 0:
-        raise UserError(f"--window must be >= 0 (0: no hybrid row), got {cfg.window}")
-    if cfg.sink < 0:
-        raise UserError(f"--sink must be >= 0 (0: no hybrid row with a sink), got {cfg.sink}")
+    student_config(cfg)                     # a student that is neither a recipe nor a folder: one line
     unknown = [p for p in cfg.parts if p not in PARTS]
     if unknown or not cfg.parts:
         raise UserError(f"--parts takes some of {','.join(PARTS)} (comma-separated), got {','.join(cfg.parts)!r}")
 
 
-def bench(cfg: BenchConfig, progress: bool = True, save=None) -> dict:
-    """The measurements in `cfg.parts`; a JSON-ready dict. `save(result)`, if given, gets the result so far after
-    each row, so that a run stopped partway (a time limit, an out-of-memory kill) keeps what it measured."""
+def run(cfg: BenchConfig, show=print) -> dict:
+    """The measurements in `cfg.parts`; a JSON-ready dict, also written to `cfg.out` after each row (and part), so
+    that a run stopped partway (a time limit, an out-of-memory kill) keeps what it measured. `show` prints progress
+    (None: quiet)."""
     from dofattn.hf import parse_dtype
+    from dofattn.io import check_output, write_atomic
 
     cfg = cfg.resolved()
     validate(cfg)
+    out = check_output(cfg.out, "--out", (".json",)) if cfg.out else None
     dtype = parse_dtype(cfg.dtype)
-    say = print if progress else (lambda *a, **k: None)
+    say = show or (lambda *a, **k: None)
 
-    result = {"config": asdict(cfg), "hardware": hardware(cfg.device), "prefill": [], "decode": [],
-              "generation": []}
+    result = {"config": asdict(cfg), "student": student_config(cfg)[1], "hardware": hardware(cfg.device),
+              "prefill": [], "decode": [], "generation": []}
     current = []                            # the rows of the part being measured
+
+    def save() -> None:
+        if out is not None:
+            write_atomic(out, json.dumps(result, indent=2))
 
     def report(row: dict) -> None:          # each row as it is measured: a long run that is cut short keeps them
         say("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.items()), flush=True)
         current.append(row)
-        if save is not None:
-            save(result)
+        save()
 
     parts = {"prefill": ("prefill op", bench_prefill), "decode": ("decode step", bench_decode),
              "generation": ("generation", bench_generate)}
+    say(f"student: {result['student']}", flush=True)
     for name in PARTS:
         if name not in cfg.parts or (name == "generation" and not cfg.model):
             continue
@@ -374,8 +419,7 @@ def bench(cfg: BenchConfig, progress: bool = True, save=None) -> dict:
         say(f"{title} ...", flush=True)
         current = result[name] = []
         result[name] = measure(cfg, dtype, report)
-        if save is not None:
-            save(result)
+        save()
     return result
 
 
@@ -393,31 +437,28 @@ def _ms(x) -> str:
 
 def format_tables(result: dict) -> str:
     backends = list(result["prefill"][0]["op_ms"]) if result["prefill"] else []
-    lines = []
+    lines = [f"student: {result['student']}"] if "student" in result else []
     if result["prefill"]:
         lines += ["prefill (one layer, ms):",
                   f"{'T':>7} {'SDPA':>9} " + " ".join(f"{'op:' + b:>9}" for b in backends)
-                  + f" {'student':>9} {'hybrid':>9} {'+sink':>9} {'op/SDPA':>8} {'student/SDPA':>13}"]
+                  + f" {'linear':>9} {'student':>9} {'op/SDPA':>8} {'student/SDPA':>13}"]
     for r in result["prefill"]:
-        hybrid = f"{r['hybrid_ms']:>9.3f}" if "hybrid_ms" in r else f"{'-':>9}"
-        sunk = f"{r['hybrid_sink_ms']:>9.3f}" if "hybrid_sink_ms" in r else f"{'-':>9}"
         ops = " ".join(_ms(r["op_ms"][b]) for b in backends)
-        lines.append(f"{r['T']:>7} {r['sdpa_ms']:>9.3f} {ops} {r['student_ms']:>9.3f} {hybrid} {sunk} "
+        lines.append(f"{r['T']:>7} {r['sdpa_ms']:>9.3f} {ops} {r['linear_ms']:>9.3f} {r['student_ms']:>9.3f} "
                      f"{r['speedup_op_vs_sdpa']:>7.2f}x {r['speedup_student_vs_sdpa']:>12.2f}x")
     if result["decode"]:
         lines += ["decode step (one layer, ms):",
-                  f"{'T':>7} {'batch':>5} {'SDPA':>9} {'op':>9} {'student':>9} {'speed-up':>9}"]
+                  f"{'T':>7} {'batch':>5} {'SDPA':>9} {'op':>9} {'linear':>9} {'student':>9} {'speed-up':>9}"]
     for r in result["decode"]:
-        lines.append(f"{r['T']:>7} {r['batch']:>5} {r['sdpa_ms']:>9.3f} {r['op_ms']:>9.3f} {r['student_ms']:>9.3f} "
-                     f"{r['speedup_student_vs_sdpa']:>8.2f}x")
+        lines.append(f"{r['T']:>7} {r['batch']:>5} {r['sdpa_ms']:>9.3f} {r['op_ms']:>9.3f} {r['linear_ms']:>9.3f} "
+                     f"{r['student_ms']:>9.3f} {r['speedup_student_vs_sdpa']:>8.2f}x")
     if result["generation"]:
         lines += ["generation (graph tok/s: the CUDA graph's replays alone, without its capture; x teacher: decode "
                   "tok/s over the teacher's at that context):",
                   f"{'model':>27} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} {'x teacher':>10} "
                   f"{'graph tok/s':>12} {'cache MiB':>9} {'peak MiB':>9}"]
         for r in result["generation"]:
-            name = ("student" + (f" w{r['window']}" if r.get("window") else "")
-                    + (f" s{r['sink']}" if r.get("sink") else "")) if r["student"] else "teacher"
+            name = "student" if r["student"] else "teacher"
             name += "" if r.get("engine", "hf") == "hf" else f" {r['engine']}"
             peak = f"{r['peak_cuda_bytes'] / 2 ** 20:>9.0f}" if "peak_cuda_bytes" in r else f"{'-':>9}"
             graph = f"{r['graph_tokens_per_s']:>12.1f}" if "graph_tokens_per_s" in r else f"{'-':>12}"

@@ -33,6 +33,13 @@ def slow_students(monkeypatch):
     monkeypatch.setattr(student, "linearize", slow)
 
 
+def window_recipe(tmp_path) -> str:
+    """A recipe file whose student has a window of 16 and the default sink of 4."""
+    path = tmp_path / "w16.toml"
+    path.write_text('name = "w16"\n[student]\nwindow = 16\n')
+    return str(path)
+
+
 def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path, monkeypatch):
     """Every measurement, with its shapes; the generation rows' times are those of the steps they name: students
     made to wait a known time per layer call decode no faster, and prefill no sooner, than that allows, while the
@@ -40,26 +47,30 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path, monkeypatc
     slow_students(monkeypatch)
     out = tmp_path / "bench.json"
     code = main(["bench", "--device", "cpu", "--seq-lens", "33,70", "--heads", "2", "--head-dim", "8",
-                 "--features", "5", "--window", "16", "--repeats", "1", "--model", str(model_dirs["llama"]),
-                 "--gen-contexts", "12", "--new-tokens", "3", "--out", str(out)])
+                 "--features", "5", "--student", window_recipe(tmp_path), "--repeats", "1", "--model",
+                 str(model_dirs["llama"]), "--gen-contexts", "12", "--new-tokens", "3", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
     result = json.loads(out.read_text())
     assert [r["T"] for r in result["prefill"]] == [33, 70] and [r["T"] for r in result["decode"]] == [33, 70]
+    assert "recipe w16" in result["student"] and "student: recipe w16" in printed
     for row in result["prefill"]:
-        assert min(row["sdpa_ms"], row["linear_op_ms"], row["student_ms"], row["hybrid_ms"]) > 0
-        assert row["backend"] == "chunk" and row["window"] == 16
-        assert row["sink"] == 4 and row["hybrid_sink_ms"] > 0 and row["hybrid_sink_vs_student"] > 0
-    assert all(r["state_bytes"] == 1 * 2 * 5 * 9 * 4 for r in result["decode"])
+        assert min(row["sdpa_ms"], row["linear_op_ms"], row["linear_ms"], row["student_ms"]) > 0
+        assert row["backend"] == "chunk" and row["student"] == "window=16, sink=4"
+    state = 1 * 2 * 5 * 9 * 4                                   # [1, 2, 5, 8 + 1] float32
+    assert all(r["state_bytes"] == state for r in result["decode"])
+    # the student's step: its state, the window's 16 keys and values [1, 16, 2, 8] and flags, the sink's 4 and flags
+    assert all(r["student_cache_bytes"] == state + 2 * 16 * 2 * 8 * 4 + 16 + 2 * 4 * 2 * 8 * 4 + 4
+               for r in result["decode"])
     assert result["decode"][1]["kv_cache_bytes"] == 2 * 1 * 2 * 70 * 8 * 4
     for row in result["prefill"]:
-        assert set(row["op_ms"]) == {"chunk"} and row["op_ms"]["chunk"] > 0 and row["hybrid_vs_student"] > 0
-    assert all(r["op_ms"] > 0 for r in result["decode"])
-    gen = {(r["student"], r["window"], r["engine"]): r for r in result["generation"]}
-    assert set(gen) == {(False, 0, "hf"), (True, 0, "hf"), (True, 0, "static"), (True, 16, "hf"), (True, 16, "static")}
+        assert set(row["op_ms"]) == {"chunk"} and row["op_ms"]["chunk"] > 0
+    assert all(r["op_ms"] > 0 and r["student_ms"] > 0 and r["linear_ms"] > 0 for r in result["decode"])
+    gen = {(r["student"], r["engine"]): r for r in result["generation"]}
+    assert set(gen) == {(False, "hf"), (True, "hf"), (True, "static")}
     assert all(r["decode_tokens_per_s"] > 0 for r in gen.values())
-    teacher = gen[False, 0, "hf"]["decode_tokens_per_s"]
-    assert "vs_teacher" not in gen[False, 0, "hf"] and teacher > 1 / (3 * STEP_S)
+    teacher = gen[False, "hf"]["decode_tokens_per_s"]
+    assert "vs_teacher" not in gen[False, "hf"] and teacher > 1 / (3 * STEP_S)
     for key, r in gen.items():
         if key[0]:
             assert r["prefill_ms"] >= 3 * (STEP_S + PREFILL_S) * 1e3, key       # the prefill's own time
@@ -67,15 +78,12 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path, monkeypatc
             assert 2 / r["decode_tokens_per_s"] < 3 * (STEP_S + PREFILL_S), key  # its 2 steps not the prefill's
             assert r["vs_teacher"] < 1 and r["vs_teacher"] == pytest.approx(r["decode_tokens_per_s"] / teacher)
     assert "x teacher" in printed
-    for engine in ("hf", "static"):
-        assert gen[True, 0, engine]["cache_bytes"] == 3 * 4 * 5 * 17 * 4   # 3 layers of [1, 4, 5, 16 + 1] float32
-    # the window student adds, per layer, the 14 (< 16) keys and values [1, 14, 2, 16] fed so far (12 of the prompt,
-    # 2 generated) and their flags, and the sink's 4 keys and values [1, 4, 2, 16] and flags
+    # per layer a state [1, 4, 5, 16 + 1] float32, the 14 (< 16) window keys and values [1, 14, 2, 16] fed so far
+    # (12 of the prompt, 2 generated) and their flags, and the sink's 4 keys and values [1, 4, 2, 16] and flags
     sink = 2 * 4 * 2 * 16 * 4 + 4
-    assert all(r["sink"] == (4 if r["window"] else 0) for r in gen.values())
-    assert gen[True, 16, "hf"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 14 * 2 * 16 * 4 + 14 + sink)
+    assert gen[True, "hf"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 14 * 2 * 16 * 4 + 14 + sink)
     ring = 8 + 4          # a ring's position [1] int64 and arrival count [1] int32, per layer
-    assert gen[True, 16, "static"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 16 * 2 * 16 * 4 + 16 + sink + ring)
+    assert gen[True, "static"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 16 * 2 * 16 * 4 + 16 + sink + ring)
     assert result["hardware"]["device"] == "cpu" and "prefill (one layer, ms)" in printed
 
 
@@ -87,7 +95,7 @@ def test_bench_runs_only_the_parts_asked_for(capsys, model_dirs, tmp_path):
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert code == 0 and result["prefill"] == [] and "prefill (one layer" not in printed
-    assert [r["T"] for r in result["decode"]] == [20] and len(result["generation"]) == 5
+    assert [r["T"] for r in result["decode"]] == [20] and len(result["generation"]) == 3
 
 
 def test_bench_compile_adds_a_compiled_static_row(capsys, model_dirs, tmp_path, monkeypatch):
@@ -97,13 +105,13 @@ def test_bench_compile_adds_a_compiled_static_row(capsys, model_dirs, tmp_path, 
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     out = tmp_path / "bench.json"
-    code = main(["bench", "--device", "cpu", "--features", "5", "--window", "16", "--model", str(model_dirs["llama"]),
-                 "--gen-contexts", "12,20", "--new-tokens", "3", "--parts", "generation", "--compile",
-                 "--out", str(out)])
+    code = main(["bench", "--device", "cpu", "--features", "5", "--student", window_recipe(tmp_path), "--model",
+                 str(model_dirs["llama"]), "--gen-contexts", "12,20", "--new-tokens", "3", "--parts", "generation",
+                 "--compile", "--out", str(out)])
     assert code == 0
     rows = [r for r in json.loads(out.read_text())["generation"] if r["engine"] == "static+compile"]
-    assert [(r["window"], r["context"]) for r in rows] == [(0, 12), (0, 20), (16, 12), (16, 20)]
-    assert [r.get("compile_ms", 0) > 0 for r in rows] == [True, False, True, False]   # a decoder compiles once
+    assert [r["context"] for r in rows] == [12, 20]
+    assert [r.get("compile_ms", 0) > 0 for r in rows] == [True, False]   # a decoder compiles once
     assert all(r["decode_tokens_per_s"] > 0 and r["vs_teacher"] > 0 for r in rows)
     assert "static+compile" in capsys.readouterr().out
 
@@ -114,7 +122,9 @@ def test_bench_compile_adds_a_compiled_static_row(capsys, model_dirs, tmp_path, 
     (["--seq-lens", "1k"], "comma-separated token counts"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--out", "bench.txt"], "--out"),
-    (["--sink", "-1"], "--sink must be >= 0"),
+    (["--student", "nothere"], "unknown recipe 'nothere'"),
+    (["--student", "keep-softmax", "--parts", "generation", "--model", "smollm2-135m"],
+     "distill it, then use the run folder"),
 ])
 def test_bench_bad_input(capsys, tmp_path, args, message):
     code = main(["bench", "--device", "cpu", "--model", "none", "--out", str(tmp_path / "b.json"), *args])
@@ -122,13 +132,17 @@ def test_bench_bad_input(capsys, tmp_path, args, message):
     assert code == 2 and message in err and not (tmp_path / "b.json").exists()
 
 
-def test_bench_hands_over_the_result_after_each_row():
-    """A long run cut short keeps what it measured: `save` gets the result so far after every row (and part)."""
-    from dofattn.bench import BenchConfig, bench
+def test_bench_writes_the_result_after_each_row(tmp_path, monkeypatch):
+    """A long run cut short keeps what it measured: the JSON is rewritten with the result so far after every row
+    (and part)."""
+    from dofattn import io
+    from dofattn.bench import BenchConfig, run
 
-    saved = []
-    cfg = BenchConfig(seq_lens=[16, 24], heads=1, head_dim=4, features=3, window=0, repeats=1, model=None)
-    result = bench(cfg, progress=False, save=lambda partial: saved.append(json.loads(json.dumps(partial))))
+    saved, write = [], io.write_atomic
+    monkeypatch.setattr(io, "write_atomic", lambda path, text: saved.append(json.loads(text)) or write(path, text))
+    cfg = BenchConfig(seq_lens=[16, 24], heads=1, head_dim=4, features=3, student="paper", repeats=1, model=None,
+                      out=str(tmp_path / "b.json"))
+    result = run(cfg, show=None)
     counts = [(len(s["prefill"]), len(s["decode"])) for s in saved]
     assert sorted(set(counts)) == [(1, 0), (2, 0), (2, 1), (2, 2)] and counts == sorted(counts)
     assert saved[-1] == json.loads(json.dumps(result))
@@ -148,9 +162,32 @@ def test_generation_rates_come_from_the_decode_steps_own_clock(monkeypatch):
     assert timings["decode_steps"] == 3
     assert timings["prefill_s"] == pytest.approx(0.5) and timings["decode_s"] == pytest.approx(0.5)
     cfg = bench.BenchConfig(device="cpu", new_tokens=4)
-    row = bench._generation_row(cfg, True, 0, 0, 64, "hf", timings, cache=None)
+    row = bench._generation_row(cfg, "m", True, 64, "hf", timings, cache=None)
     assert row["prefill_ms"] == pytest.approx(500) and row["decode_tokens_per_s"] == pytest.approx(6.0)
     with pytest.raises(RuntimeError, match="made 3 tokens, not the 4"):
-        bench._generation_row(cfg, True, 0, 0, 64, "hf", {**timings, "decode_steps": 2}, cache=None)
+        bench._generation_row(cfg, "m", True, 64, "hf", {**timings, "decode_steps": 2}, cache=None)
     with pytest.raises(RuntimeError, match="no rate to report"):
-        bench._generation_row(cfg, True, 0, 0, 64, "hf", {**timings, "decode_s": 0.0}, cache=None)
+        bench._generation_row(cfg, "m", True, 64, "hf", {**timings, "decode_s": 0.0}, cache=None)
+
+
+def test_bench_times_a_trained_student_against_its_base_model(capsys, model_dirs, tmp_path):
+    """--student RUN: the ops take its spec's attention whole, generation its trained tensors against its base."""
+    from dofattn.spec import Attention, Kept, StudentSpec
+    from dofattn.student import build, fingerprint, save_student
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama")
+    spec = StudentSpec(base_model=str(model_dirs["llama"]), dims=(5, 5, 5), layers=(0, 2),
+                       attention=Attention(window=4, sink=2, decay="head"), kept=Kept(select=3, select_observe=2),
+                       base=fingerprint(model))
+    save_student(build(model, spec), tmp_path / "run", spec)
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--device", "cpu", "--seq-lens", "20", "--heads", "2", "--head-dim", "8", "--features", "3",
+                 "--repeats", "1", "--student", str(tmp_path / "run"), "--gen-contexts", "16", "--new-tokens", "2",
+                 "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert "the 3 keys per kv head" in result["student"] and result["prefill"][0]["student"] == "window=4, sink=2, decay=head"
+    gen = {(r["student"], r["engine"]): r for r in result["generation"]}
+    assert gen[False, "hf"]["model"] == str(model_dirs["llama"]) and gen[True, "hf"]["model"] == str(tmp_path / "run")
+    assert {"static"} == {engine for student, engine in gen if student and engine != "hf"}

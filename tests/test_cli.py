@@ -219,7 +219,7 @@ def test_generate_help(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     out = capsys.readouterr().out
-    for option in ("--model", "--prompt", "--max-new-tokens", "--dims", "--feature"):
+    for option in ("--model", "--prompt", "--max-new-tokens", "--dims", "--student"):
         assert option in out
 
 
@@ -253,10 +253,10 @@ def test_generate_linearized_tiny_model(capsys, tmp_path, tokenizer):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     prompt, steps = "The quick brown", 6
-    code, out, err = run(capsys, "generate", "--model", str(folder), "--dims", "fix:8", "--prompt", prompt,
-                         "--max-new-tokens", str(steps))
+    code, out, err = run(capsys, "generate", "--model", str(folder), "--student", "paper", "--dims", "fix:8",
+                         "--prompt", prompt, "--max-new-tokens", str(steps))
     assert code == 0, err
-    assert "untrained prf features" in err
+    assert "recipe paper's student, untrained" in err and "`prf` features" in err
     model, tokenizer = load_model(str(folder))
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     teacher = greedy(model, ids, steps)
@@ -267,8 +267,8 @@ def test_generate_linearized_tiny_model(capsys, tmp_path, tokenizer):
 
 
 def test_generate_static_matches_hf(capsys, model_dirs):
-    args = ("generate", "--model", str(model_dirs["llama"]), "--dims", "fix:8", "--prompt", "The quick brown",
-            "--max-new-tokens", "6")
+    args = ("generate", "--model", str(model_dirs["llama"]), "--student", "paper", "--dims", "fix:8", "--prompt",
+            "The quick brown", "--max-new-tokens", "6")
     code, out, err = run(capsys, *args)
     assert code == 0, err
     code, static_out, err = run(capsys, *args, "--static")
@@ -291,7 +291,7 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
     code, out, err = run(capsys, "generate", "--model", str(folder), "--max-new-tokens", "3", "--prompt", "fox")
     assert code == 0, err
     assert "student of" in err and "hedgehog" in err
-    code, _, err = run(capsys, "generate", "--model", str(folder), "--dims", "fix")
+    code, _, err = run(capsys, "generate", "--model", str(folder), "--student", "paper")
     assert code == 2 and "already a student" in err
     weights = folder / "features.safetensors"
     weights.write_bytes(weights.read_bytes()[:-10])                  # a truncated copy
@@ -305,8 +305,10 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
     (["--temperature", "-1"], "--temperature"),
     (["--static", "--temperature", "0.7"], "--static decodes greedily"),
     (["--compile"], "--compile compiles the static decoder's step; add --static"),
-    (["--dims", "fix:0"], "bad --dims"),
-    (["--dims", "fix", "--feature", "cosine"], "unknown feature map"),
+    (["--student", "paper", "--dims", "fix:0"], "bad --dims"),
+    (["--dims", "fix:4"], "add --student RECIPE"),
+    (["--student", "nothere"], "unknown recipe 'nothere'"),
+    (["--student", "recall"], "distill it, then use the run folder"),
 ])
 def test_generate_bad_input(capsys, model_dirs, args, message):
     code, _, err = run(capsys, "generate", "--model", str(model_dirs["llama"]), *args)

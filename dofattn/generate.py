@@ -1,0 +1,106 @@
+"""`dofattn generate`: continue a prompt with a student (or any supported model) and its fixed-size cache.
+
+    result = run(GenerateConfig(model="runs/distill", prompt="The history of mathematics"))
+    result["text"], result["tokens_per_s"]
+
+The model is a student folder written by `dofattn distill` (or `student.save_student`), an export (`dofattn
+export`), or a base model (alias, hub id, folder, .gguf): as it is, or with --student RECIPE made that recipe's
+student with untrained features (--dims per layer), to check plumbing and speed, not quality.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dofattn.errors import UserError
+from dofattn.options import option
+
+
+@dataclass
+class GenerateConfig:
+    """The model, the prompt and how to decode it; the fields are `dofattn generate`'s options."""
+
+    model: str = option("smollm2-135m", "student folder, dofattn export, or a base model: alias, hub id, folder or "
+                                        ".gguf file")
+    prompt: str = option("The history of mathematics", "text to continue")
+    max_new_tokens: int = option(40, "number of tokens to generate")
+    student: str | None = option(None, "make a base model this recipe's student first (packaged name or .toml: its "
+                                       "[student] architecture, untrained features)", none="none")
+    dims: str | None = option(None, "features per layer of that untrained student: fix (the head size), fix:C or "
+                                    "a dof.json file", none="fix")
+    temperature: float = option(0.0, "0 for greedy decoding, > 0 to sample")
+    static: bool = option(False, "greedy decoding on static buffers (dofattn.engine): a CUDA graph per token on "
+                                 "CUDA, eager steps on a CPU; needs a student and --temperature 0")
+    compile: bool = option(False, "with --static: compile the decode step with torch.compile (for the CPU; its "
+                                  "first step compiles, minutes on a small CPU, so it pays off for long "
+                                  "generations)")
+    seed: int = option(0, "seed for sampling and for untrained features")
+    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = option("float32", "model dtype: float32 or bfloat16")
+
+
+def check(cfg: GenerateConfig) -> None:
+    """Every rule on the options, before a model loads."""
+    if cfg.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {cfg.max_new_tokens}")
+    if cfg.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {cfg.temperature:g}")
+    if cfg.static and cfg.temperature > 0:
+        raise UserError("--static decodes greedily; drop --temperature or --static")
+    if cfg.compile and not cfg.static:
+        raise UserError("--compile compiles the static decoder's step; add --static")
+    if cfg.dims and not cfg.student:
+        raise UserError("--dims sizes the features of an untrained student: add --student RECIPE (e.g. paper)")
+
+
+def load(cfg: GenerateConfig):
+    """(model, tokenizer, what it is in words) as `cfg` asks."""
+    from dofattn import recipe as recipes
+    from dofattn.hf import load_model, parse_dtype, resolve_device
+    from dofattn.student import build_untrained, is_trained_student, load_student, resolve_dims
+
+    device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+    if is_trained_student(cfg.model):
+        if cfg.student:
+            raise UserError(f"{cfg.model} is already a student; drop --student")
+        model, tokenizer, spec = load_student(cfg.model, dtype=dtype, device=device, merge_lora=True)
+        return model, tokenizer, f"student of {spec.base_model} ({'; '.join(spec.describe())})"
+    recipe = recipes.load(cfg.student) if cfg.student else None
+    model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
+    if recipe is None:
+        return model, tokenizer, cfg.model
+    spec = build_untrained(model, recipe, resolve_dims(cfg.dims or "fix", model, cfg.model))
+    return model, tokenizer, f"{cfg.model} as recipe {recipe.name}'s student, untrained ({'; '.join(spec.describe())})"
+
+
+def run(cfg: GenerateConfig, show=None) -> dict:
+    """The prompt continued: {"text" (prompt and continuation), "new_tokens", "seconds", "tokens_per_s", "model"
+    (what generated it, in words)}. `show` gets progress lines (None: quiet)."""
+    import torch
+
+    check(cfg)
+    model, tokenizer, what = load(cfg)
+    if show:
+        show(f"generating with {what}")
+    torch.manual_seed(cfg.seed)
+    device = next(model.parameters()).device
+    inputs = tokenizer(cfg.prompt, return_tensors="pt").to(device)
+    sampling = {"do_sample": True, "temperature": cfg.temperature} if cfg.temperature > 0 else {"do_sample": False}
+    start = time.perf_counter()
+    if cfg.static:
+        from dofattn.engine import StaticDecoder
+
+        decoder = StaticDecoder(model, compile=cfg.compile)
+        out = decoder.generate(inputs["input_ids"], cfg.max_new_tokens, tokenizer.eos_token_id)
+        what += ", static decoding" + (" with a CUDA graph" if decoder.graph else "")
+        if "compile_s" in decoder.timings:
+            what += f", compiled in {decoder.timings['compile_s']:.0f} s"
+    else:
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                 **sampling)
+    seconds = time.perf_counter() - start
+    new = out[0, inputs["input_ids"].shape[1]:]
+    return {"text": cfg.prompt + tokenizer.decode(new, skip_special_tokens=True), "new_tokens": len(new),
+            "seconds": seconds, "tokens_per_s": len(new) / seconds, "model": what}
