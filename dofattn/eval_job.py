@@ -177,8 +177,8 @@ def run(cfg: EvalConfig, show=None) -> dict:
     if cfg.recall is not None:
         from dofattn import recall
 
-        result["recall"] = recall.run(model, tokenizer, cfg.recall, lengths, cfg.depths, cfg.samples, data=cfg.data,
-                                      split=split, teacher=teacher, teacher_answers=cfg.teacher_answers)
+        result["recall"] = recall.grid(model, tokenizer, cfg.recall, lengths, cfg.depths, cfg.samples, data=cfg.data,
+                                       split=split, teacher=teacher, teacher_answers=cfg.teacher_answers)
         say(recall.format_recall(result["recall"]))
     if cfg.tasks:
         result["tasks"] = lm_eval_tasks(model, tokenizer, cfg.tasks, cfg.task_path, cfg.limit, cfg.batch_size)

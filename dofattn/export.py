@@ -37,7 +37,7 @@ import functools
 import json
 import os
 import shutil
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from torch import nn
 from dofattn import __version__
 from dofattn.errors import UserError
 from dofattn.io import check_safetensors, write_atomic, write_json
+from dofattn.options import option
 from dofattn.spec import StudentSpec
 
 MODEL_TYPE = "dofattn"
@@ -316,6 +317,24 @@ def export_config(model: nn.Module, spec: StudentSpec, dtype: str, lora: str, so
 def modeling_file(model: nn.Module, base_model: str) -> str:
     """modeling_dofattn.py for `model`'s family."""
     return MODELING_TEMPLATE.format(base_model=base_model, version=__version__, model_class=type(model).__name__)
+
+
+@dataclass
+class ExportConfig:
+    """A `dofattn export` job; its fields are the command's options."""
+
+    model: str = option("runs/distill", "a dofattn distill run folder, or a student folder")
+    out: str | None = option(None, "the folder to write: new, empty, or a previous export (replaced)")
+    merge_lora: bool = option(False, "fold LoRA adapters into the projection weights (no peft needed to load; the "
+                                     "base model is then no longer inside); without it they are kept as peft layers")
+    dtype: str = option("float32", "dtype of the base model's weights: float32, bfloat16 or float16")
+
+
+def run(cfg: ExportConfig) -> Path:
+    """`export` as `cfg` says; the folder written."""
+    if not cfg.out:
+        raise UserError("give --out DIR, the folder to write the export to")
+    return export(cfg.model, cfg.out, merge_lora=cfg.merge_lora, dtype=cfg.dtype)
 
 
 def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dtype: str = "float32",

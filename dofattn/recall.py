@@ -321,9 +321,9 @@ def read_teacher_answers(path: str) -> dict:
         raise UserError(f"--teacher-answers {path} is not an eval JSON with recall answers") from None
 
 
-def run(model, tokenizer, names: list[str], lengths: list[int], depths: int = 5, samples: int = 1,
-        data: str = "wiki-sample", split: str = "validation", teacher=None, teacher_answers: str | None = None,
-        progress: bool = True) -> dict:
+def grid(model, tokenizer, names: list[str], lengths: list[int], depths: int = 5, samples: int = 1,
+         data: str = "wiki-sample", split: str = "validation", teacher=None, teacher_answers: str | None = None,
+         progress: bool = True) -> dict:
     """The recall grid of `dofattn eval --recall`: every task of `names` at every length and depth, `samples`
     prompts a cell (the multikey filler from `data`'s `split`), answered by `model` ("student") and `teacher`
     (None: `model` in `evaluate.teacher_mode`), or with the teacher's answers read from `teacher_answers` (an eval

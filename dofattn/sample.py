@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -118,14 +118,34 @@ def sample_text(model, tokenizer, spec: SampleSpec, samples: int, out: Path, pro
     return {"samples": samples, "new": samples - start}
 
 
-def run(spec: SampleSpec, samples: int, out: str | Path, device: str = "auto", dtype: str = "float32",
-        progress: bool = True) -> dict:
+@dataclass
+class SampleRun:
+    """Beside `SampleSpec` (what decides the text): how many samples, where they go, on what device. Its fields are
+    `dofattn sample`'s options of the same names."""
+
+    samples: int = option(1000, "number of samples to write in all")
+    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    dtype: str = option("float32", "model dtype: float32 or bfloat16 (sample with the teacher a bfloat16 distill "
+                                   "run compares against)")
+    out: str = option("teacher-text.jsonl", "the .jsonl file to write or go on with")
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """A `dofattn sample` job: the spec whole and the run's settings."""
+
+    spec: SampleSpec = field(default_factory=SampleSpec)
+    run: SampleRun = field(default_factory=SampleRun)
+
+
+def run(cfg: SampleConfig, progress: bool = True) -> dict:
     """`dofattn sample`: load `spec.model` and append samples to `out` until it holds `samples` (a .jsonl file),
     everything checked before the model loads. -> {"samples": in the file, "new": written now, "seconds", "out"}."""
     from dofattn.data import check_source
     from dofattn.hf import load_model, parse_dtype, resolve_device
 
-    out = Path(out).expanduser()
+    spec, samples, device, dtype = cfg.spec, cfg.run.samples, cfg.run.device, cfg.run.dtype
+    out = Path(cfg.run.out).expanduser()
     if out.suffix != ".jsonl":
         raise UserError(f"--out {out} must end in .jsonl")
     check_source(spec.data)

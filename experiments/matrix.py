@@ -74,10 +74,10 @@ def cell_recipe(scale: str, row: str, loss: str, model: str, data: str):
 
 
 def run_cell(scale: str, row: str, loss: str, model: str, data: str, runs: Path, device: str) -> dict:
-    from dofattn.distill.run import run
+    from dofattn.distill.run import DistillConfig, run
 
     folder = runs / f"{row.replace('+', '-')}-{loss}"
-    log = run(cell_recipe(scale, row, loss, model, data), folder, device)  # a finished cell's folder returns its log
+    log = run(DistillConfig(cell_recipe(scale, row, loss, model, data), folder, device))  # a finished cell: its log
     ev = log["evaluation"]
     return {"row": row, "loss": loss, "sets": cell_sets(row, loss, scale), "ppl": ev["student_ppl"],
             "teacher_ppl": ev["teacher_ppl"], "kl": ev["kl"], "top1_agreement": ev["top1_agreement"], "tokens": ev["tokens"], "dims": log["dims"],

@@ -83,9 +83,9 @@ def run(ns) -> int:
     if recipe.student.lora_rank:                  # before hours of layerwise training, not after
         from dofattn.lora import require_peft
         require_peft()
-    from dofattn.distill.run import run as run_recipe
+    from dofattn.distill.run import DistillConfig, run as distill
 
-    log = run_recipe(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from)
+    log = distill(DistillConfig(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from))
     if log.get("evaluation"):
         print(format_evaluation(recipe, log))
         print(f"student saved in {args.out} (dofattn generate --model {args.out})")

@@ -12,28 +12,15 @@ Samples are appended one batch at a time; the same command goes on after an inte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from dofattn.commands import add_verb, config
-from dofattn.options import option
-
-
-@dataclass
-class SampleRun:
-    """Beside `sample.SampleSpec` (what decides the text): how many samples, where they go, on what device."""
-
-    samples: int = option(1000, "number of samples to write in all")
-    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    dtype: str = option("float32", "model dtype: float32 or bfloat16 (sample with the teacher a bfloat16 distill "
-                                   "run compares against)")
-    out: str = option("teacher-text.jsonl", "the .jsonl file to write or go on with")
 
 
 ORDER = ("model", "data", "samples")      # then the spec's fields, then SampleRun's
 
 
 def options() -> list[type]:
-    from dofattn.sample import SampleSpec
+    from dofattn.sample import SampleRun, SampleSpec
 
     return [SampleSpec, SampleRun]
 
@@ -46,8 +33,8 @@ def run(ns) -> int:
     """The `sample` verb: `sample.run`."""
     from dofattn import sample
 
-    spec, args = config(sample.SampleSpec, ns), config(SampleRun, ns)
-    result = sample.run(spec, args.samples, args.out, args.device, args.dtype)
+    spec = config(sample.SampleSpec, ns)
+    result = sample.run(sample.SampleConfig(spec, config(sample.SampleRun, ns)))
     rate = f", {result['new'] * spec.new_tokens / result['seconds']:.0f} new tokens/s" if result["new"] else ""
     print(f"{result['out']}: {result['samples']} samples of {spec.prompt_tokens}+{spec.new_tokens} tokens "
           f"({result['new']} new in {result['seconds']:.0f} s{rate})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -18,10 +18,23 @@ from dofattn.recipe import Recipe
 from dofattn.spec import Attention
 
 
-def run(recipe: Recipe, out: str | Path, device: str = "cpu", time_limit: float = 0.0,
-        continue_from: str | Path | None = None) -> dict:
-    """The whole job; returns the run log (also out/log.json). `time_limit`: minutes of end-to-end training, after
-    which the student is saved and evaluated as it is (the same call later goes on)."""
+@dataclass
+class DistillConfig:
+    """One run: the recipe (resolved, whole: `recipe.load`), the run folder, the device and how long it trains.
+    `dofattn distill` builds it from its options."""
+
+    recipe: Recipe
+    out: str | Path = "runs/distill"
+    device: str = "cpu"
+    time_limit: float = 0.0          # minutes of end-to-end training, then save and evaluate (0: no limit)
+    continue_from: str | Path | None = None   # go on from a copy of this run folder's student
+
+
+def run(cfg: DistillConfig) -> dict:
+    """The whole job; returns the run log (also out/log.json). After `time_limit` minutes of end-to-end training
+    the student is saved and evaluated as it is (the same call later goes on)."""
+    recipe, out, device, time_limit, continue_from = (cfg.recipe, cfg.out, cfg.device, cfg.time_limit,
+                                                      cfg.continue_from)
     from dofattn.data import check_source, token_blocks
     from dofattn.hf import load_model, parse_dtype
     from dofattn.student import (attention_modules, build, fingerprint, head_layout,
