@@ -130,10 +130,10 @@ def _layer(cfg: BenchConfig, attention):
 def student_config(cfg: BenchConfig):
     """(the student's spec.Attention, its description, a trained student's path or None, its recipe or None)."""
     from dofattn import recipe as recipes
-    from dofattn.student import is_trained_student, spec_at
+    from dofattn.export import is_any_student, spec_of
 
-    if is_trained_student(cfg.student):
-        spec = spec_at(cfg.student)
+    if is_any_student(cfg.student):
+        spec = spec_of(cfg.student)
         return spec.attention, f"{cfg.student} ({'; '.join(spec.describe())})", cfg.student, None
     recipe = recipes.load(cfg.student)
     return recipe.student.attention, f"recipe {recipe.name}, untrained ({recipe.description})", None, recipe
@@ -292,13 +292,14 @@ def load_models(cfg: BenchConfig, dtype: torch.dtype):
     """(name, is the student, model, tokenizer) of the teacher, then the student: a trained one and its base model,
     or a recipe's student on `cfg.model` with untrained features (each loaded when its turn comes)."""
     from dofattn.hf import load_model
-    from dofattn.student import attention_modules, build_untrained, load_student, spec_at
+    from dofattn.export import load_any, spec_of
+    from dofattn.student import attention_modules, build_untrained
 
     _, _, path, recipe = student_config(cfg)
     if path is not None:
-        base = spec_at(path).base_model
+        base = spec_of(path).base_model
         yield base, False, *load_model(base, dtype=dtype, device=cfg.device)
-        yield path, True, *load_student(path, dtype=dtype, device=cfg.device, merge_lora=True)[:2]
+        yield path, True, *load_any(path, dtype=dtype, device=cfg.device, merge_lora=True)[:2]
         return
     if recipe.student.keep_softmax:       # before the teacher loads: refused at once
         build_untrained(None, recipe, [])

@@ -162,6 +162,28 @@ def is_export(folder: str | Path) -> bool:
     return read_config(folder) is not None
 
 
+def is_any_student(path: str | Path) -> bool:
+    """Whether `path` holds a trained student: a run or student folder (dofattn.json), or an export."""
+    from dofattn.student import is_student
+
+    return is_student(path) or is_export(path)
+
+
+def spec_of(path: str | Path) -> StudentSpec:
+    """The spec of the student at `path` (a student folder or an export), without loading a model."""
+    from dofattn.student import read_spec
+
+    return export_spec(read_config(path)["dofattn"]) if is_export(path) else read_spec(path)
+
+
+def load_any(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", merge_lora: bool = False):
+    """(model, tokenizer, spec) of the student at `path`: a student folder (`student.load_student`) or an export."""
+    from dofattn.student import load_student
+
+    load = load_export if is_export(path) else load_student
+    return load(path, dtype=dtype, device=device, merge_lora=merge_lora)
+
+
 def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 merge_lora: bool = False):
     """(model, tokenizer, spec) of the export in `folder`, in eval mode; `merge_lora` folds LoRA adapters into the

@@ -58,13 +58,14 @@ def load(cfg: GenerateConfig):
     """(model, tokenizer, what it is in words) as `cfg` asks."""
     from dofattn import recipe as recipes
     from dofattn.hf import load_model, parse_dtype, resolve_device
-    from dofattn.student import build_untrained, is_trained_student, load_student, resolve_dims
+    from dofattn.export import is_any_student, load_any
+    from dofattn.student import build_untrained, resolve_dims
 
     device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
-    if is_trained_student(cfg.model):
+    if is_any_student(cfg.model):
         if cfg.student:
             raise UserError(f"{cfg.model} is already a student; drop --student")
-        model, tokenizer, spec = load_student(cfg.model, dtype=dtype, device=device, merge_lora=True)
+        model, tokenizer, spec = load_any(cfg.model, dtype=dtype, device=device, merge_lora=True)
         return model, tokenizer, f"student of {spec.base_model} ({'; '.join(spec.describe())})"
     recipe = recipes.load(cfg.student) if cfg.student else None
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)

@@ -282,30 +282,12 @@ def _part_name(name: str, own: dict) -> str:
     return f"{head}.dofattn.{PART_OF[leaf]}.{leaf}"
 
 
-def is_trained_student(path: str | Path) -> bool:
-    """Whether `path` holds a student: a run or student folder (dofattn.json), or an export (`dofattn export`)."""
-    from dofattn.export import is_export
-
-    return is_student(path) or is_export(path)
-
-
-def spec_at(path: str | Path) -> StudentSpec:
-    """The spec of the student at `path` (a student folder or an export), without loading a model."""
-    from dofattn.export import export_spec, is_export, read_config
-
-    return export_spec(read_config(path)["dofattn"]) if is_export(path) else read_spec(path)
-
-
 def load_student(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  merge_lora: bool = False):
-    """(model, tokenizer, spec) of the student saved in `folder` (a run or student folder, or an export);
-    `merge_lora` folds LoRA adapters into the weights (faster inference, but the base model, i.e. the teacher, is
-    gone)."""
-    from dofattn.export import is_export, load_export
+    """(model, tokenizer, spec) of the student saved in `folder`; `merge_lora` folds LoRA adapters into the
+    weights (faster inference, but the base model, i.e. the teacher, is gone). An export: `export.load_any`."""
     from dofattn.hf import load_model
 
-    if is_export(folder):
-        return load_export(folder, dtype=dtype, device=device, merge_lora=merge_lora)
     spec = read_spec(folder)
     model, tokenizer = load_model(spec.base_model, dtype=dtype, device=device)
     attach_student(model, folder, spec)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-from dofattn.attention.cache import BatchSlot
+from dofattn.attention.cache import BatchSlot, in_ring, last_keys
 from dofattn.ops.select import prompt_candidates, select_keys
 from dofattn.ops.window import first_keys
 
@@ -69,11 +69,10 @@ class BoundedKVLayer(BatchSlot):
         raise RuntimeError("a BoundedKVLayer is made from a prefilled layer (BoundedSoftmax)")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keep = slice(max(self.keys.shape[2] - self.width, 0), None)
         B, _, T, _ = key_states.shape
-        self.keys = torch.cat([self.keys[:, :, keep], key_states], 2)
-        self.values = torch.cat([self.values[:, :, keep], value_states], 2)
-        self.valid = torch.cat([self.valid[:, keep], self.valid.new_ones(B, T)], 1)
+        self.keys = torch.cat([last_keys(self.keys, self.width, 2), key_states], 2)
+        self.values = torch.cat([last_keys(self.values, self.width, 2), value_states], 2)
+        self.valid = torch.cat([last_keys(self.valid, self.width), self.valid.new_ones(B, T)], 1)
         self.seen, self.new = self.seen + T, T
         return torch.cat([self.held_keys, self.keys], 2), torch.cat([self.held_values, self.values], 2)
 
@@ -103,14 +102,10 @@ class StaticBoundedLayer(CacheLayerMixin):
     @classmethod
     def from_layer(cls, layer: BoundedKVLayer, position: torch.Tensor) -> StaticBoundedLayer:
         static = cls()
-        B, Hkv, n, D = layer.keys.shape
         width, lead = layer.width, layer.held_keys.shape[2]
-        slots = torch.arange(layer.seen - n, layer.seen, device=layer.keys.device).remainder(width)
-        ring = lambda x: x.new_zeros(*x.shape[:2], width, x.shape[-1]).index_copy_(2, slots, x)
-        static.keys = torch.cat([layer.held_keys, ring(layer.keys)], 2)
-        static.values = torch.cat([layer.held_values, ring(layer.values)], 2)
-        static.valid = torch.cat([layer.held_valid, layer.valid.new_zeros(B, width).index_copy_(1, slots, layer.valid)],
-                                 1)
+        static.keys = torch.cat([layer.held_keys, in_ring(layer.keys, layer.seen, width, 2)], 2)
+        static.values = torch.cat([layer.held_values, in_ring(layer.values, layer.seen, width, 2)], 2)
+        static.valid = torch.cat([layer.held_valid, in_ring(layer.valid, layer.seen, width)], 1)
         static.position, static.lead, static.width, static.seen = position, lead, width, layer.seen
         static.dtype, static.device, static.is_initialized = layer.keys.dtype, layer.keys.device, True
         return static
@@ -187,6 +182,6 @@ class BoundedSoftmax(nn.Module):
         at = torch.cat([order[:, None, :].expand(-1, k.shape[2], -1), index], -1)              # [B, Hkv, S + C]
         held_valid = torch.cat([sink.gather(1, order), chosen], 1)
         gather = lambda x: x.gather(2, at[..., None].expand(-1, -1, -1, x.shape[-1]))
-        last = slice(max(T - width, 0), None)                                       # the window's keys
-        self.layers()[self.layer_idx] = BoundedKVLayer(gather(key), gather(value), held_valid, key[:, :, last],
-                                                      value[:, :, last], (valid & ~sink)[:, last], width, T)
+        self.layers()[self.layer_idx] = BoundedKVLayer(gather(key), gather(value), held_valid,
+                                                      last_keys(key, width, 2), last_keys(value, width, 2),
+                                                      last_keys(valid & ~sink, width), width, T)

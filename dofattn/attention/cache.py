@@ -27,6 +27,22 @@ def keep_buffer(holder, name: str, value: torch.Tensor) -> None:
         setattr(holder, name, value)
 
 
+def last_keys(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """The last `width` entries of `x` along `dim` (all, if fewer): what a window keeps of the keys it has seen."""
+    return x.narrow(dim, max(x.shape[dim] - width, 0), min(x.shape[dim], width))
+
+
+def in_ring(x: torch.Tensor, seen: int, width: int, dim: int = 1) -> torch.Tensor:
+    """The last n keys seen, `x` (n ≤ width along `dim`, in order; the last at position seen - 1), in a ring of
+    `width` slots, the key at position p in slot p mod width (the slots not reached yet zero): a window for static
+    decoding, written in place a step at a time."""
+    n = x.shape[dim]
+    slots = torch.arange(seen - n, seen, device=x.device).remainder(width)
+    shape = list(x.shape)
+    shape[dim] = width
+    return x.new_zeros(shape).index_copy_(dim, slots, x)
+
+
 class PartState:
     """One part's tensors in a cache slot, every one [B, ...] (None until the part's first call); the slot reorders,
     selects, repeats and moves them whatever the part."""
@@ -217,13 +233,10 @@ class RingWindowLayer(StaticStateLayer):
             if name != "window":
                 ring.parts[name] = part.frozen()
         last, ring_window = layer.parts["window"], ring.part("window")
-        B, n, Hkv, D = last.keys.shape
-        slots = torch.arange(layer.seen - n, layer.seen, device=last.keys.device) % window
-        ring_window.keys = last.keys.new_zeros(B, window, Hkv, D).index_copy_(1, slots, last.keys)
-        ring_window.values = last.values.new_zeros(B, window, Hkv, last.values.shape[-1]).index_copy_(1, slots,
-                                                                                                      last.values)
-        ring_window.valid = last.valid.new_zeros(B, window).index_copy_(1, slots, last.valid)
-        ring.arrivals = torch.zeros(B, dtype=torch.int32, device=last.keys.device)
+        for name in WindowState.NAMES:
+            setattr(ring_window, name, in_ring(getattr(last, name), layer.seen, window))
+        ring_window.width = window
+        ring.arrivals = torch.zeros(last.keys.shape[0], dtype=torch.int32, device=last.keys.device)
         return ring
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dofattn.attention.cache import LinearStateLayer
+from dofattn.attention.cache import LinearStateLayer, last_keys
+from dofattn.ops.window import first_keys
 
 
 class Window(nn.Module):
@@ -26,9 +27,8 @@ class Window(nn.Module):
 
     def keep(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor) -> None:
         """The last W of these keys (kv heads), values and flags stay in the cache for the next call."""
-        keep = slice(max(k.shape[1] - self.width, 0), None)
         last = cache.part("window")
-        last.keys, last.values, last.valid = k[:, keep], v[:, keep], key_valid[:, keep]
+        last.keys, last.values, last.valid = (last_keys(x, self.width) for x in (k, v, key_valid))
         last.width = self.width
 
 
@@ -55,8 +55,8 @@ class Sink(nn.Module):
     def take(self, cache: LinearStateLayer, key_valid: torch.Tensor) -> torch.Tensor:
         """The first S real tokens ever seen: a row's slots fill over calls if its first calls were shorter."""
         sink = cache.part("sink")
-        have = 0 if sink.valid is None else sink.valid.sum(1, keepdim=True)        # [B, 1]
-        return key_valid & (have + key_valid.cumsum(1) <= self.count)
+        had = 0 if sink.valid is None else sink.valid.sum(1, keepdim=True)         # [B, 1]
+        return first_keys(key_valid, *key_valid.shape, self.count, key_valid.device, had)
 
     def store(self, cache: LinearStateLayer, k: torch.Tensor, v: torch.Tensor, taken: torch.Tensor) -> None:
         B, T = taken.shape

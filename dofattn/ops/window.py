@@ -94,12 +94,14 @@ def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, 
                          f"keys, and marked in sink_mask")
 
 
-def first_keys(key_valid: torch.Tensor | None, batch: int, length: int, count: int, device) -> torch.Tensor:
-    """[B, Tk] bool: the first `count` real keys of each row (all of them if a row has fewer), the sink of a call
-    that starts a sequence. key_valid [B, Tk] or None (every key real)."""
+def first_keys(key_valid: torch.Tensor | None, batch: int, length: int, count: int, device,
+               had: torch.Tensor | int = 0) -> torch.Tensor:
+    """[B, Tk] bool: the first `count` real keys of each row (all of them if a row has fewer), the sink: of a call
+    that starts a sequence, or of a later call of a row that had `had` ([B, 1], or a number) sink keys before it.
+    key_valid [B, Tk] or None (every key real). The one place the sink's rule is written."""
     if key_valid is None:
-        return (torch.arange(length, device=device) < count).expand(batch, length)
-    return key_valid & (key_valid.cumsum(1) <= count)
+        return (torch.arange(length, device=device) < count - had).expand(batch, length)
+    return key_valid & (had + key_valid.cumsum(1) <= count)
 
 
 def _log(x: torch.Tensor) -> torch.Tensor:
