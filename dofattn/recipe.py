@@ -50,7 +50,8 @@ class Student:
     keep_softmax: int = option(0, "keep K layers as softmax attention, chosen by keep_softmax_by")
     keep_softmax_by: str = option("dof", "which layers keep_softmax keeps: dof (the largest DoF of their attention "
                                          "matrices) or copy (the teacher's heads that copy most from far back, which "
-                                         "recall beyond the window needs; their KV cache grows with the context)",
+                                         "recall beyond the window needs; their KV cache grows with the context unless "
+                                         "student.select bounds it)",
                                   choices=KEEP_BY)
     local_layers: str = option("keep", "the model's own sliding-window layers (Gemma 2/3, Mistral): keep (exact, as "
                                        "they are bounded already) or linearize (like the rest)", choices=LOCAL)
