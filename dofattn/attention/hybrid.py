@@ -49,9 +49,8 @@ class WindowBranch:
         decoding) takes `ring_step`, a steady decode step `decode_step`. Otherwise the keys go in as [the sink's S
         slots, the cache's keys still inside the window (each with its padding flag), the new keys]; the keys the
         sink takes stay exact for the later queries and leave the window's keys (no key counts twice), and the last
-        W of the rest stay for the next call. The first call of a sequence (empty
-        slots) puts nothing first: its keys are its own, as many as its queries, so a CUDA prefill takes the Triton
-        hybrid."""
+        W of the rest stay for the next call. The first call of a sequence (empty slots) puts nothing first: its keys
+        are its own, as many as its queries, so a CUDA prefill takes the Triton hybrid."""
         if isinstance(cache, RingWindowLayer):
             return self.ring_step(q, k, v, cache, backend)
         if self.lean_step_ok(q, cache):
