@@ -107,7 +107,7 @@ NOT_A_DIFFERENCE = ("run.seed", "end_to_end.eval_every", "end_to_end.checkpoint_
 
 def describe_recipe_run(folder: Path) -> dict:
     """The row of a run folder with recipe.toml: its settings are the recipe keys that differ from its named
-    packaged recipe (a recipe of another name: from the default recipe, with its name)."""
+    packaged recipe (a recipe of another name: from the window recipe, with its name)."""
     from dofattn import recipe as recipes
     from dofattn.distill.run_folder import RunFolder
 
@@ -115,19 +115,20 @@ def describe_recipe_run(folder: Path) -> dict:
     if log is None or "evaluation" not in log or "recipe" not in log:
         raise SystemExit(f"{folder} has no finished log.json: give the folders of finished `dofattn distill` runs")
     keys = {k: v for k, v in log["recipe"].items() if k != "name"}
-    name = log["recipe"].get("name", "default")
+    name = log["recipe"].get("name", "window")
+    name = recipes.RENAMED.get(name, name)          # a run from before the recipes were renamed
     known = name in recipes.packaged()
 
     def differ(reference: str) -> dict:
         ref = recipes.load(reference).keys()
         return {k: v for k, v in keys.items() if k not in NOT_A_DIFFERENCE and v != ref.get(k)}
 
-    changed = differ(name if known else "default")
+    changed = differ(name if known else "window")
     if not known:
         changed = {"recipe": name, **changed}
     e2e = log.get("end_to_end", {})
     blocks = keys.get("end_to_end.blocks") or keys.get("layerwise.blocks")
-    return row(log, folder.name, changed, differ("default"), keys.get("run.seed", 0), e2e, blocks,
+    return row(log, folder.name, changed, differ("window"), keys.get("run.seed", 0), e2e, blocks,
                keys.get("end_to_end.batch_size"))
 
 
@@ -238,7 +239,7 @@ def at_tokens(row: dict, tokens: int) -> float:
 
 def seed_summary(rows: list[dict], tokens: int | None = None) -> list[dict]:
     """Runs that train the same student but for --seed, pooled: mean and sample standard deviation of the final
-    ratio to the teacher, with the seeds. `changed` is against the default recipe (before recipes: the dofattn
+    ratio to the teacher, with the seeds. `changed` is against the window recipe (before recipes: the dofattn
     recipe, its forerunner).
 
     With `tokens`, the ratio is read off each run's curve at that many end-to-end tokens instead, and runs that
@@ -337,10 +338,10 @@ def main() -> None:
     if args.by_seed:
         summary = seed_summary(rows, args.at_tokens)
         what = "final ppl" if args.at_tokens is None else f"ppl at {args.at_tokens} end-to-end tokens"
-        print(f"\n| differs from the default recipe | seeds | {what} × teacher, mean ± sd | each |\n"
+        print(f"\n| differs from the window recipe | seeds | {what} × teacher, mean ± sd | each |\n"
               "|---|---|---:|---|")
         for g in summary:
-            changed = ", ".join(f"{k}={v}" for k, v in g["changed"].items()) or "(the default recipe)"
+            changed = ", ".join(f"{k}={v}" for k, v in g["changed"].items()) or "(the window recipe)"
             each = ", ".join(f"{x:.3f}" for x in g["vs_teacher"])
             print(f"| {changed} | {g['seeds']} | {g['vs_teacher_mean']:.3f} ± {g['vs_teacher_sd']:.3f} | {each} |")
         result = {"runs": rows, "by_seed": summary, "at_tokens": args.at_tokens}

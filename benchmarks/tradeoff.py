@@ -1,9 +1,10 @@
 """One picture of the long-context trade-off: memory per sequence at 8 K tokens against the perplexity ratio at 4–8 K
 tokens of context, each point labelled with its recall (pass key + multi-key answered of 40).
 
-    python benchmarks/tradeoff.py --out docs/results/tradeoff-8k.png \
-        --model "default=docs/results/long-document-default.json,docs/results/recall-default.json" \
-        --model "recall=docs/results/long-document-long-context.json,docs/results/recall-recall.json" ...
+    python benchmarks/tradeoff.py --teacher-cache-mib 360 --out docs/results/tradeoff-8k.png \
+        --model "window=docs/results/long-document-default.json,docs/results/recall-default.json,7.27" \
+        --model "recall=docs/results/long-document-recall.json,docs/results/recall-recall.json" \
+        --model "long-context (default)=docs/results/long-document-long-context.json,docs/results/recall-long-context.json"
 
 Each --model is NAME=BY_POSITION_JSON,RECALL_JSON[,CACHE_MIB] (CACHE_MIB for a recall file that has no cache sizes): `dofattn eval --seq-len 8192` output (its last by-position bucket,
 4096–8191 tokens of context) and `dofattn eval --recall` output (its records' answers, and the cache the model holds

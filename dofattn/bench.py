@@ -52,7 +52,7 @@ class BenchConfig:
     heads: int = option(9, "attention heads of the op benchmarks")
     head_dim: int = option(64, "head size of the op benchmarks")
     features: int = option(64, "features per head M of the op rows, and of a recipe's untrained student")
-    student: str = option("default", "the student timed: a recipe, packaged name or .toml file (its [student] "
+    student: str = option("window", "the student timed: a recipe, packaged name or .toml file (its [student] "
                                      "architecture, untrained, with --features per head), or a trained student: a "
                                      "run folder or an export (generation against its own base model)")
     decode_batch: int = option(1, "batch size of the decode benchmark")

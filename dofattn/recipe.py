@@ -1,12 +1,13 @@
 """Recipes: everything a `dofattn distill` run does, as data. A recipe is a TOML file of six tables.
 
-    recipe = load("long", sets=["end_to_end.steps=800"])      # a packaged recipe (dofattn/recipes/long.toml)
+    recipe = load("window-lora", sets=["end_to_end.steps=800"])   # a packaged recipe (dofattn/recipes/*.toml)
     recipe = load("runs/long/recipe.toml")                     # a run folder's resolved recipe: the same run again
     print(recipe.to_toml())                                     # every key, resolved
 
 The tables are the dataclasses below and their fields the keys; each field's `help` is its documentation
-(`dofattn recipes --keys` prints it). A file may leave keys out: they take the defaults here, which are the default
-recipe's. The [student] table holds the student's two configs whole, the linear layers' `spec.Attention`
+(`dofattn recipes --keys` prints it). A file may leave keys out: they take the defaults here, which are the `window`
+recipe's (the default recipe, `DEFAULT`, is `long-context`). A packaged file also says what its student `reaches`
+and what it `costs` (`packaged_info`), which `dofattn recipes` lists. The [student] table holds the student's two configs whole, the linear layers' `spec.Attention`
 (`recipe.student.attention`) and the kept softmax layers' `spec.Kept` (`recipe.student.kept`): their keys are the
 table's keys (`student.window`, `student.select`), their rules their own. `validate` holds every other rule.
 """
@@ -25,6 +26,8 @@ from dofattn.options import option
 from dofattn.spec import LORA_TARGETS, Attention, Kept, StudentSpec, check_kept, check_lora
 
 FORMAT = 1          # of recipe files: a file with another `format` is refused
+DEFAULT = "long-context"   # what `dofattn distill` trains without --recipe: the best student measured
+RENAMED = {"default": "window", "long": "window-lora"}    # packaged recipes' names before 2026-11-28
 LOSSES = ("softmax", "l2")
 DTYPES = ("float32", "bfloat16")
 KEEP_BY = ("dof", "copy")
@@ -110,7 +113,7 @@ CONTINUE_MAY_CHANGE = ("run.data", "run.eval_data", "end_to_end.steps", "end_to_
 
 @dataclass(frozen=True)
 class Recipe:
-    name: str = "default"
+    name: str = "window"
     description: str = ""
     run: Run = field(default_factory=Run)
     student: Student = field(default_factory=Student)
@@ -179,14 +182,20 @@ def _toml(value) -> str:
 
 # --- reading --------------------------------------------------------------------------------------------------------
 
-def packaged() -> dict[str, str]:
-    """The packaged recipes: name -> description (the first line)."""
+def packaged_info() -> dict[str, dict[str, str]]:
+    """The packaged recipes, the default first: name -> {"description", "reaches", "costs"}."""
     found = {}
     for path in sorted(resources.files("dofattn.recipes").iterdir(), key=lambda p: p.name):
         if path.name.endswith(".toml"):
             data = tomllib.loads(path.read_text())
-            found[path.name[:-5]] = str(data.get("description", "")).split("\n")[0]
-    return dict(sorted(found.items(), key=lambda kv: (kv[0] != "default", kv[0])))
+            found[path.name[:-5]] = {key: str(data.get(key, "")).split("\n")[0]
+                                     for key in ("description", "reaches", "costs")}
+    return dict(sorted(found.items(), key=lambda kv: (kv[0] != DEFAULT, kv[0])))
+
+
+def packaged() -> dict[str, str]:
+    """The packaged recipes, the default first: name -> description (the first line)."""
+    return {name: info["description"] for name, info in packaged_info().items()}
 
 
 def read_text(name_or_path: str) -> tuple[str, str]:
@@ -197,12 +206,15 @@ def read_text(name_or_path: str) -> tuple[str, str]:
             raise UserError(f"recipe file {name_or_path} does not exist")
         return path.read_text(), str(path)
     names = packaged()
+    if name_or_path in RENAMED:
+        raise UserError(f"recipe {name_or_path!r} is now {RENAMED[name_or_path]!r} (the same student); without "
+                        f"--recipe, dofattn distill trains {DEFAULT}")
     if name_or_path not in names:
         raise UserError(f"unknown recipe {name_or_path!r}; use one of {', '.join(names)}, or a .toml file")
     return resources.files("dofattn.recipes").joinpath(name_or_path + ".toml").read_text(), name_or_path
 
 
-def load(name_or_path: str = "default", sets: list[str] = (), overrides: dict[str, object] | None = None) -> Recipe:
+def load(name_or_path: str = DEFAULT, sets: list[str] = (), overrides: dict[str, object] | None = None) -> Recipe:
     """The recipe `name_or_path`, then `sets` ("key=value" strings, as `--set` gives them), then `overrides`
     (`table.key` -> value, already typed: the CLI's own flags), validated."""
     text, where = read_text(name_or_path)
@@ -214,6 +226,7 @@ def load(name_or_path: str = "default", sets: list[str] = (), overrides: dict[st
     if fmt != FORMAT:
         raise UserError(f"recipe {where} has format {fmt}; this dofattn reads format {FORMAT}")
     name, description = data.pop("name", Path(where).stem), data.pop("description", "")
+    data.pop("reaches", None), data.pop("costs", None)          # what a packaged student reaches and costs
     values = {}
     for table, content in data.items():
         if table not in TABLES or not isinstance(content, dict):

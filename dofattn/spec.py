@@ -1,7 +1,7 @@
 """The student's architecture: one frozen `Attention` config for how a linearized layer attends, and the
 `StudentSpec` of a whole student (base model, layers, dims, that config, LoRA), validated here and nowhere else.
 
-    attention = Attention(window=64, sink=4)                       # the default student's layers
+    attention = Attention(window=64, sink=4)                       # the window recipe's linear layers
     spec = StudentSpec(base_model="smollm2-135m", dims=(64,) * 30, layers=tuple(range(30)), attention=attention)
     spec.to_json()                  # dofattn.json of a student folder
     StudentSpec.from_json(text)     # older folders (schemas 1 and 2) are read too

@@ -6,7 +6,7 @@
 Run `train` once on the commit before a change (a `git worktree`, with PYTHONPATH on its tree) and once after it;
 `compare` exits 1 on the first recipe whose saved tensors or spec differ. The shrunk run keeps each recipe's
 student (features, window, sink, decay, kept layers, LoRA) and cuts its lengths and steps, so that all recipes
-train in a few minutes of a 2-core CPU. `--full` trains the recipe as packaged (the default job: minutes).
+train in a few minutes of a 2-core CPU. `--full` trains the recipe as packaged (the full job: minutes).
 """
 
 from __future__ import annotations

@@ -78,9 +78,11 @@ def test_distill_help_fits_one_screen_and_lists_the_recipes(capsys):
     options = [line for line in out.splitlines() if line.lstrip().startswith("--") or line.startswith("  -h")]
     assert len(options) <= 20 and len(out.splitlines()) <= 60, out
     names = recipes.packaged()
-    assert {"default", "long", "paper", "paper-fix", "pure-linear", "keep-softmax", "recall", "long-context"} <= set(names)
-    for name, line in names.items():          # one line each, with what it is
-        assert any(row.split() == [name, *line.split()] for row in out.splitlines()), name
+    assert {"window", "window-lora", "paper", "paper-fix", "pure-linear", "keep-softmax", "recall",
+            "long-context"} <= set(names)
+    for name, line in names.items():          # one line each, with what it is; the default says so
+        label = [name, "(default)"] if name == recipes.DEFAULT else [name]
+        assert any(row.split() == [*label, *line.split()] for row in out.splitlines()), name
 
 
 def test_recipes_verb_lists_prints_and_explains(capsys, tmp_path):

@@ -402,7 +402,7 @@ def other_model_dims(folder: Path) -> Path:
     (["student.windw=3"], "unknown recipe key 'student.windw'; did you mean student.window?"),
     (["steps=3"], "recipe key 'steps' is in several tables: say which, layerwise.steps or end_to_end.steps"),
     (["--set", "window"], "--set 'window': give KEY=VALUE"),
-    (["--recipe", "fast"], "unknown recipe 'fast'; use one of default"),
+    (["--recipe", "fast"], "unknown recipe 'fast'; use one of long-context"),
     (["--recipe", "{tmp}/missing.toml"], "recipe file {tmp}/missing.toml does not exist"),
     (["--recipe", "{bad_toml}"], "is not valid TOML"),
     (["--recipe", "{bad_table}"], "unknown table [training]"),

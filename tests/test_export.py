@@ -95,7 +95,8 @@ def distill(model_dir: Path, corpus: Path, out: Path) -> Path:
             "end_to_end.batch_size=2", "end_to_end.seq_len=32", "end_to_end.steps=3", "end_to_end.lr=0.01",
             "eval.blocks=2", "eval.seq_len=32", "student.dims=fix:8", "student.window=8", "student.sink=2",
             "student.lora_rank=2")
-    argv = ["distill", "--model", str(model_dir), "--data", str(corpus), "--out", str(out), "--device", "cpu"]
+    argv = ["distill", "--recipe", "window", "--model", str(model_dir), "--data", str(corpus), "--out", str(out),
+            "--device", "cpu"]
     assert main(argv + [x for key in sets for x in ("--set", key)]) == 0
     return out
 
@@ -185,7 +186,7 @@ def test_the_card_states_base_recipe_and_evaluation(exported):
     card, log = (folder / "README.md").read_text(), json.loads((run / "log.json").read_text())
     ev = log["evaluation"]
     assert f"`{json.loads((folder / 'config.json').read_text())['dofattn']['base_model']}`" in card
-    assert "Recipe `default`" in card and (folder / "recipe.toml").read_text() == (run / "recipe.toml").read_text()
+    assert "Recipe `window`" in card and (folder / "recipe.toml").read_text() == (run / "recipe.toml").read_text()
     assert "`student.window = 8`" in card and "`end_to_end.steps = 3`" in card        # what the run changed
     assert f"**{ev['student_ppl']:.2f}** | **{ev['student_vs_teacher']:.3f}**" in card
     assert f"{ev['teacher_ppl']:.2f}" in card and "trust_remote_code=True" in card

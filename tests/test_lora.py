@@ -83,8 +83,8 @@ def distill_lora(capsys, model_dirs, corpus, tmp_path, *extra: str):
     sets = ("layerwise.seq_len=32", "layerwise.blocks=8", "layerwise.batch_size=2", "end_to_end.batch_size=2",
             "end_to_end.seq_len=32", "eval.blocks=2", "eval.seq_len=32", "student.dims=fix:8", "layerwise.steps=3",
             "end_to_end.steps=4", "end_to_end.lr=0.01", "student.lora_rank=2", *extra)
-    argv = ["distill", "--model", str(model_dirs["llama"]), "--data", str(corpus), "--out", str(out), "--device",
-            "cpu", *(x for key in sets for x in (("--set", key) if "=" in key else (key,)))]
+    argv = ["distill", "--recipe", "window", "--model", str(model_dirs["llama"]), "--data", str(corpus), "--out",
+            str(out), "--device", "cpu", *(x for key in sets for x in (("--set", key) if "=" in key else (key,)))]
     assert main(argv) == 0, capsys.readouterr().err
     log = json.loads((out / "log.json").read_text())
     assert log["end_to_end"]["steps"] == 4 and all(torch.isfinite(torch.tensor(log["end_to_end"]["losses"])))
@@ -151,7 +151,7 @@ def test_bfloat16_distillation_trains_and_saves_float32_tensors(capsys, model_di
 ])
 def test_bad_lora_input_is_one_line_error(capsys, model_dirs, tmp_path, extra, message):
     out = tmp_path / "run"
-    code = main(["distill", "--model", str(model_dirs["llama"]), "--out", str(out),
+    code = main(["distill", "--recipe", "window", "--model", str(model_dirs["llama"]), "--out", str(out),
                  *(x for key in extra for x in ("--set", key))])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1 and not out.exists()

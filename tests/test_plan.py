@@ -27,14 +27,14 @@ from tests import test_families as families
 from tests.conftest import tiny_model
 
 CONFIGS = Path(__file__).parent / "configs"
-# public figures: parameters, layers, teacher cache on disk with the default recipe (64 blocks x 256 tokens, float32
+# public figures: parameters, layers, teacher cache on disk with the window recipe (64 blocks x 256 tokens, float32
 # q/k/v of H + 2 Hkv heads of 128 in every layer)
 PUBLIC = {"qwen2.5-1.5b": ("qwen2", 1_543_714_304, 28, 28 * 64 * 256 * (12 + 2 * 2) * 128 * 4),
           "llama-3.1-8b": ("llama", 8_030_261_248, 32, 32 * 64 * 256 * (32 + 2 * 8) * 128 * 4)}
 
 
 def dry_run(capsys, *argv) -> tuple[int, str, str]:
-    code = main(["distill", "--dry-run", *argv])
+    code = main(["distill", "--dry-run", "--recipe", "window", *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -75,7 +75,7 @@ def test_dry_run_json_shards_qwen_over_8_devices(capsys, monkeypatch):
     student_layer = plan["student_parameters"] // 28
     assert memory["gathered"] == 4 * (root + 2 * (layer + student_layer))
     assert plan["student_parameters"] * 4 / 8 <= memory["gradients"] < plan["student_parameters"] * 4 / 4
-    one = make_plan(recipes.load("default", [], {"run.model": str(CONFIGS / "qwen2.5-1.5b")}), 1).memory
+    one = make_plan(recipes.load("window", [], {"run.model": str(CONFIGS / "qwen2.5-1.5b")}), 1).memory
     assert (memory["activations"], memory["loss"], memory["recompute"]) == (one.activations, one.loss,
                                                                             one.recompute) != (0, 0, 0)
     assert one.weights == params * 4 and one.gathered == 0
@@ -123,14 +123,14 @@ def test_linear_layers_are_the_candidates_less_the_softmax_layers_kept():
     """`choose.linear_layers`, the one rule of a run and of its plan: Gemma 2 keeps its own sliding-window layers
     (0 and 2) exact by default; the softmax layers chosen come off the rest, the plan's the last of them."""
     gemma = families.tiny("gemma2")
-    keep_one = recipes.load("default", ["student.keep_softmax=1"])
+    keep_one = recipes.load("window", ["student.keep_softmax=1"])
     assert linear_layers(keep_one, gemma, []) == [1, 3]                   # the candidates
     assert linear_layers(keep_one, gemma, [1]) == [3]                      # a run's choice
     assert linear_layers(keep_one, gemma) == [1]                           # the plan's
-    everything = recipes.load("default", ["student.local_layers='linearize'", "student.keep_softmax=2"])
+    everything = recipes.load("window", ["student.local_layers='linearize'", "student.keep_softmax=2"])
     assert linear_layers(everything, gemma) == [0, 1]
     with pytest.raises(UserError, match="student.keep_softmax = 2 leaves no layer to linearize"):
-        linear_layers(recipes.load("default", ["student.keep_softmax=2"]), gemma)
+        linear_layers(recipes.load("window", ["student.keep_softmax=2"]), gemma)
 
 
 def measure(model, recipe, ids) -> dict:
@@ -192,7 +192,7 @@ def test_memory_plan_matches_one_measured_end_to_end_step(case):
     family, sets = CASES[case]
     model = tiny_model("llama") if family == "llama" else families.tiny(family)
     B, T = 2, 128
-    recipe = recipes.load("default", [f"end_to_end.batch_size={B}", f"end_to_end.seq_len={T}", "student.window=4",
+    recipe = recipes.load("window", [f"end_to_end.batch_size={B}", f"end_to_end.seq_len={T}", "student.window=4",
                                       "student.sink=1", "student.dims='fix:8'", "end_to_end.loss_chunk=0", *sets])
     model = model.to(getattr(torch, recipe.run.dtype))
     plan = make_plan(recipe, 1, config=model.config)
@@ -222,7 +222,7 @@ def test_memory_plan_matches_one_measured_end_to_end_step(case):
 def test_teacher_cache_is_the_size_planned(tmp_path, tokenizer):
     """The plan's teacher cache against the files `TeacherCache` writes for the same blocks and tokens."""
     model = tiny_model("llama")
-    recipe = recipes.load("default", ["layerwise.blocks=3", "layerwise.seq_len=16"])
+    recipe = recipes.load("window", ["layerwise.blocks=3", "layerwise.seq_len=16"])
     plan = make_plan(recipe, 1, config=model.config)
     blocks = torch.randint(0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
     cache = TeacherCache(tmp_path / "teacher", model.config.num_hidden_layers, (3, 16), head_layout(model))
@@ -243,7 +243,7 @@ def test_the_peak_at_a_real_vocabulary_is_the_one_planned():
     for sets in ([], ["end_to_end.activation_checkpointing=true"]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
-        recipe = recipes.load("default", ["student.dims='fix:32'", "end_to_end.batch_size=2",
+        recipe = recipes.load("window", ["student.dims='fix:32'", "end_to_end.batch_size=2",
                                           "end_to_end.seq_len=128", "end_to_end.loss_chunk=64", *sets])
         memory = make_plan(recipe, 1, config=config).memory
         build(model, recipe.student_spec([32] * 2, [0, 1]))

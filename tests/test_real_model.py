@@ -120,7 +120,7 @@ def test_smoke_distill_on_smollm2(tmp_path, capsys):
     sets = ("student.dims=fix", "layerwise.steps=2", "end_to_end.steps=1", "layerwise.blocks=4",
             "layerwise.seq_len=64", "layerwise.batch_size=2", "end_to_end.seq_len=64", "eval.blocks=1",
             "eval.seq_len=64")
-    code = main(["distill", *(x for key in sets for x in ("--set", key)), "--out", str(out)])
+    code = main(["distill", "--recipe", "window", *(x for key in sets for x in ("--set", key)), "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     log = json.loads((out / "log.json").read_text())

@@ -17,16 +17,24 @@ def test_a_resolved_recipe_loads_back_to_itself(tmp_path, name):
     assert recipe.name == name and recipe.description == recipes.packaged()[name]
 
 
-def test_the_default_recipe_file_gives_the_defaults():
-    """default.toml gives each key it names at the value a recipe that leaves it out gets (a new key need not be
-    written there: its default is the code's), and the default recipe is the recipe of defaults."""
-    text, _ = recipes.read_text("default")
+def test_the_window_recipe_file_gives_the_defaults():
+    """window.toml gives each key it names at the value a recipe that leaves it out gets (a new key need not be
+    written there: its default is the code's), and the window recipe is the recipe of defaults."""
+    text, _ = recipes.read_text("window")
     given = recipes.tomllib.loads(text)
     fields = recipes.key_fields()
     for table, content in given.items():
         for name, value in (content.items() if isinstance(content, dict) else ()):
             assert fields[f"{table}.{name}"][1] == value, f"{table}.{name}"
-    assert recipes.load("default") == recipes.Recipe(name="default", description=recipes.packaged()["default"])
+    assert recipes.load("window") == recipes.Recipe(name="window", description=recipes.packaged()["window"])
+
+
+def test_the_default_recipe_is_the_best_measured_student():
+    """`dofattn distill` without --recipe trains long-context; `dofattn recipes` lists it first, and every packaged
+    recipe with what it reaches and costs."""
+    assert recipes.load().name == recipes.DEFAULT == "long-context" == next(iter(recipes.packaged()))
+    info = recipes.packaged_info()
+    assert all(entry["description"] and entry["reaches"] and entry["costs"] for entry in info.values())
 
 
 @pytest.mark.parametrize("item,key,value", [
@@ -64,8 +72,13 @@ def test_set_values_take_their_keys_type(item, key, value):
 ])
 def test_bad_sets_are_one_line_errors(sets, message):
     with pytest.raises(UserError) as error:
-        recipes.load("default", sets)
+        recipes.load("window", sets)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_old_recipe_name_says_its_new_one():
+    with pytest.raises(UserError, match="recipe 'default' is now 'window' .*dofattn distill trains long-context"):
+        recipes.load("default")
 
 
 def test_bad_files_are_one_line_errors(tmp_path):
@@ -80,7 +93,7 @@ def test_bad_files_are_one_line_errors(tmp_path):
         with pytest.raises(UserError) as error:
             recipes.load(str(path))
         assert message in str(error.value), (text, error.value)
-    with pytest.raises(UserError, match="unknown recipe 'nonesuch'; use one of default, "):
+    with pytest.raises(UserError, match="unknown recipe 'nonesuch'; use one of long-context, "):
         recipes.load("nonesuch")
 
 

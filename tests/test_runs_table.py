@@ -36,7 +36,7 @@ def fake_run(folder: Path, ppl: float, curve: list[dict] | None = None, losses: 
     return folder
 
 
-def fake_recipe_run(folder: Path, ppl: float, recipe: str = "default", sets: tuple[str, ...] = (),
+def fake_recipe_run(folder: Path, ppl: float, recipe: str = "window", sets: tuple[str, ...] = (),
                     losses: list[float] | None = None, name: str | None = None) -> Path:
     """A run folder as `dofattn distill` leaves it now, as far as the table reads it: recipe.toml and log.json."""
     r = recipes.load(recipe, sets=list(sets))
@@ -265,12 +265,12 @@ def test_old_recipes_fill_the_flags_left_unset():
 
 def test_a_recipe_run_names_the_keys_that_differ_from_its_recipe(tmp_path):
     """Against its own packaged recipe; the seed and keys that leave the student as it is are no difference; the
-    setting (what seeds pool by) is against the default recipe."""
+    setting (what seeds pool by) is against the window recipe."""
     sets = ("student.window=32", "end_to_end.lr=0.001", "end_to_end.eval_every=5", "run.seed=2")
-    row = runs_table.describe(fake_recipe_run(tmp_path / "long-w32", 30.0, "long", sets))
+    row = runs_table.describe(fake_recipe_run(tmp_path / "long-w32", 30.0, "window-lora", sets))
     assert row["run"] == "long-w32" and row["seed"] == 2
     assert row["changed"] == {"student.window": 32, "end_to_end.lr": 0.001}
-    long, default = recipes.load("long").keys(), recipes.load("default").keys()
+    long, default = recipes.load("window-lora").keys(), recipes.load("window").keys()
     assert row["setting"] == {k: v for k, v in {**long, "student.window": 32, "end_to_end.lr": 0.001}.items()
                               if v != default[k] and k not in ("run.seed", "end_to_end.eval_every")}
     assert "end_to_end.steps" in row["setting"] and "student.lora_rank" in row["setting"]

@@ -4,19 +4,17 @@ sink, its window and the keys the prompt's last queries attend to most (`spec.Ke
 import pytest
 import torch
 
-from dofattn.attention import CONV_NAMES, LinearAttention, LinearStateLayer
-from dofattn.attention.cache import RingWindowLayer, cache_bytes
+from dofattn.attention.cache import cache_bytes
 from dofattn.errors import UserError
 from dofattn.ops.select import naive_select_keys, select_keys
 from dofattn.ops.softmax import expand_kv
-from dofattn.ops.window import first_keys, naive_window_linear_attention
+from dofattn.ops.window import first_keys
 from dofattn.spec import Attention, Kept, StudentSpec
 from dofattn.student import linearize
 from tests.conftest import tiny_model
-from tests.test_attention import off_its_start, reference_conv
 
-# odd shapes: 23 tokens (a prompt of 15), 6 query heads on 2 kv heads, head dim 5, 7 features
-B, T, P, H, HKV, D, M = 2, 23, 15, 6, 2, 5, 7
+# odd shapes: 23 tokens (a prompt of 15), 6 query heads on 2 kv heads, head dim 5
+B, T, P, H, HKV, D = 2, 23, 15, 6, 2, 5
 WINDOW, SINK, COUNT, OBSERVE, POOL = 4, 2, 7, 4, 3
 
 

@@ -5,7 +5,7 @@ Pick one by name, change any key with --set (`dofattn recipes --keys` explains t
 recipe.toml to run it again. The run folder (--out) ends up a loadable student; the same command resumes an
 interrupted run, or goes on when end_to_end.steps grew. It prints teacher's, student's and a Performer's perplexity.
 
-    dofattn distill                                          # the default recipe
+    dofattn distill                                          # the default recipe, long-context
     dofattn distill --recipe paper --set student.dims=fix --out runs/paper-fix
     dofattn distill --recipe runs/paper-fix/recipe.toml --seed 1 --out runs/paper-fix-s1
     dofattn distill --model Qwen/Qwen2.5-1.5B --dry-run --world-size 8   # the plan, memory per GPU: no run
@@ -26,7 +26,7 @@ from dofattn.options import DATA_HELP, option
 class DistillArgs:
     """What a run is given beside its recipe: the recipe and its [run] keys, and where and how long it runs."""
 
-    recipe: str | None = option(None, "a recipe name (below) or a .toml file; default: default, or with "
+    recipe: str | None = option(None, "a recipe name (below) or a .toml file; default: long-context, or with "
                                       "--continue-from that run's recipe")
     set: list[str] | None = option(None, "change one recipe key, e.g. --set student.window=32 (repeatable)",
                                    action="append", metavar="KEY=VALUE")
@@ -57,7 +57,8 @@ def options() -> list[type]:
 def add_parser(verbs):
     from dofattn.commands.recipes import recipe_lines
 
-    return add_verb(verbs, "distill", __doc__, options(), epilog="recipes:\n" + recipe_lines())
+    return add_verb(verbs, "distill", __doc__, options(),
+                    epilog="recipes (what each reaches and costs: dofattn recipes):\n" + recipe_lines(brief=True))
 
 
 def run(ns) -> int:
@@ -70,7 +71,7 @@ def run(ns) -> int:
         raise UserError(f"--time-limit must be >= 0 minutes (0: none), got {args.time_limit:g}")
     name = args.recipe
     if name is None:
-        name = str(Path(args.continue_from) / "recipe.toml") if args.continue_from else "default"
+        name = str(Path(args.continue_from) / "recipe.toml") if args.continue_from else recipes.DEFAULT
         if args.continue_from and not Path(name).is_file():
             raise UserError(f"--continue-from {args.continue_from} is not a dofattn distill run folder: it has no "
                             f"recipe.toml")

@@ -1,7 +1,7 @@
 """The recipes `dofattn distill --recipe` takes, one recipe resolved, or every recipe key explained.
 
     dofattn recipes                       # the packaged recipes, one line each
-    dofattn recipes long                  # every key of one recipe, resolved, as TOML (a file --recipe takes)
+    dofattn recipes window                # every key of one recipe, resolved, as TOML (a file --recipe takes)
     dofattn recipes --keys                # every key: type, default, meaning
 """
 
@@ -43,8 +43,15 @@ def run(ns) -> int:
     return 0
 
 
-def recipe_lines() -> str:
-    """The packaged recipes, one line each."""
+def recipe_lines(brief: bool = False) -> str:
+    """The packaged recipes, the default first: what each trains, and (unless `brief`) what it reaches on
+    SmolLM2-135M and what it costs."""
     from dofattn import recipe as recipes
 
-    return "\n".join(f"  {name:<14}{line}" for name, line in recipes.packaged().items())
+    lines = []
+    for name, info in recipes.packaged_info().items():
+        label = f"{name} (default)" if name == recipes.DEFAULT else name
+        lines.append(f"  {label:<24}{info['description']}")
+        if not brief and (info["reaches"] or info["costs"]):
+            lines.append(f"  {'':<24}reaches {info['reaches']}; {info['costs']}")
+    return "\n".join(lines)
