@@ -368,6 +368,8 @@ def check_source(spec: str) -> None:
         raise UserError(f"data {spec!r} is neither {WIKI_SAMPLE!r}, an existing file or folder, nor hf:NAME")
     if path.is_file() and path.suffix not in TEXT_SUFFIXES:
         raise UserError(f"data file {spec} is not a .txt, .jsonl or .parquet file")
+    if path.is_file() and path.stat().st_size == 0:
+        raise UserError(f"data file {spec} is empty: give a file with text in it")
 
 
 def texts(spec: str, split: str = "train") -> Sequence[str]:

@@ -233,6 +233,20 @@ def model_config(spec: str) -> PretrainedConfig:
     return config
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer(spec: str) -> None:
+    """A UserError for a local model folder with weights and no tokenizer, before anything loads (a hub id, an alias
+    or a .gguf file carries its own; a folder of a config alone is what `distill --dry-run` plans from)."""
+    path = Path(spec).expanduser()
+    if spec in BUILTIN or not path.is_dir() or not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        return
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"model folder {spec} has no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}): save it beside "
+                        f"the weights (tokenizer.save_pretrained({str(path)!r}))")
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[PreTrainedModel, object]:
     """Load a causal LM and its tokenizer from an alias, a .gguf file, a folder or a hub id; eval mode."""
@@ -242,6 +256,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32,
     else:
         config = _load_config(source, spec)
         check_supported(config, str(spec))
+        check_tokenizer(spec)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
                                                      attn_implementation=softmax_implementation(config))
         tokenizer = AutoTokenizer.from_pretrained(source)

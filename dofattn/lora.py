@@ -58,8 +58,8 @@ def require_peft():
     try:
         import peft
     except ImportError:
-        raise UserError("LoRA needs peft: pip install 'peft>=0.13' (or install dofattn with the [lora] extra)") \
-            from None
+        raise UserError("LoRA needs peft, dofattn's [lora] extra: pip install -e '.[lora]' in a checkout, or pip "
+                        "install 'peft>=0.13'") from None
     return peft
 
 

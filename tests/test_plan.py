@@ -253,3 +253,22 @@ def test_the_peak_at_a_real_vocabulary_is_the_one_planned():
         print(f"{sets}: plan {planned}, measured {measured['peak']}")
         assert memory.loss > memory.activations                              # the logits dominate
         assert abs(planned / measured["peak"] - 1) < 0.03, (planned, measured["peak"])
+
+
+def test_dry_run_checks_the_data_and_the_tokenizer_as_the_run_would(capsys, tmp_path, model_dirs):
+    """A missing or empty data file, a misspelt built-in source, a model folder whose weights have no tokenizer:
+    each a one-line error from --dry-run, before any weight is read."""
+    import shutil
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dirs["llama"], bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bare / name).unlink(missing_ok=True)
+    for argv, says in [(["--data", str(tmp_path / "nothere.txt")], "is neither 'wiki-sample'"),
+                       (["--data", "wiki-sampel"], "is neither 'wiki-sample'"),
+                       (["--data", str(empty)], "is empty"),
+                       (["--model", str(bare)], "has no tokenizer")]:
+        code, _, err = dry_run(capsys, *argv)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err

@@ -94,10 +94,17 @@ def run(ns) -> int:
 
 
 def dry_run(recipe, args: DistillArgs) -> int:
-    """`distill --dry-run`: the plan (`distill.plan`), from the model's config alone; nothing is written."""
+    """`distill --dry-run`: the plan (`distill.plan`), from the model's config alone; nothing is written. The data
+    and the model folder's tokenizer are checked as the run would, before it reads them."""
     import os
 
+    from dofattn.data import check_source
     from dofattn.distill.plan import make_plan
+    from dofattn.hf import check_tokenizer
+
+    for source in filter(None, (recipe.run.data, recipe.run.eval_data)):
+        check_source(source)
+    check_tokenizer(recipe.run.model)
 
     world = args.world_size
     if world is None:
