@@ -1,6 +1,6 @@
 """`dofattn bench`: a student's attention and generation against softmax attention and its teacher, on one machine.
 
-    results = run(BenchConfig(device="cpu", seq_lens=[512, 2048], student="runs/distill"))
+    results = run(BenchConfig(device="cpu", seq_lens=[512, 2048], student="runs/long-context"))
 
 The student is a config, not loose numbers (`student`): a recipe's (its [student] architecture with untrained
 features: speed does not depend on training) or a trained one, a run folder or an export. Three measurements, each

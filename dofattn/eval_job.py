@@ -1,7 +1,7 @@
 """The `dofattn eval` job: a student, an export or any supported model scored against its teacher on text (whole
 plain files too), lm-eval tasks and long-context recall, as one `EvalConfig` asks.
 
-    result = run(EvalConfig(model="runs/distill", num_blocks=4, out=None))    # what `dofattn eval` does
+    result = run(EvalConfig(model="runs/long-context", num_blocks=4, out=None))    # what `dofattn eval` does
     result["ppl"] / result["teacher_ppl"], result["by_position"]["ratio"]
 
 The measures are `evaluate`'s and `recall`'s; this module loads the models, reads the text, runs what is asked for
@@ -31,8 +31,8 @@ class EvalConfig:
     """What `run` evaluates, on what, and where it writes; the fields are `dofattn eval`'s options of the same
     names (`dofattn eval --help` says more). `out` None: no JSON; a plot None: no figure."""
 
-    model: str = option("runs/distill", "student folder (from dofattn distill), dofattn export, or any supported "
-                                        "model")
+    model: str = option("runs/long-context", "student folder (from dofattn distill; the default recipe's run "
+                                             "folder unless given), dofattn export, or any supported model")
     teacher: str | None = option(None, "another model to compare against (same tokenizer); default: the base "
                                        "model")
     data: str = option("wiki-sample", DATA_HELP)
@@ -51,7 +51,8 @@ class EvalConfig:
                                            "via --task-path)")
     task_path: str | None = option(None, "folder of local lm-eval task YAMLs")
     limit: int | None = option(None, "evaluate at most this many examples per lm-eval task")
-    out: str | None = option("eval.json", "where to write the JSON result")
+    out: str | None = option("auto", "where to write the JSON result; auto: eval.json in the student's run folder "
+                                     "(else in this folder)")
     plot: str | None = option(None, "also write a figure of the per-layer errors (.png, .pdf or .svg)")
     plot_positions: str | None = option(None, "also write a figure of perplexity and KL by context length (.png, "
                                               ".pdf or .svg)")
@@ -105,7 +106,13 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
     figure asked for})."""
     from dofattn.data import check_source
 
-    paths = {"out": check_output(cfg.out, "--out", (".json",))} if cfg.out else {}
+    from dofattn.student import check_default_run, is_student
+
+    check_default_run(cfg.model)
+    out = cfg.out
+    if out == "auto":
+        out = str(Path(cfg.model) / "eval.json") if is_student(cfg.model) else "eval.json"
+    paths = {"out": check_output(out, "--out", (".json",))} if out else {}
     paths.update({name: check_output(path, "--" + name.replace("_", "-"), (".png", ".pdf", ".svg"))
                   for name in FIGURES if (path := getattr(cfg, name))})
     check_source(cfg.data)
@@ -131,7 +138,7 @@ def run(cfg: EvalConfig, show=None) -> dict:
     """`dofattn eval`: the student `cfg.model` against its teacher, as `cfg` asks (see `EvalConfig`); returns what
     it writes to `cfg.out`. `show(text)` gets each table as it is ready and each file written (print, say).
 
-        result = run(EvalConfig(model="runs/distill", data="notes.txt", out=None))   # a plain file, scored whole
+        result = run(EvalConfig(model="runs/window", data="notes.txt", out=None))   # a plain file, scored whole
         result["tokens"], result["ppl"], result["kl"]
     """
     from dofattn.data import WIKI_SAMPLE, sources, token_blocks

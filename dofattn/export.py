@@ -1,6 +1,6 @@
 """`dofattn export`: a student as a Hugging Face model folder, and loading such a folder back.
 
-    export("runs/distill", "exports/student")                    # a run folder or a student folder
+    export("runs/long-context", "exports/student")                    # a run folder or a student folder
     export("runs/long", "exports/long", merge_lora=True, dtype="bfloat16")
     model, tokenizer, spec = load_export("exports/student")      # what `dofattn eval` / `generate` do with one
 
@@ -345,7 +345,8 @@ def modeling_file(model: nn.Module, base_model: str) -> str:
 class ExportConfig:
     """A `dofattn export` job; its fields are the command's options."""
 
-    model: str = option("runs/distill", "a dofattn distill run folder, or a student folder")
+    model: str = option("runs/long-context", "a dofattn distill run folder (the default recipe's unless given), or "
+                                             "a student folder")
     out: str | None = option(None, "the folder to write: new, empty, or a previous export (replaced)")
     merge_lora: bool = option(False, "fold LoRA adapters into the projection weights (no peft needed to load; the "
                                      "base model is then no longer inside); without it they are kept as peft layers")
@@ -354,6 +355,9 @@ class ExportConfig:
 
 def run(cfg: ExportConfig) -> Path:
     """`export` as `cfg` says; the folder written."""
+    from dofattn.student import check_default_run
+
+    check_default_run(cfg.model)
     if not cfg.out:
         raise UserError("give --out DIR, the folder to write the export to")
     return export(cfg.model, cfg.out, merge_lora=cfg.merge_lora, dtype=cfg.dtype)

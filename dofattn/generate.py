@@ -1,6 +1,6 @@
 """`dofattn generate`: continue a prompt with a student (or any supported model) and its fixed-size cache.
 
-    result = run(GenerateConfig(model="runs/distill", prompt="The history of mathematics"))
+    result = run(GenerateConfig(model="runs/long-context", prompt="The history of mathematics"))
     result["text"], result["tokens_per_s"]
 
 The model is a student folder written by `dofattn distill` (or `student.save_student`), an export (`dofattn
@@ -21,8 +21,9 @@ from dofattn.options import option
 class GenerateConfig:
     """The model, the prompt and how to decode it; the fields are `dofattn generate`'s options."""
 
-    model: str = option("smollm2-135m", "student folder, dofattn export, or a base model: alias, hub id, folder or "
-                                        ".gguf file")
+    model: str = option("runs/long-context", "student folder (the default recipe's run folder unless given), "
+                                             "dofattn export, or a base model: alias (smollm2-135m: the teacher), hub "
+                                             "id, folder or .gguf file")
     prompt: str = option("The history of mathematics", "text to continue")
     max_new_tokens: int = option(40, "number of tokens to generate")
     student: str | None = option(None, "make a base model this recipe's student first (packaged name or .toml: its "
@@ -59,8 +60,9 @@ def load(cfg: GenerateConfig):
     from dofattn import recipe as recipes
     from dofattn.hf import load_model, parse_dtype, resolve_device
     from dofattn.export import is_any_student, load_any
-    from dofattn.student import build_untrained, resolve_dims
+    from dofattn.student import build_untrained, check_default_run, resolve_dims
 
+    check_default_run(cfg.model)
     device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
     if is_any_student(cfg.model):
         if cfg.student:

@@ -27,6 +27,7 @@ from dofattn.spec import LORA_TARGETS, Attention, Kept, StudentSpec, check_kept,
 
 FORMAT = 1          # of recipe files: a file with another `format` is refused
 DEFAULT = "long-context"   # what `dofattn distill` trains without --recipe: the best student measured
+DEFAULT_RUN = f"runs/{DEFAULT}"   # its run folder, where eval, export and generate look unless told otherwise
 RENAMED = {"default": "window", "long": "window-lora"}    # packaged recipes' names before 2026-11-28
 LOSSES = ("softmax", "l2")
 DTYPES = ("float32", "bfloat16")

@@ -212,6 +212,16 @@ def save_student(model: nn.Module, folder: str | Path, spec: StudentSpec) -> Pat
     return folder
 
 
+def check_default_run(path: str) -> None:
+    """A UserError when `path` is the default recipe's run folder (`recipe.DEFAULT_RUN`) and no run made it yet
+    (eval, export and generate look there unless told otherwise)."""
+    from dofattn.recipe import DEFAULT_RUN
+
+    if path == DEFAULT_RUN and not Path(path).exists():
+        raise UserError(f"no student in {DEFAULT_RUN} yet: train it with `dofattn distill`, or pass --model (a run "
+                        f"folder, an export, or smollm2-135m for the teacher)")
+
+
 def is_student(path: str | Path) -> bool:
     return (Path(path) / CONFIG_FILE).is_file()
 

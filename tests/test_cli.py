@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -315,3 +316,18 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
 def test_generate_bad_input(capsys, model_dirs, args, message):
     code, _, err = run(capsys, "generate", "--model", str(model_dirs["llama"]), *args)
     assert code == 2 and message in err
+
+
+def test_commands_look_for_the_default_run_and_write_into_run_folders(capsys, tmp_path, monkeypatch, model_dirs):
+    """Without --model, generate, eval and export look in runs/long-context and say what to do when it is not
+    there; distill's default folder is runs/<recipe>; eval of a student run folder writes its eval.json there."""
+    from dofattn.eval_job import EvalConfig, check
+
+    monkeypatch.chdir(tmp_path)
+    for argv in (["generate"], ["eval"], ["export", "--out", "x"]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and "no student in runs/long-context yet: train it with `dofattn distill`" in err, err
+    (tmp_path / "runs" / "w").mkdir(parents=True)
+    (tmp_path / "runs" / "w" / "dofattn.json").write_text("{}")
+    assert check(EvalConfig(model="runs/w"))["out"] == Path("runs/w/eval.json")
+    assert check(EvalConfig(model=str(model_dirs["llama"])))["out"] == Path("eval.json")

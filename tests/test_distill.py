@@ -526,7 +526,7 @@ def test_lora_without_peft_fails_before_training(capsys, model_dirs, corpus, tmp
     out = tmp_path / "run"
     code, _, err = run(capsys, *distill_argv(model_dirs["gpt2"], corpus, out, "student.lora_rank=2",
                                              "end_to_end.steps=1"))
-    assert code != 0 and "LoRA needs peft: pip install" in err
+    assert code != 0 and "LoRA needs peft, dofattn's [lora] extra: pip install" in err
     assert not out.exists()
 
 

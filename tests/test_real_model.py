@@ -71,8 +71,8 @@ def test_gguf_file_loads_like_the_builtin_alias():
 
 
 def test_smoke_generate_with_linearized_smollm2(capsys):
-    code = main(["generate", "--student", "paper", "--dims", "fix", "--max-new-tokens", "8", "--prompt",
-                 "Albedo is"])
+    code = main(["generate", "--model", "smollm2-135m", "--student", "paper", "--dims", "fix", "--max-new-tokens",
+                 "8", "--prompt", "Albedo is"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert captured.out.startswith("Albedo is") and "8 tokens" in captured.err

@@ -36,7 +36,8 @@ class DistillArgs:
                                    metavar="TEXT")
     seed: int | None = option(None, "seed of the features, the data order and the DoF sample (run.seed)")
     dtype: str | None = option(None, "the frozen model's dtype (run.dtype): float32 or bfloat16")
-    out: str = option("runs/distill", "run folder: created, or resumed when it holds a run of the same recipe")
+    out: str | None = option(None, "run folder: created, or resumed when it holds a run of the same recipe",
+                             none="runs/RECIPE")
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
     time_limit: float = option(0.0, "minutes of end-to-end training, then save and evaluate; the same command goes "
                                     "on later (0: no limit)", metavar="MIN")
@@ -81,15 +82,16 @@ def run(ns) -> int:
         return dry_run(recipe, args)
     if args.world_size is not None or args.json:
         raise UserError("--world-size and --json go with --dry-run (a run's processes are torchrun's)")
+    out = args.out or f"runs/{recipe.name}"       # each recipe its own folder: none overwrites another's
     if recipe.student.lora_rank:                  # before hours of layerwise training, not after
         from dofattn.lora import require_peft
         require_peft()
     from dofattn.distill.run import DistillConfig, run as distill
 
-    log = distill(DistillConfig(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from))
+    log = distill(DistillConfig(recipe, out, resolve_device(args.device), args.time_limit, args.continue_from))
     if log.get("evaluation"):
         print(format_evaluation(recipe, log))
-        print(f"student saved in {args.out} (dofattn generate --model {args.out})")
+        print(f"student saved in {out} (dofattn generate --model {out})")
     return 0
 
 

@@ -5,7 +5,7 @@ base config and the student's spec), modeling_dofattn.py, model.safetensors (eve
 tensors in float32; shards past 5 GB), the tokenizer, a generation config and a model card with the run's
 evaluation numbers. `dofattn eval` and `dofattn generate` take OUT as --model.
 
-    dofattn export --model runs/distill --out exports/student
+    dofattn export --model runs/long-context --out exports/student
     dofattn export --model runs/long --out exports/long --merge-lora --dtype bfloat16
 """
 
