@@ -1,7 +1,29 @@
 """dofattn: turn a pretrained softmax-attention language model into a linear-attention one.
 
-Stages, one module each: `hf` (load models), `data` (text -> token blocks), `capture` (the attention's real
-queries, keys and values), `dof` (degrees of freedom per layer and the feature-dimension allocation), `cli`.
+    from dofattn import Attention, Kept, linearize, load
+    model, tokenizer, spec = load("runs/long-context")           # a run folder or an export: the trained student
+    linearize(base_model, [64] * 30, Attention(window=64, sink=4))  # a loaded HF model made a student, in place
+
+The pipeline, a layer each: `ops` (kernels and their naive references) -> `features` (feature maps) -> `attention`
+(the layer in parts) -> `spec` (the student's config) -> `student` (the swap into a Hugging Face model) ->
+`distill` (the stages) -> the jobs (`dof_job`, `distill.run`, `eval_job`, `generate`, `bench`, `sample`, `export`) ->
+`commands` (the CLI). The names below load their modules when first used, so `dofattn --help` stays quick.
 """
 
 __version__ = "0.1.0"
+
+_PUBLIC = {"Attention": "dofattn.spec", "Kept": "dofattn.spec", "StudentSpec": "dofattn.spec",
+           "linearize": "dofattn.student", "load_student": "dofattn.student", "save_student": "dofattn.student",
+           "load": ("dofattn.export", "load_any"), "export": "dofattn.export",
+           "StaticDecoder": "dofattn.engine", "load_recipe": ("dofattn.recipe", "load")}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    """`dofattn.linearize` and the rest of `_PUBLIC`, imported on first use."""
+    import importlib
+
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'dofattn' has no attribute {name!r}")
+    module, attr = _PUBLIC[name] if isinstance(_PUBLIC[name], tuple) else (_PUBLIC[name], name)
+    return getattr(importlib.import_module(module), attr)

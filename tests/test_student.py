@@ -208,3 +208,20 @@ def test_schema_2_folders_with_flat_tensor_names_load(tmp_path, model_dirs):
     x = ids()
     with torch.no_grad():
         assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
+
+
+def test_the_package_hands_out_its_public_names_lazily():
+    """`from dofattn import load, linearize, Attention, ...` works, and importing dofattn alone loads no torch (the
+    CLI's --help stays quick)."""
+    import subprocess
+    import sys
+
+    import dofattn
+    from dofattn import Attention, Kept, StaticDecoder, linearize, load, load_recipe  # noqa: F401
+
+    assert load_recipe().name == "long-context" and Attention().window == 64
+    assert set(dofattn.__all__) >= {"load", "linearize", "Attention", "Kept", "StaticDecoder"}
+    with pytest.raises(AttributeError, match="no attribute 'nothere'"):
+        dofattn.nothere
+    code = "import sys, dofattn; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
