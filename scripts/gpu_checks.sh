@@ -59,14 +59,19 @@ if [[ $PARTS == *bench* ]]; then
     converting=$!
 fi
 
+# the gpu extra's plugins where installed (pip install -e ".[gpu]"): a time limit per test, parallel workers
+has() { python3 -c "import $1" >/dev/null 2>&1; }
+PER_TEST=(); if has pytest_timeout; then PER_TEST=(--timeout 200); fi
+PARALLEL=(); if has xdist; then PARALLEL=(-n "${WORKERS:-16}"); fi
 if [[ $PARTS == *tests* ]]; then
     echo "== tests: new paths (tests/test_gpu.py)" | tee -a "$LOG"
     DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${NEW_S:-150}" python3 -m pytest -q -p no:cacheprovider \
-        --timeout 140 -rfE tests/test_gpu.py > "$OUT/tests-new.log" 2>&1
+        ${PER_TEST[@]+"${PER_TEST[@]}"} -rfE tests/test_gpu.py > "$OUT/tests-new.log" 2>&1
     echo "new paths: exit $?" | tee -a "$LOG"
     echo "== tests: kernels, decoder, selection" | tee -a "$LOG"
-    DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${TESTS_S:-330}" python3 -m pytest -q -n "${WORKERS:-16}" \
-        -p no:cacheprovider --timeout 200 -rfE tests/test_triton_*.py tests/test_ops.py tests/test_engine.py \
+    DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${TESTS_S:-330}" python3 -m pytest -q \
+        ${PARALLEL[@]+"${PARALLEL[@]}"} -p no:cacheprovider ${PER_TEST[@]+"${PER_TEST[@]}"} -rfE \
+        tests/test_triton_*.py tests/test_ops.py tests/test_engine.py \
         tests/test_decode_step.py tests/test_select.py \
         "tests/test_dof.py::test_sample_points_on_cuda_equal_cpu" > "$OUT/tests.log" 2>&1
     echo "tests: exit $?" | tee -a "$LOG"
