@@ -52,8 +52,7 @@ def static_slot(slot, length: int, position: torch.Tensor):
     if isinstance(slot, BoundedKVLayer):
         return StaticBoundedLayer.from_layer(slot, position)
     if isinstance(slot, LinearStateLayer):
-        window = slot.parts.get("window")
-        return (RingWindowLayer.from_layer(slot, window.width, position) if window is not None
+        return (RingWindowLayer.from_layer(slot, position) if "window" in slot.parts
                 else StaticStateLayer.freeze(slot))
     return StaticKVLayer.from_layer(slot, length, position)
 

@@ -129,7 +129,7 @@ def test_every_path_matches_the_naive_forms(variant, feature):
             layer(q[:, :6], k[:, :6], v[:, :6], valid[:, :6], cache=cache)
             cache.seen = 6
             position = torch.tensor([6])
-            ring = RingWindowLayer.from_layer(cache, layer.attention.window, position)
+            ring = RingWindowLayer.from_layer(cache, position)
             for t in range(6, T):
                 out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)
                 torch.testing.assert_close(out, ref[:, t:t + 1], rtol=1e-6, atol=1e-6)

@@ -153,7 +153,7 @@ def test_ring_steps_equal_the_general_call(W, S, decay, prompt, monkeypatch):
             layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache=cache)
         ringed.seen = prompt
         position = torch.tensor([prompt])
-        ring = RingWindowLayer.from_layer(ringed, W, position)
+        ring = RingWindowLayer.from_layer(ringed, position)
         for t in range(prompt, q.shape[1]):
             ref = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=listed)
             out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)

@@ -306,7 +306,7 @@ def ring_case(W, S, H, Hkv, D, M, decay, prompt, dtype, steps, scale=2.0):
     rings, positions = [], []
     for _ in range(2):
         positions.append(torch.tensor([prompt], device=DEVICE))
-        rings.append(RingWindowLayer.from_layer(copy.deepcopy(cache), W, positions[-1]))
+        rings.append(RingWindowLayer.from_layer(copy.deepcopy(cache), positions[-1]))
     return layer, rings, positions, (q[:, prompt:], k[:, prompt:], v[:, prompt:])
 
 

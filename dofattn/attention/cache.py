@@ -91,20 +91,13 @@ class SinkState(PartState):
         return copy
 
 
-class SelectState(PartState):
-    """A bounded exact cache's chosen keys and values per kv head ([B, C, Hkv, D]; slot c of a kv head holds that
-    head's c-th choice, without positions) and which slots are filled ([B, C])."""
-
-    NAMES = ("keys", "values", "valid")
-
-
 class ConvState(PartState):
     """A short convolution's last K-1 inputs of q, k and v ([B, K-1, heads, D]; zeros before the first token)."""
 
     NAMES = ("q", "k", "v")
 
 
-PART_STATES = {"window": WindowState, "sink": SinkState, "select": SelectState, "conv": ConvState}
+PART_STATES = {"window": WindowState, "sink": SinkState, "conv": ConvState}
 
 
 class BatchSlot(CacheLayerMixin):
@@ -223,8 +216,9 @@ class RingWindowLayer(StaticStateLayer):
     arrivals: torch.Tensor | None = None
 
     @classmethod
-    def from_layer(cls, layer: LinearStateLayer, window: int, position: torch.Tensor) -> RingWindowLayer:
-        """The ring for `layer` after a prefill of `layer.seen` tokens (it holds their last ≤ W keys in order)."""
+    def from_layer(cls, layer: LinearStateLayer, position: torch.Tensor) -> RingWindowLayer:
+        """The ring for `layer` after a prefill of `layer.seen` tokens (its window state holds their last ≤ W keys in
+        order, and W)."""
         ring = cls()
         ring.is_initialized = layer.is_initialized
         ring.dtype, ring.device = getattr(layer, "dtype", None), getattr(layer, "device", None)
@@ -234,8 +228,8 @@ class RingWindowLayer(StaticStateLayer):
                 ring.parts[name] = part.frozen()
         last, ring_window = layer.parts["window"], ring.part("window")
         for name in WindowState.NAMES:
-            setattr(ring_window, name, in_ring(getattr(last, name), layer.seen, window))
-        ring_window.width = window
+            setattr(ring_window, name, in_ring(getattr(last, name), layer.seen, last.width))
+        ring_window.width = last.width
         ring.arrivals = torch.zeros(last.keys.shape[0], dtype=torch.int32, device=last.keys.device)
         return ring
 
