@@ -29,6 +29,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -127,16 +128,29 @@ def _layer(cfg: BenchConfig, attention):
     return LinearAttention(attention, fmap, num_kv_heads=cfg.heads).to(cfg.device).eval()
 
 
-def student_config(cfg: BenchConfig):
-    """(the student's spec.Attention, its description, a trained student's path or None, its recipe or None)."""
+class Student(NamedTuple):
+    """The student `cfg.student` names, resolved once (`student_of`)."""
+
+    attention: object               # its `spec.Attention`, which the op rows build their layer from
+    description: str                # in words, for the JSON and the tables
+    path: str | None                # a trained student's run folder or export
+    recipe: object | None           # else the recipe whose untrained student it is
+
+
+def student_of(cfg: BenchConfig) -> Student:
+    """The student `cfg.student` names: a trained one (a run folder or an export) or a recipe's untrained one; a
+    UserError for neither, or for a recipe whose student cannot be built untrained."""
     from dofattn import recipe as recipes
     from dofattn.export import is_any_student, spec_of
+    from dofattn.student import check_untrained
 
     if is_any_student(cfg.student):
         spec = spec_of(cfg.student)
-        return spec.attention, f"{cfg.student} ({'; '.join(spec.describe())})", cfg.student, None
+        return Student(spec.attention, f"{cfg.student} ({'; '.join(spec.describe())})", cfg.student, None)
     recipe = recipes.load(cfg.student)
-    return recipe.student.attention, f"recipe {recipe.name}, untrained ({recipe.description})", None, recipe
+    if cfg.model and "generation" in cfg.parts:
+        check_untrained(recipe)
+    return Student(recipe.student.attention, f"recipe {recipe.name}, untrained ({recipe.description})", None, recipe)
 
 
 def op_backends(device: str) -> list[str]:
@@ -166,12 +180,12 @@ def _pure(attention):
 
 
 @torch.no_grad()
-def bench_prefill(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
+def bench_prefill(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     from dofattn.ops import linear_attention, pick_backend
 
     rows = []
-    attention = student_config(cfg)[0]
-    linear, student = _layer(cfg, _pure(attention)), _layer(cfg, attention)
+    attention = student.attention
+    linear, layer = _layer(cfg, _pure(attention)), _layer(cfg, attention)
     for T in cfg.seq_lens:
         g = torch.Generator(device=cfg.device).manual_seed(T)
         q, k, v = (torch.randn(1, T, cfg.heads, cfg.head_dim, generator=g, device=cfg.device, dtype=dtype)
@@ -181,7 +195,7 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None)
         # and hand the op contiguous features (the calibrating call's PyTorch path gives a strided φk, which the
         # op would copy, and the op rows would time that copy too)
         linear.feature_map(k, "key")
-        student.feature_map(k, "key")
+        layer.feature_map(k, "key")
         phi_q, phi_k = (linear.feature_map(x, role).to(dtype) for x, role in ((q, "query"), (k, "key")))
         row = {"T": T, "batch": 1, "heads": cfg.heads, "head_dim": cfg.head_dim, "features": cfg.features,
                "student": attention.describe() or "pure linear", "dtype": str(dtype).removeprefix("torch."),
@@ -190,7 +204,7 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None)
                                 cfg.repeats),
                "linear_op_ms": timed(lambda: linear_attention(phi_q, phi_k, v), cfg.device, cfg.repeats),
                "linear_ms": timed(lambda: linear.attend(q, k, v), cfg.device, cfg.repeats),
-               "student_ms": timed(lambda: student.attend(q, k, v), cfg.device, cfg.repeats)}
+               "student_ms": timed(lambda: layer.attend(q, k, v), cfg.device, cfg.repeats)}
         row["op_ms"] = {name: try_timed(lambda name=name: linear_attention(phi_q, phi_k, v, backend=name),
                                         cfg.device, cfg.repeats) for name in op_backends(cfg.device)}
         row["speedup_op_vs_sdpa"] = row["sdpa_ms"] / row["linear_op_ms"]
@@ -204,7 +218,7 @@ def bench_prefill(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None)
 
 
 @torch.no_grad()
-def bench_decode(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
+def bench_decode(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     """The student's step runs on a cache it prefilled with W + S + 1 tokens (its window full, its sink filled):
     the steady step of a long generation, whose cost does not grow with T."""
     from dofattn.attention import LinearStateLayer
@@ -212,8 +226,8 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) 
     from dofattn.ops import linear_attention
 
     rows = []
-    attention = student_config(cfg)[0]
-    linear, student = _layer(cfg, _pure(attention)), _layer(cfg, attention)
+    attention = student.attention
+    linear, layer = _layer(cfg, _pure(attention)), _layer(cfg, attention)
     B, H, D, M = cfg.decode_batch, cfg.heads, cfg.head_dim, cfg.features
     for T in cfg.seq_lens:
         g = torch.Generator(device=cfg.device).manual_seed(T)
@@ -228,7 +242,7 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) 
         prompt = (torch.randn(B, attention.window + attention.sink + 1, H, D, generator=g, device=cfg.device,
                               dtype=dtype) for _ in range(3))
         student_cache = LinearStateLayer()
-        student(*prompt, cache=student_cache)      # calibrates its key shift too
+        layer(*prompt, cache=student_cache)      # calibrates its key shift too
         row = {"T": T, "batch": B, "heads": H, "head_dim": D, "features": M,
                "student": attention.describe() or "pure linear",
                "op_ms": timed(lambda: linear_attention(phi_q1, phi_k1, v1, state, output_final_state=True),
@@ -236,7 +250,7 @@ def bench_decode(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) 
                "sdpa_ms": timed(lambda: F.scaled_dot_product_attention(q, k_cache, v_cache), cfg.device,
                                 cfg.repeats),
                "linear_ms": timed(lambda: linear(q1, k1, v1, cache=cache), cfg.device, cfg.repeats),
-               "student_ms": timed(lambda: student(q1, k1, v1, cache=student_cache), cfg.device, cfg.repeats),
+               "student_ms": timed(lambda: layer(q1, k1, v1, cache=student_cache), cfg.device, cfg.repeats),
                "kv_cache_bytes": 2 * k_cache.numel() * k_cache.element_size(),
                "state_bytes": state.numel() * state.element_size(),
                "student_cache_bytes": cache_bytes(SimpleNamespace(layers=[student_cache]))}
@@ -288,21 +302,19 @@ def _generation_row(cfg: BenchConfig, model: str, student: bool, T: int, engine:
     return row
 
 
-def load_models(cfg: BenchConfig, dtype: torch.dtype):
+def load_models(cfg: BenchConfig, student: Student, dtype: torch.dtype):
     """(name, is the student, model, tokenizer) of the teacher, then the student: a trained one and its base model,
     or a recipe's student on `cfg.model` with untrained features (each loaded when its turn comes)."""
     from dofattn.hf import load_model
     from dofattn.export import load_any, spec_of
     from dofattn.student import attention_modules, build_untrained
 
-    _, _, path, recipe = student_config(cfg)
+    path, recipe = student.path, student.recipe
     if path is not None:
         base = spec_of(path).base_model
         yield base, False, *load_model(base, dtype=dtype, device=cfg.device)
         yield path, True, *load_any(path, dtype=dtype, device=cfg.device, merge_lora=True)[:2]
         return
-    if recipe.student.keep_softmax:       # before the teacher loads: refused at once
-        build_untrained(None, recipe, [])
     yield cfg.model, False, *load_model(cfg.model, dtype=dtype, device=cfg.device)
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
     build_untrained(model, recipe, [cfg.features] * len(attention_modules(model)))
@@ -310,11 +322,11 @@ def load_models(cfg: BenchConfig, dtype: torch.dtype):
 
 
 @torch.no_grad()
-def bench_generate(cfg: BenchConfig, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
+def bench_generate(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     from dofattn.engine import StaticDecoder
 
     rows = []
-    for name, is_student, model, tokenizer in load_models(cfg, dtype):
+    for name, is_student, model, tokenizer in load_models(cfg, student, dtype):
         vocab = model.get_input_embeddings().weight.shape[0]
         decoders = []             # the student also on static buffers, and with --compile through torch.compile
         if is_student:
@@ -378,7 +390,6 @@ def validate(cfg: BenchConfig) -> None:
     for name in ("heads", "head_dim", "features", "decode_batch", "repeats", "new_tokens"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    student_config(cfg)                     # a student that is neither a recipe nor a folder: one line
     unknown = [p for p in cfg.parts if p not in PARTS]
     if unknown or not cfg.parts:
         raise UserError(f"--parts takes some of {','.join(PARTS)} (comma-separated), got {','.join(cfg.parts)!r}")
@@ -393,11 +404,12 @@ def run(cfg: BenchConfig, show=print) -> dict:
 
     cfg = cfg.resolved()
     validate(cfg)
+    student = student_of(cfg)               # neither a recipe nor a student, or not buildable: one line, at once
     out = check_output(cfg.out, "--out", (".json",)) if cfg.out else None
     dtype = parse_dtype(cfg.dtype)
     say = show or (lambda *a, **k: None)
 
-    result = {"config": asdict(cfg), "student": student_config(cfg)[1], "hardware": hardware(cfg.device),
+    result = {"config": asdict(cfg), "student": student.description, "hardware": hardware(cfg.device),
               "prefill": [], "decode": [], "generation": []}
     current = []                            # the rows of the part being measured
 
@@ -419,7 +431,7 @@ def run(cfg: BenchConfig, show=print) -> dict:
         title, measure = parts[name]
         say(f"{title} ...", flush=True)
         current = result[name] = []
-        result[name] = measure(cfg, dtype, report)
+        result[name] = measure(cfg, student, dtype, report)
         save()
     return result
 

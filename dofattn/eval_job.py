@@ -22,6 +22,7 @@ from dofattn.evaluate import (compare, first_blocks, format_comparison, format_l
 from dofattn.hf import resolve_device
 from dofattn.io import check_output
 from dofattn.options import DATA_HELP, option
+from dofattn.recipe import DEFAULT_RUN
 
 
 # --- `dofattn eval` -------------------------------------------------------------------------------------------------
@@ -31,7 +32,7 @@ class EvalConfig:
     """What `run` evaluates, on what, and where it writes; the fields are `dofattn eval`'s options of the same
     names (`dofattn eval --help` says more). `out` None: no JSON; a plot None: no figure."""
 
-    model: str = option("runs/long-context", "student folder (from dofattn distill; the default recipe's run "
+    model: str = option(DEFAULT_RUN, "student folder (from dofattn distill; the default recipe's run "
                                              "folder unless given), dofattn export, or any supported model")
     teacher: str | None = option(None, "another model to compare against (same tokenizer); default: the base "
                                        "model")

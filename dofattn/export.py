@@ -47,6 +47,7 @@ from dofattn import __version__
 from dofattn.errors import UserError
 from dofattn.io import check_safetensors, write_atomic, write_json
 from dofattn.options import option
+from dofattn.recipe import DEFAULT_RUN
 from dofattn.spec import StudentSpec
 
 MODEL_TYPE = "dofattn"
@@ -345,7 +346,7 @@ def modeling_file(model: nn.Module, base_model: str) -> str:
 class ExportConfig:
     """A `dofattn export` job; its fields are the command's options."""
 
-    model: str = option("runs/long-context", "a dofattn distill run folder (the default recipe's unless given), or "
+    model: str = option(DEFAULT_RUN, "a dofattn distill run folder (the default recipe's unless given), or "
                                              "a student folder")
     out: str | None = option(None, "the folder to write: new, empty, or a previous export (replaced)")
     merge_lora: bool = option(False, "fold LoRA adapters into the projection weights (no peft needed to load; the "

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 from dofattn.errors import UserError
 from dofattn.options import option
+from dofattn.recipe import DEFAULT_RUN
 
 
 @dataclass
 class GenerateConfig:
     """The model, the prompt and how to decode it; the fields are `dofattn generate`'s options."""
 
-    model: str = option("runs/long-context", "student folder (the default recipe's run folder unless given), "
+    model: str = option(DEFAULT_RUN, "student folder (the default recipe's run folder unless given), "
                                              "dofattn export, or a base model: alias (smollm2-135m: the teacher), hub "
                                              "id, folder or .gguf file")
     prompt: str = option("The history of mathematics", "text to continue")
@@ -60,7 +61,7 @@ def load(cfg: GenerateConfig):
     from dofattn import recipe as recipes
     from dofattn.hf import load_model, parse_dtype, resolve_device
     from dofattn.export import is_any_student, load_any
-    from dofattn.student import build_untrained, check_default_run, resolve_dims
+    from dofattn.student import build_untrained, check_default_run, check_untrained, resolve_dims
 
     check_default_run(cfg.model)
     device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
@@ -70,6 +71,8 @@ def load(cfg: GenerateConfig):
         model, tokenizer, spec = load_any(cfg.model, dtype=dtype, device=device, merge_lora=True)
         return model, tokenizer, f"student of {spec.base_model} ({'; '.join(spec.describe())})"
     recipe = recipes.load(cfg.student) if cfg.student else None
+    if recipe is not None:              # before the model loads: refused at once
+        check_untrained(recipe)
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
     if recipe is None:
         return model, tokenizer, cfg.model

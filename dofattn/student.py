@@ -156,13 +156,18 @@ def build(model: nn.Module, spec: StudentSpec) -> nn.Module:
     return model
 
 
-def build_untrained(model: nn.Module, recipe, dims: list[int]) -> StudentSpec:
-    """Make `model` the untrained student of `recipe` (a `recipe.Recipe`: its [student] architecture whole) with
-    `dims` features per layer, in place, for what does not depend on training (speed, memory, plumbing); its spec.
-    A UserError for a recipe whose kept softmax layers a run chooses."""
+def check_untrained(recipe) -> None:
+    """A UserError for a recipe whose student cannot be built untrained: its kept softmax layers a run chooses."""
     if recipe.student.keep_softmax:
         raise UserError(f"recipe {recipe.name!r} keeps softmax layers that a run chooses (copy probe or DoF); "
                         f"distill it, then use the run folder")
+
+
+def build_untrained(model: nn.Module, recipe, dims: list[int]) -> StudentSpec:
+    """Make `model` the untrained student of `recipe` (a `recipe.Recipe`: its [student] architecture whole) with
+    `dims` features per layer, in place, for what does not depend on training (speed, memory, plumbing); its spec.
+    A UserError for a recipe whose kept softmax layers a run chooses (`check_untrained`)."""
+    check_untrained(recipe)
     spec = recipe.student_spec(dims, global_layers(model))
     build(model, spec)
     return spec

@@ -1,7 +1,7 @@
 """Time a student's attention and generation against softmax attention (SDPA) and its teacher, on this machine.
 
 --student is what is timed: a recipe (its student's architecture with untrained features: speed does not depend on
-training; `default` unless given) or a trained student, a run folder or an export. Prefill: one layer's causal
+training; `window` unless given) or a trained student, a run folder or an export. Prefill: one layer's causal
 attention over T tokens (SDPA against the student's layer and pure linear attention with its features, and the
 linear op alone). Decode: one token against a context of T (SDPA over a KV cache against one step on the student's
 fixed-size cache). Generation: the teacher and the student prefill a prompt and generate greedily. Medians of
