@@ -82,16 +82,16 @@ def run(ns) -> int:
         return dry_run(recipe, args)
     if args.world_size is not None or args.json:
         raise UserError("--world-size and --json go with --dry-run (a run's processes are torchrun's)")
-    out = args.out or f"runs/{recipe.name}"       # each recipe its own folder: none overwrites another's
     if recipe.student.lora_rank:                  # before hours of layerwise training, not after
         from dofattn.lora import require_peft
         require_peft()
     from dofattn.distill.run import DistillConfig, run as distill
 
-    log = distill(DistillConfig(recipe, out, resolve_device(args.device), args.time_limit, args.continue_from))
+    job = DistillConfig(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from)
+    log = distill(job)
     if log.get("evaluation"):
         print(format_evaluation(recipe, log))
-        print(f"student saved in {out} (dofattn generate --model {out})")
+        print(f"student saved in {job.folder} (dofattn generate --model {job.folder})")
     return 0
 
 
@@ -100,13 +100,10 @@ def dry_run(recipe, args: DistillArgs) -> int:
     and the model folder's tokenizer are checked as the run would, before it reads them."""
     import os
 
-    from dofattn.data import check_source
     from dofattn.distill.plan import make_plan
-    from dofattn.hf import check_tokenizer
+    from dofattn.distill.run import check_inputs
 
-    for source in filter(None, (recipe.run.data, recipe.run.eval_data)):
-        check_source(source)
-    check_tokenizer(recipe.run.model)
+    check_inputs(recipe)
 
     world = args.world_size
     if world is None:

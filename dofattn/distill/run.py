@@ -24,26 +24,38 @@ class DistillConfig:
     `dofattn distill` builds it from its options."""
 
     recipe: Recipe
-    out: str | Path = "runs/distill"
+    out: str | Path | None = None    # the run folder; None: runs/<recipe name>, so that no recipe overwrites another's
     device: str = "cpu"
     time_limit: float = 0.0          # minutes of end-to-end training, then save and evaluate (0: no limit)
     continue_from: str | Path | None = None   # go on from a copy of this run folder's student
+
+    @property
+    def folder(self) -> Path:
+        """The run folder: `out`, or runs/<recipe name>."""
+        return Path(self.out or f"runs/{self.recipe.name}")
+
+
+def check_inputs(recipe: Recipe) -> None:
+    """What a run reads before it trains, checked before anything loads (also by `distill --dry-run`): its text
+    sources, and a local model folder's tokenizer."""
+    from dofattn.data import check_source
+    from dofattn.hf import check_tokenizer
+
+    for source in filter(None, (recipe.run.data, recipe.run.eval_data)):
+        check_source(source)
+    check_tokenizer(recipe.run.model)
 
 
 def run(cfg: DistillConfig) -> dict:
     """The whole job; returns the run log (also out/log.json). After `time_limit` minutes of end-to-end training
     the student is saved and evaluated as it is (the same call later goes on)."""
-    recipe, out, device, time_limit, continue_from = (cfg.recipe, cfg.out, cfg.device, cfg.time_limit,
-                                                      cfg.continue_from)
-    from dofattn.data import check_source, token_blocks
+    r, out, device, time_limit, continue_from = cfg.recipe, cfg.folder, cfg.device, cfg.time_limit, cfg.continue_from
+    from dofattn.data import token_blocks
     from dofattn.hf import load_model, parse_dtype
     from dofattn.student import (attention_modules, build, fingerprint, head_layout,
                                  is_student_tensor, load_student_tensors, resolve_dims, save_student)
 
-    r, out = recipe, Path(out)
-    check_source(r.run.data)
-    if r.run.eval_data:
-        check_source(r.run.eval_data)
+    check_inputs(r)
     if continue_from:                              # before the model loads: a refused copy costs nothing
         run_folder.check_continue(Path(continue_from), out, r)
     device = join(device)
