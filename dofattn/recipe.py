@@ -7,9 +7,10 @@
 The tables are the dataclasses below and their fields the keys; each field's `help` is its documentation
 (`dofattn recipes --keys` prints it). A file may leave keys out: they take the defaults here, which are the `window`
 recipe's (the default recipe, `DEFAULT`, is `long-context`). A packaged file also says what its student `reaches`
-and what it `costs` (`packaged_info`), which `dofattn recipes` lists. The [student] table holds the student's two configs whole, the linear layers' `spec.Attention`
-(`recipe.student.attention`) and the kept softmax layers' `spec.Kept` (`recipe.student.kept`): their keys are the
-table's keys (`student.window`, `student.select`), their rules their own. `validate` holds every other rule.
+and what it `costs` (`packaged_info`), which `dofattn recipes` lists. The [student] table holds the student's two
+configs whole, the linear layers' `spec.Attention` (`recipe.student.attention`) and the kept softmax layers'
+`spec.Kept` (`recipe.student.kept`): their keys are the table's keys (`student.window`, `student.select`), their
+rules their own. `validate` holds every other rule.
 """
 
 from __future__ import annotations

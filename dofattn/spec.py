@@ -112,16 +112,17 @@ class Kept:
 
     def __post_init__(self):
         """Its own rules; a UserError names the recipe key (student.KEY)."""
-        for name in ("select", "select_observe", "select_pool"):
-            value = getattr(self, name)
+        for f in fields(self):
+            value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise UserError(f"student.{name} = {value!r} is not an integer")
+                raise UserError(f"student.{f.name} = {value!r} is not an integer")
         if self.select < 0:
             raise UserError(f"student.select = {self.select}: give >= 0 keys per kv head (0: none)")
         if self.select_observe < 1 or self.select_pool < 1 or self.select_pool % 2 == 0:
             raise UserError(f"student.select_observe = {self.select_observe} must be >= 1 and student.select_pool "
                             f"= {self.select_pool} odd and >= 1")
-        if not self.select and (self.select_observe, self.select_pool) != (8, 15):
+        chooses = [f for f in fields(self) if f.name != "select"]
+        if not self.select and any(getattr(self, f.name) != f.default for f in chooses):
             raise UserError("student.select_observe and select_pool choose the selected keys, but student.select = "
                             "0 selects none: set student.select >= 1, or leave them out")
 

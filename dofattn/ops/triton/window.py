@@ -462,8 +462,8 @@ def prf_ring_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
                   max_excess: float, decay_rate: torch.Tensor | None = None, sink_keys: torch.Tensor | None = None,
                   sink_values: torch.Tensor | None = None, sink_valid: torch.Tensor | None = None,
                   arrivals: torch.Tensor | None = None) -> torch.Tensor:
-    """`hybrid.WindowBranch.ring_step` of a PRF window hybrid in one kernel: the state, the ring and its flags updated in
-    place, the position read on the device (no host sync: a CUDA graph can replay it).
+    """`hybrid.WindowBranch.ring_step` of a PRF window hybrid in one kernel: the state, the ring and its flags
+    updated in place, the position read on the device (no host sync: a CUDA graph can replay it).
 
     q [B, 1, H, D] (after RoPE); k, v [B, 1, Hkv, D | V] on kv heads (H a multiple of Hkv); state [B, H, M, V+1]
     float32 contiguous; keys, values [B, W, Hkv, D | V] and key_valid [B, W] bool: the ring (slot p mod W holds the
