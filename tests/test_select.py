@@ -47,6 +47,19 @@ def test_fast_selection_matches_the_spec(count, observe, pool):
     assert fast[1].sum(1).tolist() == [min(count, int(n)) for n in candidates.sum(1)]
 
 
+@pytest.mark.parametrize("keep", [OBSERVE, OBSERVE + 3])
+def test_the_last_queries_choose_as_the_whole_prompts_do(keep):
+    """A prompt read in chunks keeps only its last queries: given those, both forms choose as with every query."""
+    q, k, _, valid = inputs(dtype=torch.float32)
+    candidates = valid & (torch.arange(T) < T - 4)
+    for form in (select_keys, naive_select_keys):
+        whole = form(q, k, 0.4, candidates, COUNT, OBSERVE, POOL, valid)
+        last = form(q[:, T - keep:], k, 0.4, candidates, COUNT, OBSERVE, POOL, valid)
+        assert torch.equal(whole[1], last[1]) and chosen_sets(*whole) == chosen_sets(*last)
+    with pytest.raises(ValueError, match="the last 4 queries observe, but q holds 3"):
+        select_keys(q[:, T - 3:], k, 0.4, candidates, COUNT, OBSERVE, POOL, valid)
+
+
 def test_selection_follows_the_last_queries():
     """A key that the last queries of each head group point at is chosen; its pooled neighbours with it."""
     q, k, _, valid = inputs(dtype=torch.float32)

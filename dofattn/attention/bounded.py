@@ -8,9 +8,12 @@ per kv head that the prompt's last queries attend to most (`ops.select`, SnapKV-
 the rest (`BoundedKVLayer`). Every later query (the answer, the generated tokens) reads those, exactly, and a key
 leaving its window is gone: memory after the prompt is (S + C + W) keys per kv head at any length.
 
-The prompt is the first call of a sequence: read a prompt in one call (as `generate` and `dofattn eval --recall`
-do). A prompt fed in chunks (HF's `prefill_chunk_size`) is bounded after its first chunk, which is not the method.
-The prefill itself holds the whole prompt's keys, as the teacher's does: its peak grows with the prompt.
+The prompt is a sequence's first call. A long one is read in chunks (`attention.prompt`: the model's forward
+splits it), and while it is read the slot holds every key so far, the key validity and the last queries
+(`PromptKVLayer`); when its last chunk is read, the slot chooses, from those, exactly as after one call. So the
+read holds the prompt's keys in the kept layers (1.5 KB a token and layer for SmolLM2-135M in float32), not a whole
+prompt's activations. A prompt fed in chunks by a caller's own calls is bounded after its first chunk, which is
+not the method: give the model the whole prompt.
 
     linearize(model, dims, Attention(window=64, sink=4), kept=Kept(select=128))   # every kept layer: a BoundedSoftmax
 """
@@ -24,6 +27,19 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from dofattn.attention.cache import BatchSlot, in_ring, last_keys
 from dofattn.ops.select import prompt_candidates, select_keys
 from dofattn.ops.window import first_keys
+
+
+class PromptKVLayer(DynamicLayer):
+    """A kept layer's slot while a prompt is read in chunks: every key and value so far, as a `DynamicLayer` holds
+    them, and what the choice at the prompt's end reads besides: which keys are real (`valid` [B, T]) and the last
+    queries ([B, ≤ observe, H, D])."""
+
+    @classmethod
+    def from_layer(cls, layer: DynamicLayer) -> PromptKVLayer:
+        prompt = cls()
+        prompt.__dict__.update(vars(layer))
+        prompt.valid, prompt.queries = None, None
+        return prompt
 
 
 class BoundedKVLayer(BatchSlot):
@@ -137,12 +153,13 @@ class StaticBoundedLayer(CacheLayerMixin):
 class BoundedSoftmax(nn.Module):
     """A kept softmax layer's bounded cache: the selection of a `spec.Kept` beside the sink and window of the linear
     layers' `spec.Attention`. It has no parameters. `install` binds the HF cache and the layer's index for the
-    duration of a call (`cache`, `layer_idx`)."""
+    duration of a call (`cache`, `layer_idx`); `attention.prompt` sets `reading` while the prompt's chunks before
+    its last are read."""
 
     def __init__(self, kept, attention, scaling: float):
         super().__init__()
         self.kept, self.attention, self.scaling = kept, attention, float(scaling)
-        self.cache, self.layer_idx = None, None
+        self.cache, self.layer_idx, self.reading = None, None, False
 
     def extra_repr(self) -> str:
         return self.kept.describe(self.attention)
@@ -164,24 +181,44 @@ class BoundedSoftmax(nn.Module):
         return slot.mask() if isinstance(slot, BoundedKVLayer) else None
 
     @torch.no_grad()
-    def after(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor | None):
-        """After a call's attention (query [B, H, T, D], key and value [B, Hkv, T, D] as the layer attended,
-        key_valid [B, T] or None): if it was a sequence's first (the prompt), the slot becomes bounded."""
+    def after(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new_valid: torch.Tensor | None):
+        """After a call's attention (query [B, H, T, D]; key and value [B, Hkv, P, D], every key the layer attended:
+        the cache's and the call's; new_valid [B, T], which of the call's keys are real, or None: all): while a
+        prompt is read (a sequence's first call, and the calls that continue it while `reading`), the slot keeps its
+        keys; at the prompt's end it becomes bounded."""
         slot = self.slot()
+        B, _, T, _ = query.shape
+        if isinstance(slot, PromptKVLayer):
+            valid, queries = slot.valid, slot.queries
+        elif type(slot) is DynamicLayer and key.shape[2] == T:         # a sequence's first call
+            valid, queries = None, None
+        else:
+            return                        # bounded already, or a cache this layer did not start: nothing to choose
+        real = torch.ones(B, T, dtype=torch.bool, device=key.device) if new_valid is None else new_valid
+        valid = real if valid is None else torch.cat([valid, real], 1)
+        queries = query.transpose(1, 2) if queries is None else torch.cat([queries, query.transpose(1, 2)], 1)
+        queries = last_keys(queries, self.kept.select_observe)            # [B, ≤ observe, H, D]
+        if self.reading:
+            if not isinstance(slot, PromptKVLayer):
+                slot = self.layers()[self.layer_idx] = PromptKVLayer.from_layer(slot)
+            slot.valid, slot.queries = valid, queries
+            return
+        self.layers()[self.layer_idx] = self.choose(queries, key, value, valid)
+
+    def choose(self, queries: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               valid: torch.Tensor) -> BoundedKVLayer:
+        """The bounded slot after a prompt of T tokens: its last queries [B, ≤ observe, H, D], its keys and values
+        [B, Hkv, T, D] and which are real ([B, T])."""
         B, _, T, _ = key.shape
-        if type(slot) is not DynamicLayer or key.shape[2] != query.shape[2]:
-            return                        # bounded already, or not a prompt's first call: nothing to choose
-        q, k = query.transpose(1, 2), key.transpose(1, 2)                           # [B, T, H, D], [B, T, Hkv, D]
-        valid = torch.ones(B, T, dtype=torch.bool, device=key.device) if key_valid is None else key_valid
+        k = key.transpose(1, 2)                                                     # [B, T, Hkv, D]
         width, sink_size, kept = self.attention.window, self.attention.sink, self.kept
         sink = first_keys(valid, B, T, sink_size, key.device) if sink_size else torch.zeros_like(valid)
         candidates = prompt_candidates(valid, sink, width)
-        index, chosen = select_keys(q, k, self.scaling, candidates, kept.select, kept.select_observe,
+        index, chosen = select_keys(queries, k, self.scaling, candidates, kept.select, kept.select_observe,
                                     kept.select_pool, valid)
         order = torch.sort(torch.where(sink, 0, 1), dim=1, stable=True).indices[:, :sink_size]    # sink positions
         at = torch.cat([order[:, None, :].expand(-1, k.shape[2], -1), index], -1)              # [B, Hkv, S + C]
         held_valid = torch.cat([sink.gather(1, order), chosen], 1)
         gather = lambda x: x.gather(2, at[..., None].expand(-1, -1, -1, x.shape[-1]))
-        self.layers()[self.layer_idx] = BoundedKVLayer(gather(key), gather(value), held_valid,
-                                                      last_keys(key, width, 2), last_keys(value, width, 2),
-                                                      last_keys(valid & ~sink, width), width, T)
+        return BoundedKVLayer(gather(key), gather(value), held_valid, last_keys(key, width, 2),
+                              last_keys(value, width, 2), last_keys(valid & ~sink, width), width, T)

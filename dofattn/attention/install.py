@@ -17,6 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from dofattn.attention.cache import state_layer
 from dofattn.attention.layer import LinearAttention
+from dofattn.attention.prompt import read_in_chunks
 from dofattn.capture import base_attention
 from dofattn.errors import UserError
 from dofattn.hf import softmax_implementation
@@ -79,10 +80,10 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
     own = static.slot_mask() if static is not None else bounded.mask() if bounded is not None else None
-    prompt_valid = _key_padding(attention_mask, key.shape[2]) if bounded is not None and own is None else None
+    new_valid = _key_padding(attention_mask, query.shape[2]) if bounded is not None and own is None else None
     out = attend(query, key, value, own if own is not None else attention_mask)
     if bounded is not None and bounded.cache is not None:    # after a prompt, the cache keeps what it bounds
-        bounded.after(query, key, value, prompt_valid)
+        bounded.after(query, key, value, new_valid)
     return out
 
 
@@ -106,11 +107,13 @@ def eager_attention_forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor
 
 
 def install(model: nn.Module) -> None:
-    """Route `model`'s attention through dofattn and hook the linearized modules' cache handling."""
+    """Route `model`'s attention through dofattn, hook the linearized modules' cache handling, and read long prompts
+    in chunks (`prompt.read_in_chunks`)."""
     AttentionInterface.register(IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
     AttentionInterface.register(EAGER_IMPLEMENTATION, eager_attention_forward)
     AttentionMaskInterface.register(EAGER_IMPLEMENTATION, eager_mask)
+    read_in_chunks(model)
     eager = softmax_implementation(model.config) == "eager"
     model.set_attn_implementation(EAGER_IMPLEMENTATION if eager else IMPLEMENTATION)
     for module in model.modules():

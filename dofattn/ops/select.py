@@ -2,11 +2,12 @@
 
     index, valid = select_keys(q, k, scaling, candidates, count=256, observe=8, pool=15)
 
-q [B, T, H, D] and k [B, T, Hkv, D] are one prompt's queries and keys (after RoPE; a grouped-query model's kv heads
-as they are); candidates [B, T] bool marks the keys that may be chosen (real keys outside the sink and the final
-window). Each of the last `observe` real queries attends to all its causal keys with the teacher's softmax kernel
-(scaling·q·k); a key's score is its attention summed over those queries and over its kv head's query heads, then
-max-pooled over `pool` neighbouring keys (so a fact's neighbours come with it: a number is several tokens). Per row
+q [B, Tq, H, D] and k [B, T, Hkv, D] are one prompt's last Tq ≤ T queries (at least its last `observe`: a prompt
+read in chunks keeps no more) and all its keys (after RoPE; a grouped-query model's kv heads as they are);
+candidates [B, T] bool marks the keys that may be chosen (real keys outside the sink and the final window). Each
+of the last `observe` real queries attends to all its causal keys with the teacher's softmax kernel (scaling·q·k);
+a key's score is its attention summed over those queries and over its kv head's query heads, then max-pooled over
+`pool` neighbouring keys (so a fact's neighbours come with it: a number is several tokens). Per row
 and kv head the `count` best candidates are chosen: index [B, Hkv, count] (positions in the prompt), valid [B, count]
 (False for the slots beyond a row's candidates, whose index points at an arbitrary key).
 
@@ -35,15 +36,19 @@ def prompt_candidates(key_valid: torch.Tensor, exact: torch.Tensor, window: int)
 
 def check_select_inputs(q, k, candidates, count: int, observe: int, pool: int) -> None:
     """ValueError saying what is wrong unless the shapes and sizes are as the module docstring says."""
-    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q must be [B, T, H, D] and k [B, T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    if (q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[1] > k.shape[1]
+            or q.shape[-1] != k.shape[-1]):
+        raise ValueError(f"q must be [B, Tq, H, D] and k [B, T, Hkv, D] with Tq <= T, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{q.shape[2]} query heads cannot share {k.shape[2]} kv heads evenly")
-    if candidates.shape != q.shape[:2] or candidates.dtype != torch.bool:
-        raise ValueError(f"candidates must be bool [B, T] = {tuple(q.shape[:2])}, got {candidates.dtype} "
+    if candidates.shape != k.shape[:2] or candidates.dtype != torch.bool:
+        raise ValueError(f"candidates must be bool [B, T] = {tuple(k.shape[:2])}, got {candidates.dtype} "
                          f"{tuple(candidates.shape)}")
     if count < 1 or observe < 1 or pool < 1 or pool % 2 == 0:
         raise ValueError(f"count and observe must be >= 1 and pool odd, got {count}, {observe}, {pool}")
+    if q.shape[1] < min(observe, k.shape[1]):
+        raise ValueError(f"the last {observe} queries observe, but q holds {q.shape[1]}")
 
 
 def _observers(key_valid: torch.Tensor, observe: int) -> torch.Tensor:
@@ -57,12 +62,12 @@ def select_keys(q, k, scaling: float, candidates, count: int, observe: int = 8, 
     """The fast form (see the module docstring). key_valid [B, T] (None: all real) marks padding, which no query
     attends to and no observer is."""
     check_select_inputs(q, k, candidates, count, observe, pool)
-    B, T, H, D = q.shape
-    Hkv, G = k.shape[2], H // k.shape[2]
+    B, T, Hkv, D = k.shape
+    G = q.shape[2] // Hkv
     key_valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_valid is None else key_valid
     first = max(T - observe, 0)           # with left padding, a row's last real queries are the last positions
     watch = _observers(key_valid, observe)[:, first:]                           # [B, O]
-    qo = q[:, first:].float().reshape(B, T - first, Hkv, G, D)
+    qo = q[:, q.shape[1] - (T - first):].float().reshape(B, T - first, Hkv, G, D)
     logits = scaling * torch.einsum("bokgd,bskd->bkgos", qo, k.float())         # [B, Hkv, G, O, T]
     future = torch.ones(T - first, T, dtype=torch.bool, device=q.device).triu(first + 1)
     logits = logits.masked_fill(future | ~key_valid[:, None, None, None, :], -torch.inf)
@@ -90,8 +95,8 @@ def naive_select_keys(q, k, scaling: float, candidates, count: int, observe: int
                       key_valid=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec, one row, kv head and observer at a time, in float64."""
     check_select_inputs(q, k, candidates, count, observe, pool)
-    B, T, H, D = q.shape
-    Hkv, G = k.shape[2], H // k.shape[2]
+    B, T, Hkv, D = k.shape
+    H, G, lead = q.shape[2], q.shape[2] // Hkv, T - q.shape[1]          # q[:, t - lead] is position t's query
     key_valid = torch.ones(B, T, dtype=torch.bool) if key_valid is None else key_valid.cpu()
     q, k, candidates = q.double().cpu(), k.double().cpu(), candidates.cpu()
     scores = torch.zeros(B, Hkv, T, dtype=torch.float64)
@@ -100,7 +105,7 @@ def naive_select_keys(q, k, scaling: float, candidates, count: int, observe: int
         for t in real[-observe:]:
             keys = [s for s in real if s <= t]
             for h in range(H):
-                logits = torch.stack([scaling * q[b, t, h] @ k[b, s, h // G] for s in keys])
+                logits = torch.stack([scaling * q[b, t - lead, h] @ k[b, s, h // G] for s in keys])
                 for s, p in zip(keys, torch.softmax(logits, 0)):
                     scores[b, h // G, s] += p
     pooled = torch.full_like(scores, -torch.inf)

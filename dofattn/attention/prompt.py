@@ -1,0 +1,136 @@
+"""Reading a long prompt in chunks, so that a student's memory stays bounded while it reads, not only after.
+
+A student's forward (`read_in_chunks`, which `install` applies) splits a call that reads more than `chunk` tokens
+into a cache into consecutive calls of `chunk` tokens on that cache: linear layers carry their state, windows their
+last keys, sinks their first; a kept softmax layer holds the prompt's keys and, with a bounded cache, chooses what
+it keeps when the last chunk is read (`bounded.PromptKVLayer`), as it would after one call. The outputs are those of
+one call (tests/test_prompt.py); the read's peak is one chunk's activations beside the kept layers' keys instead of
+the whole prompt's activations. It applies wherever a prompt meets a cache: HF `generate` (its prefill), `dofattn
+generate`, `dofattn eval --recall` and a user's forward with `use_cache=True`.
+
+A call is read in one piece when it is not a prompt read into a cache (no cache and no `use_cache=True`), when
+gradients are on (training), or when it asks for what chunks do not give back whole (`labels`, hidden states or
+attentions, a 4D mask, `logits_to_keep` as indices). The chunk size is the model's `dofattn_prompt_chunk`
+(`set_prompt_chunk`; 0 reads every call in one piece); HF's `prefill_chunk_size`, given to `generate`, sets it for
+that call.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+
+import torch
+from torch import nn
+
+PROMPT_CHUNK = 1024       # tokens a chunk: benchmarks/bounded_memory.py, docs/RESULTS.md
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def set_prompt_chunk(model: nn.Module, chunk: int) -> None:
+    """Read `model`'s prompts in chunks of `chunk` tokens (0: in one call)."""
+    if chunk < 0:
+        raise ValueError(f"a prompt chunk is a number of tokens >= 0, got {chunk}")
+    model.dofattn_prompt_chunk = int(chunk)
+
+
+def read_in_chunks(model: nn.Module) -> None:
+    """Make a causal LM's forward read long prompts in chunks (once; the module docstring says when). A model
+    without an LM head (no `labels` argument: its logits are what chunks give back) stays as it is."""
+    forward = model.forward
+    signature = inspect.signature(forward)
+    if getattr(forward, "dofattn_chunked", False) or "labels" not in signature.parameters:
+        return
+
+    @functools.wraps(forward)
+    def chunked(*args, **kwargs):
+        call = signature.bind_partial(*args, **kwargs).arguments
+        call.update(call.pop("kwargs", {}))
+        pieces = _pieces(model, call)
+        if pieces is None:
+            return forward(*args, **kwargs)
+        return _read(model, forward, call, pieces)
+
+    chunked.dofattn_chunked = True
+    model.forward = chunked
+    if not hasattr(model, "dofattn_prompt_chunk"):
+        set_prompt_chunk(model, PROMPT_CHUNK)
+    if hasattr(model, "generate"):
+        model.generate = _taking_prefill_chunks(model, model.generate)
+
+
+def _taking_prefill_chunks(model: nn.Module, generate):
+    """`generate` with HF's `prefill_chunk_size` (an argument, or in the generation config) read as this module's
+    chunk for the call: HF's own chunked prefill would make each chunk a prompt of its own."""
+    @functools.wraps(generate)
+    def generate_in_chunks(*args, **kwargs):
+        config = kwargs.get("generation_config") or model.generation_config
+        chunk = kwargs.pop("prefill_chunk_size", None) or getattr(config, "prefill_chunk_size", None)
+        if not chunk:
+            return generate(*args, **kwargs)
+        kwargs["generation_config"] = copy.deepcopy(config)
+        kwargs["generation_config"].prefill_chunk_size = None
+        before = model.dofattn_prompt_chunk
+        set_prompt_chunk(model, chunk)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            set_prompt_chunk(model, before)
+
+    return generate_in_chunks
+
+
+def _pieces(model: nn.Module, call: dict) -> list[tuple[int, int]] | None:
+    """[(start, end)] of the call's tokens read a chunk at a time, or None: in one piece."""
+    chunk = getattr(model, "dofattn_prompt_chunk", 0)
+    tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+    cache = next((call[name] for name in CACHE_ARGUMENTS if call.get(name) is not None), None)
+    mask = call.get("attention_mask")
+    if (not chunk or tokens is None or tokens.shape[1] <= chunk or torch.is_grad_enabled()
+            or (cache is None and call.get("use_cache") is not True) or call.get("use_cache") is False
+            or call.get("labels") is not None or call.get("output_hidden_states") or call.get("output_attentions")
+            or (mask is not None and mask.dim() != 2) or not isinstance(call.get("logits_to_keep", 0), int)):
+        return None
+    T = tokens.shape[1]
+    return [(start, min(start + chunk, T)) for start in range(0, T, chunk)]
+
+
+def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
+    """The call's outputs, its tokens read piece by piece into one cache (made here if the call brings none)."""
+    from transformers import DynamicCache
+
+    from dofattn.hf import cache_kwargs
+
+    name = "input_ids" if call.get("input_ids") is not None else "inputs_embeds"
+    tokens, mask, positions = call.pop(name), call.pop("attention_mask", None), call.pop("position_ids", None)
+    cache = next((call.pop(n) for n in CACHE_ARGUMENTS if call.get(n) is not None), None)
+    for n in CACHE_ARGUMENTS:
+        call.pop(n, None)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    T, keep = tokens.shape[1], call.pop("logits_to_keep", 0)          # keep: the last `keep` positions, 0 all
+    as_tuple = call.pop("return_dict", None) is False
+    past = cache.get_seq_length()
+    bounded = [m.dofattn_bounded for m in model.modules() if getattr(m, "dofattn_bounded", None) is not None]
+    logits = []
+    try:
+        for start, end in pieces:
+            for module in bounded:
+                module.reading = end < T
+            piece = {**call, name: tokens[:, start:end], **cache_kwargs(model, cache), "use_cache": True,
+                     "return_dict": True}
+            if mask is not None:
+                piece["attention_mask"] = mask[:, :past + end]
+            if positions is not None:
+                piece["position_ids"] = positions[..., start:end]
+            wanted = end - start if not keep else min(max(keep - (T - end), 0), end - start)
+            if "logits_to_keep" in inspect.signature(forward).parameters:
+                piece["logits_to_keep"] = max(wanted, 1)       # 0 would be every position
+            out = forward(**piece)
+            if wanted:
+                logits.append(out.logits[:, out.logits.shape[1] - wanted:])
+    finally:
+        for module in bounded:
+            module.reading = False
+    out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
+    return out.to_tuple() if as_tuple else out
