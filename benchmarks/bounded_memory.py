@@ -2,10 +2,12 @@
 generation, and the prefill's peak.
 
     python benchmarks/bounded_memory.py runs/long-context --lengths 1024 8192 32768 --out memory.json
+    python benchmarks/bounded_memory.py runs/long-context --chunk 0 --models student   # the prompt in one piece
 
 Each (model, length) runs in its own process, so that its peak RSS (ru_maxrss) is its own. The prompt is real text
-(wiki-sample, train split, the blocks joined) of exactly `length` tokens, read in one call as `generate` reads it;
-then `--new-tokens` tokens are generated one at a time. `cache_bytes` counts every tensor the cache holds for the
+(wiki-sample, train split, the blocks joined) of exactly `length` tokens, given to the model in one call as
+`generate` gives it: the student reads it in chunks of `--chunk` tokens (`attention.prompt`; 0: in one piece), the
+teacher in one piece; then `--new-tokens` tokens are generated one at a time. `cache_bytes` counts every tensor the cache holds for the
 sequence (a KV cache; or states, windows, sinks and selected keys). The prefill peak is the process's peak RSS above
 what it held with the model loaded: the activations of one call over the whole prompt, which grow with it.
 """
@@ -21,7 +23,7 @@ import sys
 MIB = 2 ** 20
 
 
-def measure(folder: str, kind: str, length: int, new_tokens: int) -> dict:
+def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) -> dict:
     import torch
     from transformers import DynamicCache
 
@@ -31,7 +33,10 @@ def measure(folder: str, kind: str, length: int, new_tokens: int) -> dict:
     from dofattn.student import load_student, read_spec
 
     if kind == "student":
+        from dofattn.attention.prompt import set_prompt_chunk
+
         model, tokenizer, _ = load_student(folder)
+        set_prompt_chunk(model, chunk)
     else:
         model, tokenizer = load_model(read_spec(folder).base_model)
     model.eval()
@@ -48,7 +53,7 @@ def measure(folder: str, kind: str, length: int, new_tokens: int) -> dict:
         for _ in range(new_tokens):
             logits = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
-    return {"model": kind, "length": length, "new_tokens": new_tokens,
+    return {"model": kind, "length": length, "new_tokens": new_tokens, "chunk": chunk if kind == "student" else 0,
             "cache_after_prompt_mib": after_prompt / MIB, "cache_after_generation_mib": cache_bytes(cache) / MIB,
             "prefill_peak_mib": peak / MIB}
 
@@ -58,18 +63,25 @@ def main() -> None:
     parser.add_argument("student", help="a student folder (dofattn distill --out)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=None, help="tokens a chunk of the student's prompt (0: one "
+                                                                    "piece; default: the package's)")
     parser.add_argument("--models", nargs="+", default=["student", "teacher"], choices=["student", "teacher"])
     parser.add_argument("--out", default="bounded_memory.json")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)               # internal: KIND LENGTH
     args = parser.parse_args()
+    if args.chunk is None:
+        from dofattn.attention.prompt import PROMPT_CHUNK
+
+        args.chunk = PROMPT_CHUNK
     if args.one:
-        print(json.dumps(measure(args.student, args.one[0], int(args.one[1]), args.new_tokens)))
+        print(json.dumps(measure(args.student, args.one[0], int(args.one[1]), args.new_tokens, args.chunk)))
         return
     rows = []
     for kind in args.models:
         for length in args.lengths:
             done = subprocess.run([sys.executable, __file__, args.student, "--new-tokens", str(args.new_tokens),
-                                   "--one", kind, str(length)], capture_output=True, text=True)
+                                   "--chunk", str(args.chunk), "--one", kind, str(length)],
+                                  capture_output=True, text=True)
             if done.returncode:
                 sys.exit(f"{kind} at {length} tokens failed:\n{done.stderr[-2000:]}")
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))

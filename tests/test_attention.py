@@ -299,8 +299,9 @@ def test_decay_refuses_padding_it_would_count():
     check_decay_padding(torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 4, 5, 3))   # no padding: any state
     with pytest.raises(UserError, match="needs left padding"):
         check_decay_padding(torch.tensor([[True, False, True]]), None)
+    check_decay_padding(left, torch.zeros(2, 4, 5, 3))               # a later chunk, nothing real before: exact
     with pytest.raises(UserError, match="cannot continue its state through padding"):
-        check_decay_padding(left, torch.zeros(2, 4, 5, 3))
+        check_decay_padding(left, torch.ones(2, 4, 5, 3))                # a real token before the padding
     # beside a window a call sees its cached keys too: padding before every real one is exact, state or not
     check_left_padding(left)
     with pytest.raises(UserError, match="needs left padding"):

@@ -15,12 +15,16 @@ FAMILIES = ["llama", "gpt2", "gpt_neox"]
 T = 41                     # a prompt of 41 tokens, read in chunks of 6 (the last one 5), 13 and 40 (the last 1)
 
 
-def student(family: str, select: int = 5):
-    """Layers 0 and 2 linear (a window of 4, a sink of 2, a decay, a convolution); layer 1 kept, bounded to a sink,
-    `select` chosen keys (0: every key) and a window after the prompt."""
+HYBRID = Attention(window=4, sink=2, decay="head", conv=4)
+PURE = Attention(window=0, sink=0, decay="head", conv=4)
+
+
+def student(family: str, select: int = 5, attention: Attention = HYBRID):
+    """Layers 0 and 2 linear (by default a window of 4, a sink of 2, a decay, a convolution); layer 1 kept, bounded
+    to a sink, `select` chosen keys (0: every key) and a window after the prompt."""
     model = tiny_model(family)
     kept = Kept(select=select, select_observe=3, select_pool=3) if select else Kept()
-    linearize(model, [4] * 3, Attention(window=4, sink=2, decay="head", conv=4), kept=kept, layers=[0, 2], seed=1)
+    linearize(model, [4] * 3, attention, kept=kept, layers=[0, 2], seed=1)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():                   # the convolutions start as the identity: make them mix
         for module in model.modules():
@@ -48,9 +52,10 @@ def generated(model, chunk: int):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("chunk", [6, 13, 40])
-@pytest.mark.parametrize("select", [0, 5])
-def test_generate_in_chunks_gives_the_outputs_and_cache_of_one_call(family, chunk, select):
-    model = student(family, select)
+@pytest.mark.parametrize("select,attention", [(0, HYBRID), (5, HYBRID), (0, PURE)], ids=["kept", "bounded", "pure"])
+def test_generate_in_chunks_gives_the_outputs_and_cache_of_one_call(family, chunk, select, attention):
+    """Also: the padding (7 tokens in the second row) spans chunks, which a decay without a window continues."""
+    model = student(family, select, attention)
     whole, chunked = generated(model, 0), generated(model, chunk)
     assert torch.equal(chunked.sequences, whole.sequences)
     torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(whole.logits), rtol=1e-4, atol=1e-4)

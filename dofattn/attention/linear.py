@@ -67,11 +67,12 @@ def check_left_padding(key_valid: torch.Tensor) -> None:
 
 
 def check_decay_padding(key_valid: torch.Tensor, state: torch.Tensor | None) -> None:
-    """A decay counts every position, padding included: padding is exact only on the left of a first chunk (the
-    state is still zero while it passes). UserError for padding after a real token or in a continued chunk."""
+    """A decay counts every position, padding included: padding is exact only before a row's first real token (the
+    state is still zero while it passes), in the first chunk or, for a prompt read in chunks, a later one. UserError
+    for padding after a real token, in this chunk or an earlier one (the row's state is not zero)."""
     if key_valid.all():
         return
-    if state is not None:
+    check_left_padding(key_valid)
+    if state is not None and state[~key_valid[:, 0]].any():
         raise UserError("a layer with a decay cannot continue its state through padding tokens (each would still "
                         "decay it); continue with unpadded chunks, or pad only the first chunk, on the left")
-    check_left_padding(key_valid)
