@@ -4,19 +4,19 @@ generation, and the prefill's peak.
     python benchmarks/bounded_memory.py runs/long-context --lengths 1024 8192 32768 --out memory.json
     python benchmarks/bounded_memory.py runs/long-context --chunk 0 --models student   # the prompt in one piece
 
-Each (model, length) runs in its own process, so that its peak RSS (ru_maxrss) is its own. The prompt is real text
-(wiki-sample, train split, the blocks joined) of exactly `length` tokens, given to the model in one call as
-`generate` gives it: the student reads it in chunks of `--chunk` tokens (`attention.prompt`; 0: in one piece), the
-teacher in one piece; then `--new-tokens` tokens are generated one at a time. `cache_bytes` counts every tensor the cache holds for the
-sequence (a KV cache; or states, windows, sinks and selected keys). The prefill peak is the process's peak RSS above
-what it held with the model loaded: the activations of one call over the whole prompt, which grow with it.
+Each (model, length) runs in its own process. The prompt is real text (wiki-sample, train split, the blocks
+joined) of exactly `length` tokens, given to the model in one call as `generate` gives it: the student reads it in
+chunks of `--chunk` tokens (`attention.prompt`; 0: in one piece), the teacher in one piece; then `--new-tokens`
+tokens are generated one at a time. The prefill peak is the process's peak resident set while it reads the prompt,
+above what it held just before, after one short warm-up call (`bench.PeakMemory`: VmHWM, reset through
+/proc/self/clear_refs; Linux). `cache_bytes` counts every tensor the cache holds for the sequence (a KV cache; or
+states, windows, sinks and selected keys).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 
@@ -28,6 +28,7 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
     from transformers import DynamicCache
 
     from dofattn.attention.cache import cache_bytes
+    from dofattn.bench import PeakMemory
     from dofattn.data import token_blocks
     from dofattn.hf import cache_kwargs, load_model
     from dofattn.student import load_student, read_spec
@@ -43,12 +44,17 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
     block = min(length, 8192)
     ids = token_blocks("wiki-sample", tokenizer, seq_len=block, num_blocks=-(-length // block), split="train")
     prompt = ids.reshape(1, -1)[:, :length]
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with torch.no_grad():                 # warm-up: the code and the allocator's first pages are not the prompt's
+        warm = DynamicCache(config=model.config)
+        model(input_ids=prompt[:, :64], use_cache=True, logits_to_keep=1, **cache_kwargs(model, warm))
+        del warm
+    memory = PeakMemory("cpu")            # the process's peak resident set, above what it holds now
+    memory.start()
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits
         after_prompt = cache_bytes(cache)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - loaded
+        peak = memory.above()
         token = logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(new_tokens):
             logits = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits

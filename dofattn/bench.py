@@ -28,6 +28,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -39,6 +40,7 @@ from dofattn.options import option
 
 
 PARTS = ("prefill", "decode", "generation")
+GEN_CONTEXTS = [512, 8192, 32768]     # where a user starts, the teacher's trained context, and beyond
 
 
 @dataclass
@@ -58,31 +60,38 @@ class BenchConfig:
                                      "run folder or an export (generation against its own base model)")
     decode_batch: int = option(1, "batch size of the decode benchmark")
     repeats: int = option(5, "timed runs per measurement (the median is reported)")
-    model: str | None = option("smollm2-135m", "the teacher of a recipe's student, for the generation benchmark "
-                                               "(a trained student's is its base model); 'none' skips it",
+    model: str | None = option("smollm2-135m", "the teacher of a recipe's student, for the generation benchmark; "
+                                               "or a trained student (a run folder or an export), which is then the "
+                                               "one timed, against its base model; 'none' skips generation",
                                none="none")
-    gen_contexts: list[int] | None = option(None, "comma-separated prompt lengths for generation; auto: 512 on CPU, "
-                                                  "2048,8192,32768 on CUDA", none="auto")
-    new_tokens: int = option(16, "tokens generated after each prompt")
+    gen_contexts: list[int] | None = option(None, "comma-separated prompt lengths for generation; auto: 512,8192,32768",
+                                            none="auto")
+    new_tokens: int = option(32, "tokens generated after each prompt")
     parts: list[str] = option(list(PARTS), "which measurements to run (comma-separated)")
     compile: bool = option(False, "also time the students' static decoder compiled with torch.compile (for the "
                                   "CPU): minutes of compilation per student, and once more at a second prompt "
                                   "length; the first is reported as compile_ms")
-    out: str | None = option("bench.json", "where to write the JSON result (rewritten after each row; none: "
-                                           "nowhere)", none="none")
+    out: str | None = option("auto", "where to write the JSON result (rewritten after each row; a figure of the "
+                                     "generation beside it, .png); auto: bench.json in a trained student's folder, "
+                                     "else in this folder; none: nowhere", none="none")
 
     def resolved(self) -> BenchConfig:
-        """This config on a named device, with a dtype and the lengths: `auto` (None) made the device's default."""
+        """This config on a named device, with a dtype and the lengths: `auto` (None) made the device's default; a
+        trained student given as --model made the student timed."""
+        from dofattn.export import is_any_student
         from dofattn.hf import resolve_device
 
         device = resolve_device(self.device)
         cuda = device.startswith("cuda")
-        return replace(self, device=device, dtype=("bfloat16" if cuda else "float32") if self.dtype == "auto"
-                       else self.dtype,
+        student = self.model if self.model and is_any_student(self.model) else self.student
+        trained = is_any_student(student)
+        return replace(self, device=device, student=student,
+                       dtype=("bfloat16" if cuda else "float32") if self.dtype == "auto" else self.dtype,
                        seq_lens=([2048, 8192, 32768, 131072] if cuda else [512, 2048]) if self.seq_lens is None
                        else self.seq_lens,
-                       gen_contexts=([2048, 8192, 32768] if cuda else [512]) if self.gen_contexts is None
-                       else self.gen_contexts)
+                       gen_contexts=GEN_CONTEXTS if self.gen_contexts is None else self.gen_contexts,
+                       out=(str(Path(student) / "bench.json") if trained and Path(student).is_dir() else "bench.json")
+                       if self.out == "auto" else self.out)
 
 
 def _sync(device: str) -> None:
@@ -284,8 +293,46 @@ class TokenClock:
                 "decode_s": self.stamps[-1] - self.stamps[1]}
 
 
+class PeakMemory:
+    """The peak memory of what runs between `start` and `above`, above a baseline (the loaded model): on CUDA the
+    allocator's peak; on Linux the process's peak resident set (VmHWM, reset through /proc/self/clear_refs), which
+    counts the activations, the cache and what the allocator keeps from earlier calls; None elsewhere."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.base = self.current()
+
+    def current(self) -> int | None:
+        if self.cuda:
+            return torch.cuda.memory_allocated()
+        try:
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            return None
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self.base = None
+
+    def above(self) -> int | None:
+        """Bytes of the peak since `start` above the baseline (None where it cannot be read)."""
+        if self.base is None:
+            return None
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() - self.base
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - self.base
+
+
 def _generation_row(cfg: BenchConfig, model: str, student: bool, T: int, engine: str, timings: dict,
-                    cache) -> dict:
+                    cache, peak: int | None = None) -> dict:
     """One generation row from timings of the steps themselves (`TokenClock`, `StaticDecoder.timings`)."""
     from dofattn.attention.cache import cache_bytes
 
@@ -297,8 +344,8 @@ def _generation_row(cfg: BenchConfig, model: str, student: bool, T: int, engine:
     row = {"model": model, "student": student, "engine": engine, "context": T,
            "new_tokens": cfg.new_tokens, "prefill_ms": timings["prefill_s"] * 1e3,
            "decode_tokens_per_s": steps / decode_s, "cache_bytes": cache_bytes(cache)}
-    if cfg.device.startswith("cuda"):
-        row["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+    if peak is not None:
+        row["peak_above_model_bytes"] = peak
     return row
 
 
@@ -331,27 +378,31 @@ def bench_generate(cfg: BenchConfig, student: Student, dtype: torch.dtype, repor
         decoders = []             # the student also on static buffers, and with --compile through torch.compile
         if is_student:
             decoders = [StaticDecoder(model)] + ([StaticDecoder(model, compile=True)] if cfg.compile else [])
+        kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id or 0}
+        warm = torch.randint(3, vocab, (1, min(cfg.gen_contexts)), generator=torch.Generator().manual_seed(0))
+        model.generate(warm.to(cfg.device), max_new_tokens=2, **kwargs)       # warm-up, once
+        memory = PeakMemory(cfg.device)          # above the loaded, warmed-up model
         for T in cfg.gen_contexts:
             ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(cfg.device)
-            kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id or 0}
-            if cfg.device.startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats()
-            model.generate(ids, max_new_tokens=2, **kwargs)              # warm-up
             clock = TokenClock(cfg.device)
+            memory.start()
             out = model.generate(ids, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
                                  return_dict_in_generate=True, streamer=clock, **kwargs)
-            rows.append(_generation_row(cfg, name, is_student, T, "hf", clock.timings(), out.past_key_values))
+            rows.append(_generation_row(cfg, name, is_student, T, "hf", clock.timings(), out.past_key_values,
+                                        memory.above()))
+            del out
             report(rows[-1])
             # static decoding (a CUDA graph on CUDA; compiled with --compile: the first prompt length's warm-up
             # compiles, the second's once more with the lengths symbolic, the timed call runs the compiled step)
             for decoder in decoders:
-                if cfg.device.startswith("cuda"):
-                    torch.cuda.reset_peak_memory_stats()
-                decoder.generate(ids, 2)                                      # warm-up
+                if T == cfg.gen_contexts[0]:
+                    decoder.generate(ids, 2)                                  # warm-up
                 compile_s = decoder.timings.get("compile_s")             # the decoder's first call only
+                memory.start()
                 decoder.generate(ids, cfg.new_tokens)
                 engine = "static+graph" if decoder.graph else "static+compile" if decoder.compiled else "static"
-                rows.append(_generation_row(cfg, name, is_student, T, engine, decoder.timings, decoder.cache))
+                rows.append(_generation_row(cfg, name, is_student, T, engine, decoder.timings, decoder.cache,
+                                            memory.above()))
                 if "replays" in decoder.timings:   # the replays alone: the rate of a long generation
                     rows[-1]["graph_capture_ms"] = decoder.timings["capture_s"] * 1e3
                     rows[-1]["graph_tokens_per_s"] = decoder.timings["replays"] / decoder.timings["replay_s"]
@@ -433,6 +484,10 @@ def run(cfg: BenchConfig, show=print) -> dict:
         current = result[name] = []
         result[name] = measure(cfg, student, dtype, report)
         save()
+    if out is not None and result["generation"]:
+        from dofattn.plots import plot_generation
+
+        plot_generation(result, out.with_suffix(".png"))
     return result
 
 
@@ -469,11 +524,13 @@ def format_tables(result: dict) -> str:
         lines += ["generation (graph tok/s: the CUDA graph's replays alone, without its capture; x teacher: decode "
                   "tok/s over the teacher's at that context):",
                   f"{'model':>27} {'context':>8} {'prefill ms':>11} {'decode tok/s':>13} {'x teacher':>10} "
-                  f"{'graph tok/s':>12} {'cache MiB':>9} {'peak MiB':>9}"]
+                  f"{'graph tok/s':>12} {'cache MiB':>9} {'peak MiB':>9}",
+                  "  (peak: above the loaded model, prefill and generation)"]
         for r in result["generation"]:
             name = "student" if r["student"] else "teacher"
             name += "" if r.get("engine", "hf") == "hf" else f" {r['engine']}"
-            peak = f"{r['peak_cuda_bytes'] / 2 ** 20:>9.0f}" if "peak_cuda_bytes" in r else f"{'-':>9}"
+            peak = (f"{r['peak_above_model_bytes'] / 2 ** 20:>9.0f}" if r.get("peak_above_model_bytes") is not None
+                    else f"{'-':>9}")
             graph = f"{r['graph_tokens_per_s']:>12.1f}" if "graph_tokens_per_s" in r else f"{'-':>12}"
             ratio = f"{r['vs_teacher']:>9.2f}x" if "vs_teacher" in r else f"{'-':>10}"
             lines.append(f"{name:>27} {r['context']:>8} {r['prefill_ms']:>11.1f} {r['decode_tokens_per_s']:>13.1f} "

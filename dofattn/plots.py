@@ -166,3 +166,34 @@ def plot_recall(recall: dict, path: str | Path, title: str = "") -> None:
         fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_generation(result: dict, path: str | Path) -> None:
+    """A `dofattn bench` run's generation (HF generate) against the prompt's length, teacher and student: the decode
+    steps' tokens/s, and the peak memory above the loaded model while it reads the prompt and generates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["generation"] if r.get("engine", "hf") == "hf"]
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
+    for student, label in ((False, "teacher"), (True, "student")):
+        mine = sorted((r for r in rows if r["student"] == student), key=lambda r: r["context"])
+        x = [r["context"] for r in mine]
+        speed.plot(x, [r["decode_tokens_per_s"] for r in mine], marker="o", label=label)
+        peaks = [r.get("peak_above_model_bytes") for r in mine]
+        if all(p is not None for p in peaks):
+            memory.plot(x, [p / 2 ** 30 for p in peaks], marker="o", label=f"{label}: peak")
+        memory.plot(x, [r["cache_bytes"] / 2 ** 30 for r in mine], marker="x", ls="--", label=f"{label}: cache")
+    for ax in (speed, memory):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.legend(fontsize=8)
+    speed.set_ylabel("decode tokens/s")
+    memory.set_ylabel("GiB above the loaded model")
+    hardware = result.get("hardware", {})
+    fig.suptitle(f"{result.get('student', '')[:90]}\n{hardware.get('cpu', '')} {hardware.get('gpu', '')}, "
+                 f"{hardware.get('torch_threads', '')} threads", fontsize=8)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

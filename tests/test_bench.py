@@ -1,6 +1,7 @@
 """`dofattn bench` at toy sizes: every measurement runs and is reported with its shapes; bad input is one line."""
 
 import json
+import sys
 
 import pytest
 
@@ -181,12 +182,14 @@ def test_bench_times_a_trained_student_against_its_base_model(capsys, model_dirs
                        attention=Attention(window=4, sink=2, decay="head"), kept=Kept(select=3, select_observe=2),
                        base=fingerprint(model))
     save_student(build(model, spec), tmp_path / "run", spec)
-    out = tmp_path / "bench.json"
+    out = tmp_path / "run" / "bench.json"              # --out auto: beside the student it times, a figure with it
     code = main(["bench", "--device", "cpu", "--seq-lens", "20", "--heads", "2", "--head-dim", "8", "--features", "3",
-                 "--repeats", "1", "--student", str(tmp_path / "run"), "--gen-contexts", "16", "--new-tokens", "2",
-                 "--out", str(out)])
+                 "--repeats", "1", "--model", str(tmp_path / "run"), "--gen-contexts", "16,40", "--new-tokens", "2"])
     assert code == 0, capsys.readouterr().err
+    assert out.with_suffix(".png").stat().st_size > 0
     result = json.loads(out.read_text())
+    peaks = [r["peak_above_model_bytes"] for r in result["generation"]]
+    assert all(isinstance(p, int) for p in peaks) or sys.platform != "linux"
     assert "the 3 keys per kv head" in result["student"] and result["prefill"][0]["student"] == "window=4, sink=2, decay=head"
     gen = {(r["student"], r["engine"]): r for r in result["generation"]}
     assert gen[False, "hf"]["model"] == str(model_dirs["llama"]) and gen[True, "hf"]["model"] == str(tmp_path / "run")

@@ -1,5 +1,7 @@
 """A long prompt read in chunks (`attention.prompt`): the outputs, the cache and the kept layers' choice of one call."""
 
+import importlib
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -120,3 +122,13 @@ def test_hf_prefill_chunks_are_read_as_one_prompt():
     for name in BoundedKVLayer.NAMES:
         torch.testing.assert_close(getattr(hf.past_key_values.layers[1], name),
                                    getattr(whole.past_key_values.layers[1], name), rtol=1e-4, atol=1e-4)
+
+
+def test_a_kept_layer_reads_a_chunk_in_query_blocks(monkeypatch):
+    """A chunk after the first: the kept layer's queries in blocks (here 4) against every key so far, kv heads
+    shared in the kernel: the outputs of one call."""
+    monkeypatch.setattr(importlib.import_module("dofattn.attention.install"), "QUERY_BLOCK", 4)
+    model = student("llama", select=0)
+    whole, chunked = generated(model, 0), generated(model, 13)
+    assert torch.equal(chunked.sequences, whole.sequences)
+    torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(whole.logits), rtol=1e-4, atol=1e-4)

@@ -30,16 +30,31 @@ from dofattn.ops.window import first_keys
 
 
 class PromptKVLayer(DynamicLayer):
-    """A kept layer's slot while a prompt is read in chunks: every key and value so far, as a `DynamicLayer` holds
-    them, and what the choice at the prompt's end reads besides: which keys are real (`valid` [B, T]) and the last
-    queries ([B, ≤ observe, H, D])."""
+    """A kept layer's slot while a prompt is read in chunks: every key and value so far, in buffers made once for the
+    whole prompt (`length` tokens: growing them a chunk at a time would leave the allocator a trail of smaller
+    freed ones), and what the choice at the prompt's end reads besides: which keys are real (`valid` [B, T]) and
+    the last queries ([B, ≤ observe, H, D])."""
 
     @classmethod
-    def from_layer(cls, layer: DynamicLayer) -> PromptKVLayer:
+    def from_layer(cls, layer: DynamicLayer, length: int) -> PromptKVLayer:
         prompt = cls()
         prompt.__dict__.update(vars(layer))
+        B, Hkv, T, D = layer.keys.shape
+        prompt.key_buffer = layer.keys.new_empty(B, Hkv, length, D)
+        prompt.value_buffer = layer.values.new_empty(B, Hkv, length, layer.values.shape[-1])
+        prompt.key_buffer[:, :, :T], prompt.value_buffer[:, :, :T] = layer.keys, layer.values
+        prompt.keys, prompt.values = prompt.key_buffer[:, :, :T], prompt.value_buffer[:, :, :T]
         prompt.valid, prompt.queries = None, None
         return prompt
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        T, new = self.keys.shape[2], key_states.shape[2]
+        if T + new > self.key_buffer.shape[2]:
+            raise RuntimeError(f"a prompt read in chunks brought more than the {self.key_buffer.shape[2]} tokens "
+                               f"it announced")
+        self.key_buffer[:, :, T:T + new], self.value_buffer[:, :, T:T + new] = key_states, value_states
+        self.keys, self.values = self.key_buffer[:, :, :T + new], self.value_buffer[:, :, :T + new]
+        return self.keys, self.values
 
 
 class BoundedKVLayer(BatchSlot):
@@ -153,13 +168,13 @@ class StaticBoundedLayer(CacheLayerMixin):
 class BoundedSoftmax(nn.Module):
     """A kept softmax layer's bounded cache: the selection of a `spec.Kept` beside the sink and window of the linear
     layers' `spec.Attention`. It has no parameters. `install` binds the HF cache and the layer's index for the
-    duration of a call (`cache`, `layer_idx`); `attention.prompt` sets `reading` while the prompt's chunks before
-    its last are read."""
+    duration of a call (`cache`, `layer_idx`); `attention.prompt` sets `reading` while a prompt is read in chunks:
+    the tokens that follow the chunk being read (0 on the last)."""
 
     def __init__(self, kept, attention, scaling: float):
         super().__init__()
         self.kept, self.attention, self.scaling = kept, attention, float(scaling)
-        self.cache, self.layer_idx, self.reading = None, None, False
+        self.cache, self.layer_idx, self.reading = None, None, 0
 
     def extra_repr(self) -> str:
         return self.kept.describe(self.attention)
@@ -200,7 +215,8 @@ class BoundedSoftmax(nn.Module):
         queries = last_keys(queries, self.kept.select_observe)            # [B, ≤ observe, H, D]
         if self.reading:
             if not isinstance(slot, PromptKVLayer):
-                slot = self.layers()[self.layer_idx] = PromptKVLayer.from_layer(slot)
+                slot = PromptKVLayer.from_layer(slot, key.shape[2] + self.reading)
+                self.layers()[self.layer_idx] = slot
             slot.valid, slot.queries = valid, queries
             return
         self.layers()[self.layer_idx] = self.choose(queries, key, value, valid)

@@ -10,6 +10,7 @@ A forward pre-hook on each linearized module finds the HF `Cache` it is called w
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -63,6 +64,22 @@ def _key_padding(attention_mask: torch.Tensor | None, length: int) -> torch.Tens
     return own if own.dtype == torch.bool else own == 0
 
 
+QUERY_BLOCK = 256
+
+
+def _sdpa_in_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                    scaling: float) -> tuple[torch.Tensor, None]:
+    """SDPA for a prompt's chunk against every key so far (query [B, H, T, D], key and value [B, Hkv, P, D], mask
+    bool [B, 1 or H, T, P]) -> ([B, T, H, D], None), as HF's SDPA function gives it: the kv heads shared inside the
+    kernel rather than repeated (HF repeats them when there is a mask: 3 copies of 32 K keys for SmolLM2), and the
+    queries in blocks of `QUERY_BLOCK`, so that the mask the kernel widens to floats is one block's."""
+    blocks = [F.scaled_dot_product_attention(query[:, :, s:s + QUERY_BLOCK], key, value,
+                                             attn_mask=mask[:, :, s:s + QUERY_BLOCK], scale=scaling,
+                                             enable_gqa=key.shape[1] != query.shape[1])
+              for s in range(0, query.shape[2], QUERY_BLOCK)]
+    return torch.cat(blocks, 2).transpose(1, 2).contiguous(), None
+
+
 def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: torch.Tensor | None, eager: bool, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A softmax layer's attention: SDPA, or the family's eager attention. In static decoding a kept layer attends
@@ -77,6 +94,9 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
                 ~mask, torch.finfo(query.dtype).min)
         if eager:
             return base_attention("eager", module)(module, query, key, value, mask, **kwargs)
+        if (mask is not None and mask.dtype == torch.bool and 1 < query.shape[2] < key.shape[2]
+                and not module.training):                   # a prompt's chunk after its first
+            return _sdpa_in_blocks(query, key, value, mask, kwargs.get("scaling", module.scaling))
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
     own = static.slot_mask() if static is not None else bounded.mask() if bounded is not None else None
