@@ -294,13 +294,13 @@ class TokenClock:
 
 
 class PeakMemory:
-    """The peak memory of what runs between `start` and `above`, above a baseline (the loaded model): on CUDA the
-    allocator's peak; on Linux the process's peak resident set (VmHWM, reset through /proc/self/clear_refs), which
-    counts the activations, the cache and what the allocator keeps from earlier calls; None elsewhere."""
+    """The peak memory of what runs between `start` and `above`, above what was held at `start` (the loaded model,
+    and what the allocator kept from earlier calls): on CUDA the allocator's peak; on Linux the process's peak
+    resident set (VmHWM, reset through /proc/self/clear_refs): activations, cache, the allocator's own reserve;
+    None elsewhere."""
 
     def __init__(self, device: str):
-        self.cuda = device.startswith("cuda")
-        self.base = self.current()
+        self.cuda, self.base = device.startswith("cuda"), None
 
     def current(self) -> int | None:
         if self.cuda:
@@ -312,6 +312,7 @@ class PeakMemory:
             return None
 
     def start(self) -> None:
+        self.base = self.current()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             return
@@ -381,16 +382,17 @@ def bench_generate(cfg: BenchConfig, student: Student, dtype: torch.dtype, repor
         kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id or 0}
         warm = torch.randint(3, vocab, (1, min(cfg.gen_contexts)), generator=torch.Generator().manual_seed(0))
         model.generate(warm.to(cfg.device), max_new_tokens=2, **kwargs)       # warm-up, once
-        memory = PeakMemory(cfg.device)          # above the loaded, warmed-up model
+        memory = PeakMemory(cfg.device)          # each generation's peak above what was held before it
         for T in cfg.gen_contexts:
             ids = torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(T)).to(cfg.device)
             clock = TokenClock(cfg.device)
             memory.start()
             out = model.generate(ids, max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens,
                                  return_dict_in_generate=True, streamer=clock, **kwargs)
-            rows.append(_generation_row(cfg, name, is_student, T, "hf", clock.timings(), out.past_key_values,
+            cache = out["cache"] if "cache" in out else out["past_key_values"]     # transformers ≥ 5.24 / before
+            rows.append(_generation_row(cfg, name, is_student, T, "hf", clock.timings(), cache,
                                         memory.above()))
-            del out
+            del out, cache
             report(rows[-1])
             # static decoding (a CUDA graph on CUDA; compiled with --compile: the first prompt length's warm-up
             # compiles, the second's once more with the lengths symbolic, the timed call runs the compiled step)
