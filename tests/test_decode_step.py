@@ -59,6 +59,44 @@ def test_op_is_the_specs_last_row(shape, decay, dtype):
                                                                 {"rtol": 1e-2, "atol": 1e-2}))
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("decay", [False, True])
+def test_prf_step_is_the_fold_and_the_read(shape, decay):
+    """`prf_window_decode_step` (the map's features inside, the state in place) against `fold_key` on the leaving
+    key's features and `window_decode_step` on the query's: a padded leaving key (first row), an empty sink slot
+    (last row), exponents up to about 60 above the key shift (clamped)."""
+    B, H, Hkv, D, V, M, W, S = shape
+    g = torch.Generator().manual_seed(sum(shape) + decay)
+    fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=sum(shape))
+    with torch.no_grad():
+        fmap.log_weights.normal_(0, 1, generator=g)
+        fmap.key_shift.copy_(torch.randn(H, generator=g) - 30)
+    q, new_k, old_k = (4 * torch.randn(B, n, D, generator=g) for n in (H, Hkv, Hkv))
+    new_v, old_v = (torch.randn(B, Hkv, V, generator=g) for _ in range(2))
+    N = S + W
+    keys, values = torch.randn(B, N, Hkv, D, generator=g), torch.randn(B, N, Hkv, V, generator=g)
+    valid = torch.ones(B, N, dtype=torch.bool)
+    if S:
+        valid[-1, 0] = False
+    old_valid = torch.ones(B, dtype=torch.bool)
+    old_valid[0] = False
+    state = torch.rand(B, H, M, V + 1, generator=g)
+    log_gain, log_decay = torch.randn(H, generator=g), (-torch.rand(H, generator=g) if decay else None)
+    from dofattn.features import MAX_KEY_EXCESS
+    from dofattn.ops.window import prf_window_decode_step
+
+    phi, k_scale = fmap.features(old_k[:, None].repeat_interleave(H // Hkv, 2), "key")
+    want_state = fold_key(state, phi[:, 0] * old_valid[:, None, None], old_v.repeat_interleave(H // Hkv, 1), log_decay)
+    phi_q, q_scale = fmap.features(q[:, None], "query")
+    want = window_decode_step(q, keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + log_gain, D ** -0.5,
+                              want_state)
+    got = prf_window_decode_step(q, new_k, new_v, old_k, old_v, old_valid, keys, values, valid, state,
+                                 fmap.directions, fmap.log_weights, fmap.key_shift, log_gain, D ** -0.5,
+                                 MAX_KEY_EXCESS, log_decay)
+    torch.testing.assert_close(state, want_state, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
 def test_op_gives_zero_for_a_row_with_nothing():
     """No valid key and an empty state: 0, not NaN (as the spec)."""
     o = window_decode_step(torch.randn(1, 2, 4), torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 5),

@@ -18,7 +18,8 @@ from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, SinkState
 from dofattn.attention.linear import check_left_padding
 from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops.naive import needs_grad
-from dofattn.ops.window import first_keys, fold_key, window_decode_step, window_linear_attention
+from dofattn.ops.window import (first_keys, fold_key, prf_window_decode_step, window_decode_step,
+                                window_linear_attention)
 
 
 class WindowBranch:
@@ -120,11 +121,33 @@ class WindowBranch:
         last = cache.part("window")
         if self.decay is not None:   # as the general call: padding after a real token would still decay the state
             check_left_padding(torch.cat([last.valid, key_valid], 1))
-        state, k_scale = self.fold(cache.state, last.keys[:, 0], last.values[:, 0], last.valid[:, 0], q.dtype)
+        old = last.keys[:, 0], last.values[:, 0], last.valid[:, 0]
+        if self.lean_ok(q, cache):
+            last.keys, last.values = torch.cat([last.keys[:, 1:], k], 1), torch.cat([last.values[:, 1:], v], 1)
+            last.valid = torch.cat([last.valid[:, 1:], key_valid], 1)
+            fmap = self.feature_map
+            keys, values, valid = self.exact_keys(cache)
+            o = prf_window_decode_step(q[:, 0], k[:, 0], v[:, 0], *old, keys, values, valid, cache.state,
+                                       fmap.directions, fmap.log_weights, fmap.key_shift, self.window.log_gain,
+                                       fmap.scaling, MAX_KEY_EXCESS, self.log_decay())
+            return o[:, None]
+        state, k_scale = self.fold(cache.state, *old, q.dtype)
         keep_buffer(cache, "state", state)
         last.keys, last.values = torch.cat([last.keys[:, 1:], k], 1), torch.cat([last.values[:, 1:], v], 1)
         last.valid = torch.cat([last.valid[:, 1:], key_valid], 1)
         return self.read_exact(q, cache, k_scale, q.dtype)
+
+    def lean_ok(self, q: torch.Tensor, cache: LinearStateLayer) -> bool:
+        """True when a steady decode step runs as `ops.window.prf_window_decode_step` (few operations, the state
+        updated in place): a PRF map, float32, no autograd, no gate; else `fold` and `read_exact`."""
+        return (isinstance(self.feature_map, PositiveRandomFeatures) and q.dtype == torch.float32
+                and cache.state.dtype == torch.float32 and self.attention.decay != "gate"
+                and not needs_grad(q, *self.parameters()))
+
+    def exact_keys(self, cache: LinearStateLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The keys, values and flags a query reads exactly: the sink's, then the window's ([B, S + W, Hkv, D])."""
+        held = ([cache.part("sink")] if self.sink is not None else []) + [cache.part("window")]
+        return tuple(torch.cat([getattr(slots, name) for slots in held], 1) for name in ("keys", "values", "valid"))
 
     def fold(self, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,9 +164,7 @@ class WindowBranch:
                    dtype: torch.dtype) -> torch.Tensor:
         """The query q [B, 1, H, D] against the cache's sinks and window keys (exact) and its state -> [B, 1, H, D]
         (`ops.window.window_decode_step`); its features rounded to `dtype` if 16-bit, as in `fold`."""
-        held = ([cache.part("sink")] if self.sink is not None else []) + [cache.part("window")]
-        keys, values, valid = (torch.cat([getattr(slots, name) for slots in held], 1)
-                               for name in ("keys", "values", "valid"))
+        keys, values, valid = self.exact_keys(cache)
         phi_q, q_scale = self.feature_map.features(q, "query")                             # [B, 1, H, M]
         phi_q = in_model_dtype(phi_q, dtype)
         o = window_decode_step(q[:, 0], keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + self.window.log_gain,

@@ -46,6 +46,8 @@ leaves it in with `fold_key`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -201,6 +203,50 @@ def window_decode_step(q, keys, values, valid, phi_q, q_log_scale, log_offset, s
     o = torch.matmul(weights[..., :N].reshape(B, Hkv, G, N), values.to(dtype).transpose(1, 2))    # [B, Hkv, G, V]
     o = o.reshape(B, H, V) + weights[..., N:] * read[..., :-1] / den.clamp_min(TINY)[..., None]
     return o.to(values.dtype)
+
+
+@torch.no_grad()
+def prf_window_decode_step(q, k, v, old_key, old_value, old_valid, exact_keys, exact_values, exact_valid, state,
+                           directions, log_weights, key_shift, log_gain, scaling: float, max_excess: float,
+                           log_decay=None):
+    """A steady decode step of a PRF window hybrid on a CPU, in few operations (eval, no autograd, float32): the key
+    leaving the window folds into the state (in place), then the query reads the exact keys and the state. Equal to
+    `fold_key` (with the map's key features) then `window_decode_step` (with its query features).
+
+    q [B, H, D]; k, v [B, Hkv, D] (the new key and value, already among `exact_keys`); old_key, old_value [B, Hkv, D]
+    and old_valid [B] the key leaving the window; exact_keys, exact_values [B, N, Hkv, D] and exact_valid [B, N] the
+    keys read exactly (sinks and window); state [B, H, M, V+1] float32, updated in place; directions [H, M, D],
+    log_weights [H, M], key_shift [H] (calibrated), log_gain [H]; log_decay [H] or None. -> o [B, H, V] float32."""
+    B, N, Hkv, D = exact_keys.shape
+    H, M = directions.shape[:2]
+    G = H // Hkv
+    root = math.sqrt(scaling)
+    # the leaving key's features on its H query heads, and its value with the ones column
+    u = (old_key * root).repeat_interleave(G, 1)                                        # [B, H, D]
+    e = torch.matmul(directions, u.unsqueeze(-1)).squeeze(-1)                           # [B, H, M]
+    e = e + (0.5 * log_weights - key_shift[:, None]) - 0.5 * u.square().sum(-1, keepdim=True)
+    phi_k = e.clamp_(max=max_excess).exp_().mul_(old_valid[:, None, None])
+    value = torch.cat([old_value, old_value.new_ones(B, Hkv, 1)], -1).repeat_interleave(G, 1)   # [B, H, V+1]
+    if log_decay is not None:
+        state.mul_(decay_log(log_decay, state.dtype).exp()[:, None, None])
+    state.add_(phi_k.unsqueeze(-1) * value.unsqueeze(-2))
+    # the query: its features, its exact logits, its read of the state
+    uq = q * root                                                                       # [B, H, D]
+    eq = torch.matmul(directions, uq.unsqueeze(-1)).squeeze(-1) + 0.5 * log_weights     # [B, H, M]
+    shift = eq.amax(-1, keepdim=True)
+    phi_q = (eq - shift).exp_()
+    read = torch.matmul(phi_q.unsqueeze(-2), state).squeeze(-2)                        # [B, H, V+1]
+    den = read[..., -1]
+    log_state = (torch.log(den.clamp_min(TINY)) + shift[..., 0] - 0.5 * uq.square().sum(-1)
+                 - 0.5 * math.log(M) + key_shift - 0.5 * math.log(M) + log_gain)        # [B, H]
+    log_state = log_state.masked_fill(den <= 0, -torch.inf)
+    keys = exact_keys.permute(0, 2, 3, 1)                                               # [B, Hkv, D, N]
+    exact = torch.matmul(q.reshape(B, Hkv, G, D), keys).mul_(scaling).reshape(B, H, N)
+    exact = exact.masked_fill_(~exact_valid[:, None, :], -torch.inf)
+    logits = torch.cat([exact, log_state.unsqueeze(-1)], -1)                            # [B, H, N+1]
+    weights = torch.softmax(logits, -1).nan_to_num_(0.0)
+    o = torch.matmul(weights[..., :N].reshape(B, Hkv, G, N), exact_values.transpose(1, 2)).reshape(B, H, -1)
+    return o + weights[..., N:] * read[..., :-1] / den.clamp_min(TINY)[..., None]
 
 
 def fold_key(state, phi_k, value, log_decay=None):
