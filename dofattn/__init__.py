@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 _PUBLIC = {"Attention": "dofattn.spec", "Kept": "dofattn.spec", "StudentSpec": "dofattn.spec",
            "linearize": "dofattn.student", "load_student": "dofattn.student", "save_student": "dofattn.student",
            "load": ("dofattn.export", "load_any"), "export": "dofattn.export",
-           "StaticDecoder": "dofattn.engine", "load_recipe": ("dofattn.recipe", "load")}
+           "StaticDecoder": "dofattn.engine", "load_recipe": ("dofattn.recipe", "load"),
+           "set_prompt_chunk": "dofattn.attention.prompt"}
 __all__ = sorted(_PUBLIC)
 
 

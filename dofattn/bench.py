@@ -49,6 +49,9 @@ class BenchConfig:
     command line's `auto`) picks the device's default (`resolved`)."""
 
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    threads: int | None = option(None, "CPU threads for torch's operations; auto: torch's default, one per core "
+                                       "(a decode step is many small operations: on a CPU that other work is using, "
+                                       "1 can be faster)", none="auto")
     dtype: str = option("auto", "float32 or bfloat16; auto: bfloat16 on CUDA, float32 on CPU")
     seq_lens: list[int] | None = option(None, "comma-separated T for prefill and decode; auto: 512,2048 on CPU, "
                                               "2048,8192,32768,131072 on CUDA", none="auto")
@@ -455,8 +458,11 @@ def run(cfg: BenchConfig, show=print) -> dict:
     from dofattn.hf import parse_dtype
     from dofattn.io import check_output, write_atomic
 
+    from dofattn.hf import use_threads
+
     cfg = cfg.resolved()
     validate(cfg)
+    use_threads(cfg.threads)
     student = student_of(cfg)               # neither a recipe nor a student, or not buildable: one line, at once
     out = check_output(cfg.out, "--out", (".json",)) if cfg.out else None
     dtype = parse_dtype(cfg.dtype)

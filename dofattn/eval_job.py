@@ -46,6 +46,9 @@ class EvalConfig:
     layer_blocks: int = option(2, "blocks used for the per-layer errors")
     batch_size: int = option(2, "blocks per forward pass")
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    threads: int | None = option(None, "CPU threads for torch's operations; auto: torch's default, one per core "
+                                       "(a decode step is many small operations: on a CPU that other work is using, "
+                                       "1 can be faster)", none="auto")
     dtype: str = option("float32", "model dtype: float32 or bfloat16")
     tasks: list[str] | None = option(None, "also run zero-shot lm-eval tasks, comma-separated (piqa,arc_easy,"
                                            "arc_challenge,winogrande,logiqa,wsc273,mmlu need the hub; local ones "
@@ -144,12 +147,13 @@ def run(cfg: EvalConfig, show=None) -> dict:
     """
     from dofattn.data import WIKI_SAMPLE, sources, token_blocks
     from dofattn.export import is_export, load_export, lora_merged
-    from dofattn.hf import load_model, parse_dtype
+    from dofattn.hf import load_model, parse_dtype, use_threads
     from dofattn.io import write_atomic
     from dofattn.student import is_student, load_student
 
     say = show or (lambda text: None)
     paths = check(cfg)
+    use_threads(cfg.threads)
     held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(cfg.data))
     split = cfg.split or ("validation" if held_out else "all")
     device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)

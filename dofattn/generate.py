@@ -39,6 +39,9 @@ class GenerateConfig:
                                   "generations)")
     seed: int = option(0, "seed for sampling and for untrained features")
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    threads: int | None = option(None, "CPU threads for torch's operations; auto: torch's default, one per core "
+                                       "(a decode step is many small operations: on a CPU that other work is using, "
+                                       "1 can be faster)", none="auto")
     dtype: str = option("float32", "model dtype: float32 or bfloat16")
 
 
@@ -85,7 +88,10 @@ def run(cfg: GenerateConfig, show=None) -> dict:
     (what generated it, in words)}. `show` gets progress lines (None: quiet)."""
     import torch
 
+    from dofattn.hf import use_threads
+
     check(cfg)
+    use_threads(cfg.threads)
     model, tokenizer, what = load(cfg)
     if show:
         show(f"generating with {what}")

@@ -93,6 +93,15 @@ def cache_kwargs(model: PreTrainedModel, cache) -> dict:
     return {"cache" if "cache" in params else "past_key_values": cache}
 
 
+def use_threads(threads: int | None) -> None:
+    """torch's intra-op threads set to `threads` (None: left as torch set them, one per core)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UserError(f"--threads must be at least 1, got {threads}")
+    torch.set_num_threads(threads)
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise UserError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")
