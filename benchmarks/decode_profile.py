@@ -2,17 +2,20 @@
 
     python benchmarks/decode_profile.py runs/long-context --context 512 8192 --out decode_profile.json
 
-For each model and prompt length: the prompt is read (random tokens), then `--steps` cached forwards of one token
-each (what HF `generate` runs per token) are timed with the profiler on. Each step's time is split by the module it
-is spent in (the linear layers' attention, the kept layers' attention, the q/k/v/o projections, the MLPs, the norms,
-the LM head; the rest is HF's code around them: masks, rotary embeddings, the cache's bookkeeping), and the aten
-operators that take the most self time are listed. `--threads` sets torch's intra-op threads (default: torch's).
+Both models read each prompt (random tokens, the same for both); then blocks of `--steps` cached forwards of one
+token each (what HF `generate` runs per token, with its mask) are timed, the models' and lengths' blocks
+interleaved over `--rounds` (a median each), so that the machine's drift does not fall on one row; then a block
+runs with the profiler on. Each step's time is split by the module it is spent in (the linear layers' attention,
+the q/k/v/o projections, the MLPs, the norms, the LM head; the rest is HF's code around them, the kept layers'
+attention and the cache's bookkeeping), and the aten operators with the most self time are listed. `--threads` sets
+torch's intra-op threads (default: torch's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -64,44 +67,57 @@ def label(model) -> None:
 
 
 @torch.no_grad()
-def measure(model, tokenizer, context: int, steps: int) -> dict:
+def prefill(model, context: int) -> list:
+    """[cache, next token, attention mask] after a random prompt of `context` tokens (the same for every model)."""
     from transformers import DynamicCache
 
     from dofattn.hf import cache_kwargs
 
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(context))
+    ids = torch.randint(3, 40000, (1, context), generator=torch.Generator().manual_seed(context))
     cache = DynamicCache(config=model.config)
     logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits
-    token = logits[:, -1].argmax(-1, keepdim=True)
-    for _ in range(3):                                   # warm-up steps
-        token = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, True)
-    start = time.perf_counter()
-    for _ in range(steps):
-        token = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, True)
-    plain = (time.perf_counter() - start) / steps
+    return [cache, logits[:, -1].argmax(-1, keepdim=True), torch.ones(1, context + 1, dtype=torch.long)]
+
+
+@torch.no_grad()
+def steps(model, held: list, count: int) -> None:
+    """`count` decode steps continuing `held` (updated), each a cached forward of one token with its mask, as
+    `generate` calls it."""
+    from dofattn.hf import cache_kwargs
+
+    cache, token, mask = held
+    for _ in range(count):
+        token = model(input_ids=token, attention_mask=mask, use_cache=True,
+                      **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, mask[:, :1]], 1)
+    held[1:] = [token, mask]
+
+
+@torch.no_grad()
+def profiled(model, held: list, count: int) -> dict:
+    """The parts of `count` profiled steps and the aten operators with the most self time."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
+        for _ in range(count):
             with record_function("step"):
-                token = model(input_ids=token, use_cache=True,
-                              **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
+                steps(model, held, 1)
     events = prof.key_averages()
-    step_us = next(e.cpu_time_total for e in events if e.key == "step") / steps
-    parts = {e.key[len("part: "):]: e.cpu_time_total / steps / 1e3 for e in events if e.key.startswith("part: ")}
+    step_us = next(e.cpu_time_total for e in events if e.key == "step") / count
+    parts = {e.key[len("part: "):]: e.cpu_time_total / count / 1e3 for e in events if e.key.startswith("part: ")}
     parts["linear attention"] = parts.get("linear attention", 0.0)
     parts["rest (HF code, kept layers' attention, cache)"] = step_us / 1e3 - sum(parts.values())
     ops = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)[:15]
-    return {"context": context, "step_ms": plain * 1e3, "profiled_step_ms": step_us / 1e3,
-            "parts_ms": parts, "aten_calls_per_step": sum(e.count for e in events if e.key.startswith("aten::"))
-            / steps, "top_ops": [{"op": e.key, "calls_per_step": e.count / steps,
-                                  "self_ms_per_step": e.self_cpu_time_total / steps / 1e3} for e in ops]}
+    return {"profiled_step_ms": step_us / 1e3, "parts_ms": parts,
+            "aten_calls_per_step": sum(e.count for e in events if e.key.startswith("aten::")) / count,
+            "top_ops": [{"op": e.key, "calls_per_step": e.count / count,
+                         "self_ms_per_step": e.self_cpu_time_total / count / 1e3} for e in ops]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("student", help="a student: run folder or export")
     parser.add_argument("--context", type=int, nargs="+", default=[512, 8192])
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps a timed block")
+    parser.add_argument("--rounds", type=int, default=4, help="timed blocks per model and context, interleaved")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="decode_profile.json")
     args = parser.parse_args()
@@ -110,23 +126,31 @@ def main() -> None:
     from dofattn.export import load_any, spec_of
     from dofattn.hf import load_model
 
-    rows = defaultdict(list)
-    for kind in ("teacher", "student"):
-        if kind == "student":
-            model, tokenizer = load_any(args.student, merge_lora=True)[:2]
-        else:
-            model, tokenizer = load_model(spec_of(args.student).base_model)
-        model.eval()
+    models = {"teacher": load_model(spec_of(args.student).base_model)[0].eval(),
+              "student": load_any(args.student, merge_lora=True)[0].eval()}
+    held = {(name, c): prefill(model, c) for c in args.context for name, model in models.items()}
+    times = {key: [] for key in held}
+    for _ in range(args.rounds):          # interleaved, so that the machine's drift falls on every row alike
+        for key in held:
+            start = time.perf_counter()
+            steps(models[key[0]], held[key], args.steps)
+            times[key].append((time.perf_counter() - start) / args.steps * 1e3)
+    for model in models.values():
         label(model)
-        for context in args.context:
-            row = measure(model, tokenizer, context, args.steps)
-            rows[kind].append(row)
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in row["parts_ms"].items())
-            print(f"{kind:8} after {context:6}: {row['step_ms']:.1f} ms a step ({row['aten_calls_per_step']:.0f} "
-                  f"aten calls); profiled {row['profiled_step_ms']:.1f} ms: {parts}", flush=True)
-            for op in row["top_ops"][:8]:
-                print(f"    {op['op']:32} {op['calls_per_step']:6.0f} calls {op['self_ms_per_step']:7.2f} ms")
-        del model
+    rows = defaultdict(list)
+    for (name, context), h in held.items():
+        row = {"context": context, "step_ms": statistics.median(times[name, context]),
+               "step_ms_rounds": times[name, context], **profiled(models[name], h, args.steps)}
+        rows[name].append(row)
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in row["parts_ms"].items())
+        print(f"{name:8} after {context:6}: {row['step_ms']:.1f} ms a step (median of {args.rounds}; "
+              f"{row['aten_calls_per_step']:.0f} aten calls); profiled {row['profiled_step_ms']:.1f} ms: {parts}",
+              flush=True)
+        for op in row["top_ops"][:8]:
+            print(f"    {op['op']:32} {op['calls_per_step']:6.0f} calls {op['self_ms_per_step']:7.2f} ms")
+    for context in args.context:
+        ratio = statistics.median(times["teacher", context]) / statistics.median(times["student", context])
+        print(f"student's tokens/s over the teacher's after {context}: {ratio:.2f}x")
     Path(args.out).write_text(json.dumps({"student": args.student, "threads": torch.get_num_threads(),
                                           "rows": rows}, indent=2))
     print(f"wrote {args.out}")
