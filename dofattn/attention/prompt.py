@@ -104,6 +104,7 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
 
     name = "input_ids" if call.get("input_ids") is not None else "inputs_embeds"
     tokens, mask, positions = call.pop(name), call.pop("attention_mask", None), call.pop("position_ids", None)
+    cache_positions = call.pop("cache_position", None)            # transformers before 5.24 passes them
     cache = next((call.pop(n) for n in CACHE_ARGUMENTS if call.get(n) is not None), None)
     for n in CACHE_ARGUMENTS:
         call.pop(n, None)
@@ -123,6 +124,8 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
                 piece["attention_mask"] = mask[:, :past + end]
             if positions is not None:
                 piece["position_ids"] = positions[..., start:end]
+            if cache_positions is not None:
+                piece["cache_position"] = cache_positions[start:end]
             wanted = end - start if not keep else min(max(keep - (T - end), 0), end - start)
             if "logits_to_keep" in inspect.signature(forward).parameters:
                 piece["logits_to_keep"] = max(wanted, 1)       # 0 would be every position
