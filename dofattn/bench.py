@@ -331,8 +331,8 @@ class PeakMemory:
             return None
         if self.cuda:
             return torch.cuda.max_memory_allocated() - self.base
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - self.base
+        with open("/proc/self/status") as f:       # the set can shrink between reading the base and the reset
+            return max(next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - self.base, 0)
 
 
 def _generation_row(cfg: BenchConfig, model: str, student: bool, T: int, engine: str, timings: dict,
