@@ -113,6 +113,7 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
     as_tuple = call.pop("return_dict", None) is False
     past = cache.get_seq_length()
     bounded = [m.dofattn_bounded for m in model.modules() if getattr(m, "dofattn_bounded", None) is not None]
+    takes_keep = "logits_to_keep" in inspect.signature(forward).parameters
     logits = []
     try:
         for start, end in pieces:
@@ -127,7 +128,7 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
             if cache_positions is not None:
                 piece["cache_position"] = cache_positions[start:end]
             wanted = end - start if not keep else min(max(keep - (T - end), 0), end - start)
-            if "logits_to_keep" in inspect.signature(forward).parameters:
+            if takes_keep:
                 piece["logits_to_keep"] = max(wanted, 1)       # 0 would be every position
             out = forward(**piece)
             if wanted:
