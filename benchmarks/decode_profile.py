@@ -30,8 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def category(name: str, module) -> str | None:
     """The part of a step a module's time counts to (None: its children are counted instead)."""
     kind = type(module).__name__
-    if hasattr(module, "dofattn") and module.dofattn is not None:
-        return None                                     # its projections and its linear attention separately
     if kind == "LinearAttention":
         return "linear attention"
     if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "c_proj", "dense",
@@ -43,9 +41,7 @@ def category(name: str, module) -> str | None:
         return "norms"
     if name.endswith("lm_head"):
         return "LM head"
-    if name.endswith(("self_attn", "attention", "attn")):
-        return None                                     # the kept layer's attention: its own time below
-    return None
+    return None                                         # a kept layer's attention counts to the rest
 
 
 def label(model) -> None:

@@ -305,24 +305,16 @@ class PeakMemory:
     def __init__(self, device: str):
         self.cuda, self.base = device.startswith("cuda"), None
 
-    def current(self) -> int | None:
-        if self.cuda:
-            return torch.cuda.memory_allocated()
-        try:
-            with open("/proc/self/status") as f:
-                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            return None
-
     def start(self) -> None:
-        self.base = self.current()
         if self.cuda:
+            self.base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             return
         try:
+            self.base = _status_bytes("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-        except OSError:
+        except (OSError, StopIteration):
             self.base = None
 
     def above(self) -> int | None:
@@ -331,8 +323,13 @@ class PeakMemory:
             return None
         if self.cuda:
             return torch.cuda.max_memory_allocated() - self.base
-        with open("/proc/self/status") as f:       # the set can shrink between reading the base and the reset
-            return max(next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - self.base, 0)
+        return max(_status_bytes("VmHWM") - self.base, 0)   # the set can shrink between the base and the reset
+
+
+def _status_bytes(field: str) -> int:
+    """A size the kernel reports for this process in /proc/self/status (VmRSS, VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 def _generation_row(cfg: BenchConfig, model: str, student: bool, T: int, engine: str, timings: dict,

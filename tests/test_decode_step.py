@@ -71,8 +71,8 @@ def test_prf_step_is_the_fold_and_the_read(shape, decay):
     with torch.no_grad():
         fmap.log_weights.normal_(0, 1, generator=g)
         fmap.key_shift.copy_(torch.randn(H, generator=g) - 30)
-    q, new_k, old_k = (4 * torch.randn(B, n, D, generator=g) for n in (H, Hkv, Hkv))
-    new_v, old_v = (torch.randn(B, Hkv, V, generator=g) for _ in range(2))
+    q, old_k = (4 * torch.randn(B, n, D, generator=g) for n in (H, Hkv))
+    old_v = torch.randn(B, Hkv, V, generator=g)
     N = S + W
     keys, values = torch.randn(B, N, Hkv, D, generator=g), torch.randn(B, N, Hkv, V, generator=g)
     valid = torch.ones(B, N, dtype=torch.bool)
@@ -90,7 +90,7 @@ def test_prf_step_is_the_fold_and_the_read(shape, decay):
     phi_q, q_scale = fmap.features(q[:, None], "query")
     want = window_decode_step(q, keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + log_gain, D ** -0.5,
                               want_state)
-    got = prf_window_decode_step(q, new_k, new_v, old_k, old_v, old_valid, keys, values, valid, state,
+    got = prf_window_decode_step(q, old_k, old_v, old_valid, keys, values, valid, state,
                                  fmap.directions, fmap.log_weights, fmap.key_shift, log_gain, D ** -0.5,
                                  MAX_KEY_EXCESS, log_decay)
     torch.testing.assert_close(state, want_state, rtol=2e-5, atol=2e-6)

@@ -15,6 +15,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from dofattn.errors import UserError
 
 
+# What an HF forward (a model's, or an attention module's) calls its cache: `cache` from transformers 5.24 on,
+# `past_key_values` before, `layer_past` in older GPT-NeoX code.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
+
+
+def cache_argument(arguments: dict) -> Cache | None:
+    """The cache a call's keyword arguments bring under any of its names (`CACHE_ARGUMENTS`), or None."""
+    return next((arguments[name] for name in CACHE_ARGUMENTS if arguments.get(name) is not None), None)
+
+
 def keep_buffer(holder, name: str, value: torch.Tensor) -> None:
     """Store `value` as `holder`'s tensor `name` (a cache slot's, or a part's state's). While a CUDA graph is being
     captured (`engine.StaticDecoder`) it is copied into the tensor already there, so that every replay reads and

@@ -121,23 +121,20 @@ class WindowBranch:
         last = cache.part("window")
         if self.decay is not None:   # as the general call: padding after a real token would still decay the state
             check_left_padding(torch.cat([last.valid, key_valid], 1))
-        old = last.keys[:, 0], last.values[:, 0], last.valid[:, 0]
-        if self.lean_ok(q, cache):
-            last.keys, last.values = torch.cat([last.keys[:, 1:], k], 1), torch.cat([last.values[:, 1:], v], 1)
-            last.valid = torch.cat([last.valid[:, 1:], key_valid], 1)
+        old = last.keys[:, 0], last.values[:, 0], last.valid[:, 0]                # the key leaving the window
+        last.keys, last.values = torch.cat([last.keys[:, 1:], k], 1), torch.cat([last.values[:, 1:], v], 1)
+        last.valid = torch.cat([last.valid[:, 1:], key_valid], 1)
+        if self.prf_step_ok(q, cache):
             fmap = self.feature_map
-            keys, values, valid = self.exact_keys(cache)
-            o = prf_window_decode_step(q[:, 0], k[:, 0], v[:, 0], *old, keys, values, valid, cache.state,
-                                       fmap.directions, fmap.log_weights, fmap.key_shift, self.window.log_gain,
-                                       fmap.scaling, MAX_KEY_EXCESS, self.log_decay())
+            o = prf_window_decode_step(q[:, 0], *old, *self.exact_keys(cache), cache.state, fmap.directions,
+                                       fmap.log_weights, fmap.key_shift, self.window.log_gain, fmap.scaling,
+                                       MAX_KEY_EXCESS, self.log_decay())
             return o[:, None]
         state, k_scale = self.fold(cache.state, *old, q.dtype)
         keep_buffer(cache, "state", state)
-        last.keys, last.values = torch.cat([last.keys[:, 1:], k], 1), torch.cat([last.values[:, 1:], v], 1)
-        last.valid = torch.cat([last.valid[:, 1:], key_valid], 1)
         return self.read_exact(q, cache, k_scale, q.dtype)
 
-    def lean_ok(self, q: torch.Tensor, cache: LinearStateLayer) -> bool:
+    def prf_step_ok(self, q: torch.Tensor, cache: LinearStateLayer) -> bool:
         """True when a steady decode step runs as `ops.window.prf_window_decode_step` (few operations, the state
         updated in place): a PRF map, float32, no autograd, no gate; else `fold` and `read_exact`."""
         return (isinstance(self.feature_map, PositiveRandomFeatures) and q.dtype == torch.float32

@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from dofattn.attention.cache import state_layer
+from dofattn.attention.cache import CACHE_ARGUMENTS, cache_argument, state_layer
 from dofattn.attention.layer import LinearAttention
 from dofattn.attention.prompt import read_in_chunks
 from dofattn.capture import base_attention
@@ -27,10 +27,6 @@ IMPLEMENTATION = "dofattn"               # softmax layers on SDPA
 EAGER_IMPLEMENTATION = "dofattn_eager"   # softmax layers on the family's eager attention
 IMPLEMENTATIONS = (IMPLEMENTATION, EAGER_IMPLEMENTATION)
 
-# What an HF attention module's forward calls its cache: `cache` from transformers 5.24 on, `past_key_values` before,
-# `layer_past` in older GPT-NeoX code.
-CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
-
 
 def _bind_cache(module: nn.Module, args, kwargs) -> None:
     linear = getattr(module, "dofattn", None)       # None: the linear part taken off, softmax again
@@ -38,7 +34,7 @@ def _bind_cache(module: nn.Module, args, kwargs) -> None:
     config = getattr(module, "config", None)        # in `teacher_mode` (SDPA) the slot stays a KV cache
     if getattr(config, "_attn_implementation", IMPLEMENTATION) not in IMPLEMENTATIONS:
         return
-    cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
+    cache = cache_argument(kwargs)
     if linear is not None:
         linear.cache_layer = None if cache is None else state_layer(cache, module.layer_idx)
     elif bounded is not None:

@@ -24,8 +24,9 @@ import inspect
 import torch
 from torch import nn
 
+from dofattn.attention.cache import CACHE_ARGUMENTS, cache_argument
+
 PROMPT_CHUNK = 512        # tokens a chunk: 0.30 GiB above the model at 8 K, 0.95 at 32 K (docs/RESULTS.md)
-CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
 def set_prompt_chunk(model: nn.Module, chunk: int) -> None:
@@ -45,6 +46,10 @@ def read_in_chunks(model: nn.Module) -> None:
 
     @functools.wraps(forward)
     def chunked(*args, **kwargs):
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        if tokens is None or tokens.shape[1] <= model.dofattn_prompt_chunk:    # a decode step, a short prompt
+            return forward(*args, **kwargs)
         call = signature.bind_partial(*args, **kwargs).arguments
         call.update(call.pop("kwargs", {}))
         pieces = _pieces(model, call)
@@ -85,7 +90,7 @@ def _pieces(model: nn.Module, call: dict) -> list[tuple[int, int]] | None:
     """[(start, end)] of the call's tokens read a chunk at a time, or None: in one piece."""
     chunk = getattr(model, "dofattn_prompt_chunk", 0)
     tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
-    cache = next((call[name] for name in CACHE_ARGUMENTS if call.get(name) is not None), None)
+    cache = cache_argument(call)
     mask = call.get("attention_mask")
     if (not chunk or tokens is None or tokens.shape[1] <= chunk or torch.is_grad_enabled()
             or (cache is None and call.get("use_cache") is not True) or call.get("use_cache") is False
@@ -105,7 +110,7 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
     name = "input_ids" if call.get("input_ids") is not None else "inputs_embeds"
     tokens, mask, positions = call.pop(name), call.pop("attention_mask", None), call.pop("position_ids", None)
     cache_positions = call.pop("cache_position", None)            # transformers before 5.24 passes them
-    cache = next((call.pop(n) for n in CACHE_ARGUMENTS if call.get(n) is not None), None)
+    cache = cache_argument(call)
     for n in CACHE_ARGUMENTS:
         call.pop(n, None)
     cache = DynamicCache(config=model.config) if cache is None else cache

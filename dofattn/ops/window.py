@@ -206,16 +206,16 @@ def window_decode_step(q, keys, values, valid, phi_q, q_log_scale, log_offset, s
 
 
 @torch.no_grad()
-def prf_window_decode_step(q, k, v, old_key, old_value, old_valid, exact_keys, exact_values, exact_valid, state,
+def prf_window_decode_step(q, old_key, old_value, old_valid, exact_keys, exact_values, exact_valid, state,
                            directions, log_weights, key_shift, log_gain, scaling: float, max_excess: float,
                            log_decay=None):
     """A steady decode step of a PRF window hybrid on a CPU, in few operations (eval, no autograd, float32): the key
     leaving the window folds into the state (in place), then the query reads the exact keys and the state. Equal to
     `fold_key` (with the map's key features) then `window_decode_step` (with its query features).
 
-    q [B, H, D]; k, v [B, Hkv, D] (the new key and value, already among `exact_keys`); old_key, old_value [B, Hkv, D]
-    and old_valid [B] the key leaving the window; exact_keys, exact_values [B, N, Hkv, D] and exact_valid [B, N] the
-    keys read exactly (sinks and window); state [B, H, M, V+1] float32, updated in place; directions [H, M, D],
+    q [B, H, D]; old_key, old_value [B, Hkv, D] and old_valid [B] the key leaving the window; exact_keys,
+    exact_values [B, N, Hkv, D] and exact_valid [B, N] the keys read exactly (sinks and window, the new key among
+    them); state [B, H, M, V+1] float32, updated in place; directions [H, M, D],
     log_weights [H, M], key_shift [H] (calibrated), log_gain [H]; log_decay [H] or None. -> o [B, H, V] float32."""
     B, N, Hkv, D = exact_keys.shape
     H, M = directions.shape[:2]
@@ -238,7 +238,7 @@ def prf_window_decode_step(q, k, v, old_key, old_value, old_valid, exact_keys, e
     read = torch.matmul(phi_q.unsqueeze(-2), state).squeeze(-2)                        # [B, H, V+1]
     den = read[..., -1]
     log_state = (torch.log(den.clamp_min(TINY)) + shift[..., 0] - 0.5 * uq.square().sum(-1)
-                 - 0.5 * math.log(M) + key_shift - 0.5 * math.log(M) + log_gain)        # [B, H]
+                 + key_shift - math.log(M) + log_gain)          # the query's and the keys' scales, each -½ log M
     log_state = log_state.masked_fill(den <= 0, -torch.inf)
     keys = exact_keys.permute(0, 2, 3, 1)                                               # [B, Hkv, D, N]
     exact = torch.matmul(q.reshape(B, Hkv, G, D), keys).mul_(scaling).reshape(B, H, N)
