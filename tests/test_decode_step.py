@@ -83,16 +83,16 @@ def test_prf_step_is_the_fold_and_the_read(shape, decay):
     state = torch.rand(B, H, M, V + 1, generator=g)
     log_gain, log_decay = torch.randn(H, generator=g), (-torch.rand(H, generator=g) if decay else None)
     from dofattn.features import MAX_KEY_EXCESS
-    from dofattn.ops.window import prf_window_decode_step
+    from dofattn.ops.window import prf_step_constants, prf_window_decode_step
 
     phi, k_scale = fmap.features(old_k[:, None].repeat_interleave(H // Hkv, 2), "key")
     want_state = fold_key(state, phi[:, 0] * old_valid[:, None, None], old_v.repeat_interleave(H // Hkv, 1), log_decay)
     phi_q, q_scale = fmap.features(q[:, None], "query")
     want = window_decode_step(q, keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + log_gain, D ** -0.5,
                               want_state)
-    got = prf_window_decode_step(q, old_k, old_v, old_valid, keys, values, valid, state,
-                                 fmap.directions, fmap.log_weights, fmap.key_shift, log_gain, D ** -0.5,
-                                 MAX_KEY_EXCESS, log_decay)
+    constants = prf_step_constants(fmap.directions, fmap.log_weights, fmap.key_shift, log_gain, D ** -0.5, Hkv,
+                                   MAX_KEY_EXCESS, log_decay)
+    got = prf_window_decode_step(q, old_k, old_v, old_valid, keys, values, valid, state, constants)
     torch.testing.assert_close(state, want_state, rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 
@@ -241,3 +241,37 @@ def test_lean_steps_finite_at_exponent_195(dtype, device):
         outs = [layer(x[:, t:t + 1].to(dtype), x[:, t:t + 1].to(dtype), v[:, t:t + 1].to(dtype), cache=cache)
                 for t in range(8, 40)]
     assert all(o.dtype == dtype and torch.isfinite(o).all() for o in outs) and torch.isfinite(cache.state).all()
+
+
+def test_step_constants_follow_the_parameters(monkeypatch):
+    """The PRF step's constants are kept while the layer's parameters are, and made again after an in-place change
+    (an optimizer step, a load): a steady step after the change gives the general call's output."""
+    from dofattn.ops.window import prf_step_constants
+
+    H, Hkv, D, M, W = 4, 2, 8, 12, 3
+    layer = layer_pair(H, Hkv, D, M, W, 1, True, seed=2)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 9, H, D, generator=g)
+    k, v = (torch.randn(1, 9, Hkv, D, generator=g) for _ in range(2))
+    with torch.no_grad():
+        layer(q, k, v)                                                   # training mode: calibrates the shift
+        layer.eval()
+        held = layer.step_constants()
+        assert layer.step_constants() is held
+        layer.window.log_gain.add_(0.5)
+        layer.decay.decay_rate.sub_(1.0)
+        fresh = layer.step_constants()
+        assert fresh is not held
+        want = prf_step_constants(layer.feature_map.directions, layer.feature_map.log_weights,
+                                  layer.feature_map.key_shift, layer.window.log_gain, D ** -0.5, Hkv, fresh.max_excess,
+                                  layer.log_decay())
+        for got, ref in zip(fresh, want):
+            assert got == ref if isinstance(ref, float) else torch.equal(got, ref)
+        lean, general = LinearStateLayer(), LinearStateLayer()
+        for cache in (lean, general):
+            layer(q[:, :8], k[:, :8], v[:, :8], cache=cache)
+        calls = count_lean(layer, monkeypatch)
+        out = layer(q[:, 8:], k[:, 8:], v[:, 8:], cache=lean)
+        assert calls == [1]
+        monkeypatch.setattr(layer, "lean_step_ok", lambda *a: False)
+        torch.testing.assert_close(out, layer(q[:, 8:], k[:, 8:], v[:, 8:], cache=general), rtol=1e-5, atol=1e-6)

@@ -58,24 +58,35 @@ class PromptKVLayer(DynamicLayer):
 
 
 class BoundedKVLayer(BatchSlot):
-    """A kept softmax layer's cache slot after a prompt: `held` keys and values [B, Hkv, S + C, D] (the sink's, then
-    each kv head's C selected; slot c of a kv head is that head's own choice, without positions) and which are real
-    ([B, S + C]), and the window's last keys [B, Hkv, n, D] with theirs ([B, n]). `update` appends a call's keys to
-    the window (after trimming it to the last W of the calls before) and returns [held, window]; `mask` says which of
-    them each new query sees. `seen` counts the tokens read; it neither restarts nor drops tokens. It hands SDPA its
-    own mask, so HF sizes its causal mask on another layer (`is_sliding`)."""
+    """A kept softmax layer's cache slot after a prompt: keys and values [B, Hkv, L + W, D], the L held ones (the
+    sink's, then each kv head's C selected; slot c of a kv head is that head's own choice, without positions) and a
+    ring of W slots after them, the key at position p in slot L + p mod W; `valid` [B, L + W] says which slots hold
+    a real key (not a padding token, a slot not chosen or not written yet). A one-token call writes its key into its
+    ring slot in place and reads every valid slot: the ring holds exactly the window, the last W tokens. A longer
+    call reads the ring in order before its own keys under a causal window mask (`mask`) and leaves its last W keys
+    in the ring. `seen` counts the tokens read; it neither restarts nor drops tokens. It hands SDPA its own mask, so
+    HF sizes its causal mask on another layer (`is_sliding`). Static decoding keeps the same layout
+    (`StaticBoundedLayer`)."""
 
     is_sliding = True
     is_compileable = False
     is_croppable = False
-    NAMES = ("held_keys", "held_values", "held_valid", "keys", "values", "valid")
+    NAMES = ("keys", "values", "valid")
 
-    def __init__(self, held_keys, held_values, held_valid, keys, values, valid, width: int, seen: int):
+    def __init__(self, keys, values, valid, lead: int, width: int, seen: int):
         super().__init__()
-        self.held_keys, self.held_values, self.held_valid = held_keys, held_values, held_valid
         self.keys, self.values, self.valid = keys, values, valid
-        self.width, self.seen, self.new = int(width), int(seen), 0
+        self.lead, self.width, self.seen, self.call_mask = int(lead), int(width), int(seen), None
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    @classmethod
+    def from_prompt(cls, held_keys, held_values, held_valid, keys, values, valid, width: int) -> BoundedKVLayer:
+        """The slot after a prompt of T tokens: the held keys and values [B, Hkv, L, D] and which are real ([B, L]),
+        and the prompt's keys and values [B, Hkv, T, D] with theirs ([B, T]), whose last W go into the ring."""
+        T = keys.shape[2]
+        ring = lambda x, dim: in_ring(last_keys(x, width, dim), T, width, dim)
+        return cls(torch.cat([held_keys, ring(keys, 2)], 2), torch.cat([held_values, ring(values, 2)], 2),
+                   torch.cat([held_valid, ring(valid, 1)], 1), held_keys.shape[2], width, T)
 
     def _map(self, fn) -> None:
         for name in self.NAMES:
@@ -101,30 +112,42 @@ class BoundedKVLayer(BatchSlot):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         B, _, T, _ = key_states.shape
-        self.keys = torch.cat([last_keys(self.keys, self.width, 2), key_states], 2)
-        self.values = torch.cat([last_keys(self.values, self.width, 2), value_states], 2)
-        self.valid = torch.cat([last_keys(self.valid, self.width), self.valid.new_ones(B, T)], 1)
-        self.seen, self.new = self.seen + T, T
-        return torch.cat([self.held_keys, self.keys], 2), torch.cat([self.held_values, self.values], 2)
+        L, W, seen = self.lead, self.width, self.seen
+        self.seen = seen + T
+        if T == 1:                                    # a decode step: its key in its ring slot, every slot read
+            slot = L + seen % W
+            self.keys[:, :, slot], self.values[:, :, slot] = key_states[:, :, 0], value_states[:, :, 0]
+            self.valid[:, slot] = True
+            self.call_mask = None
+            return self.keys, self.values
+        slots = L + torch.arange(seen - W, seen, device=self.keys.device).remainder(W)   # the ring, oldest first
+        keys = torch.cat([self.keys[:, :, :L], self.keys[:, :, slots], key_states], 2)
+        values = torch.cat([self.values[:, :, :L], self.values[:, :, slots], value_states], 2)
+        valid = torch.cat([self.valid[:, slots], self.valid.new_ones(B, T)], 1)           # [B, W + T]
+        key_at = torch.arange(seen - W, seen + T, device=self.keys.device)               # [W + T]
+        query_at = torch.arange(seen, seen + T, device=self.keys.device)[:, None]        # [T, 1]
+        near = (key_at <= query_at) & (key_at > query_at - W)                              # [T, W + T]
+        held = self.valid[:, None, :L].expand(-1, T, -1)
+        self.call_mask = torch.cat([held, near[None] & valid[:, None, :]], -1)[:, None]   # [B, 1, T, L + W + T]
+        last = L + torch.arange(seen + T - W, seen + T, device=self.keys.device).remainder(W)
+        self.keys.index_copy_(2, last, keys[:, :, -W:])
+        self.values.index_copy_(2, last, values[:, :, -W:])
+        self.valid[:, last] = valid[:, -W:]
+        return keys, values
 
     def mask(self) -> torch.Tensor:
-        """[B, 1, T, S + C + n] bool for the last call's T queries: every real held key; a window key if it is real,
-        not after the query and less than W tokens before it."""
-        n, T = self.keys.shape[2], self.new
-        key_at = torch.arange(self.seen - n, self.seen, device=self.keys.device)              # [n]
-        query_at = torch.arange(self.seen - T, self.seen, device=self.keys.device)[:, None]   # [T, 1]
-        near = (key_at <= query_at) & (key_at > query_at - self.width)                         # [T, n]
-        window = near[None] & self.valid[:, None, :]                                           # [B, T, n]
-        held = self.held_valid[:, None, :].expand(-1, T, -1)
-        return torch.cat([held, window], -1)[:, None]
+        """Which keys the last call's queries see, bool: after one token [B, 1, 1, L + W], every valid slot; after
+        T tokens [B, 1, T, L + W + T], every real held key, and a ring or new key if it is real, not after the
+        query and less than W tokens before it."""
+        return self.valid[:, None, None] if self.call_mask is None else self.call_mask
 
 
 class StaticBoundedLayer(CacheLayerMixin):
     """A bounded kept layer's slot for static decoding (`engine.StaticDecoder`), made from its `BoundedKVLayer` after
-    the prompt: the held keys (sink and selected, [B, Hkv, S + C, D]) and a ring of W slots after them, the key at
-    position p in slot p mod W; `position` is the decoder's [1] tensor. Each step writes its key into its ring slot in
-    place and the layer attends over the real held keys and the ring's written slots (`slot_mask`, bound to the module
-    as `dofattn_static_kv`): the same shapes every token, and the same keys as the growing `BoundedKVLayer` reads."""
+    the prompt: the same held keys and ring of W slots ([B, Hkv, L + W, D]); `position` is the decoder's [1] tensor.
+    Each step writes its key into its ring slot in place, the slot read from the tensor, and the layer attends over
+    the valid slots (`slot_mask`, bound to the module as `dofattn_static_kv`): the same shapes every token, and the
+    same keys as the growing `BoundedKVLayer` reads."""
 
     is_sliding = False
     is_compileable = True
@@ -133,11 +156,8 @@ class StaticBoundedLayer(CacheLayerMixin):
     @classmethod
     def from_layer(cls, layer: BoundedKVLayer, position: torch.Tensor) -> StaticBoundedLayer:
         static = cls()
-        width, lead = layer.width, layer.held_keys.shape[2]
-        static.keys = torch.cat([layer.held_keys, in_ring(layer.keys, layer.seen, width, 2)], 2)
-        static.values = torch.cat([layer.held_values, in_ring(layer.values, layer.seen, width, 2)], 2)
-        static.valid = torch.cat([layer.held_valid, in_ring(layer.valid, layer.seen, width)], 1)
-        static.position, static.lead, static.width, static.seen = position, lead, width, layer.seen
+        static.keys, static.values, static.valid = layer.keys.clone(), layer.values.clone(), layer.valid.clone()
+        static.position, static.lead, static.width, static.seen = position, layer.lead, layer.width, layer.seen
         static.dtype, static.device, static.is_initialized = layer.keys.dtype, layer.keys.device, True
         return static
 
@@ -152,7 +172,7 @@ class StaticBoundedLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def slot_mask(self) -> torch.Tensor:
-        """[B, 1, 1, S + C + W] bool: the real held keys and the ring's written slots (the current token's included)."""
+        """[B, 1, 1, L + W] bool: the real held keys and the ring's written slots (the current token's included)."""
         return self.valid[:, None, None]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -236,5 +256,4 @@ class BoundedSoftmax(nn.Module):
         at = torch.cat([order[:, None, :].expand(-1, k.shape[2], -1), index], -1)              # [B, Hkv, S + C]
         held_valid = torch.cat([sink.gather(1, order), chosen], 1)
         gather = lambda x: x.gather(2, at[..., None].expand(-1, -1, -1, x.shape[-1]))
-        return BoundedKVLayer(gather(key), gather(value), held_valid, last_keys(key, width, 2),
-                              last_keys(value, width, 2), last_keys(valid & ~sink, width), width, T)
+        return BoundedKVLayer.from_prompt(gather(key), gather(value), held_valid, key, value, valid & ~sink, width)

@@ -18,8 +18,8 @@ from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, SinkState
 from dofattn.attention.linear import check_left_padding
 from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops.naive import needs_grad
-from dofattn.ops.window import (first_keys, fold_key, prf_window_decode_step, window_decode_step,
-                                window_linear_attention)
+from dofattn.ops.window import (PRFStep, first_keys, fold_key, prf_step_constants, prf_window_decode_step,
+                                window_decode_step, window_linear_attention)
 
 
 class WindowBranch:
@@ -116,19 +116,16 @@ class WindowBranch:
         """A steady decode step (`lean_step_ok`) on the growing-list cache: the oldest cached key leaves the window
         and joins the state, the new key joins the window, and the query reads [sinks, window] exactly and the
         state. q [B, 1, H, D], k and v [B, 1, Hkv, D] -> o [B, 1, H, D]."""
-        if key_valid is None:
-            key_valid = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
         last = cache.part("window")
-        if self.decay is not None:   # as the general call: padding after a real token would still decay the state
+        if key_valid is None:          # a real token: no padding can follow a real one
+            key_valid = last.valid.new_ones(k.shape[:2])
+        elif self.decay is not None:   # as the general call: padding after a real token would still decay the state
             check_left_padding(torch.cat([last.valid, key_valid], 1))
         old = last.keys[:, 0], last.values[:, 0], last.valid[:, 0]                # the key leaving the window
         last.keys, last.values = torch.cat([last.keys[:, 1:], k], 1), torch.cat([last.values[:, 1:], v], 1)
         last.valid = torch.cat([last.valid[:, 1:], key_valid], 1)
         if self.prf_step_ok(q, cache):
-            fmap = self.feature_map
-            o = prf_window_decode_step(q[:, 0], *old, *self.exact_keys(cache), cache.state, fmap.directions,
-                                       fmap.log_weights, fmap.key_shift, self.window.log_gain, fmap.scaling,
-                                       MAX_KEY_EXCESS, self.log_decay())
+            o = prf_window_decode_step(q[:, 0], *old, *self.exact_keys(cache), cache.state, self.step_constants())
             return o[:, None]
         state, k_scale = self.fold(cache.state, *old, q.dtype)
         keep_buffer(cache, "state", state)
@@ -136,10 +133,25 @@ class WindowBranch:
 
     def prf_step_ok(self, q: torch.Tensor, cache: LinearStateLayer) -> bool:
         """True when a steady decode step runs as `ops.window.prf_window_decode_step` (few operations, the state
-        updated in place): a PRF map, float32, no autograd, no gate; else `fold` and `read_exact`."""
+        updated in place): a PRF map, float32, a contiguous state, no autograd, no gate; else `fold` and
+        `read_exact`."""
         return (isinstance(self.feature_map, PositiveRandomFeatures) and q.dtype == torch.float32
-                and cache.state.dtype == torch.float32 and self.attention.decay != "gate"
-                and not needs_grad(q, *self.parameters()))
+                and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
+                and self.attention.decay != "gate" and not needs_grad(q, *self.parameters()))
+
+    def step_constants(self) -> PRFStep:
+        """The PRF step's constants (`ops.window.prf_step_constants`), made again only when a tensor they come from
+        changed (its storage or its version: an optimizer step, a load, a move)."""
+        fmap = self.feature_map
+        sources = (fmap.directions, fmap.log_weights, fmap.key_shift, self.window.log_gain,
+                   *(() if self.decay is None else (self.decay.decay_rate,)))
+        key = tuple((t.data_ptr(), t._version) for t in sources)
+        held = getattr(self, "_step_constants", None)
+        if held is None or held[0] != key:
+            held = key, prf_step_constants(fmap.directions, fmap.log_weights, fmap.key_shift, self.window.log_gain,
+                                           fmap.scaling, self.num_kv_heads, MAX_KEY_EXCESS, self.log_decay())
+            self._step_constants = held
+        return held[1]
 
     def exact_keys(self, cache: LinearStateLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The keys, values and flags a query reads exactly: the sink's, then the window's ([B, S + W, Hkv, D])."""

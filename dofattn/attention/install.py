@@ -90,12 +90,14 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
                 ~mask, torch.finfo(query.dtype).min)
         if eager:
             return base_attention("eager", module)(module, query, key, value, mask, **kwargs)
-        if (mask is not None and mask.dtype == torch.bool and 1 < query.shape[2] < key.shape[2]
-                and not module.training):                   # a prompt's chunk after its first
+        if (mask is not None and mask.dtype == torch.bool and not module.training
+                and (1 < query.shape[2] < key.shape[2] or (bounded_own and not query.is_cuda))):
+            # a prompt's chunk after its first, or a bounded layer's call after the prompt on a CPU
             return _sdpa_in_blocks(query, key, value, mask, kwargs.get("scaling", module.scaling))
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
     own = static.slot_mask() if static is not None else bounded.mask() if bounded is not None else None
+    bounded_own = own is not None and static is None
     new_valid = _key_padding(attention_mask, query.shape[2]) if bounded is not None and own is None else None
     out = attend(query, key, value, own if own is not None else attention_mask)
     if bounded is not None and bounded.cache is not None:    # after a prompt, the cache keeps what it bounds

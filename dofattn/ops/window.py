@@ -47,6 +47,7 @@ leaves it in with `fold_key`).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -205,48 +206,72 @@ def window_decode_step(q, keys, values, valid, phi_q, q_log_scale, log_offset, s
     return o.to(values.dtype)
 
 
+class PRFStep(NamedTuple):
+    """A PRF window layer's constants for `prf_window_decode_step`, laid out for its matrix products
+    (`prf_step_constants`); fixed while the layer's parameters are."""
+
+    query_directions: torch.Tensor   # [H, D, M]: √s·z_m, transposed
+    key_directions: torch.Tensor     # [Hkv, D, G·M]: the same for the G query heads of each kv head, side by side
+    query_bias: torch.Tensor         # [H, 1, M]: ½ log α
+    key_bias: torch.Tensor           # [Hkv, 1, G·M]: ½ log α − the key shift
+    log_offset: torch.Tensor         # [H]: the key shift − log M + the window's log-gain
+    decay: torch.Tensor | None       # [H, 1, 1]: γ_h, or None
+    scaling: float
+    max_excess: float
+
+
+def prf_step_constants(directions, log_weights, key_shift, log_gain, scaling: float, num_kv_heads: int,
+                       max_excess: float, log_decay=None) -> PRFStep:
+    """A PRF map's directions [H, M, D] and log-weights [H, M], its calibrated key shift [H], the window's log-gain
+    [H], the softmax scaling, the kv heads, the key exponent's cap and log γ [H] (or None), as `PRFStep`."""
+    H, M, D = directions.shape
+    G = H // num_kv_heads
+    z = (directions.float() * math.sqrt(scaling)).transpose(1, 2)                           # [H, D, M]
+    key_directions = z.reshape(num_kv_heads, G, D, M).permute(0, 2, 1, 3).reshape(num_kv_heads, D, G * M)
+    half = 0.5 * log_weights.float()
+    key_bias = (half - key_shift.float()[:, None]).reshape(num_kv_heads, 1, G * M)
+    decay = None if log_decay is None else decay_log(log_decay, torch.float32).exp()[:, None, None]
+    return PRFStep(z.contiguous(), key_directions.contiguous(), half[:, None].contiguous(), key_bias.contiguous(),
+                   (key_shift.float() - math.log(M) + log_gain.float()).contiguous(), decay, float(scaling),
+                   float(max_excess))
+
+
 @torch.no_grad()
 def prf_window_decode_step(q, old_key, old_value, old_valid, exact_keys, exact_values, exact_valid, state,
-                           directions, log_weights, key_shift, log_gain, scaling: float, max_excess: float,
-                           log_decay=None):
+                           constants: PRFStep):
     """A steady decode step of a PRF window hybrid on a CPU, in few operations (eval, no autograd, float32): the key
     leaving the window folds into the state (in place), then the query reads the exact keys and the state. Equal to
     `fold_key` (with the map's key features) then `window_decode_step` (with its query features).
 
     q [B, H, D]; old_key, old_value [B, Hkv, D] and old_valid [B] the key leaving the window; exact_keys,
     exact_values [B, N, Hkv, D] and exact_valid [B, N] the keys read exactly (sinks and window, the new key among
-    them); state [B, H, M, V+1] float32, updated in place; directions [H, M, D],
-    log_weights [H, M], key_shift [H] (calibrated), log_gain [H]; log_decay [H] or None. -> o [B, H, V] float32."""
+    them); state [B, H, M, V+1] float32, contiguous, updated in place; `constants` the layer's
+    (`prf_step_constants`). -> o [B, H, V] float32."""
     B, N, Hkv, D = exact_keys.shape
-    H, M = directions.shape[:2]
-    G = H // Hkv
-    root = math.sqrt(scaling)
-    # the leaving key's features on its H query heads, and its value with the ones column
-    u = (old_key * root).repeat_interleave(G, 1)                                        # [B, H, D]
-    e = torch.matmul(directions, u.unsqueeze(-1)).squeeze(-1)                           # [B, H, M]
-    e = e + (0.5 * log_weights - key_shift[:, None]) - 0.5 * u.square().sum(-1, keepdim=True)
-    phi_k = e.clamp_(max=max_excess).exp_().mul_(old_valid[:, None, None])
-    value = torch.cat([old_value, old_value.new_ones(B, Hkv, 1)], -1).repeat_interleave(G, 1)   # [B, H, V+1]
-    if log_decay is not None:
-        state.mul_(decay_log(log_decay, state.dtype).exp()[:, None, None])
-    state.add_(phi_k.unsqueeze(-1) * value.unsqueeze(-2))
-    # the query: its features, its exact logits, its read of the state
-    uq = q * root                                                                       # [B, H, D]
-    eq = torch.matmul(directions, uq.unsqueeze(-1)).squeeze(-1) + 0.5 * log_weights     # [B, H, M]
+    H, _, M = constants.query_directions.shape
+    G, V = H // Hkv, old_value.shape[-1]
+    half_s = 0.5 * constants.scaling
+    # the leaving key's features, on the G query heads of its kv head at once: [Hkv, B, G·M]
+    x = old_key.transpose(0, 1)                                                              # [Hkv, B, D]
+    e = torch.baddbmm(constants.key_bias, x, constants.key_directions) - half_s * (x * x).sum(-1, keepdim=True)
+    phi_k = e.masked_fill_(~old_valid[None, :, None], -torch.inf).clamp_(max=constants.max_excess).exp_()
+    if constants.decay is not None:
+        state.mul_(constants.decay)
+    state.view(B * Hkv, G * M, V + 1).baddbmm_(phi_k.transpose(0, 1).reshape(B * Hkv, G * M, 1),
+                                               F.pad(old_value, (0, 1), value=1.0).view(B * Hkv, 1, V + 1))
+    # the query: its features (shifted by their max), its read of the state, its exact logits
+    eq = torch.baddbmm(constants.query_bias, q.transpose(0, 1), constants.query_directions)  # [H, B, M]
     shift = eq.amax(-1, keepdim=True)
-    phi_q = (eq - shift).exp_()
-    read = torch.matmul(phi_q.unsqueeze(-2), state).squeeze(-2)                        # [B, H, V+1]
-    den = read[..., -1]
-    log_state = (torch.log(den.clamp_min(TINY)) + shift[..., 0] - 0.5 * uq.square().sum(-1)
-                 + key_shift - math.log(M) + log_gain)          # the query's and the keys' scales, each -½ log M
-    log_state = log_state.masked_fill(den <= 0, -torch.inf)
-    keys = exact_keys.permute(0, 2, 3, 1)                                               # [B, Hkv, D, N]
-    exact = torch.matmul(q.reshape(B, Hkv, G, D), keys).mul_(scaling).reshape(B, H, N)
-    exact = exact.masked_fill_(~exact_valid[:, None, :], -torch.inf)
-    logits = torch.cat([exact, log_state.unsqueeze(-1)], -1)                            # [B, H, N+1]
-    weights = torch.softmax(logits, -1).nan_to_num_(0.0)
-    o = torch.matmul(weights[..., :N].reshape(B, Hkv, G, N), exact_values.transpose(1, 2)).reshape(B, H, -1)
-    return o + weights[..., N:] * read[..., :-1] / den.clamp_min(TINY)[..., None]
+    phi_q = (eq - shift).exp_().transpose(0, 1).reshape(B * H, 1, M)
+    read = torch.bmm(phi_q, state.view(B * H, M, V + 1)).view(B, H, V + 1)
+    den = read[..., V]
+    log_state = torch.log(den.clamp_min(TINY)) + shift[..., 0].t() - half_s * (q * q).sum(-1) + constants.log_offset
+    log_state = log_state.masked_fill_(den <= 0, -torch.inf)
+    exact = torch.matmul(q.reshape(B, Hkv, G, D), exact_keys.permute(0, 2, 3, 1)).mul_(constants.scaling)
+    exact = exact.reshape(B, H, N).masked_fill_(~exact_valid[:, None, :], -torch.inf)
+    weights = torch.softmax(torch.cat([exact, log_state.unsqueeze(-1)], -1), -1).nan_to_num_(0.0)
+    o = torch.matmul(weights[..., :N].reshape(B, Hkv, G, N), exact_values.transpose(1, 2)).reshape(B, H, V)
+    return o.addcmul_(weights[..., N:], read[..., :V] / den.clamp_min(TINY)[..., None])
 
 
 def fold_key(state, phi_k, value, log_decay=None):
