@@ -48,10 +48,35 @@ def teacher_mode(model) -> Iterator[None]:
             set_lora_enabled(model, True)
 
 
-def _log_probs(model, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token log-probabilities [B·(T−1), vocab] of `model` on ids [B, T], in float32."""
-    log_p = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].float(), -1)
-    return log_p.reshape(-1, log_p.shape[-1])
+SCORE_CHUNK = 2048   # predictions whose vocabulary-wide logits exist at once (a 32 K block's at once: 6.4 GB)
+
+
+def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
+    """The base model body's last hidden states [B, T, d] (after its final norm), the LM head's input."""
+    return model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+
+
+def head(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits [B, t, vocab] of `hidden` [B, t, d]: the LM head, then the config's final soft-capping (Gemma 2
+    and 3: cap · tanh(logits / cap)), as the model's own forward applies them."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
+def _log_probs(model, ids: torch.Tensor, chunk: int | None = None) -> list[torch.Tensor]:
+    """Next-token log-probabilities of `model` on ids [B, T], in float32: the body runs once, the LM head on
+    `chunk` (`SCORE_CHUNK`) predictions at a time; one [B·c, vocab] tensor per chunk of c predictions."""
+    hidden = hidden_states(model, ids)[:, :-1]
+    size = chunk or SCORE_CHUNK
+    return [torch.log_softmax(head(model, hidden[:, s:s + size]).float(), -1).flatten(0, 1)
+            for s in range(0, hidden.shape[1], size)]
+
+
+def _chunk_targets(ids: torch.Tensor, chunk: int | None = None) -> list[torch.Tensor]:
+    """The next tokens of ids [B, T] in the chunks `_log_probs` gives ([B·c] each)."""
+    size = chunk or SCORE_CHUNK
+    return [t.flatten() for t in ids[:, 1:].split(size, 1)]
 
 
 def _nll(log_p: torch.Tensor, targets: torch.Tensor) -> float:
@@ -89,7 +114,7 @@ def perplexity(model, blocks: Blocks, batch_size: int = 4, desc: str = "perplexi
     total, count = 0.0, 0
     for batch in tqdm(_batches(blocks, batch_size), desc=desc, unit="batch", disable=not progress, leave=False):
         ids = batch.to(device)
-        total += _nll(_log_probs(model, ids), ids[:, 1:].reshape(-1))
+        total += sum(_nll(log_p, t) for log_p, t in zip(_log_probs(model, ids), _chunk_targets(ids)))
         count += ids[:, 1:].numel()
     return math.exp(total / count)
 
@@ -105,18 +130,21 @@ class _Tally:
         self.at = torch.zeros(3, 0, dtype=torch.float64)   # student NLL, teacher NLL and KL summed per position
         self.seen = torch.zeros(0, dtype=torch.float64)    # predictions per position
 
-    def add(self, log_s: torch.Tensor, log_t: torch.Tensor, targets: torch.Tensor, length: int) -> None:
-        """`length`: predictions per block (T − 1); rows of the batch come block after block."""
+    def add(self, log_s: torch.Tensor, log_t: torch.Tensor, targets: torch.Tensor, length: int,
+            start: int = 0) -> None:
+        """`length` predictions per block, those of positions start..start+length−1 (a chunk of a block's T − 1);
+        rows of the batch come block after block."""
         nll_s = -log_s.gather(1, targets[:, None])[:, 0]
         nll_t = -log_t.gather(1, targets[:, None])[:, 0]
         kl = (log_t.exp() * (log_t - log_s)).sum(-1)
         per_position = torch.stack([nll_s, nll_t, kl]).double().reshape(3, -1, length).sum(1).cpu()
-        if length > self.at.shape[1]:
-            grow = length - self.at.shape[1]
+        end = start + length
+        if end > self.at.shape[1]:
+            grow = end - self.at.shape[1]
             self.at = torch.cat([self.at, self.at.new_zeros(3, grow)], 1)
             self.seen = torch.cat([self.seen, self.seen.new_zeros(grow)])
-        self.at[:, :length] += per_position
-        self.seen[:length] += targets.numel() // length
+        self.at[:, start:end] += per_position
+        self.seen[start:end] += targets.numel() // length
         self.student_nll += nll_s.sum().item()
         self.teacher_nll += nll_t.sum().item()
         self.kl += kl.sum().item()
@@ -171,13 +199,20 @@ def compare(student, blocks: Blocks, teacher=None, batch_size: int = 4, progress
     for batch in tqdm(_batches(blocks, batch_size), desc="student vs teacher", unit="batch",
                       disable=not progress, leave=False):
         ids = batch.to(device)
-        log_s = _log_probs(student, ids)
         if teacher is None:
             with teacher_mode(student):
-                log_t = _log_probs(student, ids)
+                teacher_hidden = hidden_states(student, ids)[:, :-1]
+            teacher_model = student
         else:
-            log_t = _log_probs(teacher, ids.to(next(teacher.parameters()).device)).to(device)
-        tally.add(log_s, log_t, ids[:, 1:].reshape(-1), ids.shape[1] - 1)
+            teacher_hidden = hidden_states(teacher, ids.to(next(teacher.parameters()).device))[:, :-1]
+            teacher_model = teacher
+        student_hidden = hidden_states(student, ids)[:, :-1]
+        for start in range(0, student_hidden.shape[1], SCORE_CHUNK):
+            part = slice(start, start + SCORE_CHUNK)
+            log_s = torch.log_softmax(head(student, student_hidden[:, part]).float(), -1)
+            log_t = torch.log_softmax(head(teacher_model, teacher_hidden[:, part]).float(), -1).to(device)
+            tally.add(log_s.flatten(0, 1), log_t.flatten(0, 1), ids[:, 1:][:, part].flatten(), log_s.shape[1],
+                      start)
     return tally.result()
 
 
@@ -197,7 +232,11 @@ class AgainstTeacher:
     def __call__(self) -> dict:
         tally = _Tally()
         for ids, log_t in zip(self.batches, self.teacher):
-            tally.add(_log_probs(self.student, ids), log_t, ids[:, 1:].reshape(-1), ids.shape[1] - 1)
+            start = 0
+            for log_s, chunk_t, targets in zip(_log_probs(self.student, ids), log_t, _chunk_targets(ids)):
+                length = targets.numel() // ids.shape[0]
+                tally.add(log_s, chunk_t, targets, length, start)
+                start += length
         return tally.result()
 
 

@@ -77,6 +77,8 @@ class Layerwise:
     steps: int = option(150, "Adam steps per layer (0: no layerwise stage)")
     batch_size: int = option(4, "blocks per step")
     seq_len: int = option(256, "tokens per block")
+    rows: int = option(0, "query rows per block the softmax loss reads, drawn with weight ∝ position (far rows more "
+                          "often), so that long blocks cost rows × seq_len, not seq_len² (0: every row)")
     blocks: int = option(64, "training blocks whose teacher q/k/v the stage keeps")
     lr: float = option(0.02, "learning rate of feature directions and projections")
     lr_weights: float = option(0.2, "learning rate of the PRF weights")
@@ -331,7 +333,7 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"student.dims = {dims!r}; use dof, clip, fix, fix:C or a dof.json file")
     at_least = {"layerwise.batch_size": 1, "layerwise.seq_len": 2, "layerwise.blocks": 1, "end_to_end.batch_size": 1,
                 "end_to_end.seq_len": 2, "end_to_end.checkpoint_every": 1, "eval.blocks": 1, "eval.seq_len": 2,
-                "layerwise.steps": 0, "end_to_end.steps": 0, "end_to_end.cooldown_steps": 0,
+                "layerwise.steps": 0, "layerwise.rows": 0, "end_to_end.steps": 0, "end_to_end.cooldown_steps": 0,
                 "end_to_end.eval_every": 0, "end_to_end.loss_chunk": 0}
     keys = recipe.keys()
     for key, low in at_least.items():
@@ -358,6 +360,9 @@ def validate(recipe: Recipe) -> None:
     if lw.steps and lw.loss == "l2" and a.feature not in ("prf", "performer"):
         raise UserError(f"layerwise.loss = 'l2' compares kernel values: use student.feature prf or performer, not "
                         f"{a.feature!r}")
+    if lw.rows and lw.loss != "softmax":
+        raise UserError(f"layerwise.rows samples the rows of the softmax loss; layerwise.loss = {lw.loss!r} reads "
+                        f"every pair: set layerwise.rows = 0 or layerwise.loss = 'softmax'")
     if lw.steps and lw.loss == "l2" and a.window >= lw.seq_len:
         raise UserError(f"layerwise.loss = 'l2' fits only pairs beyond the window: set layerwise.seq_len > "
                         f"student.window ({a.window})")

@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from dofattn.spec import Attention
-from dofattn.distill.end_to_end import (decoder_layers, head, hidden_states, layers_checkpointed, loss,
-                                        trainable)
-from dofattn.evaluate import teacher_mode
+from dofattn.distill.end_to_end import decoder_layers, layers_checkpointed, loss, trainable
+from dofattn.evaluate import head, hidden_states, teacher_mode
 from dofattn.lora import add_lora
 from dofattn.student import attention_modules, is_student_tensor, linearize
 from tests.conftest import tiny_model

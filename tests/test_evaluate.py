@@ -3,8 +3,11 @@
 import json
 import math
 
+import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from dofattn import evaluate
 from dofattn.cli import main
 from dofattn.evaluate import compare, layer_errors, perplexity, teacher_mode
 from dofattn.spec import Attention
@@ -29,7 +32,10 @@ def test_perplexity_matches_hand_computation():
     assert math.isclose(result["ppl"], expected, rel_tol=1e-6) and result["tokens"] == 48
 
 
-def test_by_position_buckets_match_the_per_prediction_numbers():
+@pytest.mark.parametrize("chunk", [2048, 6], ids=["one chunk", "chunks of 6"])
+def test_by_position_buckets_match_the_per_prediction_numbers(chunk, monkeypatch):
+    """Also scored in chunks of predictions (a long block's logits never exist at once): the same numbers."""
+    monkeypatch.setattr(evaluate, "SCORE_CHUNK", chunk)
     student, ids = tiny_model("llama"), blocks(n=3, length=21)
     linearize(student, [8, 8, 8], LINEAR, layers=[1])
     teacher = tiny_model("llama")
@@ -53,6 +59,27 @@ def test_by_position_buckets_match_the_per_prediction_numbers():
     weights = torch.tensor(rows["tokens"], dtype=torch.float64)
     pooled = (weights * torch.tensor(rows["kl"], dtype=torch.float64)).sum() / weights.sum()
     assert math.isclose(pooled.item(), result["kl"], rel_tol=1e-5)
+
+
+def test_chunked_log_probs_are_the_models_own_with_soft_capping(family):
+    """The body once, the LM head (and Gemma's final soft-capping) in chunks: the model's own log-probabilities."""
+    from transformers import Gemma2Config
+
+    from dofattn.evaluate import _chunk_targets, _log_probs
+
+    models = [tiny_model(family)]
+    if family == "llama":
+        torch.manual_seed(0)
+        models.append(AutoModelForCausalLM.from_config(Gemma2Config(
+            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, final_logit_softcapping=0.5)).eval())
+    ids = blocks(n=2, length=13)
+    for model in models:
+        with torch.no_grad():
+            want = torch.log_softmax(model(ids).logits[:, :-1].float(), -1)
+            got = _log_probs(model, ids, chunk=5)
+        assert [p.shape[0] for p in got] == [10, 10, 4] and [t.numel() for t in _chunk_targets(ids, 5)] == [10, 10, 4]
+        torch.testing.assert_close(torch.cat([p.reshape(2, -1, 300) for p in got], 1), want, rtol=1e-5, atol=1e-5)
 
 
 def test_identical_models_have_zero_kl_and_full_agreement():

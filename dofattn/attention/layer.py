@@ -113,41 +113,51 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
     # --- the naive form: the layer's attention matrix, which every fast form above computes without ---------------
 
     def naive(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, rows: bool = True,
-              gain: bool = True) -> torch.Tensor:
+              gain: bool = True, at: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's attention the quadratic way: [B, H, T, T] float32 log weights of the causal pairs (query t,
         key s) of q, k [B, T, H, D] on query heads (v only for a gate's decay), a sequence from position 0 without
         padding. `rows`: each row normalised, the attention matrix that the layerwise loss holds against the
         teacher's; else the log weights before it (log TINY above the diagonal), whose masses the gain calibration
-        compares. `gain`: with the window's learned gain on the linear part.
+        compares. `gain`: with the window's learned gain on the linear part. `at` [R]: only the rows of these query
+        positions ([B, H, R, T]: a long sequence's sampled rows cost R·T; a gate's decay still builds T × T).
 
         Beside a window the exact keys (the last W, the first S) weigh as the teacher's kernel, the linear pairs as
         the features' (`ops.window.window_logits`); pure linear attention, φq·φk. Either with its decay."""
         fmap = self.feature_map
+        q_rows = q if at is None else q[:, at]
         if self.window is not None:
             a = self.attention
-            phi_q, q_scale = fmap.features(q, "query")
+            phi_q, q_scale = fmap.features(q_rows, "query")
             phi_k, k_scale = fmap.features(k, "key")
             sink = first_keys(None, k.shape[0], k.shape[1], a.sink, k.device) if a.sink else None
-            logits, _ = window_logits(q, k, phi_q, phi_k, q_scale, k_scale + self.window.log_gain if gain else k_scale,
-                                      fmap.scaling, a.window, log_decay=self.log_decay(), sink_mask=sink)
+            logits, _ = window_logits(q_rows, k, phi_q, phi_k, q_scale,
+                                      k_scale + self.window.log_gain if gain else k_scale, fmap.scaling, a.window,
+                                      log_decay=self.log_decay(), sink_mask=sink, query_at=at)
             return torch.log_softmax(logits, -1).clamp_min(math.log(TINY)) if rows else logits
-        phi_q, phi_k = fmap(q, "query"), fmap(k, "key")                                  # [B, T, H, M]
-        mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
-        scores = torch.einsum("bthm,bshm->bhts", phi_q, phi_k).masked_fill(~mask, 0)      # [B, H, T, T]
+        phi_q, phi_k = fmap(q_rows, "query"), fmap(k, "key")                             # [B, R, H, M], [B, T, H, M]
+        T = k.shape[1]
+        pos = torch.arange(T, device=q.device) if at is None else at
+        mask = torch.arange(T, device=q.device)[None, :] <= pos[:, None]                  # [R, T]
+        scores = torch.einsum("bthm,bshm->bhts", phi_q, phi_k).masked_fill(~mask, 0)      # [B, H, R, T]
         log_scores = torch.log(scores.clamp_min(TINY))
         if self.decay is not None:  # a pair's weight is its score times its decay, in log space for far pairs
-            log_factor = self.log_pair_decay(v, q.shape[1])
+            log_factor = self.log_pair_decay(v, T, at)
             log_scores = log_scores + log_factor
             scores = scores * log_factor.exp()                                            # 0 above the diagonal
         return log_scores - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY)) if rows else log_scores
 
-    def log_pair_decay(self, v: torch.Tensor, length: int) -> torch.Tensor:
+    def log_pair_decay(self, v: torch.Tensor, length: int, at: torch.Tensor | None = None) -> torch.Tensor:
         """The log of the decay the linear part puts on the pair (t, s) of a sequence of `length`, 0 for s ≥ t: with
         a gate Σ_{s<j≤t} log g_j, read off the values v [B, T, H, D] ([B, H, T, T]); else (t - s) log γ_h, beside a
-        window (t - W - s) log γ_h counted from its edge, and 0 inside it ([H, T, T])."""
+        window (t - W - s) log γ_h counted from its edge, and 0 inside it ([H, T, T]). `at` [R]: the rows of these
+        query positions only ([B, H, R, T] or [H, R, T])."""
         if self.decay.per_token:
-            return segment_sums(gate_log(self.decay.log_gates(v), torch.float32))
-        return log_decay_matrix(self.log_decay(), length, offset=-self.attention.window)[0]
+            log_factor = segment_sums(gate_log(self.decay.log_gates(v), torch.float32))
+            return log_factor if at is None else log_factor[:, :, at]
+        if at is None:
+            return log_decay_matrix(self.log_decay(), length, offset=-self.attention.window)[0]
+        distance = at[:, None] - self.attention.window - torch.arange(length, device=at.device)   # [R, T]
+        return self.log_decay()[:, None, None] * distance.clamp_min(0)
 
     @torch.no_grad()
     def calibrate_gain(self, q: torch.Tensor, k: torch.Tensor) -> None:

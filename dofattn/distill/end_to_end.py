@@ -34,7 +34,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from dofattn.attention import CONV_NAMES
 from dofattn.distill.world import all_max, all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
-from dofattn.evaluate import perplexity, teacher_mode
+from dofattn.evaluate import head, hidden_states, perplexity, teacher_mode
 from dofattn.io import read_safetensors, write_json
 from dofattn.recipe import EndToEnd
 from dofattn.student import attention_modules, is_student_tensor
@@ -54,19 +54,6 @@ def param_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float,
              ([(n, p) for n, p in named if filters and n.endswith(filters)], conv_lr)]
     return ([n for part, _ in parts for n, _ in part],
             [{"params": [p for _, p in part], "lr": rate, "base_lr": rate} for part, rate in parts if part])
-
-
-def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
-    """The base model body's last hidden states [B, T, d] (after its final norm), the LM head's input."""
-    return model.base_model(input_ids=ids, use_cache=False).last_hidden_state
-
-
-def head(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The logits [B, t, vocab] of `hidden` [B, t, d]: the LM head, then the config's final soft-capping (Gemma 2
-    and 3: cap · tanh(logits / cap)), as the model's own forward applies them."""
-    logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return cap * torch.tanh(logits / cap) if cap else logits
 
 
 def _chunk_loss(model, hidden: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor | None,

@@ -1,7 +1,7 @@
 """The layerwise stage: each linearized layer's feature map trained alone against the teacher's attention.
 
-Layer l trains with a generator seeded by (seed, l) on batches of the teacher's own q/k/v (`TeacherCache`), Adam at
-the paper's learning rates (directions and projections `lr`, PRF weights `lr_weights`). Each layer's result is saved to
+Layer l trains with a generator seeded by (seed, l) on batches of the teacher's own q/k/v (`TeacherCache`; on long
+blocks the softmax loss reads a sample of rows, `layerwise.rows`), Adam at the paper's learning rates (directions and projections `lr`, PRF weights `lr_weights`). Each layer's result is saved to
 `layers/layer_XX.safetensors` as soon as it is done, so a killed run redoes at most one layer.
 """
 
@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dofattn.attention import LinearAttention
-from dofattn.distill.losses import LOSSES
+from dofattn.distill.losses import LOSSES, sample_rows
 from dofattn.distill.teacher import TeacherCache
 from dofattn.distill.world import barrier, world
 from dofattn.io import read_safetensors
@@ -57,9 +57,16 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
     if linear.window is not None and not linear.feature_map.estimates_kernel:  # the linear part on the window's scale
         q, k, _ = batch(fixed)
         linear.calibrate_gain(q, k)
+    T = q_all.shape[1]
+
+    def rows(generator: torch.Generator) -> dict:
+        """The softmax loss's sampled rows (`layerwise.rows`), or nothing: every row."""
+        return {"at": sample_rows(T, config.rows, generator, device)} if 0 < config.rows < T else {}
+
     bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False)
     for _ in bar:
-        value = loss_fn(linear, *batch(torch.randint(len(q_all), (config.batch_size,), generator=gen)), scaling)
+        picked = batch(torch.randint(len(q_all), (config.batch_size,), generator=gen))
+        value = loss_fn(linear, *picked, scaling, **rows(gen))
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         optimizer.step()
@@ -67,7 +74,7 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
         bar.set_postfix(loss=f"{value.item():.4f}")
     linear.eval()
     with torch.no_grad():  # the loss on a fixed batch, for the log
-        final = loss_fn(linear, *batch(fixed), scaling).item()
+        final = loss_fn(linear, *batch(fixed), scaling, **rows(torch.Generator().manual_seed(seed))).item()
     tail = losses[-max(1, len(losses) // 10):] if losses else [final]
     return {"steps": steps, "first_loss": losses[0] if losses else final, "last_loss": sum(tail) / len(tail),
             "fixed_batch_loss": final, "seconds": round(time.perf_counter() - start, 2)}

@@ -2,7 +2,8 @@
 teacher's own queries and keys.
 
 - softmax: the mean KL(teacher row ‖ student row) over causal attention rows. Beside a window the student's row is
-  the hybrid's: exact weights on the last W keys (and the sink), linear beyond.
+  the hybrid's: exact weights on the last W keys (and the sink), linear beyond. On long blocks it reads a sample
+  of rows (`layerwise.rows`, far ones more often), in blocks, never the T × T matrix.
 - l2: the squared error of kernel values on causal pairs, each query's row scaled by its largest exact kernel value
   (raw values reach e^15 and would swamp the mean); beside a window only the pairs the features produce.
 With a decay (per head or per token) the student's weight of a pair carries the decay too.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from dofattn.attention import LinearAttention
 from dofattn.errors import UserError
@@ -23,15 +25,47 @@ TINY = torch.finfo(torch.float32).tiny
 
 
 def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scaling: float) -> torch.Tensor:
+                 scaling: float, at: torch.Tensor | None = None) -> torch.Tensor:
     """Mean KL(teacher row ‖ student row) over causal attention rows, the student's rows its naive form
     (`LinearAttention.naive`: beside a window, exact weights on the last W keys and the sink, linear beyond). q, k, v
-    [B, T, H, D] (v: a gate's decay reads it)."""
+    [B, T, H, D] (v: a gate's decay reads it).
+
+    `at` [R]: only the rows of these query positions (`sample_rows`), read in blocks of `ROW_BLOCK` whose weights
+    are made again in the backward pass, so that memory holds B·H·ROW_BLOCK·T numbers and never T × T; each row's
+    normaliser is exact (the whole row is read). With every position in `at`, the loss of every row."""
+    if at is not None:
+        kl = [checkpoint(_rows_kl, linear, q, k, v, scaling, rows, use_reentrant=False)
+              if torch.is_grad_enabled() else _rows_kl(linear, q, k, v, scaling, rows)
+              for rows in at.split(ROW_BLOCK)]
+        return torch.stack(kl).sum() / (q.shape[0] * q.shape[2] * len(at))
     log_student = linear.naive(q, k, v)                                             # [B, H, T, T]
     mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).tril()
     log_teacher = torch.log_softmax(attention_logits(q, k, scaling), -1)
     kl = (log_teacher.exp() * (log_teacher - log_student)).masked_fill(~mask, 0).sum(-1)   # [B, H, T]
     return kl.mean()
+
+
+ROW_BLOCK = 64   # query rows a sampled softmax loss reads at once
+
+
+def _rows_kl(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+             at: torch.Tensor) -> torch.Tensor:
+    """The sum of KL(teacher row ‖ student row) over the rows of the query positions `at` [R], every batch row and
+    head."""
+    log_student = linear.naive(q, k, v, at=at)                                      # [B, H, R, T]
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] <= at[:, None]        # [R, T]
+    logits = scaling * torch.einsum("bthd,bshd->bhts", q[:, at].float(), k.float())
+    log_teacher = torch.log_softmax(logits.masked_fill(~mask, -torch.inf), -1)
+    return (log_teacher.exp() * (log_teacher - log_student)).masked_fill(~mask, 0).sum()
+
+
+def sample_rows(length: int, count: int, generator: torch.Generator, device=None) -> torch.Tensor:
+    """`count` distinct query positions of a block of `length` tokens, sorted, drawn with weight ∝ position + 1 (the
+    far rows, where a student trained short drifts, more often); every position if count ≥ length."""
+    if count >= length:
+        return torch.arange(length, device=device)
+    weights = torch.arange(1, length + 1, dtype=torch.float)
+    return torch.multinomial(weights, count, generator=generator).sort().values.to(device)
 
 
 def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

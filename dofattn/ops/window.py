@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from dofattn.ops import linear_attention
 from dofattn.ops.naive import (TINY, check_log_decay, compute_dtype, decay_factors, decay_log, delayed_keys,
-                               log_decay_matrix, needs_grad, valid_and)
+                               needs_grad, valid_and)
 
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
@@ -114,15 +114,17 @@ def _log(x: torch.Tensor) -> torch.Tensor:
 
 def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                   key_valid=None, initial_state=None, log_decay=None,
-                  sink_mask=None, lead: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  sink_mask=None, lead: int = 0, query_at=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The log-weights of the spec: [B, H, T, Tk] over keys (−inf where masked), and [B, H, T] for the state.
+    `query_at` [T]: the queries' positions among the keys (default: the last T), so that a few rows of a long
+    sequence cost T·Tk, not Tk².
 
     The layerwise softmax loss uses these rows directly; `naive_window_linear_attention` normalises them.
     """
     dtype = compute_dtype(q, k, phi_q, phi_k, initial_state)
     T = q.shape[1]
     Tk = k.shape[1]
-    pos_q = torch.arange(Tk - T, Tk, device=q.device)[:, None]           # [T, 1] query positions among the keys
+    pos_q = (torch.arange(Tk - T, Tk, device=q.device) if query_at is None else query_at)[:, None]   # [T, 1]
     pos_k = torch.arange(Tk, device=q.device)[None, :]                   # [1, Tk]
     near = (pos_k <= pos_q) & (pos_k > pos_q - window)                   # [T, Tk]
     far = pos_k <= pos_q - window
@@ -134,7 +136,7 @@ def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, w
     linear = _log(torch.einsum("bthm,bshm->bhts", phi_q.to(dtype), phi_k.to(dtype))) + shift
     if log_decay is not None:                                            # γ^(t − W − s) beyond the window
         log_decay = decay_log(log_decay, dtype)
-        linear = linear + log_decay_matrix(log_decay, T, Tk, offset=Tk - T - window)[0]
+        linear = linear + log_decay[:, None, None] * (pos_q - window - pos_k).clamp_min(0)      # [H, T, Tk]
     logits = torch.where(near, exact, torch.where(far, linear, -torch.inf))
     if key_valid is not None:
         logits = logits.masked_fill(~key_valid[:, None, None, :], -torch.inf)

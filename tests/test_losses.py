@@ -1,0 +1,84 @@
+"""The layerwise softmax loss on sampled rows (`distill.losses`: `layerwise.rows`): each row read in blocks against
+the whole row, as the full loss reads it (values and gradients), for every kind of layer; and the rows drawn."""
+
+import pytest
+import torch
+
+from dofattn.attention import LinearAttention
+from dofattn.distill import losses
+from dofattn.distill.losses import sample_rows, softmax_loss
+from dofattn.features import make_feature_map
+from dofattn.ops.softmax import attention_logits
+from dofattn.spec import Attention
+
+B, T, H, D, M = 2, 23, 4, 8, 6
+
+KINDS = {"window, sink, decay": Attention(window=5, sink=2, decay="head"), "window": Attention(window=4),
+         "pure": Attention(window=0, sink=0), "pure, decay": Attention(window=0, sink=0, decay="head"),
+         "pure, gate": Attention(window=0, sink=0, decay="gate")}
+
+
+def layer_and_inputs(attention: Attention):
+    torch.manual_seed(0)
+    layer = LinearAttention(attention, make_feature_map("prf", H, D, M, scaling=D ** -0.5, seed=0))
+    with torch.no_grad():
+        if layer.window is not None:
+            layer.window.log_gain.normal_(0, 1)
+        if layer.decay is not None:
+            layer.decay.decay_rate.copy_(torch.linspace(0.5, -3, H))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (2 * torch.randn(B, T, H, D, generator=g) for _ in range(3))
+    return layer, q, k, v
+
+
+def row_kl(layer, q, k, v) -> torch.Tensor:
+    """[B, H, T]: every row's KL, the full loss's way."""
+    log_student = layer.naive(q, k, v)
+    log_teacher = torch.log_softmax(attention_logits(q, k, D ** -0.5), -1)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    return (log_teacher.exp() * (log_teacher - log_student)).masked_fill(~mask, 0).sum(-1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_row_in_blocks_is_the_full_loss_with_its_gradients(kind, monkeypatch):
+    monkeypatch.setattr(losses, "ROW_BLOCK", 5)                         # 23 rows: blocks of 5 and a last of 3
+    layer, q, k, v = layer_and_inputs(KINDS[kind])
+    layer(q, k, v)                                                       # training mode: calibrates the shift
+    full = softmax_loss(layer, q, k, v, D ** -0.5)
+    want = torch.autograd.grad(full, list(layer.parameters()))
+    rows = softmax_loss(layer, q, k, v, D ** -0.5, at=torch.arange(T))
+    got = torch.autograd.grad(rows, list(layer.parameters()))
+    torch.testing.assert_close(rows, full, rtol=1e-5, atol=1e-7)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_some_rows_are_the_mean_of_those_rows(kind, monkeypatch):
+    monkeypatch.setattr(losses, "ROW_BLOCK", 2)
+    layer, q, k, v = layer_and_inputs(KINDS[kind])
+    layer(q, k, v)
+    at = torch.tensor([0, 3, 4, 11, 17, 22])
+    with torch.no_grad():
+        want = row_kl(layer, q, k, v)[:, :, at].mean()
+        got = softmax_loss(layer, q, k, v, D ** -0.5, at=at)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_rows_are_distinct_sorted_and_far_more_often():
+    g = torch.Generator().manual_seed(0)
+    drawn = [sample_rows(1000, 50, g) for _ in range(40)]
+    for at in drawn:
+        assert at.unique().numel() == 50 and torch.equal(at, at.sort().values) and 0 <= at.min() and at.max() < 1000
+    mean = torch.cat(drawn).float().mean().item()
+    assert 600 < mean < 730                                              # weight ∝ t + 1: about 2/3 of the length
+    assert torch.equal(sample_rows(7, 9, g), torch.arange(7))
+
+
+def test_rows_need_the_softmax_loss():
+    from dofattn.errors import UserError
+    from dofattn.recipe import load
+
+    assert load("long-context", ["layerwise.rows=128"]).layerwise.rows == 128
+    with pytest.raises(UserError, match="layerwise.rows samples the rows of the softmax loss"):
+        load("long-context", ["layerwise.rows=8", "layerwise.loss=l2", "layerwise.seq_len=512"])
