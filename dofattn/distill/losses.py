@@ -45,7 +45,7 @@ def softmax_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: t
     return kl.mean()
 
 
-ROW_BLOCK = 64   # query rows a sampled softmax loss reads at once
+ROW_BLOCK = 128  # query rows a sampled softmax loss reads at once
 
 
 def _rows_kl(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
