@@ -64,6 +64,8 @@ class EvalConfig:
     lengths: list[int] | None = option(None, "comma-separated prompt lengths in tokens (answer included) of the "
                                              "recall tasks; auto: 1024, 2048, ... up to the model's context",
                                        none="auto")
+    beyond_context: bool = option(False, "allow --lengths past the model's context (the teacher's positions there "
+                                         "are untrained; a student's bounded layers may extrapolate)")
     depths: int = option(5, "depths of the hidden fact per length, evenly spaced from 0 (the filler's start) to 1 "
                             "(just before the question)")
     samples: int = option(1, "recall prompts per task, length and depth, each with its own fact, keys and filler")
@@ -170,7 +172,7 @@ def run(cfg: EvalConfig, show=None) -> dict:
         from dofattn.hf import context_length
         from dofattn.recall import resolve_lengths
 
-        lengths = resolve_lengths(cfg.lengths, context_length(model.config))
+        lengths = resolve_lengths(cfg.lengths, context_length(model.config), cfg.beyond_context)
     teacher = load_model(teacher_name, dtype=dtype, device=device)[0] if teacher_name else None
     result = {"model": cfg.model, "teacher": teacher_name or "base model", "data": cfg.data, "split": split}
     errors = {}

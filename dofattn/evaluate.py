@@ -51,9 +51,15 @@ def teacher_mode(model) -> Iterator[None]:
 SCORE_CHUNK = 2048   # predictions whose vocabulary-wide logits exist at once (a 32 K block's at once: 6.4 GB)
 
 
-def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
-    """The base model body's last hidden states [B, T, d] (after its final norm), the LM head's input."""
-    return model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+def hidden_states(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
+    """The base model body's last hidden states [B, T, d] (after its final norm), the LM head's input; with a
+    `cache`, continuing (and updating) it."""
+    if cache is None:
+        return model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+    from dofattn.hf import cache_kwargs
+
+    body = model.base_model
+    return body(input_ids=ids, use_cache=True, **cache_kwargs(body, cache)).last_hidden_state
 
 
 def head(model, hidden: torch.Tensor) -> torch.Tensor:

@@ -294,9 +294,10 @@ def check_tasks(names: list[str]) -> list[str]:
     return names
 
 
-def resolve_lengths(lengths: list[int] | None, context: int | None) -> list[int]:
-    """The prompt lengths: `lengths`, each within the model's `context` (None: it names none); or for None (the
-    command line's `auto`) 1024, 2048, ... up to the context, the context alone if it is shorter than 1024."""
+def resolve_lengths(lengths: list[int] | None, context: int | None, beyond: bool = False) -> list[int]:
+    """The prompt lengths: `lengths`, each within the model's `context` (None: it names none; `beyond`: past it
+    too); or for None (the command line's `auto`) 1024, 2048, ... up to the context, the context alone if it is
+    shorter than 1024."""
     if lengths is None:
         if not context:
             raise UserError("the model names no context length; pass --lengths, e.g. --lengths 1024,2048,4096")
@@ -304,9 +305,9 @@ def resolve_lengths(lengths: list[int] | None, context: int | None) -> list[int]
         while auto[-1] * 2 <= context:
             auto.append(auto[-1] * 2)
         return auto if auto[-1] <= context else [context]
-    if context and max(lengths) > context:
+    if context and max(lengths) > context and not beyond:
         raise UserError(f"--lengths {','.join(map(str, lengths))!r}: {max(lengths)} tokens is beyond the model's "
-                        f"context of {context}")
+                        f"context of {context}; add --beyond-context to ask anyway")
     return lengths
 
 

@@ -89,6 +89,9 @@ class EndToEnd:
     steps: int = option(30, "steps of the whole student against the teacher (0: none)")
     batch_size: int = option(1, "blocks per step in each process")
     seq_len: int = option(512, "tokens per block")
+    carry: int = option(0, "tokens of the same text before each block, which both models read first without "
+                           "gradients into their caches (the student's linear states, windows and kept layers' keys), "
+                           "so that the block's loss starts from a long text's states (0: every block starts fresh)")
     blocks: int | None = option(None, "training blocks the steps draw from (default: layerwise.blocks)")
     lr: float = option(2e-3, "Adam learning rate")
     conv_lr: float | None = option(None, "learning rate of the convolution filters (default: lr)")
@@ -333,7 +336,7 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"student.dims = {dims!r}; use dof, clip, fix, fix:C or a dof.json file")
     at_least = {"layerwise.batch_size": 1, "layerwise.seq_len": 2, "layerwise.blocks": 1, "end_to_end.batch_size": 1,
                 "end_to_end.seq_len": 2, "end_to_end.checkpoint_every": 1, "eval.blocks": 1, "eval.seq_len": 2,
-                "layerwise.steps": 0, "layerwise.rows": 0, "end_to_end.steps": 0, "end_to_end.cooldown_steps": 0,
+                "layerwise.steps": 0, "layerwise.rows": 0, "end_to_end.steps": 0, "end_to_end.carry": 0, "end_to_end.cooldown_steps": 0,
                 "end_to_end.eval_every": 0, "end_to_end.loss_chunk": 0}
     keys = recipe.keys()
     for key, low in at_least.items():

@@ -193,8 +193,9 @@ def test_lengths_auto_doubles_up_to_the_context():
     assert resolve_lengths([100, 700], 1024) == [100, 700] and resolve_lengths([5000], None) == [5000]
     with pytest.raises(UserError, match="names no context length"):
         resolve_lengths(None, None)
-    with pytest.raises(UserError, match="beyond the model's context of 1024"):
+    with pytest.raises(UserError, match="beyond the model's context of 1024; add --beyond-context"):
         resolve_lengths([512, 2048], 1024)
+    assert resolve_lengths([512, 2048], 1024, beyond=True) == [512, 2048]
 
 
 def test_eval_recall_with_lengths_auto(capsys, tmp_path, model_dirs, corpus):

@@ -30,7 +30,7 @@ IMPLEMENTATIONS = (IMPLEMENTATION, EAGER_IMPLEMENTATION)
 
 def _bind_cache(module: nn.Module, args, kwargs) -> None:
     linear = getattr(module, "dofattn", None)       # None: the linear part taken off, softmax again
-    bounded = getattr(module, "dofattn_bounded", None)
+    bounded = _bounded(module)
     config = getattr(module, "config", None)        # in `teacher_mode` (SDPA) the slot stays a KV cache
     if getattr(config, "_attn_implementation", IMPLEMENTATION) not in IMPLEMENTATIONS:
         return
@@ -39,6 +39,12 @@ def _bind_cache(module: nn.Module, args, kwargs) -> None:
         linear.cache_layer = None if cache is None else state_layer(cache, module.layer_idx)
     elif bounded is not None:
         bounded.cache, bounded.layer_idx = cache, module.layer_idx
+
+
+def _bounded(module: nn.Module):
+    """A kept layer's `BoundedSoftmax`, or None: none, or one reading the whole context (`bounded.whole_context`)."""
+    bounded = getattr(module, "dofattn_bounded", None)
+    return None if bounded is None or bounded.whole else bounded
 
 
 def _unbind_cache(module: nn.Module, args, kwargs, output) -> None:
@@ -82,7 +88,7 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     over the slots written so far (its `dofattn_static_kv`), in place of HF's mask; a kept layer with a bounded cache
     (`dofattn_bounded`) over what its cache keeps after the prompt, and it bounds the cache after the prompt."""
     static = getattr(module, "dofattn_static_kv", None)
-    bounded = getattr(module, "dofattn_bounded", None)
+    bounded = _bounded(module)
 
     def attend(query, key, value, mask):      # the family's softmax; mask: bool [B, H|1, T, P], or HF's own
         if eager and mask is not None and mask.dtype == torch.bool:   # eager attention adds its mask to the logits

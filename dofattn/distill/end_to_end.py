@@ -29,11 +29,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dofattn.attention import CONV_NAMES
+from dofattn.attention.bounded import whole_context
 from dofattn.distill.world import all_max, all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
+from dofattn.features import PositiveRandomFeatures
 from dofattn.evaluate import head, hidden_states, perplexity, teacher_mode
 from dofattn.io import read_safetensors, write_json
 from dofattn.recipe import EndToEnd
@@ -69,7 +72,7 @@ def _chunk_loss(model, hidden: torch.Tensor, targets: torch.Tensor, teacher: tor
     return value
 
 
-def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0) -> torch.Tensor:
+def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0, carry: int = 0) -> torch.Tensor:
     """The student's mean next-token cross-entropy on `ids` [B, T], plus kd_weight × the mean KL(teacher ‖ student)
     per token (the teacher is the same model in `teacher_mode`).
 
@@ -77,12 +80,28 @@ def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0) -> torch.Te
     `chunk` positions at a time. Each chunk is checkpointed (its logits are recomputed in the backward pass), so at
     most one chunk's logits of each model exist at a time; with `chunk` 0 all T−1 positions go at once and autograd
     keeps their logits, as the model's own forward would.
+
+    `carry` > 0: the first `carry` tokens are the text before the block. Each model reads them first, without
+    autograd, into a cache (the student's kept layers keep every key: `whole_context`), and the loss is on the
+    rest, whose states start from them (state passing). The PRF key shifts hold still meanwhile (`shifts_held`):
+    a state carried from one call to the next is in the units of the shift it was made with.
     """
+    student_cache = teacher_cache = None
+    if carry:
+        context, ids = ids[:, :carry], ids[:, carry:]
+        student_cache, teacher_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        with torch.no_grad():
+            if kd_weight > 0:
+                with teacher_mode(model):
+                    hidden_states(model, context, teacher_cache)
+            with whole_context(model), shifts_held(model):
+                hidden_states(model, context, student_cache)
     teacher = None
     if kd_weight > 0:
         with torch.no_grad(), teacher_mode(model):
-            teacher = hidden_states(model, ids)[:, :-1]                                   # [B, T-1, d]
-    student = hidden_states(model, ids)[:, :-1]                                           # [B, T-1, d]
+            teacher = hidden_states(model, ids, teacher_cache)[:, :-1]                   # [B, T-1, d]
+    with whole_context(model), shifts_held(model) if carry else contextlib.nullcontext():
+        student = hidden_states(model, ids, student_cache)[:, :-1]                       # [B, T-1, d]
     targets = ids[:, 1:]
     size = chunk or targets.shape[1]
     value = student.new_zeros((), dtype=torch.float32)
@@ -92,6 +111,20 @@ def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0) -> torch.Te
         value = value + (checkpoint(_chunk_loss, *part, use_reentrant=False) if chunk and student.requires_grad
                          else _chunk_loss(*part))
     return value / targets.numel()
+
+
+@contextlib.contextmanager
+def shifts_held(model) -> Iterator[None]:
+    """While active, the PRF feature maps' key shifts stay as they are (their maps in eval mode; nothing else of a
+    feature map reads the mode): a state carried in a cache keeps its units."""
+    maps = [m for m in model.modules() if isinstance(m, PositiveRandomFeatures) and m.training]
+    for m in maps:
+        m.train(False)
+    try:
+        yield
+    finally:
+        for m in maps:
+            m.train(True)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -289,7 +322,7 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
     with layers_checkpointed(model) if config.activation_checkpointing else contextlib.nullcontext():
         for step in bar:
             idx = draw(seed, step, len(blocks), batch_size * size)[rank::size]
-            value = call(loss, blocks[idx].to(device), config.kd_weight, config.loss_chunk)
+            value = call(loss, blocks[idx].to(device), config.kd_weight, config.loss_chunk, config.carry)
             for group in optimizer.param_groups:
                 group["lr"] = cooldown_lr(group["base_lr"], step, steps, config.cooldown_steps)
             optimizer.zero_grad(set_to_none=True)
@@ -306,7 +339,8 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
                 ppl = call(perplexity, eval_blocks, progress=False)   # every process: FSDP gathers the weights
                 for linear in linears:
                     linear.train()
-                curve.append({"step": step + 1, "tokens": (step + 1) * batch_size * size * blocks.shape[1],
+                tokens = (step + 1) * batch_size * size * (blocks.shape[1] - config.carry)
+                curve.append({"step": step + 1, "tokens": tokens,
                               "ppl": ppl})
                 bar.set_postfix(loss=f"{value.item():.4f}", ppl=f"{ppl:.1f}")
             out_of_time = rank0_decides(bool(time_limit) and time.perf_counter() - started > time_limit

@@ -74,9 +74,9 @@ def run(cfg: DistillConfig) -> dict:
     # under torchrun each process tokenizes a share of the documents; all get the same blocks
     train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed, by_rank=True)
     e2e_train = train
-    if e2e.steps and (r.end_to_end_blocks, e2e.seq_len) != tuple(train.shape):
-        e2e_train = token_blocks(r.run.data, tokenizer, e2e.seq_len, r.end_to_end_blocks, split="train",
-                                 seed=r.run.seed, by_rank=True)
+    if e2e.steps and (r.end_to_end_blocks, e2e.carry + e2e.seq_len) != tuple(train.shape):
+        e2e_train = token_blocks(r.run.data, tokenizer, e2e.carry + e2e.seq_len, r.end_to_end_blocks,
+                                 split="train", seed=r.run.seed, by_rank=True)
     valid = token_blocks(r.run.eval_data or r.run.data, tokenizer, r.eval.seq_len, r.eval.blocks,
                          split="validation", seed=0, by_rank=True)
     copied = False
