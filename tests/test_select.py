@@ -224,3 +224,24 @@ def test_static_decoding_of_a_bounded_kept_layer_matches_hf_generate(length):
     seen = length + 10
     assert grown.seen == static.seen == seen
     torch.testing.assert_close(static.keys, grown.keys, rtol=1e-5, atol=1e-6)
+
+
+def test_steps_after_the_prompt_with_gradients_keep_each_steps_keys():
+    """A bounded slot writes its ring in place; with gradients on, each call writes a copy, so that two steps' losses
+    go back through both (the keys the first step's attention saved are unchanged)."""
+    from transformers import DynamicCache
+
+    from dofattn.hf import cache_kwargs
+
+    model = tiny_model("llama")
+    linearize(model, [4] * 3, Attention(window=4, sink=2), kept=Kept(select=3, select_observe=3), layers=[0, 2],
+              seed=1)
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, use_cache=True, **cache_kwargs(model, cache))
+    assert type(cache.layers[1]).__name__ == "BoundedKVLayer"
+    first = model(ids[:, :1], use_cache=True, **cache_kwargs(model, cache)).logits
+    second = model(ids[:, 1:2], use_cache=True, **cache_kwargs(model, cache)).logits
+    (first.sum() + second.sum()).backward()
+    assert any(p.grad is not None for p in model.parameters())

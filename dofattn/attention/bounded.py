@@ -117,6 +117,8 @@ class BoundedKVLayer(BatchSlot):
         B, _, T, _ = key_states.shape
         L, W, seen = self.lead, self.width, self.seen
         self.seen = seen + T
+        if torch.is_grad_enabled():   # the slots change in place below: not those an earlier call's graph holds
+            self.keys, self.values, self.valid = self.keys.clone(), self.values.clone(), self.valid.clone()
         if T == 1:                                    # a decode step: its key in its ring slot, every slot read
             slot = L + seen % W
             self.keys[:, :, slot], self.values[:, :, slot] = key_states[:, :, 0], value_states[:, :, 0]
