@@ -452,10 +452,8 @@ def run(cfg: BenchConfig, show=print) -> dict:
     """The measurements in `cfg.parts`; a JSON-ready dict, also written to `cfg.out` after each row (and part), so
     that a run stopped partway (a time limit, an out-of-memory kill) keeps what it measured. `show` prints progress
     (None: quiet)."""
-    from dofattn.hf import parse_dtype
+    from dofattn.hf import parse_dtype, use_threads
     from dofattn.io import check_output, write_atomic
-
-    from dofattn.hf import use_threads
 
     cfg = cfg.resolved()
     validate(cfg)

@@ -89,6 +89,8 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     (`dofattn_bounded`) over what its cache keeps after the prompt, and it bounds the cache after the prompt."""
     static = getattr(module, "dofattn_static_kv", None)
     bounded = _bounded(module)
+    own = static.slot_mask() if static is not None else bounded.mask() if bounded is not None else None
+    bounded_own = own is not None and static is None
 
     def attend(query, key, value, mask):      # the family's softmax; mask: bool [B, H|1, T, P], or HF's own
         if eager and mask is not None and mask.dtype == torch.bool:   # eager attention adds its mask to the logits
@@ -102,8 +104,6 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
             return _sdpa_in_blocks(query, key, value, mask, kwargs.get("scaling", module.scaling))
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
-    own = static.slot_mask() if static is not None else bounded.mask() if bounded is not None else None
-    bounded_own = own is not None and static is None
     new_valid = _key_padding(attention_mask, query.shape[2]) if bounded is not None and own is None else None
     out = attend(query, key, value, own if own is not None else attention_mask)
     if bounded is not None and bounded.cache is not None:    # after a prompt, the cache keeps what it bounds

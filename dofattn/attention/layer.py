@@ -154,10 +154,8 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
         if self.decay.per_token:
             log_factor = segment_sums(gate_log(self.decay.log_gates(v), torch.float32))
             return log_factor if at is None else log_factor[:, :, at]
-        if at is None:
-            return log_decay_matrix(self.log_decay(), length, offset=-self.attention.window)[0]
-        distance = at[:, None] - self.attention.window - torch.arange(length, device=at.device)   # [R, T]
-        return self.log_decay()[:, None, None] * distance.clamp_min(0)
+        rows = length if at is None else len(at)
+        return log_decay_matrix(self.log_decay(), rows, length, offset=-self.attention.window, at=at)[0]
 
     @torch.no_grad()
     def calibrate_gain(self, q: torch.Tensor, k: torch.Tensor) -> None:

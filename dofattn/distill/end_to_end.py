@@ -36,8 +36,8 @@ from dofattn.attention import CONV_NAMES
 from dofattn.attention.bounded import whole_context
 from dofattn.distill.world import all_max, all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
-from dofattn.features import PositiveRandomFeatures
 from dofattn.evaluate import head, hidden_states, perplexity, teacher_mode
+from dofattn.features import PositiveRandomFeatures
 from dofattn.io import read_safetensors, write_json
 from dofattn.recipe import EndToEnd
 from dofattn.student import attention_modules, is_student_tensor
@@ -83,8 +83,7 @@ def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0, carry: int 
 
     `carry` > 0: the first `carry` tokens are the text before the block. Each model reads them first, without
     autograd, into a cache (the student's kept layers keep every key: `whole_context`), and the loss is on the
-    rest, whose states start from them (state passing). The PRF key shifts hold still meanwhile (`shifts_held`):
-    a state carried from one call to the next is in the units of the shift it was made with.
+    rest, whose states start from them (state passing; `carried`).
     """
     student_cache = teacher_cache = None
     if carry:
@@ -94,13 +93,13 @@ def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0, carry: int 
             if kd_weight > 0:
                 with teacher_mode(model):
                     hidden_states(model, context, teacher_cache)
-            with whole_context(model), shifts_held(model):
+            with carried(model):
                 hidden_states(model, context, student_cache)
     teacher = None
     if kd_weight > 0:
         with torch.no_grad(), teacher_mode(model):
             teacher = hidden_states(model, ids, teacher_cache)[:, :-1]                   # [B, T-1, d]
-    with whole_context(model), shifts_held(model) if carry else contextlib.nullcontext():
+    with carried(model) if carry else contextlib.nullcontext():
         student = hidden_states(model, ids, student_cache)[:, :-1]                       # [B, T-1, d]
     targets = ids[:, 1:]
     size = chunk or targets.shape[1]
@@ -114,14 +113,17 @@ def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0, carry: int 
 
 
 @contextlib.contextmanager
-def shifts_held(model) -> Iterator[None]:
-    """While active, the PRF feature maps' key shifts stay as they are (their maps in eval mode; nothing else of a
-    feature map reads the mode): a state carried in a cache keeps its units."""
+def carried(model) -> Iterator[None]:
+    """While active, the student reads a text whose context it carries in a cache: its kept layers keep every key
+    (`whole_context`), and the PRF feature maps' key shifts stay as they are (their maps in eval mode; nothing else
+    of a feature map reads the mode), since a state carried from one call to the next is in the units of the shift
+    it was made with."""
     maps = [m for m in model.modules() if isinstance(m, PositiveRandomFeatures) and m.training]
     for m in maps:
         m.train(False)
     try:
-        yield
+        with whole_context(model):
+            yield
     finally:
         for m in maps:
             m.train(True)

@@ -1,8 +1,9 @@
 """The layerwise stage: each linearized layer's feature map trained alone against the teacher's attention.
 
 Layer l trains with a generator seeded by (seed, l) on batches of the teacher's own q/k/v (`TeacherCache`; on long
-blocks the softmax loss reads a sample of rows, `layerwise.rows`), Adam at the paper's learning rates (directions and projections `lr`, PRF weights `lr_weights`). Each layer's result is saved to
-`layers/layer_XX.safetensors` as soon as it is done, so a killed run redoes at most one layer.
+blocks the softmax loss reads a sample of rows, `layerwise.rows`), Adam at the paper's learning rates (directions
+and projections `lr`, PRF weights `lr_weights`). Each layer's result is saved to `layers/layer_XX.safetensors` as
+soon as it is done, so a killed run redoes at most one layer.
 """
 
 from __future__ import annotations

@@ -86,11 +86,12 @@ def decay_log(log_decay: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return log_decay.to(dtype).clamp(-1e4, 0.0)
 
 
-def log_decay_matrix(log_decay: torch.Tensor, rows: int, cols: int | None = None,
-                     offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """([H, rows, cols] log_decay_h · max(t - s, 0), [rows, cols] True where t - s < 0), t = i + offset, s = j."""
+def log_decay_matrix(log_decay: torch.Tensor, rows: int, cols: int | None = None, offset: int = 0,
+                     at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([H, rows, cols] log_decay_h · max(t - s, 0), [rows, cols] True where t - s < 0), t = i + offset, s = j;
+    `at` [rows]: the rows' own positions i (a sample of a long sequence's rows) instead of 0..rows-1."""
     cols = rows if cols is None else cols
-    t = torch.arange(rows, device=log_decay.device)[:, None] + offset
+    t = (torch.arange(rows, device=log_decay.device) if at is None else at)[:, None] + offset
     distance = t - torch.arange(cols, device=log_decay.device)                     # [rows, cols]
     return log_decay[:, None, None] * distance.clamp_min(0), distance < 0
 

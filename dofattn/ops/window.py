@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from dofattn.ops import linear_attention
 from dofattn.ops.naive import (TINY, check_log_decay, compute_dtype, decay_factors, decay_log, delayed_keys,
-                               needs_grad, valid_and)
+                               log_decay_matrix, needs_grad, valid_and)
 
 DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense form (decode steps)
 
@@ -136,7 +136,7 @@ def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, w
     linear = _log(torch.einsum("bthm,bshm->bhts", phi_q.to(dtype), phi_k.to(dtype))) + shift
     if log_decay is not None:                                            # γ^(t − W − s) beyond the window
         log_decay = decay_log(log_decay, dtype)
-        linear = linear + log_decay[:, None, None] * (pos_q - window - pos_k).clamp_min(0)      # [H, T, Tk]
+        linear = linear + log_decay_matrix(log_decay, T, Tk, offset=-window, at=pos_q[:, 0])[0]
     logits = torch.where(near, exact, torch.where(far, linear, -torch.inf))
     if key_valid is not None:
         logits = logits.masked_fill(~key_valid[:, None, None, :], -torch.inf)
