@@ -82,3 +82,39 @@ def test_rows_need_the_softmax_loss():
     assert load("long-context", ["layerwise.rows=128"]).layerwise.rows == 128
     with pytest.raises(UserError, match="layerwise.rows samples the rows of the softmax loss"):
         load("long-context", ["layerwise.rows=8", "layerwise.loss=l2", "layerwise.seq_len=512"])
+
+
+def test_rows_by_log_give_every_doubling_a_share_and_skip_exact_rows():
+    g = torch.Generator().manual_seed(0)
+    at = torch.cat([sample_rows(4096, 128, g, by="log", exact=64) for _ in range(40)])
+    assert at.min() >= 64                                                 # rows the window reads exactly: never
+    shares = torch.histc(at.float().log2(), bins=6, min=6, max=12) / len(at)   # 64-127, ..., 2-4 K
+    assert shares.min() > 0.12 and shares.max() < 0.22                  # about 1/6 each
+    by_position = torch.cat([sample_rows(4096, 128, g) for _ in range(40)])
+    assert (by_position < 512).float().mean() < 0.03                     # the default leaves the first 512 few rows
+    assert len(sample_rows(100, 98, g, by="log", exact=64).unique()) == 98   # too few rows past `exact`: still 98
+
+
+def test_rows_by_needs_sampled_rows():
+    from dofattn.errors import UserError
+    from dofattn.recipe import load
+
+    assert load("long-context", ["layerwise.rows_by=log"]).layerwise.rows_by == "log"
+    with pytest.raises(UserError, match="layerwise.rows_by = 'log' draws the rows"):
+        load("long-context", ["layerwise.rows_by=log", "layerwise.rows=0"])
+
+
+def test_a_layer_trains_on_rows_drawn_by_log_position(monkeypatch):
+    from dofattn.distill.layerwise import train_layer
+    from dofattn.recipe import Layerwise
+
+    layer, q, k, v = layer_and_inputs(Attention(window=5, sink=2, decay="fixed"))
+    drawn = []
+    real = losses.sample_rows
+    monkeypatch.setattr("dofattn.distill.layerwise.sample_rows",
+                        lambda *a, **kw: drawn.append(real(*a, **kw)) or drawn[-1])
+    rate = layer.decay.decay_rate.clone()
+    log = train_layer(layer, (q, k, v), D ** -0.5, Layerwise(steps=3, batch_size=1, seq_len=T, rows=6,
+                                                              rows_by="log"), seed=0, progress=False)
+    assert log["steps"] == 3 and len(drawn) == 4 and all(len(at) == 6 and at.min() >= 7 for at in drawn)
+    assert torch.equal(layer.decay.decay_rate, rate)                      # a fixed decay stays as it started
