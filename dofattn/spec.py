@@ -26,7 +26,7 @@ from dofattn.features import FEATURES
 from dofattn.options import option
 
 SCHEMA = 4    # of dofattn.json; 3: the kept layers' keys in `attention`; 2: its keys flat in the spec; 1: flags
-DECAYS = ("none", "head", "fixed", "gate")  # none; learned per head; fixed per head; per token read off its value
+DECAYS = ("none", "head", "gate")  # no decay; a learned decay per head; a decay per token read off its value
 LORA_TARGETS = ("attention", "all")
 
 
@@ -41,9 +41,8 @@ class Attention:
     window: int = option(64, "exact softmax attention over the last W tokens beside the linear part (0: pure linear)")
     sink: int = option(4, "the first S tokens stay exact for every query beside the window (0: none)")
     decay: str = option("none", "decay of the linear state: none, head (a learned rate per head, beside a window "
-                                "counted from its edge), fixed (a rate per head that training leaves as it starts: "
-                                "half-lives 180-1400 tokens) or gate (per token, read off its value; pure linear "
-                                "attention only)", choices=DECAYS)
+                                "counted from its edge) or gate (per token, read off its value; pure linear attention "
+                                "only)", choices=DECAYS)
     conv: int = option(0, "a short causal convolution of this width on q, k and v (0: none)")
     delta: bool = option(False, "write the linear state by the delta rule (pure linear attention only)")
 
@@ -57,8 +56,8 @@ class Attention:
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise UserError(f"student.{name} = {value!r} is not {'an integer' if kind is int else 'true or false'}")
         if self.decay not in DECAYS:
-            raise UserError(f"student.decay = {self.decay!r}; use none, head (a learned decay per head), fixed (a "
-                            f"fixed one) or gate (per token)")
+            raise UserError(f"student.decay = {self.decay!r}; use none, head (a learned decay per head) or gate "
+                            f"(per token)")
         if self.window < 0:
             raise UserError(f"student.window = {self.window}: give >= 0 tokens (0: pure linear attention)")
         if self.sink < 0:
@@ -208,7 +207,6 @@ class StudentSpec:
             lines.append(f"exact softmax attention over the last {a.window} tokens"
                          + (f" and the first {a.sink}" if a.sink else "") + ", linear attention beyond")
         for on, text in ((a.decay == "head", "a learned decay per head"),
-                         (a.decay == "fixed", "a fixed decay per head (half-lives 180-1400 tokens)"),
                          (a.decay == "gate", "a decay per token (gate)"),
                          (a.conv, f"a short convolution of {a.conv} tokens on q, k and v"),
                          (a.delta, "the delta rule"),

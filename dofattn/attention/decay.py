@@ -1,8 +1,6 @@
-"""The decay part of a linear branch: its state fades by a factor per head (`Decay`: learned, or fixed at its start)
-or per token (`Gate`).
+"""The decay part of a linear branch: its state fades by a learned factor per head (`Decay`) or per token (`Gate`).
 
     decay = Decay(num_heads)              # log γ_h = -exp(decay_rate_h), started weak
-    Decay(num_heads, learned=False)       # the same rates, a buffer that training leaves as it is
     decay.log_decay()                     # [H] float32, passed to the ops as `log_decay`
     gate = Gate(num_heads, head_dim)      # log g_th = -exp(decay_rate_h + w_h·v_t/√D), at least GATE_FLOOR
     gate.log_gates(v)                     # [B, T, H] float32, passed to the ops as `log_gate`
@@ -30,20 +28,14 @@ def read_values(v: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor) -> to
 
 
 class Decay(nn.Module):
-    """A decay per head: γ_h = exp(-exp(decay_rate_h)), started weak (half-lives from about 180 to 1400 tokens across
-    the heads: log γ from -2^-8 to -2^-11). Learned, training moves each head's rate; or fixed (`learned=False`,
-    `student.decay = "fixed"`): a buffer saved with the student that keeps those half-lives, which a student trained
-    on short blocks cannot stretch beyond what it saw."""
+    """A learned decay per head: γ_h = exp(-exp(decay_rate_h)), started weak (half-lives from about 180 to 1400
+    tokens across the heads: log γ from -2^-8 to -2^-11); training shortens those that need it."""
 
     per_token = False
 
-    def __init__(self, num_heads: int, learned: bool = True):
+    def __init__(self, num_heads: int):
         super().__init__()
-        rate = -math.log(2) * torch.linspace(*DECAY_START, num_heads)                             # [H]
-        if learned:
-            self.decay_rate = nn.Parameter(rate)
-        else:
-            self.register_buffer("decay_rate", rate)
+        self.decay_rate = nn.Parameter(-math.log(2) * torch.linspace(*DECAY_START, num_heads))   # [H]
 
     def log_decay(self) -> torch.Tensor:
         """[H] float32: log γ_h of each head (< 0, at least -1e4)."""
@@ -66,7 +58,7 @@ class Gate(Decay):
     per_token = True
 
     def __init__(self, num_heads: int, head_dim: int):
-        super().__init__(num_heads, learned=True)
+        super().__init__(num_heads)
         self.gate_weight = nn.Parameter(torch.zeros(num_heads, head_dim))                    # [H, D]
 
     def log_gates(self, v: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ The parts, each a module that owns its parameters and its forms (`attention.exac
     window        exact softmax over the last W keys, the linear branch beyond, one normalisation (`exact.Window`);
                   the linear branch's weight per head
     sink          the first S real tokens exact for every later query (`exact.Sink`)
-    decay         a decay of the linear state per head, learned or fixed (`decay.Decay`), or per token (`decay.Gate`)
+    decay         a learned decay of the linear state per head (`decay.Decay`) or per token (`decay.Gate`)
     conv          a short causal convolution of q, k and v (`conv.ShortConv`)
     delta         the delta rule writing the state (`delta.DeltaRule`)
 A part the config leaves out is None. Every rule on how the parts combine is the config's (`Attention`), checked
@@ -64,8 +64,8 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.window = Window(attention.window, num_heads) if attention.window else None
         self.sink = Sink(attention.sink) if attention.sink else None
-        self.decay = (Decay(num_heads, learned=attention.decay == "head") if attention.decay in ("head", "fixed")
-                      else Gate(num_heads, head_dim) if attention.decay == "gate" else None)
+        self.decay = (Decay(num_heads) if attention.decay == "head" else Gate(num_heads, head_dim)
+                      if attention.decay == "gate" else None)
         self.delta = DeltaRule(num_heads, head_dim) if attention.delta else None
         self.conv = ShortConv(attention.conv, num_heads, num_kv_heads, head_dim) if attention.conv else None
         self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
