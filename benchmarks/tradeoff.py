@@ -4,6 +4,7 @@ tokens of context, each point labelled with its recall (pass key + multi-key ans
     python benchmarks/tradeoff.py --teacher-cache-mib 360 --out docs/results/tradeoff-8k.png \
         --model "window=docs/results/long-document-default.json,docs/results/recall-default.json,7.27" \
         --model "recall=docs/results/long-document-recall.json,docs/results/recall-recall.json" \
+        --model "long-context, layerwise on 2 K=docs/results/long-document-long-context-2k.json,docs/results/recall-long-context-2k.json" \
         --model "long-context (default)=docs/results/long-document-long-context.json,docs/results/recall-long-context.json"
 
 Each --model is NAME=BY_POSITION_JSON,RECALL_JSON[,CACHE_MIB] (CACHE_MIB for a recall file that has no cache sizes): `dofattn eval --seq-len 8192` output (its last by-position bucket,
