@@ -82,7 +82,7 @@ class Layerwise:
                           "cost rows × seq_len, not seq_len² (0: every row)")
     rows_by: str = option("position", "how the rows are drawn: position (weight ∝ position: far rows more often) or "
                                       "log (every doubling of the context an equal share; rows the window reads "
-                                      "exactly never)", choices=ROWS_BY)
+                                      "exactly never); moot where every row is read", choices=ROWS_BY)
     blocks: int = option(64, "training blocks whose teacher q/k/v the stage keeps")
     lr: float = option(0.02, "learning rate of feature directions and projections")
     lr_weights: float = option(0.2, "learning rate of the PRF weights")
@@ -370,9 +370,6 @@ def validate(recipe: Recipe) -> None:
     if lw.rows and lw.loss != "softmax":
         raise UserError(f"layerwise.rows samples the rows of the softmax loss; layerwise.loss = {lw.loss!r} reads "
                         f"every pair: set layerwise.rows = 0 or layerwise.loss = 'softmax'")
-    if lw.rows_by != "position" and not 0 < lw.rows < lw.seq_len:
-        raise UserError(f"layerwise.rows_by = {lw.rows_by!r} draws the rows the loss reads, but with layerwise.rows = "
-                        f"{lw.rows} it reads every row of a {lw.seq_len}-token block: set rows below seq_len")
     if lw.steps and lw.loss == "l2" and a.window >= lw.seq_len:
         raise UserError(f"layerwise.loss = 'l2' fits only pairs beyond the window: set layerwise.seq_len > "
                         f"student.window ({a.window})")

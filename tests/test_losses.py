@@ -95,13 +95,14 @@ def test_rows_by_log_give_every_doubling_a_share_and_skip_exact_rows():
     assert len(sample_rows(100, 98, g, by="log", exact=64).unique()) == 98   # too few rows past `exact`: still 98
 
 
-def test_rows_by_needs_sampled_rows():
+def test_rows_by_is_a_recipe_key_moot_where_every_row_is_read():
     from dofattn.errors import UserError
     from dofattn.recipe import load
 
-    assert load("long-context", ["layerwise.rows_by=log"]).layerwise.rows_by == "log"
-    with pytest.raises(UserError, match="layerwise.rows_by = 'log' draws the rows"):
-        load("long-context", ["layerwise.rows_by=log", "layerwise.rows=0"])
+    assert load("long-context").layerwise.rows_by == "log"
+    assert load("long-context", ["layerwise.rows=0"]).layerwise.rows == 0          # every row: rows_by unused
+    with pytest.raises(UserError, match="rows_by"):
+        load("long-context", ["layerwise.rows_by=uniform"])
 
 
 def test_a_layer_trains_on_rows_drawn_by_log_position(monkeypatch):
