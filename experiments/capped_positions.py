@@ -7,17 +7,23 @@ block of the validation articles; prints the student's perplexity by context len
 
 Below 4 K tokens it also scores the plain student and prints the largest log-probability difference (W = T - 1:
 5e-5). Queries in blocks of 256; each block's near keys (distance < W) and far keys (≥ W) share one softmax."""
-import json, sys, time, math
+import importlib
+import json
+import math
+import sys
+import time
+
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-import importlib; inst = importlib.import_module("dofattn.attention.install")
-from dofattn.student import load_student
-from dofattn.data import token_blocks
-from dofattn import evaluate
 
+from dofattn import evaluate
+from dofattn.data import token_blocks
+from dofattn.student import load_student
+
+inst = importlib.import_module("dofattn.attention.install")   # the module (the package's `install` is a function)
 run, W = sys.argv[1], int(sys.argv[2])
 T_BLOCK = int(sys.argv[3]) if len(sys.argv) > 3 else 32768
-model, tok, spec = load_student(run)
+model, tok, _ = load_student(run)
 model.eval()
 rot = model.model.rotary_emb
 plain = inst._softmax
@@ -35,7 +41,7 @@ def capped(module, query, key, value, attention_mask, eager, **kw):
         return plain(module, query, key, value, attention_mask, eager, **kw)
     pos = torch.arange(T)
     rep = H // key.shape[1]
-    k = key.repeat_interleave(rep, 1).float(); v = value.repeat_interleave(rep, 1).float()
+    k, v = key.repeat_interleave(rep, 1).float(), value.repeat_interleave(rep, 1).float()
     q = query.float()
     q_far = rotate(q, W - pos)         # the query as if at position W
     k_u = rotate(k, -pos)              # the keys as if at position 0
@@ -53,15 +59,14 @@ def capped(module, query, key, value, attention_mask, eager, **kw):
         if hi > 0:
             s2 = pos[None, :hi]
             far = torch.einsum("bhtd,bhsd->bhts", q_far[:, :, a:b], k_u[:, :, :hi]) * scale
-            parts.append(far.masked_fill(~(t - s2 >= W), -math.inf)); vals.append(v[:, :, :hi])
+            parts.append(far.masked_fill(~(t - s2 >= W), -math.inf))
+            vals.append(v[:, :, :hi])
         p = torch.softmax(torch.cat(parts, -1), -1)
         out[:, a:b] = torch.einsum("bhts,bhsd->bthd", p, torch.cat(vals, 2))
     return out.to(query.dtype), None
 
 
-blocks = token_blocks("wiki-sample", tok, T_BLOCK, 1, split="validation", seed=0)
-ids = blocks[0][None] if not isinstance(blocks, torch.Tensor) else blocks[:1]
-ids = torch.as_tensor(ids)
+ids = token_blocks("wiki-sample", tok, T_BLOCK, 1, split="validation", seed=0)        # [1, T_BLOCK]
 if T_BLOCK < 4096:   # a check: W = T - 1 caps nothing, so the capped form must give the plain one's numbers
     with torch.no_grad():
         ref = torch.cat(evaluate._log_probs(model, ids))
@@ -74,8 +79,6 @@ if T_BLOCK < 4096:
 nll = -lp.gather(1, ids[0, 1:, None])[:, 0]
 edges = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 res = {}
-for a, b in zip(edges, edges[1:]):
-    # prediction at index i sees i+1 tokens
-    sel = nll[a - 1:b - 1]
-    res[f"{a}-{b-1}"] = round(math.exp(sel.mean().item()), 2)
+for a, b in zip(edges, edges[1:]):   # the prediction at index i sees i + 1 tokens
+    res[f"{a}-{b - 1}"] = round(math.exp(nll[a - 1:b - 1].mean().item()), 2)
 print(json.dumps({"W": W, "seconds": round(time.time() - start), "student_ppl_by_context": res}))
