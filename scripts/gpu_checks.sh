@@ -7,12 +7,13 @@
 # part under a time limit of its own so that one that hangs cannot starve the rest, every outcome written as it
 # happens (tests-each.log, DOFATTN_TEST_LOG), so a run cut short still says what failed. Its pytest plugins are the
 # `gpu` extra's (pip install -e ".[gpu]": pytest-xdist, pytest-timeout).
-# 1. "tests": first tests/test_gpu.py (NEW_S seconds), what behaves differently on CUDA and has not run on a GPU
-#    before, each against its CPU reference: the ring kernel with a decay and a sink replayed in a CUDA graph, a
-#    bounded kept layer's static slots under capture, prefill and training steps with a decay and a sink, the
-#    prompt's selection of keys, a `long-context` distill of a tiny model in float32 and bfloat16; then (TESTS_S)
-#    every Triton kernel against its naive reference (outputs, states, gradients), the CUDA-graph decoder against
-#    HF generate, the selection and bounded cache, fla's op, the DoF sample on CUDA.
+# 1. "tests": first tests/test_gpu.py (NEW_S seconds; 25 s on the H200), what behaves differently on CUDA, each
+#    against its CPU reference: the ring kernel with a decay and a sink replayed in a CUDA graph, a bounded kept
+#    layer's static slots under capture, prefill and training steps with a decay and a sink, the prompt's selection
+#    of keys, a `long-context` distill of a tiny model in float32 and bfloat16; then (TESTS_S; about 400 s on the
+#    H200 with 16 workers, the compiled decode steps 60 s each) every Triton kernel against its naive reference
+#    (outputs, states, gradients), the CUDA-graph decoder against HF generate, the selection and bounded cache,
+#    fla's op, the DoF sample on CUDA.
 # Asked for by name (they need the 93 MB model, or run longer):
 # 2. "bench": `dofattn bench` generation of SmolLM2-135M and its students after 2K/8K/32K prompts, then the op-level
 #    prefill and decode rows (GEN_S, OPS_S);
@@ -65,11 +66,11 @@ PER_TEST=(); if has pytest_timeout; then PER_TEST=(--timeout 200); fi
 PARALLEL=(); if has xdist; then PARALLEL=(-n "${WORKERS:-16}"); fi
 if [[ $PARTS == *tests* ]]; then
     echo "== tests: new paths (tests/test_gpu.py)" | tee -a "$LOG"
-    DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${NEW_S:-150}" python3 -m pytest -q -p no:cacheprovider \
+    DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${NEW_S:-70}" python3 -m pytest -q -p no:cacheprovider \
         ${PER_TEST[@]+"${PER_TEST[@]}"} -rfE tests/test_gpu.py > "$OUT/tests-new.log" 2>&1
     echo "new paths: exit $?" | tee -a "$LOG"
     echo "== tests: kernels, decoder, selection" | tee -a "$LOG"
-    DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${TESTS_S:-330}" python3 -m pytest -q \
+    DOFATTN_TEST_LOG="$OUT/tests-each.log" timeout "${TESTS_S:-410}" python3 -m pytest -q \
         ${PARALLEL[@]+"${PARALLEL[@]}"} -p no:cacheprovider ${PER_TEST[@]+"${PER_TEST[@]}"} -rfE \
         tests/test_triton_*.py tests/test_ops.py tests/test_engine.py \
         tests/test_decode_step.py tests/test_select.py \
