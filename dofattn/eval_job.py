@@ -66,6 +66,10 @@ class EvalConfig:
                                        none="auto")
     beyond_context: bool = option(False, "allow --lengths past the model's context (the teacher's positions there "
                                          "are untrained; a student's bounded layers may extrapolate)")
+    extend_to: int | None = option(None, "read both models to this many tokens, past the context they were made "
+                                         "for (SmolLM2: 8192): their RoPE scaled by YaRN to it, in every layer, "
+                                         "without YaRN's attention temperature; a little worse within the context "
+                                         "(docs/RESULTS.md)", none="off")
     depths: int = option(5, "depths of the hidden fact per length, evenly spaced from 0 (the filler's start) to 1 "
                             "(just before the question)")
     samples: int = option(1, "recall prompts per task, length and depth, each with its own fact, keys and filler")
@@ -126,6 +130,8 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
         raise UserError(f"--task-path {cfg.task_path} is not a folder of lm-eval task YAMLs")
     if (cfg.num_blocks or 0) < 0 or cfg.layer_blocks < 0 or cfg.batch_size < 1:
         raise UserError("--batch-size must be >= 1, --num-blocks and --layer-blocks >= 0")
+    if cfg.extend_to is not None and cfg.extend_to < 1:
+        raise UserError(f"--extend-to {cfg.extend_to}: give a number of tokens past the model's context")
     if cfg.teacher_answers and cfg.recall is None:
         raise UserError("--teacher-answers gives the teacher's recall answers: use it with --recall")
     if cfg.num_blocks == 0 and not (cfg.recall or cfg.tasks):
@@ -149,7 +155,7 @@ def run(cfg: EvalConfig, show=None) -> dict:
     """
     from dofattn.data import WIKI_SAMPLE, sources, token_blocks
     from dofattn.export import is_export, load_export, lora_merged
-    from dofattn.hf import load_model, parse_dtype, use_threads
+    from dofattn.hf import extend_context, load_model, parse_dtype, use_threads
     from dofattn.io import write_atomic
     from dofattn.student import is_student, load_student
 
@@ -168,13 +174,18 @@ def run(cfg: EvalConfig, show=None) -> dict:
         model, tokenizer, _ = load_student(cfg.model, dtype=dtype, device=device)
     else:
         model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
+    if cfg.extend_to:
+        extend_context(model, cfg.extend_to)
     if cfg.recall is not None:
         from dofattn.hf import context_length
         from dofattn.recall import resolve_lengths
 
         lengths = resolve_lengths(cfg.lengths, context_length(model.config), cfg.beyond_context)
     teacher = load_model(teacher_name, dtype=dtype, device=device)[0] if teacher_name else None
-    result = {"model": cfg.model, "teacher": teacher_name or "base model", "data": cfg.data, "split": split}
+    if teacher is not None and cfg.extend_to:
+        extend_context(teacher, cfg.extend_to)
+    result = {"model": cfg.model, "teacher": teacher_name or "base model", "data": cfg.data, "split": split,
+              **({"extend_to": cfg.extend_to} if cfg.extend_to else {})}
     errors = {}
     if cfg.num_blocks != 0:
         if cfg.num_blocks is None and plain_text(cfg.data):

@@ -43,6 +43,9 @@ class GenerateConfig:
                                        "(a decode step is many small operations: on a CPU that other work is using, "
                                        "1 can be faster)", none="auto")
     dtype: str = option("float32", "model dtype: float32 or bfloat16")
+    extend_to: int | None = option(None, "read to this many tokens, past the model's context (SmolLM2: 8192): its "
+                                         "RoPE scaled by YaRN to it, without the attention temperature; a little "
+                                         "worse within the context", none="off")
 
 
 def check(cfg: GenerateConfig) -> None:
@@ -55,6 +58,8 @@ def check(cfg: GenerateConfig) -> None:
         raise UserError("--static decodes greedily; drop --temperature or --static")
     if cfg.compile and not cfg.static:
         raise UserError("--compile compiles the static decoder's step; add --static")
+    if cfg.extend_to is not None and cfg.extend_to < 1:
+        raise UserError(f"--extend-to {cfg.extend_to}: give a number of tokens past the model's context")
     if cfg.dims and not cfg.student:
         raise UserError("--dims sizes the features of an untrained student: add --student RECIPE (e.g. paper)")
 
@@ -93,6 +98,11 @@ def run(cfg: GenerateConfig, show=None) -> dict:
     check(cfg)
     use_threads(cfg.threads)
     model, tokenizer, what = load(cfg)
+    if cfg.extend_to:
+        from dofattn.hf import extend_context
+
+        extend_context(model, cfg.extend_to)
+        what += f", read to {cfg.extend_to} tokens (YaRN)"
     if show:
         show(f"generating with {what}")
     torch.manual_seed(cfg.seed)

@@ -63,6 +63,40 @@ def context_length(config: PretrainedConfig) -> int | None:
     return getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
+def extend_context(model: PreTrainedModel, length: int) -> None:
+    """Read `model` to `length` tokens past the context it was made for: its RoPE becomes YaRN with factor
+    length / context (the low frequencies, whose angles past the context no training reached, interpolated; the
+    high ones kept) and no attention temperature (YaRN's default of 1 + 0.1 ln(factor) on both q and k made a
+    student's feature maps read 25% worse at 64 tokens: docs/log/experiments.md); `max_position_embeddings`
+    becomes `length`. In every layer, softmax and linear alike, for every position: within the old context the
+    model reads a little differently too. A one-line UserError where the model has no plain RoPE to scale."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = model.config.get_text_config(decoder=True)
+    context, rope = context_length(config), getattr(config, "rope_parameters", None)
+    if not context or not isinstance(rope, dict) or "rope_theta" not in rope:
+        raise UserError(f"--extend-to {length}: {config.model_type} has no single RoPE to scale (only models with "
+                        f"rotary positions of one kind, e.g. Llama, Mistral, Qwen, extend); leave it out")
+    if rope.get("rope_type", "default") != "default":
+        raise UserError(f"--extend-to {length}: this model's RoPE is already {rope['rope_type']!r}; --extend-to "
+                        f"scales only the default one")
+    if length <= context:
+        raise UserError(f"--extend-to {length} is within the model's context of {context} tokens: nothing to "
+                        f"extend; leave it out or give more")
+    config.rope_parameters = {**rope, "rope_type": "yarn", "factor": length / context,
+                              "original_max_position_embeddings": context, "attention_factor": 1.0}
+    config.max_position_embeddings = length
+    rotary = [(name, module) for name, module in model.named_modules()
+              if hasattr(module, "inv_freq") and hasattr(module, "attention_scaling")]
+    if not rotary:
+        raise UserError(f"--extend-to {length}: found no rotary embedding in {config.model_type}; leave it out")
+    for name, module in rotary:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, module.inv_freq.device)
+        module.inv_freq, module.original_inv_freq = inv_freq, inv_freq.clone()
+        module.attention_scaling, module.rope_type = scaling, "yarn"
+        module.max_seq_len_cached = module.original_max_seq_len = length
+
+
 def softmax_implementation(config: PretrainedConfig) -> str:
     """The HF attention implementation a family's softmax layers run with: eager where its logits are soft-capped
     (Gemma 2's attn_logit_softcapping, which SDPA cannot apply), SDPA elsewhere."""

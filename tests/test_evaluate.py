@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from dofattn import evaluate
 from dofattn.cli import main
+from dofattn.errors import UserError
 from dofattn.evaluate import compare, layer_errors, perplexity, teacher_mode
 from dofattn.spec import Attention
 from dofattn.student import linearize
@@ -253,3 +254,26 @@ def test_lm_eval_bridge_on_a_local_task(tmp_path, tokenizer, monkeypatch):
         lm_eval_tasks(model, tokenizer, ["piqa"], include_path=str(folder))
     with pytest.raises(UserError, match="unknown lm-eval task"):
         lm_eval_tasks(model, tokenizer, ["no_such_task"], include_path=str(folder))
+
+
+def test_eval_extend_to_reads_both_models_with_yarn(tmp_path, model_dirs):
+    """--extend-to scales the student's and the teacher's RoPE (the teacher here the student's own base model), is
+    recorded in the result, and is refused below one token before any model loads."""
+    from dofattn.eval_job import EvalConfig, check, run
+    from dofattn.hf import load_model
+    from dofattn.spec import StudentSpec
+    from dofattn.student import fingerprint, save_student
+
+    model, _ = load_model(str(model_dirs["llama"]))
+    linearize(model, [4, 6, 8], LINEAR)
+    folder = save_student(model, tmp_path / "run", StudentSpec(base_model=str(model_dirs["llama"]), dims=(4, 6, 8),
+                                                                 layers=(0, 1, 2), base=fingerprint(model),
+                                                                 attention=LINEAR))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The quick brown fox jumps over the lazy dog. Linear attention keeps a state. " * 8)
+    plain = run(EvalConfig(model=str(folder), data=str(notes), seq_len=64, layer_blocks=0, out=None))
+    wide = run(EvalConfig(model=str(folder), data=str(notes), seq_len=64, layer_blocks=0, out=None, extend_to=2048))
+    assert wide["extend_to"] == 2048 and "extend_to" not in plain
+    assert wide["ppl"] != plain["ppl"] and wide["teacher_ppl"] != plain["teacher_ppl"]
+    with pytest.raises(UserError, match="--extend-to 0"):
+        check(EvalConfig(model=str(folder), extend_to=0))

@@ -88,3 +88,44 @@ def test_wheel_member_unpacked_by_several_processes_at_once_is_whole(tmp_path):
     assert all(p.returncode == 0 for p in procs) and len(paths) == 1
     path = Path(paths.pop())
     assert path.read_bytes() == payload and not list(path.parent.glob("*.partial"))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_extend_context_is_hf_yarn_without_temperature(family):
+    """`extend_context` makes a loaded model the one HF builds from a YaRN config (factor length / context,
+    attention factor 1), partial rotary (NeoX) included: the same logits at positions past the old context."""
+    from tests.conftest import CONFIGS, tiny_model
+
+    from dofattn.hf import extend_context
+
+    model = tiny_model(family)
+    extend_context(model, 1024)
+    config = CONFIGS[family](300)
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 256, "attention_factor": 1.0}
+    config.max_position_embeddings = 1024
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 300, (1, 600), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-5)
+        assert not torch.allclose(model(ids).logits, tiny_model(family)(ids).logits, atol=1e-3)   # it did change
+    assert model.config.max_position_embeddings == 1024
+
+
+def test_extend_context_refusals():
+    """No RoPE (GPT-2), a length within the context, a RoPE already scaled: one-line UserErrors."""
+    from tests.conftest import tiny_model
+
+    from dofattn.hf import extend_context
+
+    with pytest.raises(UserError, match="no single RoPE"):
+        extend_context(tiny_model("gpt2"), 1024)
+    with pytest.raises(UserError, match="within the model's context of 256"):
+        extend_context(tiny_model("llama"), 256)
+    model = tiny_model("llama")
+    extend_context(model, 1024)
+    with pytest.raises(UserError, match="already 'yarn'"):
+        extend_context(model, 2048)
