@@ -277,6 +277,10 @@ def test_generate_static_matches_hf(capsys, model_dirs):
     code, static_out, err = run(capsys, *args, "--static")
     assert code == 0 and "static decoding" in err, err
     assert static_out == out
+    code, wide, err = run(capsys, *args, "--extend-to", "1024")                # YaRN: both ways the same tokens
+    assert code == 0 and "read to 1024 tokens (YaRN)" in err, err
+    code, static_wide, err = run(capsys, *args, "--extend-to", "1024", "--static")
+    assert code == 0 and static_wide == wide, err
     code, _, err = run(capsys, "generate", "--model", str(model_dirs["llama"]), "--static")
     assert code == 2 and "every layer of this model is softmax attention" in err
 
@@ -312,6 +316,8 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
     (["--dims", "fix:4"], "add --student RECIPE"),
     (["--student", "nothere"], "unknown recipe 'nothere'"),
     (["--student", "recall"], "distill it, then use the run folder"),
+    (["--extend-to", "0"], "--extend-to 0"),
+    (["--extend-to", "128"], "within the model's context of 256 tokens"),
 ])
 def test_generate_bad_input(capsys, model_dirs, args, message):
     code, _, err = run(capsys, "generate", "--model", str(model_dirs["llama"]), *args)
