@@ -352,6 +352,9 @@ class ExportConfig:
     merge_lora: bool = option(False, "fold LoRA adapters into the projection weights (no peft needed to load; the "
                                      "base model is then no longer inside); without it they are kept as peft layers")
     dtype: str = option("float32", "dtype of the base model's weights: float32, bfloat16 or float16")
+    extend_to: int | None = option(None, "make the folder read to this many tokens, past the base model's context "
+                                         "(SmolLM2: 8192): its RoPE scaled by YaRN, as `dofattn eval --extend-to` "
+                                         "reads it; a little worse within the context", none="off")
 
 
 def run(cfg: ExportConfig) -> Path:
@@ -361,16 +364,19 @@ def run(cfg: ExportConfig) -> Path:
     check_default_run(cfg.model)
     if not cfg.out:
         raise UserError("give --out DIR, the folder to write the export to")
-    return export(cfg.model, cfg.out, merge_lora=cfg.merge_lora, dtype=cfg.dtype)
+    if cfg.extend_to is not None and cfg.extend_to < 1:
+        raise UserError(f"--extend-to {cfg.extend_to}: give a number of tokens past the model's context")
+    return export(cfg.model, cfg.out, merge_lora=cfg.merge_lora, dtype=cfg.dtype, extend_to=cfg.extend_to)
 
 
 def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dtype: str = "float32",
-           max_shard: int | str = MAX_SHARD) -> Path:
+           max_shard: int | str = MAX_SHARD, extend_to: int | None = None) -> Path:
     """Write the student in `model_path` (a run folder or a student folder) as a Hugging Face model folder `out`.
 
     `out` must be new, empty, or a previous export (replaced whole: the new export is written beside it, then moved
     into place). `dtype` is the base model's weights' (the student's own tensors stay float32); weights above
-    `max_shard` (bytes, or "5GB") are written in shards."""
+    `max_shard` (bytes, or "5GB") are written in shards. `extend_to`: the config's RoPE scaled to that many tokens
+    (`hf.extend_context`), so that `from_pretrained` builds it so."""
     from dofattn.hf import parse_dtype
     from dofattn.student import load_student, read_spec
 
@@ -394,6 +400,10 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
             _unwrap_lora(model)
             spec = replace(spec, lora_rank=0, lora_alpha=0.0, lora_targets="attention")
             lora = "merged"
+    if extend_to:
+        from dofattn.hf import extend_context
+
+        extend_context(model, extend_to)
     dtype_name = str(torch_dtype).removeprefix("torch.")
 
     stage = out.with_name(f"{out.name}.{os.getpid()}.partial")
@@ -413,7 +423,7 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
 
             shutil.copy2(run / RECIPE_FILE, stage / RECIPE_FILE)
             recipe = RunFolder(run)
-        write_atomic(stage / CARD_FILE, model_card(spec, dtype_name, lora, recipe, out.name))
+        write_atomic(stage / CARD_FILE, model_card(spec, dtype_name, lora, recipe, out.name, extend_to))
         _move_into_place(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -508,7 +518,15 @@ def _evaluation(run) -> list[str]:
     return lines
 
 
-def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str) -> str:
+def _extended(extend_to: int | None) -> list[str]:
+    if not extend_to:
+        return []
+    return [f"It reads to {extend_to} tokens: its RoPE is scaled by YaRN (`dofattn export --extend-to "
+            f"{extend_to}`, no attention temperature), a little worse within the base model's own context; the "
+            "evaluation below was read without it.", ""]
+
+
+def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str, extend_to: int | None = None) -> str:
     """README.md of an export: base model, recipe, evaluation, how to load it."""
     base = spec.base_model
     hub_id = "/" in base and not base.startswith((".", "/", "~")) and not Path(base).exists()
@@ -521,7 +539,7 @@ def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str) -> str:
         "attention layers keep a state of fixed size instead of a KV cache that grows with the context.", "",
         "## Base model", "", f"`{base}` ({_base_origin(base)}{spec.base.get('model_type', '?')}, {len(spec.dims)} "
         "layers). Its weights are all here; the base model is not needed to load this one.", "",
-        "## Student", "", *_architecture(spec, lora), "", *_recipe(run), "",
+        "## Student", "", *_architecture(spec, lora), "", *_extended(extend_to), *_recipe(run), "",
         "## Evaluation", "", *_evaluation(run), "",
         "## Weights", "", f"The base model's weights in {dtype}; the student's own tensors (feature maps, window "
         "gains, LoRA adapters) in float32, as it trains and runs them.", "",

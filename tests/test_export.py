@@ -14,6 +14,7 @@ from safetensors import safe_open
 from dofattn.cli import main
 from dofattn.errors import UserError
 from dofattn.export import export, is_export, load_export
+from dofattn.hf import extend_context
 from dofattn.spec import Attention, Kept, StudentSpec
 from dofattn.student import build, fingerprint, load_student, save_student
 from tests.conftest import tiny_model
@@ -117,12 +118,17 @@ def exported(tmp_path_factory, model_dirs, corpus):
                                    "select": 2, "select_observe": 2, "select_pool": 1}})]:
         students[name] = tmp / f"student-{name}"
         refs[name] = reference(make_student(family, students[name], model_dirs[family], **arch))
+    wide = load_student(students["llama-select"])[0]                  # read to 1024 tokens (the base: 256)
+    extend_context(wide, 1024)
+    refs["llama-select-extended"] = reference(wide)
     run = distill(model_dirs["llama"], corpus, tmp / "run")
     refs["run-lora"] = refs["run-lora-merged"] = reference(load_student(run)[0])
     refs["run-lora-bfloat16"] = reference(load_student(run, dtype=torch.bfloat16)[0])
     exports = {name: tmp / "out" / name for name in refs}
     for name, folder in students.items():
         assert main(["export", "--model", str(folder), "--out", str(exports[name])]) == 0
+    assert main(["export", "--model", str(students["llama-select"]), "--out", str(exports["llama-select-extended"]),
+                 "--extend-to", "1024"]) == 0
     assert main(["export", "--model", str(run), "--out", str(exports["run-lora"])]) == 0
     assert main(["export", "--model", str(run), "--out", str(exports["run-lora-merged"]), "--merge-lora"]) == 0
     assert main(["export", "--model", str(run), "--out", str(exports["run-lora-bfloat16"]), "--dtype",
@@ -132,7 +138,20 @@ def exported(tmp_path_factory, model_dirs, corpus):
 
 
 CASES = ["llama-linear", "gpt2-window-sink", "gpt_neox-window-sink-softmax", "llama-hedgehog-decay-conv", "llama-select",
-         "run-lora", "run-lora-merged", "run-lora-bfloat16"]
+         "llama-select-extended", "run-lora", "run-lora-merged", "run-lora-bfloat16"]
+
+
+def test_an_extended_export_reads_with_yarn(exported, capsys, text_file, tmp_path):
+    """--extend-to writes the scaled RoPE into config.json (the fresh process's logits above are the scaled
+    student's), says so in the card, and `dofattn eval --extend-to` on it is refused: it is scaled already."""
+    folder, ref, _ = exported[0]["llama-select-extended"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["max_position_embeddings"] == 1024
+    assert not torch.allclose(ref["logits"], exported[0]["llama-select"][1]["logits"], atol=1e-4)
+    assert "It reads to 1024 tokens" in (folder / "README.md").read_text()
+    assert main(["eval", "--model", str(folder), "--data", str(text_file), "--extend-to", "2048", "--out",
+                 str(tmp_path / "eval.json")]) == 2
+    assert "already 'yarn'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -142,7 +161,7 @@ def test_a_fresh_process_loads_the_student(exported, case):
     assert torch.equal(got["tokens"], ref["tokens"])
     assert got["attn"] == "dofattn"
     # a kept softmax layer keeps its KV cache, or bounds it after the prompt to its selected keys
-    kept = {"llama-select": "BoundedKVLayer"}.get(case, "DynamicLayer")
+    kept = "BoundedKVLayer" if case.startswith("llama-select") else "DynamicLayer"
     softmax = [1] if "softmax" in case or kept != "DynamicLayer" else []
     assert got["slots"] == [kept if i in softmax else "LinearStateLayer" for i in range(3)]
     assert sorted(p.name for p in folder.parent.iterdir() if ".partial" in p.name or ".old" in p.name) == []
