@@ -115,7 +115,7 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
     """Everything about `cfg` that can be checked before a model loads; -> the output paths ({"out": ..., and each
     figure asked for})."""
     from dofattn.data import check_source
-
+    from dofattn.hf import check_extend_to
     from dofattn.student import check_default_run, is_student
 
     check_default_run(cfg.model)
@@ -130,8 +130,7 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
         raise UserError(f"--task-path {cfg.task_path} is not a folder of lm-eval task YAMLs")
     if (cfg.num_blocks or 0) < 0 or cfg.layer_blocks < 0 or cfg.batch_size < 1:
         raise UserError("--batch-size must be >= 1, --num-blocks and --layer-blocks >= 0")
-    if cfg.extend_to is not None and cfg.extend_to < 1:
-        raise UserError(f"--extend-to {cfg.extend_to}: give a number of tokens past the model's context")
+    check_extend_to(cfg.extend_to)
     if cfg.teacher_answers and cfg.recall is None:
         raise UserError("--teacher-answers gives the teacher's recall answers: use it with --recall")
     if cfg.num_blocks == 0 and not (cfg.recall or cfg.tasks):

@@ -359,13 +359,13 @@ class ExportConfig:
 
 def run(cfg: ExportConfig) -> Path:
     """`export` as `cfg` says; the folder written."""
+    from dofattn.hf import check_extend_to
     from dofattn.student import check_default_run
 
     check_default_run(cfg.model)
     if not cfg.out:
         raise UserError("give --out DIR, the folder to write the export to")
-    if cfg.extend_to is not None and cfg.extend_to < 1:
-        raise UserError(f"--extend-to {cfg.extend_to}: give a number of tokens past the model's context")
+    check_extend_to(cfg.extend_to)
     return export(cfg.model, cfg.out, merge_lora=cfg.merge_lora, dtype=cfg.dtype, extend_to=cfg.extend_to)
 
 

@@ -50,6 +50,8 @@ class GenerateConfig:
 
 def check(cfg: GenerateConfig) -> None:
     """Every rule on the options, before a model loads."""
+    from dofattn.hf import check_extend_to
+
     if cfg.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0:
@@ -58,8 +60,7 @@ def check(cfg: GenerateConfig) -> None:
         raise UserError("--static decodes greedily; drop --temperature or --static")
     if cfg.compile and not cfg.static:
         raise UserError("--compile compiles the static decoder's step; add --static")
-    if cfg.extend_to is not None and cfg.extend_to < 1:
-        raise UserError(f"--extend-to {cfg.extend_to}: give a number of tokens past the model's context")
+    check_extend_to(cfg.extend_to)
     if cfg.dims and not cfg.student:
         raise UserError("--dims sizes the features of an untrained student: add --student RECIPE (e.g. paper)")
 

@@ -63,6 +63,12 @@ def context_length(config: PretrainedConfig) -> int | None:
     return getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
+def check_extend_to(length: int | None) -> None:
+    """--extend-to's own rule, before a model loads (None: not asked for); the model's are `extend_context`'s."""
+    if length is not None and length < 1:
+        raise UserError(f"--extend-to {length}: give a number of tokens past the model's context")
+
+
 def extend_context(model: PreTrainedModel, length: int) -> None:
     """Read `model` to `length` tokens past the context it was made for: its RoPE becomes YaRN with factor
     length / context (the low frequencies, whose angles past the context no training reached, interpolated; the
@@ -86,11 +92,11 @@ def extend_context(model: PreTrainedModel, length: int) -> None:
     config.rope_parameters = {**rope, "rope_type": "yarn", "factor": length / context,
                               "original_max_position_embeddings": context, "attention_factor": 1.0}
     config.max_position_embeddings = length
-    rotary = [(name, module) for name, module in model.named_modules()
+    rotary = [module for module in model.modules()
               if hasattr(module, "inv_freq") and hasattr(module, "attention_scaling")]
     if not rotary:
         raise UserError(f"--extend-to {length}: found no rotary embedding in {config.model_type}; leave it out")
-    for name, module in rotary:
+    for module in rotary:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, module.inv_freq.device)
         module.inv_freq, module.original_inv_freq = inv_freq, inv_freq.clone()
         module.attention_scaling, module.rope_type = scaling, "yarn"

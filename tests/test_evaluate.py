@@ -120,16 +120,22 @@ def test_teacher_mode_keeps_a_kv_cache(family):
     torch.testing.assert_close(more.logits, stock.logits[:, 12:], rtol=1e-4, atol=1e-4)
 
 
-def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
+def saved_linear_student(base, folder):
+    """(the model, its folder): the tiny model in `base` with every layer linear (`LINEAR`, dims 4, 6, 8), saved as
+    a student in `folder`."""
     from dofattn.hf import load_model
     from dofattn.spec import StudentSpec
     from dofattn.student import fingerprint, save_student
 
-    model, _ = load_model(str(model_dirs["llama"]))
+    model, _ = load_model(str(base))
     linearize(model, [4, 6, 8], LINEAR)
-    spec = StudentSpec(base_model=str(model_dirs["llama"]), dims=[4, 6, 8], layers=[0, 1, 2], base=fingerprint(model),
+    spec = StudentSpec(base_model=str(base), dims=[4, 6, 8], layers=[0, 1, 2], base=fingerprint(model),
                        attention=LINEAR)
-    folder = save_student(model, tmp_path / "run", spec)
+    return model, save_student(model, folder, spec)
+
+
+def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
+    _, folder = saved_linear_student(model_dirs["llama"], tmp_path / "run")
     out, png, positions = tmp_path / "eval.json", tmp_path / "eval.png", tmp_path / "positions.svg"
     code = main(["eval", "--model", str(folder), "--data", str(text_file), "--seq-len", "32", "--num-blocks", "3",
                  "--out", str(out), "--plot", str(png), "--plot-positions", str(positions)])
@@ -155,15 +161,8 @@ def test_eval_scores_a_short_plain_file_whole(capsys, tmp_path, model_dirs, toke
     """A .txt file given with --data is scored whole: all its tokens, in blocks of at most --seq-len (one block
     when it is shorter), every token predicted but each block's first; the perplexity is the hand-computed one."""
     from dofattn.eval_job import EvalConfig, run
-    from dofattn.hf import load_model
-    from dofattn.spec import StudentSpec
-    from dofattn.student import fingerprint, save_student
 
-    model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, [4, 6, 8], LINEAR)
-    folder = save_student(model, tmp_path / "run", StudentSpec(base_model=str(model_dirs["llama"]), dims=(4, 6, 8),
-                                                                 layers=(0, 1, 2), base=fingerprint(model),
-                                                                 attention=LINEAR))
+    model, folder = saved_linear_student(model_dirs["llama"], tmp_path / "run")
     notes = tmp_path / "notes.txt"
     notes.write_text("The quick brown fox jumps over the lazy dog. Linear attention keeps a state. " * 2)
     ids = tokenizer(notes.read_text(), add_special_tokens=False)["input_ids"]
@@ -260,15 +259,8 @@ def test_eval_extend_to_reads_both_models_with_yarn(tmp_path, model_dirs):
     """--extend-to scales the student's and the teacher's RoPE (the teacher here the student's own base model), is
     recorded in the result, and is refused below one token before any model loads."""
     from dofattn.eval_job import EvalConfig, check, run
-    from dofattn.hf import load_model
-    from dofattn.spec import StudentSpec
-    from dofattn.student import fingerprint, save_student
 
-    model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, [4, 6, 8], LINEAR)
-    folder = save_student(model, tmp_path / "run", StudentSpec(base_model=str(model_dirs["llama"]), dims=(4, 6, 8),
-                                                                 layers=(0, 1, 2), base=fingerprint(model),
-                                                                 attention=LINEAR))
+    _, folder = saved_linear_student(model_dirs["llama"], tmp_path / "run")
     notes = tmp_path / "notes.txt"
     notes.write_text("The quick brown fox jumps over the lazy dog. Linear attention keeps a state. " * 8)
     plain = run(EvalConfig(model=str(folder), data=str(notes), seq_len=64, layer_blocks=0, out=None))
