@@ -37,6 +37,23 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def keep_freed_memory() -> bool:
+    """Let freed tensors' memory stay in the process for the next ones (glibc: no mmap below 2 GiB, no trimming)
+    instead of going back to the system and coming back as new zeroed pages at every step. On the CPU a layerwise
+    step of the default job spent half its time in the kernel doing that (10 M page faults in 20 steps of an 8 K
+    block: 0.87 s a step, 0.29 s with this; the results bit for bit the same). Freed memory is not returned before
+    the process ends, so the peak resident memory is the heap's high-water mark (1.57 -> 2.04 GB in that test).
+    `main` calls it; False where the C library is not glibc (then nothing changes)."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_MMAP_THRESHOLD, 2 ** 31 - 1) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), "")      # the top level has no option with a value
@@ -45,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.verb is None:
         parser.print_help()
         return 2
+    keep_freed_memory()
     try:
         return ns.run(ns)
     except UserError as err:

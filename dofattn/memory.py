@@ -134,3 +134,28 @@ class RealConstants(TorchDispatchMode):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         return out
+
+
+# --- the process as the operating system sees it ---------------------------------------------------------------------
+
+def resident_peak() -> int | None:
+    """The process's peak resident memory in bytes since it began or since `reset_resident_peak` (Linux's VmHWM);
+    None where /proc cannot tell."""
+    try:
+        with open("/proc/self/status") as status:
+            line = next(x for x in status if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
+def reset_resident_peak() -> bool:
+    """Start `resident_peak` again from the memory resident now (Linux: 5 to /proc/self/clear_refs); False where
+    the system does not allow it (then the peak runs on from the process's start)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+

@@ -25,7 +25,7 @@ from dofattn.cli import main
 from dofattn.distill.end_to_end import cooldown_lr, loss as end_to_end_loss
 from dofattn.distill.layerwise import layer_file
 from dofattn.distill.losses import LOSSES
-from dofattn.distill.teacher import TeacherCache
+from dofattn.distill.teacher import TeacherStream, full_forward_qkv
 from dofattn.dof import DofResult, LayerDof
 from dofattn.evaluate import perplexity
 from dofattn.hf import load_model
@@ -140,7 +140,7 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
     assert sorted(log["layers"]) == [str(i) for i in range(LAYERS)] and log["end_to_end"] == {}
 
     # the logged loss on the fixed batch (the first `batch_size` blocks) against the untrained features' loss on it
-    assert not (out / "teacher").exists()  # a finished run deletes its teacher activations
+    assert not (out / "teacher").exists()  # nothing of the teacher is written to disk
     from dofattn.data import token_blocks
 
     model, tok = load_model(str(teachers[teacher]))
@@ -148,11 +148,9 @@ def test_layerwise_training_lowers_every_layers_loss(capsys, teachers, corpus, t
               seed=0)   # the start
     heads = head_layout(model)
     blocks = token_blocks(str(corpus), tok, 32, 8, split="train", seed=0)  # the run's training blocks
-    cache = TeacherCache(tmp_path / "teacher", LAYERS, (8, 32), heads)
-    cache.build(model, blocks, batch_size=2, progress=False)
-    for layer, module in enumerate(attention_modules(model)):
-        entry = log["layers"][str(layer)]
-        q, k, v = cache.layer(layer)
+    modules = attention_modules(model)
+    for layer, (q, k, v) in TeacherStream(model, blocks, batch_size=2, progress=False).walk(list(range(LAYERS))):
+        module, entry = modules[layer], log["layers"][str(layer)]
         # kv heads -> query heads, as train_layer does
         k, v = (x.repeat_interleave(heads[0] // heads[1], dim=2) for x in (k, v))
         with torch.no_grad():

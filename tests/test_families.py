@@ -176,6 +176,21 @@ def test_lora_finds_every_familys_projections(family):
         torch.testing.assert_close(model(input_ids=x).logits, before, rtol=0, atol=0)
 
 
+def test_the_teacher_stream_gives_the_full_forwards_qkv(family):
+    """The layerwise stage's q/k/v, made layer by layer from the blocks' hidden states (odd batch split, layers
+    skipped), equal those captured from the teacher's full forward, in every family (its own masks, RoPE, norms)."""
+    from dofattn.distill.teacher import TeacherStream, full_forward_qkv
+
+    model = tiny(family)
+    blocks = torch.randint(1, VOCAB, (5, 37), generator=torch.Generator().manual_seed(0))
+    got = dict(TeacherStream(model, blocks, batch_size=2, progress=False).walk([3, 0, 1]))
+    assert sorted(got) == [0, 1, 3]
+    for layer, acts in got.items():
+        for mine, reference in zip(acts, full_forward_qkv(model, blocks, layer)):
+            assert mine.dtype == torch.float32 and mine.shape == reference.shape
+            torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_an_unsupported_family_is_one_line_naming_the_supported_ones():
     config = tf.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
     with pytest.raises(UserError) as err:

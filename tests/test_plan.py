@@ -9,7 +9,6 @@ import contextlib
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,18 +18,18 @@ from dofattn.cli import main
 from dofattn.distill.choose import linear_layers
 from dofattn.distill.end_to_end import layers_checkpointed, loss
 from dofattn.distill.plan import make_plan
-from dofattn.distill.teacher import TeacherCache
+from dofattn.distill.teacher import TeacherStream
 from dofattn.errors import UserError
 from dofattn.memory import LiveBytes
-from dofattn.student import build, head_layout, is_student_tensor
+from dofattn.student import build, is_student_tensor
 from tests import test_families as families
 from tests.conftest import tiny_model
 
 CONFIGS = Path(__file__).parent / "configs"
-# public figures: parameters, layers, teacher cache on disk with the window recipe (64 blocks x 256 tokens, float32
-# q/k/v of H + 2 Hkv heads of 128 in every layer)
-PUBLIC = {"qwen2.5-1.5b": ("qwen2", 1_543_714_304, 28, 28 * 64 * 256 * (12 + 2 * 2) * 128 * 4),
-          "llama-3.1-8b": ("llama", 8_030_261_248, 32, 32 * 64 * 256 * (32 + 2 * 8) * 128 * 4)}
+# public figures: parameters, layers, what the layerwise stage holds with the window recipe (64 blocks x 256 tokens:
+# their float32 hidden states, and one layer's float32 q/k/v of H + 2 Hkv heads of 128)
+PUBLIC = {"qwen2.5-1.5b": ("qwen2", 1_543_714_304, 28, 64 * 256 * (1536 + (12 + 2 * 2) * 128) * 4),
+          "llama-3.1-8b": ("llama", 8_030_261_248, 32, 64 * 256 * (4096 + (32 + 2 * 8) * 128) * 4)}
 
 
 def dry_run(capsys, *argv) -> tuple[int, str, str]:
@@ -50,7 +49,7 @@ def test_dry_run_plans_a_public_config_without_weights_and_writes_nothing(capsys
     assert f"({family}, {params / 1e9:.2f} B parameters)" in text         # 1.54 B, 8.03 B
     assert f"linearized    {layers}: 0-{layers - 1}" in text
     assert "budget" in text and "mean 128 per layer" in text                # DoF dims exist only at run time
-    assert f"teacher cache   {cache / 2 ** 30:.2f} GiB" in text
+    assert f"layerwise       {cache / 2 ** 20:.2f} MiB in memory" in text and "nothing on disk" in text
     for row in ("frozen weights", "Adam moments", "activations", "loss (logits)", "total"):
         assert row in text, row
 
@@ -219,16 +218,15 @@ def test_memory_plan_matches_one_measured_end_to_end_step(case):
     assert abs(planned / measured["peak"] - 1) < 0.03, (planned, measured["peak"])
 
 
-def test_teacher_cache_is_the_size_planned(tmp_path, tokenizer):
-    """The plan's teacher cache against the files `TeacherCache` writes for the same blocks and tokens."""
+def test_the_layerwise_stream_holds_what_is_planned(tokenizer):
+    """The plan's layerwise bytes against the tensors `TeacherStream` holds for the same blocks and tokens."""
     model = tiny_model("llama")
     recipe = recipes.load("window", ["layerwise.blocks=3", "layerwise.seq_len=16"])
     plan = make_plan(recipe, 1, config=model.config)
     blocks = torch.randint(0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
-    cache = TeacherCache(tmp_path / "teacher", model.config.num_hidden_layers, (3, 16), head_layout(model))
-    cache.build(model, blocks, batch_size=2, progress=False)
-    written = sum(np.load(cache.path(i), mmap_mode="r").nbytes for i in range(model.config.num_hidden_layers))
-    assert plan.teacher_cache == written > 0
+    stream = TeacherStream(model, blocks, batch_size=2, progress=False)
+    held = [stream.hidden.nbytes + q.untyped_storage().nbytes() for _, (q, k, v) in stream.walk([0, 2])]
+    assert held == [plan.layerwise] * 2 and plan.layerwise > 0
 
 
 def test_the_peak_at_a_real_vocabulary_is_the_one_planned():

@@ -132,5 +132,7 @@ def format_evaluation(recipe, log: dict) -> str:
     lines.append(f"  dims per layer ({recipe.student.dims}): {' '.join(map(str, log['dims']))}")
     if log.get("softmax_layers"):
         lines.append(f"  softmax layers: {' '.join(map(str, log['softmax_layers']))}")
-    lines.append("  wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in log["seconds"].items()))
+    peaks = log.get("peak_rss", {})
+    lines.append("  wall time (peak memory): " + ", ".join(
+        f"{k} {v:.0f} s" + (f" ({peaks[k] / 2 ** 30:.2f} GiB)" if k in peaks else "") for k, v in log["seconds"].items()))
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The layerwise stage: each linearized layer's feature map trained alone against the teacher's attention.
 
-Layer l trains with a generator seeded by (seed, l) on batches of the teacher's own q/k/v (`TeacherCache`; on long
-blocks the softmax loss reads a sample of rows, `layerwise.rows`), Adam at the paper's learning rates (directions
+Layer l trains with a generator seeded by (seed, l) on batches of the teacher's own q/k/v (`TeacherStream`, which
+makes them layer by layer from the blocks' hidden states; on long blocks the softmax loss reads a sample of rows, `layerwise.rows`), Adam at the paper's learning rates (directions
 and projections `lr`, PRF weights `lr_weights`). Each layer's result is saved to `layers/layer_XX.safetensors` as
 soon as it is done, so a killed run redoes at most one layer.
 """
@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from dofattn.attention import LinearAttention
 from dofattn.distill.losses import LOSSES, sample_rows
-from dofattn.distill.teacher import TeacherCache
+from dofattn.distill.teacher import TeacherStream
 from dofattn.distill.world import barrier, world
 from dofattn.io import read_safetensors
 from dofattn.ops.softmax import expand_kv
@@ -108,28 +108,25 @@ def load_layer(out: Path, layer: int, linear: LinearAttention) -> dict:
     return json.loads(metadata["log"])
 
 
-def layerwise(model, cache: TeacherCache, out: Path, config: Layerwise, seed: int, progress: bool = True) -> dict:
-    """Train every linearized layer (this rank's share: layer l on rank l mod size) on the teacher's q/k/v in
-    `cache`, resuming from finished layer files; every rank ends with every layer. Returns the logs by layer."""
+def layerwise(model, stream: TeacherStream, out: Path, config: Layerwise, seed: int, progress: bool = True) -> dict:
+    """Train every linearized layer (this rank's share: layer l on rank l mod size) on the teacher's q/k/v, which
+    `stream` makes layer by layer; finished layer files are loaded, not trained again. Every rank ends with every
+    layer. Returns the logs by layer."""
     rank, size = world()
     modules = attention_modules(model)
-    logs = {}
-    for layer, module in enumerate(modules):
-        linear = getattr(module, "dofattn", None)
-        if linear is None or layer % size != rank:
-            continue
-        if layer_file(out, layer).is_file():
-            logs[layer] = load_layer(out, layer, linear)
-            continue
-        log = train_layer(linear, cache.layer(layer), module.scaling, config, seed=seed * 100_003 + layer,
+    linear = [i for i, m in enumerate(modules) if getattr(m, "dofattn", None) is not None]
+    logs = {i: load_layer(out, i, modules[i].dofattn) for i in linear if i % size == rank and layer_file(out, i).is_file()}
+    for layer, acts in stream.walk([i for i in linear if i % size == rank and i not in logs]):
+        module = modules[layer]
+        log = train_layer(module.dofattn, acts, module.scaling, config, seed=seed * 100_003 + layer,
                           desc=f"layer {layer:2d} ({config.loss})", progress=progress)
         if progress:
             print(f"layer {layer:2d}: {config.loss} loss {log['first_loss']:.4f} -> {log['last_loss']:.4f} "
                   f"({log['seconds']:.0f} s)", flush=True)
-        save_layer(out, layer, linear, log)
+        save_layer(out, layer, module.dofattn, log)
         logs[layer] = log
     barrier()
-    for layer, module in enumerate(modules):  # every rank ends with every layer
-        if getattr(module, "dofattn", None) is not None and layer not in logs:
-            logs[layer] = load_layer(out, layer, module.dofattn)
-    return logs
+    for layer in linear:                     # every rank ends with every layer
+        if layer not in logs:
+            logs[layer] = load_layer(out, layer, modules[layer].dofattn)
+    return dict(sorted(logs.items()))

@@ -5,7 +5,7 @@
 
 What it says: the layers and their feature dims (the DoF dims exist only after the DoF stage has read the model's
 queries and keys, so for `dof`/`clip` the plan gives the budget), the softmax layers kept, the tokens each stage
-reads, the size of the teacher cache on disk, and the memory per device of the end-to-end phase.
+reads, what the layerwise stage holds of the teacher, and the memory per device of the end-to-end phase.
 
 How the numbers are made:
 - The student is built as a run builds it, without memory: the model from its config on PyTorch's meta device, made
@@ -221,7 +221,7 @@ class Plan:
     student_parameters: int           # trained
     layers: Layers
     tokens: Tokens
-    teacher_cache: int                # bytes on disk (0: no layerwise stage)
+    layerwise: int                    # bytes the teacher's stream holds in the layerwise stage (0: none)
     memory: Memory
     notes: list[str] = field(default_factory=list)
 
@@ -273,10 +273,14 @@ def plan_tokens(recipe: Recipe, config, world: int) -> Tokens:
                   eval=recipe.eval.blocks * recipe.eval.seq_len)
 
 
-def teacher_cache_bytes(recipe: Recipe, count: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """`distill.teacher.TeacherCache` on disk: per layer (every one) a float32 [blocks, seq_len, H + 2·Hkv, D]."""
+def layerwise_bytes(recipe: Recipe, hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """What `distill.teacher.TeacherStream` holds while a layer trains: the blocks' hidden states [blocks, seq_len,
+    hidden] in run.dtype, and that layer's q/k/v [blocks, seq_len, H + 2·Hkv, D] in float32. Nothing on disk."""
     lw = recipe.layerwise
-    return count * lw.blocks * lw.seq_len * (heads + 2 * kv_heads) * head_dim * 4 if lw.steps else 0
+    if not lw.steps:
+        return 0
+    tokens = lw.blocks * lw.seq_len
+    return tokens * hidden * getattr(torch, recipe.run.dtype).itemsize + tokens * (heads + 2 * kv_heads) * head_dim * 4
 
 
 def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
@@ -340,7 +344,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
     return Plan(recipe=recipe.name, model=recipe.run.model, model_type=config.model_type,
                 parameters=sum(p.numel() for p in base), student_parameters=sum(p.numel() for p in trained),
                 layers=layers, tokens=plan_tokens(recipe, config, W),
-                teacher_cache=teacher_cache_bytes(recipe, count, heads, kv_heads, head_dim), memory=memory,
+                layerwise=layerwise_bytes(recipe, hidden, heads, kv_heads, head_dim), memory=memory,
                 notes=notes)
 
 
@@ -394,8 +398,9 @@ def format_plan(plan: Plan) -> str:
                     f"{t.end_to_end_data:,}")
     rows.append(f"  evaluation    {t.eval:,}")
     rows.append("")
-    rows.append(f"teacher cache   {_size(plan.teacher_cache) if plan.teacher_cache else 'none'} on disk "
-                f"(float32 q/k/v of every layer; deleted at the end)")
+    if plan.layerwise:
+        rows.append(f"layerwise       {_size(plan.layerwise)} in memory: the teacher's hidden states of its blocks "
+                    f"({plan.memory.dtype}) and one layer's q/k/v (float32); nothing on disk")
     rows.append("")
     if not t.end_to_end:
         rows.append(f"memory per device: no end-to-end phase; each process holds the whole model, "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -11,7 +10,7 @@ import torch
 
 from dofattn.distill import choose, end_to_end, run_folder
 from dofattn.distill.layerwise import layerwise
-from dofattn.distill.teacher import TeacherCache
+from dofattn.distill.teacher import TeacherStream
 from dofattn.distill.world import barrier, join, world
 from dofattn.evaluate import compare, perplexity
 from dofattn.recipe import Recipe
@@ -35,6 +34,41 @@ class DistillConfig:
         return Path(self.out or f"runs/{self.recipe.name}")
 
 
+class Stages:
+    """Each stage's wall time and peak resident memory, into the run log (`seconds`, `peak_rss`, bytes): a stage
+    begun again (setup, after the DoF stage and the softmax choice) adds its time and keeps its larger peak."""
+
+    def __init__(self, log: run_folder.RunLog):
+        self.log, self.name, self.start = log, None, 0.0
+
+    def begin(self, name: str) -> None:
+        from dofattn.memory import reset_resident_peak
+
+        self.end()
+        self.name, self.start = name, time.perf_counter()
+        reset_resident_peak()
+
+    def end(self, before: float = 0.0) -> None:
+        """Close the current stage; `before`: its seconds in an earlier call of the same run (end-to-end resumed)."""
+        from dofattn.memory import resident_peak
+
+        if self.name is None:
+            return
+        seconds, peak = time.perf_counter() - self.start + before, resident_peak()
+        self.log.seconds[self.name] = round(self.log.seconds.get(self.name, 0) + seconds, 1)
+        if peak is not None:
+            self.log.peak_rss[self.name] = max(self.log.peak_rss.get(self.name, 0), peak)
+        self.name = None
+
+    def keep(self, finished: dict, names: tuple[str, ...]) -> None:
+        """A finished run's figures for the stages this call does not run again."""
+        for name in names:
+            if name in finished.get("seconds", {}):
+                self.log.seconds[name] = finished["seconds"][name]
+            if name in finished.get("peak_rss", {}):
+                self.log.peak_rss[name] = finished["peak_rss"][name]
+
+
 def check_inputs(recipe: Recipe) -> None:
     """What a run reads before it trains, checked before anything loads (also by `distill --dry-run`): its text
     sources, and a local model folder's tokenizer."""
@@ -52,7 +86,7 @@ def run(cfg: DistillConfig) -> dict:
     r, out, device, time_limit, continue_from = cfg.recipe, cfg.folder, cfg.device, cfg.time_limit, cfg.continue_from
     from dofattn.data import token_blocks
     from dofattn.hf import load_model, parse_dtype
-    from dofattn.student import (attention_modules, build, fingerprint, head_layout,
+    from dofattn.student import (attention_modules, build, fingerprint,
                                  is_student_tensor, load_student_tensors, resolve_dims, save_student)
 
     check_inputs(r)
@@ -62,7 +96,8 @@ def run(cfg: DistillConfig) -> dict:
     rank = world()[0]
     torch.manual_seed(r.run.seed)
     log = run_folder.RunLog(recipe={"name": r.name, **r.keys()})
-    timer = time.perf_counter()
+    stage = Stages(log)
+    stage.begin("setup")
 
     model, tokenizer = load_model(r.run.model, dtype=parse_dtype(r.run.dtype), device=device)
     num_layers = len(attention_modules(model))
@@ -98,18 +133,22 @@ def run(cfg: DistillConfig) -> dict:
                "the end-to-end phase is asked for more steps; going on")
         print(f"{out}: {why} from step {done_steps} to {e2e.steps}", flush=True)
 
+    stage.begin("dof")
     dims = choose.dims(r, model, tokenizer, out)
+    stage.begin("softmax_choice")
     chosen = choose.softmax_layers(r, model, tokenizer, out, candidates)
+    stage.begin("setup")                           # the student built: setup goes on
     kept = [i for i in range(num_layers) if i not in candidates or i in chosen]
     spec = r.student_spec(dims, choose.linear_layers(r, model, chosen), base=fingerprint(model))
     build(model, spec)
     for name, p in model.named_parameters():       # only the student's tensors ever train
         p.requires_grad_(is_student_tensor(name))
     log.dims, log.softmax_layers = dims, kept
-    log.seconds["setup"] = round(time.perf_counter() - timer, 1)
+    stage.end()
 
     if finished:            # going on with the end-to-end phase: the layerwise stage is done
-        log.layers, log.seconds = finished.get("layers", {}), {**finished["seconds"], **log.seconds}
+        log.layers = finished.get("layers", {})
+        stage.keep(finished, ("layerwise", "layerwise_eval"))
         before = finished.get("evaluation", {})
         if "layerwise_student_ppl" in before:
             log.evaluation["layerwise_student_ppl"] = before["layerwise_student_ppl"]
@@ -118,17 +157,16 @@ def run(cfg: DistillConfig) -> dict:
         if not done_steps:  # its student was saved without end-to-end checkpoints
             load_student_tensors(model, out)
     elif lw.steps:
-        timer = time.perf_counter()
-        cache = TeacherCache(out / "teacher", num_layers, tuple(train.shape), head_layout(model))
-        if rank == 0 and not cache.done:
-            cache.build(model, train, lw.batch_size, progress=True)
-        barrier()
-        log.layers = layerwise(model, cache, out, lw, r.run.seed, progress=rank == 0)
-        log.seconds["layerwise"] = round(time.perf_counter() - timer, 1)
+        stage.begin("layerwise")
+        stream = TeacherStream(model, train, lw.batch_size, progress=rank == 0)
+        log.layers = layerwise(model, stream, out, lw, r.run.seed, progress=rank == 0)
+        stage.end()
         if e2e.steps and rank == 0:                # what the layerwise stage alone reached
+            stage.begin("layerwise_eval")
             log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
+            stage.end()
     if e2e.steps:
-        timer = time.perf_counter()
+        stage.begin("end_to_end")
         log.end_to_end = end_to_end.train(model, e2e_train, out, e2e, r.run.seed, valid, time_limit=60 * time_limit,
                                           progress=rank == 0)
         if world()[1] > 1 and log.end_to_end["steps"]:   # FSDP left the weights sharded: rank 0 builds them whole
@@ -137,18 +175,16 @@ def run(cfg: DistillConfig) -> dict:
                 model, _ = load_model(r.run.model, dtype=parse_dtype(r.run.dtype), device=device)
                 build(model, spec)
                 end_to_end.load_trained(model, out)
-        log.seconds["end_to_end"] = round(time.perf_counter() - timer + (finished["seconds"].get("end_to_end", 0)
-                                                                          if finished else 0), 1)
+        stage.end(before=finished["seconds"].get("end_to_end", 0) if finished else 0)
     if rank == 0:
         save_student(model, out, spec)
-        timer = time.perf_counter()
+        stage.begin("evaluate")
         log.evaluation.update(evaluate(r, model, valid, dims))
         if "layerwise_student_ppl" in log.evaluation:
             log.evaluation["layerwise_vs_teacher"] = (log.evaluation["layerwise_student_ppl"]
                                                       / log.evaluation["teacher_ppl"])
-        log.seconds["evaluate"] = round(time.perf_counter() - timer, 1)
+        stage.end()
         run_folder.write_log(out, asdict(log))
-        shutil.rmtree(out / "teacher", ignore_errors=True)  # only needed to resume the layerwise stage
     barrier()
     return asdict(log)
 

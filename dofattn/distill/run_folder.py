@@ -34,7 +34,8 @@ class RunLog:
     layers: dict = field(default_factory=dict)        # layer -> the layerwise stage's log
     end_to_end: dict = field(default_factory=dict)
     evaluation: dict = field(default_factory=dict)
-    seconds: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)       # stage -> wall time
+    peak_rss: dict = field(default_factory=dict)      # stage -> peak resident memory, bytes (Linux)
 
 
 class RunFolder:

@@ -1,10 +1,23 @@
-"""The teacher's q/k/v on the training blocks, one float32 file per layer, which the layerwise stage reads."""
+"""The teacher's q/k/v on the layerwise stage's blocks, one layer at a time, made as that layer trains.
+
+    stream = TeacherStream(model, blocks, batch_size)
+    for layer, (q, k, v) in stream.walk(wanted=[0, 2, 5]):     # q [N, T, H, D], k and v [N, T, Hkv, D], float32
+        train(layer, q, k, v)
+
+The stream holds the hidden states of every block entering one decoder layer ([N, T, hidden], in the model's
+dtype). At each layer it runs the teacher's own decoder layer on them (softmax attention, LoRA off: `teacher_mode`),
+batch by batch, in place: the attention's inputs are captured on the way (`capture`) when the layer is wanted, and
+the output is the next layer's input. Memory holds the blocks' hidden states and one layer's q/k/v, whatever the
+model's depth; nothing goes to disk; each layer of the teacher runs once per block, as in one full forward, and none
+past the last wanted layer. A resumed run walks the same way and trains only what is missing.
+
+Each decoder layer is called with the arguments the model's own forward gives it (the mask, the position
+embeddings, ...), recorded once per stream from a forward of the first block: whatever a family passes its layers,
+they receive it. `tests/test_distill.py` checks the stream against the captures of a full forward in every family.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -12,45 +25,107 @@ from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.evaluate import teacher_mode
 
 
-class TeacherCache:
-    """q/k/v of every layer on the training blocks, one float32 file per layer: [N, T, H + 2·Hkv, D].
+class _Recorded(Exception):
+    """Stops the recording forward once the last decoder layer has been called."""
 
-    One teacher forward per batch streams each layer's q/k/v to its own file (`folder/layer_XX.npy`), so memory holds
-    one batch, never all layers. `done` marks a complete cache; the run deletes it at its end.
-    """
 
-    def __init__(self, folder: Path, num_layers: int, shape: tuple[int, int], heads: tuple[int, int, int]):
-        self.folder, self.num_layers = folder, num_layers
-        (self.N, self.T), (self.H, self.Hkv, self.D) = shape, heads
+def layer_calls(model, layers: list[torch.nn.Module], ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
+    """(the hidden states entering `layers[0]`, [(args after the hidden states, kwargs)] per layer in `layers`) of the
+    model's forward on `ids`. Nothing is computed past the embeddings: while recording each layer returns its input,
+    and the forward stops at the last of `layers`."""
+    calls, first = [], []
 
-    def path(self, layer: int) -> Path:
-        return self.folder / f"layer_{layer:02d}.npy"
+    def record(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if not first:
+            first.append(hidden)
+        calls.append((tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "hidden_states"}))
+        if module is layers[-1]:
+            raise _Recorded
+        return None
 
-    @property
-    def done(self) -> bool:
-        return (self.folder / "done").is_file()
+    def passes(hidden_states=None, *args, **kwargs):        # a layer while recording: its input, unchanged
+        return hidden_states
 
-    def build(self, model, blocks: torch.Tensor, batch_size: int, progress: bool = True) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        width = self.H + 2 * self.Hkv
-        files = [np.lib.format.open_memmap(self.path(i), mode="w+", dtype=np.float32,
-                                           shape=(self.N, self.T, width, self.D)) for i in range(self.num_layers)]
-        offset = 0
+    hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+    for layer in layers:
+        layer.forward = passes
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    except _Recorded:
+        pass
+    finally:
+        for layer, hook in zip(layers, hooks):
+            hook.remove()
+            del layer.forward
+    return first[0], calls
 
-        def sink(a: AttentionInputs) -> None:
-            qkv = torch.cat([a.query, a.key, a.value], dim=2).float().cpu().numpy()  # [B, T, H+2Hkv, D]
-            files[a.layer][offset:offset + qkv.shape[0]] = qkv
 
-        device = next(model.parameters()).device
-        with teacher_mode(model), capture(model, sink):
-            for offset in tqdm(range(0, self.N, batch_size), desc="teacher q/k/v", unit="batch",
-                               disable=not progress):
-                run_forward(model, blocks[offset:offset + batch_size].to(device))
-        for f in files:
-            f.flush()
-        (self.folder / "done").write_text("ok")
+class TeacherStream:
+    """The teacher's q/k/v of the layerwise blocks, layer after layer (module docstring)."""
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [N, T, H, D], k and v [N, T, Hkv, D] of `layer` (read from disk)."""
-        qkv = torch.from_numpy(np.load(self.path(layer)))
-        return qkv[:, :, :self.H], qkv[:, :, self.H:self.H + self.Hkv], qkv[:, :, self.H + self.Hkv:]
+    def __init__(self, model, blocks: torch.Tensor, batch_size: int, progress: bool = True):
+        from dofattn.distill.end_to_end import decoder_layers
+        from dofattn.student import attention_modules, head_layout
+
+        self.model, self.blocks, self.batch_size, self.progress = model, blocks, batch_size, progress
+        self.layers = decoder_layers(model)
+        attention = attention_modules(model)
+        # decoder layer i holds attention layer i (checked: a family whose layers nest otherwise is refused here)
+        if len(self.layers) != len(attention) or any(not any(m is a for m in layer.modules())
+                                                     for layer, a in zip(self.layers, attention)):
+            raise ValueError(f"{type(model).__name__}: its decoder layers do not each hold one attention layer")
+        self.heads = head_layout(model)
+
+    def walk(self, wanted: list[int]):
+        """Yields (layer, (q, k, v)) for each layer in `wanted`, in order; runs the teacher up to the last one."""
+        wanted = sorted(set(wanted))
+        if not wanted:
+            return
+        N, device = len(self.blocks), next(self.model.parameters()).device
+        H, Hkv, D = self.heads
+        with teacher_mode(self.model), capture(self.model, lambda a: None):
+            hidden, calls = self._start(device)
+        self.hidden = hidden                                   # what the plan counts (`distill.plan`)
+        for layer in range(wanted[-1] + 1):
+            args, kwargs = calls[layer]
+            qkv = (torch.empty(N, self.blocks.shape[1], H + 2 * Hkv, D) if layer in wanted else None)
+            offset = 0
+
+            def sink(a: AttentionInputs) -> None:
+                rows = a.query.shape[0]
+                qkv[offset:offset + rows] = torch.cat([a.query, a.key, a.value], dim=2).float().cpu()
+
+            bar = tqdm(range(0, N, self.batch_size), desc=f"teacher layer {layer}", unit="batch", leave=False,
+                       disable=not self.progress)
+            with torch.no_grad(), teacher_mode(self.model), capture(self.model,
+                                                                    sink if qkv is not None else lambda a: None):
+                for offset in bar:
+                    part = slice(offset, offset + self.batch_size)
+                    out = self.layers[layer](hidden[part], *args, **kwargs)
+                    hidden[part] = out[0] if isinstance(out, tuple) else out
+            if qkv is not None:
+                yield layer, (qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:])
+                del qkv
+        self.hidden = None
+
+    def _start(self, device) -> tuple[torch.Tensor, list[tuple]]:
+        """The hidden states of every block entering layer 0 ([N, T, hidden], one tensor) and each layer's call
+        arguments (from the first block: the arguments depend on the length, not on the tokens)."""
+        first, calls = layer_calls(self.model, self.layers, self.blocks[:1].to(device))
+        hidden = torch.empty(len(self.blocks), *first.shape[1:], dtype=first.dtype, device=device)
+        hidden[:1] = first
+        for offset in range(1, len(self.blocks), self.batch_size):
+            part = self.blocks[offset:offset + self.batch_size].to(device)
+            hidden[offset:offset + len(part)] = layer_calls(self.model, self.layers[:1], part)[0]
+        return hidden, calls
+
+
+def full_forward_qkv(model, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The naive reference of `TeacherStream`: q/k/v of `layer` captured from the teacher's full forward."""
+    got = []
+    with teacher_mode(model), capture(model, lambda a: got.append(a) if a.layer == layer else None, layers=[layer]):
+        run_forward(model, blocks)
+    a = got[0]
+    return a.query.float(), a.key.float(), a.value.float()
