@@ -353,7 +353,7 @@ def _generation_row(cfg: BenchConfig, model: str, student: bool, T: int, engine:
 def load_models(cfg: BenchConfig, student: Student, dtype: torch.dtype):
     """(name, is the student, model, tokenizer) of the teacher, then the student: a trained one and its base model,
     or a recipe's student on `cfg.model` with untrained features (each loaded when its turn comes)."""
-    from dofattn.hf import load_model
+    from dofattn.hf import RANDOM_WEIGHTS, config_only, load_model
     from dofattn.export import load_any, spec_of
     from dofattn.student import attention_modules, build_untrained
 
@@ -363,10 +363,11 @@ def load_models(cfg: BenchConfig, student: Student, dtype: torch.dtype):
         yield base, False, *load_model(base, dtype=dtype, device=cfg.device)
         yield path, True, *load_any(path, dtype=dtype, device=cfg.device, merge_lora=True)[:2]
         return
-    yield cfg.model, False, *load_model(cfg.model, dtype=dtype, device=cfg.device)
-    model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
+    name = f"{cfg.model} ({RANDOM_WEIGHTS})" if config_only(cfg.model) else cfg.model   # said in every row
+    yield name, False, *load_model(cfg.model, dtype=dtype, device=cfg.device, random_weights=True)
+    model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device, random_weights=True)
     build_untrained(model, recipe, [cfg.features] * len(attention_modules(model)))
-    yield f"{cfg.model}, recipe {recipe.name}", True, model.eval(), tokenizer
+    yield f"{name}, recipe {recipe.name}", True, model.eval(), tokenizer
 
 
 @torch.no_grad()
@@ -379,7 +380,8 @@ def bench_generate(cfg: BenchConfig, student: Student, dtype: torch.dtype, repor
         decoders = []             # the student also on static buffers, and with --compile through torch.compile
         if is_student:
             decoders = [StaticDecoder(model)] + ([StaticDecoder(model, compile=True)] if cfg.compile else [])
-        kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id or 0}
+        pad = (tokenizer.pad_token_id if tokenizer is not None else None) or 0   # a config alone has no tokenizer
+        kwargs = {"do_sample": False, "pad_token_id": pad}
         warm = torch.randint(3, vocab, (1, min(cfg.gen_contexts)), generator=torch.Generator().manual_seed(0))
         model.generate(warm.to(cfg.device), max_new_tokens=2, **kwargs)       # warm-up, once
         memory = PeakMemory(cfg.device)          # each generation's peak above what was held before it

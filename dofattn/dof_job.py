@@ -62,7 +62,7 @@ def run(cfg: DofConfig, show=None):
     from dofattn.data import SPLITS, check_source, token_blocks
     from dofattn.dof import (HELDOUT_POINTS, allocate_dims, allocate_dims_auto, attention_dofs, check_sample_size,
                              sample_points)
-    from dofattn.hf import load_model, parse_dtype, resolve_device
+    from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device
     from dofattn.io import check_output, write_atomic
 
     say = show or (lambda text: None)
@@ -76,6 +76,7 @@ def run(cfg: DofConfig, show=None):
     if cfg.budget is not None and cfg.budget < 1:
         raise UserError(f"--budget is the mean feature dimension per layer and must be >= 1, got {cfg.budget}")
     check_source(cfg.data)
+    refuse_config_only(cfg.model, "dof (queries and keys of a trained model)")
     if cfg.split not in SPLITS:
         raise UserError(f"unknown --split {cfg.split!r}; use one of {', '.join(SPLITS)}")
     if cfg.num_blocks < 1 or cfg.batch_size < 1:

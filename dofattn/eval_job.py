@@ -154,12 +154,14 @@ def run(cfg: EvalConfig, show=None) -> dict:
     """
     from dofattn.data import WIKI_SAMPLE, sources, token_blocks
     from dofattn.export import is_export, load_export, lora_merged
-    from dofattn.hf import extend_context, load_model, parse_dtype, use_threads
+    from dofattn.hf import extend_context, load_model, parse_dtype, refuse_config_only, use_threads
     from dofattn.io import write_atomic
     from dofattn.student import is_student, load_student
 
     say = show or (lambda text: None)
     paths = check(cfg)
+    refuse_config_only(cfg.model, "eval")
+    refuse_config_only(cfg.teacher, "eval --teacher")
     use_threads(cfg.threads)
     held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(cfg.data))
     split = cfg.split or ("validation" if held_out else "all")

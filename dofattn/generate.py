@@ -68,11 +68,12 @@ def check(cfg: GenerateConfig) -> None:
 def load(cfg: GenerateConfig):
     """(model, tokenizer, what it is in words) as `cfg` asks."""
     from dofattn import recipe as recipes
-    from dofattn.hf import load_model, parse_dtype, resolve_device
+    from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device
     from dofattn.export import is_any_student, load_any
     from dofattn.student import build_untrained, check_default_run, check_untrained, resolve_dims
 
     check_default_run(cfg.model)
+    refuse_config_only(cfg.model, "generate")
     device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
     if is_any_student(cfg.model):
         if cfg.student:

@@ -247,17 +247,46 @@ def padded(tokenizer):
     return tokenizer
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+def config_only(spec: str | None) -> Path | None:
+    """The config.json of a model given by its config alone (a `config.json` file, or a folder holding one and no
+    weights), which `distill --dry-run` plans and `bench` times with random weights; None for anything else."""
+    if not spec or not _looks_like_path(spec):
+        return None
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return path
+    if path.is_dir() and (path / "config.json").is_file() and not any(any(path.glob(p)) for p in WEIGHT_FILES):
+        return path / "config.json"
+    return None
+
+
+def refuse_config_only(spec: str | None, what: str) -> None:
+    """A one-line UserError where `what` needs trained weights and `spec` gives a config alone."""
+    if config_only(spec) is not None:
+        raise UserError(f"{spec} is a model's config without weights: {what} needs trained weights; give a model "
+                        f"folder with its weights (a config alone serves `distill --dry-run` and `bench`, with random "
+                        f"weights)")
+
+
+RANDOM_WEIGHTS = "random weights"   # said in every line about a model built from its config alone
+
+
 def model_source(spec: str) -> str | Path:
     """Where the model `spec` names is read from, refused in one line if it cannot be: a local folder with
-    config.json or a .gguf file (a Path), else a hub id (the string). Built-in aliases are `builtin_folder`'s."""
+    config.json, a config.json file or a .gguf file (a Path), else a hub id (the string). Built-in aliases are
+    `builtin_folder`'s."""
     if not _looks_like_path(spec):
         return spec
     source = Path(spec).expanduser()
     if not source.exists():
         raise UserError(f"model path {spec} does not exist; give a folder with config.json, a .gguf file, "
                         f"a hub id, or one of: {', '.join(BUILTIN)}")
-    if source.is_file() and source.suffix != ".gguf":
-        raise UserError(f"model file {spec} is not a .gguf file; give a .gguf file or a model folder")
+    if source.is_file() and source.suffix not in (".gguf", ".json"):
+        raise UserError(f"model file {spec} is not a .gguf file or a config.json; give a .gguf file, a model folder "
+                        f"or a config.json")
     if source.is_dir() and not (source / "config.json").is_file():
         raise UserError(f"model folder {spec} has no config.json; give a Hugging Face model folder")
     return source
@@ -273,7 +302,7 @@ def model_config(spec: str) -> PretrainedConfig:
                                                                                 BUILTIN[spec].member)
     else:
         source = model_source(spec)
-    if isinstance(source, Path) and source.is_file():
+    if isinstance(source, Path) and source.is_file() and source.suffix == ".gguf":
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
         check_supported(config, str(source))
     else:
@@ -296,9 +325,16 @@ def check_tokenizer(spec: str) -> None:
                         f"the weights (tokenizer.save_pretrained({str(path)!r}))")
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[PreTrainedModel, object]:
-    """Load a causal LM and its tokenizer from an alias, a .gguf file, a folder or a hub id; eval mode."""
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               random_weights: bool = False) -> tuple[PreTrainedModel, object]:
+    """Load a causal LM and its tokenizer from an alias, a .gguf file, a folder or a hub id; eval mode.
+
+    A config alone (`config_only`) is refused unless `random_weights`: then the model is built from it with random
+    weights (seed 0) straight on `device`, and the tokenizer is None."""
+    if config_only(spec) is not None:
+        if not random_weights:
+            refuse_config_only(spec, "this command")
+        return random_model(model_config(spec), dtype, device), None
     source = builtin_folder(spec) if spec in BUILTIN else model_source(spec)
     if isinstance(source, Path) and source.is_file():
         model, tokenizer = _load_gguf(source, dtype)
@@ -310,6 +346,16 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32,
                                                      attn_implementation=softmax_implementation(config))
         tokenizer = AutoTokenizer.from_pretrained(source)
     return model.to(device).eval(), padded(tokenizer)
+
+
+def random_model(config: PretrainedConfig, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:
+    """The model of `config` with random weights (seed 0), made on `device` (an 8 B model never passes through the
+    CPU's memory), in eval mode."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=softmax_implementation(config))
+    return model.eval()
 
 
 def resolve_device(name: str) -> str:

@@ -142,13 +142,14 @@ def run(cfg: SampleConfig, progress: bool = True) -> dict:
     """`dofattn sample`: load `spec.model` and append samples to `out` until it holds `samples` (a .jsonl file),
     everything checked before the model loads. -> {"samples": in the file, "new": written now, "seconds", "out"}."""
     from dofattn.data import check_source
-    from dofattn.hf import load_model, parse_dtype, resolve_device
+    from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device
 
     spec, samples, device, dtype = cfg.spec, cfg.run.samples, cfg.run.device, cfg.run.dtype
     out = Path(cfg.run.out).expanduser()
     if out.suffix != ".jsonl":
         raise UserError(f"--out {out} must end in .jsonl")
     check_source(spec.data)
+    refuse_config_only(spec.model, "sample (text from a trained model)")
     check(spec, samples)
     done_samples(out, spec)                        # refuse a foreign file before loading the model
     model, tokenizer = load_model(spec.model, dtype=parse_dtype(dtype), device=resolve_device(device))

@@ -194,3 +194,21 @@ def test_bench_times_a_trained_student_against_its_base_model(capsys, model_dirs
     gen = {(r["student"], r["engine"]): r for r in result["generation"]}
     assert gen[False, "hf"]["model"] == str(model_dirs["llama"]) and gen[True, "hf"]["model"] == str(tmp_path / "run")
     assert {"static"} == {engine for student, engine in gen if student and engine != "hf"}
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+def test_bench_times_a_config_alone_with_random_weights_and_says_so(capsys, model_dirs, tmp_path, as_file):
+    """A model given by its config.json alone (a folder holding only it, or the file) is built with random weights:
+    every row and the student line name it so."""
+    folder = tmp_path / "llama-config"
+    folder.mkdir()
+    (folder / "config.json").write_text((model_dirs["llama"] / "config.json").read_text())
+    model = folder / "config.json" if as_file else folder
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--device", "cpu", "--features", "5", "--repeats", "1", "--model", str(model),
+                 "--gen-contexts", "9", "--new-tokens", "2", "--parts", "generation", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    rows = json.loads(out.read_text())["generation"]
+    assert len(rows) == 3 and all("(random weights)" in r["model"] for r in rows)
+    assert all("random weights" in line for line in printed.splitlines() if line.startswith("  model="))

@@ -337,3 +337,24 @@ def test_commands_look_for_the_default_run_and_write_into_run_folders(capsys, tm
     (tmp_path / "runs" / "w" / "dofattn.json").write_text("{}")
     assert check(EvalConfig(model="runs/w"))["out"] == Path("runs/w/eval.json")
     assert check(EvalConfig(model=str(model_dirs["llama"])))["out"] == Path("eval.json")
+
+
+@pytest.mark.parametrize("argv,verb", [
+    (["eval", "--model", "{cfg}", "--num-blocks", "1"], "eval"),
+    (["generate", "--model", "{cfg}", "--prompt", "hi"], "generate"),
+    (["dof", "--model", "{cfg}", "--out", "{tmp}/d.json"], "dof"),
+    (["distill", "--model", "{cfg}", "--out", "{tmp}/run"], "distill"),
+    (["sample", "--model", "{cfg}", "--out", "{tmp}/s.jsonl"], "sample"),
+])
+def test_a_config_alone_is_refused_where_weights_matter(capsys, model_dirs, tmp_path, argv, verb):
+    """A folder holding only a config.json plans (`distill --dry-run`) and times (`bench`); every command that
+    needs trained weights refuses it in one line, before anything loads, and writes nothing."""
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text((model_dirs["llama"] / "config.json").read_text())
+    argv = [a.format(cfg=folder, tmp=tmp_path) for a in argv]
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{folder} is a model's config without weights: {verb}" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config-only"]

@@ -103,7 +103,7 @@ def dry_run(recipe, args: DistillArgs) -> int:
     from dofattn.distill.plan import make_plan
     from dofattn.distill.run import check_inputs
 
-    check_inputs(recipe)
+    check_inputs(recipe, weights=False)
 
     world = args.world_size
     if world is None:

@@ -69,12 +69,14 @@ class Stages:
                 self.log.peak_rss[name] = finished["peak_rss"][name]
 
 
-def check_inputs(recipe: Recipe) -> None:
-    """What a run reads before it trains, checked before anything loads (also by `distill --dry-run`): its text
-    sources, and a local model folder's tokenizer."""
+def check_inputs(recipe: Recipe, weights: bool = True) -> None:
+    """What a run reads before it trains, checked before anything loads (also by `distill --dry-run`, which plans
+    from a config alone: `weights` False): its text sources, and a local model folder's weights and tokenizer."""
     from dofattn.data import check_source
-    from dofattn.hf import check_tokenizer
+    from dofattn.hf import check_tokenizer, refuse_config_only
 
+    if weights:
+        refuse_config_only(recipe.run.model, "distill (without --dry-run)")
     for source in filter(None, (recipe.run.data, recipe.run.eval_data)):
         check_source(source)
     check_tokenizer(recipe.run.model)
