@@ -48,7 +48,13 @@ def teacher_mode(model) -> Iterator[None]:
             set_lora_enabled(model, True)
 
 
-SCORE_CHUNK = 2048   # predictions whose vocabulary-wide logits exist at once (a 32 K block's at once: 6.4 GB)
+SCORE_CHUNK = 512    # predictions whose vocabulary-wide logits exist at once, over a batch's blocks (the KL of 4 x
+                     # 511 predictions at once: 3.2 GB above the model at SmolLM2's 49 152 tokens; of 512: 0.8 GB)
+
+
+def score_chunk(ids: torch.Tensor) -> int:
+    """Positions per chunk of the scores of a batch `ids` [B, T]: `SCORE_CHUNK` predictions over its B blocks."""
+    return max(1, SCORE_CHUNK // ids.shape[0])
 
 
 def hidden_states(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
@@ -72,16 +78,16 @@ def head(model, hidden: torch.Tensor) -> torch.Tensor:
 
 def _log_probs(model, ids: torch.Tensor, chunk: int | None = None) -> list[torch.Tensor]:
     """Next-token log-probabilities of `model` on ids [B, T], in float32: the body runs once, the LM head on
-    `chunk` (`SCORE_CHUNK`) predictions at a time; one [B·c, vocab] tensor per chunk of c predictions."""
+    `chunk` positions (`score_chunk`) at a time; one [B·c, vocab] tensor per chunk of c positions."""
     hidden = hidden_states(model, ids)[:, :-1]
-    size = chunk or SCORE_CHUNK
+    size = chunk or score_chunk(ids)
     return [torch.log_softmax(head(model, hidden[:, s:s + size]).float(), -1).flatten(0, 1)
             for s in range(0, hidden.shape[1], size)]
 
 
 def _chunk_targets(ids: torch.Tensor, chunk: int | None = None) -> list[torch.Tensor]:
     """The next tokens of ids [B, T] in the chunks `_log_probs` gives ([B·c] each)."""
-    size = chunk or SCORE_CHUNK
+    size = chunk or score_chunk(ids)
     return [t.flatten() for t in ids[:, 1:].split(size, 1)]
 
 
@@ -213,8 +219,9 @@ def compare(student, blocks: Blocks, teacher=None, batch_size: int = 4, progress
             teacher_hidden = hidden_states(teacher, ids.to(next(teacher.parameters()).device))[:, :-1]
             teacher_model = teacher
         student_hidden = hidden_states(student, ids)[:, :-1]
-        for start in range(0, student_hidden.shape[1], SCORE_CHUNK):
-            part = slice(start, start + SCORE_CHUNK)
+        size = score_chunk(ids)
+        for start in range(0, student_hidden.shape[1], size):
+            part = slice(start, start + size)
             log_s = torch.log_softmax(head(student, student_hidden[:, part]).float(), -1)
             log_t = torch.log_softmax(head(teacher_model, teacher_hidden[:, part]).float(), -1).to(device)
             tally.add(log_s.flatten(0, 1), log_t.flatten(0, 1), ids[:, 1:][:, part].flatten(), log_s.shape[1],

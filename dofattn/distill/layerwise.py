@@ -120,6 +120,7 @@ def layerwise(model, stream: TeacherStream, out: Path, config: Layerwise, seed: 
         module = modules[layer]
         log = train_layer(module.dofattn, acts, module.scaling, config, seed=seed * 100_003 + layer,
                           desc=f"layer {layer:2d} ({config.loss})", progress=progress)
+        del acts                             # before the stream makes the next layer's
         if progress:
             print(f"layer {layer:2d}: {config.loss} loss {log['first_loss']:.4f} -> {log['last_loss']:.4f} "
                   f"({log['seconds']:.0f} s)", flush=True)

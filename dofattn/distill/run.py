@@ -193,17 +193,23 @@ def run(cfg: DistillConfig) -> dict:
 
 def evaluate(recipe: Recipe, model, blocks: torch.Tensor, dims: list[int]) -> dict:
     """On validation `blocks`: perplexity of the teacher, the student and an untrained Performer with the same
-    budget, and the student's KL to the teacher, top-1 agreement and those by context length (`by_position`)."""
-    from dofattn.hf import load_model, parse_dtype
-    from dofattn.student import linearize
+    budget, and the student's KL to the teacher, top-1 agreement and those by context length (`by_position`).
 
-    device = next(model.parameters()).device
+    The Performer is `model` itself once the student is scored: the student's parts removed, its LoRA adapters
+    off, every layer linearized anew, so that no second copy of the model is loaded. `model` is spent after."""
+    from dofattn.lora import set_lora_enabled
+    from dofattn.student import attention_modules, linearize
+
     against = compare(model, blocks)
     teacher, student = against["teacher_ppl"], against["ppl"]
-    baseline, _ = load_model(recipe.run.model, dtype=parse_dtype(recipe.run.dtype), device=device)
+    for module in attention_modules(model):             # the base model again
+        for part in ("dofattn", "dofattn_bounded"):
+            if hasattr(module, part):
+                delattr(module, part)
+    set_lora_enabled(model, False)
     budget = round(sum(dims) / len(dims))
-    linearize(baseline, [budget] * len(dims), Attention(feature="performer", window=0, sink=0), seed=recipe.run.seed)
-    performer = perplexity(baseline, blocks, desc="performer ppl")
+    linearize(model, [budget] * len(dims), Attention(feature="performer", window=0, sink=0), seed=recipe.run.seed)
+    performer = perplexity(model, blocks, desc="performer ppl")
     return {"tokens": blocks.numel(), "seq_len": recipe.eval.seq_len, "teacher_ppl": teacher, "student_ppl": student,
             "performer_ppl": performer, "performer_dim": budget, "student_vs_teacher": student / teacher,
             "performer_vs_teacher": performer / teacher, "kl": against["kl"],
