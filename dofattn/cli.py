@@ -38,12 +38,13 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
 
 
 def keep_freed_memory() -> bool:
-    """Let freed tensors' memory stay in the process for the next ones (glibc: no mmap below 2 GiB, no trimming)
-    instead of going back to the system and coming back as new zeroed pages at every step. On the CPU a layerwise
-    step of the default job spent half its time in the kernel doing that (10 M page faults in 20 steps of an 8 K
-    block: 0.87 s a step, 0.29 s with this; the results bit for bit the same). Freed memory is not returned before
-    the process ends, so the peak resident memory is the heap's high-water mark (1.57 -> 2.04 GB in that test).
-    `main` calls it; False where the C library is not glibc (then nothing changes)."""
+    """Let freed tensors' memory stay in the process for the next ones instead of going back to the system and
+    coming back as new zeroed pages at every step (glibc: memory of blocks up to 64 MiB comes from the heap, which is
+    never trimmed; larger ones are mapped and returned as before). On the CPU a layerwise step of the default job
+    spent half its time in the kernel doing that: 20 steps of an 8 K block took 17.4 s with 10 M page faults, 5.1 s
+    with 0.6 M with this, the results bit for bit the same; an end-to-end step of `window` peaked at 3.35 GiB either
+    way (heap blocks of up to 2 GiB: 5.8 s, but 4.08 GiB: the heap fragments). `main` calls it; False where the C
+    library is not glibc (then nothing changes). docs/log/experiments.md, 2026-11-28."""
     import ctypes
 
     try:
@@ -51,7 +52,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, 2 ** 31 - 1) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+    return bool(mallopt(M_MMAP_THRESHOLD, 64 << 20) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
 def main(argv: list[str] | None = None) -> int:
