@@ -46,6 +46,7 @@ class DistillArgs:
     dry_run: bool = option(False, "print the plan from the model's config only, and stop")
     world_size: int | None = option(None, "processes the plan is for (default: WORLD_SIZE or 1)", metavar="N")
     json: bool = option(False, "with --dry-run: the plan as JSON")
+    force: bool = option(False, "start even where the plan needs more memory or disk than this machine has free")
 
 
 RUN_FLAGS = ("model", "data", "eval_data", "seed", "dtype")    # flags that set the recipe's [run] keys
@@ -88,6 +89,13 @@ def run(ns) -> int:
     from dofattn.distill.run import DistillConfig, run as distill
 
     job = DistillConfig(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from)
+    if not args.force:                             # the plan, before anything loads: memory and disk
+        from dofattn.distill.costs import check_room
+        from dofattn.distill.plan import make_plan
+        from dofattn.distill.run import check_inputs
+
+        check_inputs(recipe)
+        check_room(make_plan(recipe, world_size(args), device=job.device), job.folder)
     log = distill(job)
     if log.get("evaluation"):
         print(format_evaluation(recipe, log))
@@ -95,15 +103,9 @@ def run(ns) -> int:
     return 0
 
 
-def dry_run(recipe, args: DistillArgs) -> int:
-    """`distill --dry-run`: the plan (`distill.plan`), from the model's config alone; nothing is written. The data
-    and the model folder's tokenizer are checked as the run would, before it reads them."""
+def world_size(args: DistillArgs) -> int:
+    """The processes a plan is for: --world-size, else WORLD_SIZE (torchrun's), else 1."""
     import os
-
-    from dofattn.distill.plan import make_plan
-    from dofattn.distill.run import check_inputs
-
-    check_inputs(recipe, weights=False)
 
     world = args.world_size
     if world is None:
@@ -113,7 +115,19 @@ def dry_run(recipe, args: DistillArgs) -> int:
         world = int(text)
     if world < 1:
         raise UserError(f"--world-size {world}: give >= 1 processes")
-    plan = make_plan(recipe, world)
+    return world
+
+
+def dry_run(recipe, args: DistillArgs) -> int:
+    """`distill --dry-run`: the plan (`distill.plan`), from the model's config alone; nothing is written. The data
+    and the model folder's tokenizer are checked as the run would, before it reads them."""
+    from dofattn.distill.plan import make_plan
+    from dofattn.distill.run import check_inputs
+
+    from dofattn.hf import resolve_device
+
+    check_inputs(recipe, weights=False)
+    plan = make_plan(recipe, world_size(args), device=resolve_device(args.device))
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     return 0
 

@@ -92,6 +92,7 @@ class Step:
     activations: int       # what the student's body leaves alive for the backward pass (its output included)
     loss: int              # the most beyond them while the loss runs forward and back (the teacher's states, logits)
     backward: int          # the most beyond them while the backward pass goes through the layers
+    flops: int = 0         # of the step (FlopCounterMode: matrix products and attention)
 
 
 def measure_step(recipe: Recipe, model) -> Step:
@@ -99,6 +100,8 @@ def measure_step(recipe: Recipe, model) -> Step:
     tensors made fake here: it is spent after), at the recipe's batch, length, loss chunk and checkpointing."""
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode)
+
+    from torch.utils.flop_counter import FlopCounterMode
 
     from dofattn.distill.end_to_end import layers_checkpointed, loss
     from dofattn.memory import LiveBytes, RealConstants
@@ -136,9 +139,10 @@ def measure_step(recipe: Recipe, model) -> Step:
     body = model.base_model
     hooks = [body.register_forward_pre_hook(before, with_kwargs=True),
              body.register_forward_hook(after, with_kwargs=True)]
+    counter = FlopCounterMode(display=False)
     try:
         with (mode, RealConstants(mode, live), layers_checkpointed(model) if e2e.activation_checkpointing else
-              contextlib.nullcontext(), live):
+              contextlib.nullcontext(), live, counter):
             loss(model, ids, e2e.kd_weight, e2e.loss_chunk).backward()
     except (DataDependentOutputException, DynamicOutputShapeException) as err:
         raise UserError(f"the plan cannot measure an end-to-end step of {e2e.batch_size} x {e2e.seq_len} tokens: "
@@ -149,7 +153,7 @@ def measure_step(recipe: Recipe, model) -> Step:
             hook.remove()
     activations = marks["end"] - marks["start"]
     return Step(activations=activations, loss=marks.get("loss", live.peak) - activations,
-                backward=max(0, live.peak - activations) if "loss" in marks else 0)
+                backward=max(0, live.peak - activations) if "loss" in marks else 0, flops=counter.get_total_flops())
 
 
 # --- pieces of the plan -----------------------------------------------------------------------------------------------
@@ -224,10 +228,28 @@ class Plan:
     layerwise: int                    # bytes the teacher's stream holds in the layerwise stage (0: none)
     memory: Memory
     notes: list[str] = field(default_factory=list)
+    end_to_end_flops: int = 0                        # of one end-to-end step (FlopCounterMode)
+    stages: list = field(default_factory=list)       # `costs.StageCost` per stage on this machine (with a calibration)
+    calibration: object = None                       # `costs.Calibration`: how this machine was measured
+
+    @property
+    def peak(self) -> int:
+        """The run's peak resident memory (the last stage's process peak), 0 without stages."""
+        return self.stages[-1].peak if self.stages else 0
+
+    @property
+    def disk(self) -> int:
+        return sum(s.disk for s in self.stages)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stages)
 
     def to_json(self) -> dict:
         out = asdict(self)
         out["memory"]["total"] = self.memory.total
+        if self.stages:
+            out["peak"], out["disk"], out["seconds"] = self.peak, self.disk, self.seconds
         return out
 
     def table(self) -> str:
@@ -283,14 +305,17 @@ def layerwise_bytes(recipe: Recipe, hidden: int, heads: int, kv_heads: int, head
     return tokens * hidden * getattr(torch, recipe.run.dtype).itemsize + tokens * (heads + 2 * kv_heads) * head_dim * 4
 
 
-def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
+def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | None = None) -> Plan:
     """The plan of `recipe` at `world_size` processes; `config` (a transformers config) instead of reading
-    run.model's."""
+    run.model's. With a `device`, each stage's peak memory, disk and time there (`costs`: this machine measured for
+    a second or two, and the layerwise step timed)."""
     from dofattn.distill.choose import linear_layers
     from dofattn.distill.end_to_end import decoder_layers
     from dofattn.hf import local_layers, model_config
+    from dofattn.distill.costs import resident_now
     from dofattn.student import attention_modules, build, head_layout, is_student_tensor
 
+    base = resident_now()                       # this process before any model: Python, torch, transformers
     if world_size < 1:
         raise UserError(f"world size {world_size}: give >= 1 processes")
     config = config if config is not None else model_config(recipe.run.model)
@@ -341,11 +366,17 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None) -> Plan:
     if s.keep_softmax:
         notes.append(f"the {s.keep_softmax} softmax layers are chosen at run time (by {s.keep_softmax_by}); the "
                      f"plan takes them as the last layers")
-    return Plan(recipe=recipe.name, model=recipe.run.model, model_type=config.model_type,
+    plan = Plan(recipe=recipe.name, model=recipe.run.model, model_type=config.model_type,
                 parameters=sum(p.numel() for p in base), student_parameters=sum(p.numel() for p in trained),
                 layers=layers, tokens=plan_tokens(recipe, config, W),
                 layerwise=layerwise_bytes(recipe, hidden, heads, kv_heads, head_dim), memory=memory,
-                notes=notes)
+                notes=notes, end_to_end_flops=step.flops)
+    if device is not None:
+        from dofattn.distill.costs import calibrate, stage_costs
+
+        plan.calibration = calibrate(recipe, plan, device, base)
+        plan.stages = stage_costs(recipe, plan, config, plan.calibration)
+    return plan
 
 
 # --- printing --------------------------------------------------------------------------------------------------------
@@ -406,7 +437,7 @@ def format_plan(plan: Plan) -> str:
         rows.append(f"memory per device: no end-to-end phase; each process holds the whole model, "
                     f"{_size(m.whole_model)} ({m.dtype})")
         rows += [f"note: {note}" for note in plan.notes]
-        return "\n".join(rows)
+        return "\n".join(rows + format_stages(plan))
     how = (f"FSDP2 over {m.world_size} devices" if m.world_size > 1 else "1 process, nothing sharded")
     rows.append(f"memory per device, end-to-end: {how}, {m.dtype}")
     chunks = (f"logits in chunks of {m.loss_chunk} positions" if m.loss_chunk < m.seq_len - 1 else
@@ -424,4 +455,25 @@ def format_plan(plan: Plan) -> str:
     rows.append(f"  (before it, every process holds the whole model: {_size(m.whole_model)})")
     for note in plan.notes:
         rows.append(f"note: {note}")
+    rows += format_stages(plan)
     return "\n".join(rows)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
+
+
+def format_stages(plan: Plan) -> list[str]:
+    """The stage table: the process's peak memory by the end of each stage, its disk, its estimated time."""
+    if not plan.stages:
+        return []
+    c = plan.calibration
+    rows = ["", f"stages on {c.device} (times estimated from a calibration {c.note}; memory resident, the process's "
+                f"peak by the end of each stage, from {_size(c.base)} before the model)",
+            f"  {'stage':<16}{'peak memory':>12}{'disk':>11}{'time':>10}   what"]
+    for s in plan.stages:
+        rows.append(f"  {s.name:<16}{_size(s.peak):>12}{_size(s.disk) if s.disk else '-':>11}"
+                    f"{_duration(s.seconds):>10}   {s.how}")
+    rows.append(f"  {'whole run':<16}{_size(plan.peak):>12}{_size(plan.disk):>11}{_duration(plan.seconds):>10}")
+    return rows

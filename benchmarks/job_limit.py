@@ -1,0 +1,72 @@
+"""The physical limit of a `dofattn distill` job on this machine: the FLOPs its stages must compute (counted on the
+model built from its config: FlopCounterMode over fake tensors; matrix products and attention) at the rate this
+machine computes one matrix product of the model's widths, beside what a run measured.
+
+    python3 benchmarks/job_limit.py --recipe long-context --log runs/long-context/log.json --out limit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def main() -> None:
+    from dofattn import recipe as recipes
+    from dofattn.distill.costs import _gemm_gflops, forward_counts, layerwise_step_counts
+    from dofattn.distill.plan import make_plan
+    from dofattn.dof_job import DOF_BLOCKS, DOF_SEQ_LEN
+    from dofattn.hf import model_config
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="long-context")
+    parser.add_argument("--log", help="a finished run's log.json: its stage times beside the limits")
+    parser.add_argument("--out", help="write the figures as JSON")
+    args = parser.parse_args()
+
+    recipe = recipes.load(args.recipe)
+    config = model_config(recipe.run.model)
+    plan = make_plan(recipe, 1, config=config)
+    L, lw, e2e, ev = plan.layers, recipe.layerwise, recipe.end_to_end, recipe.eval
+    dtype = getattr(torch, recipe.run.dtype)
+    rate = max(_gemm_gflops(L.hidden, L.intermediate, dtype, "cpu") for _ in range(3)) * 1e9
+    log = json.loads(open(args.log).read()) if args.log else {}
+
+    def body(batch, length):
+        return forward_counts(config, dtype, batch, length, logits=False)[1]
+
+    head = 2 * L.hidden * L.vocab                                  # per scored token
+    last = max(L.linear) + 1 if L.linear else 0
+    flops = {
+        "dof": DOF_BLOCKS * (body(1, DOF_SEQ_LEN) + DOF_SEQ_LEN * head),
+        "layerwise (teacher)": lw.blocks * body(1, lw.seq_len) * last / L.count,
+        "layerwise (steps)": len(L.linear) * lw.steps * layerwise_step_counts(recipe, plan)[1],
+        "end_to_end": e2e.steps * plan.end_to_end_flops,
+        "evaluate": 3 * ev.blocks * (body(1, ev.seq_len) + ev.seq_len * head),
+    }
+    rows = []
+    for name, f in flops.items():
+        stage = name.split()[0]
+        seconds = log.get("seconds", {}).get(stage)
+        rows.append({"stage": name, "gflop": f / 1e9, "limit_s": f / rate, "measured_s": seconds})
+    total = sum(flops.values())
+    result = {"recipe": recipe.name, "model": recipe.run.model, "gemm_gflops": rate / 1e9, "stages": rows,
+              "total_gflop": total / 1e9, "limit_s": total / rate,
+              "measured_s": sum(log.get("seconds", {}).values()) or None}
+    print(f"{recipe.name} on {recipe.run.model}: one {L.hidden} x {L.intermediate} matrix product at "
+          f"{rate / 1e9:.0f} GFLOP/s ({recipe.run.dtype})")
+    print(f"{'stage':<22}{'GFLOP':>10}{'limit s':>10}{'measured s':>12}")
+    for r in rows:
+        measured = f"{r['measured_s']:.0f}" if r["measured_s"] is not None else "-"
+        print(f"{r['stage']:<22}{r['gflop']:>10.0f}{r['limit_s']:>10.0f}{measured:>12}")
+    print(f"{'job':<22}{total / 1e9:>10.0f}{total / rate:>10.0f}"
+          f"{result['measured_s'] or 0:>12.0f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""What each stage of a `dofattn distill` run costs, before it runs: its peak resident memory, what it leaves on
+disk, and its time on this machine. `distill --dry-run` prints it beside the plan; `distill` refuses to start
+where the memory or the disk is not there (`check_room`).
+
+    stages = stage_costs(recipe, model, plan, calibration=calibrate(recipe, model, plan))
+
+Memory (the process's resident set): what this process holds before any model (Python, torch, transformers:
+measured here), the model's weights, and each stage's own arrays, counted as the plan counts the end-to-end step
+(FakeTensorMode and `memory.LiveBytes`: no memory, no arithmetic) or from their shapes: the DoF sample's forward
+and points, the copy probe's forward, the teacher stream and one layerwise step, the end-to-end step (`plan.Memory`),
+the evaluation's chunks of logits. The kernels' own scratch memory and the heap's slack (the `dofattn` command
+keeps freed memory in the heap: `cli.keep_freed_memory`) are not tensors: they add `SLACK` of the arrays, a figure
+measured on the CPU (stored, named as such). Freed memory stays with the process, so each stage's peak is at
+least the one before it: the table shows the process's peak after each stage.
+
+Time: the stages that run the model run at the rate this machine computes a matrix product of the model's own
+widths (`calibrate`: measured when the plan is made, a second or two), times `EFFICIENCY` of that rate for the
+stage (stored figures, measured on the CPU: how the stage's mix of operations compares to one matrix product);
+their FLOPs are counted on the model built from its config (FlopCounterMode over fake tensors). The layerwise
+steps, which are not matrix products, are timed: a few real steps at the recipe's shapes on random q/k/v.
+
+`tests/test_costs.py` checks the counts; docs/RESULTS.md holds the plan beside the measured run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+GIB = 1024 ** 3
+# Stored figures, measured on a 2-core AMD EPYC (avx512) with torch 2.13 on the default job and `window`
+# (docs/log/experiments.md, 2026-11-28): the arrays' bytes times 1 + SLACK is the resident memory they cost; each
+# stage runs at EFFICIENCY x the measured rate of one matrix product at the model's widths.
+SLACK = 0.6
+EFFICIENCY = {"dof": 0.45, "softmax_choice": 0.45, "teacher": 0.55, "end_to_end": 0.55, "evaluate": 0.55}
+DOF_HEAD_SECONDS = 0.03        # the DoF estimate's eigen-decompositions, per head (1024 points), on the CPU
+
+
+@dataclass
+class Calibration:
+    """What this machine does, measured when the plan is made."""
+
+    device: str
+    base: int                 # resident bytes of this process before any model: Python, torch, transformers
+    gflops: float             # one matrix product at the model's widths in run.dtype, GFLOP/s
+    layerwise_step: float     # seconds of one layerwise step at the recipe's shapes (0: no layerwise stage)
+    note: str                 # how it was measured
+
+
+@dataclass
+class StageCost:
+    name: str
+    arrays: int               # bytes of the stage's own arrays (beyond the base and the weights)
+    peak: int                 # the process's resident peak by the end of the stage
+    disk: int                 # bytes the stage leaves in the run folder
+    seconds: float            # estimated
+    how: str                  # what the time is made of
+
+
+def resident_now() -> int:
+    """This process's resident bytes now (Linux), or 0 where /proc cannot tell."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+    except OSError:
+        return 0
+
+
+def _gemm_gflops(hidden: int, width: int, dtype: torch.dtype, device: str) -> float:
+    """GFLOP/s of x [n, hidden] @ w [hidden, width], n sized to about 10 GFLOP a product (median of 3)."""
+    n = max(64, min(2048, int(10e9 / (2 * hidden * width))))
+    x = torch.randn(n, hidden, dtype=dtype, device=device)
+    w = torch.randn(hidden, width, dtype=dtype, device=device)
+    times = []
+    for _ in range(4):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        x @ w
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * n * hidden * width / statistics.median(times[1:]) / 1e9
+
+
+def _layerwise_step_seconds(recipe, plan, device: str) -> float:
+    """Seconds of one layerwise step of a layer at the budget's mean dim, on random q/k/v of the recipe's shapes:
+    `layerwise.train_layer` with 1 step and with 4, the difference over 3 (its set-up and final loss cancel)."""
+    from dofattn.attention import LinearAttention
+    from dofattn.distill.layerwise import train_layer
+    from dofattn.features import make_feature_map
+
+    lw, L = recipe.layerwise, plan.layers
+    scaling = L.head_dim ** -0.5
+    gen = torch.Generator().manual_seed(0)
+    shape = (lw.batch_size, lw.seq_len)
+    acts = (torch.randn(*shape, L.heads, L.head_dim, generator=gen) * 2,
+            torch.randn(*shape, L.kv_heads, L.head_dim, generator=gen) * 2,
+            torch.randn(*shape, L.kv_heads, L.head_dim, generator=gen))
+    seconds = []
+    for steps in (1, 4):
+        fmap = make_feature_map(recipe.student.attention.feature, L.heads, L.head_dim, round(L.mean_dim), scaling,
+                                seed=0)
+        linear = LinearAttention(recipe.student.attention, fmap, num_kv_heads=L.kv_heads).to(device)
+        start = time.perf_counter()
+        train_layer(linear, acts, scaling, replace(lw, steps=steps), seed=0, progress=False)
+        seconds.append(time.perf_counter() - start)
+    return (seconds[1] - seconds[0]) / 3 if seconds[1] > seconds[0] else seconds[1] / 4   # (noise at tiny shapes)
+
+
+def calibrate(recipe, plan, device: str = "cpu", base: int | None = None) -> Calibration:
+    """Measure this machine (a second or two; the layerwise steps take what five of them take); `base`: this
+    process's resident bytes before any model (default: now)."""
+    dtype = getattr(torch, recipe.run.dtype)
+    L = plan.layers
+    gflops = _gemm_gflops(L.hidden, L.intermediate, dtype, device)
+    step = _layerwise_step_seconds(recipe, plan, device) if recipe.layerwise.steps and L.linear else 0.0
+    return Calibration(device=device, base=resident_now() if base is None else base, gflops=gflops, layerwise_step=step,
+                       note=f"measured now on {device}: a {L.hidden} x {L.intermediate} matrix product in "
+                            f"{recipe.run.dtype} at {gflops:.0f} GFLOP/s"
+                            + (f"; a layerwise step in {step:.3f} s" if step else ""))
+
+
+# --- counting, on the model built from its config ------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _fake(model):
+    """`model` (on the meta device) as fake CPU tensors while active, with a LiveBytes and a FlopCounterMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dofattn.distill.plan import fake_model
+    from dofattn.memory import LiveBytes, RealConstants
+
+    mode = FakeTensorMode()
+    fake_model(model, mode)
+    live = LiveBytes([*model.parameters(), *model.buffers()])
+    flops = FlopCounterMode(display=False)
+    with mode, RealConstants(mode, live), live, flops, torch.no_grad():
+        yield live, flops
+
+
+def forward_counts(config, dtype: torch.dtype, batch: int, length: int, logits: bool = True) -> tuple[int, int]:
+    """(live bytes at the peak, FLOPs) of the teacher's forward on [batch, length] tokens (with its logits, as
+    `capture.run_forward` makes them, or the body alone)."""
+    from dofattn.distill.plan import meta_model
+
+    model = meta_model(config, dtype)
+    ids = torch.zeros(batch, length, dtype=torch.long)
+    with _fake(model) as (live, flops):
+        (model if logits else model.base_model)(input_ids=ids, use_cache=False)
+    return live.peak, flops.get_total_flops()
+
+
+def layerwise_step_counts(recipe, plan) -> tuple[int, int]:
+    """(live bytes at the peak, FLOPs) of one layerwise step (loss, backward) at the recipe's shapes and the mean
+    dim, q/k/v included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dofattn.attention import LinearAttention
+    from dofattn.distill.losses import LOSSES, sample_rows
+    from dofattn.features import make_feature_map
+    from dofattn.memory import LiveBytes
+    from dofattn.ops.softmax import expand_kv
+
+    lw, L = recipe.layerwise, plan.layers
+    with torch.device("meta"):
+        fmap = make_feature_map(recipe.student.attention.feature, L.heads, L.head_dim, round(L.mean_dim),
+                                L.head_dim ** -0.5, seed=0)
+        linear = LinearAttention(recipe.student.attention, fmap, num_kv_heads=L.kv_heads)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dofattn.distill.plan import fake_model
+    from dofattn.memory import RealConstants
+
+    mode = FakeTensorMode()
+    fake_model(linear, mode)
+    linear.train()
+    rows = {}
+    if 0 < lw.rows < lw.seq_len:
+        exact = recipe.student.attention.window if lw.rows_by == "log" else 0
+        rows["at"] = sample_rows(lw.seq_len, lw.rows, torch.Generator().manual_seed(0), by=lw.rows_by, exact=exact)
+    live = LiveBytes([*linear.parameters(), *linear.buffers(), *rows.values()])
+    counter = FlopCounterMode(display=False)
+    with mode, RealConstants(mode, live):
+        shape = (lw.batch_size, lw.seq_len)
+        with live:
+            q = torch.empty(*shape, L.heads, L.head_dim)
+            k, v = (expand_kv(torch.empty(*shape, L.kv_heads, L.head_dim), L.heads) for _ in range(2))
+            with counter:
+                LOSSES[lw.loss](linear, q, k, v, L.head_dim ** -0.5, **rows).backward()
+    return live.peak, counter.get_total_flops()
+
+
+# --- the stages --------------------------------------------------------------------------------------------------
+
+def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCost]:
+    """Each stage's arrays, the process's peak after it, its disk and its time (module docstring)."""
+    from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, ATTENTION_DOF_SEQ_LEN, COPY_BLOCKS, COPY_SEQ_LEN
+    from dofattn.dof_job import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+    from dofattn.evaluate import SCORE_CHUNK
+    from dofattn.hf import context_length
+
+    r, L, m, t = recipe, plan.layers, plan.memory, plan.tokens
+    dtype = getattr(torch, r.run.dtype)
+    rate = calibration.gflops * 1e9
+    weights, student = m.whole_model, m.student
+    base = calibration.base + weights
+    rows: list[tuple[str, int, int, float, str]] = []      # name, arrays, disk, seconds, how
+
+    def model_time(flops: float, stage: str) -> float:
+        return flops / (rate * EFFICIENCY[stage])
+
+    rows.append(("setup", 0, 0, 0.0, "loading the model and the text"))
+    if t.dof_sample:
+        live, flops = forward_counts(config, dtype, 4, DOF_SEQ_LEN)
+        points = L.count * L.heads * DOF_POINTS * L.head_dim * 4
+        heads = L.count * L.heads
+        seconds = model_time(flops * DOF_BLOCKS / 4, "dof") + heads * DOF_HEAD_SECONDS
+        rows.append(("dof", live + points, 16 << 10, seconds,
+                     f"{t.dof_sample:,} tokens through the teacher, {heads} heads' DoF"))
+    if t.softmax_choice:
+        if r.student.keep_softmax_by == "copy":
+            context = context_length(config)
+            length, blocks = min(COPY_SEQ_LEN, context) if context else COPY_SEQ_LEN, COPY_BLOCKS
+            live, flops = forward_counts(config, dtype, 1, length)
+            live += 3 * L.heads * length * length * 4                  # a layer's attention of the probe
+        else:
+            length, blocks = min(r.eval.seq_len, ATTENTION_DOF_SEQ_LEN), ATTENTION_DOF_BLOCKS
+            live, flops = forward_counts(config, dtype, 1, length)
+            live += 4 * L.heads * length * length * 8                  # a layer's attention matrices, float64
+        rows.append(("softmax_choice", live, 8 << 10, model_time(flops * blocks, "softmax_choice"),
+                     f"{blocks} blocks of {length} through the teacher"))
+    if t.layerwise_teacher:
+        lw = r.layerwise
+        body_live, body_flops = forward_counts(config, dtype, lw.batch_size, lw.seq_len, logits=False)
+        step = layerwise_step_counts(r, plan)[0]
+        last = max(L.linear) + 1 if L.linear else 0               # the stream runs the teacher up to the last one
+        teacher = model_time(body_flops / L.count * last * lw.blocks / lw.batch_size, "teacher")
+        training = len(L.linear) * lw.steps * calibration.layerwise_step
+        rows.append(("layerwise", plan.layerwise + max(body_live // L.count, step), student, teacher + training,
+                     f"the teacher's {last} layers on {lw.blocks} blocks ({teacher:.0f} s), then {len(L.linear)} "
+                     f"layers x {lw.steps} steps at {calibration.layerwise_step:.3f} s ({training:.0f} s)"))
+    if t.end_to_end:
+        e2e = r.end_to_end
+        arrays = m.total - m.weights          # the student's tensors, gradients, Adam, the step's activations
+        seconds = model_time(plan.end_to_end_flops * e2e.steps, "end_to_end")
+        rows.append(("end_to_end", arrays, 3 * student, seconds,
+                     f"{e2e.steps} steps of {e2e.batch_size} x {e2e.seq_len} tokens, teacher and student"))
+    # the evaluation: the teacher, the student and the Performer over the validation blocks (and after the
+    # layerwise stage, when an end-to-end phase follows, the student as it is then); the hidden states of two models
+    # and a chunk of their logits at a time
+    blocks, length = r.eval.blocks, r.eval.seq_len
+    live, flops = forward_counts(config, dtype, 4, length, logits=False)
+    arrays = live + 2 * 4 * length * L.hidden * 4 + 8 * SCORE_CHUNK * L.vocab * 4
+    one_pass = flops * blocks / 4 + 2 * L.hidden * L.vocab * blocks * length        # the body, the LM head
+    if t.end_to_end and t.layerwise_teacher:
+        rows.insert(-1, ("layerwise_eval", arrays, 0, model_time(one_pass, "evaluate"),
+                         f"the layerwise student over {blocks} blocks of {length}"))
+    rows.append(("evaluate", arrays, student, model_time(3 * one_pass, "evaluate"),
+                 f"teacher, student and Performer over {blocks} blocks of {length}"))
+
+    costs, peak = [], base
+    for name, arrays, disk, seconds, how in rows:
+        peak = max(peak, base + int(arrays * (1 + SLACK)))
+        costs.append(StageCost(name, arrays, peak, disk, seconds, how))
+    return costs
+
+
+def available_memory() -> int | None:
+    """Bytes this process could hold: its resident memory and the system's MemAvailable (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as info:
+            line = next(x for x in info if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024 + resident_now()
+
+
+def check_room(plan, folder) -> None:
+    """A one-line UserError when the plan's peak resident memory (on the CPU) or its disk is more than this machine
+    has free; `distill --force` starts anyway. On a GPU the weights and arrays live in its memory, which the plan's
+    end-to-end table gives per device: only the disk is checked there."""
+    import shutil
+    from pathlib import Path
+
+    from dofattn.distill.plan import _size
+    from dofattn.errors import UserError
+
+    if not plan.stages:
+        return
+    have = available_memory()
+    if plan.calibration.device == "cpu" and have is not None and plan.peak > have:
+        worst = next(s for s in plan.stages if s.peak == plan.peak)
+        raise UserError(f"the plan needs {_size(plan.peak)} of memory at its peak ({worst.name}) and this machine has "
+                        f"{_size(have)} free: shorten layerwise.seq_len or layerwise.blocks, or end_to_end.seq_len, "
+                        f"or use run.dtype=bfloat16 (`distill --dry-run` shows each stage); --force starts anyway")
+    where = Path(folder).expanduser().absolute()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if plan.disk > free:
+        raise UserError(f"the plan writes {_size(plan.disk)} to {folder} and {where} has {_size(free)} free: free some "
+                        f"disk or give another --out; --force starts anyway")

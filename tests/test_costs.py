@@ -1,0 +1,103 @@
+"""What each stage of a run costs before it runs (`distill.costs`): the counts against real runs of the same
+computations on small shapes, the stage table of `distill --dry-run`, and `distill` refusing a plan this machine
+has no room for."""
+
+import pytest
+import torch
+
+from dofattn import recipe as recipes
+from dofattn.cli import main
+from dofattn.distill import costs
+from dofattn.distill.costs import forward_counts, layerwise_step_counts
+from dofattn.distill.losses import LOSSES, sample_rows
+from dofattn.distill.plan import make_plan
+from dofattn.memory import LiveBytes
+from dofattn.ops.softmax import expand_kv
+from dofattn.student import attention_modules, linearize
+from tests.conftest import tiny_model
+from tests.test_distill import distill_argv
+
+
+@pytest.mark.parametrize("name,sets", [("window", ["layerwise.seq_len=40", "layerwise.batch_size=3"]),
+                                       ("long-context", ["layerwise.seq_len=300", "layerwise.rows=16"])])
+def test_a_layerwise_step_holds_what_is_counted(name, sets):
+    """The fake step's peak (no memory, no arithmetic) against the same step on real tensors, at the mean dim."""
+    model = tiny_model("llama")
+    recipe = recipes.load(name, sets + ["student.keep_softmax=0", "student.select=0"])
+    plan = make_plan(recipe, 1, config=model.config)
+    counted = layerwise_step_counts(recipe, plan)[0]
+
+    L, lw = plan.layers, recipe.layerwise
+    linearize(model, [round(L.mean_dim)] * L.count, recipe.student.attention, layers=[0])
+    linear = attention_modules(model)[0].dofattn.train()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(lw.batch_size, lw.seq_len, L.heads, L.head_dim, generator=gen)
+    k, v = (expand_kv(torch.randn(lw.batch_size, lw.seq_len, L.kv_heads, L.head_dim, generator=gen), L.heads)
+            for _ in range(2))
+    rows = {}
+    if 0 < lw.rows < lw.seq_len:
+        rows["at"] = sample_rows(lw.seq_len, lw.rows, torch.Generator().manual_seed(0), by=lw.rows_by,
+                                 exact=recipe.student.attention.window)
+    live = LiveBytes([*linear.parameters(), *linear.buffers(), q, k, v, *rows.values()])
+    with live:
+        LOSSES[lw.loss](linear, q, k, v, L.head_dim ** -0.5, **rows).backward()
+    # the fake step counts q, k and v among its arrays; the real one was given them
+    inputs = q.nbytes + k.nbytes + v.nbytes
+    assert abs((counted - inputs) / live.peak - 1) < 0.05, (counted, inputs, live.peak)
+
+
+def test_forward_counts_grow_with_the_tokens():
+    """FLOPs of the body: linear in the batch, more than linear in the length (attention); the logits' bytes are in
+    the live peak with them and not without."""
+    config = tiny_model("llama").config
+    live, flops = forward_counts(config, torch.float32, 2, 64)
+    live_body, flops_body = forward_counts(config, torch.float32, 2, 64, logits=False)
+    _, flops_twice = forward_counts(config, torch.float32, 4, 64)
+    _, flops_long = forward_counts(config, torch.float32, 2, 128, logits=False)
+    assert flops_twice == 2 * flops
+    assert flops_long > 2 * flops_body and flops > flops_body
+    assert live - live_body >= 2 * 64 * config.vocab_size * 4
+
+
+def test_dry_run_prints_each_stage_with_its_memory_disk_and_time(capsys, model_dirs, corpus):
+    code = main(["distill", "--dry-run", "--recipe", "window", "--model", str(model_dirs["llama"]),
+                 "--device", "cpu", "--set", "layerwise.seq_len=32", "--set", "layerwise.blocks=4"])
+    out = capsys.readouterr().out
+    assert code == 0
+    stages = [line.split()[0] for line in out[out.index("stages on cpu"):].splitlines()[2:]]
+    assert stages == ["setup", "dof", "layerwise", "layerwise_eval", "end_to_end", "evaluate", "whole"]
+    assert "measured now on cpu" in out
+
+
+def test_dry_run_json_carries_the_stages(capsys, model_dirs):
+    import json
+
+    code = main(["distill", "--dry-run", "--json", "--recipe", "window", "--model", str(model_dirs["llama"]),
+                 "--device", "cpu", "--set", "layerwise.seq_len=32"])
+    plan = json.loads(capsys.readouterr().out)
+    assert code == 0
+    peaks = [s["peak"] for s in plan["stages"]]
+    assert peaks == sorted(peaks) and plan["peak"] == peaks[-1]          # freed memory stays: never lower
+    assert plan["disk"] == sum(s["disk"] for s in plan["stages"]) > 0
+    assert plan["seconds"] == pytest.approx(sum(s["seconds"] for s in plan["stages"]))
+    assert plan["calibration"]["gflops"] > 0 and plan["calibration"]["layerwise_step"] > 0
+
+
+@pytest.mark.parametrize("short", ["memory", "disk"])
+def test_distill_refuses_a_plan_with_no_room_unless_forced(capsys, model_dirs, corpus, tmp_path, monkeypatch, short):
+    if short == "memory":
+        monkeypatch.setattr(costs, "available_memory", lambda: 1 << 20)
+    else:
+        import shutil
+        from collections import namedtuple
+
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 1024))
+    out = tmp_path / "run"
+    code = main(distill_argv(model_dirs["llama"], corpus, out, "layerwise.steps=2", "end_to_end.steps=0"))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--force starts anyway" in err, err
+    assert ("of memory at its peak" if short == "memory" else "free some disk") in err
+    assert not out.exists()
+    code = main(distill_argv(model_dirs["llama"], corpus, out, "layerwise.steps=2", "end_to_end.steps=0", "--force"))
+    assert code == 0 and (out / "log.json").is_file()
