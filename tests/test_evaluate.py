@@ -78,7 +78,7 @@ def test_chunked_log_probs_are_the_models_own_with_soft_capping(family):
     for model in models:
         with torch.no_grad():
             want = torch.log_softmax(model(ids).logits[:, :-1].float(), -1)
-            got = _log_probs(model, ids, chunk=5)
+            got = list(_log_probs(model, ids, chunk=5))
         assert [p.shape[0] for p in got] == [10, 10, 4] and [t.numel() for t in _chunk_targets(ids, 5)] == [10, 10, 4]
         torch.testing.assert_close(torch.cat([p.reshape(2, -1, 300) for p in got], 1), want, rtol=1e-5, atol=1e-5)
 

@@ -315,7 +315,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     from dofattn.distill.costs import resident_now
     from dofattn.student import attention_modules, build, head_layout, is_student_tensor
 
-    base = resident_now()                       # this process before any model: Python, torch, transformers
+    before = resident_now()                     # this process before any model: Python, torch, transformers
     if world_size < 1:
         raise UserError(f"world size {world_size}: give >= 1 processes")
     config = config if config is not None else model_config(recipe.run.model)
@@ -374,7 +374,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     if device is not None:
         from dofattn.distill.costs import calibrate, stage_costs
 
-        plan.calibration = calibrate(recipe, plan, device, base)
+        plan.calibration = calibrate(recipe, plan, device, before)
         plan.stages = stage_costs(recipe, plan, config, plan.calibration)
     return plan
 
