@@ -32,7 +32,7 @@ DEFAULT_RUN = f"runs/{DEFAULT}"   # its run folder, where eval, export and gener
 RENAMED = {"default": "window", "long": "window-lora"}    # packaged recipes' names before 2026-11-28
 LOSSES = ("softmax", "l2")
 ROWS_BY = ("position", "log")   # how the layerwise loss draws its rows (`distill.losses.sample_rows`)
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "auto")
 KEEP_BY = ("dof", "copy")
 LOCAL = ("keep", "linearize")
 
@@ -44,7 +44,9 @@ class Run:
                                       "hf:NAME[:CONFIG[:SPLIT]], or several joined by + (pooled)")
     eval_data: str | None = option(None, "the text scored (its validation split) when it is not data's")
     seed: int = option(0, "seed of the features' start, the data order and the DoF sample")
-    dtype: str = option("float32", "the frozen model's dtype; trained tensors stay float32", choices=DTYPES)
+    dtype: str = option("float32", "the frozen model's dtype; trained tensors stay float32. auto: bfloat16 where the "
+                                   "device computes it fast (CUDA; CPUs with avx512_bf16 or AMX), else float32; the "
+                                   "run folder's recipe.toml records which", choices=DTYPES)
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,18 @@ class Recipe:
                 if value is not None:
                     lines.append(f"{key} = {_toml(value)}")
         return "\n".join(lines) + "\n"
+
+
+def resolve_dtype(recipe: Recipe, device: str) -> Recipe:
+    """`recipe` with run.dtype `auto` made the dtype `device` computes fast (`hf.fast_bfloat16`), so that a run
+    folder records what its student was built with."""
+    if recipe.run.dtype != "auto":
+        return recipe
+    from dataclasses import replace
+
+    from dofattn.hf import fast_bfloat16
+
+    return replace(recipe, run=replace(recipe.run, dtype="bfloat16" if fast_bfloat16(device) else "float32"))
 
 
 def _flat(table) -> dict[str, object]:

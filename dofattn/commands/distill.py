@@ -39,14 +39,14 @@ class DistillArgs:
     out: str | None = option(None, "run folder: created, or resumed when it holds a run of the same recipe",
                              none="runs/RECIPE")
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    time_limit: float = option(0.0, "minutes of end-to-end training, then save and evaluate; the same command goes "
-                                    "on later (0: no limit)", metavar="MIN")
+    time_limit: float = option(0.0, "minutes of end-to-end training, then save and evaluate; run it again to go "
+                                    "on (0: none)", metavar="MIN")
     continue_from: str | None = option(None, "go on from a copy of this run folder's student with more end-to-end "
                                              "steps or other text (--out is the new folder)", metavar="RUN")
     dry_run: bool = option(False, "print the plan from the model's config only, and stop")
     world_size: int | None = option(None, "processes the plan is for (default: WORLD_SIZE or 1)", metavar="N")
     json: bool = option(False, "with --dry-run: the plan as JSON")
-    force: bool = option(False, "start even where the plan needs more memory or disk than this machine has free")
+    force: bool = option(False, "start even if the plan exceeds free memory or disk")
 
 
 RUN_FLAGS = ("model", "data", "eval_data", "seed", "dtype")    # flags that set the recipe's [run] keys

@@ -65,12 +65,14 @@ def meta_model(config, dtype: torch.dtype = torch.float32):
 
 def fake_model(model, mode) -> None:
     """`model`'s meta tensors (parameters, buffers, tensors modules hold) as `mode`'s fake CPU tensors, in place;
-    a tensor two modules share (tied embeddings) stays shared."""
+    a tensor two modules share (tied embeddings) stays shared. A parameter or buffer a module made on the CPU in
+    spite of the meta device (a small constant) becomes a fake tensor too."""
     made = {}
 
     def fake(t):
         if id(t) not in made:
-            made[id(t)] = mode.fake_tensor_converter.from_meta_and_device(mode, t, torch.device("cpu"))
+            made[id(t)] = (mode.fake_tensor_converter.from_meta_and_device(mode, t, torch.device("cpu"))
+                           if t.device.type == "meta" else mode.from_tensor(t))
             if isinstance(t, torch.nn.Parameter):
                 made[id(t)] = torch.nn.Parameter(made[id(t)], requires_grad=t.requires_grad)
         return made[id(t)]
@@ -95,9 +97,11 @@ class Step:
     flops: int = 0         # of the step (FlopCounterMode: matrix products and attention)
 
 
-def measure_step(recipe: Recipe, model) -> Step:
+def measure_step(recipe: Recipe, model, count_flops: bool = False) -> Step:
     """One step of the end-to-end loss and its backward pass on `model` (the student on the meta device, its
-    tensors made fake here: it is spent after), at the recipe's batch, length, loss chunk and checkpointing."""
+    tensors made fake here: it is spent after), at the recipe's batch, length, loss chunk and checkpointing.
+    `count_flops`: its FLOPs too (FlopCounterMode follows the modules and holds what their backward hooks hold, so a
+    step that counts FLOPs is not the one whose memory counts)."""
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode)
 
@@ -139,7 +143,7 @@ def measure_step(recipe: Recipe, model) -> Step:
     body = model.base_model
     hooks = [body.register_forward_pre_hook(before, with_kwargs=True),
              body.register_forward_hook(after, with_kwargs=True)]
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()
     try:
         with (mode, RealConstants(mode, live), layers_checkpointed(model) if e2e.activation_checkpointing else
               contextlib.nullcontext(), live, counter):
@@ -153,7 +157,8 @@ def measure_step(recipe: Recipe, model) -> Step:
             hook.remove()
     activations = marks["end"] - marks["start"]
     return Step(activations=activations, loss=marks.get("loss", live.peak) - activations,
-                backward=max(0, live.peak - activations) if "loss" in marks else 0, flops=counter.get_total_flops())
+                backward=max(0, live.peak - activations) if "loss" in marks else 0,
+                flops=counter.get_total_flops() if count_flops else 0)
 
 
 # --- pieces of the plan -----------------------------------------------------------------------------------------------
@@ -315,7 +320,10 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     from dofattn.distill.costs import resident_now
     from dofattn.student import attention_modules, build, head_layout, is_student_tensor
 
+    from dofattn.recipe import resolve_dtype
+
     before = resident_now()                     # this process before any model: Python, torch, transformers
+    recipe = resolve_dtype(recipe, device or "cpu")
     if world_size < 1:
         raise UserError(f"world size {world_size}: give >= 1 processes")
     config = config if config is not None else model_config(recipe.run.model)
@@ -370,10 +378,15 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
                 parameters=sum(p.numel() for p in base), student_parameters=sum(p.numel() for p in trained),
                 layers=layers, tokens=plan_tokens(recipe, config, W),
                 layerwise=layerwise_bytes(recipe, hidden, heads, kv_heads, head_dim), memory=memory,
-                notes=notes, end_to_end_flops=step.flops)
+                notes=notes)
     if device is not None:
         from dofattn.distill.costs import calibrate, stage_costs
 
+        if e2e.steps:                           # a second fake step, of the same student, for its FLOPs
+            model = meta_model(config, getattr(torch, run_dtype))
+            with torch.device("meta"):
+                build(model, recipe.student_spec(dims or [round(mean_dim)] * count, linear))
+            plan.end_to_end_flops = measure_step(recipe, model, count_flops=True).flops
         plan.calibration = calibrate(recipe, plan, device, before)
         plan.stages = stage_costs(recipe, plan, config, plan.calibration)
     return plan

@@ -85,7 +85,10 @@ def check_inputs(recipe: Recipe, weights: bool = True) -> None:
 def run(cfg: DistillConfig) -> dict:
     """The whole job; returns the run log (also out/log.json). After `time_limit` minutes of end-to-end training
     the student is saved and evaluated as it is (the same call later goes on)."""
+    from dofattn.recipe import resolve_dtype
+
     r, out, device, time_limit, continue_from = cfg.recipe, cfg.folder, cfg.device, cfg.time_limit, cfg.continue_from
+    r = resolve_dtype(r, device)                   # auto: what this device computes fast, recorded in the folder
     from dofattn.data import token_blocks
     from dofattn.hf import load_model, parse_dtype
     from dofattn.student import (attention_modules, build, fingerprint,
