@@ -28,7 +28,7 @@ def main() -> None:
 
     recipe = recipes.load(args.recipe)
     config = model_config(recipe.run.model)
-    plan = make_plan(recipe, 1, config=config)
+    plan = make_plan(recipe, 1, config=config, device="cpu")      # with the end-to-end step's FLOPs
     L, lw, e2e, ev = plan.layers, recipe.layerwise, recipe.end_to_end, recipe.eval
     dtype = getattr(torch, recipe.run.dtype)
     rate = max(_gemm_gflops(L.hidden, L.intermediate, dtype, "cpu") for _ in range(3)) * 1e9
@@ -38,7 +38,7 @@ def main() -> None:
         return forward_counts(config, dtype, batch, length, logits=False)[1]
 
     head = 2 * L.hidden * L.vocab                                  # per scored token
-    last = max(L.linear) + 1 if L.linear else 0
+    last = L.count if L.keep_softmax else max(L.linear) + 1       # kept layers chosen at run time: any may be last
     flops = {
         "dof": DOF_BLOCKS * (body(1, DOF_SEQ_LEN) + DOF_SEQ_LEN * head),
         "layerwise (teacher)": lw.blocks * body(1, lw.seq_len) * last / L.count,
@@ -46,10 +46,13 @@ def main() -> None:
         "end_to_end": e2e.steps * plan.end_to_end_flops,
         "evaluate": 3 * ev.blocks * (body(1, ev.seq_len) + ev.seq_len * head),
     }
+    measured = dict(log.get("seconds", {}))
+    if "layerwise" in measured:                     # the layer logs time the steps; the rest is the teacher's
+        steps = sum(entry["seconds"] for entry in log["layers"].values())
+        measured["layerwise (steps)"], measured["layerwise (teacher)"] = steps, measured["layerwise"] - steps
     rows = []
     for name, f in flops.items():
-        stage = name.split()[0]
-        seconds = log.get("seconds", {}).get(stage)
+        seconds = measured.get(name)
         rows.append({"stage": name, "gflop": f / 1e9, "limit_s": f / rate, "measured_s": seconds})
     total = sum(flops.values())
     result = {"recipe": recipe.name, "model": recipe.run.model, "gemm_gflops": rate / 1e9, "stages": rows,

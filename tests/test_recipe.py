@@ -102,3 +102,16 @@ def test_every_key_has_a_meaning_and_a_type_the_files_can_hold():
         assert meaning and recipes.type_name(kind).rstrip("?") in ("int", "float", "str", "bool"), key
         if choices:
             assert _ in choices, key
+
+
+@pytest.mark.parametrize("fast,expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_dtype_is_what_the_device_computes_fast_and_is_recorded(monkeypatch, fast, expected):
+    """run.dtype = auto resolves before a run (the run folder's recipe.toml holds the resolved one), by the device."""
+    from dofattn import hf
+    from dofattn.recipe import resolve_dtype
+
+    monkeypatch.setattr(hf, "fast_bfloat16", lambda device: fast)
+    recipe = recipes.load("window", ["run.dtype=auto"])
+    resolved = resolve_dtype(recipe, "cpu")
+    assert resolved.run.dtype == expected and 'dtype = "' + expected + '"' in resolved.to_toml()
+    assert resolve_dtype(recipes.load("window"), "cpu").run.dtype == "float32"      # an explicit dtype stays

@@ -2,7 +2,8 @@
 
 A run folder holds `recipe.toml` (the fully resolved recipe: passing it back as `--recipe` makes the same run),
 `log.json` (written at the end), the student (`dofattn.json`, `features.safetensors`), the layerwise stage's layer
-files, the end-to-end checkpoints and, while the layerwise stage runs, the teacher's q/k/v. `RunFolder` reads one.
+files and the end-to-end checkpoints; nothing of the teacher (the layerwise stage streams it). `RunFolder` reads
+one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dofattn.recipe import CONTINUE_MAY_CHANGE, Recipe
 from dofattn.student import CONFIG_FILE, WEIGHTS_FILE
 
 RECIPE_FILE, LOG_FILE = "recipe.toml", "log.json"
-# What --continue-from copies: what `dofattn distill` wrote, less the teacher cache.
+# What --continue-from copies: what `dofattn distill` wrote.
 RUN_FILES = (RECIPE_FILE, LOG_FILE, "dof.json", "attention_dof.json", CONFIG_FILE, WEIGHTS_FILE, "layers",
              "end_to_end")
 
