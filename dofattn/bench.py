@@ -63,9 +63,10 @@ class BenchConfig:
                                      "run folder or an export (generation against its own base model)")
     decode_batch: int = option(1, "batch size of the decode benchmark")
     repeats: int = option(5, "timed runs per measurement (the median is reported)")
-    model: str | None = option("smollm2-135m", "the teacher of a recipe's student, for the generation benchmark; "
-                                               "or a trained student (a run folder or an export), which is then the "
-                                               "one timed, against its base model; 'none' skips generation",
+    model: str | None = option("smollm2-135m", "the teacher of a recipe's student, for the generation benchmark "
+                                               "(a config.json alone: random weights, said in every row); or a "
+                                               "trained student (a run folder or an export), which is then the one "
+                                               "timed, against its base model; 'none' skips generation",
                                none="none")
     gen_contexts: list[int] | None = option(None, "comma-separated prompt lengths for generation; auto: 512,8192,32768",
                                             none="auto")
