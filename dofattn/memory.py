@@ -159,3 +159,21 @@ def reset_resident_peak() -> bool:
     except OSError:
         return False
 
+
+def resident_now() -> int:
+    """This process's resident bytes now (Linux), or 0 where /proc cannot tell."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+    except OSError:
+        return 0
+
+
+def available_memory() -> int | None:
+    """Bytes this process could hold: its resident memory and the system's MemAvailable (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as info:
+            line = next(x for x in info if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024 + resident_now()

@@ -123,7 +123,6 @@ def dry_run(recipe, args: DistillArgs) -> int:
     and the model folder's tokenizer are checked as the run would, before it reads them."""
     from dofattn.distill.plan import make_plan
     from dofattn.distill.run import check_inputs
-
     from dofattn.hf import resolve_device
 
     check_inputs(recipe, weights=False)

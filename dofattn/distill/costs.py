@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-GIB = 1024 ** 3
+from dofattn.memory import available_memory, resident_now
+
 # Stored figures, fitted to the default job on a 2-core AMD EPYC (avx512, torch 2.13, float32) and checked on
 # `window` (docs/log/experiments.md, 2026-11-28): a stage's arrays cost 1 + SLACK times their bytes in resident
 # memory (the layerwise step is counted at the mean dim, the largest layer's is larger); each stage runs at
@@ -59,15 +60,6 @@ class StageCost:
     disk: int                 # bytes the stage leaves in the run folder
     seconds: float            # estimated
     how: str                  # what the time is made of
-
-
-def resident_now() -> int:
-    """This process's resident bytes now (Linux), or 0 where /proc cannot tell."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * 4096
-    except OSError:
-        return 0
 
 
 def _gemm_gflops(hidden: int, width: int, dtype: torch.dtype, device: str) -> float:
@@ -156,8 +148,9 @@ _count_cpu_flash_attention()
 
 
 @contextlib.contextmanager
-def _fake(model):
-    """`model` (on the meta device) as fake CPU tensors while active, with a LiveBytes and a FlopCounterMode."""
+def _fake(module, existing=(), grad: bool = False):
+    """`module` (on the meta device) as fake CPU tensors while active, with a LiveBytes (`existing` real tensors not
+    counted) and a FlopCounterMode; without autograd unless `grad`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -165,10 +158,10 @@ def _fake(model):
     from dofattn.memory import LiveBytes, RealConstants
 
     mode = FakeTensorMode()
-    fake_model(model, mode)
-    live = LiveBytes([*model.parameters(), *model.buffers()])
+    fake_model(module, mode)
+    live = LiveBytes([*module.parameters(), *module.buffers(), *existing])
     flops = FlopCounterMode(display=False)
-    with mode, RealConstants(mode, live), live, flops, torch.no_grad():
+    with mode, RealConstants(mode, live), live, flops, torch.enable_grad() if grad else torch.no_grad():
         yield live, flops
 
 
@@ -187,41 +180,26 @@ def forward_counts(config, dtype: torch.dtype, batch: int, length: int, logits: 
 def layerwise_step_counts(recipe, plan) -> tuple[int, int]:
     """(live bytes at the peak, FLOPs) of one layerwise step (loss, backward) at the recipe's shapes and the mean
     dim, q/k/v included."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from dofattn.attention import LinearAttention
     from dofattn.distill.losses import LOSSES, sample_rows
     from dofattn.features import make_feature_map
-    from dofattn.memory import LiveBytes
     from dofattn.ops.softmax import expand_kv
 
     lw, L = recipe.layerwise, plan.layers
     with torch.device("meta"):
         fmap = make_feature_map(recipe.student.attention.feature, L.heads, L.head_dim, round(L.mean_dim),
                                 L.head_dim ** -0.5, seed=0)
-        linear = LinearAttention(recipe.student.attention, fmap, num_kv_heads=L.kv_heads)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from dofattn.distill.plan import fake_model
-    from dofattn.memory import RealConstants
-
-    mode = FakeTensorMode()
-    fake_model(linear, mode)
-    linear.train()
+        linear = LinearAttention(recipe.student.attention, fmap, num_kv_heads=L.kv_heads).train()
     rows = {}
     if 0 < lw.rows < lw.seq_len:
         exact = recipe.student.attention.window if lw.rows_by == "log" else 0
         rows["at"] = sample_rows(lw.seq_len, lw.rows, torch.Generator().manual_seed(0), by=lw.rows_by, exact=exact)
-    live = LiveBytes([*linear.parameters(), *linear.buffers(), *rows.values()])
-    counter = FlopCounterMode(display=False)
-    with mode, RealConstants(mode, live):
-        shape = (lw.batch_size, lw.seq_len)
-        with live:
-            q = torch.empty(*shape, L.heads, L.head_dim)
-            k, v = (expand_kv(torch.empty(*shape, L.kv_heads, L.head_dim), L.heads) for _ in range(2))
-            with counter:
-                LOSSES[lw.loss](linear, q, k, v, L.head_dim ** -0.5, **rows).backward()
-    return live.peak, counter.get_total_flops()
+    shape = (lw.batch_size, lw.seq_len)
+    with _fake(linear, existing=rows.values(), grad=True) as (live, flops):
+        q = torch.empty(*shape, L.heads, L.head_dim)
+        k, v = (expand_kv(torch.empty(*shape, L.kv_heads, L.head_dim), L.heads) for _ in range(2))
+        LOSSES[lw.loss](linear, q, k, v, L.head_dim ** -0.5, **rows).backward()
+    return live.peak, flops.get_total_flops()
 
 
 # --- the stages --------------------------------------------------------------------------------------------------
@@ -300,16 +278,6 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
         peak = max(peak, base + int(arrays * (1 + SLACK.get(name, SLACK["other"]))))
         costs.append(StageCost(name, arrays, peak, disk, seconds, how))
     return costs
-
-
-def available_memory() -> int | None:
-    """Bytes this process could hold: its resident memory and the system's MemAvailable (Linux), or None."""
-    try:
-        with open("/proc/meminfo") as info:
-            line = next(x for x in info if x.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-    return int(line.split()[1]) * 1024 + resident_now()
 
 
 def check_room(plan, folder) -> None:

@@ -317,7 +317,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     from dofattn.distill.choose import linear_layers
     from dofattn.distill.end_to_end import decoder_layers
     from dofattn.hf import local_layers, model_config
-    from dofattn.distill.costs import resident_now
+    from dofattn.memory import resident_now
     from dofattn.student import attention_modules, build, head_layout, is_student_tensor
 
     from dofattn.recipe import resolve_dtype
