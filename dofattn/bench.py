@@ -155,15 +155,15 @@ def student_of(cfg: BenchConfig) -> Student:
     UserError for neither, or for a recipe whose student cannot be built untrained."""
     from dofattn import recipe as recipes
     from dofattn.export import is_any_student, spec_of
-    from dofattn.student import check_untrained
 
     if is_any_student(cfg.student):
         spec = spec_of(cfg.student)
         return Student(spec.attention, f"{cfg.student} ({'; '.join(spec.describe())})", cfg.student, None)
     recipe = recipes.load(cfg.student)
-    if cfg.model and "generation" in cfg.parts:
-        check_untrained(recipe)
-    return Student(recipe.student.attention, f"recipe {recipe.name}, untrained ({recipe.description})", None, recipe)
+    kept = recipe.student.keep_softmax
+    stand_in = f"; its last {kept} layers kept, standing in for those a run chooses" if kept else ""
+    return Student(recipe.student.attention, f"recipe {recipe.name}, untrained ({recipe.description}{stand_in})", None,
+                   recipe)
 
 
 def op_backends(device: str) -> list[str]:
@@ -367,7 +367,7 @@ def load_models(cfg: BenchConfig, student: Student, dtype: torch.dtype):
     name = f"{cfg.model} ({RANDOM_WEIGHTS})" if config_only(cfg.model) else cfg.model   # said in every row
     yield name, False, *load_model(cfg.model, dtype=dtype, device=cfg.device, random_weights=True)
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device, random_weights=True)
-    build_untrained(model, recipe, [cfg.features] * len(attention_modules(model)))
+    build_untrained(model, recipe, [cfg.features] * len(attention_modules(model)), stand_in=True)
     yield f"{name}, recipe {recipe.name}", True, model.eval(), tokenizer
 
 

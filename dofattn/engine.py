@@ -94,16 +94,18 @@ class Clock:
 
 
 class StaticDecoder:
-    """Greedy decoding of a linear student on static buffers; `graph` (default: on CUDA) replays a CUDA graph."""
+    """Greedy decoding of a linear student on static buffers; `graph` (default: on CUDA) replays a CUDA graph.
+    `softmax_only`: a model with no linear layer (a teacher, timed as its student is) is taken too; its attention
+    must run through dofattn (`attention.install`), which reads the static slots."""
 
-    def __init__(self, model, graph: bool | None = None, compile: bool = False):
+    def __init__(self, model, graph: bool | None = None, compile: bool = False, softmax_only: bool = False):
         # after generate: prefill_s, decode_steps, decode_s; graphed: capture_s, replays, replay_s; compiled: the first
         # compiled step's compile_s (that step is then not among decode_steps)
         self.timings: dict = {}
         from dofattn.student import attention_modules
 
         linear = {i for i, module in enumerate(attention_modules(model)) if hasattr(module, "dofattn")}
-        if not linear:
+        if not linear and not softmax_only:
             raise UserError("static decoding is for linearized students, but every layer of this model is softmax "
                             "attention; use HF generate (model.generate(), or drop --static)")
         local = [i for i in local_layers(model.config) if i not in linear]

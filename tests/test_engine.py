@@ -118,6 +118,24 @@ def test_kept_softmax_layers_decode_on_static_slots(window, device):
     assert torch.equal(again, ref)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_teacher_decodes_on_static_slots(device):
+    """A model with no linear layer (`softmax_only`, a teacher timed as its student is: `benchmarks/scale.py`), its
+    attention through dofattn's: every layer on static slots, HF generate's tokens."""
+    from dofattn.attention import StaticKVLayer
+    from dofattn.attention.install import install
+
+    model = tiny_model("llama").to(device)
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    install(model)
+    decoder = StaticDecoder(model, softmax_only=True)
+    assert torch.equal(decoder.generate(prompt, 12), ref)
+    assert all(isinstance(layer, StaticKVLayer) for layer in decoder.cache.layers)
+
+
 def test_rows_are_cut_after_their_first_eos():
     model = tiny_model("llama")
     linearize(model, [8, 8, 8], Attention(window=0, sink=0), seed=2)

@@ -88,14 +88,8 @@ def run(ns) -> int:
         require_peft()
     from dofattn.distill.run import DistillConfig, run as distill
 
-    job = DistillConfig(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from)
-    if not args.force:                             # the plan, before anything loads: memory and disk
-        from dofattn.distill.costs import check_room
-        from dofattn.distill.plan import make_plan
-        from dofattn.distill.run import check_inputs
-
-        check_inputs(recipe)
-        check_room(make_plan(recipe, world_size(args), device=job.device), job.folder)
+    job = DistillConfig(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from,
+                        world_size(args), args.force)
     log = distill(job)
     if log.get("evaluation"):
         print(format_evaluation(recipe, log))

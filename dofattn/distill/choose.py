@@ -28,7 +28,7 @@ from dofattn.hf import context_length
 from dofattn.io import write_atomic
 from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.recipe import Recipe
-from dofattn.student import attention_modules, global_layers, head_layout, resolve_dims
+from dofattn.student import attention_modules, global_layers, head_layout, linear_layers, resolve_dims
 
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which the teacher's attention matrices are measured
 ATTENTION_DOF_SEQ_LEN = 512   # tokens per block, at most (else eval.seq_len): each T x T matrix's SVD costs T³
@@ -142,16 +142,3 @@ def softmax_layers(recipe: Recipe, model, tokenizer, out: Path, candidates: list
     return sorted(order[:K])
 
 
-def linear_layers(recipe: Recipe, model, chosen: list[int] | None = None) -> list[int]:
-    """The layers a run of `recipe` linearizes in `model`: those that may be (every layer; with student.local_layers
-    = keep all but the model's own sliding-window ones, `student.global_layers`) less the softmax layers `chosen`
-    (`softmax_layers`). `chosen` [] gives the candidates themselves, None takes the last student.keep_softmax of
-    them (the dry run's plan: the layers are chosen at run time). A UserError where keep_softmax leaves none."""
-
-    s = recipe.student
-    candidates = global_layers(model) if s.local_layers == "keep" else list(range(len(attention_modules(model))))
-    if s.keep_softmax >= len(candidates):
-        raise UserError(f"student.keep_softmax = {s.keep_softmax} leaves no layer to linearize: the model has "
-                        f"{len(candidates)} layers that may be linearized")
-    chosen = candidates[len(candidates) - s.keep_softmax:] if chosen is None else chosen
-    return [i for i in candidates if i not in chosen]

@@ -25,6 +25,7 @@ steps, which are not matrix products, are timed: a few real steps at the recipe'
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -80,7 +81,7 @@ def _gemm_gflops(hidden: int, width: int, dtype: torch.dtype, device: str) -> fl
     return 2 * n * hidden * width / min(times[1:]) / 1e9
 
 
-def _layerwise_step_seconds(recipe, plan, device: str) -> float:
+def layerwise_step_seconds(recipe, plan, device: str) -> float:
     """Seconds of one layerwise step of a layer at the budget's mean dim, on random q/k/v of the recipe's shapes:
     `layerwise.train_layer` with 1 step and with 5, the difference over 4 (its set-up and final loss cancel), after
     a call that warms up."""
@@ -107,14 +108,18 @@ def _layerwise_step_seconds(recipe, plan, device: str) -> float:
     return (five - one) / 4 if five > one else five / 5           # (noise, at tiny shapes)
 
 
-def calibrate(recipe, plan, device: str = "cpu", base: int | None = None) -> Calibration:
+def calibrate(recipe, plan, device: str = "cpu", base: int | None = None, timed: bool = True) -> Calibration:
     """Measure this machine (a second or two; the layerwise steps take what five of them take); `base`: this
-    process's resident bytes before any model (default: now)."""
+    process's resident bytes before any model (default: now). `timed` False: only the base (memory and disk are
+    planned, no time: `distill`'s check before it starts)."""
+    base = resident_now() if base is None else base
+    if not timed:
+        return Calibration(device=device, base=base, gflops=math.nan, layerwise_step=math.nan, note="not timed")
     dtype = getattr(torch, recipe.run.dtype)
     L = plan.layers
     gflops = _gemm_gflops(L.hidden, L.intermediate, dtype, device)
-    step = _layerwise_step_seconds(recipe, plan, device) if recipe.layerwise.steps and L.linear else 0.0
-    return Calibration(device=device, base=resident_now() if base is None else base, gflops=gflops, layerwise_step=step,
+    step = layerwise_step_seconds(recipe, plan, device) if recipe.layerwise.steps and L.linear else 0.0
+    return Calibration(device=device, base=base, gflops=gflops, layerwise_step=step,
                        note=f"measured now on {device}: a {L.hidden} x {L.intermediate} matrix product in "
                             f"{recipe.run.dtype} at {gflops:.0f} GFLOP/s"
                             + (f"; a layerwise step in {step:.3f} s" if step else ""))
@@ -198,7 +203,9 @@ def layerwise_step_counts(recipe, plan) -> tuple[int, int]:
     with _fake(linear, existing=rows.values(), grad=True) as (live, flops):
         q = torch.empty(*shape, L.heads, L.head_dim)
         k, v = (expand_kv(torch.empty(*shape, L.kv_heads, L.head_dim), L.heads) for _ in range(2))
-        LOSSES[lw.loss](linear, q, k, v, L.head_dim ** -0.5, **rows).backward()
+        value = LOSSES[lw.loss](linear, q, k, v, L.head_dim ** -0.5, **rows)
+        if value.requires_grad:              # a feature map with nothing to learn (performer) has no backward
+            value.backward()
     return live.peak, flops.get_total_flops()
 
 

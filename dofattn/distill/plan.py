@@ -9,7 +9,7 @@ reads, what the layerwise stage holds of the teacher, and the memory per device 
 
 How the numbers are made:
 - The student is built as a run builds it, without memory: the model from its config on PyTorch's meta device, made
-  the student by `student.build` (the layers `choose.linear_layers` linearizes; the K softmax layers picked at run
+  the student by `student.build` (the layers `linear_layers` linearizes; the K softmax layers picked at run
   time taken as the last candidates; a dof/clip layer at the budget's mean, the head size: every student tensor and
   every per-token activation is linear in the dim, so the sum over layers is the same). Parameters, the student's
   tensors and their LoRA adapters are that model's, every family's biases, norms and tied embeddings included.
@@ -147,7 +147,9 @@ def measure_step(recipe: Recipe, model, count_flops: bool = False) -> Step:
     try:
         with (mode, RealConstants(mode, live), layers_checkpointed(model) if e2e.activation_checkpointing else
               contextlib.nullcontext(), live, counter):
-            loss(model, ids, e2e.kd_weight, e2e.loss_chunk).backward()
+            value = loss(model, ids, e2e.kd_weight, e2e.loss_chunk)
+            if value.requires_grad:          # nothing to train (a Performer student): the run skips the phase
+                value.backward()
     except (DataDependentOutputException, DynamicOutputShapeException) as err:
         raise UserError(f"the plan cannot measure an end-to-end step of {e2e.batch_size} x {e2e.seq_len} tokens: "
                         f"{err.func} needs the values of a tensor too large to make for real on the CPU (over "
@@ -310,17 +312,16 @@ def layerwise_bytes(recipe: Recipe, hidden: int, heads: int, kv_heads: int, head
     return tokens * hidden * getattr(torch, recipe.run.dtype).itemsize + tokens * (heads + 2 * kv_heads) * head_dim * 4
 
 
-def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | None = None) -> Plan:
+def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | None = None,
+              timed: bool = True) -> Plan:
     """The plan of `recipe` at `world_size` processes; `config` (a transformers config) instead of reading
     run.model's. With a `device`, each stage's peak memory, disk and time there (`costs`: this machine measured for
-    a second or two, and the layerwise step timed)."""
-    from dofattn.distill.choose import linear_layers
+    a second or two, and the layerwise step timed); `timed` False: memory and disk alone (no time is measured)."""
     from dofattn.distill.end_to_end import decoder_layers
     from dofattn.hf import local_layers, model_config
     from dofattn.memory import resident_now
-    from dofattn.student import attention_modules, build, head_layout, is_student_tensor
-
     from dofattn.recipe import resolve_dtype
+    from dofattn.student import attention_modules, build, head_layout, is_student_tensor, linear_layers
 
     before = resident_now()                     # this process before any model: Python, torch, transformers
     recipe = resolve_dtype(recipe, device or "cpu")
@@ -382,12 +383,12 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     if device is not None:
         from dofattn.distill.costs import calibrate, stage_costs
 
-        if e2e.steps:                           # a second fake step, of the same student, for its FLOPs
+        if e2e.steps and timed:                 # a second fake step, of the same student, for its FLOPs
             model = meta_model(config, getattr(torch, run_dtype))
             with torch.device("meta"):
                 build(model, recipe.student_spec(dims or [round(mean_dim)] * count, linear))
             plan.end_to_end_flops = measure_step(recipe, model, count_flops=True).flops
-        plan.calibration = calibrate(recipe, plan, device, before)
+        plan.calibration = calibrate(recipe, plan, device, before, timed)
         plan.stages = stage_costs(recipe, plan, config, plan.calibration)
     return plan
 

@@ -15,6 +15,7 @@ from dofattn.distill.world import barrier, join, world
 from dofattn.evaluate import compare, perplexity
 from dofattn.recipe import Recipe
 from dofattn.spec import Attention
+from dofattn.student import linear_layers
 
 
 @dataclass
@@ -27,6 +28,8 @@ class DistillConfig:
     device: str = "cpu"
     time_limit: float = 0.0          # minutes of end-to-end training, then save and evaluate (0: no limit)
     continue_from: str | Path | None = None   # go on from a copy of this run folder's student
+    world_size: int = 1              # the processes the room check plans for (torchrun's)
+    force: bool = False              # start even where the plan exceeds free memory or disk (`costs.check_room`)
 
     @property
     def folder(self) -> Path:
@@ -97,6 +100,11 @@ def run(cfg: DistillConfig) -> dict:
     check_inputs(r)
     if continue_from:                              # before the model loads: a refused copy costs nothing
         run_folder.check_continue(Path(continue_from), out, r)
+    if not cfg.force:                              # the plan's memory and disk, before anything loads
+        from dofattn.distill.costs import check_room
+        from dofattn.distill.plan import make_plan
+
+        check_room(make_plan(r, cfg.world_size, device=device, timed=False), out)
     device = join(device)
     rank = world()[0]
     torch.manual_seed(r.run.seed)
@@ -108,7 +116,7 @@ def run(cfg: DistillConfig) -> dict:
     num_layers = len(attention_modules(model))
     if r.student.dims not in ("dof", "clip"):      # a bad fix:C or another model's dof.json leaves no run folder
         resolve_dims(r.student.dims, model, r.run.model)
-    candidates = choose.linear_layers(r, model, [])   # all, or (local_layers = keep) all but sliding-window ones
+    candidates = linear_layers(r, model, [])   # all, or (local_layers = keep) all but sliding-window ones
     # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
     lw, e2e = r.layerwise, r.end_to_end
     # under torchrun each process tokenizes a share of the documents; all get the same blocks
@@ -144,7 +152,7 @@ def run(cfg: DistillConfig) -> dict:
     chosen = choose.softmax_layers(r, model, tokenizer, out, candidates)
     stage.begin("setup")                           # the student built: setup goes on
     kept = [i for i in range(num_layers) if i not in candidates or i in chosen]
-    spec = r.student_spec(dims, choose.linear_layers(r, model, chosen), base=fingerprint(model))
+    spec = r.student_spec(dims, linear_layers(r, model, chosen), base=fingerprint(model))
     build(model, spec)
     for name, p in model.named_parameters():       # only the student's tensors ever train
         p.requires_grad_(is_student_tensor(name))
