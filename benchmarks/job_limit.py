@@ -9,13 +9,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
 
+def gemm_gflops(hidden: int, width: int, dtype: torch.dtype, device: str) -> float:
+    """GFLOP/s of x [n, hidden] @ w [hidden, width], n sized to about 4 GFLOP a product: the best of 8 (what slows
+    a product on a shared machine is noise; nothing makes it faster than the machine)."""
+    n = max(64, min(4096, int(4e9 / (2 * hidden * width))))
+    x = torch.randn(n, hidden, dtype=dtype, device=device)
+    w = torch.randn(hidden, width, dtype=dtype, device=device)
+    times = []
+    for _ in range(8):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        x @ w
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * n * hidden * width / min(times[1:]) / 1e9
+
+
 def main() -> None:
     from dofattn import recipe as recipes
-    from dofattn.distill.costs import _gemm_gflops, forward_counts, layerwise_step_counts
+    from dofattn.distill.costs import forward_counts, layerwise_step_counts
     from dofattn.distill.plan import make_plan
     from dofattn.dof_job import DOF_BLOCKS, DOF_SEQ_LEN
     from dofattn.hf import model_config
@@ -31,7 +50,7 @@ def main() -> None:
     plan = make_plan(recipe, 1, config=config, device="cpu")      # with the end-to-end step's FLOPs
     L, lw, e2e, ev = plan.layers, recipe.layerwise, recipe.end_to_end, recipe.eval
     dtype = getattr(torch, recipe.run.dtype)
-    rate = max(_gemm_gflops(L.hidden, L.intermediate, dtype, "cpu") for _ in range(3)) * 1e9
+    rate = max(gemm_gflops(L.hidden, L.intermediate, dtype, "cpu") for _ in range(3)) * 1e9
     log = json.loads(open(args.log).read()) if args.log else {}
 
     def body(batch, length):

@@ -2,7 +2,7 @@
 disk, and its time on this machine. `distill --dry-run` prints it beside the plan; `distill` refuses to start
 where the memory or the disk is not there (`check_room`).
 
-    stages = stage_costs(recipe, model, plan, calibration=calibrate(recipe, model, plan))
+    stages = stage_costs(recipe, plan, config, calibrate(recipe, plan, config, device))
 
 Memory (the process's resident set): what this process holds before any model (Python, torch, transformers:
 measured here), the model's weights, and each stage's own arrays, counted as the plan counts the end-to-end step
@@ -13,11 +13,12 @@ keeps freed memory in the heap: `cli.keep_freed_memory`) are not tensors: they a
 measured on the CPU (stored, named as such). Freed memory stays with the process, so each stage's peak is at
 least the one before it: the table shows the process's peak after each stage.
 
-Time: the stages that run the model run at the rate this machine computes a matrix product of the model's own
-widths (`calibrate`: measured when the plan is made, a second or two), times `EFFICIENCY` of that rate for the
-stage (stored figures, measured on the CPU: how the stage's mix of operations compares to one matrix product);
-their FLOPs are counted on the model built from its config (FlopCounterMode over fake tensors). The layerwise
-steps, which are not matrix products, are timed: a few real steps at the recipe's shapes on random q/k/v.
+Time: the stages that run the model run at the rate this machine runs one of the model's own decoder layers at
+the stage's length, in the run's dtype (`calibrate`: one layer with random weights timed when the plan is made,
+a few seconds), times `EFFICIENCY` of that rate for the stage (stored figures, measured on the CPU: a backward
+pass, an LM head, a probe's extra work beside a forward); their FLOPs are counted on the model built from its
+config (FlopCounterMode over fake tensors). The layerwise steps, which are not matrix products, are timed: a few
+real steps at the recipe's shapes on random q/k/v.
 
 `tests/test_costs.py` checks the counts; docs/RESULTS.md holds the plan beside the measured run.
 """
@@ -37,8 +38,8 @@ from dofattn.memory import available_memory, resident_now
 # `window` (docs/log/experiments.md, 2026-11-28): a stage's arrays cost 1 + SLACK times their bytes in resident
 # memory (the layerwise step is counted at the mean dim, the largest layer's is larger); each stage runs at
 # EFFICIENCY x the measured rate of one matrix product at the model's widths.
-SLACK = {"layerwise": 1.3, "end_to_end": 0.6, "layerwise_eval": 0.5, "evaluate": 0.5, "other": 1.0}
-EFFICIENCY = {"dof": 0.8, "softmax_choice": 0.8, "teacher": 0.8, "end_to_end": 0.65, "evaluate": 0.7}
+SLACK = {"setup": 0.5, "layerwise": 1.3, "end_to_end": 0.6, "layerwise_eval": 0.5, "evaluate": 0.5, "other": 1.0}
+EFFICIENCY = {"dof": 1.05, "softmax_choice": 1.05, "teacher": 1.05, "end_to_end": 0.83, "evaluate": 0.93, "layerwise_eval": 0.83}
 DOF_HEAD_SECONDS = 0.06        # the DoF sample's points and eigen-decompositions, per head (1024 points), on the CPU
 
 
@@ -48,7 +49,7 @@ class Calibration:
 
     device: str
     base: int                 # resident bytes of this process before any model: Python, torch, transformers
-    gflops: float             # one matrix product at the model's widths in run.dtype, GFLOP/s
+    rates: dict               # tokens per sequence -> FLOP/s of one decoder layer's forward at that length
     layerwise_step: float     # seconds of one layerwise step at the recipe's shapes (0: no layerwise stage)
     note: str                 # how it was measured
 
@@ -61,24 +62,6 @@ class StageCost:
     disk: int                 # bytes the stage leaves in the run folder
     seconds: float            # estimated
     how: str                  # what the time is made of
-
-
-def _gemm_gflops(hidden: int, width: int, dtype: torch.dtype, device: str) -> float:
-    """GFLOP/s of x [n, hidden] @ w [hidden, width], n sized to about 4 GFLOP a product: the best of 8 (what slows
-    a product on a shared machine is noise; nothing makes it faster than the machine)."""
-    n = max(64, min(4096, int(4e9 / (2 * hidden * width))))
-    x = torch.randn(n, hidden, dtype=dtype, device=device)
-    w = torch.randn(hidden, width, dtype=dtype, device=device)
-    times = []
-    for _ in range(8):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        x @ w
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * n * hidden * width / min(times[1:]) / 1e9
 
 
 def layerwise_step_seconds(recipe, plan, device: str) -> float:
@@ -108,21 +91,72 @@ def layerwise_step_seconds(recipe, plan, device: str) -> float:
     return (five - one) / 4 if five > one else five / 5           # (noise, at tiny shapes)
 
 
-def calibrate(recipe, plan, device: str = "cpu", base: int | None = None, timed: bool = True) -> Calibration:
-    """Measure this machine (a second or two; the layerwise steps take what five of them take); `base`: this
-    process's resident bytes before any model (default: now). `timed` False: only the base (memory and disk are
-    planned, no time: `distill`'s check before it starts)."""
+def stage_lengths(recipe, config) -> dict[str, int]:
+    """The tokens per sequence of each stage that runs the model: what its rate is measured at."""
+    from dofattn.distill.choose import ATTENTION_DOF_SEQ_LEN, COPY_SEQ_LEN
+    from dofattn.dof_job import DOF_SEQ_LEN
+    from dofattn.hf import context_length
+
+    r = recipe
+    if r.student.keep_softmax_by == "copy":
+        context = context_length(config)
+        choice = min(COPY_SEQ_LEN, context) if context else COPY_SEQ_LEN
+    else:
+        choice = min(r.eval.seq_len, ATTENTION_DOF_SEQ_LEN)
+    return {"dof": DOF_SEQ_LEN, "softmax_choice": choice, "teacher": r.layerwise.seq_len,
+            "end_to_end": r.end_to_end.seq_len, "evaluate": r.eval.seq_len}
+
+
+def one_layer(config):
+    """`config` with one decoder layer (a full-attention one where the family mixes kinds), for timing a layer."""
+    import copy
+
+    one = copy.deepcopy(config)
+    text = one.get_text_config(decoder=True) if hasattr(one, "get_text_config") else one
+    types = getattr(text, "layer_types", None)
+    text.num_hidden_layers = 1
+    if types:
+        text.layer_types = ["full_attention" if "full_attention" in types else types[0]]
+    return one
+
+
+def forward_rate(config, dtype: torch.dtype, device: str, length: int) -> float:
+    """FLOP/s of the model's own forward at `length` tokens on `device`: one decoder layer of `config` with random
+    weights, timed on [1, length] tokens after a short warm-up, its FLOPs counted as `forward_counts` counts them
+    (the body of one layer: its matrix products and attention, at the rate its other operations leave them)."""
+    from dofattn.hf import random_model
+
+    one = one_layer(config)
+    _, flops = forward_counts(one, dtype, 1, length, logits=False)
+    body = random_model(one, dtype, device).base_model
+    ids = torch.zeros(1, length, dtype=torch.long, device=device)
+    clock = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    with torch.no_grad():
+        body(input_ids=ids[:, :min(length, 64)], use_cache=False)
+        seconds = []
+        for _ in range(2):
+            clock()
+            start = time.perf_counter()
+            body(input_ids=ids, use_cache=False)
+            clock()
+            seconds.append(time.perf_counter() - start)
+    return flops / min(seconds)
+
+
+def calibrate(recipe, plan, config, device: str = "cpu", base: int | None = None, timed: bool = True) -> Calibration:
+    """Measure this machine (a second or two, more for a large model; the layerwise steps take what five of them
+    take); `base`: this process's resident bytes before any model (default: now). `timed` False: only the base
+    (memory and disk are planned, no time: `distill`'s check before it starts)."""
     base = resident_now() if base is None else base
     if not timed:
-        return Calibration(device=device, base=base, gflops=math.nan, layerwise_step=math.nan, note="not timed")
+        return Calibration(device=device, base=base, rates={}, layerwise_step=math.nan, note="not timed")
     dtype = getattr(torch, recipe.run.dtype)
-    L = plan.layers
-    gflops = _gemm_gflops(L.hidden, L.intermediate, dtype, device)
-    step = layerwise_step_seconds(recipe, plan, device) if recipe.layerwise.steps and L.linear else 0.0
-    return Calibration(device=device, base=base, gflops=gflops, layerwise_step=step,
-                       note=f"measured now on {device}: a {L.hidden} x {L.intermediate} matrix product in "
-                            f"{recipe.run.dtype} at {gflops:.0f} GFLOP/s"
-                            + (f"; a layerwise step in {step:.3f} s" if step else ""))
+    rates = {n: forward_rate(config, dtype, device, n) for n in sorted(set(stage_lengths(recipe, config).values()))}
+    step = layerwise_step_seconds(recipe, plan, device) if recipe.layerwise.steps and plan.layers.linear else 0.0
+    shown = ", ".join(f"{n:,} tokens {rate / 1e9:.0f}" for n, rate in rates.items())
+    return Calibration(device=device, base=base, rates=rates, layerwise_step=step,
+                       note=f"measured now on {device}: one decoder layer's forward in {recipe.run.dtype} at "
+                            f"{shown} GFLOP/s" + (f"; a layerwise step in {step:.3f} s" if step else ""))
 
 
 # --- counting, on the model built from its config ------------------------------------------------------------------
@@ -213,22 +247,29 @@ def layerwise_step_counts(recipe, plan) -> tuple[int, int]:
 
 def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCost]:
     """Each stage's arrays, the process's peak after it, its disk and its time (module docstring)."""
-    from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, ATTENTION_DOF_SEQ_LEN, COPY_BLOCKS, COPY_SEQ_LEN
+    from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, COPY_BLOCKS
     from dofattn.dof_job import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
     from dofattn.evaluate import SCORE_CHUNK
-    from dofattn.hf import context_length
 
     r, L, m, t = recipe, plan.layers, plan.memory, plan.tokens
     dtype = getattr(torch, r.run.dtype)
-    rate = calibration.gflops * 1e9
+    lengths = stage_lengths(r, config)
     weights, student = m.whole_model, m.student
     base = calibration.base + weights
     rows: list[tuple[str, int, int, float, str]] = []      # name, arrays, disk, seconds, how
 
     def model_time(flops: float, stage: str) -> float:
+        """At the measured forward rate at the stage's length (NaN where nothing was timed), times EFFICIENCY."""
+        rate = calibration.rates.get(lengths["evaluate" if stage == "layerwise_eval" else stage], math.nan)
         return flops / (rate * EFFICIENCY[stage])
 
-    rows.append(("setup", 0, 0, 0.0, "loading the model and the text"))
+    # weights stored in another dtype are read whole and converted as they load: the file's bytes pass through
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = getattr(torch, stored) if isinstance(stored, str) else stored
+    converted = plan.parameters * stored.itemsize if isinstance(stored, torch.dtype) and stored != dtype else 0
+    rows.append(("setup", converted, 0, 0.0, "loading the model and the text"
+                 + (f" (its {str(stored).removeprefix('torch.')} weights converted to {r.run.dtype})"
+                    if converted else "")))
     if t.dof_sample:
         live, flops = forward_counts(config, dtype, 4, DOF_SEQ_LEN)
         points = L.count * L.heads * DOF_POINTS * L.head_dim * 4
@@ -237,14 +278,13 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
         rows.append(("dof", live + points, 16 << 10, seconds,
                      f"{t.dof_sample:,} tokens through the teacher, {heads} heads' DoF"))
     if t.softmax_choice:
+        length = lengths["softmax_choice"]
+        live, flops = forward_counts(config, dtype, 1, length)
         if r.student.keep_softmax_by == "copy":
-            context = context_length(config)
-            length, blocks = min(COPY_SEQ_LEN, context) if context else COPY_SEQ_LEN, COPY_BLOCKS
-            live, flops = forward_counts(config, dtype, 1, length)
+            blocks = COPY_BLOCKS
             live += 3 * L.heads * length * length * 4                  # a layer's attention of the probe
         else:
-            length, blocks = min(r.eval.seq_len, ATTENTION_DOF_SEQ_LEN), ATTENTION_DOF_BLOCKS
-            live, flops = forward_counts(config, dtype, 1, length)
+            blocks = ATTENTION_DOF_BLOCKS
             live += 4 * L.heads * length * length * 8                  # a layer's attention matrices, float64
         rows.append(("softmax_choice", live, 8 << 10, model_time(flops * blocks, "softmax_choice"),
                      f"{blocks} blocks of {length} through the teacher"))
@@ -275,14 +315,18 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
     hidden = 4 * length * L.hidden * 4
     one_pass = flops * blocks / 4 + 2 * L.hidden * L.vocab * blocks * length        # the body, the LM head
     if t.end_to_end and t.layerwise_teacher:
-        rows.insert(-1, ("layerwise_eval", live + hidden + 3 * chunk, 0, model_time(one_pass, "evaluate"),
+        rows.insert(-1, ("layerwise_eval", live + hidden + 3 * chunk, 0, model_time(one_pass, "layerwise_eval"),
                          f"the layerwise student over {blocks} blocks of {length}"))
     rows.append(("evaluate", live + 2 * hidden + 8 * chunk, student, model_time(3 * one_pass, "evaluate"),
                  f"teacher, student and Performer over {blocks} blocks of {length}"))
 
     costs, peak = [], base
     for name, arrays, disk, seconds, how in rows:
-        peak = max(peak, base + int(arrays * (1 + SLACK.get(name, SLACK["other"]))))
+        own = base + int(arrays * (1 + SLACK.get(name, SLACK["other"])))
+        if name == "setup":           # a conversion's file pages go back to the system: later stages start lower
+            costs.append(StageCost(name, arrays, own, disk, seconds, how))
+            continue
+        peak = max(peak, own)
         costs.append(StageCost(name, arrays, peak, disk, seconds, how))
     return costs
 

@@ -53,10 +53,13 @@ GIB = 1024 ** 3
 def meta_model(config, dtype: torch.dtype = torch.float32):
     """The model of `config` on the meta device, with the softmax attention a run loads it with, in eval mode:
     every parameter's shape, no memory, no weights read."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
     from dofattn.hf import softmax_implementation
 
+    config = copy.deepcopy(config)                   # from_config sets its dtype: the caller's keeps the stored one
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                  attn_implementation=softmax_implementation(config))
@@ -241,8 +244,8 @@ class Plan:
 
     @property
     def peak(self) -> int:
-        """The run's peak resident memory (the last stage's process peak), 0 without stages."""
-        return self.stages[-1].peak if self.stages else 0
+        """The run's peak resident memory (the largest stage's process peak), 0 without stages."""
+        return max((s.peak for s in self.stages), default=0)
 
     @property
     def disk(self) -> int:
@@ -388,7 +391,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
             with torch.device("meta"):
                 build(model, recipe.student_spec(dims or [round(mean_dim)] * count, linear))
             plan.end_to_end_flops = measure_step(recipe, model, count_flops=True).flops
-        plan.calibration = calibrate(recipe, plan, device, before, timed)
+        plan.calibration = calibrate(recipe, plan, config, device, before, timed)
         plan.stages = stage_costs(recipe, plan, config, plan.calibration)
     return plan
 
