@@ -1,16 +1,15 @@
 """CPU forward time of the naive (quadratic) and chunked linear-attention ops at growing sequence lengths.
 
     python benchmarks/ops_cpu.py [--lengths 512 2048 8192] [--chunk-sizes 64] [--repeats 5] [--out ops_cpu.json]
-    python benchmarks/ops_cpu.py --lengths 512 --batch 2 --delta --backward   # what --gate and --delta cost in training
+    python benchmarks/ops_cpu.py --lengths 512 --batch 2 --gate --backward    # what a gate costs in training
 
 Shapes: B=1, H=9, M=64, V=64, float32, no grad. Each op is run once to warm up, then timed `--repeats` times with
 time.perf_counter; the median is reported, in a printed table and in the JSON file `--out`. The naive op holds
 B·H·T² floats twice (scores and masked scores): 4.8 GB at T=8192. It is skipped, with a note in the table and the
 JSON, when that would exceed `--max-naive-gb` or half the memory available now.
 
---delta adds two chunked ops with a gate (a decay per token): plain (`--gate`) and written by the delta rule
-(`--delta --gate`, `ops.delta`). --backward times forward plus backward of the output's sum (inputs requiring
-gradients), as training runs them.
+--gate adds the chunked op with a gate (a decay per token). --backward times forward plus backward of the output's
+sum (inputs requiring gradients), as training runs them.
 
 Timings on a shared machine are only as good as its idleness: check the load first (`uptime`), or pin `--threads`.
 """
@@ -24,7 +23,6 @@ import time
 import torch
 
 from dofattn.ops import chunk_linear_attention, naive_linear_attention
-from dofattn.ops.delta import chunk_delta_attention
 
 
 def available_gb() -> float:
@@ -67,7 +65,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", default="ops_cpu.json")
     parser.add_argument("--batch", type=int, default=1, help="B (default 1)")
-    parser.add_argument("--delta", action="store_true", help="also the gated chunk op and the delta rule's")
+    parser.add_argument("--gate", action="store_true", help="also the gated chunk op")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     args = parser.parse_args()
     if args.threads:
@@ -80,16 +78,12 @@ def main() -> None:
             phi_q, phi_k, v = (x.requires_grad_(args.backward) for x in make_inputs(T, B, H, M, V))
             g = torch.Generator().manual_seed(1)
             log_gate = (-0.01 * torch.rand(B, T, H, generator=g)).requires_grad_(args.backward)
-            beta = (0.1 * torch.rand(B, T, H, generator=g)).requires_grad_(args.backward)
             ops = [("naive", None, lambda: naive_linear_attention(phi_q, phi_k, v))]
             ops += [("chunk", C, lambda C=C: chunk_linear_attention(phi_q, phi_k, v, chunk_size=C))
                     for C in args.chunk_sizes]
-            if args.delta:
+            if args.gate:
                 ops += [("gate", C, lambda C=C: chunk_linear_attention(phi_q, phi_k, v, chunk_size=C,
                                                                         log_gate=log_gate))
-                        for C in args.chunk_sizes]
-                ops += [("delta", C, lambda C=C: chunk_delta_attention(phi_q, phi_k, v, beta, log_gate,
-                                                                        chunk_size=C))
                         for C in args.chunk_sizes]
             if args.backward:
                 ops = [(name, C, lambda fn=fn: fn()[0].sum().backward()) for name, C, fn in ops]

@@ -106,7 +106,7 @@ def end_to_end_row(model, recipe, device: str, steps: int) -> dict:
 
     e2e = replace(recipe.end_to_end, eval_every=0, checkpoint_every=10 ** 6)
     vocab = model.get_input_embeddings().weight.shape[0]
-    blocks = torch.randint(3, vocab, (8 * e2e.batch_size, e2e.seq_len + e2e.carry),
+    blocks = torch.randint(3, vocab, (8 * e2e.batch_size, e2e.seq_len),
                            generator=torch.Generator().manual_seed(0))
     seconds = []
     for n in (1, 1 + steps):

@@ -21,7 +21,7 @@ single document is split by characters instead: its last tenth (from a line brea
 Reading: a document is read when it is tokenized, and only as many as the blocks need. An `hf:` dataset stays in
 its memory-mapped Arrow files and a .parquet file's column `text` in Arrow memory: one pass over the column finds
 the non-empty texts without making a Python string of each. A .jsonl file is read once to check every line and note
-where each text starts. `.txt` files and the built-in sample are read whole. With `by_rank=True`, every process of
+where each text starts. `.txt` files and the built-in sample are read whole. With `share=(rank, size)`, every process of
 a torchrun group tokenizes a share of the documents and the processes gather the tokens, so all end with the blocks
 one process makes alone.
 """
@@ -45,7 +45,6 @@ import torch
 from tqdm.auto import tqdm
 
 from dofattn.assets import GENSIM, cache_dir, wheel_member
-from dofattn.distill.world import world
 from dofattn.errors import UserError
 from dofattn.io import atomic_path
 
@@ -412,14 +411,13 @@ def _tokens_alone(docs: Sequence[str], order: array, tokenizer, want: int | None
     return ids
 
 
-def _tokens_by_rank(docs: Sequence[str], order: array, tokenizer, want: int | None) -> array:
+def _tokens_by_rank(docs: Sequence[str], order: array, tokenizer, want: int | None, rank: int, size: int) -> array:
     """`_tokens_alone`'s result on every process of the group, each process tokenizing a share: the documents go
     in rounds, document j of a round to process j mod size, and the processes gather each round's tokens. A round
     is sized to the tokens still wanted at the mean document length so far, at most twice the documents before it,
     so that at most one round's surplus is tokenized beyond what one process would."""
     import torch.distributed as dist
 
-    rank, size = world()
     ids, start, count = array("q"), 0, size * FIRST_ROUND
     while start < len(order) and (want is None or len(ids) < want):
         batch = order[start:start + count]
@@ -443,12 +441,13 @@ def _tokens_by_rank(docs: Sequence[str], order: array, tokenizer, want: int | No
 
 
 def token_blocks(spec: str, tokenizer, seq_len: int, num_blocks: int | None = None, split: str = "train",
-                 seed: int = 0, by_rank: bool = False) -> torch.Tensor:
+                 seed: int = 0, share: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """Documents of `spec` shuffled with `seed`, tokenized, joined by EOS and cut into blocks [N, seq_len].
 
     Only as much text as `num_blocks` needs is read and tokenized; `num_blocks=None` takes every full block. With
-    `by_rank`, every process of the torchrun group calls this together: each tokenizes only its share of the
-    documents, and all get the blocks one process makes alone.
+    `share` (this process's rank and the group's size, `distill.world.world()`) of a group of several, every
+    process of the torchrun group calls this together: each tokenizes only its share of the documents, and all get
+    the blocks one process makes alone.
     """
     if seq_len < 2:
         raise UserError(f"--seq-len must be at least 2, got {seq_len}")
@@ -458,8 +457,8 @@ def token_blocks(spec: str, tokenizer, seq_len: int, num_blocks: int | None = No
     order = array("q", range(len(docs)))
     random.Random(seed).shuffle(order)      # the order a shuffled list of the documents would have
     want = None if num_blocks is None else num_blocks * seq_len
-    tokens = _tokens_by_rank if by_rank and world()[1] > 1 else _tokens_alone
-    ids = tokens(docs, order, tokenizer, want)
+    ids = (_tokens_by_rank(docs, order, tokenizer, want, *share) if share[1] > 1
+           else _tokens_alone(docs, order, tokenizer, want))
     have = len(ids) // seq_len
     if have == 0 or (num_blocks is not None and have < num_blocks):
         asked = f"{num_blocks} blocks of {seq_len} tokens" if num_blocks else f"one block of {seq_len} tokens"

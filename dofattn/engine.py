@@ -102,9 +102,9 @@ class StaticDecoder:
         # after generate: prefill_s, decode_steps, decode_s; graphed: capture_s, replays, replay_s; compiled: the first
         # compiled step's compile_s (that step is then not among decode_steps)
         self.timings: dict = {}
-        from dofattn.student import attention_modules
+        from dofattn.student import linear_parts
 
-        linear = {i for i, module in enumerate(attention_modules(model)) if hasattr(module, "dofattn")}
+        linear = set(linear_parts(model))
         if not linear and not softmax_only:
             raise UserError("static decoding is for linearized students, but every layer of this model is softmax "
                             "attention; use HF generate (model.generate(), or drop --static)")

@@ -57,15 +57,9 @@ def score_chunk(ids: torch.Tensor) -> int:
     return max(1, SCORE_CHUNK // ids.shape[0])
 
 
-def hidden_states(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
-    """The base model body's last hidden states [B, T, d] (after its final norm), the LM head's input; with a
-    `cache`, continuing (and updating) it."""
-    if cache is None:
-        return model.base_model(input_ids=ids, use_cache=False).last_hidden_state
-    from dofattn.hf import cache_kwargs
-
-    body = model.base_model
-    return body(input_ids=ids, use_cache=True, **cache_kwargs(body, cache)).last_hidden_state
+def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
+    """The base model body's last hidden states [B, T, d] (after its final norm), the LM head's input."""
+    return model.base_model(input_ids=ids, use_cache=False).last_hidden_state
 
 
 def head(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -264,7 +258,7 @@ def layer_errors(student, blocks: Blocks, batch_size: int = 2, progress: bool = 
     from dofattn.distill.losses import l2_loss
     from dofattn.features import PositiveRandomFeatures
     from dofattn.ops.softmax import expand_kv, softmax_attention
-    from dofattn.student import attention_modules
+    from dofattn.student import attention_modules, linear_parts
 
     modules = attention_modules(student)
     num, den = [0.0] * len(modules), [0.0] * len(modules)
@@ -287,9 +281,9 @@ def layer_errors(student, blocks: Blocks, batch_size: int = 2, progress: bool = 
         for batch in tqdm(_batches(blocks, batch_size), desc="layer errors", unit="batch", disable=not progress,
                           leave=False):
             run_forward(student, batch.to(device))
-    linear_layers = [hasattr(m, "dofattn") for m in modules]
-    return {"output_error": [math.sqrt(n / d) if lin and d > 0 else None
-                             for n, d, lin in zip(num, den, linear_layers)],
+    linear = linear_parts(student)
+    return {"output_error": [math.sqrt(n / d) if i in linear and d > 0 else None
+                             for i, (n, d) in enumerate(zip(num, den))],
             "kernel_error": [sum(k) / len(k) if k else None for k in kernel]}
 
 

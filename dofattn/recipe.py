@@ -30,6 +30,9 @@ FORMAT = 1          # of recipe files: a file with another `format` is refused
 DEFAULT = "long-context"   # what `dofattn distill` trains without --recipe: the best student measured
 DEFAULT_RUN = f"runs/{DEFAULT}"   # its run folder, where eval, export and generate look unless told otherwise
 RENAMED = {"default": "window", "long": "window-lora"}    # packaged recipes' names before 2026-11-28
+# keys that measured worse or flat, in no recipe, and left (docs/log/experiments.md, 2026-11-29): a run folder's
+# recipe.toml still names them at their defaults, which are read as nothing
+LEFT = {"student.delta": False, "end_to_end.carry": 0}
 LOSSES = ("softmax", "l2")
 ROWS_BY = ("position", "log")   # how the layerwise loss draws its rows (`distill.losses.sample_rows`)
 DTYPES = ("float32", "bfloat16", "auto")
@@ -95,9 +98,6 @@ class EndToEnd:
     steps: int = option(30, "steps of the whole student against the teacher (0: none)")
     batch_size: int = option(1, "blocks per step in each process")
     seq_len: int = option(512, "tokens per block")
-    carry: int = option(0, "tokens of the same text before each block, which both models read first without "
-                           "gradients into their caches (the student's linear states, windows and kept layers' keys), "
-                           "so that the block's loss starts from a long text's states (0: every block starts fresh)")
     blocks: int | None = option(None, "training blocks the steps draw from (default: layerwise.blocks)")
     lr: float = option(2e-3, "Adam learning rate")
     conv_lr: float | None = option(None, "learning rate of the convolution filters (default: lr)")
@@ -257,14 +257,18 @@ def load(name_or_path: str = DEFAULT, sets: list[str] = (), overrides: dict[str,
         if table not in TABLES or not isinstance(content, dict):
             raise UserError(f"recipe {where}: unknown table [{table}]; the tables are {', '.join(TABLES)}")
         for key, value in content.items():
+            if left(f"{table}.{key}", value, where):
+                continue
             full = resolveoption(f"{table}.{key}")
             values[full] = coerce(full, value, where)
     for item in sets:
         key, sep, text_value = item.partition("=")
         if not sep:
             raise UserError(f"--set {item!r}: give KEY=VALUE, e.g. --set student.window=32")
-        full = resolveoption(key.strip())
         value = parse_value(text_value.strip())
+        if left(key.strip(), value, "--set"):
+            continue
+        full = resolveoption(key.strip())
         if value is None and type(None) not in typing.get_args(key_fields()[full][0]):
             value = text_value.strip()        # "none" is a value of its own where a key cannot be unset
         values[full] = coerce(full, value, "--set")
@@ -275,6 +279,17 @@ def load(name_or_path: str = DEFAULT, sets: list[str] = (), overrides: dict[str,
     recipe = Recipe(name=str(name), description=str(description), **tables)
     validate(recipe)
     return recipe
+
+
+def left(key: str, value, where: str) -> bool:
+    """True for a key that has left dofattn given at its default (nothing to do); a UserError for it set otherwise."""
+    full = key if key in LEFT else next((k for k in LEFT if k.split(".")[1] == key), None)
+    if full is None:
+        return False
+    if value != LEFT[full]:
+        raise UserError(f"{where}: {full} = {_toml(value)} measured worse or flat, no recipe used it, and it left "
+                        f"dofattn (docs/log/experiments.md); remove the key")
+    return True
 
 
 def key_fields() -> dict[str, tuple[type, object, str, tuple | None]]:
@@ -354,7 +369,7 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"student.dims = {dims!r}; use dof, clip, fix, fix:C or a dof.json file")
     at_least = {"layerwise.batch_size": 1, "layerwise.seq_len": 2, "layerwise.blocks": 1, "end_to_end.batch_size": 1,
                 "end_to_end.seq_len": 2, "end_to_end.checkpoint_every": 1, "eval.blocks": 1, "eval.seq_len": 2,
-                "layerwise.steps": 0, "layerwise.rows": 0, "end_to_end.steps": 0, "end_to_end.carry": 0, "end_to_end.cooldown_steps": 0,
+                "layerwise.steps": 0, "layerwise.rows": 0, "end_to_end.steps": 0, "end_to_end.cooldown_steps": 0,
                 "end_to_end.eval_every": 0, "end_to_end.loss_chunk": 0}
     keys = recipe.keys()
     for key, low in at_least.items():

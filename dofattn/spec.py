@@ -34,7 +34,7 @@ LORA_TARGETS = ("attention", "all")
 class Attention:
     """How every linearized layer attends: its feature map, the exact keys beside the linear branch (a window of the
     last W tokens, a sink of the first S), and the linear branch's mechanisms (a decay or a gate, a short
-    convolution, the delta rule). `LinearAttention` composes one part per mechanism from it."""
+    convolution). `LinearAttention` composes one part per mechanism from it."""
 
     feature: str = option("prf", "feature map: learned positive random features (prf), fixed ones (performer), "
                                  "Hedgehog's learned softmax map, or DiJiang's", choices=FEATURES)
@@ -44,17 +44,16 @@ class Attention:
                                 "counted from its edge) or gate (per token, read off its value; pure linear attention "
                                 "only)", choices=DECAYS)
     conv: int = option(0, "a short causal convolution of this width on q, k and v (0: none)")
-    delta: bool = option(False, "write the linear state by the delta rule (pure linear attention only)")
 
     def __post_init__(self):
         """Every rule on how the parts combine; a UserError names the recipe key (student.KEY)."""
         if self.feature not in FEATURES:
             raise UserError(f"student.feature = {self.feature!r} is not a feature map; use one of "
                             f"{', '.join(FEATURES)}")
-        for name, kind in (("window", int), ("sink", int), ("conv", int), ("delta", bool)):
+        for name in ("window", "sink", "conv"):
             value = getattr(self, name)
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise UserError(f"student.{name} = {value!r} is not {'an integer' if kind is int else 'true or false'}")
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise UserError(f"student.{name} = {value!r} is not an integer")
         if self.decay not in DECAYS:
             raise UserError(f"student.decay = {self.decay!r}; use none, head (a learned decay per head) or gate "
                             f"(per token)")
@@ -68,8 +67,6 @@ class Attention:
         if self.decay == "gate" and self.window:
             raise UserError("student.decay = 'gate' is for pure linear attention: set student.window = 0 (and sink "
                             "= 0), or decay = 'head'")
-        if self.delta and self.window:
-            raise UserError("student.delta is for pure linear attention: set student.window = 0 (and sink = 0)")
         if self.conv < 0 or self.conv == 1:
             raise UserError(f"student.conv = {self.conv}: a filter is at least 2 tokens wide (0: none)")
 
@@ -93,7 +90,6 @@ class Attention:
         parts += [f"sink={self.sink}"] if self.sink else []
         parts += [f"decay={self.decay}"] if self.decays else []
         parts += [f"conv={self.conv}"] if self.conv else []
-        parts += ["delta"] if self.delta else []
         return ", ".join(parts)
 
 
@@ -209,7 +205,6 @@ class StudentSpec:
         for on, text in ((a.decay == "head", "a learned decay per head"),
                          (a.decay == "gate", "a decay per token (gate)"),
                          (a.conv, f"a short convolution of {a.conv} tokens on q, k and v"),
-                         (a.delta, "the delta rule"),
                          (lora and self.lora_rank, f"LoRA adapters of rank {self.lora_rank} on the "
                                                    f"{self.lora_targets} projections")):
             if on:
@@ -236,6 +231,9 @@ class StudentSpec:
         elif schema != SCHEMA:
             raise UserError(f"{where} has schema {schema}; this dofattn ({__version__}) reads schemas 1 to {SCHEMA}: "
                             f"upgrade dofattn")
+        if isinstance(data.get("attention"), dict):
+            data = {**data, "attention": dict(data["attention"])}
+            _pop_left(data["attention"], LEFT, where)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         for name, config in (("attention", Attention), ("kept", Kept)):
@@ -268,18 +266,26 @@ def _from_schema_2(data: dict) -> dict:
     return data
 
 
-# Options of schema 3 that measured worse and left (docs/log/experiments.md, 2026-11-27): their defaults.
+# Options that measured worse or flat, in no recipe, and left (docs/log/experiments.md): their defaults. Schema 3's
+# in its `attention` (2026-11-27), and since (2026-11-29) the delta rule, which any schema may hold.
 REMOVED = {"gain": "head", "select_in": "softmax", "select_by": "prompt"}
+LEFT = {"delta": False}
+
+
+def _pop_left(attention: dict, left: dict, where: str) -> None:
+    """Take the options that left out of `attention`, in place; a UserError for one that is not at its default."""
+    for key, default in left.items():
+        value = attention.pop(key, default)
+        if value != default:
+            raise UserError(f"{where} was built with student.{key} = {value!r}, an option that measured worse and "
+                            f"left dofattn (docs/log/experiments.md); distill the student again")
 
 
 def _from_schema_3(data: dict, where: str) -> dict:
     """A schema-3 dofattn.json (the kept layers' selection in `attention`) as schema 4; a UserError for a student
     built with an option that has left (a gain per query, selection in the linear layers, a streamed cache)."""
     data, attention = dict(data), dict(data.get("attention") or {})
-    for key, default in REMOVED.items():
-        if attention.pop(key, default) != default:
-            raise UserError(f"{where} was built with student.{key} = {data['attention'][key]!r}, an option that "
-                            f"measured worse and left dofattn (docs/log/experiments.md); distill the student again")
+    _pop_left(attention, REMOVED, where)
     selected = {k: attention.pop(k) for k in [f.name for f in fields(Kept)] if k in attention}
     if not selected.get("select"):
         selected = {}                # schema 3 saved the selection's settings whether or not it selected

@@ -45,6 +45,12 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [found[i] for i in sorted(found)]
 
 
+def linear_parts(model: nn.Module) -> dict[int, nn.Module]:
+    """The linear attention (`LinearAttention`) of each linearized layer of `model`, by layer index, in order: the
+    one place a layer's linear part is looked up (kept softmax layers and a teacher have none)."""
+    return {i: m.dofattn for i, m in enumerate(attention_modules(model)) if getattr(m, "dofattn", None) is not None}
+
+
 def head_layout(model: nn.Module) -> tuple[int, int, int]:
     """(query heads, kv heads, head size) of a supported model."""
     cfg = model.config
@@ -196,7 +202,8 @@ def restore_softmax(model: nn.Module, layers: list[int]) -> dict[int, LinearAtte
     """Take the linear part off the attention layers in `layers`: they run their exact softmax attention again.
     Returns the parts taken off, by layer (`linear_parts_back` puts them back)."""
     modules = attention_modules(model)
-    return {i: modules[i]._modules.pop("dofattn") for i in layers if hasattr(modules[i], "dofattn")}
+    parts = linear_parts(model)
+    return {i: modules[i]._modules.pop("dofattn") for i in layers if i in parts}
 
 
 def linear_parts_back(model: nn.Module, parts: dict[int, LinearAttention]) -> None:
@@ -303,8 +310,8 @@ def load_student_tensors(model: nn.Module, folder: str | Path) -> None:
 
 
 # A layer's own tensors before they moved into its parts (folders of schema 2 and older): `dofattn.log_gain`.
-PART_OF = {"log_gain": "window", "decay_rate": "decay", "gate_weight": "decay", "delta_bias": "delta",
-           "delta_weight": "delta", "conv_q": "conv", "conv_k": "conv", "conv_v": "conv"}
+PART_OF = {"log_gain": "window", "decay_rate": "decay", "gate_weight": "decay", "conv_q": "conv", "conv_k": "conv",
+           "conv_v": "conv"}
 
 
 def _part_name(name: str, own: dict) -> str:

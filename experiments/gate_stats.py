@@ -1,5 +1,4 @@
-"""What a gated student's gates do on real text: per layer, how far back each token lets the state reach (and with
-the delta rule, how much each token erases).
+"""What a gated student's gates do on real text: per layer, how far back each token lets the state reach.
 
     python experiments/gate_stats.py runs/hh-gate-mlp-bf16 [--blocks 8] [--seq-len 512] [--out gate-stats.json]
 
@@ -8,10 +7,7 @@ ln 2 / −ln g_t, is how many more tokens halve what the state holds: a token wi
 clears the state, one of thousands keeps it. Over the validation blocks of the run's data this prints, per layer,
 the quantiles of the half-life over tokens and heads, the share of token-heads below 1 token and above 1 000,
 and the half-lives the heads' decay rates alone would give (the gate at w = 0, where training started from).
-With `--delta` layers it prints a second table: per layer, the quantiles of the erase strength β_t over tokens and
-heads (the share of what the state holds along a token's key direction that the token removes before writing;
-sigmoid(-6) = 0.0025 at the start), and the share of token-heads above 0.5. Writes the numbers to JSON ("layers",
-and "delta" for the erase strengths) and, with --plot, the half-life quantiles over layers to a PNG.
+Writes the numbers to JSON ("layers") and, with --plot, the half-life quantiles over layers to a PNG.
 """
 
 from __future__ import annotations
@@ -30,13 +26,12 @@ QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
 # what `collect` records: a method of the values, and the part of a LinearAttention that has it
-RECORDED = {"log_gates": "decay", "betas": "delta"}
+RECORDED = {"log_gates": "decay"}
 
 
 def collect(model, blocks: torch.Tensor, batch_size: int = 2) -> dict[str, dict[int, torch.Tensor]]:
     """{method: {layer: [N] float32 values of every token and head}} over `blocks`, from one pass of the model's own
-    forward: the log gates ("log_gates") of the gated layers and the erase strengths ("betas") of the delta-rule
-    layers; a method no layer has maps to {}."""
+    forward: the log gates ("log_gates") of the gated layers; a method no layer has maps to {}."""
     seen: dict[str, dict[int, list[torch.Tensor]]] = {method: {} for method in RECORDED}
     for i, module in enumerate(attention_modules(model)):
         linear = getattr(module, "dofattn", None)
@@ -90,9 +85,9 @@ def main() -> None:
     data = args.data or scored_text(folder)
     blocks = token_blocks(data, tokenizer, args.seq_len, args.blocks, split="validation", seed=0)   # as distill and eval
     recorded = collect(model.eval(), blocks)
-    gates, erase = recorded["log_gates"], recorded["betas"]
-    if not gates and not erase:
-        raise SystemExit("this student has no gated layers (student.decay = gate) and no delta rule (student.delta)")
+    gates = recorded["log_gates"]
+    if not gates:
+        raise SystemExit("this student has no gated layers (student.decay = gate)")
     rows = []
     if gates:
         print(f"{'layer':>5} " + " ".join(f"{'q' + str(int(q * 100)):>8}" for q in QUANTILES)
@@ -109,30 +104,13 @@ def main() -> None:
         rows.append(row)
         print(f"{i:>5} " + " ".join(f"{q:>8.3g}" for q in quantiles)
               + f" {row['below_1']:>7.3f} {row['above_1000']:>7.3f} {min(rate_lives):>10.3g}-{max(rate_lives):<10.3g}")
-    delta_rows = erase_rows(erase)
     out = Path(args.out) if args.out else folder / "gate-stats.json"
     out.write_text(json.dumps({"student": str(folder), "data": data, "blocks": args.blocks,
-                               "seq_len": args.seq_len, "layers": rows, "delta": delta_rows}, indent=2))
+                               "seq_len": args.seq_len, "layers": rows}, indent=2))
     print(f"wrote {out}")
     if args.plot and rows:
         plot(rows, args.plot, folder.name)
         print(f"wrote {args.plot}")
-
-
-def erase_rows(erase: dict[int, torch.Tensor]) -> list[dict]:
-    """Per delta layer: quantiles of the erase strengths β and the share above 0.5, printed as a table."""
-    rows = []
-    if erase:
-        print(f"erase strength β of each token (--delta)\n{'layer':>5} "
-              + " ".join(f"{'q' + str(int(q * 100)):>8}" for q in QUANTILES) + f" {'>0.5':>7}")
-    for i, beta in sorted(erase.items()):
-        sample = beta.double()[torch.randperm(len(beta))[:1_000_000]]
-        quantiles = torch.quantile(sample, torch.tensor(QUANTILES, dtype=torch.float64)).tolist()
-        row = {"layer": i, "quantiles": dict(zip(map(str, QUANTILES), quantiles)),
-               "above_half": (beta > 0.5).double().mean().item(), "mean": beta.double().mean().item()}
-        rows.append(row)
-        print(f"{i:>5} " + " ".join(f"{q:>8.3g}" for q in quantiles) + f" {row['above_half']:>7.3f}")
-    return rows
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:

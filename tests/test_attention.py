@@ -1,6 +1,6 @@
 """The attention layer (`dofattn.attention`): every path of `LinearAttention` against the ops' naive forms, and
 inside HF models generation through the cache equal to the full forward, padding, and each mechanism (decay, gate,
-short convolution, delta rule) with its round trip."""
+short convolution) with its round trip."""
 
 import pytest
 import torch
@@ -11,7 +11,6 @@ from dofattn.attention import CONV_NAMES, LinearAttention, LinearStateLayer, Rin
 from dofattn.attention.decay import Gate
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
-from dofattn.ops.delta import recurrent_delta_attention
 from dofattn.ops.naive import naive_linear_attention
 from dofattn.ops.softmax import expand_kv
 from dofattn.ops.window import first_keys, naive_window_linear_attention
@@ -30,8 +29,7 @@ def ids(batch=2, length=19, seed=0):
 
 # odd shapes: 13 tokens, 6 query heads on 2 kv heads, head dim 5, 7 features, a window of 4, a sink of 2
 B, T, H, HKV, D, M = 2, 13, 6, 2, 5, 7
-LAYERS = {"pure": {}, "decay": {"decay": "head"}, "gate": {"decay": "gate"}, "delta": {"delta": True},
-          "delta+gate": {"delta": True, "decay": "gate"}, "window": {"window": 4},
+LAYERS = {"pure": {}, "decay": {"decay": "head"}, "gate": {"decay": "gate"}, "window": {"window": 4},
           "window+decay": {"window": 4, "decay": "head"}, "window+sink": {"window": 4, "sink": 2},
           "window+sink+decay": {"window": 4, "sink": 2, "decay": "head"},
           "conv+gate": {"conv": 3, "decay": "gate"}, "conv+window+sink": {"conv": 3, "window": 4, "sink": 2}}
@@ -87,8 +85,6 @@ def reference(layer: LinearAttention, q, k, v, valid) -> torch.Tensor:
                                              sink_mask=sink)[0]
     phi_q, phi_k = fmap(q, "query"), fmap(k, "key") * valid[:, :, None, None]
     log_gate = layer.decay.log_gates(v) if (layer.attention.decay == "gate") else None
-    if layer.delta is not None:
-        return recurrent_delta_attention(phi_q, phi_k, v, layer.delta.betas(v), log_gate)[0]
     return naive_linear_attention(phi_q, phi_k, v,
                                   log_decay=None if (layer.attention.decay == "gate") else layer.log_decay(),
                                   log_gate=log_gate)[0]
@@ -478,22 +474,3 @@ def test_conv_round_trips_and_refuses_bad_widths(tmp_path, model_dirs):
             linearize(tiny_model("llama"), [8, 8, 8], Attention(window=0, sink=0, conv=width))
     with pytest.raises(UserError, match="4 query heads do not share 3 kv heads evenly"):
         LinearAttention(Attention(window=0, sink=0, conv=4), make_feature_map("prf", 4, 16, 8, 0.25), num_kv_heads=3)
-
-
-# --- the delta rule --------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_delta_generation_matches_full_forward(family):
-    """With the delta rule the state still carries everything: 40 decode steps (each token's gate and erase strength
-    read off its own value vector, strong enough to matter) equal the full forward. (Without a gate: the layer's
-    own test, tests/test_delta.py.)"""
-    model = tiny_model(family)
-    linearize(model, [9, 16, 5], Attention(feature="hedgehog", window=0, sink=0, decay="gate", delta=True), seed=1)
-    set_gates(model)
-    g = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for module in attention_modules(model):
-            module.dofattn.delta.delta_bias.zero_()
-            module.dofattn.delta.delta_weight.copy_(3 * torch.randn(module.dofattn.delta.delta_weight.shape,
-                                                    generator=g))
-    assert_40_steps_equal_the_full_forward(model, ids(batch=2, length=11, seed=1))

@@ -287,7 +287,7 @@ counting.eos_token_id = tokenizer.eos_token_id
 result = {}
 for name, seq_len, num_blocks in (("some", 32, 400), ("every", 24, None)):
     calls.clear()
-    blocks = token_blocks(spec, counting, seq_len, num_blocks, split="train", seed=5, by_rank=True)
+    blocks = token_blocks(spec, counting, seq_len, num_blocks, split="train", seed=5, share=world())
     result[name] = {"blocks": blocks.tolist(), "calls": len(calls)}
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(result, f)
@@ -307,7 +307,7 @@ def test_two_gloo_processes_tokenize_their_shares_into_one_processs_blocks(token
             calls.append(text)
             return tokenizer(text, **kwargs)
         counting.eos_token_id = tokenizer.eos_token_id
-        alone[name] = (token_blocks(spec, counting, seq_len, num_blocks, split="train", seed=5, by_rank=True),
+        alone[name] = (token_blocks(spec, counting, seq_len, num_blocks, split="train", seed=5, share=world()),
                        len(calls))
     script = tmp_path / "blocks.py"
     script.write_text(SCRIPT)

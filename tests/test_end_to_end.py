@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from dofattn.attention import LinearAttention
 from dofattn.spec import Attention
 from dofattn.distill.end_to_end import decoder_layers, layers_checkpointed, loss, trainable
 from dofattn.evaluate import head, hidden_states, teacher_mode
@@ -228,39 +227,6 @@ def test_chunked_loss_and_gradients_equal_the_whole_blocks(family, lora, kd_weig
         want_grads = gradients(model, want)
     got = loss(model, ids, kd_weight, chunk=chunk)
     assert_same(got, gradients(model, got), want, want_grads)
-
-
-@pytest.mark.parametrize("family,kd_weight", [("llama", 0.7), ("gpt2", 0.7), ("llama", 0)])
-def test_a_carried_context_gives_the_whole_texts_loss_on_the_block(family, kd_weight):
-    """end_to_end.carry: both models read the first P tokens into caches without gradients (a bounded kept layer
-    keeping every key, the key shifts held), then the block: the loss the whole text's forward gives on the block's
-    predictions. Gradients reach the student's tensors, none of them through the context."""
-    from dofattn.spec import Kept
-
-    model = tiny_model(family)
-    linearize(model, [8, 8, 8], Attention(feature="prf", window=4, sink=1, decay="head"), layers=[0, 2],
-              kept=Kept(select=3, select_observe=3), seed=0)
-    for name, p in model.named_parameters():
-        p.requires_grad_(is_student_tensor(name))
-    for module in attention_modules(model):
-        if getattr(module, "dofattn", None) is not None:
-            module.dofattn.train()
-    P, ids = 9, torch.randint(0, 300, (2, 9 + 14), generator=torch.Generator().manual_seed(2))
-    with key_shifts_kept(model):
-        got = loss(model, ids, kd_weight, chunk=5, carry=P)
-    with torch.no_grad():
-        student_hidden = hidden_states(model, ids)[:, P:-1]
-        logp = torch.log_softmax(head(model, student_hidden).float(), -1)
-        want = F.nll_loss(logp.flatten(0, 1), ids[:, P + 1:].flatten())
-        if kd_weight > 0:
-            with teacher_mode(model):
-                teacher = torch.log_softmax(head(model, hidden_states(model, ids)[:, P:-1]).float(), -1)
-            want = want + kd_weight * F.kl_div(logp, teacher, log_target=True, reduction="none").sum(-1).mean()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    grads = gradients(model, got)
-    assert any(g.abs().max() > 0 for g in grads.values())
-    assert all(not m.whole for m in model.modules() if type(m).__name__ == "BoundedSoftmax")
-    assert all(m.feature_map.training for m in model.modules() if isinstance(m, LinearAttention))
 
 
 def test_a_chunk_keeps_no_logits_for_the_backward_pass():

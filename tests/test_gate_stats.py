@@ -60,29 +60,3 @@ def test_refuses_a_student_without_gates(tmp_path, model_dirs, corpus, monkeypat
                                       "--seq-len", "16", "--dtype", "float32"])
     with pytest.raises(SystemExit, match="no gated layers"):
         gate_stats.main()
-
-
-def test_erase_strengths_of_a_delta_student(tmp_path, model_dirs, corpus, monkeypatch):
-    """A delta rule without a gate: no half-life table, one row of erase strengths per delta layer, each at the
-    value its weights give (layer 2 moved to sigmoid(0) = 0.5 for every token, layer 0 at its start)."""
-    from dofattn.attention import DELTA_START
-    from dofattn.hf import load_model
-
-    model, _ = load_model(str(model_dirs["llama"]))
-    linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="head", delta=True), seed=2, layers=[0, 2])
-    with torch.no_grad():
-        attention_modules(model)[2].dofattn.delta.delta_bias.zero_()
-    config = StudentSpec(base_model=str(model_dirs["llama"]), dims=[5, 12, 7], layers=[0, 2], seed=2,
-                         base=fingerprint(model), attention=Attention(feature="prf", window=0, sink=0, decay="head",
-                                                                      delta=True))
-    folder = save_student(model, tmp_path / "student", config)
-    out = tmp_path / "stats.json"
-    monkeypatch.setattr(sys, "argv", ["gate_stats", str(folder), "--data", str(corpus), "--blocks", "2",
-                                      "--seq-len", "16", "--dtype", "float32", "--out", str(out)])
-    gate_stats.main()
-    stats = json.loads(out.read_text())
-    assert stats["layers"] == [] and [r["layer"] for r in stats["delta"]] == [0, 2]
-    start = 1 / (1 + math.exp(-DELTA_START))
-    assert stats["delta"][0]["quantiles"]["0.05"] == pytest.approx(start, rel=1e-5)
-    assert stats["delta"][0]["quantiles"]["0.95"] == pytest.approx(start, rel=1e-5)
-    assert stats["delta"][1]["mean"] == pytest.approx(0.5) and stats["delta"][1]["above_half"] == 0

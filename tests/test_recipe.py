@@ -42,7 +42,7 @@ def test_the_default_recipe_is_the_best_measured_student():
     ("window=32", "student.window", 32),                     # a bare key that one table has
     ("end_to_end.lr=1e-3", "end_to_end.lr", 1e-3),
     ("end_to_end.lr=1", "end_to_end.lr", 1.0),               # an integer where a number is asked for
-    ("student.delta=true", "student.delta", True),
+    ("end_to_end.activation_checkpointing=true", "end_to_end.activation_checkpointing", True),
     ("student.dims=fix:8", "student.dims", "fix:8"),         # not TOML: the bare text
     ('student.dims="fix"', "student.dims", "fix"),
     ("student.decay=none", "student.decay", "none"),         # a value, where the key cannot be unset
@@ -60,7 +60,7 @@ def test_set_values_take_their_keys_type(item, key, value):
     (["lr=0.1"], "recipe key 'lr' is in several tables: say which, layerwise.lr or end_to_end.lr"),
     (["window"], "--set 'window': give KEY=VALUE"),
     (["window=3.5"], "student.window = 3.5 is not an integer"),
-    (["delta=1"], "student.delta = 1 is not true or false"),
+    (["activation_checkpointing=1"], "end_to_end.activation_checkpointing = 1 is not true or false"),
     (["steps=true"], "in several tables"),
     (["layerwise.steps=true"], "layerwise.steps = True is not an integer"),
     (["run.seed=none"], "run.seed = 'none' is not an integer"),
@@ -115,3 +115,17 @@ def test_auto_dtype_is_what_the_device_computes_fast_and_is_recorded(monkeypatch
     resolved = resolve_dtype(recipe, "cpu")
     assert resolved.run.dtype == expected and 'dtype = "' + expected + '"' in resolved.to_toml()
     assert resolve_dtype(recipes.load("window"), "cpu").run.dtype == "float32"      # an explicit dtype stays
+
+
+def test_keys_that_left_are_read_at_their_defaults_and_refused_otherwise(tmp_path):
+    """A run folder's recipe.toml from before the delta rule and state passing left names them at their defaults:
+    it still loads; set to anything else, one line says they left."""
+    text = recipes.load("window").to_toml()
+    old = tmp_path / "old.toml"
+    old.write_text(text.replace("[student]\n", "[student]\ndelta = false\n").replace("[end_to_end]\n",
+                                                                                       "[end_to_end]\ncarry = 0\n"))
+    assert recipes.load(str(old)) == recipes.load("window")
+    assert recipes.load("window", ["student.delta=false", "carry=0"]) == recipes.load("window")
+    old.write_text(text.replace("[end_to_end]\n", "[end_to_end]\ncarry = 256\n"))
+    with pytest.raises(UserError, match="end_to_end.carry = 256 measured worse or flat.*remove the key"):
+        recipes.load(str(old))

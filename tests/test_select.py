@@ -88,11 +88,35 @@ def test_select_bounds_the_kept_layers_cache_and_counts_in_its_bytes():
             if select:
                 assert type(kept).__name__ == "BoundedKVLayer" and kept.lead == 2 + 5
             linear = sum(t.numel() * t.element_size() for i in (0, 2) for t in cache.layers[i].tensors().values())
-            held = sum(t.numel() * t.element_size() for t in vars(kept).values() if isinstance(t, torch.Tensor))
-            assert cache_bytes(cache) == linear + held
+            if select:      # keys and values [1, 2 kv heads, S + C + W, 16] in float32, and a bool per slot
+                assert cache_bytes(cache) - linear == 2 * (2 * (2 + 5 + 4) * 16 * 4) + (2 + 5 + 4)
             sizes[select, length] = cache_bytes(cache)
     assert sizes[5, 20] == sizes[5, 50]
     assert sizes[0, 20] < sizes[0, 50]
+
+
+def test_select_holds_the_sink_the_chosen_keys_and_the_window():
+    """After a prompt of 50 tokens a bounded kept layer holds, per kv head, the prompt's first S keys, C keys from
+    between the sink and the window, and its last W keys in their ring slots (position p in slot S + C + p mod W):
+    each the key the layer's full cache holds at that position."""
+    prompt = torch.randint(3, 300, (1, 50), generator=torch.Generator().manual_seed(0))
+    caches = {}
+    for select in (0, 5):
+        model = tiny_model("llama")
+        linearize(model, [4] * 3, Attention(window=4, sink=2), kept=Kept(select=select, select_observe=3)
+                  if select else Kept(), layers=[0, 2], seed=1)
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=1, do_sample=False, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        caches[select] = out.past_key_values.layers[1]
+    full, kept = caches[0].keys, caches[5]                  # [1, 2, 50, 16]; the bounded slot
+    assert kept.keys.shape == (1, 2, 2 + 5 + 4, 16) and kept.lead == 2 + 5
+    assert torch.equal(kept.keys[:, :, :2], full[:, :, :2])                                  # the sink
+    for p in range(46, 50):                                                                  # the window
+        assert torch.equal(kept.keys[:, :, 7 + p % 4], full[:, :, p]), p
+    for h in range(2):                                      # the chosen: prompt keys past the sink, before the window
+        positions = [p for c in range(2, 7) for p in range(50) if torch.equal(kept.keys[0, h, c], full[0, h, p])]
+        assert len(positions) == 5 and all(2 <= p < 46 for p in positions), positions
 
 
 def test_select_errors_and_round_trip():
@@ -122,9 +146,12 @@ def test_a_schema_3_folder_reads_its_selection_or_refuses_an_option_that_left():
                          "conv": 0, "delta": False}}
     spec = StudentSpec.from_json(json.dumps(old))
     assert spec.kept == Kept(select=256) and spec.attention == Attention(decay="head")
-    for key, value in (("gain", "query"), ("select_by", "stream"), ("select_in", "all")):
-        with pytest.raises(UserError, match=f"student.{key} = '{value}'.*distill the student again"):
+    for key, value in (("gain", "query"), ("select_by", "stream"), ("select_in", "all"), ("delta", True)):
+        with pytest.raises(UserError, match=f"student.{key} = {value!r}.*distill the student again"):
             StudentSpec.from_json(json.dumps({**old, "attention": {**old["attention"], key: value}}))
+    current = json.loads(spec.to_json())                # schema 4 with the delta rule's key at its default: read
+    current["attention"]["delta"] = False
+    assert StudentSpec.from_json(json.dumps(current)) == spec
 
 
 # --- a kept softmax layer's bounded cache (`attention.bounded`) ------------------------------------------------

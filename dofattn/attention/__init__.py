@@ -18,7 +18,6 @@ Modules, by part:
     exact     the exact keys' parts: `Window` (the last W, and the linear part's gain) and `Sink` (the first S)
     decay     `Decay` (per head) and `Gate` (per token)
     conv      `ShortConv`, on q, k and v
-    delta     `DeltaRule`
     cache     the cache slots: `LinearStateLayer` with a `PartState` per part that keeps one, for static decoding
               `StaticStateLayer` and `RingWindowLayer` (and `StaticKVLayer` for a kept softmax layer)
     bounded   a kept softmax layer's cache bounded after the prompt (`spec.Kept`): `BoundedSoftmax`
@@ -56,12 +55,11 @@ from dofattn.attention.cache import (LinearStateLayer, RingWindowLayer, StaticKV
                                      state_layer)
 from dofattn.attention.conv import CONV_NAMES
 from dofattn.attention.decay import DECAY_START, GATE_FLOOR
-from dofattn.attention.delta import DELTA_NAMES, DELTA_START
 from dofattn.attention.install import CACHE_ARGUMENTS, IMPLEMENTATION, IMPLEMENTATIONS, attention_forward, install
 from dofattn.attention.layer import LinearAttention
 from dofattn.attention.linear import check_decay_padding, check_left_padding
 
 __all__ = ["LinearAttention", "LinearStateLayer", "StaticStateLayer", "RingWindowLayer", "StaticKVLayer", "state_layer",
            "keep_buffer", "install", "attention_forward", "IMPLEMENTATION", "IMPLEMENTATIONS", "CACHE_ARGUMENTS",
-           "CONV_NAMES", "DELTA_NAMES", "DECAY_START", "DELTA_START", "GATE_FLOOR", "check_decay_padding",
+           "CONV_NAMES", "DECAY_START", "GATE_FLOOR", "check_decay_padding",
            "check_left_padding"]

@@ -20,8 +20,6 @@ not the method: give the model the whole prompt.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -194,13 +192,12 @@ class BoundedSoftmax(nn.Module):
     """A kept softmax layer's bounded cache: the selection of a `spec.Kept` beside the sink and window of the linear
     layers' `spec.Attention`. It has no parameters. `install` binds the HF cache and the layer's index for the
     duration of a call (`cache`, `layer_idx`); `attention.prompt` sets `reading` while a prompt is read in chunks:
-    the tokens that follow the chunk being read (0 on the last). While `whole` (`whole_context`) the layer is a
-    plain softmax layer whose cache keeps every key, as it reads a block without a cache."""
+    the tokens that follow the chunk being read (0 on the last)."""
 
     def __init__(self, kept, attention, scaling: float):
         super().__init__()
         self.kept, self.attention, self.scaling = kept, attention, float(scaling)
-        self.cache, self.layer_idx, self.reading, self.whole = None, None, 0, False
+        self.cache, self.layer_idx, self.reading = None, None, 0
 
     def extra_repr(self) -> str:
         return self.kept.describe(self.attention)
@@ -263,18 +260,3 @@ class BoundedSoftmax(nn.Module):
         held_valid = torch.cat([sink.gather(1, order), chosen], 1)
         gather = lambda x: x.gather(2, at[..., None].expand(-1, -1, -1, x.shape[-1]))
         return BoundedKVLayer.from_prompt(gather(key), gather(value), held_valid, key, value, valid & ~sink, width)
-
-
-@contextlib.contextmanager
-def whole_context(model: nn.Module) -> Iterator[None]:
-    """While active, every bounded kept layer of `model` keeps every key in its cache and reads them all (training
-    that carries a text's context in caches: the kept layers read it whole, as they read a block without a
-    cache)."""
-    bounded = [m for m in model.modules() if isinstance(m, BoundedSoftmax)]
-    for m in bounded:
-        m.whole = True
-    try:
-        yield
-    finally:
-        for m in bounded:
-            m.whole = False

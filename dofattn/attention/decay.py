@@ -22,7 +22,7 @@ GATE_FLOOR = -30.0      # a gate's log factor per token is at least this (e^-30:
 
 def read_values(v: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """v [B, T, H, D] (on query heads) -> [B, T, H] float32: bias_h + weight_h·v_t/√D, a number per token and head
-    read off its value (a gate's log rate, the delta rule's erase logit)."""
+    read off its value (a gate's log rate)."""
     w = weight.float()
     return bias.float() + torch.einsum("bthd,hd->bth", v.float(), w) / math.sqrt(w.shape[1])
 
@@ -45,10 +45,6 @@ class Decay(nn.Module):
         """The decay as the linear op takes it (`ops.linear_attention`): `log_decay` [H]."""
         return {"log_decay": self.log_decay()}
 
-    def log_gates_or_decay(self, v: torch.Tensor) -> torch.Tensor:
-        """[B, T, H] float32: each token's log factor (the per-head decay repeated), as the delta rule takes it."""
-        return self.log_decay()[None, None].expand(*v.shape[:3])
-
 
 class Gate(Decay):
     """A decay per token, read off its value (pure linear attention only): before token t head h's state is
@@ -68,6 +64,3 @@ class Gate(Decay):
 
     def op_arguments(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"log_gate": self.log_gates(v)}
-
-    def log_gates_or_decay(self, v: torch.Tensor) -> torch.Tensor:
-        return self.log_gates(v)

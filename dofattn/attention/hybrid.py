@@ -90,7 +90,7 @@ class WindowBranch:
         eval mode, no autograd, a contiguous float32 state. Reads nothing from the GPU per step (the calibration
         once)."""
         fmap = self.feature_map
-        if not (backend == "triton" or (backend == "auto" and q.is_cuda)) or self.attention.decay == "gate":
+        if not (backend == "triton" or (backend == "auto" and q.is_cuda)):
             return False
         if needs_grad(q, *self.parameters()):
             return False
@@ -133,11 +133,11 @@ class WindowBranch:
 
     def prf_step_ok(self, q: torch.Tensor, cache: LinearStateLayer) -> bool:
         """True when a steady decode step runs as `ops.window.prf_window_decode_step` (few operations, the state
-        updated in place): a PRF map, float32, a contiguous state, no autograd, no gate; else `fold` and
-        `read_exact`."""
+        updated in place): a PRF map, float32, a contiguous state, no autograd (a window has no gate: `spec`); else
+        `fold` and `read_exact`."""
         return (isinstance(self.feature_map, PositiveRandomFeatures) and q.dtype == torch.float32
                 and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
-                and self.attention.decay != "gate" and not needs_grad(q, *self.parameters()))
+                and not needs_grad(q, *self.parameters()))
 
     def step_constants(self) -> PRFStep:
         """The PRF step's constants (`ops.window.prf_step_constants`), made again only when a tensor they come from

@@ -42,9 +42,8 @@ def _bind_cache(module: nn.Module, args, kwargs) -> None:
 
 
 def _bounded(module: nn.Module):
-    """A kept layer's `BoundedSoftmax`, or None: none, or one reading the whole context (`bounded.whole_context`)."""
-    bounded = getattr(module, "dofattn_bounded", None)
-    return None if bounded is None or bounded.whole else bounded
+    """A kept layer's `BoundedSoftmax`, or None."""
+    return getattr(module, "dofattn_bounded", None)
 
 
 def _unbind_cache(module: nn.Module, args, kwargs, output) -> None:

@@ -2,14 +2,13 @@
 
     layer = LinearAttention(Attention(window=64, sink=4), feature_map, num_kv_heads=3)   # heads and size: the map's
 
-The parts, each a module that owns its parameters and its forms (`attention.exact`, `.decay`, `.conv`, `.delta`):
+The parts, each a module that owns its parameters and its forms (`attention.exact`, `.decay`, `.conv`):
     feature_map   φ of queries and keys (`features`)
     window        exact softmax over the last W keys, the linear branch beyond, one normalisation (`exact.Window`);
                   the linear branch's weight per head
     sink          the first S real tokens exact for every later query (`exact.Sink`)
     decay         a learned decay of the linear state per head (`decay.Decay`) or per token (`decay.Gate`)
     conv          a short causal convolution of q, k and v (`conv.ShortConv`)
-    delta         the delta rule writing the state (`delta.DeltaRule`)
 A part the config leaves out is None. Every rule on how the parts combine is the config's (`Attention`), checked
 when it is made. The layer dispatches a call to its forms: pure linear attention's (`linear.LinearBranch`), the
 window hybrid's (`hybrid.WindowBranch`); `naive` is its attention matrix the quadratic way, which the layerwise
@@ -26,7 +25,6 @@ from torch import nn
 from dofattn.attention.cache import LinearStateLayer, StaticStateLayer
 from dofattn.attention.conv import ShortConv
 from dofattn.attention.decay import Decay, Gate
-from dofattn.attention.delta import DeltaRule
 from dofattn.attention.exact import Sink, Window
 from dofattn.attention.hybrid import WindowBranch
 from dofattn.attention.linear import LinearBranch
@@ -66,7 +64,6 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
         self.sink = Sink(attention.sink) if attention.sink else None
         self.decay = (Decay(num_heads) if attention.decay == "head" else Gate(num_heads, head_dim)
                       if attention.decay == "gate" else None)
-        self.delta = DeltaRule(num_heads, head_dim) if attention.delta else None
         self.conv = ShortConv(attention.conv, num_heads, num_kv_heads, head_dim) if attention.conv else None
         self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
 

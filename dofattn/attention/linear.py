@@ -1,7 +1,7 @@
 """The linear branch's forms, as a mixin of `LinearAttention`: a prefill (`linear_attend`) and a cached call
-(`linear_step`) of pure linear attention, with whatever decay or gate (`attention.decay`) and delta rule
-(`attention.delta`) the layer has, on the ops `ops.linear_attention` and `ops.delta.delta_attention`, and for a
-one-token PRF step on CUDA the Triton kernel `ops.triton.prf.prf_decode_step`. Also the padding rules of a decay.
+(`linear_step`) of pure linear attention, with whatever decay or gate (`attention.decay`) the layer has, on the op
+`ops.linear_attention`, and for a one-token PRF step on CUDA the Triton kernel `ops.triton.prf.prf_decode_step`.
+Also the padding rules of a decay.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class LinearBranch:
         CUDA, no autograd, a PRF map with a calibrated key shift, no window, a float32 state (with or without a decay).
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
-        return (backend == "auto" and self.window is None and self.attention.decay != "gate" and self.delta is None
+        return (backend == "auto" and self.window is None and self.attention.decay != "gate"
                 and q.shape[1] == 1 and q.is_cuda and isinstance(fmap, PositiveRandomFeatures)
                 and fmap.fused_ok(q, "key") and cache.state is not None and cache.state.dtype == torch.float32
                 and cache.state.is_contiguous())
@@ -50,8 +50,6 @@ class LinearBranch:
             phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
             if self.decay is not None:
                 check_decay_padding(key_valid, state)
-        if self.delta is not None:
-            return self.delta.attend(phi_q, phi_k, v, self.decay, state, output_final_state, backend)
         decay = {} if self.decay is None else self.decay.op_arguments(v)
         return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
                                 backend=backend, **decay)

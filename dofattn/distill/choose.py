@@ -28,7 +28,7 @@ from dofattn.hf import context_length
 from dofattn.io import write_atomic
 from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.recipe import Recipe
-from dofattn.student import attention_modules, global_layers, head_layout, linear_layers, resolve_dims
+from dofattn.student import head_layout, resolve_dims
 
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which the teacher's attention matrices are measured
 ATTENTION_DOF_SEQ_LEN = 512   # tokens per block, at most (else eval.seq_len): each T x T matrix's SVD costs T³

@@ -29,18 +29,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dofattn.attention import CONV_NAMES
-from dofattn.attention.bounded import whole_context
 from dofattn.distill.world import all_max, all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
 from dofattn.evaluate import head, hidden_states, perplexity, teacher_mode
-from dofattn.features import PositiveRandomFeatures
 from dofattn.io import read_safetensors, write_json
 from dofattn.recipe import EndToEnd
-from dofattn.student import attention_modules, is_student_tensor
+from dofattn.student import is_student_tensor, linear_parts
 
 
 def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -72,7 +69,7 @@ def _chunk_loss(model, hidden: torch.Tensor, targets: torch.Tensor, teacher: tor
     return value
 
 
-def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0, carry: int = 0) -> torch.Tensor:
+def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0) -> torch.Tensor:
     """The student's mean next-token cross-entropy on `ids` [B, T], plus kd_weight × the mean KL(teacher ‖ student)
     per token (the teacher is the same model in `teacher_mode`).
 
@@ -80,27 +77,12 @@ def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0, carry: int 
     `chunk` positions at a time. Each chunk is checkpointed (its logits are recomputed in the backward pass), so at
     most one chunk's logits of each model exist at a time; with `chunk` 0 all T−1 positions go at once and autograd
     keeps their logits, as the model's own forward would.
-
-    `carry` > 0: the first `carry` tokens are the text before the block. Each model reads them first, without
-    autograd, into a cache (the student's kept layers keep every key: `whole_context`), and the loss is on the
-    rest, whose states start from them (state passing; `carried`).
     """
-    student_cache = teacher_cache = None
-    if carry:
-        context, ids = ids[:, :carry], ids[:, carry:]
-        student_cache, teacher_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
-        with torch.no_grad():
-            if kd_weight > 0:
-                with teacher_mode(model):
-                    hidden_states(model, context, teacher_cache)
-            with carried(model):
-                hidden_states(model, context, student_cache)
     teacher = None
     if kd_weight > 0:
         with torch.no_grad(), teacher_mode(model):
-            teacher = hidden_states(model, ids, teacher_cache)[:, :-1]                   # [B, T-1, d]
-    with carried(model) if carry else contextlib.nullcontext():
-        student = hidden_states(model, ids, student_cache)[:, :-1]                       # [B, T-1, d]
+            teacher = hidden_states(model, ids)[:, :-1]                                  # [B, T-1, d]
+    student = hidden_states(model, ids)[:, :-1]                                          # [B, T-1, d]
     targets = ids[:, 1:]
     size = chunk or targets.shape[1]
     value = student.new_zeros((), dtype=torch.float32)
@@ -110,23 +92,6 @@ def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0, carry: int 
         value = value + (checkpoint(_chunk_loss, *part, use_reentrant=False) if chunk and student.requires_grad
                          else _chunk_loss(*part))
     return value / targets.numel()
-
-
-@contextlib.contextmanager
-def carried(model) -> Iterator[None]:
-    """While active, the student reads a text whose context it carries in a cache: its kept layers keep every key
-    (`whole_context`), and the PRF feature maps' key shifts stay as they are (their maps in eval mode; nothing else
-    of a feature map reads the mode), since a state carried from one call to the next is in the units of the shift
-    it was made with."""
-    maps = [m for m in model.modules() if isinstance(m, PositiveRandomFeatures) and m.training]
-    for m in maps:
-        m.train(False)
-    try:
-        with whole_context(model):
-            yield
-    finally:
-        for m in maps:
-            m.train(True)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -314,7 +279,7 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
     optimizer = optimizer_class(groups)
     ckpt = out / "end_to_end"
     start_step, losses, curve = load_checkpoint(ckpt, tensors, optimizer, names)
-    linears = [m.dofattn for m in attention_modules(model) if hasattr(m, "dofattn")]
+    linears = list(linear_parts(model).values())
     for linear in linears:            # the base model stays in eval mode: no dropout, a deterministic teacher
         linear.train()
     started = time.perf_counter()
@@ -324,7 +289,7 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
     with layers_checkpointed(model) if config.activation_checkpointing else contextlib.nullcontext():
         for step in bar:
             idx = draw(seed, step, len(blocks), batch_size * size)[rank::size]
-            value = call(loss, blocks[idx].to(device), config.kd_weight, config.loss_chunk, config.carry)
+            value = call(loss, blocks[idx].to(device), config.kd_weight, config.loss_chunk)
             for group in optimizer.param_groups:
                 group["lr"] = cooldown_lr(group["base_lr"], step, steps, config.cooldown_steps)
             optimizer.zero_grad(set_to_none=True)
@@ -341,7 +306,7 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
                 ppl = call(perplexity, eval_blocks, progress=False)   # every process: FSDP gathers the weights
                 for linear in linears:
                     linear.train()
-                tokens = (step + 1) * batch_size * size * (blocks.shape[1] - config.carry)
+                tokens = (step + 1) * batch_size * size * blocks.shape[1]
                 curve.append({"step": step + 1, "tokens": tokens,
                               "ppl": ppl})
                 bar.set_postfix(loss=f"{value.item():.4f}", ppl=f"{ppl:.1f}")

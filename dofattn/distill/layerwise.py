@@ -24,7 +24,7 @@ from dofattn.distill.world import barrier, world
 from dofattn.io import read_safetensors
 from dofattn.ops.softmax import expand_kv
 from dofattn.recipe import Layerwise
-from dofattn.student import attention_modules
+from dofattn.student import attention_modules, linear_parts
 
 
 def param_groups(linear: LinearAttention, lr: float, lr_weights: float) -> list[dict]:
@@ -113,21 +113,20 @@ def layerwise(model, stream: TeacherStream, out: Path, config: Layerwise, seed: 
     `stream` makes layer by layer; finished layer files are loaded, not trained again. Every rank ends with every
     layer. Returns the logs by layer."""
     rank, size = world()
-    modules = attention_modules(model)
-    linear = [i for i, m in enumerate(modules) if getattr(m, "dofattn", None) is not None]
-    logs = {i: load_layer(out, i, modules[i].dofattn) for i in linear if i % size == rank and layer_file(out, i).is_file()}
+    modules, linear = attention_modules(model), linear_parts(model)
+    logs = {i: load_layer(out, i, part) for i, part in linear.items()
+            if i % size == rank and layer_file(out, i).is_file()}
     for layer, acts in stream.walk([i for i in linear if i % size == rank and i not in logs]):
-        module = modules[layer]
-        log = train_layer(module.dofattn, acts, module.scaling, config, seed=seed * 100_003 + layer,
+        log = train_layer(linear[layer], acts, modules[layer].scaling, config, seed=seed * 100_003 + layer,
                           desc=f"layer {layer:2d} ({config.loss})", progress=progress)
         del acts                             # before the stream makes the next layer's
         if progress:
             print(f"layer {layer:2d}: {config.loss} loss {log['first_loss']:.4f} -> {log['last_loss']:.4f} "
                   f"({log['seconds']:.0f} s)", flush=True)
-        save_layer(out, layer, module.dofattn, log)
+        save_layer(out, layer, linear[layer], log)
         logs[layer] = log
     barrier()
-    for layer in linear:                     # every rank ends with every layer
+    for layer, part in linear.items():       # every rank ends with every layer
         if layer not in logs:
-            logs[layer] = load_layer(out, layer, modules[layer].dofattn)
+            logs[layer] = load_layer(out, layer, part)
     return dict(sorted(logs.items()))

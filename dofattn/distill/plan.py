@@ -112,16 +112,15 @@ def measure_step(recipe: Recipe, model, count_flops: bool = False) -> Step:
 
     from dofattn.distill.end_to_end import layers_checkpointed, loss
     from dofattn.memory import LiveBytes, RealConstants
-    from dofattn.student import attention_modules, is_student_tensor
+    from dofattn.student import is_student_tensor, linear_parts
 
     e2e = recipe.end_to_end
     mode = FakeTensorMode()
     fake_model(model, mode)
     for name, p in model.named_parameters():             # as run.py: only the student's tensors train
         p.requires_grad_(is_student_tensor(name))
-    for module in attention_modules(model):              # and end_to_end.train: its linear layers in training mode
-        if hasattr(module, "dofattn"):
-            module.dofattn.train()
+    for linear in linear_parts(model).values():          # and end_to_end.train: its linear layers in training mode
+        linear.train()
     trained = [p for p in model.parameters() if p.requires_grad]
     ids = torch.zeros(e2e.batch_size, e2e.seq_len, dtype=torch.long)
     with mode:

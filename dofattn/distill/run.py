@@ -120,13 +120,14 @@ def run(cfg: DistillConfig) -> dict:
     # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
     lw, e2e = r.layerwise, r.end_to_end
     # under torchrun each process tokenizes a share of the documents; all get the same blocks
-    train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed, by_rank=True)
+    share = world()
+    train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed, share=share)
     e2e_train = train
-    if e2e.steps and (r.end_to_end_blocks, e2e.carry + e2e.seq_len) != tuple(train.shape):
-        e2e_train = token_blocks(r.run.data, tokenizer, e2e.carry + e2e.seq_len, r.end_to_end_blocks,
-                                 split="train", seed=r.run.seed, by_rank=True)
+    if e2e.steps and (r.end_to_end_blocks, e2e.seq_len) != tuple(train.shape):
+        e2e_train = token_blocks(r.run.data, tokenizer, e2e.seq_len, r.end_to_end_blocks,
+                                 split="train", seed=r.run.seed, share=share)
     valid = token_blocks(r.run.eval_data or r.run.data, tokenizer, r.eval.seq_len, r.eval.blocks,
-                         split="validation", seed=0, by_rank=True)
+                         split="validation", seed=0, share=share)
     copied = False
     if rank == 0:                                  # after the model loaded: a typo in the model leaves no folder
         if continue_from:

@@ -24,19 +24,17 @@ without one but never fla (triton on CUDA when it imports, else recurrent for T 
 asking fla for a decay is a ValueError. A gate (`log_gate` [B, T, H], a decay per token) runs on naive, chunk,
 recurrent and triton: auto picks as for a decay (triton on CUDA when it imports, else recurrent for T = 1 and chunk
 otherwise); asking fla for one is a ValueError.
-
-A state written by the delta rule (a token erases part of what its key direction holds before it writes) is a
-different op with its own entry point, `ops.delta.delta_attention`: recurrent (the reference) and chunk, in PyTorch.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
 from dofattn.ops.chunk import chunk_linear_attention
-from dofattn.ops.fla import fla_available, fla_linear_attention
+from dofattn.ops.fla import fla_available, fla_linear_attention, optional
 from dofattn.ops.naive import check_inputs, naive_linear_attention
 from dofattn.ops.recurrent import recurrent_linear_attention
 
@@ -45,11 +43,7 @@ from dofattn.ops.recurrent import recurrent_linear_attention
 def load_triton():
     """dofattn's Triton kernels (the package `ops.triton`: modules scan, prf, window) and '' if they import, else
     (None, why not)."""
-    try:
-        from dofattn.ops import triton as kernels
-    except Exception as error:                                         # ImportError, or Triton failing to load
-        return None, f"{type(error).__name__}: {error}"
-    return kernels, ""
+    return optional(lambda: importlib.import_module("dofattn.ops.triton"))
 
 
 def triton_available() -> bool:

@@ -15,6 +15,7 @@ RuntimeError saying what to install or use instead; `fla_available()` says befor
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from collections.abc import Callable
 
@@ -24,14 +25,19 @@ import torch.nn.functional as F
 from dofattn.ops.naive import augment_values, check_inputs, normalise
 
 
+def optional(importer: Callable[[], object]) -> tuple[object | None, str]:
+    """What `importer` returns and '' if it runs, else (None, why not): the one path by which a kernel package that
+    may be missing or fail to load (dofattn's Triton kernels, fla) is loaded."""
+    try:
+        return importer(), ""
+    except Exception as error:                                         # ImportError, or Triton failing to load
+        return None, f"{type(error).__name__}: {error}"
+
+
 @functools.cache
 def load_fla() -> tuple[Callable | None, str]:
     """fla's `chunk_linear_attn` and '' if it imports, else (None, why not)."""
-    try:
-        from fla.ops.linear_attn import chunk_linear_attn
-    except Exception as error:                                         # ImportError, or Triton failing to load
-        return None, f"{type(error).__name__}: {error}"
-    return chunk_linear_attn, ""
+    return optional(lambda: importlib.import_module("fla.ops.linear_attn").chunk_linear_attn)
 
 
 def fla_available() -> bool:
