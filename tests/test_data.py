@@ -307,7 +307,7 @@ def test_two_gloo_processes_tokenize_their_shares_into_one_processs_blocks(token
             calls.append(text)
             return tokenizer(text, **kwargs)
         counting.eos_token_id = tokenizer.eos_token_id
-        alone[name] = (token_blocks(spec, counting, seq_len, num_blocks, split="train", seed=5, share=world()),
+        alone[name] = (token_blocks(spec, counting, seq_len, num_blocks, split="train", seed=5),
                        len(calls))
     script = tmp_path / "blocks.py"
     script.write_text(SCRIPT)

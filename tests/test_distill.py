@@ -696,7 +696,7 @@ def test_continue_from_copies_a_run_and_goes_on_with_more_text(capsys, model_dir
     assert snapshot(source) == before
 
     bad = [(("layerwise.lr=0.05",), "was run with other layerwise.lr"),
-           (("student.conv=4", "student.decay=gate"), "was run with other student.decay, student.conv"),
+           (("student.conv=4", "student.decay=gate"), "was run with other student.conv, student.decay"),
            (("--data", f"{corpus}+{more}"), f"give --eval-data {corpus}"),
            (("end_to_end.steps=1",), "end_to_end.steps = 1 is fewer than the 2 end-to-end steps"),
            (("--continue-from", tmp_path), "is not a finished (or time-limited) dofattn distill run folder")]
