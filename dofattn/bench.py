@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from dofattn.errors import UserError
-from dofattn.options import option
+from dofattn.options import Machine, option
 
 
 PARTS = ("prefill", "decode", "generation")
@@ -44,15 +44,12 @@ GEN_CONTEXTS = [512, 8192, 32768]     # where a user starts, the teacher's train
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(Machine):
     """What `bench` measures, and where. Its fields are `dofattn bench`'s options of the same names; None (the
     command line's `auto`) picks the device's default (`resolved`)."""
 
-    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    threads: int | None = option(None, "CPU threads for torch's operations; auto: torch's default, one per core "
-                                       "(a decode step is many small operations: on a CPU that other work is using, "
-                                       "1 can be faster)", none="auto")
-    dtype: str = option("auto", "float32 or bfloat16; auto: bfloat16 on CUDA, float32 on CPU")
+    dtype: str = option("auto", "float32 or bfloat16; auto: bfloat16 on CUDA, float32 on CPU",
+                        choices=("auto", "float32", "bfloat16"))
     seq_lens: list[int] | None = option(None, "comma-separated T for prefill and decode; auto: 512,2048 on CPU, "
                                               "2048,8192,32768,131072 on CUDA", none="auto")
     heads: int = option(9, "attention heads of the op benchmarks")

@@ -18,13 +18,13 @@ import time
 from dataclasses import dataclass
 
 from dofattn.errors import UserError
-from dofattn.options import DATA_HELP, option
+from dofattn.options import DATA_HELP, Machine, option
 
 DOF_BLOCKS, DOF_SEQ_LEN, DOF_POINTS = 32, 256, 1024   # the DoF estimate's sample: blocks, their length, points/head
 
 
 @dataclass
-class DofConfig:
+class DofConfig(Machine):
     """What `run` estimates, on what, and where it writes; the fields are `dofattn dof`'s options of the same names."""
 
     model: str = option("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
@@ -50,8 +50,6 @@ class DofConfig:
     seq_len: int = option(DOF_SEQ_LEN, "tokens per block")
     batch_size: int = option(4, "blocks per forward pass")
     seed: int = option(0, "seed for the data order and the point sample")
-    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    dtype: str = option("float32", "model dtype: float32 or bfloat16 (DoF is always computed in float64)")
     out: str = option("dof.json", "where to write the JSON result")
     plot: str | None = option(None, "also write a figure of DoF and dims per layer (.png, .pdf or .svg)")
 
@@ -62,7 +60,7 @@ def run(cfg: DofConfig, show=None):
     from dofattn.data import SPLITS, check_source, token_blocks
     from dofattn.dof import (HELDOUT_POINTS, allocate_dims, allocate_dims_auto, attention_dofs, check_sample_size,
                              sample_points)
-    from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device
+    from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device, use_threads
     from dofattn.io import check_output, write_atomic
 
     say = show or (lambda text: None)
@@ -88,6 +86,7 @@ def run(cfg: DofConfig, show=None):
     heldout = HELDOUT_POINTS if cfg.lam_auto else 0
     check_sample_size(cfg.samples * cfg.repeats + heldout, cfg.num_blocks, cfg.seq_len)
     device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+    use_threads(cfg.threads)
 
     start = time.perf_counter()
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)

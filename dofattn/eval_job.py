@@ -21,14 +21,14 @@ from dofattn.evaluate import (compare, first_blocks, format_comparison, format_l
                               lm_eval_tasks)
 from dofattn.hf import resolve_device
 from dofattn.io import check_output
-from dofattn.options import DATA_HELP, option
+from dofattn.options import DATA_HELP, Machine, option
 from dofattn.recipe import DEFAULT_RUN
 
 
 # --- `dofattn eval` -------------------------------------------------------------------------------------------------
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Machine):
     """What `run` evaluates, on what, and where it writes; the fields are `dofattn eval`'s options of the same
     names (`dofattn eval --help` says more). `out` None: no JSON; a plot None: no figure."""
 
@@ -45,11 +45,6 @@ class EvalConfig:
                                           "block shorter)", none="auto")
     layer_blocks: int = option(2, "blocks used for the per-layer errors")
     batch_size: int = option(2, "blocks per forward pass")
-    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    threads: int | None = option(None, "CPU threads for torch's operations; auto: torch's default, one per core "
-                                       "(a decode step is many small operations: on a CPU that other work is using, "
-                                       "1 can be faster)", none="auto")
-    dtype: str = option("float32", "model dtype: float32 or bfloat16")
     tasks: list[str] | None = option(None, "also run zero-shot lm-eval tasks, comma-separated (piqa,arc_easy,"
                                            "arc_challenge,winogrande,logiqa,wsc273,mmlu need the hub; local ones "
                                            "via --task-path)")

@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 
 from dofattn.errors import UserError
-from dofattn.options import option
+from dofattn.options import Machine, option
 from dofattn.recipe import DEFAULT_RUN
 
 
 @dataclass
-class GenerateConfig:
+class GenerateConfig(Machine):
     """The model, the prompt and how to decode it; the fields are `dofattn generate`'s options."""
 
     model: str = option(DEFAULT_RUN, "student folder (the default recipe's run folder unless given), "
@@ -38,11 +38,6 @@ class GenerateConfig:
                                   "first step compiles, minutes on a small CPU, so it pays off for long "
                                   "generations)")
     seed: int = option(0, "seed for sampling and for untrained features")
-    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    threads: int | None = option(None, "CPU threads for torch's operations; auto: torch's default, one per core "
-                                       "(a decode step is many small operations: on a CPU that other work is using, "
-                                       "1 can be faster)", none="auto")
-    dtype: str = option("float32", "model dtype: float32 or bfloat16")
     extend_to: int | None = option(None, "read to this many tokens, past the model's context (SmolLM2: 8192): its "
                                          "RoPE scaled by YaRN to it, without the attention temperature; a little "
                                          "worse within the context", none="off")

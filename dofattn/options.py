@@ -24,3 +24,15 @@ def option(default, help: str, **extra):
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass
+class Machine:
+    """Where a job runs its model and in what dtype: the options of every command that loads one, declared once
+    (a job's config inherits them; `bench` asks for another dtype default)."""
+
+    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    threads: int | None = option(None, "CPU threads for torch's operations; auto: torch's default, one per core "
+                                       "(a decode step is many small operations: on a CPU that other work is using, "
+                                       "1 can be faster)", none="auto")
+    dtype: str = option("float32", "the model's dtype", choices=("float32", "bfloat16"))

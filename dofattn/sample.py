@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from dofattn.data import token_blocks
 from dofattn.errors import UserError
-from dofattn.options import DATA_HELP, option
+from dofattn.options import DATA_HELP, Machine, option
 
 
 @dataclass(frozen=True)
@@ -119,14 +119,11 @@ def sample_text(model, tokenizer, spec: SampleSpec, samples: int, out: Path, pro
 
 
 @dataclass
-class SampleRun:
+class SampleRun(Machine):
     """Beside `SampleSpec` (what decides the text): how many samples, where they go, on what device. Its fields are
     `dofattn sample`'s options of the same names."""
 
     samples: int = option(1000, "number of samples to write in all")
-    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    dtype: str = option("float32", "model dtype: float32 or bfloat16 (sample with the teacher a bfloat16 distill "
-                                   "run compares against)")
     out: str = option("teacher-text.jsonl", "the .jsonl file to write or go on with")
 
 
@@ -142,7 +139,7 @@ def run(cfg: SampleConfig, progress: bool = True) -> dict:
     """`dofattn sample`: load `spec.model` and append samples to `out` until it holds `samples` (a .jsonl file),
     everything checked before the model loads. -> {"samples": in the file, "new": written now, "seconds", "out"}."""
     from dofattn.data import check_source
-    from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device
+    from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device, use_threads
 
     spec, samples, device, dtype = cfg.spec, cfg.run.samples, cfg.run.device, cfg.run.dtype
     out = Path(cfg.run.out).expanduser()
@@ -152,6 +149,7 @@ def run(cfg: SampleConfig, progress: bool = True) -> dict:
     refuse_config_only(spec.model, "sample (text from a trained model)")
     check(spec, samples)
     done_samples(out, spec)                        # refuse a foreign file before loading the model
+    use_threads(cfg.run.threads)
     model, tokenizer = load_model(spec.model, dtype=parse_dtype(dtype), device=resolve_device(device))
     start = time.perf_counter()
     result = sample_text(model, tokenizer, spec, samples, out, progress)

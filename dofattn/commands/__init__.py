@@ -53,10 +53,15 @@ def add_verb(verbs, name: str, doc: str, classes, order: tuple[str, ...] = (), e
 
 def _fields(classes, order: tuple[str, ...] = ()) -> list[tuple[dataclasses.Field, object]]:
     """(field, type) of every option field of `classes`, in `order` first."""
+    from dofattn.options import Machine
+
+    shared = {f.name for f in dataclasses.fields(Machine)}
     items = []
     for cls in classes:
         hints = typing.get_type_hints(cls)
-        items += [(f, hints[f.name]) for f in dataclasses.fields(cls) if "help" in f.metadata]
+        fields = [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+        # a job's own options first, the device options it inherits (`options.Machine`) after them
+        items += [(f, hints[f.name]) for f in sorted(fields, key=lambda f: f.name in shared)]
     rank = {name: i for i, name in enumerate(order)}
     return sorted(items, key=lambda item: rank.get(item[0].name, len(rank)))   # stable: field order otherwise
 
