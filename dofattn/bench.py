@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -448,10 +449,10 @@ def validate(cfg: BenchConfig) -> None:
         raise UserError(f"--parts takes some of {','.join(PARTS)} (comma-separated), got {','.join(cfg.parts)!r}")
 
 
-def run(cfg: BenchConfig, show=print) -> dict:
+def run(cfg: BenchConfig, progress=None) -> dict:
     """The measurements in `cfg.parts`; a JSON-ready dict, also written to `cfg.out` after each row (and part), so
-    that a run stopped partway (a time limit, an out-of-memory kill) keeps what it measured. `show` prints progress
-    (None: quiet)."""
+    that a run stopped partway (a time limit, an out-of-memory kill) keeps what it measured. `progress(text)` gets
+    each row as it is measured (print, say; None: quiet)."""
     from dofattn.hf import parse_dtype, use_threads
     from dofattn.io import check_output, write_atomic
 
@@ -461,7 +462,10 @@ def run(cfg: BenchConfig, show=print) -> dict:
     student = student_of(cfg)               # neither a recipe nor a student, or not buildable: one line, at once
     out = check_output(cfg.out, "--out", (".json",)) if cfg.out else None
     dtype = parse_dtype(cfg.dtype)
-    say = show or (lambda *a, **k: None)
+    def say(text: str) -> None:           # each line out at once: a long run's rows show as they come
+        if progress is not None:
+            progress(text)
+            sys.stdout.flush()
 
     result = {"config": asdict(cfg), "student": student.description, "hardware": hardware(cfg.device),
               "prefill": [], "decode": [], "generation": []}
@@ -472,18 +476,18 @@ def run(cfg: BenchConfig, show=print) -> dict:
             write_atomic(out, json.dumps(result, indent=2))
 
     def report(row: dict) -> None:          # each row as it is measured: a long run that is cut short keeps them
-        say("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.items()), flush=True)
+        say("  " + ", ".join(f"{k}={_short(v)}" for k, v in row.items()))
         current.append(row)
         save()
 
     parts = {"prefill": ("prefill op", bench_prefill), "decode": ("decode step", bench_decode),
              "generation": ("generation", bench_generate)}
-    say(f"student: {result['student']}", flush=True)
+    say(f"student: {result['student']}")
     for name in PARTS:
         if name not in cfg.parts or (name == "generation" and not cfg.model):
             continue
         title, measure = parts[name]
-        say(f"{title} ...", flush=True)
+        say(f"{title} ...")
         current = result[name] = []
         result[name] = measure(cfg, student, dtype, report)
         save()

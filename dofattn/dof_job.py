@@ -2,7 +2,7 @@
 allocated in proportion under a budget, as one `DofConfig` asks; written as JSON (input to `--dims` and
 `student.dims`) and optionally a figure.
 
-    result = run(DofConfig(model="smollm2-135m", out="dof.json"), show=print)   # what `dofattn dof` does
+    result = run(DofConfig(model="smollm2-135m", out="dof.json"), progress=print)   # what `dofattn dof` does
     result.dims, [layer.dof for layer in result.layers]
 
 The estimator is `dof`'s (`sample_points`, `allocate_dims`); a distillation run samples as the defaults here do
@@ -54,16 +54,16 @@ class DofConfig(Machine):
     plot: str | None = option(None, "also write a figure of DoF and dims per layer (.png, .pdf or .svg)")
 
 
-def run(cfg: DofConfig, show=None):
+def run(cfg: DofConfig, progress=None):
     """`dofattn dof`: the `dof.DofResult` of `cfg.model` (also written to `cfg.out`, and a figure to `cfg.plot`).
-    `show(text)` gets each table as it is ready and each file written (print, say)."""
+    `progress(text)` gets each table as it is ready and each file written (print, say; None: quiet)."""
     from dofattn.data import SPLITS, check_source, token_blocks
     from dofattn.dof import (HELDOUT_POINTS, allocate_dims, allocate_dims_auto, attention_dofs, check_sample_size,
                              sample_points)
     from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device, use_threads
     from dofattn.io import check_output, write_atomic
 
-    say = show or (lambda text: None)
+    say = progress or (lambda text: None)
     # everything that can be checked without the model is checked before it loads
     out = check_output(cfg.out, "--out", (".json",))
     plot = check_output(cfg.plot, "--plot", (".png", ".pdf", ".svg")) if cfg.plot else None

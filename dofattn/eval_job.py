@@ -140,9 +140,10 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
     return paths
 
 
-def run(cfg: EvalConfig, show=None) -> dict:
+def run(cfg: EvalConfig, progress=None) -> dict:
     """`dofattn eval`: the student `cfg.model` against its teacher, as `cfg` asks (see `EvalConfig`); returns what
-    it writes to `cfg.out`. `show(text)` gets each table as it is ready and each file written (print, say).
+    it writes to `cfg.out`. `progress(text)` gets each table as it is ready and each file written (print, say;
+    None: quiet).
 
         result = run(EvalConfig(model="runs/window", data="notes.txt", out=None))   # a plain file, scored whole
         result["tokens"], result["ppl"], result["kl"]
@@ -153,7 +154,7 @@ def run(cfg: EvalConfig, show=None) -> dict:
     from dofattn.io import write_atomic
     from dofattn.student import is_student, load_student
 
-    say = show or (lambda text: None)
+    say = progress or (lambda text: None)
     paths = check(cfg)
     refuse_config_only(cfg.model, "eval")
     refuse_config_only(cfg.teacher, "eval --teacher")

@@ -85,9 +85,9 @@ def load(cfg: GenerateConfig):
     return model, tokenizer, f"{cfg.model} as recipe {recipe.name}'s student, untrained ({'; '.join(spec.describe())})"
 
 
-def run(cfg: GenerateConfig, show=None) -> dict:
+def run(cfg: GenerateConfig, progress=None) -> dict:
     """The prompt continued: {"text" (prompt and continuation), "new_tokens", "seconds", "tokens_per_s", "model"
-    (what generated it, in words)}. `show` gets progress lines (None: quiet)."""
+    (what generated it, in words)}. `progress(text)` gets progress lines (None: quiet)."""
     import torch
 
     from dofattn.hf import use_threads
@@ -100,8 +100,8 @@ def run(cfg: GenerateConfig, show=None) -> dict:
 
         extend_context(model, cfg.extend_to)
         what += f", read to {cfg.extend_to} tokens (YaRN)"
-    if show:
-        show(f"generating with {what}")
+    if progress:
+        progress(f"generating with {what}")
     torch.manual_seed(cfg.seed)
     device = next(model.parameters()).device
     inputs = tokenizer(cfg.prompt, return_tensors="pt").to(device)

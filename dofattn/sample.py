@@ -135,7 +135,7 @@ class SampleConfig:
     run: SampleRun = field(default_factory=SampleRun)
 
 
-def run(cfg: SampleConfig, progress: bool = True) -> dict:
+def run(cfg: SampleConfig, progress=None) -> dict:
     """`dofattn sample`: load `spec.model` and append samples to `out` until it holds `samples` (a .jsonl file),
     everything checked before the model loads. -> {"samples": in the file, "new": written now, "seconds", "out"}."""
     from dofattn.data import check_source
@@ -152,5 +152,5 @@ def run(cfg: SampleConfig, progress: bool = True) -> dict:
     use_threads(cfg.run.threads)
     model, tokenizer = load_model(spec.model, dtype=parse_dtype(dtype), device=resolve_device(device))
     start = time.perf_counter()
-    result = sample_text(model, tokenizer, spec, samples, out, progress)
+    result = sample_text(model, tokenizer, spec, samples, out, progress is not None)
     return {**result, "seconds": time.perf_counter() - start, "out": str(out)}

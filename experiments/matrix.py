@@ -77,7 +77,8 @@ def run_cell(scale: str, row: str, loss: str, model: str, data: str, runs: Path,
     from dofattn.distill.run import DistillConfig, run
 
     folder = runs / f"{row.replace('+', '-')}-{loss}"
-    log = run(DistillConfig(cell_recipe(scale, row, loss, model, data), folder, device))  # a finished cell: its log
+    recipe = cell_recipe(scale, row, loss, model, data)
+    log = run(DistillConfig(recipe, folder, device), progress=print)  # a finished cell: its log
     ev = log["evaluation"]
     return {"row": row, "loss": loss, "sets": cell_sets(row, loss, scale), "ppl": ev["student_ppl"],
             "teacher_ppl": ev["teacher_ppl"], "kl": ev["kl"], "top1_agreement": ev["top1_agreement"], "tokens": ev["tokens"], "dims": log["dims"],

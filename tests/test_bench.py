@@ -141,7 +141,7 @@ def test_bench_writes_the_result_after_each_row(tmp_path, monkeypatch):
     monkeypatch.setattr(io, "write_atomic", lambda path, text: saved.append(json.loads(text)) or write(path, text))
     cfg = BenchConfig(seq_lens=[16, 24], heads=1, head_dim=4, features=3, student="paper", repeats=1, model=None,
                       out=str(tmp_path / "b.json"))
-    result = run(cfg, show=None)
+    result = run(cfg)
     counts = [(len(s["prefill"]), len(s["decode"])) for s in saved]
     assert sorted(set(counts)) == [(1, 0), (2, 0), (2, 1), (2, 2)] and counts == sorted(counts)
     assert saved[-1] == json.loads(json.dumps(result))

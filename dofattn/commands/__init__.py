@@ -8,7 +8,8 @@ A command module has
   `sample.SampleSpec` and `SampleRun` of a `SampleConfig`; distill's recipe and `distill.run.DistillConfig`);
 - `add_parser(verbs)`: its subparser, made by `add_verb`;
 - `run(ns) -> int`: the verb, from the parsed namespace (`config(cls, ns)` turns it into the dataclass): it builds
-  the job's config and calls the job, every one of the same shape, `<job>.run(config)`, then prints what it gives.
+  the job's config and calls the job, every one of the same shape, `<job>.run(config, progress=print)` (progress:
+  a callable that gets each line, or None for quiet), then prints what it gives.
 
 A module imports its library only inside these functions, so that `dofattn --help` reads the docstrings alone.
 

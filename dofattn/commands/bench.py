@@ -33,7 +33,7 @@ def run(ns) -> int:
     """The `bench` verb: `bench.run` (the JSON written after every row), then its tables."""
     from dofattn.bench import BenchConfig, format_tables, run as bench
 
-    result = bench(config(BenchConfig, ns))
+    result = bench(config(BenchConfig, ns), progress=print)
     print(format_tables(result))
     out = result["config"]["out"]
     if out:

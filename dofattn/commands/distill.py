@@ -90,7 +90,7 @@ def run(ns) -> int:
 
     job = DistillConfig(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from,
                         world_size(args), args.force)
-    log = distill(job)
+    log = distill(job, progress=print)
     if log.get("evaluation"):
         print(format_evaluation(recipe, log))
         print(f"student saved in {job.folder} (dofattn generate --model {job.folder})")

@@ -26,5 +26,5 @@ def run(ns) -> int:
     """The `dof` verb: `dof_job.run`, its tables printed as they are ready."""
     from dofattn import dof_job
 
-    dof_job.run(config(dof_job.DofConfig, ns), show=print)
+    dof_job.run(config(dof_job.DofConfig, ns), progress=print)
     return 0

@@ -38,5 +38,5 @@ def run(ns) -> int:
     """The `eval` verb: `eval_job.run`, its tables printed as they are ready."""
     from dofattn import eval_job
 
-    eval_job.run(config(eval_job.EvalConfig, ns), show=print)
+    eval_job.run(config(eval_job.EvalConfig, ns), progress=print)
     return 0

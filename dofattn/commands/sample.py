@@ -34,7 +34,7 @@ def run(ns) -> int:
     from dofattn import sample
 
     spec = config(sample.SampleSpec, ns)
-    result = sample.run(sample.SampleConfig(spec, config(sample.SampleRun, ns)))
+    result = sample.run(sample.SampleConfig(spec, config(sample.SampleRun, ns)), progress=print)
     rate = f", {result['new'] * spec.new_tokens / result['seconds']:.0f} new tokens/s" if result["new"] else ""
     print(f"{result['out']}: {result['samples']} samples of {spec.prompt_tokens}+{spec.new_tokens} tokens "
           f"({result['new']} new in {result['seconds']:.0f} s{rate})")

@@ -85,9 +85,10 @@ def check_inputs(recipe: Recipe, weights: bool = True) -> None:
     check_tokenizer(recipe.run.model)
 
 
-def run(cfg: DistillConfig) -> dict:
+def run(cfg: DistillConfig, progress=None) -> dict:
     """The whole job; returns the run log (also out/log.json). After `time_limit` minutes of end-to-end training
-    the student is saved and evaluated as it is (the same call later goes on)."""
+    the student is saved and evaluated as it is (the same call later goes on). `progress(text)` gets the lines of
+    process 0 (print, say), and with it the stages show their bars; None: quiet."""
     from dofattn.recipe import resolve_dtype
 
     r, out, device, time_limit, continue_from = cfg.recipe, cfg.folder, cfg.device, cfg.time_limit, cfg.continue_from
@@ -107,6 +108,8 @@ def run(cfg: DistillConfig) -> dict:
         check_room(make_plan(r, cfg.world_size, device=device, timed=False), out)
     device = join(device)
     rank = world()[0]
+    say = progress if progress is not None and rank == 0 else (lambda text: None)
+    bars = progress is not None and rank == 0
     torch.manual_seed(r.run.seed)
     log = run_folder.RunLog(recipe={"name": r.name, **r.keys()})
     stage = Stages(log)
@@ -138,14 +141,13 @@ def run(cfg: DistillConfig) -> dict:
     done = finished.get("end_to_end", {}) if finished else {}
     done_steps, stopped = done.get("steps", 0), bool(done.get("stopped"))
     if finished and not stopped and done_steps >= e2e.steps:
-        if rank == 0:
-            print(f"{out} holds a finished run with this recipe; its results:", flush=True)
+        say(f"{out} holds a finished run with this recipe; its results:")
         return finished
-    if finished and rank == 0:
+    if finished:
         why = (f"a copy of {continue_from}; its end-to-end phase goes on" if copied else
                "the end-to-end phase stopped at its time limit; going on" if stopped else
                "the end-to-end phase is asked for more steps; going on")
-        print(f"{out}: {why} from step {done_steps} to {e2e.steps}", flush=True)
+        say(f"{out}: {why} from step {done_steps} to {e2e.steps}")
 
     stage.begin("dof")
     dims = choose.dims(r, model, tokenizer, out)
@@ -172,8 +174,8 @@ def run(cfg: DistillConfig) -> dict:
             load_student_tensors(model, out)
     elif lw.steps:
         stage.begin("layerwise")
-        stream = TeacherStream(model, train, lw.batch_size, progress=rank == 0)
-        log.layers = layerwise(model, stream, out, lw, r.run.seed, progress=rank == 0)
+        stream = TeacherStream(model, train, lw.batch_size, progress=bars)
+        log.layers = layerwise(model, stream, out, lw, r.run.seed, progress=bars)
         stage.end()
         if e2e.steps and rank == 0:                # what the layerwise stage alone reached
             stage.begin("layerwise_eval")
@@ -182,7 +184,7 @@ def run(cfg: DistillConfig) -> dict:
     if e2e.steps:
         stage.begin("end_to_end")
         log.end_to_end = end_to_end.train(model, e2e_train, out, e2e, r.run.seed, valid, time_limit=60 * time_limit,
-                                          progress=rank == 0)
+                                          progress=bars)
         if world()[1] > 1 and log.end_to_end["steps"]:   # FSDP left the weights sharded: rank 0 builds them whole
             del model
             if rank == 0:
