@@ -393,15 +393,22 @@ def validate(recipe: Recipe) -> None:
         raise UserError("layerwise.steps and end_to_end.steps are both 0: nothing would train")
     if s.lora_rank and e2e.steps == 0:
         raise UserError("student.lora_rank: adapters train in the end-to-end phase; set end_to_end.steps >= 1")
-    if lw.steps and lw.loss == "l2" and a.feature not in ("prf", "performer"):
-        raise UserError(f"layerwise.loss = 'l2' compares kernel values: use student.feature prf or performer, not "
-                        f"{a.feature!r}")
+    if lw.steps and lw.loss == "l2":
+        check_l2(a, lw.seq_len)
     if lw.rows and lw.loss != "softmax":
         raise UserError(f"layerwise.rows samples the rows of the softmax loss; layerwise.loss = {lw.loss!r} reads "
                         f"every pair: set layerwise.rows = 0 or layerwise.loss = 'softmax'")
-    if lw.steps and lw.loss == "l2" and a.window >= lw.seq_len:
+
+
+def check_l2(attention: Attention, seq_len: int) -> None:
+    """The l2 loss's rules, for a recipe and for the loss itself (`distill.losses.l2_loss`): it compares kernel
+    values, which PRF and Performer features estimate, on the pairs beyond the window."""
+    if attention.feature not in ("prf", "performer"):
+        raise UserError(f"layerwise.loss = 'l2' compares kernel values: use student.feature prf or performer, not "
+                        f"{attention.feature!r}")
+    if attention.window >= seq_len:
         raise UserError(f"layerwise.loss = 'l2' fits only pairs beyond the window: set layerwise.seq_len > "
-                        f"student.window ({a.window})")
+                        f"student.window ({attention.window})")
 
 
 def type_name(kind) -> str:

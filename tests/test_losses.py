@@ -117,3 +117,17 @@ def test_a_layer_trains_on_rows_drawn_by_log_position(monkeypatch):
     log = train_layer(layer, (q, k, v), D ** -0.5, Layerwise(steps=3, batch_size=1, seq_len=T, rows=6,
                                                               rows_by="log"), seed=0, progress=False)
     assert log["steps"] == 3 and len(drawn) == 4 and all(len(at) == 6 and at.min() >= 7 for at in drawn)
+
+
+def test_the_l2_loss_refuses_what_a_recipe_refuses():
+    """One rule (`recipe.check_l2`) for the recipe and for the loss called directly: kernel values need PRF or
+    Performer features, and pairs beyond the window."""
+    from dofattn.distill.losses import l2_loss
+    from dofattn.errors import UserError
+
+    q = k = v = torch.randn(1, 8, 2, 4)
+    for feature, window, message in (("hedgehog", 0, "compares kernel values"), ("prf", 8, "seq_len > student.window")):
+        fmap = make_feature_map(feature, 2, 4, 6, 0.5)
+        layer = LinearAttention(Attention(feature=feature, window=window, sink=0), fmap)
+        with pytest.raises(UserError, match=message):
+            l2_loss(layer, q, k, v, 0.5)

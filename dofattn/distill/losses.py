@@ -17,10 +17,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dofattn.attention import LinearAttention
-from dofattn.errors import UserError
-from dofattn.features import PositiveRandomFeatures
 from dofattn.ops.softmax import attention_logits
-from dofattn.recipe import ROWS_BY
+from dofattn.recipe import ROWS_BY, check_l2
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -84,9 +82,8 @@ def sample_rows(length: int, count: int, generator: torch.Generator, device=None
 def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             scaling: float) -> torch.Tensor:
     """Mean squared kernel error on causal pairs, each row scaled by its largest exact kernel value (PRF only)."""
+    check_l2(linear.attention, q.shape[1])
     fmap = linear.feature_map
-    if not isinstance(fmap, PositiveRandomFeatures):
-        raise UserError("layerwise.loss = 'l2' compares kernel values and needs prf or performer features")
     e_q, e_k = fmap.exponent(q), fmap.exponent(k)                                 # [B, T, H, M]
     c_q = e_q.amax(-1, keepdim=True).detach()
     c_k = e_k.amax(dim=(0, 1, 3), keepdim=True).detach()
@@ -96,9 +93,6 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     if linear.decay is not None:  # the student's weight of a pair is its kernel estimate times its decay
         log_kernel_hat = log_kernel_hat + linear.log_pair_decay(v, q.shape[1])
     mask = linear.attention.linear_pairs(q.shape[1], q.device)   # the pairs the features see
-    if not mask.any():
-        raise UserError(f"layerwise.loss = 'l2' beside a {linear.attention.window}-token window needs "
-                        f"layerwise.seq_len > {linear.attention.window}")
     log_kernel = attention_logits(q, k, scaling).masked_fill(~mask, -math.inf)
     row_max = log_kernel.amax(-1, keepdim=True).clamp_min(-1e30)                    # rows with no pair: finite
     log_kernel_hat = log_kernel_hat.masked_fill(~mask, -math.inf)
