@@ -149,10 +149,9 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         result["tokens"], result["ppl"], result["kl"]
     """
     from dofattn.data import WIKI_SAMPLE, sources, token_blocks
-    from dofattn.export import is_export, load_export, lora_merged
+    from dofattn.export import is_any_student, load_any, lora_merged
     from dofattn.hf import extend_context, load_model, parse_dtype, refuse_config_only, use_threads
     from dofattn.io import write_atomic
-    from dofattn.student import is_student, load_student
 
     say = progress or (lambda text: None)
     paths = check(cfg)
@@ -163,12 +162,10 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     split = cfg.split or ("validation" if held_out else "all")
     device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
     teacher_name = cfg.teacher
-    if is_export(cfg.model):
-        model, tokenizer, spec = load_export(cfg.model, dtype=dtype, device=device)
-        if lora_merged(cfg.model) and not teacher_name:   # its own base weights carry the merged adapters
+    if is_any_student(cfg.model):
+        model, tokenizer, spec = load_any(cfg.model, dtype=dtype, device=device)
+        if lora_merged(cfg.model) and not teacher_name:   # an export's own base weights carry the merged adapters
             teacher_name = spec.base_model
-    elif is_student(cfg.model):
-        model, tokenizer, _ = load_student(cfg.model, dtype=dtype, device=device)
     else:
         model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
     if cfg.extend_to:
