@@ -37,8 +37,8 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache
 
-from dofattn.attention import LinearStateLayer, RingWindowLayer, StaticKVLayer, StaticStateLayer
-from dofattn.attention.bounded import BoundedKVLayer, StaticBoundedLayer
+from dofattn.attention import StaticKVLayer
+from dofattn.attention.bounded import StaticBoundedLayer
 from dofattn.errors import UserError
 from dofattn.hf import cache_kwargs, local_layers
 
@@ -46,15 +46,11 @@ WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilati
 
 
 def static_slot(slot, length: int, position: torch.Tensor):
-    """The static form of a prefilled cache slot, as the slot's own kind says: a window hybrid's state and a ring of
-    its W slots, a linear layer's state alone, a bounded kept layer's held keys and a ring, a kept softmax layer's
-    `length` slots. `position` is the decoder's [1] tensor."""
-    if isinstance(slot, BoundedKVLayer):
-        return StaticBoundedLayer.from_layer(slot, position)
-    if isinstance(slot, LinearStateLayer):
-        return (RingWindowLayer.from_layer(slot, position) if "window" in slot.parts
-                else StaticStateLayer.freeze(slot))
-    return StaticKVLayer.from_layer(slot, length, position)
+    """The static form of a prefilled cache slot, as the slot makes it (`to_static`: a window hybrid's state and a
+    ring of its W slots, a linear layer's state alone, a bounded kept layer's held keys and a ring); HF's own slot
+    of a kept softmax layer becomes `length` slots (`StaticKVLayer`). `position` is the decoder's [1] tensor."""
+    to_static = getattr(slot, "to_static", None)
+    return to_static(length, position) if to_static is not None else StaticKVLayer.from_layer(slot, length, position)
 
 
 @contextmanager

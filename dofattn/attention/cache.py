@@ -200,6 +200,11 @@ class LinearStateLayer(BatchSlot):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")
 
+    def to_static(self, length: int, position: torch.Tensor) -> StaticStateLayer:
+        """This prefilled slot for static decoding (`engine.StaticDecoder`): with a window, the ring of its W slots
+        (`RingWindowLayer`), else the state alone (`StaticStateLayer`). `position`: the decoder's [1] tensor."""
+        return RingWindowLayer.from_layer(self, position) if "window" in self.parts else StaticStateLayer.freeze(self)
+
 
 class StaticStateLayer(LinearStateLayer):
     """A linear layer's cache slot for static decoding (`engine.StaticDecoder`): the same state, but its token count
@@ -212,6 +217,9 @@ class StaticStateLayer(LinearStateLayer):
         static = cls.__new__(cls)
         static.__dict__.update(vars(layer))
         return static
+
+    def to_static(self, length: int, position: torch.Tensor) -> StaticStateLayer:
+        return self                                  # static already
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         return key_states, value_states
