@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-from dofattn.attention.cache import BatchSlot, in_ring, last_keys
+from dofattn.attention.cache import BatchSlot, in_ring, last_keys, ring_slot
 from dofattn.ops.select import prompt_candidates, select_keys
 from dofattn.ops.window import first_keys
 
@@ -118,12 +118,12 @@ class BoundedKVLayer(BatchSlot):
         if torch.is_grad_enabled():   # the slots change in place below: not those an earlier call's graph holds
             self.keys, self.values, self.valid = self.keys.clone(), self.values.clone(), self.valid.clone()
         if T == 1:                                    # a decode step: its key in its ring slot, every slot read
-            slot = L + seen % W
+            slot = ring_slot(seen, W, L)
             self.keys[:, :, slot], self.values[:, :, slot] = key_states[:, :, 0], value_states[:, :, 0]
             self.valid[:, slot] = True
             self.call_mask = None
             return self.keys, self.values
-        slots = L + torch.arange(seen - W, seen, device=self.keys.device).remainder(W)   # the ring, oldest first
+        slots = ring_slot(torch.arange(seen - W, seen, device=self.keys.device), W, L)   # the ring, oldest first
         keys = torch.cat([self.keys[:, :, :L], self.keys[:, :, slots], key_states], 2)
         values = torch.cat([self.values[:, :, :L], self.values[:, :, slots], value_states], 2)
         valid = torch.cat([self.valid[:, slots], self.valid.new_ones(B, T)], 1)           # [B, W + T]
@@ -132,7 +132,7 @@ class BoundedKVLayer(BatchSlot):
         near = (key_at <= query_at) & (key_at > query_at - W)                              # [T, W + T]
         held = self.valid[:, None, :L].expand(-1, T, -1)
         self.call_mask = torch.cat([held, near[None] & valid[:, None, :]], -1)[:, None]   # [B, 1, T, L + W + T]
-        last = L + torch.arange(seen + T - W, seen + T, device=self.keys.device).remainder(W)
+        last = ring_slot(torch.arange(seen + T - W, seen + T, device=self.keys.device), W, L)
         self.keys.index_copy_(2, last, keys[:, :, -W:])
         self.values.index_copy_(2, last, values[:, :, -W:])
         self.valid[:, last] = valid[:, -W:]
@@ -172,7 +172,7 @@ class StaticBoundedLayer(CacheLayerMixin):
         raise RuntimeError("a StaticBoundedLayer is made from a bounded layer (StaticBoundedLayer.from_layer)")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        slot = self.lead + self.position.remainder(self.width)                  # [1]
+        slot = ring_slot(self.position, self.width, self.lead)                  # [1]
         self.keys.index_copy_(2, slot, key_states)
         self.values.index_copy_(2, slot, value_states)
         self.valid.index_fill_(1, slot, True)

@@ -42,12 +42,19 @@ def last_keys(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
     return x.narrow(dim, max(x.shape[dim] - width, 0), min(x.shape[dim], width))
 
 
+def ring_slot(position, width: int, lead: int = 0):
+    """The slot of the key at `position` (an int, or a tensor of positions) in a ring of `width` slots after `lead`
+    others: lead + position mod width. The one ring rule: the window hybrid's static ring (`RingWindowLayer`) and a
+    bounded kept layer's cache (`bounded.BoundedKVLayer`, `StaticBoundedLayer`) both keep their last keys by it."""
+    return lead + (position.remainder(width) if isinstance(position, torch.Tensor) else position % width)
+
+
 def in_ring(x: torch.Tensor, seen: int, width: int, dim: int = 1) -> torch.Tensor:
     """The last n keys seen, `x` (n ≤ width along `dim`, in order; the last at position seen - 1), in a ring of
     `width` slots, the key at position p in slot p mod width (the slots not reached yet zero): a window for static
     decoding, written in place a step at a time."""
     n = x.shape[dim]
-    slots = torch.arange(seen - n, seen, device=x.device).remainder(width)
+    slots = ring_slot(torch.arange(seen - n, seen, device=x.device), width)
     shape = list(x.shape)
     shape[dim] = width
     return x.new_zeros(shape).index_copy_(dim, slots, x)

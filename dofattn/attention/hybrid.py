@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, SinkState, keep_buffer
+from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, SinkState, keep_buffer, ring_slot
 from dofattn.attention.linear import check_left_padding
 from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops.naive import needs_grad
@@ -198,7 +198,7 @@ class WindowBranch:
             return load_triton()[0].window.prf_ring_step(
                 self.feature_map, q, k, v, cache.state, ring.keys, ring.values, ring.valid, cache.position,
                 self.window.log_gain, MAX_KEY_EXCESS, decay_rate, sink.keys, sink.values, sink.valid, cache.arrivals)
-        slot = cache.position.remainder(self.window.width)                                # [1]: the oldest key's slot
+        slot = ring_slot(cache.position, self.window.width)                               # [1]: the oldest key's slot
         state, k_scale = self.fold(cache.state, ring.keys.index_select(1, slot)[:, 0],
                                    ring.values.index_select(1, slot)[:, 0],
                                    ring.valid.index_select(1, slot)[:, 0], torch.float32)
