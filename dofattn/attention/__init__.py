@@ -35,8 +35,10 @@ Adding a mechanism, the per-head decay as the worked example (`student.decay = "
 3. `attention/<part>.py`: the part as a module that owns its parameters (`decay.Decay`: `decay_rate` [H], with
    `log_decay()` and `op_arguments()`), reading nothing of its layer.
 4. `attention/layer.py`: built in `LinearAttention.__init__` from the config (None when it is off), and in `naive`
-   (the decay's factor on each pair, `log_pair_decay`): the layerwise loss, the gain calibration and the tests read
-   the layer's attention there and nowhere else.
+   (the decay's factor on each pair, `log_pair_decay`), the layer's attention matrix of the q and k it is given:
+   the layerwise softmax loss and the gain calibration read it there; the l2 loss reads its kernel estimate and
+   `log_pair_decay`. A part that acts on q, k and v before the attention (the short convolution) is not in
+   `naive`: the layerwise stage fits a layer on the teacher's q/k/v, and the part trains end to end.
 5. The forms that pass it to the op: `linear.py` (`linear_attend`: `self.decay.op_arguments`) and `hybrid.py`
    (`window_attend`, `fold`: `self.log_decay()`, and the ring kernel's `decay_rate`), with any rule of its own on
    the inputs (padding only on the left, `check_decay_padding`).
@@ -44,9 +46,9 @@ Adding a mechanism, the per-head decay as the worked example (`student.decay = "
    convolution's last inputs; the decay keeps none): a `PartState` subclass in `PART_STATES`. The slot reorders,
    batches, moves, counts and freezes it for static decoding whatever the part (`PartState.frozen`).
 7. tests/test_attention.py: a row of `LAYERS` (alone and beside the parts it combines with: "decay",
-   "window+decay", "window+sink+decay") and its term in `reference`; every path of the layer is then checked
-   against the ops' naive forms: prefill with gradients, a cached prefill continued by steps and a chunk, the
-   static ring.
+   "window+decay", "window+sink+decay") and its term in `reference`, which composes the ops' naive forms itself;
+   every path of the layer is then checked against it: prefill with gradients, a cached prefill continued by steps
+   and a chunk, the static ring (a slot's static form: its `to_static`).
 Nothing else changes: the recipe key, the saved spec (`dofattn.json`), export, the dry run's plan, the layerwise
 and end-to-end stages and every command take the config whole. A recipe that uses it sets the key in its TOML.
 """
