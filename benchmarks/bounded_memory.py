@@ -28,7 +28,7 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
     from transformers import DynamicCache
 
     from dofattn.attention.cache import cache_bytes
-    from dofattn.bench import PeakMemory
+    from dofattn.jobs.bench import PeakMemory
     from dofattn.data import token_blocks
     from dofattn.hf import cache_kwargs, load_model
     from dofattn.student import load_student, read_spec

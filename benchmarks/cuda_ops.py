@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dofattn.bench import cuda_time, hardware  # noqa: E402
+from dofattn.jobs.bench import cuda_time, hardware  # noqa: E402
 from dofattn.ops import fla_available, linear_attention  # noqa: E402
 from dofattn.ops.window import blocked_window_linear_attention, window_linear_attention  # noqa: E402
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def step_time(T: int, rows: int, batch: int, features: int, steps: int) -> dict:
     from dofattn.attention import LinearAttention
-    from dofattn.bench import PeakMemory
+    from dofattn.jobs.bench import PeakMemory
     from dofattn.distill.losses import sample_rows, softmax_loss
     from dofattn.features import make_feature_map
     from dofattn.spec import Attention

@@ -59,7 +59,7 @@ def weights_read(model) -> int:
 
 def decode_rows(name: str, model, softmax_only: bool, args, bw: float, report) -> None:
     from dofattn.attention.cache import cache_bytes
-    from dofattn.bench import PeakMemory
+    from dofattn.jobs.bench import PeakMemory
     from dofattn.engine import StaticDecoder
 
     weights, vocab = weights_read(model), model.get_input_embeddings().weight.shape[0]
@@ -122,7 +122,7 @@ def end_to_end_row(model, recipe, device: str, steps: int) -> dict:
 def main() -> None:
     from dofattn import recipe as recipes
     from dofattn.attention.install import install
-    from dofattn.bench import hardware
+    from dofattn.jobs.bench import hardware
     from dofattn.distill.plan import make_plan
     from dofattn.hf import RANDOM_WEIGHTS, load_model, model_config
     from dofattn.recipe import resolve_dtype

@@ -1,5 +1,5 @@
 """Evaluation against the teacher: perplexity, KL, agreement, per-layer errors, by position, lm-eval tasks, and
-their tables (`dofattn eval` runs them: `eval_job`).
+their tables (`dofattn eval` runs them: `jobs.eval`).
 
     with teacher_mode(student):            # linear layers bypassed: the original softmax model
         teacher_ppl = perplexity(student, blocks)
@@ -8,7 +8,7 @@ their tables (`dofattn eval` runs them: `eval_job`).
 `teacher_mode` works because a linearized model keeps every original weight: switching the attention
 implementation back to SDPA skips the linear layers entirely, so no second copy of the model is needed.
 
-Blocks are a tensor [N, T], or a list of such tensors of different lengths (`eval_job.text_blocks`: a plain file
+Blocks are a tensor [N, T], or a list of such tensors of different lengths (`jobs.eval.text_blocks`: a plain file
 scored whole, its last block shorter); every function that scores blocks takes both.
 """
 

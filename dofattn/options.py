@@ -1,6 +1,6 @@
 """One way to declare a documented config field, for every config of the package: the student's `spec.Attention`,
-the recipe's tables (`recipe`), and the library configs that the commands turn into options (`bench.BenchConfig`,
-`eval_job.EvalConfig`, `sample.SampleSpec`; `dofattn.commands`).
+the recipe's tables (`recipe`), and the library configs that the commands turn into options (`jobs.bench.BenchConfig`,
+`jobs.eval.EvalConfig`, `jobs.sample.SampleSpec`; `dofattn.commands`).
 
     window: int = option(64, "exact softmax attention over the last W tokens (0: pure linear)")
     decay: str = option("none", "decay of the linear state", choices=("none", "head", "gate"))

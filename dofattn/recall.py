@@ -22,7 +22,7 @@ model that cannot see the fact scores about 0.
     result = run(student, tokenizer, ["passkey", "multikey"], lengths=[1024, 2048], depths=5)   # teacher_mode's
     print(format_recall(result))                                                               # as the teacher
 
-`dofattn eval --recall` runs it (`eval_job.run`). The copy probe that picks the layers a student keeps softmax for
+`dofattn eval --recall` runs it (`jobs.eval.run`). The copy probe that picks the layers a student keeps softmax for
 recall (`keep_softmax_by = "copy"`) is in `dofattn.distill.choose`.
 """
 

@@ -135,7 +135,7 @@ def test_bench_writes_the_result_after_each_row(tmp_path, monkeypatch):
     """A long run cut short keeps what it measured: the JSON is rewritten with the result so far after every row
     (and part)."""
     from dofattn import io
-    from dofattn.bench import BenchConfig, run
+    from dofattn.jobs.bench import BenchConfig, run
 
     saved, write = [], io.write_atomic
     monkeypatch.setattr(io, "write_atomic", lambda path, text: saved.append(json.loads(text)) or write(path, text))
@@ -150,7 +150,7 @@ def test_bench_writes_the_result_after_each_row(tmp_path, monkeypatch):
 def test_generation_rates_come_from_the_decode_steps_own_clock(monkeypatch):
     """The token clock turns the times each token came out into the prefill's time and the steps' rate; a run that
     made other than the tokens asked for, or no measurable time, is refused rather than reported."""
-    from dofattn import bench
+    from dofattn.jobs import bench
 
     stamps = iter([9.0, 10.0, 10.5, 10.6, 10.8, 11.0])      # the clock made, the prompt in, then 4 new tokens out
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(stamps))

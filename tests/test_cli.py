@@ -46,10 +46,10 @@ def test_help_lists_every_option_with_its_meaning(capsys, verb):
 def test_options_come_from_the_library_configs(capsys):
     """bench's options are `bench.BenchConfig`'s fields, eval's `eval_job.EvalConfig`'s, sample's include
     `sample.SampleSpec`'s; dof's sample defaults are a distillation run's (`choose.DOF_*`)."""
-    from dofattn.bench import BenchConfig
-    from dofattn.dof_job import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
-    from dofattn.eval_job import EvalConfig
-    from dofattn.sample import SampleSpec
+    from dofattn.jobs.bench import BenchConfig
+    from dofattn.jobs.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+    from dofattn.jobs.eval import EvalConfig
+    from dofattn.jobs.sample import SampleSpec
 
     assert module("bench").options()[0] is BenchConfig and module("eval").options() == [EvalConfig]
     assert SampleSpec in module("sample").options()
@@ -62,7 +62,7 @@ def test_top_level_help_lists_the_verbs_without_loading_them():
     """`dofattn --help` reads the command modules' docstrings alone: no library module (nor torch) is imported."""
     code = ("import sys; from dofattn.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print('LOADED', [m for m in ('torch', 'dofattn.evaluate', 'dofattn.bench') if m in sys.modules])")
+            "print('LOADED', [m for m in ('torch', 'dofattn.evaluate', 'dofattn.jobs.bench') if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "LOADED []" in proc.stdout
@@ -327,7 +327,7 @@ def test_generate_bad_input(capsys, model_dirs, args, message):
 def test_commands_look_for_the_default_run_and_write_into_run_folders(capsys, tmp_path, monkeypatch, model_dirs):
     """Without --model, generate, eval and export look in runs/long-context and say what to do when it is not
     there; distill's default folder is runs/<recipe>; eval of a student run folder writes its eval.json there."""
-    from dofattn.eval_job import EvalConfig, check
+    from dofattn.jobs.eval import EvalConfig, check
 
     monkeypatch.chdir(tmp_path)
     for argv in (["generate"], ["eval"], ["export", "--out", "x"]):

@@ -160,7 +160,7 @@ def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
 def test_eval_scores_a_short_plain_file_whole(capsys, tmp_path, model_dirs, tokenizer):
     """A .txt file given with --data is scored whole: all its tokens, in blocks of at most --seq-len (one block
     when it is shorter), every token predicted but each block's first; the perplexity is the hand-computed one."""
-    from dofattn.eval_job import EvalConfig, run
+    from dofattn.jobs.eval import EvalConfig, run
 
     model, folder = saved_linear_student(model_dirs["llama"], tmp_path / "run")
     notes = tmp_path / "notes.txt"
@@ -258,7 +258,7 @@ def test_lm_eval_bridge_on_a_local_task(tmp_path, tokenizer, monkeypatch):
 def test_eval_extend_to_reads_both_models_with_yarn(tmp_path, model_dirs):
     """--extend-to scales the student's and the teacher's RoPE (the teacher here the student's own base model), is
     recorded in the result, and is refused below one token before any model loads."""
-    from dofattn.eval_job import EvalConfig, check, run
+    from dofattn.jobs.eval import EvalConfig, check, run
 
     _, folder = saved_linear_student(model_dirs["llama"], tmp_path / "run")
     notes = tmp_path / "notes.txt"

@@ -10,7 +10,7 @@ from dofattn.cli import main
 from dofattn.data import check_source, load_texts, token_blocks
 from dofattn.errors import UserError
 from dofattn.hf import load_model
-from dofattn.sample import SampleSpec, prompts, sample_text
+from dofattn.jobs.sample import SampleSpec, prompts, sample_text
 
 TRAIN_WORDS = "The quick brown fox jumps over the lazy dog. "
 HELD_OUT_WORDS = "Softmax attention compares every query with every key. "

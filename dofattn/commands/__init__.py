@@ -3,9 +3,9 @@ dataclass.
 
 A command module has
 - a docstring: the verb's `--help` description, its first line the verb's line in `dofattn --help`;
-- `options()`: the dataclasses whose fields are its options, the library job's own config (`bench.BenchConfig`,
-  `dof_job.DofConfig`, `eval_job.EvalConfig`, `generate.GenerateConfig`, `export.ExportConfig`, the
-  `sample.SampleSpec` and `SampleRun` of a `SampleConfig`; distill's recipe and `distill.run.DistillConfig`);
+- `options()`: the dataclasses whose fields are its options, the library job's own config (`jobs.bench.BenchConfig`,
+  `jobs.dof.DofConfig`, `jobs.eval.EvalConfig`, `jobs.generate.GenerateConfig`, `export.ExportConfig`, the
+  `jobs.sample.SampleSpec` and `SampleRun` of a `SampleConfig`; distill's recipe and `distill.run.DistillConfig`);
 - `add_parser(verbs)`: its subparser, made by `add_verb`;
 - `run(ns) -> int`: the verb, from the parsed namespace (`config(cls, ns)` turns it into the dataclass): it builds
   the job's config and calls the job, every one of the same shape, `<job>.run(config, progress=print)` (progress:

@@ -19,8 +19,8 @@ from dofattn.commands import add_verb, config
 
 
 def options() -> list[type]:
-    """`bench.BenchConfig`'s fields."""
-    from dofattn.bench import BenchConfig
+    """`jobs.bench.BenchConfig`'s fields."""
+    from dofattn.jobs.bench import BenchConfig
 
     return [BenchConfig]
 
@@ -31,7 +31,7 @@ def add_parser(verbs):
 
 def run(ns) -> int:
     """The `bench` verb: `bench.run` (the JSON written after every row), then its tables."""
-    from dofattn.bench import BenchConfig, format_tables, run as bench
+    from dofattn.jobs.bench import BenchConfig, format_tables, run as bench
 
     result = bench(config(BenchConfig, ns), progress=print)
     print(format_tables(result))

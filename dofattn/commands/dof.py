@@ -12,8 +12,8 @@ from dofattn.commands import add_verb, config
 
 
 def options() -> list[type]:
-    """`dof_job.DofConfig`'s fields."""
-    from dofattn.dof_job import DofConfig
+    """`jobs.dof.DofConfig`'s fields."""
+    from dofattn.jobs.dof import DofConfig
 
     return [DofConfig]
 
@@ -23,8 +23,8 @@ def add_parser(verbs):
 
 
 def run(ns) -> int:
-    """The `dof` verb: `dof_job.run`, its tables printed as they are ready."""
-    from dofattn import dof_job
+    """The `dof` verb: `jobs.dof.run`, its tables printed as they are ready."""
+    from dofattn.jobs import dof as dof_job
 
     dof_job.run(config(dof_job.DofConfig, ns), progress=print)
     return 0

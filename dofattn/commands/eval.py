@@ -24,8 +24,8 @@ from dofattn.commands import add_verb, config
 
 
 def options() -> list[type]:
-    """`eval_job.EvalConfig`'s fields."""
-    from dofattn.eval_job import EvalConfig
+    """`jobs.eval.EvalConfig`'s fields."""
+    from dofattn.jobs.eval import EvalConfig
 
     return [EvalConfig]
 
@@ -35,8 +35,8 @@ def add_parser(verbs):
 
 
 def run(ns) -> int:
-    """The `eval` verb: `eval_job.run`, its tables printed as they are ready."""
-    from dofattn import eval_job
+    """The `eval` verb: `jobs.eval.run`, its tables printed as they are ready."""
+    from dofattn.jobs import eval as eval_job
 
     eval_job.run(config(eval_job.EvalConfig, ns), progress=print)
     return 0

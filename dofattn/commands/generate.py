@@ -14,7 +14,7 @@ from dofattn.commands import add_verb, config
 
 
 def options() -> list[type]:
-    from dofattn.generate import GenerateConfig
+    from dofattn.jobs.generate import GenerateConfig
 
     return [GenerateConfig]
 
@@ -25,7 +25,7 @@ def add_parser(verbs):
 
 def run(ns) -> int:
     """The `generate` verb: `generate.run`, the text on stdout, the speed on stderr."""
-    from dofattn.generate import GenerateConfig, run as generate
+    from dofattn.jobs.generate import GenerateConfig, run as generate
 
     result = generate(config(GenerateConfig, ns))
     print(result["text"])

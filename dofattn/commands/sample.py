@@ -20,7 +20,7 @@ ORDER = ("model", "data", "samples")      # then the spec's fields, then SampleR
 
 
 def options() -> list[type]:
-    from dofattn.sample import SampleRun, SampleSpec
+    from dofattn.jobs.sample import SampleRun, SampleSpec
 
     return [SampleSpec, SampleRun]
 
@@ -31,7 +31,7 @@ def add_parser(verbs):
 
 def run(ns) -> int:
     """The `sample` verb: `sample.run`."""
-    from dofattn import sample
+    from dofattn.jobs import sample
 
     spec = config(sample.SampleSpec, ns)
     result = sample.run(sample.SampleConfig(spec, config(sample.SampleRun, ns)), progress=print)
