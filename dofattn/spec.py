@@ -23,6 +23,7 @@ import torch
 from dofattn import __version__
 from dofattn.errors import UserError
 from dofattn.features import FEATURES
+from dofattn.ops.window import window_pairs
 from dofattn.options import option
 
 SCHEMA = 4    # of dofattn.json; 3: the kept layers' keys in `attention`; 2: its keys flat in the spec; 1: flags
@@ -78,11 +79,12 @@ class Attention:
     def linear_pairs(self, length: int, device=None) -> torch.Tensor:
         """[T, T] bool: the causal pairs (query t, key s) that the linear branch holds, the rest of the causal
         triangle being exact: all of them in pure linear attention; beside a window, s <= t - W and s >= S (the
-        sink's keys stay exact). For a sequence that starts at position 0 without padding."""
-        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        sink's keys stay exact). For a sequence that starts at position 0 without padding (`ops.window.window_pairs`).
+        """
+        pos = torch.arange(length, device=device)
         if not self.window:
-            return causal
-        return causal.tril(-self.window) & (torch.arange(length, device=device) >= self.sink)
+            return pos[None, :] <= pos[:, None]
+        return window_pairs(pos[:, None], pos[None, :], self.window, pos[None, :] < self.sink)[1]
 
     def describe(self) -> str:
         """`window=64, sink=4, decay=head`: what differs from pure linear attention, for a layer's repr."""

@@ -466,3 +466,17 @@ def test_gate_dispatch_and_errors():
             linear_attention(phi_q, phi_k, v, log_gate=bad)
     with pytest.raises(ValueError, match="log_decay and log_gate do not combine"):
         linear_attention(phi_q, phi_k, v, log_decay=torch.zeros(3), log_gate=gate)
+
+
+def test_window_pairs_split_the_causal_triangle_as_the_spec_says():
+    """`ops.window.window_pairs`, the one window/sink rule: exact and linear pairs are disjoint, cover the causal
+    triangle, exact = the last W keys and the sink keys not after the query, counted by hand on 9 tokens."""
+    from dofattn.ops.window import window_pairs
+
+    pos = torch.arange(9)
+    sink = pos[None, :] < 2
+    exact, linear = window_pairs(pos[:, None], pos[None, :], 3, sink)
+    causal = pos[None, :] <= pos[:, None]
+    assert not (exact & linear).any() and torch.equal(exact | linear, causal)
+    for t in range(9):
+        assert set(pos[exact[t]].tolist()) == {s for s in range(t + 1) if s > t - 3 or s < 2}, t

@@ -27,7 +27,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from dofattn.attention.cache import BatchSlot, in_ring, last_keys, ring_slot
 from dofattn.ops.select import prompt_candidates, select_keys
-from dofattn.ops.window import first_keys
+from dofattn.ops.window import first_keys, window_pairs
 
 
 class PromptKVLayer(DynamicLayer):
@@ -129,7 +129,7 @@ class BoundedKVLayer(BatchSlot):
         valid = torch.cat([self.valid[:, slots], self.valid.new_ones(B, T)], 1)           # [B, W + T]
         key_at = torch.arange(seen - W, seen + T, device=self.keys.device)               # [W + T]
         query_at = torch.arange(seen, seen + T, device=self.keys.device)[:, None]        # [T, 1]
-        near = (key_at <= query_at) & (key_at > query_at - W)                              # [T, W + T]
+        near = window_pairs(query_at, key_at, W)[0]                                        # [T, W + T]
         held = self.valid[:, None, :L].expand(-1, T, -1)
         self.call_mask = torch.cat([held, near[None] & valid[:, None, :]], -1)[:, None]   # [B, 1, T, L + W + T]
         last = ring_slot(torch.arange(seen + T - W, seen + T, device=self.keys.device), W, L)

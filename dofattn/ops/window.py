@@ -60,7 +60,8 @@ DENSE_QUERIES = 16   # up to this many queries, backend "auto" takes the dense f
 
 __all__ = ["naive_window_linear_attention", "window_linear_attention", "blocked_window_linear_attention",
            "window_parts",
-           "window_decode_step", "fold_key", "window_logits", "check_window_inputs", "sink_softmax", "mix_parts"]
+           "window_decode_step", "fold_key", "window_logits", "window_pairs", "check_window_inputs", "sink_softmax",
+           "mix_parts"]
 
 
 def check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state,
@@ -112,6 +113,21 @@ def _log(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 0, torch.log(x.clamp_min(TINY)), -torch.inf)
 
 
+def window_pairs(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int,
+                 sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact, linear): bool masks of the causal pairs of queries at `pos_q` and keys at `pos_k` (broadcasting, e.g.
+    [T, 1] and [1, Tk]). Exact: the key is one of the query's last `window` tokens, or a sink key (`sink`, True where
+    a key is one; broadcasting against the pairs) not after the query; linear: every other earlier key. The one
+    place the window and sink rule is written (`window_logits`, `sink_softmax`, `spec.Attention.linear_pairs`, the
+    bounded cache's mask)."""
+    causal = pos_k <= pos_q
+    exact = causal & (pos_k > pos_q - window)
+    linear = causal & ~exact
+    if sink is not None:
+        exact, linear = exact | (sink & causal), linear & ~sink
+    return exact, linear
+
+
 def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                   key_valid=None, initial_state=None, log_decay=None,
                   sink_mask=None, lead: int = 0, query_at=None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -126,11 +142,8 @@ def window_logits(q, k, phi_q, phi_k, q_log_scale, log_offset, scaling: float, w
     Tk = k.shape[1]
     pos_q = (torch.arange(Tk - T, Tk, device=q.device) if query_at is None else query_at)[:, None]   # [T, 1]
     pos_k = torch.arange(Tk, device=q.device)[None, :]                   # [1, Tk]
-    near = (pos_k <= pos_q) & (pos_k > pos_q - window)                   # [T, Tk]
-    far = pos_k <= pos_q - window
-    if sink_mask is not None:                                            # [B, 1, 1, Tk]: exact whatever the distance
-        sink = sink_mask[:, None, None, :]
-        near, far = near | (sink & (pos_k <= pos_q)), far & ~sink
+    sink = None if sink_mask is None else sink_mask[:, None, None, :]   # [B, 1, 1, Tk]: exact whatever the distance
+    near, far = window_pairs(pos_q, pos_k, window, sink)                  # [T, Tk], or [B, 1, T, Tk] with a sink
     shift = q_log_scale.to(dtype).permute(0, 2, 1)[..., None] + log_offset.to(dtype)[None, :, None, None]
     exact = scaling * torch.einsum("bthd,bshd->bhts", q.to(dtype), k.to(dtype))
     linear = _log(torch.einsum("bthm,bshm->bhts", phi_q.to(dtype), phi_k.to(dtype))) + shift
@@ -359,7 +372,7 @@ def sink_softmax(q, k, v, scaling: float, window: int, sink_mask):
     k, v = k[:, :L].to(q.dtype), v[:, :L].to(q.dtype)
     pos_q = torch.arange(Tk, device=q.device)[:, None]
     pos_k = torch.arange(L, device=q.device)[None, :]
-    mask = (pos_k <= pos_q - window)[None, None] & sink_mask[:, None, None, :L]   # [B, 1, Tk, L]
+    mask = window_pairs(pos_q, pos_k, window)[1][None, None] & sink_mask[:, None, None, :L]   # [B, 1, Tk, L]
     scores = scaling * torch.einsum("bthd,bshd->bhts", q, k)            # [B, H, Tk, L]
     scores = scores.masked_fill(~mask, -torch.inf)
     row_max = scores.amax(-1, keepdim=True) if L else scores.new_zeros(B, H, Tk, 1)
