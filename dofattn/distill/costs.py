@@ -34,12 +34,13 @@ import torch
 
 from dofattn.memory import available_memory, resident_now
 
-# Stored figures, fitted to the default job on a 2-core AMD EPYC (avx512, torch 2.13, float32) and checked on
-# `window` (docs/log/experiments.md, 2026-11-28): a stage's arrays cost 1 + SLACK times their bytes in resident
-# memory (the layerwise step is counted at the mean dim, the largest layer's is larger); each stage runs at
-# EFFICIENCY x the measured rate of one matrix product at the model's widths.
+# Stored figures, fitted to the default job on a 2-core AMD EPYC (avx512_bf16, torch 2.13) in float32 and bfloat16
+# and checked on `window` (docs/log/experiments.md, 2026-11-28 and 29): a stage's arrays cost 1 + SLACK times their
+# bytes in resident memory (the layerwise step is counted at the mean dim, the largest layer's is larger); each
+# stage runs at EFFICIENCY x the measured rate of one decoder layer's forward at the stage's length.
 SLACK = {"setup": 0.5, "layerwise": 1.3, "end_to_end": 0.6, "layerwise_eval": 0.5, "evaluate": 0.5, "other": 1.0}
-EFFICIENCY = {"dof": 1.05, "softmax_choice": 1.05, "teacher": 1.05, "end_to_end": 0.83, "evaluate": 0.93, "layerwise_eval": 0.83}
+EFFICIENCY = {"dof": 1.05, "softmax_choice": 1.05, "teacher": 1.05, "end_to_end": 0.83, "evaluate": 0.93,
+              "layerwise_eval": 0.83}
 DOF_HEAD_SECONDS = 0.06        # the DoF sample's points and eigen-decompositions, per head (1024 points), on the CPU
 
 
@@ -104,7 +105,7 @@ def stage_lengths(recipe, config) -> dict[str, int]:
     else:
         choice = min(r.eval.seq_len, ATTENTION_DOF_SEQ_LEN)
     return {"dof": DOF_SEQ_LEN, "softmax_choice": choice, "teacher": r.layerwise.seq_len,
-            "end_to_end": r.end_to_end.seq_len, "evaluate": r.eval.seq_len}
+            "end_to_end": r.end_to_end.seq_len, "layerwise_eval": r.eval.seq_len, "evaluate": r.eval.seq_len}
 
 
 def one_layer(config):
@@ -120,27 +121,31 @@ def one_layer(config):
     return one
 
 
-def forward_rate(config, dtype: torch.dtype, device: str, length: int) -> float:
-    """FLOP/s of the model's own forward at `length` tokens on `device`: one decoder layer of `config` with random
-    weights, timed on [1, length] tokens after a short warm-up, its FLOPs counted as `forward_counts` counts them
-    (the body of one layer: its matrix products and attention, at the rate its other operations leave them)."""
+def forward_rates(config, dtype: torch.dtype, device: str, lengths) -> dict[int, float]:
+    """FLOP/s of the model's own forward at each of `lengths` tokens on `device`: one decoder layer of `config` with
+    random weights (made once), timed on [1, length] tokens after a short warm-up, its FLOPs counted as
+    `forward_counts` counts them (the body of one layer: its matrix products and attention, at the rate its other
+    operations leave them)."""
     from dofattn.hf import random_model
 
     one = one_layer(config)
-    _, flops = forward_counts(one, dtype, 1, length, logits=False)
     body = random_model(one, dtype, device).base_model
-    ids = torch.zeros(1, length, dtype=torch.long, device=device)
     clock = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    with torch.no_grad():
-        body(input_ids=ids[:, :min(length, 64)], use_cache=False)
-        seconds = []
-        for _ in range(2):
-            clock()
-            start = time.perf_counter()
-            body(input_ids=ids, use_cache=False)
-            clock()
-            seconds.append(time.perf_counter() - start)
-    return flops / min(seconds)
+    rates = {}
+    for length in sorted(set(lengths)):
+        _, flops = forward_counts(one, dtype, 1, length, logits=False)
+        ids = torch.zeros(1, length, dtype=torch.long, device=device)
+        with torch.no_grad():
+            body(input_ids=ids[:, :min(length, 64)], use_cache=False)
+            seconds = []
+            for _ in range(2):
+                clock()
+                start = time.perf_counter()
+                body(input_ids=ids, use_cache=False)
+                clock()
+                seconds.append(time.perf_counter() - start)
+        rates[length] = flops / min(seconds)
+    return rates
 
 
 def calibrate(recipe, plan, config, device: str = "cpu", base: int | None = None, timed: bool = True) -> Calibration:
@@ -151,7 +156,7 @@ def calibrate(recipe, plan, config, device: str = "cpu", base: int | None = None
     if not timed:
         return Calibration(device=device, base=base, rates={}, layerwise_step=math.nan, note="not timed")
     dtype = getattr(torch, recipe.run.dtype)
-    rates = {n: forward_rate(config, dtype, device, n) for n in sorted(set(stage_lengths(recipe, config).values()))}
+    rates = forward_rates(config, dtype, device, stage_lengths(recipe, config).values())
     step = layerwise_step_seconds(recipe, plan, device) if recipe.layerwise.steps and plan.layers.linear else 0.0
     shown = ", ".join(f"{n:,} tokens {rate / 1e9:.0f}" for n, rate in rates.items())
     return Calibration(device=device, base=base, rates=rates, layerwise_step=step,
@@ -260,7 +265,7 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
 
     def model_time(flops: float, stage: str) -> float:
         """At the measured forward rate at the stage's length (NaN where nothing was timed), times EFFICIENCY."""
-        rate = calibration.rates.get(lengths["evaluate" if stage == "layerwise_eval" else stage], math.nan)
+        rate = calibration.rates.get(lengths[stage], math.nan)
         return flops / (rate * EFFICIENCY[stage])
 
     # weights stored in another dtype are read whole and converted as they load: the file's bytes pass through
