@@ -3,7 +3,7 @@
     tokens = StaticDecoder(student).generate(input_ids, max_new_tokens=64)      # [B, T + 64], greedy
 
 A linear layer carries a cache of fixed shape: the state [B, H, M, V+1], updated in place (by the one-kernel decode
-step on CUDA), and for a window hybrid the last W keys and values in a ring of W slots (`attention.RingWindowLayer`;
+step on CUDA), and for a window hybrid the last W keys and values in a ring of W slots (`attention.StaticStateLayer`;
 with a PRF map, one kernel a step on CUDA: `ops.triton.window.prf_ring_step`). So one decode step is the same
 sequence of kernels on the same buffers every time: the next token, its position and the cache position live in
 static tensors, the step writes the argmax back into the token buffer, and the whole step is captured once in a

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from dofattn.spec import Attention
-from dofattn.attention import CONV_NAMES, LinearAttention, LinearStateLayer, RingWindowLayer
+from dofattn.attention import CONV_NAMES, LinearAttention, LinearStateLayer, Part, StaticStateLayer
+from dofattn.attention.cache import PartState, keep_buffer
 from dofattn.attention.decay import Gate
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
@@ -125,11 +126,98 @@ def test_every_path_matches_the_naive_forms(variant, feature):
             layer(q[:, :6], k[:, :6], v[:, :6], valid[:, :6], cache=cache)
             cache.seen = 6
             position = torch.tensor([6])
-            ring = RingWindowLayer.from_layer(cache, position)
+            ring = StaticStateLayer.freeze(cache, position)
             for t in range(6, T):
                 out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)
                 torch.testing.assert_close(out, ref[:, t:t + 1], rtol=1e-6, atol=1e-6)
                 position.add_(1)
+
+
+def naive_output(layer: LinearAttention, q, k, v) -> torch.Tensor:
+    """The layer's output from its naive form: each query's row of `naive` (composed from every part) times the
+    values as the parts leave them (a convolution's filtered values)."""
+    k, v = expand_kv(k, H), expand_kv(v, H)
+    weights = layer.naive(q, k, v).exp().to(v.dtype)                              # [B, H, T, T]
+    for part in layer.parts():
+        _, _, v = part.inputs(q, k, v, None)
+    return torch.einsum("bhts,bshd->bthd", weights, v)
+
+
+@pytest.mark.parametrize("variant", LAYERS)
+def test_naive_is_the_layer_composed_from_every_part(variant):
+    """`naive`, the matrix the layerwise loss and the gain calibration read, gives the ops' naive forms' output: the
+    convolution (off its start) and the gate included."""
+    layer = odd_layer(variant, "prf").float()                     # the naive form computes in float32
+    q, k, v = (x.float() for x in odd_inputs()[:3])
+    valid = torch.ones(B, T, dtype=torch.bool)
+    layer(q, k, v, valid)
+    layer.eval()
+    torch.testing.assert_close(naive_output(layer, q, k, v), reference(layer, q, k, v, valid), rtol=1e-4, atol=1e-5)
+
+
+class EchoState(PartState):
+    """A throwaway part's cache state: the last value of the previous call."""
+
+    NAMES = ("last",)
+
+
+class Echo(Part):
+    """A throwaway stateful part, in no package file: each value gets `mix` times the one before it (the state
+    carries the last one across calls)."""
+
+    name, State, layerwise = "echo", EchoState, False
+
+    @classmethod
+    def build(cls, attention, num_heads, num_kv_heads, head_dim):
+        return cls(num_kv_heads)
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.mix = torch.nn.Parameter(torch.linspace(0.3, 0.9, heads))
+
+    def inputs(self, q, k, v, key_valid, cache=None):
+        state = None if cache is None else cache.part(self.name)
+        before = v.new_zeros(v[:, :1].shape) if state is None or state.last is None else state.last
+        if state is not None:
+            keep_buffer(state, "last", v[:, -1:])
+        mix = expand_kv(self.mix.to(v.dtype)[None, :, None], v.shape[2], dim=1)   # [1, heads, 1]
+        return q, k, v + mix[:, None] * torch.cat([before, v[:, :-1]], 1)
+
+
+@pytest.mark.parametrize("variant", ["pure", "window+sink+decay"])
+def test_a_new_stateful_part_needs_only_its_module_and_a_row_of_parts(variant, monkeypatch):
+    """Adding a part is its module and one entry of `layer.PARTS` (its recipe key aside): the layer runs it in every
+    path, its naive form includes it, the cache slot keeps, batches and freezes its state for static decoding."""
+    import dofattn.attention.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "PARTS", layer_module.PARTS + (Echo,))
+    layer = odd_layer(variant, "prf").float()
+    assert isinstance(layer.echo, Echo) and layer.parts()[-1] is layer.echo
+    q, k, v = (x.float() for x in odd_inputs()[:3])
+    valid = torch.ones(B, T, dtype=torch.bool)
+    layer(q, k, v, valid)
+    layer.eval()
+    with torch.no_grad():
+        full = layer(q, k, v, valid)
+        without = layer_module.LinearAttention.forward(layer, q, k, v * 0, valid)
+        assert (full - without).abs().max() > 1e-3                 # the part shows
+        torch.testing.assert_close(naive_output(layer, q, k, v), full, rtol=1e-4, atol=1e-5)
+        cache = LinearStateLayer()
+        pieces = [slice(0, 6), *(slice(t, t + 1) for t in range(6, 9)), slice(9, T)]
+        steps = [layer(q[:, s], k[:, s], v[:, s], valid[:, s], cache=cache) for s in pieces]
+        torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+        assert set(cache.parts) >= {"echo"} and "echo.last" in cache.tensors()
+        cache = LinearStateLayer()
+        layer(q[:, :6], k[:, :6], v[:, :6], valid[:, :6], cache=cache)
+        cache.seen = 6
+        cache.batch_select_indices(torch.tensor([1, 0]))           # the slot reorders the part's state too
+        cache.batch_select_indices(torch.tensor([1, 0]))
+        position = torch.tensor([6])
+        static = cache.to_static(T, position)
+        for t in range(6, T):
+            out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=static)
+            torch.testing.assert_close(out, full[:, t:t + 1], rtol=1e-5, atol=1e-5)
+            position.add_(1)
 
 
 # --- generation ------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dofattn.spec import Attention
-from dofattn.attention import LinearAttention, LinearStateLayer, RingWindowLayer
+from dofattn.attention import LinearAttention, LinearStateLayer, StaticStateLayer
 from dofattn.features import make_feature_map
 from dofattn.ops.window import fold_key, naive_window_linear_attention, window_decode_step
 from dofattn.ops.softmax import expand_kv
@@ -174,7 +174,7 @@ def test_steady_steps_equal_the_general_call(H, Hkv, W, S, decay, prompt, dtype,
 @pytest.mark.parametrize("W,S,decay,prompt", [(4, 0, False, 7), (4, 0, False, 2), (16, 0, False, 9), (4, 2, False, 7),
                                                (5, 0, True, 7), (4, 0, True, 2)])
 def test_ring_steps_equal_the_general_call(W, S, decay, prompt, monkeypatch):
-    """The static ring (`RingWindowLayer`, any slot order) gives the general call's outputs and state after it has
+    """The static ring (`StaticStateLayer`, any slot order) gives the general call's outputs and state after it has
     wrapped twice, from prompts longer and shorter than the window (with a decay: the state moves on by one factor
     γ each step, before the key leaving the window joins it)."""
     H, Hkv, D, M = 4, 2, 8, 12
@@ -191,7 +191,7 @@ def test_ring_steps_equal_the_general_call(W, S, decay, prompt, monkeypatch):
             layer(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache=cache)
         ringed.seen = prompt
         position = torch.tensor([prompt])
-        ring = RingWindowLayer.from_layer(ringed, position)
+        ring = StaticStateLayer.freeze(ringed, position)
         for t in range(prompt, q.shape[1]):
             ref = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=listed)
             out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)

@@ -61,12 +61,12 @@ def static_against_cpu(model, prompt, new_tokens: int):
 
 def test_ring_kernel_with_decay_and_sink_in_a_cuda_graph():
     """Window + sink + decay: the one-kernel ring step, captured and replayed, past the ring's wrap."""
-    from dofattn.attention import RingWindowLayer
+    from dofattn.attention import StaticStateLayer
 
     model = student(Attention(feature="prf", window=4, sink=2, decay="head"))
     prompt = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(1))
     decoder = static_against_cpu(model, prompt, 14)
-    assert all(isinstance(layer, RingWindowLayer) for layer in decoder.cache.layers)
+    assert all(isinstance(layer, StaticStateLayer) for layer in decoder.cache.layers)
 
 
 def test_bounded_kept_layers_static_slots_under_capture():

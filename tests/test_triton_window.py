@@ -282,7 +282,7 @@ def ring_case(W, S, H, Hkv, D, M, decay, prompt, dtype, steps, scale=2.0):
     buffers), their position tensors and the `steps` tokens after the prompt (q [B, steps, H, D], k, v)."""
     import copy
 
-    from dofattn.attention import LinearAttention, LinearStateLayer, RingWindowLayer
+    from dofattn.attention import LinearAttention, LinearStateLayer, StaticStateLayer
     from dofattn.features import make_feature_map
 
     g = torch.Generator().manual_seed(W + 7 * S + D)
@@ -306,7 +306,7 @@ def ring_case(W, S, H, Hkv, D, M, decay, prompt, dtype, steps, scale=2.0):
     rings, positions = [], []
     for _ in range(2):
         positions.append(torch.tensor([prompt], device=DEVICE))
-        rings.append(RingWindowLayer.from_layer(copy.deepcopy(cache), positions[-1]))
+        rings.append(StaticStateLayer.freeze(copy.deepcopy(cache), positions[-1]))
     return layer, rings, positions, (q[:, prompt:], k[:, prompt:], v[:, prompt:])
 
 

@@ -53,15 +53,15 @@ Nothing else changes: the recipe key, the saved spec (`dofattn.json`), export, t
 and end-to-end stages and every command take the config whole. A recipe that uses it sets the key in its TOML.
 """
 
-from dofattn.attention.cache import (LinearStateLayer, RingWindowLayer, StaticKVLayer, StaticStateLayer, keep_buffer,
+from dofattn.attention.cache import (LinearStateLayer, StaticKVLayer, StaticStateLayer, keep_buffer,
                                      state_layer)
 from dofattn.attention.conv import CONV_NAMES
-from dofattn.attention.decay import DECAY_START, GATE_FLOOR
+from dofattn.attention.decay import DECAY_START, GATE_FLOOR, check_decay_padding, check_left_padding
 from dofattn.attention.install import CACHE_ARGUMENTS, IMPLEMENTATION, IMPLEMENTATIONS, attention_forward, install
-from dofattn.attention.layer import LinearAttention
-from dofattn.attention.linear import check_decay_padding, check_left_padding
+from dofattn.attention.layer import PARTS, LinearAttention
+from dofattn.attention.part import Part
 
-__all__ = ["LinearAttention", "LinearStateLayer", "StaticStateLayer", "RingWindowLayer", "StaticKVLayer", "state_layer",
+__all__ = ["LinearAttention", "Part", "PARTS", "LinearStateLayer", "StaticStateLayer", "StaticKVLayer", "state_layer",
            "keep_buffer", "install", "attention_forward", "IMPLEMENTATION", "IMPLEMENTATIONS", "CACHE_ARGUMENTS",
            "CONV_NAMES", "DECAY_START", "GATE_FLOOR", "check_decay_padding",
            "check_left_padding"]

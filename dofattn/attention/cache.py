@@ -1,9 +1,9 @@
 """Cache slots for linearized layers in a Hugging Face `Cache`: a recurrent state instead of a growing KV cache.
 
-`LinearStateLayer` holds a layer's state [B, H, M, V+1], its token count, and a state per part that keeps one
-(`WindowState`: the last W keys and values; `SinkState`: the first S real tokens' keys; `ConvState`: a short
-convolution's last K-1 inputs), so memory stays flat in context length. `RingWindowLayer` keeps a hybrid's window
-in a fixed ring of W slots for static decoding (`engine.StaticDecoder`). `state_layer` puts a `LinearStateLayer`
+`LinearStateLayer` holds a layer's state [B, H, M, V+1], its token count, and a `PartState` per part that keeps one
+(each part declares its own: a window's last W keys and values, a sink's first S, a convolution's last K-1 inputs),
+so memory stays flat in context length. `StaticStateLayer` is its form for static decoding (`engine.StaticDecoder`):
+a hybrid's window in a fixed ring of W slots. `state_layer` puts a `LinearStateLayer`
 into a fresh cache slot.
 """
 
@@ -44,7 +44,7 @@ def last_keys(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
 
 def ring_slot(position, width: int, lead: int = 0):
     """The slot of the key at `position` (an int, or a tensor of positions) in a ring of `width` slots after `lead`
-    others: lead + position mod width. The one ring rule: the window hybrid's static ring (`RingWindowLayer`) and a
+    others: lead + position mod width. The one ring rule: the window hybrid's static ring (`exact.WindowState.frozen`) and a
     bounded kept layer's cache (`bounded.BoundedKVLayer`, `StaticBoundedLayer`) both keep their last keys by it."""
     return lead + (position.remainder(width) if isinstance(position, torch.Tensor) else position % width)
 
@@ -62,7 +62,8 @@ def in_ring(x: torch.Tensor, seen: int, width: int, dim: int = 1) -> torch.Tenso
 
 class PartState:
     """One part's tensors in a cache slot, every one [B, ...] (None until the part's first call); the slot reorders,
-    selects, repeats and moves them whatever the part."""
+    selects, repeats and moves them whatever the part. Each part declares its own (`Part.State`), registered here
+    under the part's name (`PART_STATES`) when the part's class is made."""
 
     NAMES: tuple[str, ...] = ()
 
@@ -73,9 +74,10 @@ class PartState:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.NAMES if getattr(self, name) is not None}
 
-    def frozen(self) -> PartState:
-        """This state for static decoding (`RingWindowLayer.from_layer`): the same tensors, each contiguous (a
-        one-kernel step reads their rows). A part whose state must change shape for it says so (the window)."""
+    def frozen(self, seen: int) -> PartState:
+        """This state for static decoding after `seen` tokens (`StaticStateLayer.freeze`): the same tensors, each
+        contiguous (a one-kernel step reads their rows). A part whose state changes shape for it says so (the
+        window's ring)."""
         copy = type(self)()
         copy.__dict__.update({k: v for k, v in vars(self).items() if not isinstance(v, torch.Tensor)})
         for name, t in self.tensors().items():
@@ -83,38 +85,7 @@ class PartState:
         return copy
 
 
-class WindowState(PartState):
-    """A window's last W keys and values (after RoPE, kv heads: [B, ≤W, Hkv, D]) and whether each is a real token
-    ([B, ≤W] bool); in a `RingWindowLayer` a ring of W slots, the key at position p in slot p mod W."""
-
-    NAMES = ("keys", "values", "valid")
-    width = 0          # W: how many it keeps (its `exact.Window` says, on its first call)
-
-
-class SinkState(PartState):
-    """A sink's first S real tokens' keys and values ([B, S, Hkv, D]) in S slots, which slots are filled ([B, S]),
-    and `full`: every row's slots filled (checked until they are)."""
-
-    NAMES = ("keys", "values", "valid")
-    full = False
-
-    def frozen(self) -> SinkState:
-        """Static decoding reads S filled slots: after a prompt of at least S real tokens."""
-        if self.valid is not None and not self.valid.all():
-            raise UserError(f"static decoding with a sink of {self.valid.shape[1]} tokens needs prompts of at least "
-                            f"that many real tokens; use a longer prompt or HF generate")
-        copy = super().frozen()
-        copy.full = self.valid is not None
-        return copy
-
-
-class ConvState(PartState):
-    """A short convolution's last K-1 inputs of q, k and v ([B, K-1, heads, D]; zeros before the first token)."""
-
-    NAMES = ("q", "k", "v")
-
-
-PART_STATES = {"window": WindowState, "sink": SinkState, "conv": ConvState}
+PART_STATES: dict[str, type[PartState]] = {}   # by part name: filled by each `attention.part.Part` with a State
 
 
 class BatchSlot(CacheLayerMixin):
@@ -208,21 +179,32 @@ class LinearStateLayer(BatchSlot):
         raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")
 
     def to_static(self, length: int, position: torch.Tensor) -> StaticStateLayer:
-        """This prefilled slot for static decoding (`engine.StaticDecoder`): with a window, the ring of its W slots
-        (`RingWindowLayer`), else the state alone (`StaticStateLayer`). `position`: the decoder's [1] tensor."""
-        return RingWindowLayer.from_layer(self, position) if "window" in self.parts else StaticStateLayer.freeze(self)
+        """This prefilled slot for static decoding (`engine.StaticDecoder`): `StaticStateLayer.freeze`. `position`:
+        the decoder's [1] tensor."""
+        return StaticStateLayer.freeze(self, position)
 
 
 class StaticStateLayer(LinearStateLayer):
-    """A linear layer's cache slot for static decoding (`engine.StaticDecoder`): the same state, but its token count
-    stays put during the steps, since a step replayed as a CUDA graph or compiled once must not change anything on the
-    host per token (a count that moved would recompile a compiled step every token); the decoder sets `seen` when it
-    is done. `freeze` makes one from a prefilled `LinearStateLayer`."""
+    """A linear layer's cache slot for static decoding (`engine.StaticDecoder`): the same state, each part's frozen
+    (a window's last W keys and values in a ring of W slots, the key at position p in slot p mod W), and `position`,
+    a [1] tensor the decoder advances in place: the position of the token being decoded. Its token count stays put
+    during the steps, since a step replayed as a CUDA graph or compiled once must not change anything on the host
+    per token (a count that moved would recompile a compiled step every token); the decoder sets `seen` when it is
+    done. `arrivals` [B] int32 (zeros between steps) is the one-kernel ring step's count of the programs that have
+    read a row's ring slot."""
+
+    arrivals: torch.Tensor | None = None
+    position: torch.Tensor | None = None
 
     @classmethod
-    def freeze(cls, layer: LinearStateLayer) -> StaticStateLayer:
+    def freeze(cls, layer: LinearStateLayer, position: torch.Tensor | None = None) -> StaticStateLayer:
+        """The static form of `layer` after a prefill of `layer.seen` tokens."""
         static = cls.__new__(cls)
         static.__dict__.update(vars(layer))
+        static.position = position
+        if layer.state is not None:
+            static.state = layer.state.float().contiguous()
+        static.parts = {name: part.frozen(layer.seen) for name, part in layer.parts.items()}
         return static
 
     def to_static(self, length: int, position: torch.Tensor) -> StaticStateLayer:
@@ -230,33 +212,6 @@ class StaticStateLayer(LinearStateLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         return key_states, value_states
-
-
-class RingWindowLayer(StaticStateLayer):
-    """A window hybrid's cache slot for static decoding (`engine.StaticDecoder`): the last W keys and values in a ring
-    of W slots (the key at position p in slot p mod W) instead of a growing-then-sliding list, and `position`, a
-    [1] tensor the decoder advances in place: the position of the token being decoded. `arrivals` [B] int32 (zeros
-    between steps) is the one-kernel step's count of the programs that have read a row's ring slot."""
-
-    arrivals: torch.Tensor | None = None
-
-    @classmethod
-    def from_layer(cls, layer: LinearStateLayer, position: torch.Tensor) -> RingWindowLayer:
-        """The ring for `layer` after a prefill of `layer.seen` tokens (its window state holds their last ≤ W keys in
-        order, and W)."""
-        ring = cls()
-        ring.is_initialized = layer.is_initialized
-        ring.dtype, ring.device = getattr(layer, "dtype", None), getattr(layer, "device", None)
-        ring.seen, ring.state, ring.position = layer.seen, layer.state.float().contiguous(), position
-        for name, part in layer.parts.items():     # the window becomes the ring; every other part as it is
-            if name != "window":
-                ring.parts[name] = part.frozen()
-        last, ring_window = layer.parts["window"], ring.part("window")
-        for name in WindowState.NAMES:
-            setattr(ring_window, name, in_ring(getattr(last, name), layer.seen, last.width))
-        ring_window.width = last.width
-        ring.arrivals = torch.zeros(last.keys.shape[0], dtype=torch.int32, device=last.keys.device)
-        return ring
 
 
 class StaticKVLayer(CacheLayerMixin):

@@ -16,6 +16,10 @@ import math
 import torch
 from torch import nn
 
+from dofattn.attention.part import Part
+from dofattn.errors import UserError
+from dofattn.ops.naive import gate_log, log_decay_matrix, segment_sums
+
 DECAY_START = (8, 11)   # a decay starts at log γ_h from -2^-8 to -2^-11 over the heads (half-lives 180-1400 tokens)
 GATE_FLOOR = -30.0      # a gate's log factor per token is at least this (e^-30: the state all but cleared)
 
@@ -27,11 +31,15 @@ def read_values(v: torch.Tensor, bias: torch.Tensor, weight: torch.Tensor) -> to
     return bias.float() + torch.einsum("bthd,hd->bth", v.float(), w) / math.sqrt(w.shape[1])
 
 
-class Decay(nn.Module):
+class Decay(Part):
     """A learned decay per head: γ_h = exp(-exp(decay_rate_h)), started weak (half-lives from about 180 to 1400
     tokens across the heads: log γ from -2^-8 to -2^-11); training shortens those that need it."""
 
-    per_token = False
+    name = "decay"
+
+    @classmethod
+    def build(cls, attention, num_heads: int, num_kv_heads: int, head_dim: int) -> Decay | None:
+        return cls(num_heads) if attention.decay == "head" else None
 
     def __init__(self, num_heads: int):
         super().__init__()
@@ -45,13 +53,27 @@ class Decay(nn.Module):
         """The decay as the linear op takes it (`ops.linear_attention`): `log_decay` [H]."""
         return {"log_decay": self.log_decay()}
 
+    def check_padding(self, key_valid: torch.Tensor, state: torch.Tensor | None = None) -> None:
+        """A decay counts every position, padding included: padding only on the left (`check_decay_padding`)."""
+        check_decay_padding(key_valid, state)
+
+    def log_pair_factor(self, v: torch.Tensor, length: int, offset: int = 0,
+                        at: torch.Tensor | None = None) -> torch.Tensor:
+        """(t - s + offset) log γ_h on the pair (t, s) where that is positive, else 0 ([1, H, T or R, T]): beside a
+        window (offset -W) counted from its edge, 0 inside it."""
+        rows = length if at is None else len(at)
+        return log_decay_matrix(self.log_decay(), rows, length, offset=offset, at=at)[0][None]
+
 
 class Gate(Decay):
     """A decay per token, read off its value (pure linear attention only): before token t head h's state is
     multiplied by exp(log g_th), log g_th = -exp(decay_rate_h + w_h·v_t/√D), at least GATE_FLOOR. With w = 0 (the
-    start) that is `Decay`; training lets a token clear the state (a large w·v) or keep it (a small one)."""
+    start) that is `Decay`; training lets a token clear the state (a large w·v) or keep it (a small one). The
+    one-kernel decode step has no gate."""
 
-    per_token = True
+    @classmethod
+    def build(cls, attention, num_heads: int, num_kv_heads: int, head_dim: int) -> Gate | None:
+        return cls(num_heads, head_dim) if attention.decay == "gate" else None
 
     def __init__(self, num_heads: int, head_dim: int):
         super().__init__(num_heads)
@@ -64,3 +86,34 @@ class Gate(Decay):
 
     def op_arguments(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"log_gate": self.log_gates(v)}
+
+    def log_pair_factor(self, v: torch.Tensor, length: int, offset: int = 0,
+                        at: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ_{s<j≤t} log g_j on the pair (t, s), read off the values v [B, T, H, D] ([B, H, T or R, T]; a gate is for
+        pure linear attention: offset 0)."""
+        log_factor = segment_sums(gate_log(self.log_gates(v), torch.float32))
+        return log_factor if at is None else log_factor[:, :, at]
+
+    def runs(self, kernel: str) -> bool:
+        return kernel != "prf_decode_step"
+
+
+def check_left_padding(key_valid: torch.Tensor) -> None:
+    """A decay counts every position, padding included, so padding is exact only where it precedes every real token
+    (the state before it holds nothing). UserError for a padding token after a real one among these keys (for a
+    window hybrid: the cached keys and the new ones)."""
+    if not key_valid.all() and (key_valid.int().diff(dim=1) < 0).any():
+        raise UserError("a layer with a decay needs left padding: a padding token after a real one would still "
+                        "decay the state; pad on the left (tokenizer.padding_side = 'left')")
+
+
+def check_decay_padding(key_valid: torch.Tensor, state: torch.Tensor | None) -> None:
+    """A decay counts every position, padding included: padding is exact only before a row's first real token (the
+    state is still zero while it passes), in the first chunk or, for a prompt read in chunks, a later one. UserError
+    for padding after a real token, in this chunk or an earlier one (the row's state is not zero)."""
+    if key_valid.all():
+        return
+    check_left_padding(key_valid)
+    if state is not None and state[~key_valid[:, 0]].any():
+        raise UserError("a layer with a decay cannot continue its state through padding tokens (each would still "
+                        "decay it); continue with unpadded chunks, or pad only the first chunk, on the left")

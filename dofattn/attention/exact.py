@@ -9,13 +9,54 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dofattn.attention.cache import LinearStateLayer, last_keys
+from dofattn.attention.cache import LinearStateLayer, PartState, in_ring, last_keys
+from dofattn.attention.part import Part
+from dofattn.errors import UserError
 from dofattn.ops.window import first_keys
 
 
-class Window(nn.Module):
+class WindowState(PartState):
+    """A window's last W keys and values (after RoPE, kv heads: [B, ≤W, Hkv, D]) and whether each is a real token
+    ([B, ≤W] bool); for static decoding (`frozen`) a ring of W slots, the key at position p in slot p mod W."""
+
+    NAMES = ("keys", "values", "valid")
+    width = 0          # W: how many it keeps (its `Window` says, on its first call)
+
+    def frozen(self, seen: int) -> WindowState:
+        """The ring of W slots after `seen` tokens (its last ≤ W keys in order), written in place a step at a time."""
+        ring = type(self)()
+        ring.width = self.width
+        for name in self.NAMES:
+            setattr(ring, name, in_ring(getattr(self, name), seen, self.width))
+        return ring
+
+
+class SinkState(PartState):
+    """A sink's first S real tokens' keys and values ([B, S, Hkv, D]) in S slots, which slots are filled ([B, S]),
+    and `full`: every row's slots filled (checked until they are)."""
+
+    NAMES = ("keys", "values", "valid")
+    full = False
+
+    def frozen(self, seen: int) -> SinkState:
+        """Static decoding reads S filled slots: after a prompt of at least S real tokens."""
+        if self.valid is not None and not self.valid.all():
+            raise UserError(f"static decoding with a sink of {self.valid.shape[1]} tokens needs prompts of at least "
+                            f"that many real tokens; use a longer prompt or HF generate")
+        copy = super().frozen(seen)
+        copy.full = self.valid is not None
+        return copy
+
+
+class Window(Part):
     """Exact softmax over the last W keys, the linear branch beyond; `log_gain` [H] (learned, init 0) scales the
     linear part's mass against the window's. Its cache state is the last W keys (`keep`)."""
+
+    name, State = "window", WindowState
+
+    @classmethod
+    def build(cls, attention, num_heads: int, num_kv_heads: int, head_dim: int) -> Window | None:
+        return cls(attention.window, num_heads) if attention.window else None
 
     def __init__(self, width: int, num_heads: int):
         super().__init__()
@@ -32,11 +73,17 @@ class Window(nn.Module):
         last.width = self.width
 
 
-class Sink(nn.Module):
+class Sink(Part):
     """The first S real tokens of a sequence stay exact for every later query, however far back, and never enter the
     linear branch (an attention sink; `ops.window`). Beside a window only; with a decay the sink is not decayed.
     Generation keeps their keys in S slots of the cache (a `SinkState`), which a cached call puts before the
     window's keys (the op's `lead`: an exact key's weight does not depend on its distance)."""
+
+    name, State = "sink", SinkState
+
+    @classmethod
+    def build(cls, attention, num_heads: int, num_kv_heads: int, head_dim: int) -> Sink | None:
+        return cls(attention.sink) if attention.sink else None
 
     def __init__(self, count: int):
         super().__init__()

@@ -7,15 +7,16 @@ full: `lean_step_ok`), on the growing cache or a static ring, `fold_key` and `wi
 aten operators a layer against the general call's 637); or on CUDA with a PRF map a ring step the Triton kernel
 `ops.triton.window.prf_ring_step`. The forms read the layer's feature map, decay and kv expansion; the parts
 (`Window`, `Sink`) own their parameters and cache state (`cache.part("window")`, a `WindowState`: a ring of W
-slots in a `RingWindowLayer`; `cache.part("sink")`, a `SinkState`) and read nothing of the layer.
+slots in a static slot; `cache.part("sink")`, a `SinkState`) and read nothing of the layer. The other parts come in
+through the op's arguments (`op_arguments`); a fast form runs only where every part says it can (`runs`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dofattn.attention.cache import LinearStateLayer, RingWindowLayer, SinkState, keep_buffer, ring_slot
-from dofattn.attention.linear import check_left_padding
+from dofattn.attention.cache import LinearStateLayer, StaticStateLayer, keep_buffer, ring_slot
+from dofattn.attention.exact import SinkState
 from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops.naive import needs_grad
 from dofattn.ops.window import (PRFStep, first_keys, fold_key, prf_step_constants, prf_window_decode_step,
@@ -38,11 +39,11 @@ class WindowBranch:
         phi_q, q_scale = fmap.features(q, "query")                             # [B, T, H, M], [B, T, H]
         phi_k, k_scale = fmap.features(k, "key")                               # [B, Tk, H, M], [H]
         phi_q, phi_k = in_model_dtype(phi_q, q.dtype), in_model_dtype(phi_k, q.dtype)
-        if self.decay is not None and key_valid is not None:   # the cached keys come first: left padding stays exact
-            check_left_padding(key_valid[:, lead:])
+        if key_valid is not None:   # the cached keys come first: a rule on left padding holds beside them
+            self.check_padding(key_valid[:, lead:])
         return window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + self.window.log_gain, fmap.scaling,
                                        self.window.width, key_valid, state, output_final_state=output_final_state,
-                                       backend=backend, log_decay=self.log_decay(), sink_mask=sink_mask, lead=lead)
+                                       backend=backend, sink_mask=sink_mask, lead=lead, **self.op_arguments(v))
 
     def window_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
                     cache: LinearStateLayer, backend: str) -> torch.Tensor:
@@ -52,7 +53,7 @@ class WindowBranch:
         sink takes stay exact for the later queries and leave the window's keys (no key counts twice), and the last
         W of the rest stay for the next call. The first call of a sequence (empty slots) puts nothing first: its keys
         are its own, as many as its queries, so a CUDA prefill takes the Triton hybrid."""
-        if isinstance(cache, RingWindowLayer):
+        if isinstance(cache, StaticStateLayer):
             return self.ring_step(q, k, v, cache, backend)
         if self.lean_step_ok(q, cache):
             return self.decode_step(q, k, v, key_valid, cache)
@@ -84,7 +85,7 @@ class WindowBranch:
         return o
 
 
-    def one_kernel_ring(self, q: torch.Tensor, cache: RingWindowLayer, backend: str) -> bool:
+    def one_kernel_ring(self, q: torch.Tensor, cache: StaticStateLayer, backend: str) -> bool:
         """True when this ring step runs as one Triton kernel (`ops.triton.window.prf_ring_step`): backend auto on
         CUDA, or backend triton (on CPU: Triton's interpreter, for tests); a PRF map with a calibrated key shift, in
         eval mode, no autograd, a contiguous float32 state. Reads nothing from the GPU per step (the calibration
@@ -95,7 +96,8 @@ class WindowBranch:
         if needs_grad(q, *self.parameters()):
             return False
         from dofattn.ops import load_triton
-        return (isinstance(fmap, PositiveRandomFeatures) and not fmap.training and fmap.shift_calibrated()
+        return (self.runs("prf_ring_step") and isinstance(fmap, PositiveRandomFeatures) and not fmap.training
+                and fmap.shift_calibrated()
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
                 and load_triton()[0] is not None)
 
@@ -104,7 +106,7 @@ class WindowBranch:
         numbers: one query, a full window of W cached keys, a full sink, and a feature map that the keys no longer
         move (eval mode; a PRF map's key shift calibrated). Syncs with a GPU only until a cache's sink is full."""
         fmap, last = self.feature_map, cache.part("window")
-        if (q.shape[1] != 1 or fmap.training or cache.state is None or last.keys is None
+        if (not self.runs("lean_step") or q.shape[1] != 1 or fmap.training or cache.state is None or last.keys is None
                 or last.keys.shape[1] != self.window.width):
             return False
         if isinstance(fmap, PositiveRandomFeatures) and not fmap.shift_calibrated():
@@ -119,8 +121,8 @@ class WindowBranch:
         last = cache.part("window")
         if key_valid is None:          # a real token: no padding can follow a real one
             key_valid = last.valid.new_ones(k.shape[:2])
-        elif self.decay is not None:   # as the general call: padding after a real token would still decay the state
-            check_left_padding(torch.cat([last.valid, key_valid], 1))
+        else:                          # as the general call (a decay: no padding after a real token)
+            self.check_padding(torch.cat([last.valid, key_valid], 1))
         old = last.keys[:, 0], last.values[:, 0], last.valid[:, 0]                # the key leaving the window
         last.keys, last.values = torch.cat([last.keys[:, 1:], k], 1), torch.cat([last.values[:, 1:], v], 1)
         last.valid = torch.cat([last.valid[:, 1:], key_valid], 1)
@@ -135,7 +137,8 @@ class WindowBranch:
         """True when a steady decode step runs as `ops.window.prf_window_decode_step` (few operations, the state
         updated in place): a PRF map, float32, a contiguous state, no autograd (a window has no gate: `spec`); else
         `fold` and `read_exact`."""
-        return (isinstance(self.feature_map, PositiveRandomFeatures) and q.dtype == torch.float32
+        return (self.runs("prf_window_step") and isinstance(self.feature_map, PositiveRandomFeatures)
+                and q.dtype == torch.float32
                 and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
                 and not needs_grad(q, *self.parameters()))
 
@@ -180,7 +183,7 @@ class WindowBranch:
                                self.feature_map.scaling, cache.state)
         return o[:, None]
 
-    def ring_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: RingWindowLayer,
+    def ring_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticStateLayer,
                   backend: str = "auto") -> torch.Tensor:
         """One static decode step on a ring of W key slots: the key leaving the window (the oldest, in slot position
         mod W) is folded into the state, the new key takes its slot. Fixed shapes and in-place updates only, with the

@@ -28,14 +28,18 @@ from dofattn.attention.decay import Decay, Gate
 from dofattn.attention.exact import Sink, Window
 from dofattn.attention.hybrid import WindowBranch
 from dofattn.attention.linear import LinearBranch
+from dofattn.attention.part import Part
 from dofattn.errors import UserError
 from dofattn.features import FeatureMap
-from dofattn.ops.naive import gate_log, log_decay_matrix, segment_sums
 from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.ops.window import first_keys, window_logits
 from dofattn.spec import Attention
 
 TINY = torch.finfo(torch.float32).tiny
+
+# The parts a layer may have, each made from the config (`Part.build`) in this order, which is also the order their
+# `inputs` apply. Two may share a name (a decay per head or per token): the config makes at most one of them.
+PARTS: tuple[type[Part], ...] = (Window, Sink, Decay, Gate, ShortConv)
 
 
 class LinearAttention(WindowBranch, LinearBranch, nn.Module):
@@ -60,12 +64,28 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
         self.attention = attention
         self.feature_map = feature_map
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.window = Window(attention.window, num_heads) if attention.window else None
-        self.sink = Sink(attention.sink) if attention.sink else None
-        self.decay = (Decay(num_heads) if attention.decay == "head" else Gate(num_heads, head_dim)
-                      if attention.decay == "gate" else None)
-        self.conv = ShortConv(attention.conv, num_heads, num_kv_heads, head_dim) if attention.conv else None
+        for part in PARTS:            # each a child module under its name (None where the config leaves it out)
+            built = part.build(attention, num_heads, num_kv_heads, head_dim)
+            if built is not None or not hasattr(self, part.name):
+                setattr(self, part.name, built)
         self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
+
+    def parts(self) -> list[Part]:
+        """The parts this layer has, in `PARTS`' order."""
+        return [p for p in (getattr(self, name) for name in dict.fromkeys(c.name for c in PARTS)) if p is not None]
+
+    def op_arguments(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every part's keyword arguments of the op (`Part.op_arguments`), from the values v [B, T, H, D]."""
+        return {key: value for part in self.parts() for key, value in part.op_arguments(v).items()}
+
+    def check_padding(self, key_valid: torch.Tensor, state: torch.Tensor | None = None) -> None:
+        """Every part's rule on padded keys (`Part.check_padding`)."""
+        for part in self.parts():
+            part.check_padding(key_valid, state)
+
+    def runs(self, kernel: str) -> bool:
+        """Whether every part runs in the one-kernel form `kernel` (`part.KERNELS`)."""
+        return all(part.runs(kernel) for part in self.parts())
 
     def extra_repr(self) -> str:
         return self.attention.describe()
@@ -84,8 +104,8 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
         """
         if isinstance(cache, StaticStateLayer):
             key_valid = None
-        if self.conv is not None:
-            q, k, v = self.conv(q, k, v, key_valid, cache)
+        for part in self.parts():
+            q, k, v = part.inputs(q, k, v, key_valid, cache)
         if cache is None:
             return self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, backend=backend)[0]
         if self.window is not None:
@@ -111,15 +131,18 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
 
     def naive(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, rows: bool = True,
               gain: bool = True, at: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's attention the quadratic way: [B, H, T, T] float32 log weights of the causal pairs (query t,
-        key s) of q, k [B, T, H, D] on query heads (v only for a gate's decay), a sequence from position 0 without
-        padding. `rows`: each row normalised, the attention matrix that the layerwise loss holds against the
-        teacher's; else the log weights before it (log TINY above the diagonal), whose masses the gain calibration
-        compares. `gain`: with the window's learned gain on the linear part. `at` [R]: only the rows of these query
-        positions ([B, H, R, T]: a long sequence's sampled rows cost R·T; a gate's decay still builds T × T).
-
-        Beside a window the exact keys (the last W, the first S) weigh as the teacher's kernel, the linear pairs as
-        the features' (`ops.window.window_logits`); pure linear attention, φq·φk. Either with its decay."""
+        """The layer's attention the quadratic way, composed from every part: [B, H, T, T] float32 log weights of the
+        causal pairs (query t, key s) of q, k [B, T, H, D] on query heads (v, on query heads, for a part that reads
+        the values), a sequence from position 0 without padding. First each part's `inputs` (a convolution's
+        filters), then the pairs' logits: beside a window the exact keys (the last W, the first S) weigh as the
+        teacher's kernel and the linear pairs as the features' (`ops.window.window_logits`, with the parts' op
+        arguments); pure linear attention, φq·φk times each part's `log_pair_factor`. `rows`: each row normalised,
+        the attention matrix that the layerwise loss holds against the teacher's; else the log weights before it
+        (log TINY above the diagonal), whose masses the gain calibration compares. `gain`: with the window's learned
+        gain on the linear part. `at` [R]: only the rows of these query positions ([B, H, R, T]: a long sequence's
+        sampled rows cost R·T; a gate still builds T × T)."""
+        for part in self.parts():
+            q, k, v = part.inputs(q, k, v, None)
         fmap = self.feature_map
         q_rows = q if at is None else q[:, at]
         if self.window is not None:
@@ -129,7 +152,7 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
             sink = first_keys(None, k.shape[0], k.shape[1], a.sink, k.device) if a.sink else None
             logits, _ = window_logits(q_rows, k, phi_q, phi_k, q_scale,
                                       k_scale + self.window.log_gain if gain else k_scale, fmap.scaling, a.window,
-                                      log_decay=self.log_decay(), sink_mask=sink, query_at=at)
+                                      sink_mask=sink, query_at=at, **self.op_arguments(v))
             return torch.log_softmax(logits, -1).clamp_min(math.log(TINY)) if rows else logits
         phi_q, phi_k = fmap(q_rows, "query"), fmap(k, "key")                             # [B, R, H, M], [B, T, H, M]
         T = k.shape[1]
@@ -137,22 +160,19 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
         mask = torch.arange(T, device=q.device)[None, :] <= pos[:, None]                  # [R, T]
         scores = torch.einsum("bthm,bshm->bhts", phi_q, phi_k).masked_fill(~mask, 0)      # [B, H, R, T]
         log_scores = torch.log(scores.clamp_min(TINY))
-        if self.decay is not None:  # a pair's weight is its score times its decay, in log space for far pairs
-            log_factor = self.log_pair_decay(v, T, at)
+        log_factor = self.log_pair_factor(v, T, at)
+        if log_factor is not None:  # a pair's weight is its score times its factor, in log space for far pairs
             log_scores = log_scores + log_factor
             scores = scores * log_factor.exp()                                            # 0 above the diagonal
         return log_scores - torch.log(scores.sum(-1, keepdim=True).clamp_min(TINY)) if rows else log_scores
 
-    def log_pair_decay(self, v: torch.Tensor, length: int, at: torch.Tensor | None = None) -> torch.Tensor:
-        """The log of the decay the linear part puts on the pair (t, s) of a sequence of `length`, 0 for s ≥ t: with
-        a gate Σ_{s<j≤t} log g_j, read off the values v [B, T, H, D] ([B, H, T, T]); else (t - s) log γ_h, beside a
-        window (t - W - s) log γ_h counted from its edge, and 0 inside it ([H, T, T]). `at` [R]: the rows of these
-        query positions only ([B, H, R, T] or [H, R, T])."""
-        if self.decay.per_token:
-            log_factor = segment_sums(gate_log(self.decay.log_gates(v), torch.float32))
-            return log_factor if at is None else log_factor[:, :, at]
-        rows = length if at is None else len(at)
-        return log_decay_matrix(self.log_decay(), rows, length, offset=-self.attention.window, at=at)[0]
+    def log_pair_factor(self, v: torch.Tensor | None, length: int,
+                        at: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The sum of the parts' log factors on the linear part's pairs (`Part.log_pair_factor`; beside a window
+        counted from its edge), [B or 1, H, T or R, T], or None where no part puts one."""
+        factors = [f for part in self.parts()
+                   if (f := part.log_pair_factor(v, length, -self.attention.window, at)) is not None]
+        return sum(factors[1:], factors[0]) if factors else None
 
     @torch.no_grad()
     def calibrate_gain(self, q: torch.Tensor, k: torch.Tensor) -> None:

@@ -1,7 +1,6 @@
 """The linear branch's forms, as a mixin of `LinearAttention`: a prefill (`linear_attend`) and a cached call
 (`linear_step`) of pure linear attention, with whatever decay or gate (`attention.decay`) the layer has, on the op
 `ops.linear_attention`, and for a one-token PRF step on CUDA the Triton kernel `ops.triton.prf.prf_decode_step`.
-Also the padding rules of a decay.
 """
 
 from __future__ import annotations
@@ -9,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from dofattn.attention.cache import LinearStateLayer, keep_buffer
-from dofattn.errors import UserError
 from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
 from dofattn.ops import linear_attention
 
@@ -31,10 +29,10 @@ class LinearBranch:
 
     def one_kernel_step(self, q: torch.Tensor, cache: LinearStateLayer, backend: str) -> bool:
         """True when this generation step can run as one Triton kernel (`ops.triton.prf.prf_decode_step`): one token,
-        CUDA, no autograd, a PRF map with a calibrated key shift, no window, a float32 state (with or without a decay).
+        CUDA, no autograd, a PRF map with a calibrated key shift, no window, every part one the kernel runs (`runs`), a float32 state.
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
-        return (backend == "auto" and self.window is None and self.attention.decay != "gate"
+        return (backend == "auto" and self.window is None and self.runs("prf_decode_step")
                 and q.shape[1] == 1 and q.is_cuda and isinstance(fmap, PositiveRandomFeatures)
                 and fmap.fused_ok(q, "key") and cache.state is not None and cache.state.dtype == torch.float32
                 and cache.state.is_contiguous())
@@ -48,29 +46,7 @@ class LinearBranch:
         phi_q, phi_k = in_model_dtype(phi_q, q.dtype), in_model_dtype(phi_k, q.dtype)
         if key_valid is not None:
             phi_k = phi_k * key_valid[:, :, None, None].to(phi_k.dtype)           # padding keys add nothing
-            if self.decay is not None:
-                check_decay_padding(key_valid, state)
-        decay = {} if self.decay is None else self.decay.op_arguments(v)
+            self.check_padding(key_valid, state)
         return linear_attention(phi_q, phi_k, v, initial_state=state, output_final_state=output_final_state,
-                                backend=backend, **decay)
+                                backend=backend, **self.op_arguments(v))
 
-
-def check_left_padding(key_valid: torch.Tensor) -> None:
-    """A decay counts every position, padding included, so padding is exact only where it precedes every real token
-    (the state before it holds nothing). UserError for a padding token after a real one among these keys (for a
-    window hybrid: the cached keys and the new ones)."""
-    if not key_valid.all() and (key_valid.int().diff(dim=1) < 0).any():
-        raise UserError("a layer with a decay needs left padding: a padding token after a real one would still "
-                        "decay the state; pad on the left (tokenizer.padding_side = 'left')")
-
-
-def check_decay_padding(key_valid: torch.Tensor, state: torch.Tensor | None) -> None:
-    """A decay counts every position, padding included: padding is exact only before a row's first real token (the
-    state is still zero while it passes), in the first chunk or, for a prompt read in chunks, a later one. UserError
-    for padding after a real token, in this chunk or an earlier one (the row's state is not zero)."""
-    if key_valid.all():
-        return
-    check_left_padding(key_valid)
-    if state is not None and state[~key_valid[:, 0]].any():
-        raise UserError("a layer with a decay cannot continue its state through padding tokens (each would still "
-                        "decay it); continue with unpadded chunks, or pad only the first chunk, on the left")

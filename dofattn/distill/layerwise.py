@@ -28,10 +28,12 @@ from dofattn.student import attention_modules, linear_parts
 
 
 def param_groups(linear: LinearAttention, lr: float, lr_weights: float) -> list[dict]:
-    """PRF weights (log α) at `lr_weights`, every other trainable feature parameter at `lr`."""
+    """PRF weights (log α) at `lr_weights`, every other trainable parameter at `lr`; none of a part that the layerwise
+    stage does not fit (`Part.layerwise`: a convolution of the inputs trains end to end)."""
     weights, rest = [], []
+    end_to_end_only = {id(p) for part in linear.parts() if not part.layerwise for p in part.parameters()}
     for name, p in linear.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in end_to_end_only:
             (weights if name.endswith("log_weights") else rest).append(p)
     return [g for g in ({"params": rest, "lr": lr}, {"params": weights, "lr": lr_weights}) if g["params"]]
 

@@ -90,8 +90,9 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     dot = torch.einsum("bthm,bshm->bhts", torch.exp(e_q - c_q), torch.exp(e_k - c_k))
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
                       + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, T, T]
-    if linear.decay is not None:  # the student's weight of a pair is its kernel estimate times its decay
-        log_kernel_hat = log_kernel_hat + linear.log_pair_decay(v, q.shape[1])
+    log_factor = linear.log_pair_factor(v, q.shape[1])
+    if log_factor is not None:  # the student's weight of a pair is its kernel estimate times its parts' factors
+        log_kernel_hat = log_kernel_hat + log_factor
     mask = linear.attention.linear_pairs(q.shape[1], q.device)   # the pairs the features see
     log_kernel = attention_logits(q, k, scaling).masked_fill(~mask, -math.inf)
     row_max = log_kernel.amax(-1, keepdim=True).clamp_min(-1e30)                    # rows with no pair: finite

@@ -470,7 +470,7 @@ def prf_ring_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
     key at position p), contiguous; position [1] int64: p, the token being decoded; log_gain [H]; decay_rate [H] or
     None: log γ_h = −min(exp(decay_rate_h), 1e4) (`decay.Decay.log_decay`), computed in the kernel; sink_keys,
     sink_values [B, S, Hkv, D | V] and sink_valid [B, S] or None: exact keys beside the ring, never folded;
-    arrivals [B] int32 zeros (kept between steps, `RingWindowLayer.arrivals`; None: a new one). The map's key_shift
+    arrivals [B] int32 zeros (kept between steps, `StaticStateLayer.arrivals`; None: a new one). The map's key_shift
     must be finite. Returns o [B, 1, H, V] in q.dtype.
 
     One program per (batch, query head), each reading its kv head's W ring slots: the G query heads of a kv head
@@ -490,7 +490,7 @@ def prf_ring_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
             raise ValueError(f"prf_ring_step updates the ring in place: it needs contiguous buffers shaped {shape}, "
                              f"got {tuple(x.shape)} (contiguous: {x.is_contiguous()})")
     sink = sink_keys is not None and sink_keys.shape[1] > 0
-    if sink:   # read only: copied if not contiguous (`RingWindowLayer.from_layer` makes them so)
+    if sink:   # read only: copied if not contiguous (`StaticStateLayer.from_layer` makes them so)
         S = sink_keys.shape[1]
         if sink_keys.shape != (B, S, Hkv, D) or sink_values.shape != (B, S, Hkv, V) or sink_valid.shape != (B, S):
             raise ValueError(f"prf_ring_step needs sink keys, values and flags shaped {(B, S, Hkv, D)}, "
