@@ -91,7 +91,7 @@ def _nll(log_p: torch.Tensor, targets: torch.Tensor) -> float:
     return -log_p.gather(1, targets[:, None]).sum().item()
 
 
-def _batches(blocks: Blocks, batch_size: int) -> list[torch.Tensor]:
+def blocks_in_batches(blocks: Blocks, batch_size: int) -> list[torch.Tensor]:
     """`blocks` (a tensor [N, T] or a list of them) in batches of at most `batch_size` blocks of one length."""
     parts = [blocks] if isinstance(blocks, torch.Tensor) else blocks
     return [part[start:start + batch_size] for part in parts for start in range(0, len(part), batch_size)]
@@ -119,7 +119,7 @@ def perplexity(model, blocks: Blocks, batch_size: int = 4, desc: str = "perplexi
     """exp(mean next-token cross-entropy) over `blocks` [N, T] (T−1 predictions per block)."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for batch in tqdm(_batches(blocks, batch_size), desc=desc, unit="batch", disable=not progress, leave=False):
+    for batch in tqdm(blocks_in_batches(blocks, batch_size), desc=desc, unit="batch", disable=not progress, leave=False):
         ids = batch.to(device)
         total += sum(_nll(log_p, t) for log_p, t in zip(_log_probs(model, ids), _chunk_targets(ids)))
         count += ids[:, 1:].numel()
@@ -203,7 +203,7 @@ def compare(student, blocks: Blocks, teacher=None, batch_size: int = 4, progress
     agreement of their next-token predictions. `teacher=None`: the student's own base model (`teacher_mode`)."""
     device = next(student.parameters()).device
     tally = _Tally()
-    for batch in tqdm(_batches(blocks, batch_size), desc="student vs teacher", unit="batch",
+    for batch in tqdm(blocks_in_batches(blocks, batch_size), desc="student vs teacher", unit="batch",
                       disable=not progress, leave=False):
         ids = batch.to(device)
         if teacher is None:
@@ -246,45 +246,6 @@ class AgainstTeacher:
                 tally.add(log_s, chunk_t, targets, length, start)
                 start += length
         return tally.result()
-
-
-@torch.no_grad()
-def layer_errors(student, blocks: Blocks, batch_size: int = 2, progress: bool = True) -> dict:
-    """Per layer, on the teacher's own q/k/v: relative error of the linear attention output against softmax
-    attention (‖o_lin − o_soft‖ / ‖o_soft‖), and the row-scaled L2 kernel error of PRF maps (the distillation's
-    l2 loss; None for other maps). The kernel error is only comparable between students trained with the l2 loss:
-    the softmax loss leaves the kernel's overall scale free. Layers left as softmax get None."""
-    from dofattn.capture import capture, run_forward
-    from dofattn.distill.losses import l2_loss
-    from dofattn.features import PositiveRandomFeatures
-    from dofattn.ops.softmax import expand_kv, softmax_attention
-    from dofattn.student import attention_modules, linear_parts
-
-    modules = attention_modules(student)
-    num, den = [0.0] * len(modules), [0.0] * len(modules)
-    kernel = [[] for _ in modules]
-
-    def sink(a) -> None:
-        linear = getattr(modules[a.layer], "dofattn", None)
-        if linear is None:
-            return
-        k, v = expand_kv(a.key, a.num_heads), expand_kv(a.value, a.num_heads)
-        exact = softmax_attention(a.query, k, v, a.scaling)                  # [B, T, H, D]
-        approx = linear(a.query, a.key, a.value)
-        num[a.layer] += (approx.float() - exact).square().sum().item()
-        den[a.layer] += exact.square().sum().item()
-        if isinstance(linear.feature_map, PositiveRandomFeatures):
-            kernel[a.layer].append(l2_loss(linear, a.query, k, v, a.scaling).item())
-
-    device = next(student.parameters()).device
-    with teacher_mode(student), capture(student, sink):
-        for batch in tqdm(_batches(blocks, batch_size), desc="layer errors", unit="batch", disable=not progress,
-                          leave=False):
-            run_forward(student, batch.to(device))
-    linear = linear_parts(student)
-    return {"output_error": [math.sqrt(n / d) if i in linear and d > 0 else None
-                             for i, (n, d) in enumerate(zip(num, den))],
-            "kernel_error": [sum(k) / len(k) if k else None for k in kernel]}
 
 
 HUB_TASKS = ("piqa", "arc_easy", "arc_challenge", "winogrande", "logiqa", "wsc273", "mmlu")

@@ -83,7 +83,7 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path, monkeypatc
     # (12 of the prompt, 2 generated) and their flags, and the sink's 4 keys and values [1, 4, 2, 16] and flags
     sink = 2 * 4 * 2 * 16 * 4 + 4
     assert gen[True, "hf"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 14 * 2 * 16 * 4 + 14 + sink)
-    ring = 8 + 4          # a ring's position [1] int64 and arrival count [1] int32, per layer
+    ring = 8              # a static slot's position [1] int64, per layer (the Triton ring step adds its count)
     assert gen[True, "static"]["cache_bytes"] == 3 * (4 * 5 * 17 * 4 + 2 * 16 * 2 * 16 * 4 + 16 + sink + ring)
     assert result["hardware"]["device"] == "cpu" and "prefill (one layer, ms)" in printed
 

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 from dofattn import evaluate
 from dofattn.cli import main
 from dofattn.errors import UserError
-from dofattn.evaluate import compare, layer_errors, perplexity, teacher_mode
+from dofattn.evaluate import compare, perplexity, teacher_mode
+from dofattn.jobs.eval import layer_errors
 from dofattn.spec import Attention
 from dofattn.student import linearize
 from tests.conftest import tiny_model

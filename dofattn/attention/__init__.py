@@ -53,11 +53,11 @@ Nothing else changes: the recipe key, the saved spec (`dofattn.json`), export, t
 and end-to-end stages and every command take the config whole. A recipe that uses it sets the key in its TOML.
 """
 
-from dofattn.attention.cache import (LinearStateLayer, StaticKVLayer, StaticStateLayer, keep_buffer,
+from dofattn.attention.cache import (CACHE_ARGUMENTS, LinearStateLayer, StaticKVLayer, StaticStateLayer, keep_buffer,
                                      state_layer)
 from dofattn.attention.conv import CONV_NAMES
 from dofattn.attention.decay import DECAY_START, GATE_FLOOR, check_decay_padding, check_left_padding
-from dofattn.attention.install import CACHE_ARGUMENTS, IMPLEMENTATION, IMPLEMENTATIONS, attention_forward, install
+from dofattn.attention.install import IMPLEMENTATION, IMPLEMENTATIONS, attention_forward, install
 from dofattn.attention.layer import PARTS, LinearAttention
 from dofattn.attention.part import Part
 

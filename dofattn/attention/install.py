@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from dofattn.attention.cache import CACHE_ARGUMENTS, cache_argument, state_layer
+from dofattn.attention.cache import cache_argument, state_layer
 from dofattn.attention.layer import LinearAttention
 from dofattn.attention.prompt import read_in_chunks
 from dofattn.capture import base_attention
@@ -142,7 +142,6 @@ def install(model: nn.Module) -> None:
     for module in model.modules():
         hooks = (isinstance(getattr(module, "dofattn", None), LinearAttention)
                  or getattr(module, "dofattn_bounded", None) is not None)
-        if hooks and not getattr(module, "_dofattn_hooked", False):
+        if hooks and _bind_cache not in module._forward_pre_hooks.values():      # once, however often installed
             module.register_forward_pre_hook(_bind_cache, with_kwargs=True)
             module.register_forward_hook(_unbind_cache, with_kwargs=True)
-            module._dofattn_hooked = True

@@ -4,25 +4,68 @@ plain files too), lm-eval tasks and long-context recall, as one `EvalConfig` ask
     result = run(EvalConfig(model="runs/long-context", num_blocks=4, out=None))    # what `dofattn eval` does
     result["ppl"] / result["teacher_ppl"], result["by_position"]["ratio"]
 
-The measures are `evaluate`'s and `recall`'s; this module loads the models, reads the text, runs what is asked for
-and writes the JSON and the figures.
+The measures are `evaluate`'s and `recall`'s, and here the per-layer errors (`layer_errors`, which read the
+layerwise stage's l2 loss); this module loads the models, reads the text, runs what is asked for and writes the
+JSON and the figures.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from dofattn.distill.losses import l2_loss
 from dofattn.errors import UserError
-from dofattn.evaluate import (compare, first_blocks, format_comparison, format_layer_errors, format_tasks, layer_errors,
-                              lm_eval_tasks)
+from dofattn.evaluate import (Blocks, blocks_in_batches, compare, first_blocks, format_comparison, format_layer_errors,
+                              format_tasks, lm_eval_tasks, teacher_mode)
 from dofattn.hf import resolve_device
 from dofattn.io import check_output
 from dofattn.options import DATA_HELP, Machine, option
 from dofattn.recipe import DEFAULT_RUN
+
+
+@torch.no_grad()
+def layer_errors(student, blocks: Blocks, batch_size: int = 2, progress: bool = True) -> dict:
+    """Per layer, on the teacher's own q/k/v: relative error of the linear attention output against softmax
+    attention (‖o_lin − o_soft‖ / ‖o_soft‖), and the row-scaled L2 kernel error of PRF maps (the distillation's
+    l2 loss; None for other maps). The kernel error is only comparable between students trained with the l2 loss:
+    the softmax loss leaves the kernel's overall scale free. Layers left as softmax get None."""
+    from dofattn.capture import capture, run_forward
+    from dofattn.features import PositiveRandomFeatures
+    from dofattn.ops.softmax import expand_kv, softmax_attention
+    from dofattn.student import attention_modules, linear_parts
+
+    modules = attention_modules(student)
+    num, den = [0.0] * len(modules), [0.0] * len(modules)
+    kernel = [[] for _ in modules]
+
+    def sink(a) -> None:
+        linear = getattr(modules[a.layer], "dofattn", None)
+        if linear is None:
+            return
+        k, v = expand_kv(a.key, a.num_heads), expand_kv(a.value, a.num_heads)
+        exact = softmax_attention(a.query, k, v, a.scaling)                  # [B, T, H, D]
+        approx = linear(a.query, a.key, a.value)
+        num[a.layer] += (approx.float() - exact).square().sum().item()
+        den[a.layer] += exact.square().sum().item()
+        if isinstance(linear.feature_map, PositiveRandomFeatures):
+            kernel[a.layer].append(l2_loss(linear, a.query, k, v, a.scaling).item())
+
+    device = next(student.parameters()).device
+    with teacher_mode(student), capture(student, sink):
+        for batch in tqdm(blocks_in_batches(blocks, batch_size), desc="layer errors", unit="batch", disable=not progress,
+                          leave=False):
+            run_forward(student, batch.to(device))
+    linear = linear_parts(student)
+    return {"output_error": [math.sqrt(n / d) if i in linear and d > 0 else None
+                             for i, (n, d) in enumerate(zip(num, den))],
+            "kernel_error": [sum(k) / len(k) if k else None for k in kernel]}
+
 
 
 # --- `dofattn eval` -------------------------------------------------------------------------------------------------
