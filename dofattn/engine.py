@@ -32,13 +32,11 @@ sync per token): `generate` cuts each row after its first `eos_token_id` instead
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache
 
 from dofattn.attention import StaticKVLayer
-from dofattn.attention.bounded import StaticBoundedLayer
 from dofattn.errors import UserError
 from dofattn.hf import cache_kwargs, local_layers
 
@@ -51,23 +49,6 @@ def static_slot(slot, length: int, position: torch.Tensor):
     of a kept softmax layer becomes `length` slots (`StaticKVLayer`). `position` is the decoder's [1] tensor."""
     to_static = getattr(slot, "to_static", None)
     return to_static(length, position) if to_static is not None else StaticKVLayer.from_layer(slot, length, position)
-
-
-@contextmanager
-def bind_static_kv(model, cache):
-    """While the static steps run, each kept softmax layer's module holds its `StaticKVLayer` as `dofattn_static_kv`
-    (`attention.install` masks its unwritten slots with it); afterwards none does, for HF generate."""
-    from dofattn.student import attention_modules
-
-    modules = attention_modules(model)
-    bound = [i for i, layer in enumerate(cache.layers) if isinstance(layer, (StaticKVLayer, StaticBoundedLayer))]
-    for i in bound:
-        modules[i].dofattn_static_kv = cache.layers[i]
-    try:
-        yield
-    finally:
-        for i in bound:
-            del modules[i].dofattn_static_kv
 
 
 class Clock:
@@ -150,40 +131,39 @@ class StaticDecoder:
         def step() -> None:
             (self.compiled or self.step)(token, position, cache_position, cache)
 
-        with bind_static_kv(self.model, cache):   # kept softmax layers read their written slots
-            remaining = max_new_tokens - 1
-            timings = {"prefill_s": prefill_s, "decode_steps": remaining, "decode_s": 0.0}
-            if self.compiled is not None and not self.compiled_once and remaining:
-                step()                                # compiles, then runs: a real token, timed apart
+        remaining = max_new_tokens - 1
+        timings = {"prefill_s": prefill_s, "decode_steps": remaining, "decode_s": 0.0}
+        if self.compiled is not None and not self.compiled_once and remaining:
+            step()                                # compiles, then runs: a real token, timed apart
+            new.append(token.clone())
+            self.compiled_once = True
+            remaining -= 1
+            timings.update(compile_s=clock.lap(), decode_steps=remaining)
+        if not self.graph:
+            for _ in range(remaining):
+                step()
                 new.append(token.clone())
-                self.compiled_once = True
-                remaining -= 1
-                timings.update(compile_s=clock.lap(), decode_steps=remaining)
-            if not self.graph:
-                for _ in range(remaining):
+            timings["decode_s"] = clock.lap()
+        elif remaining:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(min(WARMUP_STEPS, remaining)):
                     step()
                     new.append(token.clone())
-                timings["decode_s"] = clock.lap()
-            elif remaining:
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for _ in range(min(WARMUP_STEPS, remaining)):
-                        step()
-                        new.append(token.clone())
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                remaining -= min(WARMUP_STEPS, remaining)
-                timings["decode_s"] = clock.lap()     # the warm-up steps, run eagerly
-                if remaining:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        step()                        # recorded, not run: the replays below are the tokens
-                    timings["capture_s"] = clock.lap()
-                    for _ in range(remaining):
-                        graph.replay()
-                        new.append(token.clone())
-                    timings.update(replays=remaining, replay_s=clock.lap())
-                    timings["decode_s"] += timings["replay_s"]
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            remaining -= min(WARMUP_STEPS, remaining)
+            timings["decode_s"] = clock.lap()     # the warm-up steps, run eagerly
+            if remaining:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()                        # recorded, not run: the replays below are the tokens
+                timings["capture_s"] = clock.lap()
+                for _ in range(remaining):
+                    graph.replay()
+                    new.append(token.clone())
+                timings.update(replays=remaining, replay_s=clock.lap())
+                timings["decode_s"] += timings["replay_s"]
         self.timings = timings
         for layer in cache.layers:                # the captured step ran its Python bookkeeping once
             layer.seen = T + max_new_tokens - 1

@@ -47,6 +47,17 @@ SUPPORTED = {
 LOCAL_TYPES = ("sliding_attention", "chunked_attention")   # HF's layer types of attention over a bounded span
 
 
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention modules of `model`, in layer order."""
+    found = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if idx is not None and type(module).__name__.endswith("Attention") and not getattr(
+                module, "is_cross_attention", False):
+            found[idx] = module
+    return [found[i] for i in sorted(found)]
+
+
 def local_layers(config: PretrainedConfig) -> list[int]:
     """The layers of `config`'s model that attend over a bounded span of their own (sliding-window or chunked
     attention: Gemma 2/3's local layers, Mistral's sliding window): cheap already, so kept exact by default. HF's

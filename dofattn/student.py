@@ -27,22 +27,12 @@ from dofattn.attention.bounded import BoundedSoftmax
 from dofattn.dof import DofResult
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
+from dofattn.hf import attention_modules
 from dofattn.io import atomic_path, read_safetensors, write_atomic
 from dofattn.spec import Attention, Kept, StudentSpec, check_kept
 
 CONFIG_FILE = "dofattn.json"
 WEIGHTS_FILE = "features.safetensors"
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of `model`, in layer order."""
-    found = {}
-    for module in model.modules():
-        idx = getattr(module, "layer_idx", None)
-        if idx is not None and type(module).__name__.endswith("Attention") and not getattr(
-                module, "is_cross_attention", False):
-            found[idx] = module
-    return [found[i] for i in sorted(found)]
 
 
 def linear_parts(model: nn.Module) -> dict[int, nn.Module]:

@@ -104,7 +104,7 @@ def figures(args, cells: list[dict], teacher_ppl: float, runs: Path) -> dict:
     """The DoF allocation, per-layer errors of the l2-trained students, and perplexity bars; returns the errors."""
     from dofattn.data import token_blocks
     from dofattn.dof import DofResult
-    from dofattn.evaluate import layer_errors
+    from dofattn.jobs.eval import layer_errors
     from dofattn.plots import plot_dof, plot_layer_error_comparison, plot_ppl_bars
     from dofattn.student import load_student
 

@@ -171,13 +171,12 @@ def test_bounded_softmax_cache_reads_what_the_spec_keeps():
     bounded = BoundedSoftmax(Kept(select=COUNT, select_observe=OBSERVE, select_pool=POOL),
                              Attention(window=WINDOW, sink=SINK), scaling)
     cache = SimpleNamespace(layers=[DynamicLayer()])
-    bounded.cache, bounded.layer_idx = cache, 0
     keys, values = cache.layers[0].update(k[:, :, :P], v[:, :, :P])
-    bounded.after(q[:, :, :P], keys, values, valid[:, :P])
+    bounded.after(cache, 0, q[:, :, :P], keys, values, valid[:, :P])
     got = []
     for piece in (slice(P, P + 1), slice(P + 1, P + 2), slice(P + 2, T)):
         keys, values = cache.layers[0].update(k[:, :, piece], v[:, :, piece])
-        mask = bounded.mask()                                                            # [B, 1, t, n]
+        mask = bounded.mask(cache.layers[0])                                             # [B, 1, t, n]
         logits = scaling * expand_kv(keys, H, dim=1).transpose(-1, -2).__rmatmul__(q[:, :, piece])
         weights = torch.softmax(logits.masked_fill(~mask, -torch.inf), -1)
         got.append(weights @ expand_kv(values, H, dim=1))

@@ -11,46 +11,45 @@ transformers 5.24) and puts a `LinearStateLayer` in that layer's slot: it stores
 stays flat in context length. `model.generate()` needs nothing special.
 
 Modules, by part:
-    layer     `LinearAttention`: composes the parts its `spec.Attention` names, dispatches a call to their forms,
-              and holds its attention the quadratic way (`naive`), the reference of every fast form
-    linear    pure linear attention's forms (prefill, cached call) and a decay's padding rules
+    part      `Part`: what a layer asks of each of its parts (inputs, op arguments, a factor on pairs, a padding rule,
+              the fast forms it runs in, its cache state), each with a default that adds nothing
+    layer     `LinearAttention`: builds its parts from its `spec.Attention` (`PARTS`), asks them, dispatches a call
+              to its forms, and holds its attention the quadratic way composed from every part (`naive`)
+    linear    pure linear attention's forms (prefill, cached call)
     hybrid    the window hybrid's forms: prefill, cached call, lean decode step, static ring step
     exact     the exact keys' parts: `Window` (the last W, and the linear part's gain) and `Sink` (the first S)
-    decay     `Decay` (per head) and `Gate` (per token)
+    decay     `Decay` (per head) and `Gate` (per token), and a decay's padding rules
     conv      `ShortConv`, on q, k and v
-    cache     the cache slots: `LinearStateLayer` with a `PartState` per part that keeps one, for static decoding
-              `StaticStateLayer` and `RingWindowLayer` (and `StaticKVLayer` for a kept softmax layer)
+    cache     the cache slots: `LinearStateLayer` with a `PartState` per part that keeps one, `StaticStateLayer`
+              its static form (each part's state frozen: a window's as a ring), `StaticKVLayer` for a kept layer
     bounded   a kept softmax layer's cache bounded after the prompt (`spec.Kept`): `BoundedSoftmax`
     install   the AttentionInterface function, `install`, the cache-binding hooks
 
-Adding a mechanism, the per-head decay as the worked example (`student.decay = "head"`). In order:
-1. `spec.py`: a field of `Attention` (`decay`), whose help is the recipe key's documentation (`student.decay`,
-   `dofattn recipes --keys`); its rules against the other parts in `Attention.__post_init__` (a gate is for pure
-   linear attention only), each a one-line UserError; a word in `Attention.describe` and a line in
-   `StudentSpec.describe` (layer reprs, the export's model card, `generate`).
+Adding a part. Files it touches: `spec.py`, its own module, one row of `layer.PARTS`, its tests; and `ops/` if it
+changes the arithmetic (tests/test_attention.py adds a throwaway stateful part with only its module and the row:
+every path, the naive form and the cache slot take it). In order:
+1. `spec.py`: a field of `Attention` (the decay's `decay`), whose help is the recipe key's documentation
+   (`student.decay`, `dofattn recipes --keys`); its rules against the other parts in `Attention.__post_init__` (a
+   gate is for pure linear attention only), each a one-line UserError; a word in `Attention.describe` and a line
+   in `StudentSpec.describe` (layer reprs, the export's model card, `generate`).
 2. `ops/`, if it changes the arithmetic: the op's argument (`log_decay` of `linear_attention` and
    `window_linear_attention`) in its naive reference first (`ops/naive.py`: `log_decay_matrix`), then each fast
-   form (chunked, recurrent, Triton), and its rows in tests/test_ops.py and tests/test_triton_*.py against the
-   reference on odd shapes, states and gradients included.
-3. `attention/<part>.py`: the part as a module that owns its parameters (`decay.Decay`: `decay_rate` [H], with
-   `log_decay()` and `op_arguments()`), reading nothing of its layer.
-4. `attention/layer.py`: built in `LinearAttention.__init__` from the config (None when it is off), and in `naive`
-   (the decay's factor on each pair, `log_pair_decay`), the layer's attention matrix of the q and k it is given:
-   the layerwise softmax loss and the gain calibration read it there; the l2 loss reads its kernel estimate and
-   `log_pair_decay`. A part that acts on q, k and v before the attention (the short convolution) is not in
-   `naive`: the layerwise stage fits a layer on the teacher's q/k/v, and the part trains end to end.
-5. The forms that pass it to the op: `linear.py` (`linear_attend`: `self.decay.op_arguments`) and `hybrid.py`
-   (`window_attend`, `fold`: `self.log_decay()`, and the ring kernel's `decay_rate`), with any rule of its own on
-   the inputs (padding only on the left, `check_decay_padding`).
-6. `attention/cache.py`, only for a part that keeps cache state (the window's last keys, the sink's, a
-   convolution's last inputs; the decay keeps none): a `PartState` subclass in `PART_STATES`. The slot reorders,
-   batches, moves, counts and freezes it for static decoding whatever the part (`PartState.frozen`).
-7. tests/test_attention.py: a row of `LAYERS` (alone and beside the parts it combines with: "decay",
-   "window+decay", "window+sink+decay") and its term in `reference`, which composes the ops' naive forms itself;
-   every path of the layer is then checked against it: prefill with gradients, a cached prefill continued by steps
-   and a chunk, the static ring (a slot's static form: its `to_static`).
+   form, and its rows in tests/test_ops.py and tests/test_triton_*.py against the reference on odd shapes, states
+   and gradients included.
+3. `attention/<part>.py`: a `Part` subclass that owns its parameters and reads nothing of its layer: `name`,
+   `build` (from the config; None when it is off), and what it adds: `op_arguments` (the decay's `log_decay`),
+   `log_pair_factor` (its factor on each linear pair, which `naive` and the l2 loss add), `inputs` (a convolution's
+   filtered q, k, v: applied before every form and in `naive`), `check_padding`, `runs(kernel)` (False for a fast
+   form that does not compute it: the general call, on the ops with every part's arguments, then runs instead),
+   `layerwise` (False: the layerwise stage leaves it out of its optimizer), and a `State` (a `PartState` subclass)
+   if it keeps cache state: the slot then makes, reorders, batches, moves, counts and freezes it (`frozen`).
+4. `layer.PARTS`: its class, in the order its `inputs` apply.
+5. tests/test_attention.py: a row of `LAYERS` (alone and beside the parts it combines with) and its term in
+   `reference`, which composes the ops' naive forms itself; every path of the layer and `naive` are then checked
+   against it: prefill with gradients, a cached prefill continued by steps and a chunk, the static ring.
 Nothing else changes: the recipe key, the saved spec (`dofattn.json`), export, the dry run's plan, the layerwise
-and end-to-end stages and every command take the config whole. A recipe that uses it sets the key in its TOML.
+and end-to-end stages and every command take the config whole. A recipe that uses it sets the key in its TOML. (A
+part with its own learning rate, as the convolution's `end_to_end.conv_lr`, adds that key to `recipe.py`.)
 """
 
 from dofattn.attention.cache import (CACHE_ARGUMENTS, LinearStateLayer, StaticKVLayer, StaticStateLayer, keep_buffer,

@@ -2,8 +2,7 @@
 
 A layer the student keeps as exact softmax attention (`keep_softmax`) holds every past key in a KV cache, which grows
 with the context. With `student.select` > 0 (its `spec.Kept`) its module carries a `BoundedSoftmax`
-(`dofattn_bounded`): the prompt is
-read with full attention, as the teacher reads it; then the cache keeps the first S real tokens (the sink), the C keys
+(`dofattn_bounded`): the prompt is read with full attention, as the teacher reads it; then the cache keeps the first S real tokens (the sink), the C keys
 per kv head that the prompt's last queries attend to most (`ops.select`, SnapKV-style) and the last W keys, and drops
 the rest (`BoundedKVLayer`). Every later query (the answer, the generated tokens) reads those, exactly, and a key
 leaving its window is gone: memory after the prompt is (S + C + W) keys per kv head at any length.
@@ -32,30 +31,34 @@ from dofattn.ops.window import first_keys, window_pairs
 
 class PromptKVLayer(DynamicLayer):
     """A kept layer's slot while a prompt is read in chunks: every key and value so far, in buffers made once for the
-    whole prompt (`length` tokens: growing them a chunk at a time would leave the allocator a trail of smaller
-    freed ones), and what the choice at the prompt's end reads besides: which keys are real (`valid` [B, T]) and
-    the last queries ([B, ≤ observe, H, D])."""
+    whole prompt (`length` tokens, announced by the prompt reader before its first chunk: growing them a chunk at a
+    time would leave the allocator a trail of smaller freed ones), and what the choice at the prompt's end reads
+    besides: which keys are real (`valid` [B, T]) and the last queries ([B, ≤ observe, H, D])."""
 
-    @classmethod
-    def from_layer(cls, layer: DynamicLayer, length: int) -> PromptKVLayer:
-        prompt = cls()
-        prompt.__dict__.update(vars(layer))
-        B, Hkv, T, D = layer.keys.shape
-        prompt.key_buffer = layer.keys.new_empty(B, Hkv, length, D)
-        prompt.value_buffer = layer.values.new_empty(B, Hkv, length, layer.values.shape[-1])
-        prompt.key_buffer[:, :, :T], prompt.value_buffer[:, :, :T] = layer.keys, layer.values
-        prompt.keys, prompt.values = prompt.key_buffer[:, :, :T], prompt.value_buffer[:, :, :T]
-        prompt.valid, prompt.queries = None, None
-        return prompt
+    def __init__(self, length: int):
+        super().__init__()
+        self.length, self.valid, self.queries = int(length), None, None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        B, Hkv, _, D = key_states.shape
+        self.key_buffer = key_states.new_empty(B, Hkv, self.length, D)
+        self.value_buffer = value_states.new_empty(B, Hkv, self.length, value_states.shape[-1])
+        self.keys, self.values = self.key_buffer[:, :, :0], self.value_buffer[:, :, :0]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         T, new = self.keys.shape[2], key_states.shape[2]
-        if T + new > self.key_buffer.shape[2]:
-            raise RuntimeError(f"a prompt read in chunks brought more than the {self.key_buffer.shape[2]} tokens "
-                               f"it announced")
+        if T + new > self.length:
+            raise RuntimeError(f"a prompt read in chunks brought more than the {self.length} tokens it announced")
         self.key_buffer[:, :, T:T + new], self.value_buffer[:, :, T:T + new] = key_states, value_states
         self.keys, self.values = self.key_buffer[:, :, :T + new], self.value_buffer[:, :, :T + new]
         return self.keys, self.values
+
+    def read(self) -> bool:
+        """Whether the whole announced prompt has been read."""
+        return self.is_initialized and self.keys.shape[2] == self.length
 
 
 class BoundedKVLayer(BatchSlot):
@@ -153,7 +156,7 @@ class StaticBoundedLayer(CacheLayerMixin):
     """A bounded kept layer's slot for static decoding (`engine.StaticDecoder`), made from its `BoundedKVLayer` after
     the prompt: the same held keys and ring of W slots ([B, Hkv, L + W, D]); `position` is the decoder's [1] tensor.
     Each step writes its key into its ring slot in place, the slot read from the tensor, and the layer attends over
-    the valid slots (`slot_mask`, bound to the module as `dofattn_static_kv`): the same shapes every token, and the
+    the valid slots (`slot_mask`, which `install` reads off the call's cache): the same shapes every token, and the
     same keys as the growing `BoundedKVLayer` reads."""
 
     is_sliding = False
@@ -194,41 +197,29 @@ class StaticBoundedLayer(CacheLayerMixin):
 
 class BoundedSoftmax(nn.Module):
     """A kept softmax layer's bounded cache: the selection of a `spec.Kept` beside the sink and window of the linear
-    layers' `spec.Attention`. It has no parameters. `install` binds the HF cache and the layer's index for the
-    duration of a call (`cache`, `layer_idx`); `attention.prompt` sets `reading` while a prompt is read in chunks:
-    the tokens that follow the chunk being read (0 on the last)."""
+    layers' `spec.Attention`. It has no parameters and holds nothing between calls: the call's cache comes as an
+    argument (`install`), and a prompt read in chunks announces its length in the layer's slot (`PromptKVLayer`)."""
 
     def __init__(self, kept, attention, scaling: float):
         super().__init__()
         self.kept, self.attention, self.scaling = kept, attention, float(scaling)
-        self.cache, self.layer_idx, self.reading = None, None, 0
 
     def extra_repr(self) -> str:
         return self.kept.describe(self.attention)
 
-    def layers(self) -> list:
-        """The bound cache's slots (an EncoderDecoderCache: its self-attention cache's)."""
-        return getattr(self.cache, "self_attention_cache", self.cache).layers
-
-    def slot(self):
-        """The bound cache's slot for this layer (None without a cache)."""
-        if self.cache is None:
-            return None
-        layers = self.layers()
-        return layers[self.layer_idx] if self.layer_idx < len(layers) else None
-
-    def mask(self) -> torch.Tensor | None:
+    def mask(self, slot) -> torch.Tensor | None:
         """The slot's own mask once it is bounded (a call after the prompt), else None (HF's mask stands)."""
-        slot = self.slot()
         return slot.mask() if isinstance(slot, BoundedKVLayer) else None
 
     @torch.no_grad()
-    def after(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new_valid: torch.Tensor | None):
-        """After a call's attention (query [B, H, T, D]; key and value [B, Hkv, P, D], every key the layer attended:
-        the cache's and the call's; new_valid [B, T], which of the call's keys are real, or None: all): while a
-        prompt is read (a sequence's first call, and the calls that continue it while `reading`), the slot keeps its
-        keys; at the prompt's end it becomes bounded."""
-        slot = self.slot()
+    def after(self, cache, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              new_valid: torch.Tensor | None):
+        """After a call's attention on the HF `cache` (query [B, H, T, D]; key and value [B, Hkv, P, D], every key the
+        layer attended: the cache's and the call's; new_valid [B, T], which of the call's keys are real, or None:
+        all): while a prompt is read (a sequence's first call, or the chunks of an announced prompt), the slot keeps
+        its keys; at the prompt's end it becomes bounded."""
+        layers = getattr(cache, "self_attention_cache", cache).layers
+        slot = layers[layer_idx] if layer_idx < len(layers) else None
         B, _, T, _ = query.shape
         if isinstance(slot, PromptKVLayer):
             valid, queries = slot.valid, slot.queries
@@ -240,13 +231,10 @@ class BoundedSoftmax(nn.Module):
         valid = real if valid is None else torch.cat([valid, real], 1)
         queries = query.transpose(1, 2) if queries is None else torch.cat([queries, query.transpose(1, 2)], 1)
         queries = last_keys(queries, self.kept.select_observe)            # [B, ≤ observe, H, D]
-        if self.reading:
-            if not isinstance(slot, PromptKVLayer):
-                slot = PromptKVLayer.from_layer(slot, key.shape[2] + self.reading)
-                self.layers()[self.layer_idx] = slot
+        if isinstance(slot, PromptKVLayer) and not slot.read():
             slot.valid, slot.queries = valid, queries
             return
-        self.layers()[self.layer_idx] = self.choose(queries, key, value, valid)
+        layers[layer_idx] = self.choose(queries, key, value, valid)
 
     def choose(self, queries: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                valid: torch.Tensor) -> BoundedKVLayer:

@@ -218,8 +218,8 @@ class StaticKVLayer(CacheLayerMixin):
     """A kept softmax layer's cache slot for static decoding (`engine.StaticDecoder`): the prompt's keys and values at
     the front of buffers of `length` slots [B, Hkv, length, D], and `position`, the decoder's [1] tensor: each step
     writes its key and value into slot `position` in place. The layer attends over the slots written so far
-    (`slot_mask`, which `attention.install` hands SDPA in place of HF's mask while the slot is bound to the module as
-    `dofattn_static_kv`), so that the step has the same shapes every token."""
+    (`slot_mask`, which `attention.install` hands SDPA in place of HF's mask), so that the step has the same shapes
+    every token."""
 
     is_sliding = False
     is_compileable = True

@@ -3,8 +3,9 @@
 The model's attention implementation is set to "dofattn", an `AttentionInterface` function that runs a module's
 `LinearAttention` (its child `dofattn`) where it has one and SDPA otherwise; or, for a family whose softmax logits
 are soft-capped (Gemma 2), to "dofattn_eager", the same with the family's eager attention and its additive masks.
-A forward pre-hook on each linearized module finds the HF `Cache` it is called with and binds the layer's
-`LinearStateLayer` slot (`cache.state_layer`) for the duration of the call.
+A forward pre-hook on each attention module hands the HF `Cache` it is called with on to the attention function
+(`dofattn_cache`), which reads the layer's slot there: a linear layer's `LinearStateLayer` (`cache.state_layer`),
+a kept layer's KV cache, static or bounded.
 """
 
 from __future__ import annotations
@@ -17,42 +18,37 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from dofattn.attention.cache import cache_argument, state_layer
-from dofattn.attention.layer import LinearAttention
 from dofattn.attention.prompt import read_in_chunks
 from dofattn.capture import base_attention
 from dofattn.errors import UserError
-from dofattn.hf import softmax_implementation
+from dofattn.hf import attention_modules, softmax_implementation
 
 IMPLEMENTATION = "dofattn"               # softmax layers on SDPA
 EAGER_IMPLEMENTATION = "dofattn_eager"   # softmax layers on the family's eager attention
 IMPLEMENTATIONS = (IMPLEMENTATION, EAGER_IMPLEMENTATION)
 
 
-def _bind_cache(module: nn.Module, args, kwargs) -> None:
-    linear = getattr(module, "dofattn", None)       # None: the linear part taken off, softmax again
-    bounded = _bounded(module)
-    config = getattr(module, "config", None)        # in `teacher_mode` (SDPA) the slot stays a KV cache
-    if getattr(config, "_attn_implementation", IMPLEMENTATION) not in IMPLEMENTATIONS:
-        return
+CACHE_KWARG = "dofattn_cache"   # the call's HF cache, as the pre-hook hands it to the attention function
+
+
+def _hand_cache(module: nn.Module, args, kwargs):
+    """Forward pre-hook of a student's attention modules: the HF `Cache` the call brings (under any of its names)
+    goes on to the attention function as `dofattn_cache` (the family's attention passes its keyword arguments on);
+    a linear layer's slot becomes its `LinearStateLayer` first (`cache.state_layer`), before HF updates it. In
+    `teacher_mode` (SDPA) nothing changes: the slot stays a KV cache."""
+    config = getattr(module, "config", None)
     cache = cache_argument(kwargs)
-    if linear is not None:
-        linear.cache_layer = None if cache is None else state_layer(cache, module.layer_idx)
-    elif bounded is not None:
-        bounded.cache, bounded.layer_idx = cache, module.layer_idx
+    if cache is None or getattr(config, "_attn_implementation", IMPLEMENTATION) not in IMPLEMENTATIONS:
+        return None
+    if getattr(module, "dofattn", None) is not None:   # None: the linear part taken off, softmax again
+        state_layer(cache, module.layer_idx)
+    return args, {**kwargs, CACHE_KWARG: cache}
 
 
-def _bounded(module: nn.Module):
-    """A kept layer's `BoundedSoftmax`, or None."""
-    return getattr(module, "dofattn_bounded", None)
-
-
-def _unbind_cache(module: nn.Module, args, kwargs, output) -> None:
-    linear = getattr(module, "dofattn", None)
-    if linear is not None:
-        linear.cache_layer = None
-    bounded = getattr(module, "dofattn_bounded", None)
-    if bounded is not None:
-        bounded.cache = None
+def _slot(module: nn.Module, cache):
+    """The call's cache slot of this module's layer (an encoder-decoder cache: its self-attention cache's), or None."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", [])
+    return layers[module.layer_idx] if module.layer_idx < len(layers) else None
 
 
 def _key_padding(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -82,13 +78,15 @@ def _sdpa_in_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             attention_mask: torch.Tensor | None, eager: bool, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A softmax layer's attention: SDPA, or the family's eager attention. In static decoding a kept layer attends
-    over the slots written so far (its `dofattn_static_kv`), in place of HF's mask; a kept layer with a bounded cache
-    (`dofattn_bounded`) over what its cache keeps after the prompt, and it bounds the cache after the prompt."""
-    static = getattr(module, "dofattn_static_kv", None)
-    bounded = _bounded(module)
-    own = static.slot_mask() if static is not None else bounded.mask() if bounded is not None else None
+             attention_mask: torch.Tensor | None, eager: bool, cache=None,
+             **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A softmax layer's attention: SDPA, or the family's eager attention. A static slot (`engine.StaticDecoder`)
+    masks its own unwritten slots (`slot_mask`), in place of HF's mask; a kept layer with a bounded cache
+    (`dofattn_bounded`) reads what its cache keeps after the prompt, and bounds the cache after the prompt."""
+    slot = None if cache is None else _slot(module, cache)
+    static = getattr(slot, "slot_mask", None)          # HF's own slots have none
+    bounded = getattr(module, "dofattn_bounded", None)
+    own = static() if static is not None else bounded.mask(slot) if bounded is not None else None
     bounded_own = own is not None and static is None
 
     def attend(query, key, value, mask):      # the family's softmax; mask: bool [B, H|1, T, P], or HF's own
@@ -105,8 +103,8 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
 
     new_valid = _key_padding(attention_mask, query.shape[2]) if bounded is not None and own is None else None
     out = attend(query, key, value, own if own is not None else attention_mask)
-    if bounded is not None and bounded.cache is not None:    # after a prompt, the cache keeps what it bounds
-        bounded.after(query, key, value, new_valid)
+    if bounded is not None and cache is not None:    # after a prompt, the cache keeps what it bounds
+        bounded.after(cache, module.layer_idx, query, key, value, new_valid)
     return out
 
 
@@ -114,15 +112,15 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       attention_mask: torch.Tensor | None, eager: bool = False,
                       **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """AttentionInterface function: q [B, H, T, D], k/v [B, Hkv, T, D] -> ([B, T, H, D], None)."""
-    linear = getattr(module, "dofattn", None)
+    linear, cache = getattr(module, "dofattn", None), kwargs.pop(CACHE_KWARG, None)
     if linear is None:
-        return _softmax(module, query, key, value, attention_mask, eager, **kwargs)
+        return _softmax(module, query, key, value, attention_mask, eager, cache, **kwargs)
     if key.shape[2] != query.shape[2]:
         raise UserError(f"layer {module.layer_idx} is linear attention but received {key.shape[2]} keys for "
                         f"{query.shape[2]} queries: a KV cache of past tokens; use the default DynamicCache")
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     key_valid = _key_padding(attention_mask, k.shape[1])
-    return linear(q, k, v, key_valid, cache=linear.cache_layer), None
+    return linear(q, k, v, key_valid, cache=None if cache is None else _slot(module, cache)), None
 
 
 def eager_attention_forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -139,9 +137,6 @@ def install(model: nn.Module) -> None:
     read_in_chunks(model)
     eager = softmax_implementation(model.config) == "eager"
     model.set_attn_implementation(EAGER_IMPLEMENTATION if eager else IMPLEMENTATION)
-    for module in model.modules():
-        hooks = (isinstance(getattr(module, "dofattn", None), LinearAttention)
-                 or getattr(module, "dofattn_bounded", None) is not None)
-        if hooks and _bind_cache not in module._forward_pre_hooks.values():      # once, however often installed
-            module.register_forward_pre_hook(_bind_cache, with_kwargs=True)
-            module.register_forward_hook(_unbind_cache, with_kwargs=True)
+    for module in attention_modules(model):
+        if _hand_cache not in module._forward_pre_hooks.values():      # once, however often installed
+            module.register_forward_pre_hook(_hand_cache, with_kwargs=True)

@@ -68,7 +68,6 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
             built = part.build(attention, num_heads, num_kv_heads, head_dim)
             if built is not None or not hasattr(self, part.name):
                 setattr(self, part.name, built)
-        self.cache_layer: LinearStateLayer | None = None  # set by the pre-hook for the duration of one call
 
     def parts(self) -> list[Part]:
         """The parts this layer has, in `PARTS`' order."""

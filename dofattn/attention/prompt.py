@@ -101,6 +101,24 @@ def _pieces(model: nn.Module, call: dict) -> list[tuple[int, int]] | None:
     return [(start, min(start + chunk, T)) for start in range(0, T, chunk)]
 
 
+def announce(model: nn.Module, cache, length: int) -> None:
+    """Tell each kept layer with a bounded cache that a prompt of `length` tokens is coming in chunks: its fresh slot
+    becomes a `bounded.PromptKVLayer` of that length, which holds the keys until the last chunk and then chooses."""
+    from transformers.cache_utils import DynamicLayer
+
+    from dofattn.attention.bounded import PromptKVLayer
+
+    layers = getattr(cache, "self_attention_cache", cache).layers
+    for module in model.modules():
+        if getattr(module, "dofattn_bounded", None) is None:
+            continue
+        while len(layers) <= module.layer_idx:
+            layers.append(DynamicLayer())
+        slot = layers[module.layer_idx]
+        if type(slot) is DynamicLayer and slot.get_seq_length() == 0:     # a sequence's first call: its prompt
+            layers[module.layer_idx] = PromptKVLayer(length)
+
+
 def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
     """The call's outputs, its tokens read piece by piece into one cache (made here if the call brings none)."""
     from transformers import DynamicCache
@@ -117,29 +135,23 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
     T, keep = tokens.shape[1], call.pop("logits_to_keep", 0)          # keep: the last `keep` positions, 0 all
     as_tuple = call.pop("return_dict", None) is False
     past = cache.get_seq_length()
-    bounded = [m.dofattn_bounded for m in model.modules() if getattr(m, "dofattn_bounded", None) is not None]
+    announce(model, cache, T)
     takes_keep = "logits_to_keep" in inspect.signature(forward).parameters
     logits = []
-    try:
-        for start, end in pieces:
-            for module in bounded:
-                module.reading = T - end
-            piece = {**call, name: tokens[:, start:end], **cache_kwargs(model, cache), "use_cache": True,
-                     "return_dict": True}
-            if mask is not None:
-                piece["attention_mask"] = mask[:, :past + end]
-            if positions is not None:
-                piece["position_ids"] = positions[..., start:end]
-            if cache_positions is not None:
-                piece["cache_position"] = cache_positions[start:end]
-            wanted = end - start if not keep else min(max(keep - (T - end), 0), end - start)
-            if takes_keep:
-                piece["logits_to_keep"] = max(wanted, 1)       # 0 would be every position
-            out = forward(**piece)
-            if wanted:
-                logits.append(out.logits[:, out.logits.shape[1] - wanted:])
-    finally:
-        for module in bounded:
-            module.reading = 0
+    for start, end in pieces:
+        piece = {**call, name: tokens[:, start:end], **cache_kwargs(model, cache), "use_cache": True,
+                 "return_dict": True}
+        if mask is not None:
+            piece["attention_mask"] = mask[:, :past + end]
+        if positions is not None:
+            piece["position_ids"] = positions[..., start:end]
+        if cache_positions is not None:
+            piece["cache_position"] = cache_positions[start:end]
+        wanted = end - start if not keep else min(max(keep - (T - end), 0), end - start)
+        if takes_keep:
+            piece["logits_to_keep"] = max(wanted, 1)       # 0 would be every position
+        out = forward(**piece)
+        if wanted:
+            logits.append(out.logits[:, out.logits.shape[1] - wanted:])
     out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
     return out.to_tuple() if as_tuple else out
