@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from dofattn import __version__
+from dofattn.attention.prompt import PromptReader, reading_forward
 from dofattn.errors import UserError
 from dofattn.io import check_safetensors, write_atomic, write_json
 from dofattn.options import option
@@ -93,9 +94,10 @@ def student_classes(base_architecture: str, module: str = __name__) -> tuple[typ
     class DofattnConfig(base_model.config_class):
         model_type = MODEL_TYPE
 
-    class DofattnForCausalLM(base_model):
+    class DofattnForCausalLM(PromptReader, base_model):
         config_class = DofattnConfig
         _keep_in_fp32_modules_strict = FLOAT32_MODULES
+        forward = reading_forward(base_model)             # long prompts read in chunks (`attention.prompt`)
 
         def __init__(self, config):
             super().__init__(config)

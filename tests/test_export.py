@@ -39,10 +39,11 @@ for name, folder in cases.items():
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits.float()
         gen = model.generate(prompt, max_new_tokens=%d, do_sample=False, return_dict_in_generate=True)
+    base = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers.models."))
     results[name] = {"logits": logits, "tokens": gen.sequences, "attn": model.config._attn_implementation,
                      "slots": [type(layer).__name__ for layer in gen.cache.layers],
                      "dtypes": {n: str(t.dtype) for n, t in model.state_dict().items()},
-                     "classes": [(c.__module__, c.__name__) for c in type(model).__mro__[:2]]}
+                     "classes": [(c.__module__, c.__name__) for c in (type(model), base)]}
     if len(results) == 1:
         model.save_pretrained(folder + "/../" + name + ".resaved")
         tokenizer.save_pretrained(folder + "/../" + name + ".resaved")

@@ -118,7 +118,7 @@ def test_hf_prefill_chunks_are_read_as_one_prompt():
     with torch.no_grad():
         hf = model.generate(ids, attention_mask=mask, max_new_tokens=9, min_new_tokens=9, do_sample=False,
                             output_logits=True, return_dict_in_generate=True, pad_token_id=0, prefill_chunk_size=6)
-    assert torch.equal(hf.sequences, whole.sequences) and model.dofattn_prompt_chunk == 0
+    assert torch.equal(hf.sequences, whole.sequences) and model.prompt_chunk == 0
     for name in BoundedKVLayer.NAMES:
         torch.testing.assert_close(getattr(hf.past_key_values.layers[1], name),
                                    getattr(whole.past_key_values.layers[1], name), rtol=1e-4, atol=1e-4)

@@ -1,6 +1,6 @@
 """Reading a long prompt in chunks, so that a student's memory stays bounded while it reads, not only after.
 
-A student's forward (`read_in_chunks`, which `install` applies) splits a call that reads more than `chunk` tokens
+A student's forward (`PromptReader`, which `install` gives its class) splits a call that reads more than `chunk` tokens
 into a cache into consecutive calls of `chunk` tokens on that cache: linear layers carry their state, windows their
 last keys, sinks their first; a kept softmax layer holds the prompt's keys and, with a bounded cache, chooses what
 it keeps when the last chunk is read (`bounded.PromptKVLayer`), as it would after one call. The outputs are those of
@@ -10,7 +10,7 @@ generate`, `dofattn eval --recall` and a user's forward with `use_cache=True`.
 
 A call is read in one piece when it is not a prompt read into a cache (no cache and no `use_cache=True`), when
 gradients are on (training), or when it asks for what chunks do not give back whole (`labels`, hidden states or
-attentions, a 4D mask, `logits_to_keep` as indices). The chunk size is the model's `dofattn_prompt_chunk`
+attentions, a 4D mask, `logits_to_keep` as indices). The chunk size is the model's `prompt_chunk`
 (`set_prompt_chunk`; 0 reads every call in one piece); HF's `prefill_chunk_size`, given to `generate`, sets it for
 that call.
 """
@@ -29,66 +29,78 @@ from dofattn.attention.cache import CACHE_ARGUMENTS, cache_argument
 PROMPT_CHUNK = 512        # tokens a chunk: 0.30 GiB above the model at 8 K, 0.95 at 32 K (docs/RESULTS.md)
 
 
-def set_prompt_chunk(model: nn.Module, chunk: int) -> None:
+class PromptReader:
+    """What a student's class gains (`read_in_chunks`): a forward that reads a long prompt in chunks (the module's
+    docstring says when) and a `generate` that takes HF's `prefill_chunk_size` as the chunk for its call.
+    `prompt_chunk` is the chunk in tokens (0: every call in one piece)."""
+
+    prompt_chunk: int = PROMPT_CHUNK
+
+    def read_prompt(self, forward, *args, **kwargs):
+        """The call of `forward` (the model class's own), read in chunks where the module's docstring says."""
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        if tokens is None or tokens.shape[1] <= self.prompt_chunk:             # a decode step, a short prompt
+            return forward(*args, **kwargs)
+        call = inspect.signature(forward).bind_partial(*args, **kwargs).arguments
+        call.update(call.pop("kwargs", {}))
+        pieces = _pieces(self, call)
+        if pieces is None:
+            return forward(*args, **kwargs)
+        return _read(self, forward, call, pieces)
+
+    def generate(self, *args, **kwargs):
+        """HF `generate`, with HF's `prefill_chunk_size` (an argument, or in the generation config) read as this
+        model's chunk for the call: HF's own chunked prefill would make each chunk a prompt of its own."""
+        config = kwargs.get("generation_config") or self.generation_config
+        chunk = kwargs.pop("prefill_chunk_size", None) or getattr(config, "prefill_chunk_size", None)
+        if not chunk:
+            return super().generate(*args, **kwargs)
+        kwargs["generation_config"] = copy.deepcopy(config)
+        kwargs["generation_config"].prefill_chunk_size = None
+        before = self.prompt_chunk
+        set_prompt_chunk(self, chunk)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            set_prompt_chunk(self, before)
+
+
+def set_prompt_chunk(model: PromptReader, chunk: int) -> None:
     """Read `model`'s prompts in chunks of `chunk` tokens (0: in one call)."""
+    if not isinstance(model, PromptReader):
+        raise ValueError(f"{type(model).__name__} does not read prompts in chunks: a student's model does")
     if chunk < 0:
         raise ValueError(f"a prompt chunk is a number of tokens >= 0, got {chunk}")
-    model.dofattn_prompt_chunk = int(chunk)
+    model.prompt_chunk = int(chunk)
+
+
+def reading_forward(base: type):
+    """The forward of a `PromptReader` subclass of `base` (a causal LM's class): `base`'s own, read in chunks, with
+    its signature (HF's generate reads it)."""
+    def forward(self, *args, **kwargs):
+        return self.read_prompt(base.forward.__get__(self), *args, **kwargs)
+
+    return functools.update_wrapper(forward, base.forward)
+
+
+@functools.cache
+def reading_class(cls: type) -> type:
+    """`cls` with a `PromptReader` before it, under the same name (what `save_pretrained` records)."""
+    return type(cls.__name__, (PromptReader, cls), {"forward": reading_forward(cls), "__module__": cls.__module__})
 
 
 def read_in_chunks(model: nn.Module) -> None:
-    """Make a causal LM's forward read long prompts in chunks (once; the module docstring says when). A model
+    """Make a causal LM read long prompts in chunks: its class becomes `reading_class` of its own (once). A model
     without an LM head (no `labels` argument: its logits are what chunks give back) stays as it is."""
-    forward = model.forward
-    signature = inspect.signature(forward)
-    if getattr(forward, "dofattn_chunked", False) or "labels" not in signature.parameters:
+    if isinstance(model, PromptReader) or "labels" not in inspect.signature(model.forward).parameters:
         return
-
-    @functools.wraps(forward)
-    def chunked(*args, **kwargs):
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
-        if tokens is None or tokens.shape[1] <= model.dofattn_prompt_chunk:    # a decode step, a short prompt
-            return forward(*args, **kwargs)
-        call = signature.bind_partial(*args, **kwargs).arguments
-        call.update(call.pop("kwargs", {}))
-        pieces = _pieces(model, call)
-        if pieces is None:
-            return forward(*args, **kwargs)
-        return _read(model, forward, call, pieces)
-
-    chunked.dofattn_chunked = True
-    model.forward = chunked
-    if not hasattr(model, "dofattn_prompt_chunk"):
-        set_prompt_chunk(model, PROMPT_CHUNK)
-    if hasattr(model, "generate"):
-        model.generate = _taking_prefill_chunks(model, model.generate)
-
-
-def _taking_prefill_chunks(model: nn.Module, generate):
-    """`generate` with HF's `prefill_chunk_size` (an argument, or in the generation config) read as this module's
-    chunk for the call: HF's own chunked prefill would make each chunk a prompt of its own."""
-    @functools.wraps(generate)
-    def generate_in_chunks(*args, **kwargs):
-        config = kwargs.get("generation_config") or model.generation_config
-        chunk = kwargs.pop("prefill_chunk_size", None) or getattr(config, "prefill_chunk_size", None)
-        if not chunk:
-            return generate(*args, **kwargs)
-        kwargs["generation_config"] = copy.deepcopy(config)
-        kwargs["generation_config"].prefill_chunk_size = None
-        before = model.dofattn_prompt_chunk
-        set_prompt_chunk(model, chunk)
-        try:
-            return generate(*args, **kwargs)
-        finally:
-            set_prompt_chunk(model, before)
-
-    return generate_in_chunks
+    model.__class__ = reading_class(type(model))
 
 
 def _pieces(model: nn.Module, call: dict) -> list[tuple[int, int]] | None:
     """[(start, end)] of the call's tokens read a chunk at a time, or None: in one piece."""
-    chunk = getattr(model, "dofattn_prompt_chunk", 0)
+    chunk = model.prompt_chunk
     tokens = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
     cache = cache_argument(call)
     mask = call.get("attention_mask")
