@@ -31,10 +31,10 @@ DEFAULT = "long-context"   # what `dofattn distill` trains without --recipe: the
 DEFAULT_RUN = f"runs/{DEFAULT}"   # its run folder, where eval, export and generate look unless told otherwise
 RENAMED = {"default": "window", "long": "window-lora"}    # packaged recipes' names before 2026-11-28
 # keys that measured worse or flat, in no recipe, and left (docs/log/experiments.md, 2026-11-29): a run folder's
-# recipe.toml still names them at their defaults, which are read as nothing
-LEFT = {"student.delta": False, "end_to_end.carry": 0}
+# recipe.toml still names them at the values it may hold, read as nothing. The rows drawn by position: moot where
+# every row is read (`check_left`).
+LEFT = {"student.delta": (False,), "end_to_end.carry": (0,), "layerwise.rows_by": ("log", "position")}
 LOSSES = ("softmax", "l2")
-ROWS_BY = ("position", "log")   # how the layerwise loss draws its rows (`distill.losses.sample_rows`)
 DTYPES = ("float32", "bfloat16", "auto")
 KEEP_BY = ("dof", "copy")
 LOCAL = ("keep", "linearize")
@@ -83,11 +83,9 @@ class Layerwise:
     steps: int = option(150, "Adam steps per layer (0: no layerwise stage)")
     batch_size: int = option(4, "blocks per step")
     seq_len: int = option(256, "tokens per block")
-    rows: int = option(0, "query rows per block the softmax loss reads (drawn by rows_by), so that long blocks "
-                          "cost rows × seq_len, not seq_len² (0: every row)")
-    rows_by: str = option("position", "how the rows are drawn: position (weight ∝ position: far rows more often) or "
-                                      "log (every doubling of the context an equal share; rows the window reads "
-                                      "exactly never); moot where every row is read", choices=ROWS_BY)
+    rows: int = option(0, "query rows per block the softmax loss reads, so that long blocks cost rows × seq_len, "
+                          "not seq_len² (0: every row); every doubling of the context gets an equal share of them, "
+                          "rows the window reads exactly none")
     blocks: int = option(64, "training blocks whose teacher q/k/v the stage keeps")
     lr: float = option(0.02, "learning rate of feature directions and projections")
     lr_weights: float = option(0.2, "learning rate of the PRF weights")
@@ -252,12 +250,12 @@ def load(name_or_path: str = DEFAULT, sets: list[str] = (), overrides: dict[str,
         raise UserError(f"recipe {where} has format {fmt}; this dofattn reads format {FORMAT}")
     name, description = data.pop("name", Path(where).stem), data.pop("description", "")
     data.pop("reaches", None), data.pop("costs", None)          # what a packaged student reaches and costs
-    values = {}
+    values, gone = {}, {}
     for table, content in data.items():
         if table not in TABLES or not isinstance(content, dict):
             raise UserError(f"recipe {where}: unknown table [{table}]; the tables are {', '.join(TABLES)}")
         for key, value in content.items():
-            if left(f"{table}.{key}", value, where):
+            if left(f"{table}.{key}", value, where, gone):
                 continue
             full = resolveoption(f"{table}.{key}")
             values[full] = coerce(full, value, where)
@@ -266,7 +264,7 @@ def load(name_or_path: str = DEFAULT, sets: list[str] = (), overrides: dict[str,
         if not sep:
             raise UserError(f"--set {item!r}: give KEY=VALUE, e.g. --set student.window=32")
         value = parse_value(text_value.strip())
-        if left(key.strip(), value, "--set"):
+        if left(key.strip(), value, "--set", gone):
             continue
         full = resolveoption(key.strip())
         if value is None and type(None) not in typing.get_args(key_fields()[full][0]):
@@ -277,19 +275,32 @@ def load(name_or_path: str = DEFAULT, sets: list[str] = (), overrides: dict[str,
     tables = {t: _build(cls, {k.split(".")[1]: v for k, v in values.items() if k.split(".")[0] == t})
               for t, cls in TABLES.items()}
     recipe = Recipe(name=str(name), description=str(description), **tables)
+    check_left(recipe, gone)
     validate(recipe)
     return recipe
 
 
-def left(key: str, value, where: str) -> bool:
-    """True for a key that has left dofattn given at its default (nothing to do); a UserError for it set otherwise."""
+def left(key: str, value, where: str, gone: dict) -> bool:
+    """True for a key that has left dofattn given at a value it may hold (nothing to do; noted in `gone` with its
+    source); a UserError for it set otherwise."""
     full = key if key in LEFT else next((k for k in LEFT if k.split(".")[1] == key), None)
     if full is None:
         return False
-    if value != LEFT[full]:
+    if value not in LEFT[full]:
         raise UserError(f"{where}: {full} = {_toml(value)} measured worse or flat, no recipe used it, and it left "
                         f"dofattn (docs/log/experiments.md); remove the key")
+    gone[full] = (value, where)
     return True
+
+
+def check_left(recipe: Recipe, gone: dict) -> None:
+    """A key that left at a value that would change this recipe's student: rows drawn by position where rows are
+    drawn (`layerwise.rows`)."""
+    value, where = gone.get("layerwise.rows_by", (None, ""))
+    lw = recipe.layerwise
+    if value == "position" and 0 < lw.rows < lw.seq_len:
+        raise UserError(f"{where}: layerwise.rows_by = \"position\" (no recipe used it) left dofattn; the rows are "
+                        f"drawn by log position now (docs/log/experiments.md): remove the key")
 
 
 def key_fields() -> dict[str, tuple[type, object, str, tuple | None]]:

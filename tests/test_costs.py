@@ -36,7 +36,7 @@ def test_a_layerwise_step_holds_what_is_counted(name, sets):
             for _ in range(2))
     rows = {}
     if 0 < lw.rows < lw.seq_len:
-        rows["at"] = sample_rows(lw.seq_len, lw.rows, torch.Generator().manual_seed(0), by=lw.rows_by,
+        rows["at"] = sample_rows(lw.seq_len, lw.rows, torch.Generator().manual_seed(0),
                                  exact=recipe.student.attention.window)
     live = LiveBytes([*linear.parameters(), *linear.buffers(), q, k, v, *rows.values()])
     with live:

@@ -65,13 +65,10 @@ def test_some_rows_are_the_mean_of_those_rows(kind, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-def test_rows_are_distinct_sorted_and_far_more_often():
+def test_rows_are_distinct_and_sorted():
     g = torch.Generator().manual_seed(0)
-    drawn = [sample_rows(1000, 50, g) for _ in range(40)]
-    for at in drawn:
-        assert at.unique().numel() == 50 and torch.equal(at, at.sort().values) and 0 <= at.min() and at.max() < 1000
-    mean = torch.cat(drawn).float().mean().item()
-    assert 600 < mean < 730                                              # weight ∝ t + 1: about 2/3 of the length
+    for at in [sample_rows(1000, 50, g, exact=9) for _ in range(40)]:
+        assert at.unique().numel() == 50 and torch.equal(at, at.sort().values) and 9 <= at.min() and at.max() < 1000
     assert torch.equal(sample_rows(7, 9, g), torch.arange(7))
 
 
@@ -84,23 +81,25 @@ def test_rows_need_the_softmax_loss():
         load("long-context", ["layerwise.rows=8", "layerwise.loss=l2", "layerwise.seq_len=512"])
 
 
-def test_rows_by_log_give_every_doubling_a_share_and_skip_exact_rows():
+def test_rows_give_every_doubling_a_share_and_skip_exact_rows():
     g = torch.Generator().manual_seed(0)
-    at = torch.cat([sample_rows(4096, 128, g, by="log", exact=64) for _ in range(40)])
+    at = torch.cat([sample_rows(4096, 128, g, exact=64) for _ in range(40)])
     assert at.min() >= 64                                                 # rows the window reads exactly: never
     shares = torch.histc(at.float().log2(), bins=6, min=6, max=12) / len(at)   # 64-127, ..., 2-4 K
     assert shares.min() > 0.12 and shares.max() < 0.22                  # about 1/6 each
-    by_position = torch.cat([sample_rows(4096, 128, g) for _ in range(40)])
-    assert (by_position < 512).float().mean() < 0.03                     # the default leaves the first 512 few rows
-    assert len(sample_rows(100, 98, g, by="log", exact=64).unique()) == 98   # too few rows past `exact`: still 98
+    assert len(sample_rows(100, 98, g, exact=64).unique()) == 98          # too few rows past `exact`: still 98
 
 
-def test_rows_by_is_a_recipe_key_moot_where_every_row_is_read():
+def test_rows_by_left_and_a_run_folder_naming_it_still_loads():
+    """`layerwise.rows_by` left: a run folder's recipe.toml names it ("log", or the old default "position" where
+    every row is read) and loads; "position" where rows are drawn would change the student: refused."""
     from dofattn.errors import UserError
     from dofattn.recipe import load
 
-    assert load("long-context").layerwise.rows_by == "log"
-    assert load("long-context", ["layerwise.rows=0"]).layerwise.rows == 0          # every row: rows_by unused
+    assert load("long-context", ["layerwise.rows_by=log"]).layerwise.rows == 128
+    assert load("window", ["layerwise.rows_by=position"]).layerwise.rows == 0          # every row: moot
+    with pytest.raises(UserError, match="rows_by.*left dofattn"):
+        load("long-context", ["layerwise.rows_by=position"])
     with pytest.raises(UserError, match="rows_by"):
         load("long-context", ["layerwise.rows_by=uniform"])
 
@@ -114,8 +113,8 @@ def test_a_layer_trains_on_rows_drawn_by_log_position(monkeypatch):
     real = losses.sample_rows
     monkeypatch.setattr("dofattn.distill.layerwise.sample_rows",
                         lambda *a, **kw: drawn.append(real(*a, **kw)) or drawn[-1])
-    log = train_layer(layer, (q, k, v), D ** -0.5, Layerwise(steps=3, batch_size=1, seq_len=T, rows=6,
-                                                              rows_by="log"), seed=0, progress=False)
+    log = train_layer(layer, (q, k, v), D ** -0.5, Layerwise(steps=3, batch_size=1, seq_len=T, rows=6),
+                  seed=0, progress=False)
     assert log["steps"] == 3 and len(drawn) == 4 and all(len(at) == 6 and at.min() >= 7 for at in drawn)
 
 

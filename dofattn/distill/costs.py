@@ -236,8 +236,8 @@ def layerwise_step_counts(recipe, plan) -> tuple[int, int]:
         linear = LinearAttention(recipe.student.attention, fmap, num_kv_heads=L.kv_heads).train()
     rows = {}
     if 0 < lw.rows < lw.seq_len:
-        exact = recipe.student.attention.window if lw.rows_by == "log" else 0
-        rows["at"] = sample_rows(lw.seq_len, lw.rows, torch.Generator().manual_seed(0), by=lw.rows_by, exact=exact)
+        rows["at"] = sample_rows(lw.seq_len, lw.rows, torch.Generator().manual_seed(0),
+                                 exact=recipe.student.attention.window)
     shape = (lw.batch_size, lw.seq_len)
     with _fake(linear, existing=rows.values(), grad=True) as (live, flops):
         q = torch.empty(*shape, L.heads, L.head_dim)

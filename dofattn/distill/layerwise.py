@@ -63,16 +63,15 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
     T = q_all.shape[1]
 
     exact = 0  # the leading rows the student reads exactly (no linear pair): nothing to learn there
-    if config.rows_by == "log" and 0 < config.rows < T:
+    if 0 < config.rows < T:
         has_linear = linear.attention.linear_pairs(T).any(-1)
         exact = int(has_linear.float().argmax()) if has_linear.any() else T
 
     def rows(generator: torch.Generator) -> dict:
-        """The softmax loss's sampled rows (`layerwise.rows`, drawn by `layerwise.rows_by`), or nothing: every
-        row."""
+        """The softmax loss's sampled rows (`layerwise.rows`, `losses.sample_rows`), or nothing: every row."""
         if not 0 < config.rows < T:
             return {}
-        return {"at": sample_rows(T, config.rows, generator, device, by=config.rows_by, exact=exact)}
+        return {"at": sample_rows(T, config.rows, generator, device, exact=exact)}
 
     bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False)
     for _ in bar:

@@ -3,7 +3,7 @@ teacher's own queries and keys.
 
 - softmax: the mean KL(teacher row ‖ student row) over causal attention rows. Beside a window the student's row is
   the hybrid's: exact weights on the last W keys (and the sink), linear beyond. On long blocks it reads a sample
-  of rows (`layerwise.rows`, drawn by `layerwise.rows_by`), in blocks, never the T × T matrix.
+  of rows (`layerwise.rows`, `sample_rows`), in blocks, never the T × T matrix.
 - l2: the squared error of kernel values on causal pairs, each query's row scaled by its largest exact kernel value
   (raw values reach e^15 and would swamp the mean); beside a window only the pairs the features produce.
 With a decay (per head or per token) the student's weight of a pair carries the decay too.
@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dofattn.attention import LinearAttention
 from dofattn.ops.softmax import attention_logits
-from dofattn.recipe import ROWS_BY, check_l2
+from dofattn.recipe import check_l2
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -58,24 +58,17 @@ def _rows_kl(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch
     return (log_teacher.exp() * (log_teacher - log_student)).masked_fill(~mask, 0).sum()
 
 
-def sample_rows(length: int, count: int, generator: torch.Generator, device=None, by: str = "position",
-                exact: int = 0) -> torch.Tensor:
+def sample_rows(length: int, count: int, generator: torch.Generator, device=None, exact: int = 0) -> torch.Tensor:
     """`count` distinct query positions of a block of `length` tokens, sorted; every position if count ≥ length.
-
-    by "position": weight ∝ position + 1, the far rows (where a student trained short drifts) more often.
-    by "log": weight ∝ 1 / (position + 1) from position `exact` on (the leading rows whose keys the student reads
-    exactly, e.g. inside its window, have nothing to learn and are never drawn), so every doubling of the context
-    (64–127, …, 4–8 K) gets about the same share of rows."""
+    Weight ∝ 1 / (position + 1) from position `exact` on (the leading rows whose keys the student reads exactly,
+    e.g. inside its window, have nothing to learn and are never drawn), so every doubling of the context (64–127,
+    …, 4–8 K) gets about the same share of rows. (Drawn ∝ position, far rows more often, the first 512 tokens got few:
+    in no recipe, it left; docs/log/experiments.md, 2026-11-28.)"""
     if count >= length:
         return torch.arange(length, device=device)
-    if by not in ROWS_BY:
-        raise ValueError(f"rows by {by!r}: one of {ROWS_BY}")
     position = torch.arange(length, dtype=torch.float)
-    if by == "position":
-        weights = position + 1
-    else:
-        exact = min(exact, length - count)                         # enough rows to draw from
-        weights = (position + 1).reciprocal().masked_fill(position < exact, 0)
+    exact = min(exact, length - count)                             # enough rows to draw from
+    weights = (position + 1).reciprocal().masked_fill(position < exact, 0)
     return torch.multinomial(weights, count, generator=generator).sort().values.to(device)
 
 
