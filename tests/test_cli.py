@@ -47,7 +47,7 @@ def test_options_come_from_the_library_configs(capsys):
     """bench's options are `bench.BenchConfig`'s fields, eval's `eval_job.EvalConfig`'s, sample's include
     `sample.SampleSpec`'s; dof's sample defaults are a distillation run's (`choose.DOF_*`)."""
     from dofattn.jobs.bench import BenchConfig
-    from dofattn.jobs.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+    from dofattn.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
     from dofattn.jobs.eval import EvalConfig
     from dofattn.jobs.sample import SampleSpec
 

@@ -89,7 +89,9 @@ def test_dry_run_json_carries_the_stages(capsys, model_dirs):
 @pytest.mark.parametrize("short", ["memory", "disk"])
 def test_distill_refuses_a_plan_with_no_room_unless_forced(capsys, model_dirs, corpus, tmp_path, monkeypatch, short):
     if short == "memory":
-        monkeypatch.setattr(costs, "available_memory", lambda: 1 << 20)
+        from dofattn.distill import plan
+
+        monkeypatch.setattr(plan, "available_memory", lambda: 1 << 20)
     else:
         import shutil
         from collections import namedtuple

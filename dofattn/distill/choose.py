@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from dofattn.capture import capture, run_forward
 from dofattn.distill.world import barrier, world
 from dofattn.dof import DofResult, allocate_dims, attention_dofs, sample_points
-from dofattn.jobs.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+from dofattn.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
 from dofattn.errors import UserError
 from dofattn.hf import context_length
 from dofattn.io import write_atomic

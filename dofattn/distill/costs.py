@@ -1,6 +1,6 @@
 """What each stage of a `dofattn distill` run costs, before it runs: its peak resident memory, what it leaves on
 disk, and its time on this machine. `distill --dry-run` prints it beside the plan; `distill` refuses to start
-where the memory or the disk is not there (`check_room`).
+where the memory or the disk is not there (`plan.check_room`).
 
     stages = stage_costs(recipe, plan, config, calibrate(recipe, plan, config, device))
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dofattn.memory import available_memory, resident_now
+from dofattn.memory import resident_now
 
 # Stored figures, fitted to the default job on a 2-core AMD EPYC (avx512_bf16, torch 2.13) in float32 and bfloat16
 # and checked on `window` (docs/log/experiments.md, 2026-11-28 and 29): a stage's arrays cost 1 + SLACK times their
@@ -42,6 +42,48 @@ SLACK = {"setup": 0.5, "layerwise": 1.3, "end_to_end": 0.6, "layerwise_eval": 0.
 EFFICIENCY = {"dof": 1.05, "softmax_choice": 1.05, "teacher": 1.05, "end_to_end": 0.83, "evaluate": 0.93,
               "layerwise_eval": 0.83}
 DOF_HEAD_SECONDS = 0.06        # the DoF sample's points and eigen-decompositions, per head (1024 points), on the CPU
+
+
+# --- the model, from its config --------------------------------------------------------------------------------------
+
+def meta_model(config, dtype: torch.dtype = torch.float32):
+    """The model of `config` on the meta device, with the softmax attention a run loads it with, in eval mode:
+    every parameter's shape, no memory, no weights read."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from dofattn.hf import softmax_implementation
+
+    config = copy.deepcopy(config)                   # from_config sets its dtype: the caller's keeps the stored one
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=softmax_implementation(config))
+    return model.eval()                              # as `hf.load_model` leaves it: no dropout
+
+
+def fake_model(model, mode) -> None:
+    """`model`'s meta tensors (parameters, buffers, tensors modules hold) as `mode`'s fake CPU tensors, in place;
+    a tensor two modules share (tied embeddings) stays shared. A parameter or buffer a module made on the CPU in
+    spite of the meta device (a small constant) becomes a fake tensor too."""
+    made = {}
+
+    def fake(t):
+        if id(t) not in made:
+            made[id(t)] = (mode.fake_tensor_converter.from_meta_and_device(mode, t, torch.device("cpu"))
+                           if t.device.type == "meta" else mode.from_tensor(t))
+            if isinstance(t, torch.nn.Parameter):
+                made[id(t)] = torch.nn.Parameter(made[id(t)], requires_grad=t.requires_grad)
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = fake(t)
+        for name, t in list(vars(module).items()):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                object.__setattr__(module, name, fake(t))
 
 
 @dataclass
@@ -95,7 +137,7 @@ def layerwise_step_seconds(recipe, plan, device: str) -> float:
 def stage_lengths(recipe, config) -> dict[str, int]:
     """The tokens per sequence of each stage that runs the model: what its rate is measured at."""
     from dofattn.distill.choose import ATTENTION_DOF_SEQ_LEN, COPY_SEQ_LEN
-    from dofattn.jobs.dof import DOF_SEQ_LEN
+    from dofattn.dof import DOF_SEQ_LEN
     from dofattn.hf import context_length
 
     r = recipe
@@ -198,7 +240,6 @@ def _fake(module, existing=(), grad: bool = False):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dofattn.distill.plan import fake_model
     from dofattn.memory import LiveBytes, RealConstants
 
     mode = FakeTensorMode()
@@ -212,7 +253,6 @@ def _fake(module, existing=(), grad: bool = False):
 def forward_counts(config, dtype: torch.dtype, batch: int, length: int, logits: bool = True) -> tuple[int, int]:
     """(live bytes at the peak, FLOPs) of the teacher's forward on [batch, length] tokens (with its logits, as
     `capture.run_forward` makes them, or the body alone)."""
-    from dofattn.distill.plan import meta_model
 
     model = meta_model(config, dtype)
     ids = torch.zeros(batch, length, dtype=torch.long)
@@ -253,7 +293,7 @@ def layerwise_step_counts(recipe, plan) -> tuple[int, int]:
 def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCost]:
     """Each stage's arrays, the process's peak after it, its disk and its time (module docstring)."""
     from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, COPY_BLOCKS
-    from dofattn.jobs.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+    from dofattn.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
     from dofattn.evaluate import SCORE_CHUNK
 
     r, L, m, t = recipe, plan.layers, plan.memory, plan.tokens
@@ -334,30 +374,3 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
         peak = max(peak, own)
         costs.append(StageCost(name, arrays, peak, disk, seconds, how))
     return costs
-
-
-def check_room(plan, folder) -> None:
-    """A one-line UserError when the plan's peak resident memory (on the CPU) or its disk is more than this machine
-    has free; `distill --force` starts anyway. On a GPU the weights and arrays live in its memory, which the plan's
-    end-to-end table gives per device: only the disk is checked there."""
-    import shutil
-    from pathlib import Path
-
-    from dofattn.distill.plan import _size
-    from dofattn.errors import UserError
-
-    if not plan.stages:
-        return
-    have = available_memory()
-    if plan.calibration.device == "cpu" and have is not None and plan.peak > have:
-        worst = next(s for s in plan.stages if s.peak == plan.peak)
-        raise UserError(f"the plan needs {_size(plan.peak)} of memory at its peak ({worst.name}) and this machine has "
-                        f"{_size(have)} free: shorten layerwise.seq_len or layerwise.blocks, or end_to_end.seq_len, "
-                        f"or use run.dtype=bfloat16 (`distill --dry-run` shows each stage); --force starts anyway")
-    where = Path(folder).expanduser().absolute()
-    while not where.exists():
-        where = where.parent
-    free = shutil.disk_usage(where).free
-    if plan.disk > free:
-        raise UserError(f"the plan writes {_size(plan.disk)} to {folder} and {where} has {_size(free)} free: free some "
-                        f"disk or give another --out; --force starts anyway")

@@ -41,53 +41,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from dofattn.distill.costs import fake_model, meta_model
 from dofattn.dof import spans
 from dofattn.errors import UserError
+from dofattn.memory import available_memory
 from dofattn.recipe import Recipe
 
 GIB = 1024 ** 3
-
-
-# --- the model, from its config --------------------------------------------------------------------------------------
-
-def meta_model(config, dtype: torch.dtype = torch.float32):
-    """The model of `config` on the meta device, with the softmax attention a run loads it with, in eval mode:
-    every parameter's shape, no memory, no weights read."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    from dofattn.hf import softmax_implementation
-
-    config = copy.deepcopy(config)                   # from_config sets its dtype: the caller's keeps the stored one
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation=softmax_implementation(config))
-    return model.eval()                              # as `hf.load_model` leaves it: no dropout
-
-
-def fake_model(model, mode) -> None:
-    """`model`'s meta tensors (parameters, buffers, tensors modules hold) as `mode`'s fake CPU tensors, in place;
-    a tensor two modules share (tied embeddings) stays shared. A parameter or buffer a module made on the CPU in
-    spite of the meta device (a small constant) becomes a fake tensor too."""
-    made = {}
-
-    def fake(t):
-        if id(t) not in made:
-            made[id(t)] = (mode.fake_tensor_converter.from_meta_and_device(mode, t, torch.device("cpu"))
-                           if t.device.type == "meta" else mode.from_tensor(t))
-            if isinstance(t, torch.nn.Parameter):
-                made[id(t)] = torch.nn.Parameter(made[id(t)], requires_grad=t.requires_grad)
-        return made[id(t)]
-
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, t in table.items():
-                if t is not None:
-                    table[name] = fake(t)
-        for name, t in list(vars(module).items()):
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
-                object.__setattr__(module, name, fake(t))
 
 
 @dataclass
@@ -285,7 +245,7 @@ def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[
 
 def plan_tokens(recipe: Recipe, config, world: int) -> Tokens:
     from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, ATTENTION_DOF_SEQ_LEN, COPY_BLOCKS, COPY_SEQ_LEN
-    from dofattn.jobs.dof import DOF_BLOCKS, DOF_SEQ_LEN
+    from dofattn.dof import DOF_BLOCKS, DOF_SEQ_LEN
     from dofattn.hf import context_length
 
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
@@ -493,3 +453,27 @@ def format_stages(plan: Plan) -> list[str]:
                     f"{_duration(s.seconds):>10}   {s.how}")
     rows.append(f"  {'whole run':<16}{_size(plan.peak):>12}{_size(plan.disk):>11}{_duration(plan.seconds):>10}")
     return rows
+
+
+def check_room(plan, folder) -> None:
+    """A one-line UserError when the plan's peak resident memory (on the CPU) or its disk is more than this machine
+    has free; `distill --force` starts anyway. On a GPU the weights and arrays live in its memory, which the plan's
+    end-to-end table gives per device: only the disk is checked there."""
+    import shutil
+    from pathlib import Path
+
+    if not plan.stages:
+        return
+    have = available_memory()
+    if plan.calibration.device == "cpu" and have is not None and plan.peak > have:
+        worst = next(s for s in plan.stages if s.peak == plan.peak)
+        raise UserError(f"the plan needs {_size(plan.peak)} of memory at its peak ({worst.name}) and this machine has "
+                        f"{_size(have)} free: shorten layerwise.seq_len or layerwise.blocks, or end_to_end.seq_len, "
+                        f"or use run.dtype=bfloat16 (`distill --dry-run` shows each stage); --force starts anyway")
+    where = Path(folder).expanduser().absolute()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if plan.disk > free:
+        raise UserError(f"the plan writes {_size(plan.disk)} to {folder} and {where} has {_size(free)} free: free some "
+                        f"disk or give another --out; --force starts anyway")

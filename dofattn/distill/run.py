@@ -29,7 +29,7 @@ class DistillConfig:
     time_limit: float = 0.0          # minutes of end-to-end training, then save and evaluate (0: no limit)
     continue_from: str | Path | None = None   # go on from a copy of this run folder's student
     world_size: int = 1              # the processes the room check plans for (torchrun's)
-    force: bool = False              # start even where the plan exceeds free memory or disk (`costs.check_room`)
+    force: bool = False              # start even where the plan exceeds free memory or disk (`plan.check_room`)
 
     @property
     def folder(self) -> Path:
@@ -102,7 +102,7 @@ def run(cfg: DistillConfig, progress=None) -> dict:
     if continue_from:                              # before the model loads: a refused copy costs nothing
         run_folder.check_continue(Path(continue_from), out, r)
     if not cfg.force:                              # the plan's memory and disk, before anything loads
-        from dofattn.distill.costs import check_room
+        from dofattn.distill.plan import check_room
         from dofattn.distill.plan import make_plan
 
         check_room(make_plan(r, cfg.world_size, device=device, timed=False), out)

@@ -17,10 +17,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+from dofattn.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
 from dofattn.errors import UserError
 from dofattn.options import DATA_HELP, Machine, option
 
-DOF_BLOCKS, DOF_SEQ_LEN, DOF_POINTS = 32, 256, 1024   # the DoF estimate's sample: blocks, their length, points/head
 
 
 @dataclass
