@@ -45,6 +45,7 @@ from torch import nn
 
 from dofattn import __version__
 from dofattn.attention.prompt import PromptReader, reading_forward
+from dofattn.bundle import BUNDLE_FILE, bundle_text
 from dofattn.errors import UserError
 from dofattn.io import check_safetensors, write_atomic, write_json
 from dofattn.options import option
@@ -63,14 +64,15 @@ FLOAT32_MODULES = ["dofattn", "lora_"]
 MODELING_TEMPLATE = '''"""A dofattn student of {base_model}: transformers' {model_class} with linear attention,
 written by `dofattn export` (dofattn {version}).
 
-    model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)     # needs `pip install dofattn`
+    model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)     # torch and transformers only
 
-The classes are defined once, in dofattn (`dofattn.export.student_classes`); this file names them for transformers.
+The classes are dofattn's own (`export.student_classes`), from the copy of its code beside this file
+(dofattn_code.py); dofattn itself is not needed, and where it is installed it is not imported.
 """
 
-from dofattn.export import student_classes
+from .dofattn_code import load
 
-DofattnConfig, DofattnForCausalLM = student_classes("{model_class}", module=__name__)
+DofattnConfig, DofattnForCausalLM = load("export").student_classes("{model_class}", module=__name__)
 '''
 
 
@@ -417,6 +419,7 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
         for name in files:                                          # not the safetensors writer's 0600
             os.chmod(stage / name, (stage / "config.json").stat().st_mode & 0o777)
         write_atomic(stage / MODELING_FILE, modeling_file(model, spec.base_model))
+        write_atomic(stage / BUNDLE_FILE, bundle_text())
         model.generation_config.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
         recipe = None

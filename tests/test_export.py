@@ -19,15 +19,25 @@ from dofattn.spec import Attention, Kept, StudentSpec
 from dofattn.student import build, fingerprint, load_student, save_student
 from tests.conftest import tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
 IDS = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(0))      # longer than the windows
 PROMPT = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
 NEW_TOKENS = 8
 
-# What the fresh process does with each export: only transformers' own API (and dofattn, which the folder imports),
-# as the model card says. The first export is also saved again, as transformers saves a remote-code model.
+# What the fresh process does with each export: only transformers' own API, as the model card says, in a process
+# where dofattn cannot be imported (a finder refuses it, and the checkout is not on the path). The first export is
+# also saved again, as transformers saves a remote-code model.
 RELOAD = r"""
-import json, sys, torch
+import json, sys
+
+
+class NoDofattn:
+    def find_spec(self, name, path=None, target=None):
+        if name == "dofattn" or name.startswith("dofattn."):
+            raise ImportError(f"{name}: dofattn is not installed here")
+
+
+sys.meta_path.insert(0, NoDofattn())
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 cases, out = json.loads(sys.argv[1]), sys.argv[2]
@@ -39,14 +49,18 @@ for name, folder in cases.items():
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits.float()
         gen = model.generate(prompt, max_new_tokens=%d, do_sample=False, return_dict_in_generate=True)
+        chunked = model.generate(prompt, max_new_tokens=gen.sequences.shape[1] - prompt.shape[1], do_sample=False,
+                                 prefill_chunk_size=5)                       # the prompt read in chunks of 5
     base = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers.models."))
-    results[name] = {"logits": logits, "tokens": gen.sequences, "attn": model.config._attn_implementation,
+    results[name] = {"logits": logits, "tokens": gen.sequences, "chunked": chunked,
+                     "attn": model.config._attn_implementation,
                      "slots": [type(layer).__name__ for layer in gen.cache.layers],
                      "dtypes": {n: str(t.dtype) for n, t in model.state_dict().items()},
                      "classes": [(c.__module__, c.__name__) for c in (type(model), base)]}
     if len(results) == 1:
         model.save_pretrained(folder + "/../" + name + ".resaved")
         tokenizer.save_pretrained(folder + "/../" + name + ".resaved")
+results["dofattn imported"] = sorted(m for m in sys.modules if m == "dofattn" or m.startswith("dofattn."))
 torch.save(results, out)
 """ % NEW_TOKENS
 
@@ -59,10 +73,10 @@ def reload_in_fresh_process(exports: dict[str, Path], tmp: Path) -> tuple[dict, 
         torch.save({"ids": IDS, "prompt": PROMPT}, folder.parent / f"{name}.inputs.pt")
     out = tmp / "reloaded.pt"
     env = {key: value for key, value in os.environ.items() if key not in ("TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS")}
-    env.update(HF_MODULES_CACHE=str(tmp / "hf-modules"), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
-               PYTHONPATH=str(ROOT))
+    env.pop("PYTHONPATH", None)
+    env.update(HF_MODULES_CACHE=str(tmp / "hf-modules"), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
     done = subprocess.run([sys.executable, "-c", RELOAD, json.dumps({k: str(v) for k, v in exports.items()}),
-                           str(out)], env=env, capture_output=True, text=True, timeout=300)
+                           str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out), done.stderr
 
@@ -135,6 +149,7 @@ def exported(tmp_path_factory, model_dirs, corpus):
     assert main(["export", "--model", str(run), "--out", str(exports["run-lora-bfloat16"]), "--dtype",
                  "bfloat16"]) == 0
     reloaded, stderr = reload_in_fresh_process(exports, tmp)
+    assert reloaded["dofattn imported"] == []                   # the exports ran on their own copy of the code
     return {name: (exports[name], refs[name], reloaded[name]) for name in refs}, run, stderr
 
 
@@ -159,7 +174,7 @@ def test_an_extended_export_reads_with_yarn(exported, capsys, text_file, tmp_pat
 def test_a_fresh_process_loads_the_student(exported, case):
     folder, ref, got = exported[0][case]
     torch.testing.assert_close(got["logits"], ref["logits"], atol=1e-5, rtol=0)
-    assert torch.equal(got["tokens"], ref["tokens"])
+    assert torch.equal(got["tokens"], ref["tokens"]) and torch.equal(got["chunked"], ref["tokens"])
     assert got["attn"] == "dofattn"
     # a kept softmax layer keeps its KV cache, or bounds it after the prompt to its selected keys
     kept = "BoundedKVLayer" if case.startswith("llama-select") else "DynamicLayer"
@@ -223,15 +238,18 @@ def test_without_trust_remote_code_transformers_refuses_it(exported):
 
 
 def test_the_modeling_file_only_binds_dofattns_classes(exported):
-    """The classes are defined once, in dofattn (`student_classes`): the folder's file binds them for transformers,
-    which loads them under the file's module name (so that saving the model again copies that file), as
-    subclasses of the base family's own class; `load_export` gets the very same classes without the file."""
+    """The classes are defined once, in dofattn (`student_classes`): the folder's file binds them for transformers
+    from its copy of dofattn's code (`dofattn_code.py`, the package's modules as they are), which loads them under
+    the file's module name (so that saving the model again copies both files), as subclasses of the base family's
+    own class; `load_export` gets dofattn's own classes without either file."""
+    from dofattn.bundle import bundle_text
     from dofattn.export import student_classes
 
     cases = exported[0]
     for case, (folder, _, got) in cases.items():
         source = (folder / "modeling_dofattn.py").read_text()
-        assert "class " not in source and "student_classes(" in source, case
+        assert "class " not in source and "student_classes(" in source and "from .dofattn_code import" in source
+        assert (folder / "dofattn_code.py").read_text() == bundle_text(), case      # the package's code, unchanged
         base = json.loads((folder / "config.json").read_text())["dofattn_export"]["base_architecture"]
         (module, name), (base_module, base_name) = got["classes"]
         assert name == "DofattnForCausalLM" and module.endswith(".modeling_dofattn"), case
@@ -244,7 +262,8 @@ def test_the_modeling_file_only_binds_dofattns_classes(exported):
 def test_a_loaded_export_saves_again_as_an_export(exported):
     folder, ref, _ = exported[0]["llama-linear"]
     again = folder.parent / "llama-linear.resaved"
-    assert (again / "modeling_dofattn.py").read_text() == (folder / "modeling_dofattn.py").read_text()
+    for name in ("modeling_dofattn.py", "dofattn_code.py"):
+        assert (again / name).read_text() == (folder / name).read_text()
     config, original = (json.loads((f / "config.json").read_text()) for f in (again, folder))
     assert config["model_type"] == "dofattn" and config["auto_map"] == original["auto_map"]
     assert config["dofattn"] == original["dofattn"]

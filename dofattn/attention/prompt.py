@@ -52,18 +52,22 @@ class PromptReader:
     def generate(self, *args, **kwargs):
         """HF `generate`, with HF's `prefill_chunk_size` (an argument, or in the generation config) read as this
         model's chunk for the call: HF's own chunked prefill would make each chunk a prompt of its own."""
-        config = kwargs.get("generation_config") or self.generation_config
+        given = kwargs.get("generation_config")
+        config = given or self.generation_config
         chunk = kwargs.pop("prefill_chunk_size", None) or getattr(config, "prefill_chunk_size", None)
         if not chunk:
             return super().generate(*args, **kwargs)
-        kwargs["generation_config"] = copy.deepcopy(config)
-        kwargs["generation_config"].prefill_chunk_size = None
-        before = self.prompt_chunk
+        if given is not None:                     # the caller's config, without the chunk (HF would chunk too)
+            kwargs["generation_config"] = copy.deepcopy(given)
+            kwargs["generation_config"].prefill_chunk_size = None
+        before, held = self.prompt_chunk, getattr(self.generation_config, "prefill_chunk_size", None)
         set_prompt_chunk(self, chunk)
+        self.generation_config.prefill_chunk_size = None
         try:
             return super().generate(*args, **kwargs)
         finally:
             set_prompt_chunk(self, before)
+            self.generation_config.prefill_chunk_size = held
 
 
 def set_prompt_chunk(model: PromptReader, chunk: int) -> None:
