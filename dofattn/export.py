@@ -4,7 +4,7 @@
     export("runs/long", "exports/long", merge_lora=True, dtype="bfloat16")
     model, tokenizer, spec = load_export("exports/student")      # what `dofattn eval` / `generate` do with one
 
-Anyone with dofattn installed then loads it the usual way:
+Anyone with torch and transformers then loads it the usual way, without dofattn:
 
     model = AutoModelForCausalLM.from_pretrained("exports/student", trust_remote_code=True)
 
@@ -15,6 +15,8 @@ The folder holds
                             factory (`student_classes`): subclasses of the base family's own classes (LlamaForCausalLM,
                             ...) whose __init__ builds the student into the model (`make_student`), so the parameter
                             names are the student's and the weights load as they are
+    dofattn_code.py         the factory and all it runs: a copy of dofattn's own modules (`bundle`), so that loading
+                            needs torch and transformers, not dofattn
     model.safetensors       every tensor of the student under its own name: the base model's in --dtype; the
                             student's own (feature maps, window gains, LoRA adapters) in float32, as they train and
                             as a dofattn student keeps them on a 16-bit base model. Above 5 GB, shards
@@ -531,6 +533,12 @@ def _extended(extend_to: int | None) -> list[str]:
             "evaluation below was read without it.", ""]
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str, extend_to: int | None = None) -> str:
     """README.md of an export: base model, recipe, evaluation, how to load it."""
     base = spec.base_model
@@ -548,14 +556,19 @@ def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str, extend_
         "## Evaluation", "", *_evaluation(run), "",
         "## Weights", "", f"The base model's weights in {dtype}; the student's own tensors (feature maps, window "
         "gains, LoRA adapters) in float32, as it trains and runs them.", "",
-        "## Load it", "", "With dofattn installed (`pip install dofattn`" + (", and peft" if lora == "adapters" else "")
-        + "):", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        "## Load it", "", f"Needs Python 3.11 or later, torch and transformers 5 (exported with torch "
+        f"{torch.__version__.split('+')[0]}, transformers {transformers_version()})"
+        + (", and peft for the LoRA adapters (`pip install peft`)" if lora == "adapters" else "")
+        + "; not dofattn: `trust_remote_code=True` runs the folder's `modeling_dofattn.py`, which takes the student's "
+        "classes from `dofattn_code.py`, a copy of the dofattn code it was trained with. On CUDA, where Triton "
+        "imports, its kernels run; otherwise PyTorch's.", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
         f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)',
         'ids = tokenizer("The history of mathematics", return_tensors="pt").input_ids',
         "print(tokenizer.decode(model.generate(ids, max_new_tokens=40)[0]))", "```", "",
-        "`generate` keeps one fixed-size state per linear layer (`dofattn.attention.LinearStateLayer` slots in the "
-        "cache). From the command line:", "", "```bash", f"dofattn generate --model {name}",
+        "`generate` keeps one fixed-size state per linear layer (`LinearStateLayer` slots in the cache) and reads a "
+        "long prompt in chunks of 512 tokens (`prefill_chunk_size=N` sets another). With dofattn installed, from the "
+        "command line:", "", "```bash", f"dofattn generate --model {name}",
         f"dofattn eval --model {name}", "```", ""]
     return "\n".join(lines)
 

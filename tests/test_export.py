@@ -227,6 +227,9 @@ def test_the_card_states_base_recipe_and_evaluation(exported):
     assert f"{ev['teacher_ppl']:.2f}" in card and "trust_remote_code=True" in card
     bare = (cases["llama-linear"][0] / "README.md").read_text()
     assert "No evaluation numbers" in bare and "Recipe `" not in bare
+    for text, lora in ((card, True), (bare, False)):                  # what loading needs, and only that
+        assert "Needs Python 3.11 or later, torch and transformers 5" in text and "; not dofattn" in text
+        assert ("peft for the LoRA adapters" in text) is lora and "pip install dofattn" not in text
 
 
 def test_without_trust_remote_code_transformers_refuses_it(exported):
