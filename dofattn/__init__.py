@@ -6,8 +6,8 @@
 
 The pipeline, a layer each: `ops` (kernels and their naive references) -> `features` (feature maps) -> `attention`
 (the layer in parts) -> `spec` (the student's config) -> `student` (the swap into a Hugging Face model) ->
-`distill` (the stages) -> the jobs (`jobs.dof`, `distill.run`, `jobs.eval`, `jobs.generate`, `jobs.bench`, `jobs.sample`, `export`) ->
-`commands` (the CLI). The names below load their modules when first used, so `dofattn --help` stays quick.
+`distill` (the stages) -> the jobs (`jobs.dof`, `distill.run`, `jobs.eval`, `jobs.generate`, `jobs.bench`,
+`jobs.sample`, `export`) -> `commands` (the CLI). The names below load their modules when first used, so `dofattn --help` stays quick.
 """
 
 __version__ = "0.1.0"

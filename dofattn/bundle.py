@@ -149,14 +149,13 @@ def bundle_text(roots=ROOTS) -> str:
     digest = hashlib.sha256("".join(f"{n}\0{s}\0" for n, s in sources.items()).encode()).hexdigest()[:12]
     package = f"_dofattn_{digest}"
     modules = set(names)
+    packages = sorted(n.removeprefix("dofattn").lstrip(".") for n in names if module_file(n).name == "__init__.py")
     out = [f'"""The code of a dofattn student, copied from dofattn {__version__} by `dofattn export`: {len(names)} of '
-           f'its modules, as they are there',
-           "(their imports of dofattn renamed to this copy's package), and an importer that serves them. The export's",
-           'modeling file loads its classes from here, so neither dofattn nor its version need be installed. Generated:',
-           'do not edit; export again to change it."""',
-           "", f"PACKAGE = {package!r}",
-           f"PACKAGES = {sorted(n.removeprefix('dofattn').lstrip('.') for n in names if module_file(n).name == '__init__.py')!r}",
-           "SOURCES = {}"]
+           "its modules,",
+           "as they are there (their imports of dofattn renamed to this copy's package), and an importer that serves",
+           "them. The export's modeling file loads its classes from here, so neither dofattn nor its version need be",
+           'installed. Generated: do not edit; export again to change it."""',
+           "", f"PACKAGE = {package!r}", f"PACKAGES = {packages!r}", "SOURCES = {}"]
     for name in names:
         key = name.removeprefix("dofattn").lstrip(".")
         out.append("")

@@ -256,15 +256,27 @@ def _file_texts(path: Path) -> tuple[Texts, np.ndarray]:
     memory (no other column, no Python strings)."""
     if path.suffix == ".txt":
         def read(_: int) -> str:
-            return path.read_text(encoding="utf-8", errors="replace")
-        rows = np.arange(1 if read(0).strip() else 0)
+            return path.read_text(encoding="utf-8")
+        try:
+            text = read(0)
+        except UnicodeDecodeError as err:
+            raise UserError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at {err.start}); a .txt "
+                            f"file is read as UTF-8: save it so, or give a .jsonl or .parquet file") from None
+        if "\0" in text:
+            raise UserError(f"{path} holds NUL bytes: a binary file, not text")
+        rows = np.arange(1 if text.strip() else 0)
         return Texts(read, rows), rows
     if path.suffix == ".jsonl":
         return _jsonl_texts(path)
     if path.suffix == ".parquet":
+        import pyarrow
         import pyarrow.parquet as pq
 
-        names = pq.read_schema(path).names
+        try:
+            names = pq.read_schema(path).names
+        except pyarrow.ArrowInvalid as err:
+            raise UserError(f"{path} is not a Parquet file ({str(err).split('.')[0]}); give a .parquet file "
+                            f"with a \"text\" column, or a .txt or .jsonl file") from None
         if "text" not in names:
             raise UserError(f"{path} has no column \"text\" (columns: {', '.join(names)})")
         return _arrow_texts(pq.read_table(path, columns=["text"]).column("text"))

@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.capture import AttentionInputs, capture, run_forward
 from dofattn.errors import UserError
 from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.spec import Attention
@@ -107,7 +106,7 @@ class PointSampler:
         rest = idx % per_kind
         return torch.stack([idx // per_kind, rest // (self.seq_len - 1), rest % (self.seq_len - 1) + 1], dim=-1)
 
-    def __call__(self, inputs: AttentionInputs) -> None:
+    def __call__(self, inputs) -> None:                     # a `capture.AttentionInputs`
         layer, (batch, _, num_heads, head_dim) = inputs.layer, inputs.query.shape
         if layer not in self._where:
             self._where[layer] = self._draw(layer, num_heads)
@@ -150,6 +149,8 @@ class PointSample:
 def sample_points(model, blocks: torch.Tensor, samples: int = 1024, batch_size: int = 4, seed: int = 0,
                   progress: bool = True) -> PointSample:
     """Capture queries and keys of every layer on `blocks` [N, T], keeping `samples` points per head."""
+    from dofattn.capture import capture, run_forward
+
     num_blocks, seq_len = blocks.shape
     sampler = PointSampler(num_blocks, seq_len, samples, seed)
     device = next(model.parameters()).device
@@ -194,9 +195,11 @@ def attention_dofs(model, blocks: torch.Tensor, lam: float = 2.0 ** -8, progress
                    attention: Attention | None = None) -> list[list[float]]:
     """Per layer and head [L][H], the mean `attention_dof` of the model's attention over `blocks` [N, T], one block
     at a time (memory: H·T² float64 per layer); `attention` as there."""
+    from dofattn.capture import capture, run_forward
+
     sums: dict[int, torch.Tensor] = {}
 
-    def record(x: AttentionInputs) -> None:
+    def record(x) -> None:                                  # a `capture.AttentionInputs`
         key = expand_kv(x.key, x.num_heads)
         dof = attention_dof(x.query, key, x.scaling, lam, attention).sum(0).cpu()   # [H]
         sums[x.layer] = sums.get(x.layer, 0) + dof

@@ -36,3 +36,13 @@ class Machine:
                                        "(a decode step is many small operations: on a CPU that other work is using, "
                                        "1 can be faster)", none="auto")
     dtype: str = option("float32", "the model's dtype", choices=("float32", "bfloat16"))
+
+    def check_machine(self) -> None:
+        """The rules on these options that need no torch: answered before anything heavy loads."""
+        from dofattn.errors import UserError
+
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"--threads must be at least 1, got {self.threads}")
+        if self.device not in ("auto", "cpu", "cuda") and not (
+                self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise UserError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or auto")

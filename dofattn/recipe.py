@@ -227,7 +227,11 @@ def read_text(name_or_path: str) -> tuple[str, str]:
     if name_or_path.endswith(".toml") or path.is_file():
         if not path.is_file():
             raise UserError(f"recipe file {name_or_path} does not exist")
-        return path.read_text(), str(path)
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError:
+            raise UserError(f"recipe file {name_or_path} is not text (a recipe is a TOML file: `dofattn recipes "
+                            f"window` prints one)") from None
     names = packaged()
     if name_or_path in RENAMED:
         raise UserError(f"recipe {name_or_path!r} is now {RENAMED[name_or_path]!r} (the same student); without "

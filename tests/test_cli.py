@@ -318,6 +318,7 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
     (["--student", "recall"], "distill it, then use the run folder"),
     (["--extend-to", "0"], "--extend-to 0"),
     (["--extend-to", "128"], "within the model's context of 256 tokens"),
+    (["--prompt", ""], "--prompt is empty"),
 ])
 def test_generate_bad_input(capsys, model_dirs, args, message):
     code, _, err = run(capsys, "generate", "--model", str(model_dirs["llama"]), *args)
@@ -358,3 +359,17 @@ def test_a_config_alone_is_refused_where_weights_matter(capsys, model_dirs, tmp_
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"{folder} is a model's config without weights: {verb}" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config-only"]
+
+
+@pytest.mark.parametrize("verb", ["generate", "eval", "bench", "dof", "sample"])
+def test_machine_options_are_refused_before_torch_loads_a_model(verb):
+    """--threads 0 and an unknown --device are answered from the options alone: transformers is never imported."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom dofattn.cli import main\n"
+              f"assert main([{verb!r}, '--threads', '0']) == 2 and main([{verb!r}, '--device', 'gpu']) == 2\n"
+              "assert 'transformers' not in sys.modules, 'transformers was imported'\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--threads must be at least 1, got 0" in done.stderr and "unknown device 'gpu'" in done.stderr

@@ -225,6 +225,17 @@ def test_local_blocks_equal_the_eager_readers(tokenizer, tmp_path, monkeypatch, 
     assert load_texts(str(one), split) == split_documents(eager_documents(one), split)
 
 
+def test_files_that_are_not_text_are_refused_in_one_line(tmp_path):
+    cases = {"latin1.txt": (b"caf\xe9 au lait", "latin1.txt is not UTF-8 text (byte 0xe9 at 3)"),
+             "nul.txt": (b"text\0with a NUL", "nul.txt holds NUL bytes"),
+             "random.parquet": (bytes(range(256)), "random.parquet is not a Parquet file")}
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(UserError) as error:
+            load_texts(str(tmp_path / name), "all")
+        assert message in str(error.value) and "\n" not in str(error.value), error.value
+
+
 def test_bad_utf8_in_jsonl_is_one_line(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(json.dumps({"text": "ok"}).encode() + b"\n" + b'{"text": "caf\xe9"}\n')

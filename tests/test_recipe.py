@@ -95,6 +95,10 @@ def test_bad_files_are_one_line_errors(tmp_path):
         assert message in str(error.value), (text, error.value)
     with pytest.raises(UserError, match="unknown recipe 'nonesuch'; use one of long-context, "):
         recipes.load("nonesuch")
+    binary = tmp_path / "binary.bin"
+    binary.write_bytes(bytes(range(256)) * 2)
+    with pytest.raises(UserError, match="binary.bin is not text"):
+        recipes.load(str(binary))
 
 
 def test_every_key_has_a_meaning_and_a_type_the_files_can_hold():

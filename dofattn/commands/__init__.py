@@ -29,6 +29,7 @@ import types
 import typing
 
 from dofattn.errors import UserError
+from dofattn.options import Machine
 
 VERBS = ("dof", "distill", "recipes", "eval", "generate", "bench", "sample", "export")
 
@@ -158,4 +159,7 @@ def config(cls, ns: argparse.Namespace, **values):
             kwargs[f.name] = values[f.name]
         elif "help" in f.metadata and hasattr(ns, f.name):
             kwargs[f.name] = _value(f, hints[f.name], getattr(ns, f.name))
-    return cls(**kwargs)
+    made = cls(**kwargs)
+    if isinstance(made, Machine):
+        made.check_machine()                 # before a job imports torch or loads a model
+    return made

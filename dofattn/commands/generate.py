@@ -30,5 +30,5 @@ def run(ns) -> int:
     result = generate(config(GenerateConfig, ns))
     print(result["text"])
     print(f"[{result['model']}: {result['new_tokens']} tokens in {result['seconds']:.2f} s, "
-          f"{result['tokens_per_s']:.1f} tokens/s]", file=sys.stderr)
+          f"{result['tokens_per_s']:.1f} tokens/s; stopped {result['stopped']}]", file=sys.stderr)
     return 0

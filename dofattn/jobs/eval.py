@@ -19,23 +19,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.distill.losses import l2_loss
 from dofattn.errors import UserError
-from dofattn.evaluate import (Blocks, blocks_in_batches, compare, first_blocks, format_comparison, format_layer_errors,
-                              format_tasks, lm_eval_tasks, teacher_mode)
-from dofattn.hf import resolve_device
 from dofattn.io import check_output
 from dofattn.options import DATA_HELP, Machine, option
 from dofattn.recipe import DEFAULT_RUN
 
 
 @torch.no_grad()
-def layer_errors(student, blocks: Blocks, batch_size: int = 2, progress: bool = True) -> dict:
+def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) -> dict:
     """Per layer, on the teacher's own q/k/v: relative error of the linear attention output against softmax
     attention (‖o_lin − o_soft‖ / ‖o_soft‖), and the row-scaled L2 kernel error of PRF maps (the distillation's
     l2 loss; None for other maps). The kernel error is only comparable between students trained with the l2 loss:
     the softmax loss leaves the kernel's overall scale free. Layers left as softmax get None."""
     from dofattn.capture import capture, run_forward
+    from dofattn.distill.losses import l2_loss
+    from dofattn.evaluate import blocks_in_batches, teacher_mode
     from dofattn.features import PositiveRandomFeatures
     from dofattn.ops.softmax import expand_kv, softmax_attention
     from dofattn.student import attention_modules, linear_parts
@@ -192,8 +190,10 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         result["tokens"], result["ppl"], result["kl"]
     """
     from dofattn.data import WIKI_SAMPLE, sources, token_blocks
+    from dofattn.evaluate import (compare, first_blocks, format_comparison, format_layer_errors, format_tasks,
+                                  lm_eval_tasks)
     from dofattn.export import is_any_student, load_any, lora_merged
-    from dofattn.hf import extend_context, load_model, parse_dtype, refuse_config_only, use_threads
+    from dofattn.hf import extend_context, load_model, parse_dtype, refuse_config_only, resolve_device, use_threads
     from dofattn.io import write_atomic
 
     say = progress or (lambda text: None)

@@ -49,6 +49,8 @@ def check(cfg: GenerateConfig) -> None:
 
     if cfg.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {cfg.max_new_tokens}")
+    if not cfg.prompt:
+        raise UserError("--prompt is empty: give some text to continue")
     if cfg.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {cfg.temperature:g}")
     if cfg.static and cfg.temperature > 0:
@@ -121,5 +123,10 @@ def run(cfg: GenerateConfig, progress=None) -> dict:
                                  **sampling)
     seconds = time.perf_counter() - start
     new = out[0, inputs["input_ids"].shape[1]:]
+    eos = tokenizer.eos_token_id
+    ended = eos is not None and bool((new == eos).any())
+    if ended:                                 # the static decoder fills after the end with it: cut there
+        new = new[:int((new == eos).nonzero()[0]) + 1]
     return {"text": cfg.prompt + tokenizer.decode(new, skip_special_tokens=True), "new_tokens": len(new),
-            "seconds": seconds, "tokens_per_s": len(new) / seconds, "model": what}
+            "seconds": seconds, "tokens_per_s": len(new) / seconds, "model": what,
+            "stopped": "at the end-of-text token" if ended else f"after --max-new-tokens {cfg.max_new_tokens}"}
