@@ -77,6 +77,9 @@ def head_dof(points: torch.Tensor, scaling: float, lam: float, lam_scale: str = 
 
 def check_sample_size(samples: int, num_blocks: int, seq_len: int) -> int:
     """The number of query/key points in the data (position 0 excluded); UserError if `samples` exceeds it."""
+    if num_blocks < 1 or seq_len < 2:
+        raise UserError(f"--num-blocks {num_blocks} and --seq-len {seq_len}: give at least 1 block of at least 2 "
+                        f"tokens (the DoF reads query/key points after the first)")
     pool = 2 * num_blocks * (seq_len - 1)
     if samples > pool:
         raise UserError(f"--samples {samples} is more than the {pool} query/key points in {num_blocks} "

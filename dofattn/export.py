@@ -368,7 +368,7 @@ def run(cfg: ExportConfig) -> Path:
     from dofattn.hf import check_extend_to
     from dofattn.student import check_default_run
 
-    check_default_run(cfg.model)
+    check_default_run(cfg.model, takes_base=False)
     if not cfg.out:
         raise UserError("give --out DIR, the folder to write the export to")
     check_extend_to(cfg.extend_to)
@@ -391,6 +391,8 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
     check_out(out)
     torch_dtype = parse_dtype(dtype)
     spec = read_spec(source)
+    if merge_lora and not spec.lora_rank:
+        raise UserError(f"--merge-lora: the student in {model_path} has no LoRA adapters to fold; drop --merge-lora")
     if spec.lora_rank:
         from dofattn.lora import require_peft
         require_peft()

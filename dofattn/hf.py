@@ -232,7 +232,9 @@ def builtin_folder(alias: str) -> Path:
 
 
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or Path(spec).exists()
+    """A local path, not a hub id: explicit (./, /, ~), a .gguf file, something there, or under runs/, where
+    `dofattn distill` writes (a hub id of the form runs/NAME would be read as a path)."""
+    return spec.startswith((".", "/", "~", "runs/")) or spec.endswith(".gguf") or Path(spec).exists()
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

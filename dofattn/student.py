@@ -233,14 +233,16 @@ def save_student(model: nn.Module, folder: str | Path, spec: StudentSpec) -> Pat
     return folder
 
 
-def check_default_run(path: str) -> None:
+def check_default_run(path: str, takes_base: bool = True) -> None:
     """A UserError when `path` is the default recipe's run folder (`recipe.DEFAULT_RUN`) and no run made it yet
-    (eval, export and generate look there unless told otherwise)."""
+    (eval, export, generate and bench look there unless told otherwise); `takes_base`: the command also takes a
+    base model (export does not)."""
     from dofattn.recipe import DEFAULT_RUN
 
     if path == DEFAULT_RUN and not Path(path).exists():
         raise UserError(f"no student in {DEFAULT_RUN} yet: train it with `dofattn distill`, or pass --model (a run "
-                        f"folder, an export, or smollm2-135m for the teacher)")
+                        f"folder or a student folder" + (", an export, or smollm2-135m for the teacher)" if takes_base
+                                                         else ")"))
 
 
 def is_student(path: str | Path) -> bool:

@@ -193,6 +193,7 @@ def test_lam_auto(capsys, model_dirs, text_file, tmp_path):
     (["--out", "{tmp}/no-dir/dof.json"], "does not exist"),
     (["--plot", "{tmp}/dof.jpg"], "--plot"),
     (["--device", "tpu"], "unknown device"),
+    (["--seq-len", "0"], "give at least 1 block of at least 2 tokens"),
 ])
 def test_bad_input_is_one_line_error(capsys, tmp_path, model_dirs, text_file, args, message):
     from transformers import BertConfig
@@ -373,3 +374,15 @@ def test_machine_options_are_refused_before_torch_loads_a_model(verb):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--threads must be at least 1, got 0" in done.stderr and "unknown device 'gpu'" in done.stderr
+
+
+def test_paths_that_cannot_be_what_they_name_are_refused(capsys, tmp_path, monkeypatch):
+    """--out that is a file (distill, the dry run too); a model under runs/ that is not there is a missing folder,
+    not a hub id to fetch (bench)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, _, err = run(capsys, "distill", "--out", str(afile), "--dry-run")
+    assert code == 2 and "is a file: give a folder for the run" in err and afile.read_text() == "x"
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "bench", "--model", "runs/long-context", "--parts", "generation")
+    assert code == 2 and "model path runs/long-context does not exist" in err

@@ -77,6 +77,8 @@ def run(ns) -> int:
         if args.continue_from and not Path(name).is_file():
             raise UserError(f"--continue-from {args.continue_from} is not a dofattn distill run folder: it has no "
                             f"recipe.toml")
+    if args.out and Path(args.out).expanduser().exists() and not Path(args.out).expanduser().is_dir():
+        raise UserError(f"--out {args.out} is a file: give a folder for the run (a new one, or a run to resume)")
     overrides = {f"run.{k}": getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None}
     recipe = recipes.load(name, args.set or [], overrides)
     if args.dry_run:
