@@ -119,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dofattn.export import load_any, spec_of
+    from dofattn.exported import load_any, spec_of
     from dofattn.hf import load_model
 
     models = {"teacher": load_model(spec_of(args.student).base_model)[0].eval(),

@@ -14,10 +14,15 @@ __version__ = "0.1.0"
 
 _PUBLIC = {"Attention": "dofattn.spec", "Kept": "dofattn.spec", "StudentSpec": "dofattn.spec",
            "linearize": "dofattn.student", "load_student": "dofattn.student", "save_student": "dofattn.student",
-           "load": ("dofattn.export", "load_any"), "export": "dofattn.export",
+           "load": ("dofattn.exported", "load_any"), "export": "dofattn.jobs.export",
            "StaticDecoder": "dofattn.engine", "load_recipe": ("dofattn.recipe", "load"),
            "set_prompt_chunk": "dofattn.attention.prompt"}
 __all__ = sorted(_PUBLIC)
+
+
+def __dir__() -> list[str]:
+    """The API names beside the module's own, so that `dir(dofattn)` lists them before they are loaded."""
+    return sorted(set(globals()) | set(_PUBLIC))
 
 
 def __getattr__(name: str):

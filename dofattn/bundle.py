@@ -2,10 +2,10 @@
 
     (folder / BUNDLE_FILE).write_text(bundle_text())       # `dofattn export` does this
     from .dofattn_code import load                         # the export's modeling file does this
-    DofattnConfig, DofattnForCausalLM = load("export").student_classes("LlamaForCausalLM", module=__name__)
+    DofattnConfig, DofattnForCausalLM = load("exported").student_classes("LlamaForCausalLM", module=__name__)
 
 `bundle_text` is one Python file, `dofattn_code.py`: the package's modules that loading and running a student can
-reach (the import closure of `dofattn.export`, imports inside functions included, and the Triton kernels, which load
+reach (the import closure of `dofattn.exported`, imports inside functions included, and the Triton kernels, which load
 only where Triton does), each module's source as it is in this dofattn, one source line to a line of the file, with
 its imports of `dofattn` renamed to the bundle's own package (`_dofattn_<hash>`), and an importer that serves them
 from the file. So:
@@ -26,7 +26,7 @@ from pathlib import Path
 from dofattn import __version__
 
 BUNDLE_FILE = "dofattn_code.py"
-ROOTS = ("dofattn.export", "dofattn.ops.triton")   # what an export's classes import; the kernels, loaded by name
+ROOTS = ("dofattn.exported", "dofattn.ops.triton")   # what an export's classes import; the kernels, loaded by name
 PACKAGE = Path(__file__).resolve().parent          # the dofattn package's folder
 
 
@@ -133,7 +133,7 @@ class _Importer(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
 
 
 def load(module=""):
-    """The bundle's module `module` (dotted, under the package: "export"), its package importable from here on."""
+    """The bundle's module `module` (dotted, under the package: "exported"), its package importable from here on."""
     if not any(isinstance(f, _Importer) and f.package == PACKAGE for f in sys.meta_path):
         importer = _Importer()
         importer.package = PACKAGE

@@ -318,7 +318,7 @@ def _part_name(name: str, own: dict) -> str:
 def load_student(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  merge_lora: bool = False):
     """(model, tokenizer, spec) of the student saved in `folder`; `merge_lora` folds LoRA adapters into the
-    weights (faster inference, but the base model, i.e. the teacher, is gone). An export: `export.load_any`."""
+    weights (faster inference, but the base model, i.e. the teacher, is gone). An export: `exported.load_any`."""
     from dofattn.hf import load_model
 
     spec = read_spec(folder)

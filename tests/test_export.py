@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from dofattn.cli import main
 from dofattn.errors import UserError
-from dofattn.export import export, is_export, load_export
+from dofattn.exported import is_export, load_export
+from dofattn.jobs.export import export
 from dofattn.hf import extend_context
 from dofattn.spec import Attention, Kept, StudentSpec
 from dofattn.student import build, fingerprint, load_student, save_student
@@ -246,8 +247,7 @@ def test_the_modeling_file_only_binds_dofattns_classes(exported):
     the file's module name (so that saving the model again copies both files), as subclasses of the base family's
     own class; `load_export` gets dofattn's own classes without either file."""
     from dofattn.bundle import bundle_text
-    from dofattn.export import student_classes
-
+    from dofattn.exported import student_classes
     cases = exported[0]
     for case, (folder, _, got) in cases.items():
         source = (folder / "modeling_dofattn.py").read_text()

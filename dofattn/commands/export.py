@@ -16,8 +16,7 @@ from dofattn.commands import add_verb, config
 
 
 def options() -> list[type]:
-    from dofattn.export import ExportConfig
-
+    from dofattn.jobs.export import ExportConfig
     return [ExportConfig]
 
 
@@ -26,9 +25,8 @@ def add_parser(verbs):
 
 
 def run(ns) -> int:
-    """The `export` verb: `dofattn.export.run`."""
-    from dofattn.export import ExportConfig, run as export
-
+    """The `export` verb: `jobs.export.run`."""
+    from dofattn.jobs.export import ExportConfig, run as export
     out = export(config(ExportConfig, ns))
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(f"wrote {out} ({size / 2 ** 20:.1f} MiB); load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, "

@@ -6,7 +6,8 @@ fields are its command's options (the device options inherited from `options.Mac
     generate   `dofattn generate`: a prompt continued, HF generate or the static decoder (`GenerateConfig`)
     bench      `dofattn bench`: prefill, decode and generation timed against softmax attention (`BenchConfig`)
     sample     `dofattn sample`: text from the teacher to train on (`SampleConfig`)
+    export     `dofattn export`: a student written as a Hugging Face model folder (`ExportConfig`; the folder and
+               its loading: `exported`)
 
-`dofattn distill`'s job is the distillation stages' own (`distill.run`), `dofattn export`'s the export format's
-(`export.run`).
+`dofattn distill`'s job is the distillation stages' own (`distill.run`).
 """

@@ -80,7 +80,7 @@ class BenchConfig(Machine):
     def resolved(self) -> BenchConfig:
         """This config on a named device, with a dtype and the lengths: `auto` (None) made the device's default; a
         trained student given as --model made the student timed."""
-        from dofattn.export import is_any_student
+        from dofattn.exported import is_any_student
         from dofattn.hf import resolve_device
 
         device = resolve_device(self.device)
@@ -152,8 +152,7 @@ def student_of(cfg: BenchConfig) -> Student:
     """The student `cfg.student` names: a trained one (a run folder or an export) or a recipe's untrained one; a
     UserError for neither, or for a recipe whose student cannot be built untrained."""
     from dofattn import recipe as recipes
-    from dofattn.export import is_any_student, spec_of
-
+    from dofattn.exported import is_any_student, spec_of
     if is_any_student(cfg.student):
         spec = spec_of(cfg.student)
         return Student(spec.attention, f"{cfg.student} ({'; '.join(spec.describe())})", cfg.student, None)
@@ -353,7 +352,7 @@ def load_models(cfg: BenchConfig, student: Student, dtype: torch.dtype):
     """(name, is the student, model, tokenizer) of the teacher, then the student: a trained one and its base model,
     or a recipe's student on `cfg.model` with untrained features (each loaded when its turn comes)."""
     from dofattn.hf import RANDOM_WEIGHTS, config_only, load_model
-    from dofattn.export import load_any, spec_of
+    from dofattn.exported import load_any, spec_of
     from dofattn.student import attention_modules, build_untrained
 
     path, recipe = student.path, student.recipe

@@ -192,7 +192,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     from dofattn.data import WIKI_SAMPLE, sources, token_blocks
     from dofattn.evaluate import (compare, first_blocks, format_comparison, format_layer_errors, format_tasks,
                                   lm_eval_tasks)
-    from dofattn.export import is_any_student, load_any, lora_merged
+    from dofattn.exported import is_any_student, load_any, lora_merged
     from dofattn.hf import extend_context, load_model, parse_dtype, refuse_config_only, resolve_device, use_threads
     from dofattn.io import write_atomic
 

@@ -66,7 +66,7 @@ def load(cfg: GenerateConfig):
     """(model, tokenizer, what it is in words) as `cfg` asks."""
     from dofattn import recipe as recipes
     from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device
-    from dofattn.export import is_any_student, load_any
+    from dofattn.exported import is_any_student, load_any
     from dofattn.student import build_untrained, check_default_run, check_untrained, resolve_dims
 
     check_default_run(cfg.model)
