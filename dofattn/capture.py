@@ -18,6 +18,7 @@ Grouped-query attention: query head h reads kv head `h // (H // Hkv)` (`Attentio
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -98,9 +99,12 @@ def capture(model: PreTrainedModel, sink: Callable[[AttentionInputs], None],
 
 @torch.no_grad()
 def run_forward(model: PreTrainedModel, input_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Forward `input_ids` [B, T]; returns the logits, or None when a capture cut the forward short."""
+                attention_mask: torch.Tensor | None = None, logits: bool = True) -> torch.Tensor | None:
+    """Forward `input_ids` [B, T]; returns the logits (`logits` False: the last position's only, where the model
+    takes `logits_to_keep`: no [B, T, vocab] tensor), or None when a capture cut the forward short."""
+    keep = {} if logits or "logits_to_keep" not in inspect.signature(model.forward).parameters else {
+        "logits_to_keep": 1}
     try:
-        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **keep).logits
     except _StopForward:
         return None

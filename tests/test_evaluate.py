@@ -156,6 +156,8 @@ def test_eval_verb_on_a_student(capsys, tmp_path, model_dirs, text_file):
     code = main(["eval", "--model", str(folder), "--data", f"{text_file}+{text_file}", "--seq-len", "32",
                  "--num-blocks", "3", "--layer-blocks", "0", "--out", str(out)])
     assert code == 0 and json.loads(out.read_text())["split"] == "all"   # files pooled are still evaluated whole
+    code = main(["eval", "--model", str(folder), "--data", str(text_file), "--seq-len", "300", "--out", str(out)])
+    assert code == 2 and "--seq-len 300 is past the model's context of 256 tokens" in capsys.readouterr().err
 
 
 def test_eval_scores_a_short_plain_file_whole(capsys, tmp_path, model_dirs, tokenizer):

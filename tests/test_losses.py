@@ -130,3 +130,17 @@ def test_the_l2_loss_refuses_what_a_recipe_refuses():
         layer = LinearAttention(Attention(feature=feature, window=window, sink=0), fmap)
         with pytest.raises(UserError, match=message):
             l2_loss(layer, q, k, v, 0.5)
+
+
+@pytest.mark.parametrize("attention", [Attention(window=0, sink=0), Attention(window=5, sink=2, decay="head")])
+def test_l2_loss_on_rows_is_the_full_loss_restricted_to_them(attention):
+    """`at`: every row gives the full loss; a subset's loss is the mean over its rows' pairs (`eval`'s kernel error
+    at length reads 512 rows, not T × T)."""
+    layer, q, k, v = layer_and_inputs(attention)
+    full = losses.l2_loss(layer, q, k, v, D ** -0.5)
+    torch.testing.assert_close(losses.l2_loss(layer, q, k, v, D ** -0.5, torch.arange(T)), full)
+    rows = torch.tensor([9, 14, T - 1])                          # each with linear pairs beside the window
+    pairs = layer.attention.linear_pairs(T)
+    per_row = [losses.l2_loss(layer, q, k, v, D ** -0.5, torch.tensor([t])) * pairs[t].sum() for t in rows]
+    want = torch.stack(per_row).sum() / pairs[rows].sum()
+    torch.testing.assert_close(losses.l2_loss(layer, q, k, v, D ** -0.5, rows), want)

@@ -73,21 +73,30 @@ def sample_rows(length: int, count: int, generator: torch.Generator, device=None
 
 
 def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            scaling: float) -> torch.Tensor:
-    """Mean squared kernel error on causal pairs, each row scaled by its largest exact kernel value (PRF only)."""
-    check_l2(linear.attention, q.shape[1])
+            scaling: float, at: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared kernel error on causal pairs, each row scaled by its largest exact kernel value (PRF only).
+    `at` [R]: only the rows of these query positions (B·H·R·T numbers, not T × T: `eval`'s per-layer errors at
+    length)."""
+    T = q.shape[1]
+    check_l2(linear.attention, T)
     fmap = linear.feature_map
-    e_q, e_k = fmap.exponent(q), fmap.exponent(k)                                 # [B, T, H, M]
+    q_rows = q if at is None else q[:, at]
+    e_q, e_k = fmap.exponent(q_rows), fmap.exponent(k)                            # [B, R, H, M], [B, T, H, M]
     c_q = e_q.amax(-1, keepdim=True).detach()
     c_k = e_k.amax(dim=(0, 1, 3), keepdim=True).detach()
     dot = torch.einsum("bthm,bshm->bhts", torch.exp(e_q - c_q), torch.exp(e_k - c_k))
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
-                      + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, T, T]
-    log_factor = linear.log_pair_factor(v, q.shape[1])
+                      + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, R, T]
+    log_factor = linear.log_pair_factor(v, T, at)
     if log_factor is not None:  # the student's weight of a pair is its kernel estimate times its parts' factors
         log_kernel_hat = log_kernel_hat + log_factor
-    mask = linear.attention.linear_pairs(q.shape[1], q.device)   # the pairs the features see
-    log_kernel = attention_logits(q, k, scaling).masked_fill(~mask, -math.inf)
+    mask = linear.attention.linear_pairs(T, q.device)            # the pairs the features see (causal ones only)
+    if at is None:
+        log_kernel = attention_logits(q, k, scaling).masked_fill(~mask, -math.inf)
+    else:
+        mask = mask[at]
+        logits = scaling * torch.einsum("bthd,bshd->bhts", q_rows.float(), k.float())
+        log_kernel = logits.masked_fill(~mask, -math.inf)
     row_max = log_kernel.amax(-1, keepdim=True).clamp_min(-1e30)                    # rows with no pair: finite
     log_kernel_hat = log_kernel_hat.masked_fill(~mask, -math.inf)
     diff = torch.exp(log_kernel - row_max) - torch.exp(log_kernel_hat - row_max)   # 0 off the mask

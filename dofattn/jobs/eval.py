@@ -25,12 +25,18 @@ from dofattn.options import DATA_HELP, Machine, option
 from dofattn.recipe import DEFAULT_RUN
 
 
+ERROR_ROWS = 512   # query rows of a block the kernel error reads (every row of a block up to this long)
+
+
 @torch.no_grad()
 def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) -> dict:
     """Per layer, on the teacher's own q/k/v: relative error of the linear attention output against softmax
     attention (‖o_lin − o_soft‖ / ‖o_soft‖), and the row-scaled L2 kernel error of PRF maps (the distillation's
     l2 loss; None for other maps). The kernel error is only comparable between students trained with the l2 loss:
-    the softmax loss leaves the kernel's overall scale free. Layers left as softmax get None."""
+    the softmax loss leaves the kernel's overall scale free. Layers left as softmax get None.
+
+    Memory stays bounded at length: the outputs come from the attention kernels (no T × T), the kernel error reads
+    `ERROR_ROWS` evenly spaced rows of a longer block, and the forward computes no logits."""
     from dofattn.capture import capture, run_forward
     from dofattn.distill.losses import l2_loss
     from dofattn.evaluate import blocks_in_batches, teacher_mode
@@ -52,13 +58,15 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
         num[a.layer] += (approx.float() - exact).square().sum().item()
         den[a.layer] += exact.square().sum().item()
         if isinstance(linear.feature_map, PositiveRandomFeatures):
-            kernel[a.layer].append(l2_loss(linear, a.query, k, v, a.scaling).item())
+            T = a.query.shape[1]
+            at = None if T <= ERROR_ROWS else torch.linspace(0, T - 1, ERROR_ROWS, device=k.device).long()
+            kernel[a.layer].append(l2_loss(linear, a.query, k, v, a.scaling, at).item())
 
     device = next(student.parameters()).device
     with teacher_mode(student), capture(student, sink):
         for batch in tqdm(blocks_in_batches(blocks, batch_size), desc="layer errors", unit="batch", disable=not progress,
                           leave=False):
-            run_forward(student, batch.to(device))
+            run_forward(student, batch.to(device), logits=False)
     linear = linear_parts(student)
     return {"output_error": [math.sqrt(n / d) if i in linear and d > 0 else None
                              for i, (n, d) in enumerate(zip(num, den))],
@@ -100,8 +108,9 @@ class EvalConfig(Machine):
     lengths: list[int] | None = option(None, "comma-separated prompt lengths in tokens (answer included) of the "
                                              "recall tasks; auto: 1024, 2048, ... up to the model's context",
                                        none="auto")
-    beyond_context: bool = option(False, "allow --lengths past the model's context (the teacher's positions there "
-                                         "are untrained; a student's bounded layers may extrapolate)")
+    beyond_context: bool = option(False, "allow --seq-len and --lengths past the model's context (the teacher's "
+                                         "positions there are untrained; a student's bounded layers may "
+                                         "extrapolate)")
     extend_to: int | None = option(None, "read both models to this many tokens, past the context they were made "
                                          "for (SmolLM2: 8192): their RoPE scaled by YaRN to it, in every layer, "
                                          "without YaRN's attention temperature; a little worse within the context "
@@ -213,11 +222,16 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
     if cfg.extend_to:
         extend_context(model, cfg.extend_to)
+    from dofattn.hf import context_length
+
+    context = context_length(model.config)
+    if cfg.num_blocks != 0 and context and cfg.seq_len > context and not cfg.beyond_context:
+        raise UserError(f"--seq-len {cfg.seq_len} is past the model's context of {context} tokens: add --extend-to "
+                        f"{cfg.seq_len} (RoPE scaled to it), or --beyond-context to score it as it is")
     if cfg.recall is not None:
-        from dofattn.hf import context_length
         from dofattn.recall import resolve_lengths
 
-        lengths = resolve_lengths(cfg.lengths, context_length(model.config), cfg.beyond_context)
+        lengths = resolve_lengths(cfg.lengths, context, cfg.beyond_context)
     teacher = load_model(teacher_name, dtype=dtype, device=device)[0] if teacher_name else None
     if teacher is not None and cfg.extend_to:
         extend_context(teacher, cfg.extend_to)
