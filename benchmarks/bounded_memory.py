@@ -3,11 +3,14 @@ generation, and the prefill's peak.
 
     python benchmarks/bounded_memory.py runs/long-context --lengths 1024 8192 32768 --out memory.json
     python benchmarks/bounded_memory.py runs/long-context --chunk 0 --models student   # the prompt in one piece
+    python benchmarks/bounded_memory.py exports/student --models export --lengths 32768  # an export, HF generate
 
 Each (model, length) runs in its own process. The prompt is real text (wiki-sample, train split, the blocks
 joined) of exactly `length` tokens, given to the model in one call as `generate` gives it: the student reads it in
 chunks of `--chunk` tokens (`attention.prompt`; 0: in one piece), the teacher in one piece; then `--new-tokens`
-tokens are generated one at a time. The prefill peak is the process's peak resident set while it reads the prompt,
+tokens are generated one at a time. An export (`--models export`, the folder an export) is loaded by transformers
+alone (`from_pretrained(trust_remote_code=True)`: its own copy of dofattn's code) and reads the prompt and generates
+through HF `generate`, as a user of the folder would; its peak is over the whole call. The prefill peak is the process's peak resident set while it reads the prompt,
 above what it held just before, after one short warm-up call (`bench.PeakMemory`: VmHWM, reset through
 /proc/self/clear_refs; Linux). `cache_bytes` counts every tensor the cache holds for the sequence (a KV cache; or
 states, windows, sinks and selected keys).
@@ -33,6 +36,8 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
     from dofattn.hf import cache_kwargs, load_model
     from dofattn.student import load_student, read_spec
 
+    if kind == "export":
+        return measure_export(folder, length, new_tokens)
     if kind == "student":
         from dofattn.attention.prompt import set_prompt_chunk
 
@@ -64,6 +69,34 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
             "prefill_peak_mib": peak / MIB}
 
 
+def measure_export(folder: str, length: int, new_tokens: int) -> dict:
+    """An export loaded and run as its model card says: transformers' API, HF generate on the whole prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dofattn.data import token_blocks
+    from dofattn.jobs.bench import PeakMemory
+
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    block = min(length, 8192)
+    ids = token_blocks("wiki-sample", tokenizer, seq_len=block, num_blocks=-(-length // block), split="train")
+    prompt = ids.reshape(1, -1)[:, :length]
+    with torch.no_grad():
+        model.generate(prompt[:, :64], max_new_tokens=2, do_sample=False)                 # warm-up
+    memory = PeakMemory("cpu")
+    memory.start()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
+    peak = memory.above()
+    from dofattn.attention.cache import cache_bytes
+
+    held = cache_bytes(out.past_key_values if hasattr(out, "past_key_values") else out.cache)
+    return {"model": "export", "length": length, "new_tokens": new_tokens, "chunk": model.prompt_chunk,
+            "cache_after_prompt_mib": float("nan"), "cache_after_generation_mib": held / MIB,
+            "prefill_peak_mib": peak / MIB}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("student", help="a student folder (dofattn distill --out)")
@@ -71,7 +104,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=None, help="tokens a chunk of the student's prompt (0: one "
                                                                     "piece; default: the package's)")
-    parser.add_argument("--models", nargs="+", default=["student", "teacher"], choices=["student", "teacher"])
+    parser.add_argument("--models", nargs="+", default=["student", "teacher"], choices=["student", "teacher", "export"])
     parser.add_argument("--out", default="bounded_memory.json")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)               # internal: KIND LENGTH
     args = parser.parse_args()

@@ -252,11 +252,14 @@ HUB_TASKS = ("piqa", "arc_easy", "arc_challenge", "winogrande", "logiqa", "wsc27
 
 
 def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
-                  batch_size: int = 4) -> dict[str, dict[str, float]]:
+                  batch_size: int = 4, lengths: list[int] | None = None) -> dict[str, dict[str, float]]:
     """Zero-shot lm-evaluation-harness tasks on the in-memory `model`: {task: {metric: value}}.
 
     `include_path` adds a folder of local task YAMLs. Tasks that are not local need their datasets from the
-    Hugging Face hub; without a network they fail up front with a one-line error.
+    Hugging Face hub; without a network they fail up front with a one-line error. Synthetic long-context tasks
+    (RULER's niah_*, vt, cwe, fwe: lm-eval builds their prompts with the model's tokenizer, offline) are scored
+    at each of `lengths` apart ({task: {"4096": accuracy, ...}}, `limit` prompts each; default 4096), as lm-eval
+    scores them.
     """
     try:
         import lm_eval
@@ -272,23 +275,53 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
         raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; e.g. {', '.join(HUB_TASKS)}, or a local "
                         f"task YAML in --task-path")
     local = set(TaskManager(include_path=include_path, include_defaults=False).all_tasks) if include_path else set()
-    remote = [t for t in tasks if t not in local]
+    synthetic = [t for t in tasks if synthetic_task(manager, t)]
+    remote = [t for t in tasks if t not in local and t not in synthetic]
     if remote and not _hub_reachable():
         raise UserError(f"task(s) {', '.join(remote)} need their datasets from the Hugging Face hub, which cannot "
                         f"be reached; run with a network, or give local tasks with --task-path")
     device = str(next(model.parameters()).device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
-    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                      log_samples=False, bootstrap_iters=0)
-    return {task: {name.split(",")[0]: value for name, value in metrics.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "sample_len"}
-            for task, metrics in results["results"].items()}
+    found = {}
+    rest = [t for t in tasks if t not in synthetic]
+    if rest:
+        results = lm_eval.simple_evaluate(model=lm, tasks=rest, task_manager=manager, limit=limit,
+                                          log_samples=False, bootstrap_iters=0)
+        found.update({task: {name.split(",")[0]: value for name, value in metrics.items()
+                             if isinstance(value, (int, float)) and not isinstance(value, bool)
+                             and name != "sample_len"}
+                      for task, metrics in results["results"].items()})
+    if synthetic:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:     # the tokenizer the tasks build their prompts with
+            tokenizer.save_pretrained(folder)
+            for length in lengths or [4096]:
+                sized = TaskManager(include_path=include_path,
+                                    metadata={"max_seq_lengths": [length], "tokenizer": folder})
+                results = lm_eval.simple_evaluate(model=lm, tasks=synthetic, task_manager=sized, limit=limit,
+                                                  log_samples=False, bootstrap_iters=0)
+                for task in synthetic:
+                    found.setdefault(task, {})[str(length)] = results["results"][task][f"{length},none"]
+    return found
 
 
-def format_tasks(tasks: dict[str, dict[str, float]]) -> str:
-    """`lm_eval_tasks`' result, one task a line, after an empty one."""
-    return "\n".join([""] + [f"{task:>22}  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-                             for task, metrics in tasks.items()])
+def synthetic_task(manager, task: str) -> bool:
+    """Whether lm-eval builds the task's prompts itself (a `custom_dataset`, no hub dataset): RULER's."""
+    entry = manager.task_index.get(task)
+    cfg = getattr(entry, "cfg", None) or {}
+    return bool(cfg.get("custom_dataset")) and not cfg.get("dataset_path")
+
+
+def format_tasks(tasks: dict[str, dict[str, float]], teacher: dict[str, dict[str, float]] | None = None) -> str:
+    """`lm_eval_tasks`' results, a row per task and metric (a synthetic task's metrics are its lengths), the
+    student's beside the teacher's, after an empty line."""
+    lines = ["", f"{'task':>22}  {'metric':>10}  {'student':>8}  {'teacher':>8}"]
+    for task, metrics in tasks.items():
+        for name, value in metrics.items():
+            other = (teacher or {}).get(task, {}).get(name)
+            lines.append(f"{task:>22}  {name:>10}  {value:8.4f}  {'-' if other is None else f'{other:8.4f}':>8}")
+    return "\n".join(lines)
 
 
 def format_comparison(result: dict) -> str:

@@ -272,3 +272,43 @@ def test_eval_extend_to_reads_both_models_with_yarn(tmp_path, model_dirs):
     assert wide["ppl"] != plain["ppl"] and wide["teacher_ppl"] != plain["teacher_ppl"]
     with pytest.raises(UserError, match="--extend-to 0"):
         check(EvalConfig(model=str(folder), extend_to=0))
+
+
+def test_synthetic_long_context_tasks_run_offline_at_each_length(tokenizer, monkeypatch):
+    """RULER's tasks (lm-eval builds their prompts): no hub needed, one lm-eval call per length, each told the
+    length and a tokenizer it can load, `limit` prompts each; scores keyed by length."""
+    import lm_eval
+
+    from dofattn import hf
+    from dofattn.evaluate import format_tasks, lm_eval_tasks
+
+    monkeypatch.setattr(hf, "_hub_reachable", lambda *a: pytest.fail("a synthetic task needs no hub"))
+    calls = []
+
+    def fake(model, tasks, task_manager, limit, **kwargs):
+        meta = task_manager.metadata
+        from transformers import AutoTokenizer
+
+        assert AutoTokenizer.from_pretrained(meta["tokenizer"]).vocab == tokenizer.vocab
+        calls.append((tasks, meta["max_seq_lengths"], limit))
+        length = meta["max_seq_lengths"][0]
+        return {"results": {"niah_single_1": {f"{length},none": 1.0 if length == 4096 else 0.5}}}
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", fake)
+    model = tiny_model("llama")
+    result = lm_eval_tasks(model, tokenizer, ["niah_single_1"], limit=5, lengths=[4096, 8192])
+    assert calls == [(["niah_single_1"], [4096], 5), (["niah_single_1"], [8192], 5)]
+    assert result == {"niah_single_1": {"4096": 1.0, "8192": 0.5}}
+    table = format_tasks(result, {"niah_single_1": {"4096": 1.0, "8192": 1.0}})
+    assert "niah_single_1        8192    0.5000    1.0000" in table
+
+
+@pytest.mark.slow
+def test_niah_single_1_on_the_teacher_at_512_tokens():
+    """lm-eval's own prompts and scoring, offline, on the built-in teacher: it finds the needle at 512 tokens."""
+    from dofattn.evaluate import lm_eval_tasks
+    from dofattn.hf import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    assert lm_eval_tasks(model, tokenizer, ["niah_single_1"], limit=2, batch_size=1, lengths=[512]) == {
+        "niah_single_1": {"512": 1.0}}

@@ -94,11 +94,15 @@ class EvalConfig(Machine):
                                           "block shorter)", none="auto")
     layer_blocks: int = option(2, "blocks used for the per-layer errors")
     batch_size: int = option(2, "blocks per forward pass")
-    tasks: list[str] | None = option(None, "also run zero-shot lm-eval tasks, comma-separated (piqa,arc_easy,"
-                                           "arc_challenge,winogrande,logiqa,wsc273,mmlu need the hub; local ones "
-                                           "via --task-path)")
+    tasks: list[str] | None = option(None, "also run zero-shot lm-eval tasks on the student and its teacher, "
+                                           "comma-separated (piqa,arc_easy,arc_challenge,winogrande,logiqa,wsc273,"
+                                           "mmlu need the hub; RULER's niah_single_1 ... built offline at "
+                                           "--task-lengths; local ones via --task-path)")
     task_path: str | None = option(None, "folder of local lm-eval task YAMLs")
-    limit: int | None = option(None, "evaluate at most this many examples per lm-eval task")
+    task_lengths: list[int] | None = option(None, "prompt lengths in tokens of the synthetic long-context tasks "
+                                                  "(RULER's), each scored apart, e.g. 4096,8192; default 4096",
+                                            none="default")
+    limit: int | None = option(None, "evaluate at most this many examples per lm-eval task (and length)")
     out: str | None = option("auto", "where to write the JSON result; auto: eval.json in the student's run folder "
                                      "(else in this folder)")
     plot: str | None = option(None, "also write a figure of the per-layer errors (.png, .pdf or .svg)")
@@ -173,6 +177,9 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
     check_source(cfg.data)
     if cfg.task_path and not Path(cfg.task_path).is_dir():
         raise UserError(f"--task-path {cfg.task_path} is not a folder of lm-eval task YAMLs")
+    if cfg.task_lengths is not None and (not cfg.tasks or min(cfg.task_lengths, default=0) < 1):
+        raise UserError("--task-lengths gives positive prompt lengths of --tasks, e.g. --tasks niah_single_1 "
+                        "--task-lengths 4096,8192")
     if (cfg.num_blocks or 0) < 0 or cfg.layer_blocks < 0 or cfg.batch_size < 1:
         raise UserError("--batch-size must be >= 1, --num-blocks and --layer-blocks >= 0")
     check_extend_to(cfg.extend_to)
@@ -228,6 +235,9 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     if cfg.num_blocks != 0 and context and cfg.seq_len > context and not cfg.beyond_context:
         raise UserError(f"--seq-len {cfg.seq_len} is past the model's context of {context} tokens: add --extend-to "
                         f"{cfg.seq_len} (RoPE scaled to it), or --beyond-context to score it as it is")
+    if cfg.task_lengths and context and max(cfg.task_lengths) > context and not cfg.beyond_context:
+        raise UserError(f"--task-lengths {max(cfg.task_lengths)} is past the model's context of {context} tokens: "
+                        f"add --extend-to {max(cfg.task_lengths)}, or --beyond-context")
     if cfg.recall is not None:
         from dofattn.recall import resolve_lengths
 
@@ -257,8 +267,17 @@ def run(cfg: EvalConfig, progress=None) -> dict:
                                        split=split, teacher=teacher, teacher_answers=cfg.teacher_answers)
         say(recall.format_recall(result["recall"]))
     if cfg.tasks:
-        result["tasks"] = lm_eval_tasks(model, tokenizer, cfg.tasks, cfg.task_path, cfg.limit, cfg.batch_size)
-        say(format_tasks(result["tasks"]))
+        from dofattn.evaluate import teacher_mode
+
+        run_tasks = lambda m: lm_eval_tasks(m, tokenizer, cfg.tasks, cfg.task_path, cfg.limit,  # noqa: E731
+                                            cfg.batch_size, cfg.task_lengths)
+        result["tasks"] = run_tasks(model)
+        if teacher is not None:
+            result["teacher_tasks"] = run_tasks(teacher)
+        else:
+            with teacher_mode(model):                # the student's own base model: its softmax attention
+                result["teacher_tasks"] = run_tasks(model)
+        say(format_tasks(result["tasks"], result["teacher_tasks"]))
     if "out" in paths:
         write_atomic(paths["out"], json.dumps(result, indent=2))
         say(f"wrote {paths['out']}")
