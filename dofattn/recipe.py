@@ -1,7 +1,7 @@
 """Recipes: everything a `dofattn distill` run does, as data. A recipe is a TOML file of six tables.
 
     recipe = load("window-lora", sets=["end_to_end.steps=800"])   # a packaged recipe (dofattn/recipes/*.toml)
-    recipe = load("runs/long/recipe.toml")                     # a run folder's resolved recipe: the same run again
+    recipe = load("runs/window-lora/recipe.toml")              # a run folder's resolved recipe: the same run again
     print(recipe.to_toml())                                     # every key, resolved
 
 The tables are the dataclasses below and their fields the keys; each field's `help` is its documentation

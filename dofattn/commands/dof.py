@@ -3,7 +3,7 @@
 Runs the model over a data sample, keeps J query/key points per head, and computes
 DoF(λ) = tr G(G+λI)⁻¹ of the kernel exp(qᵀk/√d) on them. Each layer's DoF is the max over its heads; layers
 get feature dimensions proportional to their DoF, with mean --budget. Writes a JSON file (input to
-`--dims` of later stages) and optionally a plot, and prints a per-layer table.
+`distill --set student.dims=dof.json`, `generate --dims`) and optionally a plot, and prints a per-layer table.
 """
 
 from __future__ import annotations

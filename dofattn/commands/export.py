@@ -1,12 +1,12 @@
-"""Write a student as a Hugging Face model folder that transformers loads where dofattn is installed.
+"""Write a student as a Hugging Face model folder that transformers loads with torch alone, without dofattn.
 
 AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True) gives the student. OUT gets config.json (the
-base config and the student's spec), modeling_dofattn.py, model.safetensors (every weight; the student's own
-tensors in float32; shards past 5 GB), the tokenizer, a generation config and a model card with the run's
-evaluation numbers. `dofattn eval` and `dofattn generate` take OUT as --model.
+base config and the student's spec), modeling_dofattn.py and dofattn_code.py (the dofattn code the student runs,
+copied), model.safetensors (every weight; the student's own tensors in float32; shards past 5 GB), the tokenizer,
+a generation config and a model card with the run's evaluation numbers. `dofattn eval` and `dofattn generate` take OUT as --model.
 
     dofattn export --model runs/long-context --out exports/student
-    dofattn export --model runs/long --out exports/long --merge-lora --dtype bfloat16
+    dofattn export --model runs/window-lora --out exports/window-lora --merge-lora --dtype bfloat16
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The `dofattn dof` job: a model's per-layer DoF estimated from its real queries and keys, and the feature dims
-allocated in proportion under a budget, as one `DofConfig` asks; written as JSON (input to `--dims` and
-`student.dims`) and optionally a figure.
+allocated in proportion under a budget, as one `DofConfig` asks; written as JSON (input to the recipe key
+`student.dims` and `generate --dims`) and optionally a figure.
 
     result = run(DofConfig(model="smollm2-135m", out="dof.json"), progress=print)   # what `dofattn dof` does
     result.dims, [layer.dof for layer in result.layers]

@@ -152,7 +152,7 @@ class ExportConfig:
 
     model: str = option(DEFAULT_RUN, "a dofattn distill run folder (the default recipe's unless given), or "
                                              "a student folder")
-    out: str | None = option(None, "the folder to write: new, empty, or a previous export (replaced)")
+    out: str | None = option(None, "the folder to write: new, empty, or a previous export (replaced)", required=True)
     merge_lora: bool = option(False, "fold LoRA adapters into the projection weights (no peft needed to load; the "
                                      "base model is then no longer inside); without it they are kept as peft layers")
     dtype: str = option("float32", "dtype of the base model's weights: float32, bfloat16 or float16")
