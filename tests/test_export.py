@@ -329,8 +329,9 @@ def test_export_refuses_a_bad_model_in_one_line(tmp_path, capsys, exported):
     assert "is not a folder" in one_line_error(capsys)
     assert main(["export", "--model", str(exported[0]["llama-linear"][0]), "--out", str(out)]) == 2
     assert "is a dofattn export already" in one_line_error(capsys)
-    assert main(["export", "--model", str(tmp_path)]) == 2
-    assert "--out" in one_line_error(capsys)
+    with pytest.raises(SystemExit) as exit:                          # argparse: --out is required
+        main(["export", "--model", str(tmp_path)])
+    assert exit.value.code == 2 and "the following arguments are required: --out" in capsys.readouterr().err
     student = exported[0]["llama-linear"][0].parent.parent / "student-llama-linear"
     assert main(["export", "--model", str(student), "--out", str(out), "--merge-lora"]) == 2
     assert "has no LoRA adapters to fold; drop --merge-lora" in one_line_error(capsys)
