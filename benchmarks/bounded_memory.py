@@ -78,7 +78,7 @@ def measure_export(folder: str, length: int, new_tokens: int) -> dict:
     from dofattn.jobs.bench import PeakMemory
 
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     block = min(length, 8192)
     ids = token_blocks("wiki-sample", tokenizer, seq_len=block, num_blocks=-(-length // block), split="train")
     prompt = ids.reshape(1, -1)[:, :length]
