@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dofattn.spec import Attention
-from dofattn.attention import CONV_NAMES, LinearAttention, LinearStateLayer, Part, StaticStateLayer
+from dofattn.attention import CONV_NAMES, LinearAttention, LinearStateLayer, Part
 from dofattn.attention.cache import PartState, keep_buffer
 from dofattn.attention.decay import Gate
 from dofattn.errors import UserError
@@ -121,16 +121,24 @@ def test_every_path_matches_the_naive_forms(variant, feature):
         pieces = [slice(0, 5), *(slice(t, t + 1) for t in range(5, 9)), slice(9, T)]
         steps = [layer(q[:, s], k[:, s], v[:, s], valid[:, s], cache=cache) for s in pieces]
         torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-6, atol=1e-6)
-        if layer.attention.window:                                  # static decoding after a prefill of 6 tokens
-            cache = LinearStateLayer()
-            layer(q[:, :6], k[:, :6], v[:, :6], valid[:, :6], cache=cache)
-            cache.seen = 6
-            position = torch.tensor([6])
-            ring = StaticStateLayer.freeze(cache, position)
-            for t in range(6, T):
-                out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=ring)
-                torch.testing.assert_close(out, ref[:, t:t + 1], rtol=1e-6, atol=1e-6)
-                position.add_(1)
+        if layer.attention.window:
+            continue_static(layer, q, k, v, valid, ref)
+
+
+def continue_static(layer, q, k, v, valid, want, reorder: bool = False, tol: float = 1e-6) -> None:
+    """A prefill of 6 tokens into a cache, then static decoding on its static form (`to_static`: a window's ring),
+    each step against `want`. `reorder`: the batch rows swapped twice first (the slot reorders every part's state)."""
+    cache = LinearStateLayer()
+    layer(q[:, :6], k[:, :6], v[:, :6], valid[:, :6], cache=cache)
+    cache.seen = 6
+    for _ in range(2 if reorder else 0):
+        cache.batch_select_indices(torch.tensor([1, 0]))
+    position = torch.tensor([6])
+    static = cache.to_static(T, position)
+    for t in range(6, T):
+        out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=static)
+        torch.testing.assert_close(out, want[:, t:t + 1], rtol=tol, atol=tol)
+        position.add_(1)
 
 
 def naive_output(layer: LinearAttention, q, k, v) -> torch.Tensor:
@@ -207,17 +215,7 @@ def test_a_new_stateful_part_needs_only_its_module_and_a_row_of_parts(variant, m
         steps = [layer(q[:, s], k[:, s], v[:, s], valid[:, s], cache=cache) for s in pieces]
         torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
         assert set(cache.parts) >= {"echo"} and "echo.last" in cache.tensors()
-        cache = LinearStateLayer()
-        layer(q[:, :6], k[:, :6], v[:, :6], valid[:, :6], cache=cache)
-        cache.seen = 6
-        cache.batch_select_indices(torch.tensor([1, 0]))           # the slot reorders the part's state too
-        cache.batch_select_indices(torch.tensor([1, 0]))
-        position = torch.tensor([6])
-        static = cache.to_static(T, position)
-        for t in range(6, T):
-            out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=static)
-            torch.testing.assert_close(out, full[:, t:t + 1], rtol=1e-5, atol=1e-5)
-            position.add_(1)
+        continue_static(layer, q, k, v, valid, full, reorder=True, tol=1e-5)
 
 
 # --- generation ------------------------------------------------------------------------------------------------
