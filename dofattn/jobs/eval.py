@@ -232,9 +232,6 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     from dofattn.hf import context_length
 
     context = context_length(model.config)
-    if cfg.num_blocks != 0 and context and cfg.seq_len > context and not cfg.beyond_context:
-        raise UserError(f"--seq-len {cfg.seq_len} is past the model's context of {context} tokens: add --extend-to "
-                        f"{cfg.seq_len} (RoPE scaled to it), or --beyond-context to score it as it is")
     if cfg.task_lengths and context and max(cfg.task_lengths) > context and not cfg.beyond_context:
         raise UserError(f"--task-lengths {max(cfg.task_lengths)} is past the model's context of {context} tokens: "
                         f"add --extend-to {max(cfg.task_lengths)}, or --beyond-context")
@@ -254,6 +251,10 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         else:
             blocks = token_blocks(cfg.data, tokenizer, cfg.seq_len, cfg.num_blocks or DEFAULT_BLOCKS, split=split,
                                   seed=0)
+        longest = max(b.shape[-1] for b in (blocks if isinstance(blocks, list) else [blocks]))
+        if context and longest > context and not cfg.beyond_context:
+            raise UserError(f"--seq-len {cfg.seq_len} is past the model's context of {context} tokens: add "
+                            f"--extend-to {cfg.seq_len} (RoPE scaled to it), or --beyond-context to score it as it is")
         result.update(seq_len=cfg.seq_len, **compare(model, blocks, teacher, cfg.batch_size))
         errors = layer_errors(model, first_blocks(blocks, cfg.layer_blocks)) if cfg.layer_blocks else {}
         result.update(errors)
