@@ -132,3 +132,19 @@ def test_a_kept_layer_reads_a_chunk_in_query_blocks(monkeypatch):
     whole, chunked = generated(model, 0), generated(model, 13)
     assert torch.equal(chunked.sequences, whole.sequences)
     torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(whole.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_a_bounded_student_read_as_its_teacher_generates_past_its_prompt():
+    """In `teacher_mode` (how `eval` scores the teacher) a bounded student's prompt, read in chunks, announces its
+    length as always; nothing bounds the slot, and the tokens generated after the prompt go on past it: the
+    teacher's own greedy tokens."""
+    from dofattn.evaluate import teacher_mode
+
+    model = student("llama")
+    ids = prompt()[0][:1]
+    with torch.no_grad(), teacher_mode(model):
+        set_prompt_chunk(model, 6)
+        chunked = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+        set_prompt_chunk(model, 0)
+        whole = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(chunked, whole)

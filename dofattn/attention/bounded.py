@@ -50,14 +50,19 @@ class PromptKVLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         T, new = self.keys.shape[2], key_states.shape[2]
-        if T + new > self.length:
-            raise RuntimeError(f"a prompt read in chunks brought more than the {self.length} tokens it announced")
+        if T + new > self.length:     # more than announced (the model read as its teacher: nothing bounds it)
+            self.length = T + new
+            self.key_buffer = torch.cat([self.keys, key_states.new_empty(*key_states.shape[:2], new,
+                                                                        key_states.shape[3])], 2)
+            self.value_buffer = torch.cat([self.values, value_states.new_empty(*value_states.shape[:2], new,
+                                                                              value_states.shape[3])], 2)
         self.key_buffer[:, :, T:T + new], self.value_buffer[:, :, T:T + new] = key_states, value_states
         self.keys, self.values = self.key_buffer[:, :, :T + new], self.value_buffer[:, :, :T + new]
         return self.keys, self.values
 
     def read(self) -> bool:
-        """Whether the whole announced prompt has been read."""
+        """Whether the whole announced prompt has been read (a slot read past it, as its teacher reads, is a
+        `DynamicLayer` for its further tokens)."""
         return self.is_initialized and self.keys.shape[2] == self.length
 
 
