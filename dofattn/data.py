@@ -373,6 +373,7 @@ def check_source(spec: str) -> None:
         parts = spec[len("hf:"):].split(":")
         if not parts[0] or len(parts) > 3:
             raise UserError(f"bad dataset spec {spec!r}; use hf:NAME[:CONFIG[:SPLIT]]")
+        check_hf_reachable(spec, parts[0])
         return
     path = Path(spec).expanduser()
     if not path.exists():
@@ -381,6 +382,27 @@ def check_source(spec: str) -> None:
         raise UserError(f"data file {spec} is not a .txt, .jsonl or .parquet file")
     if path.is_file() and path.stat().st_size == 0:
         raise UserError(f"data file {spec} is empty: give a file with text in it")
+
+
+def hf_cached(name: str) -> bool:
+    """Whether the Hugging Face dataset `name` has been fetched before (the hub's cache, or `datasets`' own)."""
+    import os
+
+    from huggingface_hub import constants
+
+    hub = Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}"
+    own = Path(os.environ.get("HF_DATASETS_CACHE", Path(constants.HF_HOME) / "datasets"))
+    return hub.is_dir() or (own.is_dir() and any(own.glob(name.replace("/", "___") + "*")))
+
+
+def check_hf_reachable(spec: str, name: str) -> None:
+    """A one-line error for a hub dataset that is neither a local folder, nor cached, nor reachable (offline,
+    `datasets` would fail only when the run reads its text, after the model loads)."""
+    from dofattn.hf import _hub_reachable
+
+    if not Path(name).expanduser().exists() and not hf_cached(name) and not _hub_reachable():
+        raise UserError(f"--data {spec}: dataset {name} is not in the Hugging Face cache and the hub cannot be "
+                        f"reached; run once with a network, or give a local .txt, .jsonl or .parquet file")
 
 
 def texts(spec: str, split: str = "train") -> Sequence[str]:

@@ -336,3 +336,17 @@ def test_two_gloo_processes_tokenize_their_shares_into_one_processs_blocks(token
         # each about half of what one process tokenizes; at most one round's surplus beyond
         assert sum(shares) >= calls and max(shares) <= calls / 2 + FIRST_ROUND, (name, shares, calls)
     assert sum(rank["every"]["calls"] for rank in ranks) == alone["every"][1]     # every document once
+
+
+def test_a_hub_dataset_offline_and_not_cached_is_refused_before_any_model(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    from dofattn import hf
+
+    monkeypatch.setattr(hf, "_hub_reachable", lambda *a: False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    with pytest.raises(UserError, match="hf:someone/nothing: dataset someone/nothing is not in the Hugging Face"):
+        check_source("hf:someone/nothing")
+    (tmp_path / "hub" / "datasets--someone--nothing").mkdir(parents=True)
+    check_source("hf:someone/nothing")                                     # fetched before: the run reads it
