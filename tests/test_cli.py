@@ -335,6 +335,7 @@ def test_commands_look_for_the_default_run_and_write_into_run_folders(capsys, tm
     for argv in (["generate"], ["eval"], ["export", "--out", "x"]):
         code, _, err = run(capsys, *argv)
         assert code == 2 and "no student in runs/long-context yet: train it with `dofattn distill`" in err, err
+        assert ("smollm2-135m" in err) is (argv[0] != "export"), err      # export takes no base model
     (tmp_path / "runs" / "w").mkdir(parents=True)
     (tmp_path / "runs" / "w" / "dofattn.json").write_text("{}")
     assert check(EvalConfig(model="runs/w"))["out"] == Path("runs/w/eval.json")
