@@ -25,7 +25,9 @@ from dofattn.options import DATA_HELP, Machine, option
 from dofattn.recipe import DEFAULT_RUN
 
 
-ERROR_ROWS = 512   # query rows of a block the kernel error reads (every row of a block up to this long)
+ERROR_ROWS = 256   # query rows of a block longer than LONG_ROWS that the kernel error reads
+LONG_ROWS = 512    # every row of a block up to this long (eval's default blocks)
+LONG_BLOCK = 2048  # blocks longer than this go through the per-layer errors one at a time
 
 
 @torch.no_grad()
@@ -36,7 +38,8 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
     the softmax loss leaves the kernel's overall scale free. Layers left as softmax get None.
 
     Memory stays bounded at length: the outputs come from the attention kernels (no T × T), the kernel error reads
-    `ERROR_ROWS` evenly spaced rows of a longer block, and the forward computes no logits."""
+    `ERROR_ROWS` evenly spaced rows of a block longer than `LONG_ROWS`, and the forward computes no logits (`eval`
+    sends blocks longer than `LONG_BLOCK` one at a time)."""
     from dofattn.capture import capture, run_forward
     from dofattn.distill.losses import l2_loss
     from dofattn.evaluate import blocks_in_batches, teacher_mode
@@ -59,7 +62,7 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
         den[a.layer] += exact.square().sum().item()
         if isinstance(linear.feature_map, PositiveRandomFeatures):
             T = a.query.shape[1]
-            at = None if T <= ERROR_ROWS else torch.linspace(0, T - 1, ERROR_ROWS, device=k.device).long()
+            at = None if T <= LONG_ROWS else torch.linspace(0, T - 1, ERROR_ROWS, device=k.device).long()
             kernel[a.layer].append(l2_loss(linear, a.query, k, v, a.scaling, at).item())
 
     device = next(student.parameters()).device
@@ -256,7 +259,8 @@ def run(cfg: EvalConfig, progress=None) -> dict:
             raise UserError(f"--seq-len {cfg.seq_len} is past the model's context of {context} tokens: add "
                             f"--extend-to {cfg.seq_len} (RoPE scaled to it), or --beyond-context to score it as it is")
         result.update(seq_len=cfg.seq_len, **compare(model, blocks, teacher, cfg.batch_size))
-        errors = layer_errors(model, first_blocks(blocks, cfg.layer_blocks)) if cfg.layer_blocks else {}
+        chosen = first_blocks(blocks, cfg.layer_blocks)
+        errors = layer_errors(model, chosen, 1 if longest > LONG_BLOCK else 2) if cfg.layer_blocks else {}
         result.update(errors)
         say(format_comparison(result))
     if errors:
