@@ -29,7 +29,8 @@ class LinearBranch:
 
     def one_kernel_step(self, q: torch.Tensor, cache: LinearStateLayer, backend: str) -> bool:
         """True when this generation step can run as one Triton kernel (`ops.triton.prf.prf_decode_step`): one token,
-        CUDA, no autograd, a PRF map with a calibrated key shift, no window, every part one the kernel runs (`runs`), a float32 state.
+        CUDA, no autograd, a PRF map with a calibrated key shift, no window, every part one the kernel runs (`runs`),
+        a float32 state.
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
         return (backend == "auto" and self.window is None and self.runs("prf_decode_step")
