@@ -5,7 +5,8 @@ with the context. With `student.select` > 0 (its `spec.Kept`) its module carries
 (`dofattn_bounded`): the prompt is read with full attention, as the teacher reads it; then the cache keeps the
 first S real tokens (the sink), the C keys per kv head that the prompt's last queries attend to most (`ops.select`,
 SnapKV-style) and the last W keys, and drops the rest (`BoundedKVLayer`). Every later query (the answer, the
-generated tokens) reads those, exactly, and a key leaving its window is gone: memory after the prompt is (S + C + W) keys per kv head at any length.
+generated tokens) reads those, exactly, and a key leaving its window is gone: memory after the prompt is (S + C + W)
+keys per kv head at any length.
 
 The prompt is a sequence's first call. A long one is read in chunks (`attention.prompt`: the model's forward
 splits it), and while it is read the slot holds every key so far, the key validity and the last queries
