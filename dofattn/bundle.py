@@ -71,22 +71,20 @@ def renamed(source: str, modules: set[str], package: str) -> str:
     attention implementation, the config entry, a child module's name) stays."""
     lines = source.splitlines(keepends=True)
     tree = ast.parse(source)
-    edits = []                                        # (line, column, length, text), applied from the end
+    starts = []                                       # (line, column) of each "dofattn" to rename
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            line = lines[node.lineno - 1]
-            start = line.index("dofattn", node.col_offset) if "dofattn" in line[node.col_offset:] else -1
-            if (isinstance(node, ast.ImportFrom) and node.module and not node.level
-                    and (node.module == "dofattn" or node.module.startswith("dofattn."))) or (
-                    isinstance(node, ast.Import) and any(a.name.split(".")[0] == "dofattn" for a in node.names)):
-                edits.append((node.lineno - 1, start, len("dofattn"), package))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value \
-                and node.value in modules and node.lineno == node.end_lineno:      # "dofattn" alone is a name
-            line = lines[node.lineno - 1]
-            start = line.index(node.value, node.col_offset)
-            edits.append((node.lineno - 1, start, len("dofattn"), package))
-    for row, col, length, text in sorted(edits, reverse=True):
-        lines[row] = lines[row][:col] + text + lines[row][col + length:]
+        if isinstance(node, ast.ImportFrom):
+            named = [node.module] if node.module and not node.level else []
+        elif isinstance(node, ast.Import):
+            named = [a.name for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.lineno == node.end_lineno:
+            named = [node.value] if "." in node.value and node.value in modules else []   # "dofattn" alone: a name
+        else:
+            continue
+        if any(n == "dofattn" or n.startswith("dofattn.") for n in named):
+            starts.append((node.lineno - 1, lines[node.lineno - 1].index("dofattn", node.col_offset)))
+    for row, col in sorted(starts, reverse=True):                                      # from the end of a line
+        lines[row] = lines[row][:col] + package + lines[row][col + len("dofattn"):]
     return "".join(lines)
 
 
