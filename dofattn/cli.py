@@ -59,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), "")      # the top level has no option with a value
     parser = build_parser(verb if verb in VERBS else "")
-    ns = parser.parse_args(argv)
-    if ns.verb is None:
-        parser.print_help()
-        return 2
-    keep_freed_memory()
     try:
+        ns = parser.parse_args(argv)
+        if ns.verb is None:
+            parser.print_help()
+            return 2
+        keep_freed_memory()
         return ns.run(ns)
     except UserError as err:
         print(f"dofattn: error: {err}", file=sys.stderr)

@@ -82,8 +82,8 @@ def check_sample_size(samples: int, num_blocks: int, seq_len: int) -> int:
                         f"tokens (the DoF reads query/key points after the first)")
     pool = 2 * num_blocks * (seq_len - 1)
     if samples > pool:
-        raise UserError(f"--samples {samples} is more than the {pool} query/key points in {num_blocks} "
-                        f"blocks of {seq_len} tokens; lower --samples or raise --num-blocks/--seq-len")
+        raise UserError(f"--points {samples} is more than the {pool} query/key points in {num_blocks} "
+                        f"blocks of {seq_len} tokens; lower --points or raise --num-blocks/--seq-len")
     return pool
 
 

@@ -252,14 +252,15 @@ HUB_TASKS = ("piqa", "arc_easy", "arc_challenge", "winogrande", "logiqa", "wsc27
 
 
 def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
-                  batch_size: int = 4, lengths: list[int] | None = None) -> dict[str, dict[str, float]]:
+                  batch_size: int = 4, lengths: list[int] | None = None,
+                  scored=None) -> dict[str, dict[str, float]]:
     """Zero-shot lm-evaluation-harness tasks on the in-memory `model`: {task: {metric: value}}.
 
     `include_path` adds a folder of local task YAMLs. Tasks that are not local need their datasets from the
     Hugging Face hub; without a network they fail up front with a one-line error. Synthetic long-context tasks
     (RULER's niah_*, vt, cwe, fwe: lm-eval builds their prompts with the model's tokenizer, offline) are scored
     at each of `lengths` apart ({task: {"4096": accuracy, ...}}, `limit` prompts each; default 4096), as lm-eval
-    scores them.
+    scores them; `scored(length, {task: accuracy})` hears each length as it ends (a long run cut short keeps them).
     """
     try:
         import lm_eval
@@ -301,8 +302,11 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
                                     metadata={"max_seq_lengths": [length], "tokenizer": folder})
                 results = lm_eval.simple_evaluate(model=lm, tasks=synthetic, task_manager=sized, limit=limit,
                                                   log_samples=False, bootstrap_iters=0)
-                for task in synthetic:
-                    found.setdefault(task, {})[str(length)] = results["results"][task][f"{length},none"]
+                now = {task: results["results"][task][f"{length},none"] for task in synthetic}
+                for task, value in now.items():
+                    found.setdefault(task, {})[str(length)] = value
+                if scored:
+                    scored(length, now)
     return found
 
 

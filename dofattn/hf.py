@@ -166,6 +166,13 @@ def fast_bfloat16(device: str) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def machine_dtype(name: str, device: str) -> torch.dtype:
+    """A command's --dtype on `device`: float32, bfloat16, or auto (bfloat16 where `fast_bfloat16`)."""
+    if name == "auto":
+        return torch.bfloat16 if fast_bfloat16(device) else torch.float32
+    return parse_dtype(name)
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise UserError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16")

@@ -207,7 +207,7 @@ def read_answer(model, prompt: Prompt) -> tuple[list[int], float, int]:
 def check_grid(depths: int, samples: int) -> None:
     """UserError unless a grid has at least one depth and one sample per cell."""
     if depths < 1 or samples < 1:
-        raise UserError(f"--depths and --samples must be at least 1, got {depths} and {samples}")
+        raise UserError(f"--depths and --prompts must be at least 1, got {depths} and {samples}")
 
 
 def make_prompts(tasks: RecallTasks, names: list[str], lengths: list[int], depths: int,
@@ -350,7 +350,7 @@ def grid(model, tokenizer, names: list[str], lengths: list[int], depths: int = 5
         if missing is not None:
             raise UserError(f"--teacher-answers {teacher_answers} has no teacher answer for {missing.task} at "
                             f"{missing.length} tokens, depth {missing.depth:g}, sample {missing.sample}; run the "
-                            f"same --recall, --lengths, --depths, --samples and --data, or drop it")
+                            f"same --recall, --lengths, --depths, --prompts and --data, or drop it")
     else:
         models["teacher"] = (lambda: contextlib.nullcontext(teacher)) if teacher is not None else own_teacher
     result = evaluate_recall(models, tasks, prompts, given, progress)

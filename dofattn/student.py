@@ -72,10 +72,10 @@ def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "") 
     _, _, head_dim = head_layout(model)
     if isinstance(spec, list):
         dims = spec
-    elif spec == "fix" or spec.startswith("fix:"):
-        value = spec.partition(":")[2] or str(head_dim)
+    elif spec == "fix" or spec.startswith("fix:") or spec.isdigit():
+        value = spec if spec.isdigit() else spec.partition(":")[2] or str(head_dim)
         if not value.isdigit() or int(value) < 1:
-            raise UserError(f"bad --dims {spec!r}; use fix, fix:C with C >= 1, or a dof.json file")
+            raise UserError(f"bad --dims {spec!r}; use C or fix:C with C >= 1, fix, or a dof.json file")
         dims = [int(value)] * num_layers
     elif spec.endswith(".json"):
         path = Path(spec)
@@ -90,7 +90,7 @@ def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "") 
                             f"run `dofattn dof --model {model_name}`")
         dims = result.dims
     else:
-        raise UserError(f"bad --dims {spec!r}; use fix, fix:C, or a dof.json file")
+        raise UserError(f"bad --dims {spec!r}; use C, fix, fix:C, or a dof.json file")
     if len(dims) != num_layers:
         raise UserError(f"--dims gives {len(dims)} layers but the model has {num_layers}")
     if min(dims) < 1:

@@ -88,7 +88,7 @@ if [ -n "$converting" ]; then
     cat "$OUT/convert.log" >> "$LOG"
 fi
 
-BENCH=(--device cuda --heads 12 --features 128 --student window --decode-batch 16 --repeats 10)
+BENCH=(--device cuda --dtype bfloat16 --heads 12 --dims 128 --student window --decode-batch 16 --repeats 10)
 if [[ $PARTS == *bench* ]]; then
     echo "== bench: generation" | tee -a "$LOG"
     timeout "${GEN_S:-150}" python3 -m dofattn bench "${BENCH[@]}" --parts generation --gen-contexts 2048,8192,32768 \

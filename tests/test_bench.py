@@ -48,7 +48,7 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path, monkeypatc
     slow_students(monkeypatch)
     out = tmp_path / "bench.json"
     code = main(["bench", "--device", "cpu", "--seq-lens", "33,70", "--heads", "2", "--head-dim", "8",
-                 "--features", "5", "--student", window_recipe(tmp_path), "--repeats", "1", "--model",
+                 "--dims", "5", "--student", window_recipe(tmp_path), "--repeats", "1", "--model",
                  str(model_dirs["llama"]), "--gen-contexts", "12", "--new-tokens", "3", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
@@ -90,7 +90,7 @@ def test_bench_writes_every_measurement(capsys, model_dirs, tmp_path, monkeypatc
 
 def test_bench_runs_only_the_parts_asked_for(capsys, model_dirs, tmp_path):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--device", "cpu", "--seq-lens", "20", "--heads", "2", "--head-dim", "8", "--features", "5",
+    code = main(["bench", "--device", "cpu", "--seq-lens", "20", "--heads", "2", "--head-dim", "8", "--dims", "5",
                  "--repeats", "1", "--model", str(model_dirs["gpt2"]), "--gen-contexts", "9", "--new-tokens", "2",
                  "--parts", "decode,generation", "--out", str(out)])
     printed = capsys.readouterr().out
@@ -106,7 +106,7 @@ def test_bench_compile_adds_a_compiled_static_row(capsys, model_dirs, tmp_path, 
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     out = tmp_path / "bench.json"
-    code = main(["bench", "--device", "cpu", "--features", "5", "--student", window_recipe(tmp_path), "--model",
+    code = main(["bench", "--device", "cpu", "--dims", "5", "--student", window_recipe(tmp_path), "--model",
                  str(model_dirs["llama"]), "--gen-contexts", "12,20", "--new-tokens", "3", "--parts", "generation",
                  "--compile", "--out", str(out)])
     assert code == 0
@@ -124,6 +124,7 @@ def test_bench_compile_adds_a_compiled_static_row(capsys, model_dirs, tmp_path, 
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--out", "bench.txt"], "--out"),
     (["--student", "nothere"], "unknown recipe 'nothere'"),
+    (["--features", "8"], "bench --features is now --dims"),
 ])
 def test_bench_bad_input(capsys, tmp_path, args, message):
     code = main(["bench", "--device", "cpu", "--model", "none", "--out", str(tmp_path / "b.json"), *args])
@@ -139,7 +140,7 @@ def test_bench_writes_the_result_after_each_row(tmp_path, monkeypatch):
 
     saved, write = [], io.write_atomic
     monkeypatch.setattr(io, "write_atomic", lambda path, text: saved.append(json.loads(text)) or write(path, text))
-    cfg = BenchConfig(seq_lens=[16, 24], heads=1, head_dim=4, features=3, student="paper", repeats=1, model=None,
+    cfg = BenchConfig(seq_lens=[16, 24], heads=1, head_dim=4, dims=3, student="paper", repeats=1, model=None,
                       out=str(tmp_path / "b.json"))
     result = run(cfg)
     counts = [(len(s["prefill"]), len(s["decode"])) for s in saved]
@@ -181,7 +182,7 @@ def test_bench_times_a_trained_student_against_its_base_model(capsys, model_dirs
                        base=fingerprint(model))
     save_student(build(model, spec), tmp_path / "run", spec)
     out = tmp_path / "run" / "bench.json"              # --out auto: beside the student it times, a figure with it
-    code = main(["bench", "--device", "cpu", "--seq-lens", "20", "--heads", "2", "--head-dim", "8", "--features", "3",
+    code = main(["bench", "--device", "cpu", "--seq-lens", "20", "--heads", "2", "--head-dim", "8", "--dims", "3",
                  "--repeats", "1", "--model", str(tmp_path / "run"), "--gen-contexts", "16,40", "--new-tokens", "2"])
     assert code == 0, capsys.readouterr().err
     assert out.with_suffix(".png").stat().st_size > 0
@@ -203,7 +204,7 @@ def test_bench_times_a_config_alone_with_random_weights_and_says_so(capsys, mode
     (folder / "config.json").write_text((model_dirs["llama"] / "config.json").read_text())
     model = folder / "config.json" if as_file else folder
     out = tmp_path / "bench.json"
-    code = main(["bench", "--device", "cpu", "--features", "5", "--repeats", "1", "--model", str(model),
+    code = main(["bench", "--device", "cpu", "--dims", "5", "--repeats", "1", "--model", str(model),
                  "--gen-contexts", "9", "--new-tokens", "2", "--parts", "generation", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
@@ -218,7 +219,7 @@ def test_bench_times_a_recipe_that_keeps_layers_with_its_last_ones_standing_in(c
     recipe = tmp_path / "keep.toml"
     recipe.write_text('format = 1\nname = "keep"\n[student]\nkeep_softmax = 1\nkeep_softmax_by = "copy"\n')
     out = tmp_path / "bench.json"
-    code = main(["bench", "--device", "cpu", "--features", "5", "--repeats", "1", "--model", str(model_dirs["llama"]),
+    code = main(["bench", "--device", "cpu", "--dims", "5", "--repeats", "1", "--model", str(model_dirs["llama"]),
                  "--student", str(recipe), "--gen-contexts", "9", "--new-tokens", "2", "--parts", "generation",
                  "--out", str(out)])
     printed = capsys.readouterr().out

@@ -54,7 +54,7 @@ def test_options_come_from_the_library_configs(capsys):
     assert module("bench").options()[0] is BenchConfig and module("eval").options() == [EvalConfig]
     assert SampleSpec in module("sample").options()
     text = help_text(capsys, "dof")
-    for name, value in (("--samples", DOF_POINTS), ("--num-blocks", DOF_BLOCKS), ("--seq-len", DOF_SEQ_LEN)):
+    for name, value in (("--points", DOF_POINTS), ("--num-blocks", DOF_BLOCKS), ("--seq-len", DOF_SEQ_LEN)):
         assert f"{name}{name[2:].upper().replace('-', '_')}" in text and f"(default:{value})" in text
 
 
@@ -115,7 +115,7 @@ def test_recipes_verb_lists_prints_and_explains(capsys, tmp_path):
 def test_dof_on_tiny_model(capsys, model_dirs, text_file, tmp_path):
     out_json, out_png = tmp_path / "dof.json", tmp_path / "dof.png"
     code, out, err = run(capsys, "dof", "--model", str(model_dirs["llama"]), "--data", str(text_file),
-                         "--split", "all", "--samples", "64", "--num-blocks", "4", "--seq-len", "32",
+                         "--split", "all", "--points", "64", "--num-blocks", "4", "--seq-len", "32",
                          "--out", str(out_json), "--plot", str(out_png))
     assert code == 0, err
     result = json.loads(out_json.read_text())
@@ -135,7 +135,7 @@ def test_dof_with_the_attention_dof(capsys, model_dirs, text_file, tmp_path):
 
     out_json = tmp_path / "dof.json"
     code, out, err = run(capsys, "dof", "--model", str(model_dirs["llama"]), "--data", str(text_file),
-                         "--split", "all", "--samples", "32", "--num-blocks", "3", "--seq-len", "24", "--attention",
+                         "--split", "all", "--points", "32", "--num-blocks", "3", "--seq-len", "24", "--attention",
                          "--out", str(out_json))
     assert code == 0, err
     model, tokenizer = load_model(str(model_dirs["llama"]))[:2]
@@ -151,7 +151,7 @@ def test_dof_with_the_attention_dof(capsys, model_dirs, text_file, tmp_path):
 def test_clip_and_budget(capsys, model_dirs, text_file, tmp_path):
     out_json = tmp_path / "dof.json"
     code, _, err = run(capsys, "dof", "--model", str(model_dirs["gpt_neox"]), "--data", str(text_file),
-                       "--split", "all", "--samples", "32", "--num-blocks", "2", "--seq-len", "32",
+                       "--split", "all", "--points", "32", "--num-blocks", "2", "--seq-len", "32",
                        "--budget", "40", "--clip", "--out", str(out_json))
     assert code == 0, err
     result = json.loads(out_json.read_text())
@@ -161,7 +161,7 @@ def test_clip_and_budget(capsys, model_dirs, text_file, tmp_path):
 def test_repeats_pool_and_show_the_spread(capsys, model_dirs, text_file, tmp_path):
     out_json = tmp_path / "dof.json"
     code, out, err = run(capsys, "dof", "--model", str(model_dirs["llama"]), "--data", str(text_file),
-                         "--split", "all", "--samples", "32", "--repeats", "3", "--num-blocks", "4", "--seq-len", "32",
+                         "--split", "all", "--points", "32", "--repeats", "3", "--num-blocks", "4", "--seq-len", "32",
                          "--out", str(out_json))
     assert code == 0, err
     result = json.loads(out_json.read_text())
@@ -172,7 +172,7 @@ def test_repeats_pool_and_show_the_spread(capsys, model_dirs, text_file, tmp_pat
 def test_lam_auto(capsys, model_dirs, text_file, tmp_path):
     out_json = tmp_path / "dof.json"
     code, out, err = run(capsys, "dof", "--model", str(model_dirs["gpt2"]), "--data", str(text_file),
-                         "--split", "all", "--samples", "32", "--lam-auto", "--num-blocks", "4", "--seq-len", "128",
+                         "--split", "all", "--points", "32", "--lam-auto", "--num-blocks", "4", "--seq-len", "128",
                          "--out", str(out_json))
     assert code == 0, err
     result = json.loads(out_json.read_text())
@@ -187,7 +187,8 @@ def test_lam_auto(capsys, model_dirs, text_file, tmp_path):
     (["--repeats", "1000"], "more than the"),
     (["--model", "{bert}"], "does not support"),
     (["--data", "{tmp}/missing.txt"], "neither 'wiki-sample'"),
-    (["--samples", "100000"], "more than the"),
+    (["--points", "100000"], "more than the"),
+    (["--samples", "64"], "dof --samples is now --points"),
     (["--budget", "0"], "--budget"),
     (["--lam", "-1"], "--lam must be positive"),
     (["--out", "{tmp}/no-dir/dof.json"], "does not exist"),
@@ -202,7 +203,7 @@ def test_bad_input_is_one_line_error(capsys, tmp_path, model_dirs, text_file, ar
     BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                intermediate_size=64).save_pretrained(bert)
     base = ["dof", "--model", str(model_dirs["llama"]), "--data", str(text_file), "--split", "all",
-            "--samples", "32", "--num-blocks", "2", "--seq-len", "32", "--out", str(tmp_path / "dof.json")]
+            "--points", "32", "--num-blocks", "2", "--seq-len", "32", "--out", str(tmp_path / "dof.json")]
     argv = base + [a.format(tmp=tmp_path, bert=bert) for a in args]
     code, _, err = run(capsys, *argv)
     assert code == 2

@@ -296,8 +296,11 @@ def test_synthetic_long_context_tasks_run_offline_at_each_length(tokenizer, monk
 
     monkeypatch.setattr(lm_eval, "simple_evaluate", fake)
     model = tiny_model("llama")
-    result = lm_eval_tasks(model, tokenizer, ["niah_single_1"], limit=5, lengths=[4096, 8192])
+    heard = []
+    result = lm_eval_tasks(model, tokenizer, ["niah_single_1"], limit=5, lengths=[4096, 8192],
+                           scored=lambda length, now: heard.append((length, now, len(calls))))
     assert calls == [(["niah_single_1"], [4096], 5), (["niah_single_1"], [8192], 5)]
+    assert heard == [(4096, {"niah_single_1": 1.0}, 1), (8192, {"niah_single_1": 0.5}, 2)]   # each as it ends
     assert result == {"niah_single_1": {"4096": 1.0, "8192": 0.5}}
     table = format_tasks(result, {"niah_single_1": {"4096": 1.0, "8192": 1.0}})
     assert "niah_single_1        8192    0.5000    1.0000" in table

@@ -59,6 +59,22 @@ def test_parse_dtype():
         parse_dtype("int8")
 
 
+def test_every_command_reads_dtype_alike(monkeypatch):
+    """One --dtype across the commands: float32 by default, auto as a recipe's run.dtype (bench included)."""
+    import dataclasses
+
+    from dofattn import hf
+    from dofattn.jobs.bench import BenchConfig
+    from dofattn.options import Machine
+
+    for fast in (True, False):
+        monkeypatch.setattr(hf, "fast_bfloat16", lambda device, fast=fast: fast)
+        assert hf.machine_dtype("auto", "cpu") is (torch.bfloat16 if fast else torch.float32)
+        assert BenchConfig(dtype="auto", device="cpu").resolved().dtype == ("bfloat16" if fast else "float32")
+    assert hf.machine_dtype("float32", "cuda") is torch.float32
+    assert {f.default for f in dataclasses.fields(BenchConfig) if f.name == "dtype"} == {Machine.dtype} == {"float32"}
+
+
 def test_wheel_member_unpacks_from_cached_wheel(tmp_path, monkeypatch):
     monkeypatch.setenv("DOFATTN_CACHE", str(tmp_path))
     wheel = assets.Wheel("dofattn-fake-asset", "1.0", "dofattn_fake_asset")

@@ -15,7 +15,7 @@ from dofattn.cli import main
 
 def test_smoke_dof_on_smollm2(tmp_path, capsys):
     out = tmp_path / "dof.json"
-    code = main(["dof", "--samples", "128", "--num-blocks", "2", "--seq-len", "128", "--out", str(out)])
+    code = main(["dof", "--points", "128", "--num-blocks", "2", "--seq-len", "128", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
     dims = [layer["dim"] for layer in result["layers"]]
@@ -35,7 +35,7 @@ def test_default_dof_is_non_uniform_and_raw_lambda_saturates(tmp_path, capsys):
     assert "WARNING" not in err
 
     raw = tmp_path / "raw.json"
-    assert main(["dof", "--lam-scale", "raw", "--lam", "0.0625", "--samples", "256", "--num-blocks", "4",
+    assert main(["dof", "--lam-scale", "raw", "--lam", "0.0625", "--points", "256", "--num-blocks", "4",
                  "--out", str(raw)]) == 0
     assert "DoF saturates" in capsys.readouterr().err
 

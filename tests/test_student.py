@@ -103,9 +103,9 @@ def test_load_errors(tmp_path, model_dirs):
 def test_resolve_dims(tmp_path):
     model = tiny_model("llama")
     assert resolve_dims("fix", model) == [16, 16, 16]
-    assert resolve_dims("fix:5", model) == [5, 5, 5]
-    for bad, message in [("fix:0", "bad --dims"), ("nope", "bad --dims"), ([1, 2], "gives 2 layers"),
-                         (str(tmp_path / "x.json"), "does not exist")]:
+    assert resolve_dims("fix:5", model) == [5, 5, 5] == resolve_dims("5", model)   # C: generate and bench alike
+    for bad, message in [("fix:0", "bad --dims"), ("0", "bad --dims"), ("nope", "bad --dims"),
+                         ([1, 2], "gives 2 layers"), (str(tmp_path / "x.json"), "does not exist")]:
         with pytest.raises(UserError, match=message):
             resolve_dims(bad, model)
     from dofattn.dof import DofResult, LayerDof

@@ -15,8 +15,8 @@ A module imports its library only inside these functions, so that `dofattn --hel
 
 A field is an option when its metadata has a `help`; the flag is `--field-name` and the help line ends with the
 default. The metadata may also give `choices`, `metavar`, `action` ("append"), `positional` (an optional
-positional argument) and `none`: the word that stands for None on the command line ("auto", "none"), shown as the
-default where the default is None. The field's type picks the parsing: bool is a switch, int and float are
+positional argument), `none`: the word that stands for None on the command line ("auto", "none"), shown as the
+default where the default is None, and `was`: the option's old name (or names), which now gets a one-line error naming the new. The field's type picks the parsing: bool is a switch, int and float are
 numbers, `list[int]` and `list[str]` are comma-separated (`list[int]`: token counts, each >= 1).
 """
 
@@ -97,6 +97,10 @@ def add_options(parser: argparse.ArgumentParser, *classes, order: tuple[str, ...
     for f, kind in _fields(classes, order):
         meta = dict(f.metadata)
         help_text, none = meta.pop("help"), meta.pop("none", None)
+        was = meta.pop("was", ())
+        for old in (was,) if isinstance(was, str) else was:
+            parser.add_argument(flag(old), nargs="?", action=Renamed, help=argparse.SUPPRESS, new=flag(f.name),
+                                verb=parser.prog.split()[-1])
         if meta.get("choices") is None:
             meta.pop("choices", None)
         default, kind = _default(f), _base(kind)
@@ -114,6 +118,17 @@ def add_options(parser: argparse.ArgumentParser, *classes, order: tuple[str, ...
         if meta.get("action") == "append":
             parse = _base(typing.get_args(kind)[0]) if typing.get_origin(kind) is list else str
         parser.add_argument(flag(f.name), type=parse, default=default, help=help_text + suffix, **meta)
+
+
+class Renamed(argparse.Action):
+    """An option's old name: a one-line error that gives the new one."""
+
+    def __init__(self, option_strings, dest, new: str, verb: str, **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, **kwargs)
+        self.new, self.verb = new, verb
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise UserError(f"{self.verb} {option_string} is now {self.new}: `dofattn {self.verb} --help` lists the options")
 
 
 def _or_word(parse, word: str):

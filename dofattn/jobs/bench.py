@@ -49,15 +49,14 @@ class BenchConfig(Machine):
     """What `bench` measures, and where. Its fields are `dofattn bench`'s options of the same names; None (the
     command line's `auto`) picks the device's default (`resolved`)."""
 
-    dtype: str = option("auto", "float32 or bfloat16; auto: bfloat16 on CUDA, float32 on CPU",
-                        choices=("auto", "float32", "bfloat16"))
     seq_lens: list[int] | None = option(None, "comma-separated T for prefill and decode; auto: 512,2048 on CPU, "
                                               "2048,8192,32768,131072 on CUDA", none="auto")
     heads: int = option(9, "attention heads of the op benchmarks")
     head_dim: int = option(64, "head size of the op benchmarks")
-    features: int = option(64, "features per head M of the op rows, and of a recipe's untrained student")
+    dims: int = option(64, "features per head M of the op rows, and of a recipe's untrained student (generate's "
+                           "--dims C)", was="features")
     student: str = option("window", "the student timed: a recipe, packaged name or .toml file (its [student] "
-                                     "architecture, untrained, with --features per head), or a trained student: a "
+                                     "architecture, untrained, with --dims per head), or a trained student: a "
                                      "run folder or an export (generation against its own base model)")
     decode_batch: int = option(1, "batch size of the decode benchmark")
     repeats: int = option(5, "timed runs per measurement (the median is reported)")
@@ -81,14 +80,14 @@ class BenchConfig(Machine):
         """This config on a named device, with a dtype and the lengths: `auto` (None) made the device's default; a
         trained student given as --model made the student timed."""
         from dofattn.exported import is_any_student
-        from dofattn.hf import resolve_device
+        from dofattn.hf import machine_dtype, resolve_device
 
         device = resolve_device(self.device)
         cuda = device.startswith("cuda")
         student = self.model if self.model and is_any_student(self.model) else self.student
         trained = is_any_student(student)
         return replace(self, device=device, student=student,
-                       dtype=("bfloat16" if cuda else "float32") if self.dtype == "auto" else self.dtype,
+                       dtype=str(machine_dtype(self.dtype, device)).removeprefix("torch."),
                        seq_lens=([2048, 8192, 32768, 131072] if cuda else [512, 2048]) if self.seq_lens is None
                        else self.seq_lens,
                        gen_contexts=GEN_CONTEXTS if self.gen_contexts is None else self.gen_contexts,
@@ -135,7 +134,7 @@ def _layer(cfg: BenchConfig, attention):
     from dofattn.attention import LinearAttention
     from dofattn.features import make_feature_map
 
-    fmap = make_feature_map(attention.feature, cfg.heads, cfg.head_dim, cfg.features, scaling=cfg.head_dim ** -0.5)
+    fmap = make_feature_map(attention.feature, cfg.heads, cfg.head_dim, cfg.dims, scaling=cfg.head_dim ** -0.5)
     return LinearAttention(attention, fmap, num_kv_heads=cfg.heads).to(cfg.device).eval()
 
 
@@ -207,7 +206,7 @@ def bench_prefill(cfg: BenchConfig, student: Student, dtype: torch.dtype, report
         linear.feature_map(k, "key")
         layer.feature_map(k, "key")
         phi_q, phi_k = (linear.feature_map(x, role).to(dtype) for x, role in ((q, "query"), (k, "key")))
-        row = {"T": T, "batch": 1, "heads": cfg.heads, "head_dim": cfg.head_dim, "features": cfg.features,
+        row = {"T": T, "batch": 1, "heads": cfg.heads, "head_dim": cfg.head_dim, "features": cfg.dims,
                "student": attention.describe() or "pure linear", "dtype": str(dtype).removeprefix("torch."),
                "backend": pick_backend(phi_q),
                "sdpa_ms": timed(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True), cfg.device,
@@ -238,7 +237,7 @@ def bench_decode(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=
     rows = []
     attention = student.attention
     linear, layer = _layer(cfg, _pure(attention)), _layer(cfg, attention)
-    B, H, D, M = cfg.decode_batch, cfg.heads, cfg.head_dim, cfg.features
+    B, H, D, M = cfg.decode_batch, cfg.heads, cfg.head_dim, cfg.dims
     for T in cfg.seq_lens:
         g = torch.Generator(device=cfg.device).manual_seed(T)
         q = torch.randn(B, H, 1, D, generator=g, device=cfg.device, dtype=dtype)
@@ -364,7 +363,7 @@ def load_models(cfg: BenchConfig, student: Student, dtype: torch.dtype):
     name = f"{cfg.model} ({RANDOM_WEIGHTS})" if config_only(cfg.model) else cfg.model   # said in every row
     yield name, False, *load_model(cfg.model, dtype=dtype, device=cfg.device, random_weights=True)
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device, random_weights=True)
-    build_untrained(model, recipe, [cfg.features] * len(attention_modules(model)), stand_in=True)
+    build_untrained(model, recipe, [cfg.dims] * len(attention_modules(model)), stand_in=True)
     yield f"{name}, recipe {recipe.name}", True, model.eval(), tokenizer
 
 
@@ -440,7 +439,7 @@ def validate(cfg: BenchConfig) -> None:
     if not cfg.seq_lens or min(cfg.seq_lens) < 1 or (cfg.model and (not cfg.gen_contexts or
                                                                        min(cfg.gen_contexts) < 1)):
         raise UserError("--seq-lens and --gen-contexts need positive token counts, e.g. 512,2048")
-    for name in ("heads", "head_dim", "features", "decode_batch", "repeats", "new_tokens"):
+    for name in ("heads", "head_dim", "dims", "decode_batch", "repeats", "new_tokens"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     unknown = [p for p in cfg.parts if p not in PARTS]

@@ -30,7 +30,7 @@ class DofConfig(Machine):
     model: str = option("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
     data: str = option("wiki-sample", DATA_HELP)
     split: str = option("train", "data split to sample from: train, validation or all")
-    samples: int = option(DOF_POINTS, "J: query/key points sampled per head (cost grows as J^3)")
+    points: int = option(DOF_POINTS, "J: query/key points sampled per head (cost grows as J^3)", was="samples")
     repeats: int = option(1, "pool R estimates on R disjoint sets of J points each (R·J points are sampled): the "
                              "allocation uses the mean DoF and the table shows its spread")
     lam: float = option(2.0 ** -8, "λ; with --lam-scale trace it is relative to the Gram matrix's trace")
@@ -60,15 +60,15 @@ def run(cfg: DofConfig, progress=None):
     from dofattn.data import SPLITS, check_source, token_blocks
     from dofattn.dof import (HELDOUT_POINTS, allocate_dims, allocate_dims_auto, attention_dofs, check_sample_size,
                              sample_points)
-    from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device, use_threads
+    from dofattn.hf import load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
     from dofattn.io import check_output, write_atomic
 
     say = progress or (lambda text: None)
     # everything that can be checked without the model is checked before it loads
     out = check_output(cfg.out, "--out", (".json",))
     plot = check_output(cfg.plot, "--plot", (".png", ".pdf", ".svg")) if cfg.plot else None
-    if cfg.samples < 2:
-        raise UserError(f"--samples must be at least 2, got {cfg.samples}")
+    if cfg.points < 2:
+        raise UserError(f"--points must be at least 2, got {cfg.points}")
     if cfg.lam <= 0:
         raise UserError(f"--lam must be positive, got {cfg.lam:g}")
     if cfg.budget is not None and cfg.budget < 1:
@@ -84,18 +84,19 @@ def run(cfg: DofConfig, progress=None):
     if cfg.lam_auto and cfg.lam_scale != "trace":
         raise UserError("--lam-auto searches trace-relative λ; drop --lam-scale raw")
     heldout = HELDOUT_POINTS if cfg.lam_auto else 0
-    check_sample_size(cfg.samples * cfg.repeats + heldout, cfg.num_blocks, cfg.seq_len)
-    device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+    check_sample_size(cfg.points * cfg.repeats + heldout, cfg.num_blocks, cfg.seq_len)
+    device = resolve_device(cfg.device)
+    dtype = machine_dtype(cfg.dtype, device)
     use_threads(cfg.threads)
 
     start = time.perf_counter()
     model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
     blocks = token_blocks(cfg.data, tokenizer, cfg.seq_len, cfg.num_blocks, split=cfg.split, seed=cfg.seed)
-    sample = sample_points(model, blocks, cfg.samples * cfg.repeats + heldout, cfg.batch_size, cfg.seed)
+    sample = sample_points(model, blocks, cfg.points * cfg.repeats + heldout, cfg.batch_size, cfg.seed)
     budget = cfg.budget or sample.head_dim
     meta = {"model": cfg.model, "data": cfg.data, "num_blocks": cfg.num_blocks, "seq_len": cfg.seq_len}
     if cfg.lam_auto:
-        train, held = sample.split(cfg.samples * cfg.repeats)
+        train, held = sample.split(cfg.points * cfg.repeats)
         result = allocate_dims_auto(train, held, budget, cfg.clip, cfg.repeats, progress=True, **meta)
         say(format_lam_search(result))
     else:

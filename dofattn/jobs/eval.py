@@ -105,7 +105,6 @@ class EvalConfig(Machine):
     task_lengths: list[int] | None = option(None, "prompt lengths in tokens of the synthetic long-context tasks "
                                                   "(RULER's), each scored apart, e.g. 4096,8192; default 4096",
                                             none="default")
-    limit: int | None = option(None, "evaluate at most this many examples per lm-eval task (and length)")
     out: str | None = option("auto", "where to write the JSON result; auto: eval.json in the student's run folder "
                                      "(else in this folder)")
     plot: str | None = option(None, "also write a figure of the per-layer errors (.png, .pdf or .svg)")
@@ -124,11 +123,13 @@ class EvalConfig(Machine):
                                          "(docs/RESULTS.md)", none="off")
     depths: int = option(5, "depths of the hidden fact per length, evenly spaced from 0 (the filler's start) to 1 "
                             "(just before the question)")
-    samples: int = option(1, "recall prompts per task, length and depth, each with its own fact, keys and filler")
+    prompts: int | None = option(None, "prompts a cell: --recall's per task, length and depth, each with its own "
+                                       "fact, keys and filler (auto: 1); --tasks' at most this many per task and "
+                                       "length (auto: all)", none="auto", was=("samples", "limit"))
     plot_recall: str | None = option(None, "also write a figure of recall accuracy by length and depth (.png, "
                                            ".pdf or .svg)")
     teacher_answers: str | None = option(None, "the teacher's recall answers from an earlier eval JSON of the same "
-                                               "prompts (same --data, --lengths, --depths, --samples), instead of "
+                                               "prompts (same --data, --lengths, --depths, --prompts), instead of "
                                                "running the teacher again")
 
 
@@ -183,6 +184,8 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
     if cfg.task_lengths is not None and (not cfg.tasks or min(cfg.task_lengths, default=0) < 1):
         raise UserError("--task-lengths gives positive prompt lengths of --tasks, e.g. --tasks niah_single_1 "
                         "--task-lengths 4096,8192")
+    if cfg.prompts is not None and (cfg.prompts < 1 or not (cfg.recall or cfg.tasks)):
+        raise UserError(f"--prompts {cfg.prompts}: give at least 1 prompt a cell of --recall or --tasks")
     if (cfg.num_blocks or 0) < 0 or cfg.layer_blocks < 0 or cfg.batch_size < 1:
         raise UserError("--batch-size must be >= 1, --num-blocks and --layer-blocks >= 0")
     check_extend_to(cfg.extend_to)
@@ -196,7 +199,7 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
         check_tasks(cfg.recall)
         if cfg.teacher_answers and not Path(cfg.teacher_answers).is_file():
             raise UserError(f"--teacher-answers {cfg.teacher_answers} does not exist; give an eval JSON with recall")
-        check_grid(cfg.depths, cfg.samples)
+        check_grid(cfg.depths, 1 if cfg.prompts is None else cfg.prompts)
     return paths
 
 
@@ -212,7 +215,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     from dofattn.evaluate import (compare, first_blocks, format_comparison, format_layer_errors, format_tasks,
                                   lm_eval_tasks)
     from dofattn.exported import is_any_student, load_any, lora_merged
-    from dofattn.hf import extend_context, load_model, parse_dtype, refuse_config_only, resolve_device, use_threads
+    from dofattn.hf import extend_context, load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
     from dofattn.io import write_atomic
 
     say = progress or (lambda text: None)
@@ -222,7 +225,8 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     use_threads(cfg.threads)
     held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(cfg.data))
     split = cfg.split or ("validation" if held_out else "all")
-    device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+    device = resolve_device(cfg.device)
+    dtype = machine_dtype(cfg.dtype, device)
     teacher_name = cfg.teacher
     if is_any_student(cfg.model):
         model, tokenizer, spec = load_any(cfg.model, dtype=dtype, device=device)
@@ -268,20 +272,24 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     if cfg.recall is not None:
         from dofattn import recall
 
-        result["recall"] = recall.grid(model, tokenizer, cfg.recall, lengths, cfg.depths, cfg.samples, data=cfg.data,
+        result["recall"] = recall.grid(model, tokenizer, cfg.recall, lengths, cfg.depths, cfg.prompts or 1, data=cfg.data,
                                        split=split, teacher=teacher, teacher_answers=cfg.teacher_answers)
         say(recall.format_recall(result["recall"]))
     if cfg.tasks:
         from dofattn.evaluate import teacher_mode
 
-        run_tasks = lambda m: lm_eval_tasks(m, tokenizer, cfg.tasks, cfg.task_path, cfg.limit,  # noqa: E731
-                                            cfg.batch_size, cfg.task_lengths)
-        result["tasks"] = run_tasks(model)
+        def run_tasks(m, who):
+            heard = lambda length, now: say(f"{who} at {length} tokens: "  # noqa: E731
+                                            + ", ".join(f"{task} {value:.4f}" for task, value in now.items()))
+            return lm_eval_tasks(m, tokenizer, cfg.tasks, cfg.task_path, cfg.prompts, cfg.batch_size,
+                                 cfg.task_lengths, scored=heard)
+
+        result["tasks"] = run_tasks(model, "student")
         if teacher is not None:
-            result["teacher_tasks"] = run_tasks(teacher)
+            result["teacher_tasks"] = run_tasks(teacher, "teacher")
         else:
             with teacher_mode(model):                # the student's own base model: its softmax attention
-                result["teacher_tasks"] = run_tasks(model)
+                result["teacher_tasks"] = run_tasks(model, "teacher")
         say(format_tasks(result["tasks"], result["teacher_tasks"]))
     if "out" in paths:
         write_atomic(paths["out"], json.dumps(result, indent=2))

@@ -29,8 +29,8 @@ class GenerateConfig(Machine):
     max_new_tokens: int = option(40, "number of tokens to generate")
     student: str | None = option(None, "make a base model this recipe's student first (packaged name or .toml: its "
                                        "[student] architecture, untrained features)", none="none")
-    dims: str | None = option(None, "features per layer of that untrained student: fix (the head size), fix:C or "
-                                    "a dof.json file", none="fix")
+    dims: str | None = option(None, "features per head of each layer of that untrained student: C, fix (the head "
+                                    "size), fix:C or a dof.json file", none="fix")
     temperature: float = option(0.0, "0 for greedy decoding, > 0 to sample")
     static: bool = option(False, "greedy decoding on static buffers (dofattn.engine): a CUDA graph per token on "
                                  "CUDA, eager steps on a CPU; needs a student and --temperature 0")
@@ -65,13 +65,14 @@ def check(cfg: GenerateConfig) -> None:
 def load(cfg: GenerateConfig):
     """(model, tokenizer, what it is in words) as `cfg` asks."""
     from dofattn import recipe as recipes
-    from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device
+    from dofattn.hf import load_model, machine_dtype, refuse_config_only, resolve_device
     from dofattn.exported import is_any_student, load_any
     from dofattn.student import build_untrained, check_default_run, check_untrained, resolve_dims
 
     check_default_run(cfg.model)
     refuse_config_only(cfg.model, "generate")
-    device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+    device = resolve_device(cfg.device)
+    dtype = machine_dtype(cfg.dtype, device)
     if is_any_student(cfg.model):
         if cfg.student:
             raise UserError(f"{cfg.model} is already a student; drop --student")

@@ -139,7 +139,7 @@ def run(cfg: SampleConfig, progress=None) -> dict:
     """`dofattn sample`: load `spec.model` and append samples to `out` until it holds `samples` (a .jsonl file),
     everything checked before the model loads. -> {"samples": in the file, "new": written now, "seconds", "out"}."""
     from dofattn.data import check_source
-    from dofattn.hf import load_model, parse_dtype, refuse_config_only, resolve_device, use_threads
+    from dofattn.hf import load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
 
     spec, samples, device, dtype = cfg.spec, cfg.run.samples, cfg.run.device, cfg.run.dtype
     out = Path(cfg.run.out).expanduser()
@@ -150,7 +150,8 @@ def run(cfg: SampleConfig, progress=None) -> dict:
     check(spec, samples)
     done_samples(out, spec)                        # refuse a foreign file before loading the model
     use_threads(cfg.run.threads)
-    model, tokenizer = load_model(spec.model, dtype=parse_dtype(dtype), device=resolve_device(device))
+    device = resolve_device(device)
+    model, tokenizer = load_model(spec.model, dtype=machine_dtype(dtype, device), device=device)
     start = time.perf_counter()
     result = sample_text(model, tokenizer, spec, samples, out, progress is not None)
     return {**result, "seconds": time.perf_counter() - start, "out": str(out)}
