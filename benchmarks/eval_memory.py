@@ -1,6 +1,7 @@
 """Peak memory of `dofattn eval` at length, above the loaded student, with eval's default options otherwise.
 
     python benchmarks/eval_memory.py runs/long-context --seq-len 8192 --num-blocks 2 --out eval_memory.json
+    python benchmarks/eval_memory.py runs/long-context --batch-size 2      # two 8 K blocks a forward (CPU A: 1.96 GiB)
 
 Runs the eval job (`jobs.eval.run`: perplexity and KL against the teacher by position, and the per-layer errors on
 `--layer-blocks` blocks, as `dofattn eval` does by default) in this process and reads the process's peak resident
@@ -23,7 +24,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--num-blocks", type=int, default=2)
     parser.add_argument("--layer-blocks", type=int, default=2, help="eval's default")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=None, help="eval's default: auto (1 past 2048 tokens)")
     parser.add_argument("--out", default="eval_memory.json")
     args = parser.parse_args()
 

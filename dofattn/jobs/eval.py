@@ -27,7 +27,7 @@ from dofattn.recipe import DEFAULT_RUN
 
 ERROR_ROWS = 256   # query rows of a block longer than LONG_ROWS that the kernel error reads
 LONG_ROWS = 512    # every row of a block up to this long (eval's default blocks)
-LONG_BLOCK = 2048  # blocks longer than this go through the per-layer errors one at a time
+LONG_BLOCK = 2048  # blocks (and task prompts) longer than this go one at a time by default (--batch-size auto)
 
 
 @torch.no_grad()
@@ -96,7 +96,9 @@ class EvalConfig(Machine):
                                           "8, or where --data is plain .txt files, all of their text (the last "
                                           "block shorter)", none="auto")
     layer_blocks: int = option(2, "blocks used for the per-layer errors")
-    batch_size: int = option(2, "blocks per forward pass")
+    batch_size: int | None = option(None, "blocks (or task prompts) per forward pass; auto: 2, or 1 where they are "
+                                          "longer than 2048 tokens (memory bounded at length)",
+                                    none="auto")
     tasks: list[str] | None = option(None, "also run zero-shot lm-eval tasks on the student and its teacher, "
                                            "comma-separated (piqa,arc_easy,arc_challenge,winogrande,logiqa,wsc273,"
                                            "mmlu need the hub; RULER's niah_single_1 ... built offline at "
@@ -186,7 +188,7 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
                         "--task-lengths 4096,8192")
     if cfg.prompts is not None and (cfg.prompts < 1 or not (cfg.recall or cfg.tasks)):
         raise UserError(f"--prompts {cfg.prompts}: give at least 1 prompt a cell of --recall or --tasks")
-    if (cfg.num_blocks or 0) < 0 or cfg.layer_blocks < 0 or cfg.batch_size < 1:
+    if (cfg.num_blocks or 0) < 0 or cfg.layer_blocks < 0 or (cfg.batch_size or 1) < 1:
         raise UserError("--batch-size must be >= 1, --num-blocks and --layer-blocks >= 0")
     check_extend_to(cfg.extend_to)
     if cfg.teacher_answers and cfg.recall is None:
@@ -262,9 +264,10 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         if context and longest > context and not cfg.beyond_context:
             raise UserError(f"--seq-len {cfg.seq_len} is past the model's context of {context} tokens: add "
                             f"--extend-to {cfg.seq_len} (RoPE scaled to it), or --beyond-context to score it as it is")
-        result.update(seq_len=cfg.seq_len, **compare(model, blocks, teacher, cfg.batch_size))
+        batch = cfg.batch_size or (1 if longest > LONG_BLOCK else 2)
+        result.update(seq_len=cfg.seq_len, **compare(model, blocks, teacher, batch))
         chosen = first_blocks(blocks, cfg.layer_blocks)
-        errors = layer_errors(model, chosen, 1 if longest > LONG_BLOCK else 2) if cfg.layer_blocks else {}
+        errors = layer_errors(model, chosen, batch) if cfg.layer_blocks else {}
         result.update(errors)
         say(format_comparison(result))
     if errors:
@@ -281,7 +284,8 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         def run_tasks(m, who):
             heard = lambda length, now: say(f"{who} at {length} tokens: "  # noqa: E731
                                             + ", ".join(f"{task} {value:.4f}" for task, value in now.items()))
-            return lm_eval_tasks(m, tokenizer, cfg.tasks, cfg.task_path, cfg.prompts, cfg.batch_size,
+            return lm_eval_tasks(m, tokenizer, cfg.tasks, cfg.task_path, cfg.prompts,
+                                 cfg.batch_size or (1 if max(cfg.task_lengths or [4096]) > LONG_BLOCK else 2),
                                  cfg.task_lengths, scored=heard)
 
         result["tasks"] = run_tasks(model, "student")
