@@ -321,7 +321,8 @@ def _hf_texts(spec: str, split: str) -> Texts:
     try:
         import datasets
     except ImportError:
-        raise UserError("hf: datasets need the `datasets` package; pip install 'dofattn[hf]'") from None
+        raise UserError("hf: datasets need the `datasets` package: pip install -e '.[hf]' in the dofattn "
+                        "checkout") from None
     try:
         ds = datasets.load_dataset(name, config or None, split=hf_split)
     except Exception as err:  # network, unknown name, unknown split: all surface as one line

@@ -267,7 +267,8 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise UserError("--tasks needs lm-evaluation-harness: pip install 'dofattn[eval]'") from None
+        raise UserError("--tasks needs lm-evaluation-harness: pip install -e '.[eval]' in the dofattn "
+                        "checkout") from None
     from dofattn.hf import _hub_reachable
 
     manager = TaskManager(include_path=include_path)

@@ -9,13 +9,15 @@ everything to --out and, with --plot / --plot-positions, figures of the per-laye
 Without --teacher the teacher is the student's own base model. A plain .txt file given with --data is scored
 whole: every token, in blocks of --seq-len and a last shorter one.
 
-Long context: --seq-len 8192 --num-blocks 4 --batch-size 1 scores the validation articles joined into blocks of
+Long context: --seq-len 8192 --num-blocks 4 scores the validation articles joined into blocks of
 8 K tokens, by position. --recall passkey,multikey asks both models for a fact hidden at --depths depths of
 prompts of --lengths tokens: a five-digit pass key in repeated filler, and one of four magic numbers in the
 data's text (RULER's multi-key needle). A prompt counts when the model's greedy answer is exactly right; chance
 is about 0. --plot-recall draws the accuracy per length and depth; each prompt also records the cache the model
 holds per sequence there. --num-blocks 0 skips the perplexity; --teacher-answers reuses an earlier run's
-teacher answers (the teacher's half of the time).
+teacher answers (the teacher's half of the time). --tasks niah_single_1 --task-lengths 4096,8192 --prompts 25
+scores RULER's needle task as lm-eval does, offline (the eval extra: pip install -e '.[eval]'), each length
+printed as it ends; past the context, add --extend-to.
 """
 
 from __future__ import annotations
