@@ -45,7 +45,8 @@ def last_keys(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
 def ring_slot(position, width: int, lead: int = 0):
     """The slot of the key at `position` (an int, or a tensor of positions) in a ring of `width` slots after `lead`
     others: lead + position mod width. The one ring rule: the window hybrid's static ring
-    (`exact.WindowState.frozen`) and a bounded kept layer's cache (`bounded.BoundedKVLayer`, `StaticBoundedLayer`) both keep their last keys by it."""
+    (`exact.WindowState.frozen`) and a bounded kept layer's cache (`bounded.BoundedKVLayer`, `StaticBoundedLayer`)
+    both keep their last keys by it."""
     return lead + (position.remainder(width) if isinstance(position, torch.Tensor) else position % width)
 
 

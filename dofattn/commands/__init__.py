@@ -16,8 +16,9 @@ A module imports its library only inside these functions, so that `dofattn --hel
 A field is an option when its metadata has a `help`; the flag is `--field-name` and the help line ends with the
 default. The metadata may also give `choices`, `metavar`, `action` ("append"), `positional` (an optional
 positional argument), `none`: the word that stands for None on the command line ("auto", "none"), shown as the
-default where the default is None, and `was`: the option's old name (or names), which now gets a one-line error naming the new. The field's type picks the parsing: bool is a switch, int and float are
-numbers, `list[int]` and `list[str]` are comma-separated (`list[int]`: token counts, each >= 1).
+default where the default is None, and `was`: the option's old name (or names), which now gets a one-line error
+naming the new. The field's type picks the parsing: bool is a switch, int and float are numbers, `list[int]` and
+`list[str]` are comma-separated (`list[int]`: token counts, each >= 1).
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ class Renamed(argparse.Action):
         self.new, self.verb = new, verb
 
     def __call__(self, parser, namespace, values, option_string=None):
-        raise UserError(f"{self.verb} {option_string} is now {self.new}: `dofattn {self.verb} --help` lists the options")
+        raise UserError(f"{self.verb} {option_string} is now {self.new}: `dofattn {self.verb} --help` lists the "
+                        f"options")
 
 
 def _or_word(parse, word: str):

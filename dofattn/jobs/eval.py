@@ -30,6 +30,11 @@ LONG_ROWS = 512    # every row of a block up to this long (eval's default blocks
 LONG_BLOCK = 2048  # blocks (and task prompts) longer than this go one at a time by default (--batch-size auto)
 
 
+def batch_of(cfg: EvalConfig, longest: int) -> int:
+    """Blocks or task prompts per forward pass: `cfg.batch_size`, or by default 2, 1 past `LONG_BLOCK` tokens."""
+    return cfg.batch_size or (1 if longest > LONG_BLOCK else 2)
+
+
 @torch.no_grad()
 def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) -> dict:
     """Per layer, on the teacher's own q/k/v: relative error of the linear attention output against softmax
@@ -201,7 +206,7 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
         check_tasks(cfg.recall)
         if cfg.teacher_answers and not Path(cfg.teacher_answers).is_file():
             raise UserError(f"--teacher-answers {cfg.teacher_answers} does not exist; give an eval JSON with recall")
-        check_grid(cfg.depths, 1 if cfg.prompts is None else cfg.prompts)
+        check_grid(cfg.depths, cfg.prompts or 1)
     return paths
 
 
@@ -264,7 +269,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         if context and longest > context and not cfg.beyond_context:
             raise UserError(f"--seq-len {cfg.seq_len} is past the model's context of {context} tokens: add "
                             f"--extend-to {cfg.seq_len} (RoPE scaled to it), or --beyond-context to score it as it is")
-        batch = cfg.batch_size or (1 if longest > LONG_BLOCK else 2)
+        batch = batch_of(cfg, longest)
         result.update(seq_len=cfg.seq_len, **compare(model, blocks, teacher, batch))
         chosen = first_blocks(blocks, cfg.layer_blocks)
         errors = layer_errors(model, chosen, batch) if cfg.layer_blocks else {}
@@ -275,8 +280,8 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     if cfg.recall is not None:
         from dofattn import recall
 
-        result["recall"] = recall.grid(model, tokenizer, cfg.recall, lengths, cfg.depths, cfg.prompts or 1, data=cfg.data,
-                                       split=split, teacher=teacher, teacher_answers=cfg.teacher_answers)
+        result["recall"] = recall.grid(model, tokenizer, cfg.recall, lengths, cfg.depths, cfg.prompts or 1,
+                                       data=cfg.data, split=split, teacher=teacher, teacher_answers=cfg.teacher_answers)
         say(recall.format_recall(result["recall"]))
     if cfg.tasks:
         from dofattn.evaluate import teacher_mode
@@ -285,7 +290,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
             heard = lambda length, now: say(f"{who} at {length} tokens: "  # noqa: E731
                                             + ", ".join(f"{task} {value:.4f}" for task, value in now.items()))
             return lm_eval_tasks(m, tokenizer, cfg.tasks, cfg.task_path, cfg.prompts,
-                                 cfg.batch_size or (1 if max(cfg.task_lengths or [4096]) > LONG_BLOCK else 2),
+                                 batch_of(cfg, max(cfg.task_lengths or [4096])),
                                  cfg.task_lengths, scored=heard)
 
         result["tasks"] = run_tasks(model, "student")
