@@ -9,7 +9,7 @@ import torch
 from dofattn.spec import Attention
 from dofattn.attention import LinearAttention, LinearStateLayer
 from dofattn.features import make_feature_map
-from dofattn.ops.window import naive_window_linear_attention, window_linear_attention
+from dofattn.ops.window import block_window_linear_attention, naive_window_linear_attention, window_linear_attention
 from dofattn.spec import StudentSpec
 from dofattn.student import attention_modules, fingerprint, linearize, load_student, save_student
 from tests.conftest import tiny_model
@@ -75,6 +75,50 @@ def test_fast_form_matches_the_spec_with_a_decay(shape, padded, state):
     for name, a, b in zip(("q", "k", "v", "phi_q", "phi_k", "q_log_scale", "log_offset", "log_decay"), grads,
                           grads_ref):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("padded,state", [(False, False), (True, True)])
+@pytest.mark.parametrize("decay,sink", [(False, False), (True, False), (False, True), (True, True)])
+def test_block_form_matches_the_spec(shape, padded, state, decay, sink):
+    """The CPU prefill's form (`block_window_linear_attention`, one softmax a block of W queries): outputs, final
+    states and every gradient against the spec, with a decay, sinks anywhere (the cached keys' first ones as the
+    lead, as a cached call puts them), padding and a state."""
+    B, T, P, H, W = shape[0], shape[1], shape[2], shape[3], shape[-1]
+    tensors, valid, S0 = inputs(*shape, padded=padded, state=state)
+    decays = [strong_and_weak_decays(H).requires_grad_(True) for _ in range(2)] if decay else [None, None]
+    sinks, lead = None, 0
+    if sink:
+        sinks = torch.rand(B, T + P, generator=torch.Generator().manual_seed(3)) < 0.3
+        lead = min(P, 2)
+        sinks[:, :lead] = True
+    ref, ref_state = naive_window_linear_attention(*tensors, 0.3, W, valid, S0, output_final_state=True,
+                                                   log_decay=decays[0], sink_mask=sinks, lead=lead)
+    out, out_state = block_window_linear_attention(*tensors, 0.3, W, valid, S0, output_final_state=True,
+                                                   log_decay=decays[1], sink_mask=sinks, lead=lead)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out_state, ref_state, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(9))
+    wrt = [[*tensors, *([d] if d is not None else [])] for d in decays]
+    grads_ref = torch.autograd.grad((ref * weights).sum(), wrt[0])
+    grads = torch.autograd.grad((out * weights).sum(), wrt[1])
+    for name, a, b in zip(("q", "k", "v", "phi_q", "phi_k", "q_log_scale", "log_offset", "log_decay"), grads,
+                          grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_a_cpu_prefill_takes_the_block_form(monkeypatch):
+    """backend auto on a CPU, past the dense form's queries: `block_window_linear_attention` (named backends: the
+    blocked form on that linear op)."""
+    import dofattn.ops.window as window
+
+    called = []
+    monkeypatch.setattr(window, "block_window_linear_attention", lambda *a, **kw: called.append("block") or (None, None))
+    monkeypatch.setattr(window, "blocked_window_linear_attention", lambda *a, **kw: called.append("blocked") or (None, None))
+    tensors, _, _ = inputs(1, 40, 0, 2, 4, 4, 3, 4)
+    window.window_linear_attention(*tensors, 0.3, 4)
+    window.window_linear_attention(*tensors, 0.3, 4, backend="chunk")
+    assert called == ["block", "blocked"]
 
 
 @pytest.mark.parametrize("P", [0, 2, 3])       # no cached keys, fewer than W, exactly W

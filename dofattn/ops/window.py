@@ -445,6 +445,9 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
         return load_triton()[0].window.window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling,
                                                       window, key_valid, initial_state, output_final_state,
                                                       log_decay=log_decay, sink_mask=sink_mask)
+    if backend == "auto" and not q.is_cuda:
+        return block_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
+                                             key_valid, initial_state, output_final_state, log_decay, sink_mask, lead)
     return blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                            key_valid, initial_state, output_final_state, backend, log_decay,
                                            sink_mask, lead)
@@ -467,6 +470,124 @@ def blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offs
     else:
         o = mix_parts(parts)
     return o[:, P:].to(v.dtype), final_state
+
+
+def _grid(x: torch.Tensor, origin: int, blocks: int, width: int) -> torch.Tensor:
+    """[B, L, ...] positions → [B, blocks, width, ...]: position p at block (p − origin) // width, slot
+    (p − origin) % width; positions before 0 or past L are zeros (False for a bool mask)."""
+    B, L = x.shape[:2]
+    front, back = -origin, blocks * width + origin - L
+    pad = (0, 0) * (x.dim() - 2)
+    if front < 0:                                   # the grid starts after position 0: drop those before it
+        x, front = x[:, -front:], 0
+    x = F.pad(x, pad + (front, back)) if x.dtype != torch.bool else F.pad(x.to(torch.uint8), pad + (front, back)).bool()
+    return x.reshape(B, blocks, width, *x.shape[2:])
+
+
+def block_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
+                                  key_valid=None, initial_state=None, output_final_state: bool = False,
+                                  log_decay=None, sink_mask=None, lead: int = 0):
+    """The spec in blocks of W queries, each block's rows one softmax (the CPU prefill: a few dozen operations a
+    call, where `blocked_window_linear_attention` takes a thousand). Same arguments and result as the spec.
+
+    Blocks of W positions are laid so that the linear part's first position (`start`, after the cached keys and the
+    lead) begins one: a query in block n, at slot i, sees its own block's keys j ≤ i and the previous block's j > i
+    exactly (the band), the previous block's j ≤ i as linear pairs (φq·φk, γ^(i − j)), every earlier block through a
+    block state R_n (as of the end of block n − 2, read at γ^(i + 1)), and the sink keys exactly. One row holds
+    [sink keys, previous block, own block, state] in log space, normalised once, as the spec's row.
+    R_n = γ^((n − 1)W) S_0 + Σ_{m ≤ n − 2} γ^((n − 2 − m)W) B_m, B_m a block's keys as of its end: every exponent ≥ 0.
+    """
+    check_window_inputs(q, k, v, phi_q, phi_k, q_log_scale, log_offset, window, key_valid, initial_state, log_decay,
+                        sink_mask, lead)
+    dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
+    B, T, H, D = q.shape
+    Tk, V, M, C = k.shape[1], v.shape[-1], phi_q.shape[-1], window
+    P = Tk - T
+    start = lead + min(P - lead, C)                 # the linear part's first position (after the cached window)
+    origin = start - C                              # block 0: [start − W, start); the queries are in blocks ≥ 1
+    N = -(-(Tk - origin) // C)
+    first = (P - origin) // C                       # the first block holding a query
+    valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device) if key_valid is None else key_valid
+    plain = valid if sink_mask is None else valid & ~sink_mask          # keys of the band and of the linear part
+
+    # every tensor on the grid [B, N, W, ...], the queries zero at positions without one (the cached keys)
+    at_keys = lambda x: _grid(x, origin, N, C)
+    at_queries = lambda x: _grid(F.pad(x, (0, 0) * (x.dim() - 2) + (P, 0)), origin, N, C)[:, first:]
+    kg, vg = at_keys(k.to(dtype)), at_keys(v.to(dtype))                                 # [B, N, W, H, *]
+    plain_g = at_keys(plain)                                                            # [B, N, W]
+    pk = at_keys(phi_k.to(dtype)) * plain_g[..., None, None].to(dtype)
+    qg, pq = at_queries(q.to(dtype)), at_queries(phi_q.to(dtype))                       # [B, Nq, W, H, *]
+    shift = at_queries(q_log_scale.to(dtype)) + log_offset.to(dtype)                    # [B, Nq, W, H]
+    Nq = N - first
+    prev = slice(first - 1, N - 1)                                                       # each query block's previous
+    i = torch.arange(C, device=q.device)
+    later = i[None, :] > i[:, None]                                                      # [i, j]: j > i
+    log_gamma = None if log_decay is None else decay_log(log_decay, dtype)               # [H]
+
+    # the band and the previous block's linear pairs: [B, Nq, H, W (i), W (j)]
+    exact_own = scaling * torch.einsum("bnihd,bnjhd->bnhij", qg, kg[:, first:])
+    exact_prev = scaling * torch.einsum("bnihd,bnjhd->bnhij", qg, kg[:, prev])
+    linear_prev = _log(torch.einsum("bnihm,bnjhm->bnhij", pq, pk[:, prev])) + shift.permute(0, 1, 3, 2)[..., None]
+    if log_gamma is not None:                                                            # γ^(i − j), j ≤ i
+        linear_prev = linear_prev + log_gamma[:, None, None] * (i[:, None] - i[None, :]).clamp_min(0).to(dtype)
+    own = exact_own.masked_fill(later | ~plain_g[:, first:, None, None, :], -torch.inf)
+    before = torch.where(later, exact_prev, linear_prev).masked_fill(~plain_g[:, prev, None, None, :], -torch.inf)
+
+    # the block states: B_m = Σ_j γ^(W − 1 − j) φk_j ⊗ [v_j, 1]; R_n for the query blocks, read at γ^(i + 1)
+    va = torch.cat([vg, torch.ones_like(vg[..., :1])], -1)                               # [B, N, W, H, V+1]
+    pk_end = pk if log_gamma is None else pk * torch.exp(log_gamma * (C - 1 - i).to(dtype)[:, None])[..., None]
+    blocks = torch.einsum("bnjhm,bnjhv->bnhmv", pk_end[:, :N - 2], va[:, :N - 2])        # [B, N − 2, H, M, V+1]
+    n = torch.arange(first, N, device=q.device)                                           # the query blocks
+    m = torch.arange(N - 2, device=q.device)
+    steps = (n[:, None] - 2 - m[None, :]) * C                                             # [Nq, N − 2]
+    if log_gamma is None:
+        weights = (steps >= 0).to(dtype)[None].expand(H, -1, -1)
+    else:
+        weights = torch.exp(log_gamma[:, None, None] * steps.clamp_min(0).to(dtype)).masked_fill(steps < 0, 0)
+    R = torch.einsum("hnm,bmhxy->bnhxy", weights, blocks)                                # [B, Nq, H, M, V+1]
+    if initial_state is not None:
+        S0 = initial_state.to(dtype)[:, None]                                            # [B, 1, H, M, V+1]
+        if log_gamma is not None:
+            S0 = S0 * torch.exp(log_gamma[None, :] * ((n - 1) * C).to(dtype)[:, None])[None, :, :, None, None]
+        R = R + S0
+    read = torch.einsum("bnihm,bnhmv->bnhiv", pq, R)                                     # [B, Nq, H, W, V+1]
+    if log_gamma is not None:
+        read = read * torch.exp(log_gamma[:, None] * (i + 1).to(dtype))[..., None]
+    den = read[..., -1]
+    state_logit = _log(den) + shift.permute(0, 1, 3, 2)                                  # [B, Nq, H, W]
+    state_value = read[..., :-1] / den.clamp_min(TINY)[..., None]
+
+    # the sink keys, exact for every later query: those up to the last sink of any row
+    parts = [before, own]
+    values = [vg[:, prev], vg[:, first:]]
+    if sink_mask is not None:
+        used = sink_mask.any(0).nonzero()
+        L = int(used.max()) + 1 if used.numel() else 0
+        pos_q = origin + (torch.arange(first, N, device=q.device)[:, None] * C + i[None, :])    # [Nq, W]
+        seen = (torch.arange(L, device=q.device) <= pos_q[..., None])                          # [Nq, W, L]
+        sinks = (sink_mask & valid)[:, :L]                                                        # [B, L]
+        scores = scaling * torch.einsum("bnihd,bshd->bnhis", qg, k[:, :L].to(dtype))
+        parts.insert(0, scores.masked_fill(~(seen[None, :, None] & sinks[:, None, None, None]), -torch.inf))
+        values.insert(0, v[:, :L].to(dtype))
+    logits = torch.cat([*parts, state_logit[..., None]], -1)                             # [B, Nq, H, W, ·]
+    top = logits.amax(-1, keepdim=True)
+    w = torch.exp(logits - torch.where(torch.isfinite(top), top, 0).detach())
+    w = w / w.sum(-1, keepdim=True).clamp_min(TINY)
+    o = w[..., -1:] * state_value
+    cut = 0
+    for part, value in zip(parts, values):
+        width = part.shape[-1]
+        spec = "bnhij,bjhv->bnhiv" if value.dim() == 4 else "bnhij,bnjhv->bnhiv"
+        o = o + torch.einsum(spec, w[..., cut:cut + width], value)
+        cut += width
+    o = o.permute(0, 1, 3, 2, 4).reshape(B, Nq * C, H, V)                              # [B, positions, H, V]
+    skip = P - origin - first * C                                                        # grid slots before the queries
+    o = o[:, skip:skip + T]
+    final_state = None
+    if output_final_state:
+        linear_keys = key_valid if sink_mask is None else valid_and(key_valid, ~sink_mask)
+        final_state = _fold_state(phi_k, v, window, linear_keys, initial_state, dtype, log_decay, P, lead)
+    return o.to(v.dtype), final_state
 
 
 def window_parts(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int, key_valid=None,
