@@ -108,17 +108,19 @@ def test_block_form_matches_the_spec(shape, padded, state, decay, sink):
 
 
 def test_a_cpu_prefill_takes_the_block_form(monkeypatch):
-    """backend auto on a CPU, past the dense form's queries: `block_window_linear_attention` (named backends: the
-    blocked form on that linear op)."""
+    """backend auto on a CPU without autograd, past the dense form's queries: `block_window_linear_attention`
+    (named backends and autograd: the blocked form on that linear op)."""
     import dofattn.ops.window as window
 
     called = []
     monkeypatch.setattr(window, "block_window_linear_attention", lambda *a, **kw: called.append("block") or (None, None))
     monkeypatch.setattr(window, "blocked_window_linear_attention", lambda *a, **kw: called.append("blocked") or (None, None))
     tensors, _, _ = inputs(1, 40, 0, 2, 4, 4, 3, 4)
-    window.window_linear_attention(*tensors, 0.3, 4)
-    window.window_linear_attention(*tensors, 0.3, 4, backend="chunk")
-    assert called == ["block", "blocked"]
+    with torch.no_grad():
+        window.window_linear_attention(*tensors, 0.3, 4)
+        window.window_linear_attention(*tensors, 0.3, 4, backend="chunk")
+    window.window_linear_attention(*tensors, 0.3, 4)              # autograd: training's form, the blocked one
+    assert called == ["block", "blocked", "blocked"]
 
 
 @pytest.mark.parametrize("P", [0, 2, 3])       # no cached keys, fewer than W, exactly W

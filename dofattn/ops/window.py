@@ -426,6 +426,9 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
     """The fast form of `naive_window_linear_attention` (same arguments and result up to float rounding).
 
     `backend` picks the linear op (`ops.linear_attention`); the window part is plain PyTorch, O(T·W) memory.
+    With backend "auto" on a CPU without autograd (reading a prompt, evaluating), the block form
+    `block_window_linear_attention` (a few dozen operations a call; training keeps the blocked form, whose numbers
+    its runs were made with).
     With backend "auto", a call with few queries (decode: T = 1 against W cached keys) runs the spec's dense form,
     which is O(T·Tk) and there cheaper than laying out blocks over all Tk positions. On CUDA without autograd, a
     prefill with a window of 16, 32 or 64 runs in Triton (`ops.triton.window.window_forward`: the linear scan on the
@@ -445,7 +448,8 @@ def window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scal
         return load_triton()[0].window.window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling,
                                                       window, key_valid, initial_state, output_final_state,
                                                       log_decay=log_decay, sink_mask=sink_mask)
-    if backend == "auto" and not q.is_cuda:
+    if backend == "auto" and not q.is_cuda and not needs_grad(q, k, v, phi_q, phi_k, q_log_scale, log_offset,
+                                                             initial_state, log_decay):
         return block_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
                                              key_valid, initial_state, output_final_state, log_decay, sink_mask, lead)
     return blocked_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, window,
