@@ -148,3 +148,36 @@ def test_a_bounded_student_read_as_its_teacher_generates_past_its_prompt():
         set_prompt_chunk(model, 0)
         whole = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(chunked, whole)
+
+
+def test_reading_progress_reports_each_chunk():
+    """`reading_progress`: a prompt of 41 tokens read in chunks of 13 reports 13, 26, 39 and 41 of 41; outside it
+    nothing is called, and a decode step reports nothing."""
+    from dofattn.attention.prompt import reading_progress
+
+    model = student("llama")
+    set_prompt_chunk(model, 13)
+    ids, mask = prompt()
+    seen = []
+    with torch.no_grad():
+        with reading_progress(lambda done, total: seen.append((done, total))):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                           pad_token_id=0)
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert seen == [(13, T), (26, T), (39, T), (41, T)]
+
+
+def test_generate_times_the_prompt_apart_from_the_new_tokens(model_dirs, monkeypatch):
+    """`dofattn generate`'s job: the prompt's time (to its first new token) and the rate of the tokens after it,
+    with a progress bar over the chunks of a long prompt."""
+    from dofattn.attention.prompt import PromptReader
+    from dofattn.jobs.generate import GenerateConfig, run
+
+    monkeypatch.setattr(PromptReader, "prompt_chunk", 4)
+    lines = []
+    result = run(GenerateConfig(model=str(model_dirs["llama"]), student="window", prompt="the quick brown fox " * 5,
+                                max_new_tokens=5), progress=lines.append)
+    assert result["prompt_tokens"] > 4 and 0 < result["prompt_s"] < result["seconds"]
+    later = result["new_tokens"] - 1
+    assert later < 1 or result["tokens_per_s"] == pytest.approx(later / (result["seconds"] - result["prompt_s"]))
+    assert any("generating with" in line for line in lines)

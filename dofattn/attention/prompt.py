@@ -17,6 +17,8 @@ that call.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import functools
 import inspect
@@ -27,6 +29,19 @@ from torch import nn
 from dofattn.attention.cache import CACHE_ARGUMENTS, cache_argument
 
 PROMPT_CHUNK = 512        # tokens a chunk: 0.30 GiB above the model at 8 K, 0.95 at 32 K (docs/RESULTS.md)
+
+_PROGRESS: contextvars.ContextVar = contextvars.ContextVar("dofattn_prompt_progress", default=None)
+
+
+@contextlib.contextmanager
+def reading_progress(report):
+    """While active, a prompt read in chunks calls `report(tokens read, tokens in all)` after each chunk (a command's
+    progress bar: a long prompt takes minutes on a small CPU)."""
+    token = _PROGRESS.set(report)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
 
 
 class PromptReader:
@@ -169,5 +184,7 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
         out = forward(**piece)
         if wanted:
             logits.append(out.logits[:, out.logits.shape[1] - wanted:])
+        if (report := _PROGRESS.get()) is not None:
+            report(end, T)
     out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
     return out.to_tuple() if as_tuple else out

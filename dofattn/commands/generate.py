@@ -27,8 +27,11 @@ def run(ns) -> int:
     """The `generate` verb: `generate.run`, the text on stdout, the speed on stderr."""
     from dofattn.jobs.generate import GenerateConfig, run as generate
 
-    result = generate(config(GenerateConfig, ns))
+    result = generate(config(GenerateConfig, ns), progress=lambda line: print(line, file=sys.stderr))
     print(result["text"])
-    print(f"[{result['model']}: {result['new_tokens']} tokens in {result['seconds']:.2f} s, "
-          f"{result['tokens_per_s']:.1f} tokens/s; stopped {result['stopped']}]", file=sys.stderr)
+    rate = result["tokens_per_s"]
+    after = f", then {rate:.1f} tokens/s" if rate == rate else ""          # nan: no token after the first
+    print(f"[{result['model']}: read {result['prompt_tokens']} prompt tokens in {result['prompt_s']:.2f} s "
+          f"({result['prompt_tokens'] / max(result['prompt_s'], 1e-9):.0f} tokens/s); {result['new_tokens']} new tokens "
+          f"in {result['seconds']:.2f} s{after}; stopped {result['stopped']}]", file=sys.stderr)
     return 0

@@ -88,9 +88,47 @@ def load(cfg: GenerateConfig):
     return model, tokenizer, f"{cfg.model} as recipe {recipe.name}'s student, untrained ({'; '.join(spec.describe())})"
 
 
+class FirstToken:
+    """A streamer for HF `generate` that times the first new token: `put` gets the prompt, then each new token, so
+    its second call is the end of reading the prompt (and of the first token's forward, which is the prompt's)."""
+
+    def __init__(self):
+        self.calls, self.at = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def prompt_bar(tokens: int, model, progress):
+    """A context in which a prompt of `tokens` read in chunks shows a progress bar (stderr), when `progress` is on
+    and the model reads in chunks; else nothing."""
+    import contextlib
+
+    from dofattn.attention.prompt import PromptReader, reading_progress
+
+    if progress is None or not isinstance(model, PromptReader) or tokens <= model.prompt_chunk:
+        return contextlib.nullcontext()
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=tokens, desc="reading the prompt", unit="token", leave=False)
+
+    @contextlib.contextmanager
+    def shown():
+        with bar, reading_progress(lambda done, total: bar.update(done - bar.n)):
+            yield
+
+    return shown()
+
+
 def run(cfg: GenerateConfig, progress=None) -> dict:
-    """The prompt continued: {"text" (prompt and continuation), "new_tokens", "seconds", "tokens_per_s", "model"
-    (what generated it, in words)}. `progress(text)` gets progress lines (None: quiet)."""
+    """The prompt continued: {"text" (prompt and continuation), "new_tokens", "seconds", "prompt_tokens",
+    "prompt_s" (reading the prompt, its first new token included), "tokens_per_s" (the new tokens after the first,
+    a second each), "model" (what generated it, in words)}. `progress(text)` gets progress lines (None: quiet)."""
     import torch
 
     from dofattn.hf import use_threads
@@ -109,25 +147,33 @@ def run(cfg: GenerateConfig, progress=None) -> dict:
     device = next(model.parameters()).device
     inputs = tokenizer(cfg.prompt, return_tensors="pt").to(device)
     sampling = {"do_sample": True, "temperature": cfg.temperature} if cfg.temperature > 0 else {"do_sample": False}
+    prompt_tokens = inputs["input_ids"].shape[1]
     start = time.perf_counter()
     if cfg.static:
         from dofattn.engine import StaticDecoder
 
         decoder = StaticDecoder(model, compile=cfg.compile)
-        out = decoder.generate(inputs["input_ids"], cfg.max_new_tokens, tokenizer.eos_token_id)
+        with prompt_bar(prompt_tokens, model, progress):
+            out = decoder.generate(inputs["input_ids"], cfg.max_new_tokens, tokenizer.eos_token_id)
         what += ", static decoding" + (" with a CUDA graph" if decoder.graph else "")
         if "compile_s" in decoder.timings:
             what += f", compiled in {decoder.timings['compile_s']:.0f} s"
+        prompt_s = decoder.timings["prefill_s"]
     else:
-        with torch.no_grad():
+        first = FirstToken()
+        with torch.no_grad(), prompt_bar(prompt_tokens, model, progress):
             out = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                 **sampling)
+                                 streamer=first, **sampling)
+        prompt_s = (first.at or time.perf_counter()) - start
     seconds = time.perf_counter() - start
-    new = out[0, inputs["input_ids"].shape[1]:]
+    new = out[0, prompt_tokens:]
     eos = tokenizer.eos_token_id
     ended = eos is not None and bool((new == eos).any())
     if ended:                                 # the static decoder fills after the end with it: cut there
         new = new[:int((new == eos).nonzero()[0]) + 1]
+    later = len(new) - 1                          # the tokens after the first, which the prompt's forward gives
     return {"text": cfg.prompt + tokenizer.decode(new, skip_special_tokens=True), "new_tokens": len(new),
-            "seconds": seconds, "tokens_per_s": len(new) / seconds, "model": what,
+            "seconds": seconds, "prompt_tokens": prompt_tokens, "prompt_s": prompt_s,
+            "tokens_per_s": later / (seconds - prompt_s) if later and seconds > prompt_s else float("nan"),
+            "model": what,
             "stopped": "at the end-of-text token" if ended else f"after --max-new-tokens {cfg.max_new_tokens}"}
