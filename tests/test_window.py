@@ -81,9 +81,9 @@ def test_fast_form_matches_the_spec_with_a_decay(shape, padded, state):
 @pytest.mark.parametrize("padded,state", [(False, False), (True, True)])
 @pytest.mark.parametrize("decay,sink", [(False, False), (True, False), (False, True), (True, True)])
 def test_block_form_matches_the_spec(shape, padded, state, decay, sink):
-    """The CPU prefill's form (`block_window_linear_attention`, one softmax a block of W queries): outputs, final
-    states and every gradient against the spec, with a decay, sinks anywhere (the cached keys' first ones as the
-    lead, as a cached call puts them), padding and a state."""
+    """The CPU prefill's form (`block_window_linear_attention`, one softmax a block of W queries): outputs and final
+    states against the spec, with a decay, sinks anywhere (the cached keys' first ones as the lead, as a cached call
+    puts them), padding and a state; it computes no gradients (training takes the blocked form)."""
     B, T, P, H, W = shape[0], shape[1], shape[2], shape[3], shape[-1]
     tensors, valid, S0 = inputs(*shape, padded=padded, state=state)
     decays = [strong_and_weak_decays(H).requires_grad_(True) for _ in range(2)] if decay else [None, None]
@@ -98,13 +98,7 @@ def test_block_form_matches_the_spec(shape, padded, state, decay, sink):
                                                    log_decay=decays[1], sink_mask=sinks, lead=lead)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out_state, ref_state, rtol=1e-12, atol=1e-12)
-    weights = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(9))
-    wrt = [[*tensors, *([d] if d is not None else [])] for d in decays]
-    grads_ref = torch.autograd.grad((ref * weights).sum(), wrt[0])
-    grads = torch.autograd.grad((out * weights).sum(), wrt[1])
-    for name, a, b in zip(("q", "k", "v", "phi_q", "phi_k", "q_log_scale", "log_offset", "log_decay"), grads,
-                          grads_ref):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    assert not out.requires_grad
 
 
 def test_a_cpu_prefill_takes_the_block_form(monkeypatch):

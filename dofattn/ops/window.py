@@ -481,18 +481,26 @@ def _grid(x: torch.Tensor, origin: int, blocks: int, width: int) -> torch.Tensor
     (p − origin) % width; positions before 0 or past L are zeros (False for a bool mask)."""
     B, L = x.shape[:2]
     front, back = -origin, blocks * width + origin - L
-    pad = (0, 0) * (x.dim() - 2)
     if front < 0:                                   # the grid starts after position 0: drop those before it
         x, front = x[:, -front:], 0
-    x = F.pad(x, pad + (front, back)) if x.dtype != torch.bool else F.pad(x.to(torch.uint8), pad + (front, back)).bool()
+    pad = (0, 0) * (x.dim() - 2) + (front, back)
+    x = F.pad(x.to(torch.uint8), pad).bool() if x.dtype == torch.bool else F.pad(x, pad)
     return x.reshape(B, blocks, width, *x.shape[2:])
 
 
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, N, W, H, ...] -> [B, N, H, W, ...], contiguous: each head's block a matrix for the batched products."""
+    return x.transpose(2, 3).contiguous()
+
+
+@torch.no_grad()
 def block_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling: float, window: int,
                                   key_valid=None, initial_state=None, output_final_state: bool = False,
                                   log_decay=None, sink_mask=None, lead: int = 0):
-    """The spec in blocks of W queries, each block's rows one softmax (the CPU prefill: a few dozen operations a
-    call, where `blocked_window_linear_attention` takes a thousand). Same arguments and result as the spec.
+    """The spec in blocks of W queries, each block's rows one softmax: the CPU's form for reading a prompt (about
+    forty operations a call, where `blocked_window_linear_attention` takes a thousand; each of those is a parallel
+    region, and with other work on the cores every region waits for a descheduled thread). Same arguments and
+    result as the spec, up to float rounding; no gradients (training takes the blocked form).
 
     Blocks of W positions are laid so that the linear part's first position (`start`, after the cached keys and the
     lead) begins one: a query in block n, at slot i, sees its own block's keys j ≤ i and the previous block's j > i
@@ -505,86 +513,84 @@ def block_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset
                         sink_mask, lead)
     dtype = compute_dtype(q, k, v, phi_q, phi_k, initial_state)
     B, T, H, D = q.shape
-    Tk, V, M, C = k.shape[1], v.shape[-1], phi_q.shape[-1], window
+    Tk, V, C = k.shape[1], v.shape[-1], window
     P = Tk - T
     start = lead + min(P - lead, C)                 # the linear part's first position (after the cached window)
     origin = start - C                              # block 0: [start − W, start); the queries are in blocks ≥ 1
     N = -(-(Tk - origin) // C)
     first = (P - origin) // C                       # the first block holding a query
+    Nq = N - first
     valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device) if key_valid is None else key_valid
     plain = valid if sink_mask is None else valid & ~sink_mask          # keys of the band and of the linear part
 
-    # every tensor on the grid [B, N, W, ...], the queries zero at positions without one (the cached keys)
-    at_keys = lambda x: _grid(x, origin, N, C)
-    at_queries = lambda x: _grid(F.pad(x, (0, 0) * (x.dim() - 2) + (P, 0)), origin, N, C)[:, first:]
-    kg, vg = at_keys(k.to(dtype)), at_keys(v.to(dtype))                                 # [B, N, W, H, *]
-    plain_g = at_keys(plain)                                                            # [B, N, W]
-    pk = at_keys(phi_k.to(dtype)) * plain_g[..., None, None].to(dtype)
-    qg, pq = at_queries(q.to(dtype)), at_queries(phi_q.to(dtype))                       # [B, Nq, W, H, *]
-    shift = at_queries(q_log_scale.to(dtype)) + log_offset.to(dtype)                    # [B, Nq, W, H]
-    Nq = N - first
-    prev = slice(first - 1, N - 1)                                                       # each query block's previous
+    # the grid, heads first: keys [B, N, H, W, ·]; queries [B, Nq, H, W, ·] (zero where a position has none)
+    keys = lambda x: _heads_first(_grid(x.to(dtype), origin, N, C))
+    queries = lambda x: _heads_first(_grid(x.to(dtype), origin - P, N, C)[:, first:])     # query t at position P + t
+    plain_g = _grid(plain, origin, N, C)                                                 # [B, N, W]
+    kg, vg = keys(k), keys(v)
+    pk = keys(phi_k).mul_(plain_g[:, :, None, :, None])                                  # linear keys only
+    qg, pq = queries(q), queries(phi_q)
+    shift = queries(q_log_scale).add_(log_offset.to(dtype)[:, None])                     # [B, Nq, H, W]
     i = torch.arange(C, device=q.device)
     later = i[None, :] > i[:, None]                                                      # [i, j]: j > i
     log_gamma = None if log_decay is None else decay_log(log_decay, dtype)               # [H]
 
-    # the band and the previous block's linear pairs: [B, Nq, H, W (i), W (j)]
-    exact_own = scaling * torch.einsum("bnihd,bnjhd->bnhij", qg, kg[:, first:])
-    exact_prev = scaling * torch.einsum("bnihd,bnjhd->bnhij", qg, kg[:, prev])
-    linear_prev = _log(torch.einsum("bnihm,bnjhm->bnhij", pq, pk[:, prev])) + shift.permute(0, 1, 3, 2)[..., None]
+    # one row per query: [previous block | own block] exact (the band) or linear (the previous block's j ≤ i)
+    pair_keys = torch.cat([kg[:, first - 1:N - 1], kg[:, first:]], 3)                    # [B, Nq, H, 2W, D]
+    logits = torch.matmul(qg, pair_keys.transpose(-1, -2)).mul_(scaling)                 # [B, Nq, H, W, 2W]
+    linear = torch.matmul(pq, pk[:, first - 1:N - 1].transpose(-1, -2))                 # φq·φk [B, Nq, H, W, W]
+    none = linear <= 0                                                                   # no linear weight at all
+    linear.clamp_min_(TINY).log_().add_(shift[..., None])
     if log_gamma is not None:                                                            # γ^(i − j), j ≤ i
-        linear_prev = linear_prev + log_gamma[:, None, None] * (i[:, None] - i[None, :]).clamp_min(0).to(dtype)
-    own = exact_own.masked_fill(later | ~plain_g[:, first:, None, None, :], -torch.inf)
-    before = torch.where(later, exact_prev, linear_prev).masked_fill(~plain_g[:, prev, None, None, :], -torch.inf)
+        linear.add_(log_gamma[:, None, None] * (i[:, None] - i[None, :]).clamp_min(0).to(dtype))
+    before = logits[..., :C]
+    before.copy_(torch.where(later, before, linear.masked_fill_(none, -torch.inf)))
+    seen = torch.cat([plain_g[:, first - 1:N - 1], plain_g[:, first:]], 2)               # [B, Nq, 2W]
+    band = torch.cat([torch.ones_like(later), ~later], 1)                                # [i, 2W]: own block j ≤ i
+    logits.masked_fill_(~(seen[:, :, None, None, :] & band), -torch.inf)
 
-    # the block states: B_m = Σ_j γ^(W − 1 − j) φk_j ⊗ [v_j, 1]; R_n for the query blocks, read at γ^(i + 1)
-    va = torch.cat([vg, torch.ones_like(vg[..., :1])], -1)                               # [B, N, W, H, V+1]
-    pk_end = pk if log_gamma is None else pk * torch.exp(log_gamma * (C - 1 - i).to(dtype)[:, None])[..., None]
-    blocks = torch.einsum("bnjhm,bnjhv->bnhmv", pk_end[:, :N - 2], va[:, :N - 2])        # [B, N − 2, H, M, V+1]
-    n = torch.arange(first, N, device=q.device)                                           # the query blocks
-    m = torch.arange(N - 2, device=q.device)
-    steps = (n[:, None] - 2 - m[None, :]) * C                                             # [Nq, N − 2]
+    # the block states B_m = Σ_j γ^(W − 1 − j) φk_j ⊗ [v_j, 1], and R_n for the query blocks, read at γ^(i + 1)
+    va = F.pad(vg, (0, 1), value=1.0)                                                    # [B, N, H, W, V+1]
+    pk_end = pk if log_gamma is None else pk * torch.exp(log_gamma[:, None] * (C - 1 - i).to(dtype))[..., None]
+    blocks = torch.matmul(pk_end[:, :N - 2].transpose(-1, -2), va[:, :N - 2])            # [B, N − 2, H, M, V+1]
+    n = torch.arange(first, N, device=q.device)
+    steps = (n[:, None] - 2 - torch.arange(N - 2, device=q.device)[None, :]) * C          # [Nq, N − 2]
     if log_gamma is None:
         weights = (steps >= 0).to(dtype)[None].expand(H, -1, -1)
     else:
-        weights = torch.exp(log_gamma[:, None, None] * steps.clamp_min(0).to(dtype)).masked_fill(steps < 0, 0)
+        weights = torch.exp(log_gamma[:, None, None] * steps.clamp_min(0).to(dtype)).masked_fill_(steps < 0, 0)
     R = torch.einsum("hnm,bmhxy->bnhxy", weights, blocks)                                # [B, Nq, H, M, V+1]
     if initial_state is not None:
         S0 = initial_state.to(dtype)[:, None]                                            # [B, 1, H, M, V+1]
         if log_gamma is not None:
             S0 = S0 * torch.exp(log_gamma[None, :] * ((n - 1) * C).to(dtype)[:, None])[None, :, :, None, None]
         R = R + S0
-    read = torch.einsum("bnihm,bnhmv->bnhiv", pq, R)                                     # [B, Nq, H, W, V+1]
+    read = torch.matmul(pq, R)                                                           # [B, Nq, H, W, V+1]
     if log_gamma is not None:
-        read = read * torch.exp(log_gamma[:, None] * (i + 1).to(dtype))[..., None]
+        read.mul_(torch.exp(log_gamma[:, None] * (i + 1).to(dtype))[..., None])
     den = read[..., -1]
-    state_logit = _log(den) + shift.permute(0, 1, 3, 2)                                  # [B, Nq, H, W]
-    state_value = read[..., :-1] / den.clamp_min(TINY)[..., None]
-
-    # the sink keys, exact for every later query: those up to the last sink of any row
-    parts = [before, own]
-    values = [vg[:, prev], vg[:, first:]]
-    if sink_mask is not None:
+    state_logit = torch.where(den > 0, den.clamp_min(TINY).log() + shift, -torch.inf)   # [B, Nq, H, W]
+    parts = [logits]
+    if sink_mask is not None:                       # the sink keys, exact for every later query, up to the last sink
         used = sink_mask.any(0).nonzero()
         L = int(used.max()) + 1 if used.numel() else 0
-        pos_q = origin + (torch.arange(first, N, device=q.device)[:, None] * C + i[None, :])    # [Nq, W]
-        seen = (torch.arange(L, device=q.device) <= pos_q[..., None])                          # [Nq, W, L]
-        sinks = (sink_mask & valid)[:, :L]                                                        # [B, L]
-        scores = scaling * torch.einsum("bnihd,bshd->bnhis", qg, k[:, :L].to(dtype))
-        parts.insert(0, scores.masked_fill(~(seen[None, :, None] & sinks[:, None, None, None]), -torch.inf))
-        values.insert(0, v[:, :L].to(dtype))
-    logits = torch.cat([*parts, state_logit[..., None]], -1)                             # [B, Nq, H, W, ·]
-    top = logits.amax(-1, keepdim=True)
-    w = torch.exp(logits - torch.where(torch.isfinite(top), top, 0).detach())
-    w = w / w.sum(-1, keepdim=True).clamp_min(TINY)
-    o = w[..., -1:] * state_value
-    cut = 0
-    for part, value in zip(parts, values):
-        width = part.shape[-1]
-        spec = "bnhij,bjhv->bnhiv" if value.dim() == 4 else "bnhij,bnjhv->bnhiv"
-        o = o + torch.einsum(spec, w[..., cut:cut + width], value)
-        cut += width
-    o = o.permute(0, 1, 3, 2, 4).reshape(B, Nq * C, H, V)                              # [B, positions, H, V]
+        pos_q = origin + n[:, None] * C + i[None, :]                                      # [Nq, W]
+        sinks = (sink_mask & valid)[:, :L]                                               # [B, L]
+        k_sink = k[:, :L].to(dtype).transpose(1, 2)[:, None]                              # [B, 1, H, L, D]
+        sink_logits = torch.matmul(qg, k_sink.transpose(-1, -2)).mul_(scaling)            # [B, Nq, H, W, L]
+        sink_logits.masked_fill_(~((torch.arange(L, device=q.device) <= pos_q[..., None])[None, :, None]
+                                   & sinks[:, None, None, None]), -torch.inf)
+        parts.append(sink_logits)
+    row = torch.cat([*parts, state_logit[..., None]], -1)                                # [B, Nq, H, W, ·]
+    top = row.amax(-1, keepdim=True)
+    w = row.sub_(torch.where(torch.isfinite(top), top, 0)).exp_()
+    w.div_(w.sum(-1, keepdim=True).clamp_min_(TINY))
+    pair_values = torch.cat([vg[:, first - 1:N - 1], vg[:, first:]], 3)                  # [B, Nq, H, 2W, V]
+    o = torch.matmul(w[..., :2 * C], pair_values)                                        # [B, Nq, H, W, V]
+    o.add_(w[..., -1:] * read[..., :-1] / den.clamp_min(TINY)[..., None])
+    if sink_mask is not None:
+        o.add_(torch.matmul(w[..., 2 * C:-1], v[:, :L].to(dtype).transpose(1, 2)[:, None]))
+    o = o.transpose(2, 3).reshape(B, Nq * C, H, V)                                       # [B, positions, H, V]
     skip = P - origin - first * C                                                        # grid slots before the queries
     o = o[:, skip:skip + T]
     final_state = None
