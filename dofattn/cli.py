@@ -55,6 +55,33 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, 64 << 20) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
+BUSY_LOAD = 1.0     # the 1-minute load average from which other work is taken to share the cores
+
+
+def wait_passively_when_busy(environ=None, load: float | None = None) -> str | None:
+    """With other work on the cores (a 1-minute load average of at least `BUSY_LOAD`), torch's OpenMP threads are
+    told to sleep at a barrier instead of spinning (`OMP_WAIT_POLICY=PASSIVE`), unless the policy is set already or
+    torch is loaded (the library reads it once, when it loads). A spinning thread waits for a partner the scheduler
+    has put off the core; a student's read of a prompt opens thousands of parallel regions, so on a 2-core Intel Xeon
+    with one 2-thread job beside it, reading 2,048 tokens took 35.9 s (the teacher 8.7 s) spinning and 7.8 s (the
+    teacher 7.8 s) passive; idle, passive costs it 1.5x (docs/log/experiments.md, 2026-12-01). Returns the line to
+    print when it set the policy, else None."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" in environ or "torch" in sys.modules:
+        return None
+    try:
+        load = os.getloadavg()[0] if load is None else load
+    except OSError:
+        return None
+    if load < BUSY_LOAD:
+        return None
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return (f"dofattn: other work is using the CPU (load {load:.1f}): threads wait passively "
+            f"(OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY to choose)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), "")      # the top level has no option with a value
@@ -65,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         keep_freed_memory()
+        if (line := wait_passively_when_busy()) is not None:
+            print(line, file=sys.stderr)
         return ns.run(ns)
     except UserError as err:
         print(f"dofattn: error: {err}", file=sys.stderr)

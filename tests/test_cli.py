@@ -388,3 +388,28 @@ def test_paths_that_cannot_be_what_they_name_are_refused(capsys, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     code, _, err = run(capsys, "bench", "--model", "runs/long-context", "--parts", "generation")
     assert code == 2 and "model path runs/long-context does not exist" in err
+
+
+def test_threads_wait_passively_when_other_work_uses_the_cpu():
+    """`cli.wait_passively_when_busy`, in a fresh process (torch not loaded yet): with a load of 2 on the cores the
+    OpenMP wait policy becomes passive, with a line that says why; idle, or with the policy already set, or once
+    torch is loaded (too late: the library has read it), nothing changes."""
+    import subprocess
+
+    script = (
+        "import json, sys\n"
+        "from dofattn.cli import wait_passively_when_busy as passive\n"
+        "out = {}\n"
+        "busy = {}; out['busy'] = [passive(busy, 2.0), busy]\n"
+        "idle = {}; out['idle'] = [passive(idle, 0.2), idle]\n"
+        "chosen = {'OMP_WAIT_POLICY': 'ACTIVE'}; out['chosen'] = [passive(chosen, 2.0), chosen]\n"
+        "import torch\n"
+        "late = {}; out['late'] = [passive(late, 2.0), late]\n"
+        "print(json.dumps(out))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    line, env = out["busy"]
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"} and "other work is using the CPU (load 2.0)" in line
+    assert out["idle"] == [None, {}] and out["late"] == [None, {}]
+    assert out["chosen"] == [None, {"OMP_WAIT_POLICY": "ACTIVE"}]
