@@ -1,0 +1,339 @@
+"""A dofattn export in vLLM: vLLM's own Llama for everything but attention, dofattn's `LinearAttention` in each
+linearized layer, vLLM's paged attention in the layers the student keeps exact.
+
+    llm = vllm.LLM("exports/student", enable_prefix_caching=False)     # the plugin registered (`dofattn.serve`)
+
+A linearized layer (`DofattnAttention`, at `model.layers.N.self_attn`) keeps vLLM's `qkv_proj`, `o_proj` and
+`rotary_emb`, holds the export's `LinearAttention` at `.dofattn` (so its tensors load under the export's own names,
+`model.layers.N.self_attn.dofattn.feature_map.directions`, ...) and a state layer at `.attn` (`DofattnState`, a
+vLLM `MambaBase`): one block of vLLM's state pool per sequence, holding that layer's cache slot.
+
+What a slot holds is the layer's own: a `LinearStateLayer` (the state [H, M, V+1], each part's `PartState`: a
+window's last W keys, values and flags, a sink's first S, a convolution's last K-1 inputs) after enough tokens that
+every part's state has its steady size. `state_layout` reads it off a throwaway layer of the same config (a probe
+of a few calls), so a new part serves with no change here, as long as its state has a fixed size and zeros mean
+"nothing seen yet" (both hold of every part so far: an empty window is W slots flagged invalid, an empty sink S). The
+layers' layouts are made one (each tensor's largest shape over the layers: only M differs), so every linear layer has
+the same vLLM spec; a layer reads its own corner of each tensor.
+
+Per forward (`DofattnState.run`), in vLLM's packed batch (decodes first): the slots of sequences that start here
+(context 0: vLLM recycles state blocks without zeroing them) are zeroed; the decode rows (one token each) run as one
+batch of the layer's cached call (its steady decode step once the window and sink are full); each prefill row (a
+prompt, or a chunk of one) runs the layer's general cached call, continuing from its slot; the slots are written
+back. No per-token loops.
+
+Not served yet (a ValueError names each): LoRA adapters not merged (export with --merge-lora), kept layers bounded
+after the prompt (student.select), families other than Llama, prefix caching (turned off by the plugin),
+speculative decoding, tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable
+from dataclasses import fields
+
+import torch
+from torch import nn
+
+from dofattn.attention.cache import LinearStateLayer
+from dofattn.attention.layer import LinearAttention
+from dofattn.features import make_feature_map
+from dofattn.spec import Attention, StudentSpec
+
+SUPPORTED = ("LlamaForCausalLM",)
+OP_NAME = "dofattn_attention"
+STATE = "state"        # a slot's linear state, as `LinearStateLayer.tensors` names it; a part's: "window.keys", ...
+
+
+# --- a layer's state layout, from its parts (no vLLM) ----------------------------------------------------------
+
+def student_spec(hf_config) -> StudentSpec:
+    """The student spec of an export's config (its "dofattn" entry), checked against what the plugin serves."""
+    data = getattr(hf_config, "dofattn", None)
+    if not isinstance(data, dict):
+        raise ValueError("this config has no dofattn student spec (its \"dofattn\" entry): not a dofattn export")
+    spec = StudentSpec.from_json(json.dumps(data), where="config.json (dofattn)")
+    base = (getattr(hf_config, "dofattn_export", None) or {}).get("base_architecture")
+    if base not in SUPPORTED:
+        raise ValueError(f"dofattn's vLLM plugin serves students of {', '.join(SUPPORTED)}; this one's base is {base}")
+    if spec.lora_rank:
+        raise ValueError("dofattn's vLLM plugin serves students without LoRA adapters: export with --merge-lora")
+    if spec.kept.select:
+        raise ValueError("dofattn's vLLM plugin keeps every key of a kept softmax layer; this student bounds them "
+                         f"after the prompt (student.select = {spec.kept.select}), which it does not serve yet")
+    return spec
+
+
+def head_layout(hf_config) -> tuple[int, int, int]:
+    """(query heads, kv heads, head size) of a Llama-family config."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
+def make_linear(attention: Attention, feature: str, heads: int, kv_heads: int, head_dim: int, dim: int,
+                scaling: float) -> LinearAttention:
+    """A layer's `LinearAttention` as the export's `student.linearize` builds it (its tensors then loaded), in
+    float32 whatever the model's dtype, in eval mode."""
+    fmap = make_feature_map(feature, heads, head_dim, dim, scaling)
+    return LinearAttention(attention, fmap, num_kv_heads=kv_heads).float().eval()
+
+
+def slot_from(tensors: dict[str, torch.Tensor]) -> LinearStateLayer:
+    """A cache slot holding these tensors, named as `LinearStateLayer.tensors` names them ("state", "window.keys")."""
+    slot = LinearStateLayer()
+    for name, tensor in tensors.items():
+        if name == STATE:
+            slot.state = tensor
+        else:
+            part, attr = name.split(".")
+            setattr(slot.part(part), attr, tensor)
+    return slot
+
+
+@functools.cache
+def state_layout(attention: Attention, feature: str, heads: int, kv_heads: int, head_dim: int, dim: int,
+                 scaling: float, dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """What a cache slot of this layer holds per sequence once every part's state has its steady size: (name, shape
+    without the batch, dtype) of each tensor, read off a throwaway layer called on random q, k, v in `dtype`: a
+    prompt longer than every width in the config, then a step and a chunk, which must leave every shape as it was
+    (a ValueError otherwise: a part whose state grows cannot be served in fixed blocks)."""
+    layer = make_linear(attention, feature, heads, kv_heads, head_dim, dim, scaling)
+    widths = sum(getattr(attention, f.name) for f in fields(attention)
+                 if isinstance(getattr(attention, f.name), int) and not isinstance(getattr(attention, f.name), bool))
+    g = torch.Generator().manual_seed(0)
+    slot = LinearStateLayer()
+    seen = []
+    with torch.no_grad():
+        for length in (2 * widths + 4, 1, 3):
+            q = torch.randn(1, length, heads, head_dim, generator=g).to(dtype)
+            k, v = (torch.randn(1, length, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+            layer(q, k, v, cache=slot)
+            seen.append({name: (tuple(t.shape[1:]), t.dtype) for name, t in slot.tensors().items()})
+    if seen[0] != seen[1] or seen[1] != seen[2]:
+        raise ValueError(f"a dofattn layer's cache slot changes shape from call to call ({seen}): vLLM serves "
+                         f"states of a fixed size only")
+    # fp32 first, then 16-bit, then flags: vLLM views each tensor at its byte offset in a page as its dtype
+    entries = sorted(((n, s, d) for n, (s, d) in seen[0].items()), key=lambda e: -e[2].itemsize)
+    return tuple(entries)
+
+
+def layer_layouts(hf_config, dtype: torch.dtype) -> dict[int, tuple]:
+    """{linear layer: its `state_layout`} of an export's config, for a model in `dtype`."""
+    spec = student_spec(hf_config)
+    heads, kv_heads, head_dim = head_layout(hf_config)
+    return {i: state_layout(spec.attention, spec.attention.feature, heads, kv_heads, head_dim, spec.dims[i],
+                            head_dim ** -0.5, dtype) for i in spec.layers}
+
+
+def uniform_layout(layouts: Iterable[tuple]) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """One layout for every linear layer: each tensor's largest shape over the layers (their names, ranks and dtypes
+    are the same: one `Attention` config; M differs by layer)."""
+    layouts = list(layouts)
+    first = layouts[0]
+    for other in layouts[1:]:
+        if [(n, len(s), d) for n, s, d in other] != [(n, len(s), d) for n, s, d in first]:
+            raise ValueError("dofattn's linear layers keep different states; the plugin needs one layout")
+    return tuple((name, tuple(max(lay[j][1][a] for lay in layouts) for a in range(len(shape))), dt)
+                 for j, (name, shape, dt) in enumerate(first))
+
+
+def model_dtype(vllm_config) -> torch.dtype:
+    return vllm_config.model_config.dtype
+
+
+# --- vLLM ------------------------------------------------------------------------------------------------------
+
+from vllm.config import VllmConfig, get_current_vllm_config                          # noqa: E402
+from vllm.forward_context import get_forward_context                                 # noqa: E402
+from vllm.model_executor.layers.mamba.abstract import MambaBase                      # noqa: E402
+from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec      # noqa: E402
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear  # noqa: E402
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid            # noqa: E402
+from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM  # noqa: E402
+from vllm.model_executor.models.utils import extract_layer_index                     # noqa: E402
+from vllm.utils.torch_utils import direct_register_custom_op                         # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum            # noqa: E402
+
+
+class DofattnState(nn.Module, MambaBase):
+    """A linear layer's per-sequence state in vLLM's pool (`MambaBase`: one block per sequence, its tensors the
+    `uniform_layout`'s, of which this layer reads its own corner, `own`), and the layer's forward on it (`run`). It
+    has no parameters: the `LinearAttention` it runs is its attention module's (`linear`, not a child)."""
+
+    def __init__(self, linear: LinearAttention, layout: tuple, own: tuple, prefix: str):
+        super().__init__()
+        self.layout, self.prefix = layout, prefix
+        self.own = {name: shape for name, shape, _ in own}
+        object.__setattr__(self, "linear", linear)                   # not a submodule: its tensors load elsewhere
+        config = get_current_vllm_config()
+        if config.cache_config.mamba_cache_mode != "none":
+            raise ValueError(f"dofattn's vLLM plugin serves without prefix caching (mamba cache mode "
+                             f"{config.cache_config.mamba_cache_mode!r}): pass enable_prefix_caching=False")
+        if config.num_speculative_tokens:
+            raise ValueError("dofattn's vLLM plugin does not serve speculative decoding")
+        context = config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+        self.kv_cache = (torch.tensor([]),)
+
+    # MambaBase
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(shape for _, shape, _ in self.layout)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return tuple(dtype for _, _, dtype in self.layout)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.LINEAR
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """This layer's tensors over every block: [blocks, *its own shape] views of the pool."""
+        return {name: pool[(slice(None), *(slice(0, n) for n in self.own[name]))]
+                for (name, _, _), pool in zip(self.layout, self.kv_cache)}
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
+        """output[:n] = the layer's attention of the batch's n real tokens: q [T, H·D], k and v [T, Hkv·D] after
+        RoPE, continuing each sequence from its block and writing its block back."""
+        metadata = get_forward_context().attn_metadata
+        meta = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if meta is None:                                             # a profile or dummy run: any numbers do
+            output.zero_()
+            return
+        linear = self.linear
+        H, Hkv = linear.num_heads, linear.num_kv_heads
+        D = q.shape[-1] // H
+        decodes, prefills = meta.num_decodes, meta.num_prefills
+        if meta.num_decode_tokens != decodes:
+            raise ValueError("dofattn's vLLM plugin takes one token per decode row (no speculative decoding)")
+        rows = decodes + prefills
+        starts = meta.query_start_loc[:rows + 1].tolist()
+        seq_lens = meta.seq_lens[:rows].tolist()
+        blocks = meta.state_indices_tensor[:rows].long()
+        views = self.views()
+        fresh = [r for r in range(rows) if seq_lens[r] == starts[r + 1] - starts[r]]   # context 0: a new sequence
+        if fresh:
+            index = blocks[fresh]
+            for pool in self.kv_cache:
+                pool[index] = 0
+        n = starts[rows]
+        out = output[:n].view(n, H, D)
+        with torch.no_grad():
+            if decodes:
+                at = blocks[:decodes]
+                slot = slot_from({name: view[at] for name, view in views.items()})
+                o = linear(q[:decodes].view(decodes, 1, H, D), k[:decodes].view(decodes, 1, Hkv, D),
+                           v[:decodes].view(decodes, 1, Hkv, D), cache=slot)
+                out[:decodes] = o[:, 0].to(out.dtype)
+                for name, tensor in slot.tensors().items():
+                    views[name][at] = tensor
+            for r in range(decodes, rows):
+                s, e = starts[r], starts[r + 1]
+                at = blocks[r:r + 1]
+                slot = slot_from({name: view[at] for name, view in views.items()})
+                o = linear(q[s:e].view(1, e - s, H, D), k[s:e].view(1, e - s, Hkv, D), v[s:e].view(1, e - s, Hkv, D),
+                           cache=slot)
+                out[s:e] = o[0].to(out.dtype)
+                for name, tensor in slot.tensors().items():
+                    views[name][at] = tensor
+
+
+def dofattn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
+                      layer_name: str) -> None:
+    get_forward_context().no_compile_layers[layer_name].run(q, k, v, output)
+
+
+def dofattn_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
+                           layer_name: str) -> None:
+    return None
+
+
+direct_register_custom_op(op_name=OP_NAME, op_func=dofattn_attention, mutates_args=["output"],
+                          fake_impl=dofattn_attention_fake)
+
+
+class DofattnAttention(LlamaAttention):
+    """A linearized layer: vLLM's qkv_proj, o_proj and rotary_emb (LlamaAttention's), the export's `LinearAttention`
+    at `dofattn` and its vLLM state at `attn`; no paged attention (no `Attention` is built)."""
+
+    def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
+                 bias_o_proj: bool = False, cache_config=None, prefix: str = "", attn_type: str = "decoder") -> None:
+        nn.Module.__init__(self)
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() != 1:
+            raise ValueError("dofattn's vLLM plugin serves on one device (tensor_parallel_size=1)")
+        layer = extract_layer_index(prefix)
+        spec = student_spec(config)
+        heads, kv_heads, head_dim = head_layout(config)
+        self.hidden_size, self.total_num_heads, self.num_heads = hidden_size, num_heads, num_heads
+        self.total_num_kv_heads = self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scaling = head_dim ** -0.5
+        self.max_position_embeddings = max_position_embeddings
+        self.qkv_proj = QKVParallelLinear(hidden_size=hidden_size, head_size=head_dim, total_num_heads=num_heads,
+                                          total_num_kv_heads=num_kv_heads, bias=bias, quant_config=quant_config,
+                                          prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(input_size=num_heads * head_dim, output_size=hidden_size, bias=bias_o_proj,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self._init_rotary_emb(config, quant_config=quant_config)
+        dtype = model_dtype(get_current_vllm_config())
+        with torch.device("cpu"):
+            self.dofattn = make_linear(spec.attention, spec.attention.feature, heads, kv_heads, head_dim,
+                                       spec.dims[layer], self.scaling)
+        layouts = layer_layouts(config, dtype)
+        self.attn = DofattnState(self.dofattn, uniform_layout(layouts.values()), layouts[layer],
+                                 prefix=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        output = torch.empty_like(q)
+        torch.ops.vllm.dofattn_attention(q.contiguous(), k.contiguous(), v.contiguous(), output, self.attn.prefix)
+        output, _ = self.o_proj(output)
+        return output
+
+
+class DofattnLlamaDecoderLayer(LlamaDecoderLayer):
+    """Llama's decoder layer with `DofattnAttention` in the export's linear layers, LlamaAttention in the others."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:
+        config = config or vllm_config.model_config.hf_config
+        linear = extract_layer_index(prefix) in student_spec(config).layers
+        super().__init__(vllm_config, prefix, config, attn_layer_type=DofattnAttention if linear else LlamaAttention)
+
+
+class DofattnForCausalLM(LlamaForCausalLM, HasInnerState, IsHybrid):
+    """A dofattn export of a Llama-family model in vLLM (see the module's docstring)."""
+
+    is_hybrid = True
+    has_inner_state = True
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        student_spec(vllm_config.model_config.hf_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=DofattnLlamaDecoderLayer)
+
+    @classmethod
+    def state_layout(cls, vllm_config: VllmConfig) -> tuple:
+        return uniform_layout(layer_layouts(vllm_config.model_config.hf_config, model_dtype(vllm_config)).values())
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
+        return tuple(shape for _, shape, _ in cls.state_layout(vllm_config))
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
+        return tuple(dtype for _, _, dtype in cls.state_layout(vllm_config))
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple:
+        # only align mode (prefix caching) copies states, which the plugin does not serve; one per state is valid
+        return (get_temporal_copy_spec,)

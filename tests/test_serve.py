@@ -1,0 +1,156 @@
+"""dofattn's vLLM plugin (`dofattn.serve`): exports of tiny Llama students served by vLLM on CPU give HF generate's
+greedy tokens, and every prompt and generated token's log-probability as HF's forward: one prompt, a batch of mixed
+lengths (one shorter than the sink, some longer than the window), and prompts read in chunks of at most 32 tokens
+(chunked prefill). The students: window + sink + decay linear layers with PRF features and one softmax layer kept;
+and every layer pure linear with a gate, a short convolution and Hedgehog features.
+
+Runs where vllm imports and dofattn's `vllm.general_plugins` entry point is installed (the serving virtualenv); vLLM
+runs in a subprocess (it spawns its engine and worker), with a 1 GiB KV cache.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm is not installed (dofattn's plugin serves with vllm)")
+if not any(e.value == "dofattn.serve:register" for e in entry_points(group="vllm.general_plugins")):
+    pytest.skip("dofattn's vllm.general_plugins entry point (dofattn.serve:register) is not installed",
+                allow_module_level=True)
+
+from transformers import AutoModelForCausalLM, LlamaConfig                     # noqa: E402
+
+from dofattn.exported import load_export                                      # noqa: E402
+from dofattn.jobs.export import export                                        # noqa: E402
+from dofattn.spec import Attention, StudentSpec                               # noqa: E402
+from dofattn.student import build, fingerprint, save_student                  # noqa: E402
+from tests.conftest import tiny_tokenizer                                     # noqa: E402
+
+NEW_TOKENS = 10
+MAX_LEN = 256
+CHUNK = 32           # max_num_batched_tokens of the chunked case
+
+
+def prompts_of(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+SERVE = r"""
+import json, sys
+
+if __name__ == "__main__":
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    runs, out = json.loads(sys.argv[1]), sys.argv[2]
+    params = SamplingParams(temperature=0.0, max_tokens=%d, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    results = {}
+    for folder, engine, cases in runs:            # one engine at a time
+        llm = vllm.LLM(folder, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+                       max_model_len=%d, max_num_seqs=8, **engine)
+        for key, prompts in cases.items():
+            got = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            results[key] = [{"tokens": list(g.outputs[0].token_ids),            # and each token's log-probability
+                             "logprobs": [lp[t].logprob for lp, t in zip(g.prompt_logprobs[1:], p[1:])]
+                             + [lp[t].logprob for lp, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)]}
+                            for g, p in zip(got, prompts)]
+        del llm
+    json.dump(results, open(out, "w"))
+""" % (NEW_TOKENS, MAX_LEN)
+
+# The students: (layers linearized, their attention). `hybrid` as the brief's recipes (window, sink, a decay, PRF) with
+# layer 1 kept as softmax attention; `conv` a pure linear student (gate, short convolution, Hedgehog features), every
+# layer linear, whose state holds parts the plugin does not name.
+STUDENTS = {"hybrid": ([0, 2], Attention(feature="prf", window=8, sink=2, decay="head")),
+            "conv": ([0, 1, 2], Attention(feature="hedgehog", window=0, sink=0, decay="gate", conv=3))}
+# The runs of each student: (engine arguments, {case: prompts}); the prompts' lengths: one shorter than the sink,
+# several longer than the window, and, with chunked prefill of 32 tokens, prompts read in 2 or 3 chunks.
+RUNS = [({}, {"one": prompts_of([20], 1), "mixed": prompts_of([1, 5, 9, 17, 40, 3], 2)}),
+        ({"max_num_batched_tokens": CHUNK}, {"chunked": prompts_of([70, 45, 33, 6], 3)})]
+
+
+def tiny_llama() -> AutoModelForCausalLM:
+    """A tiny random Llama whose head size (32) vLLM's CPU attention takes."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, rope_theta=1e4,
+                         max_position_embeddings=MAX_LEN, tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def student_export(tmp: Path, layers: list[int], attention: Attention) -> Path:
+    """An export of a student of `tiny_llama` (5, 8 and 12 features a head) whose own tensors differ from a fresh
+    build."""
+    base = tmp / "base"
+    model = tiny_llama()
+    model.save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    spec = StudentSpec(base_model=str(base), dims=[5, 8, 12], layers=layers, attention=attention, seed=3,
+                       base=fingerprint(model))
+    build(model, spec)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".dofattn." in name:
+                p.add_(0.1 * torch.randn_like(p))
+        model(torch.randint(3, 300, (1, 24)), use_cache=False)          # calibrates the key shifts
+    save_student(model, tmp / "student", spec)
+    return export(tmp / "student", tmp / "export")
+
+
+def hf_reference(folder: Path, cases: dict) -> dict:
+    """For each prompt, one at a time: HF generate's greedy tokens (its cache; no stop at eos, as vLLM's ignore_eos)
+    and every token's log-probability after the prompt's first, from one forward over prompt and tokens (no cache)."""
+    model, _, _ = load_export(folder)
+    model.generation_config.eos_token_id = None
+    out = {}
+    with torch.no_grad():
+        for key, batch in cases.items():
+            out[key] = []
+            for p in batch:
+                ids = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+                logprobs = model(ids, use_cache=False).logits.float().log_softmax(-1)[0, :-1]
+                out[key].append({"tokens": ids[0, len(p):].tolist(),
+                                 "logprobs": logprobs.gather(-1, ids[0, 1:, None])[:, 0].tolist()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """{student: (HF's results, vLLM's)} for every student's runs, vLLM's in one subprocess."""
+    tmp = tmp_path_factory.mktemp("serve")
+    runs, expected = [], {}
+    for name, (layers, attention) in STUDENTS.items():
+        (tmp / name).mkdir()
+        folder = student_export(tmp / name, layers, attention)
+        for engine, cases in RUNS:
+            runs.append((str(folder), engine, {f"{name}/{k}": v for k, v in cases.items()}))
+            expected.update(hf_reference(folder, runs[-1][2]))
+    out = tmp / "served.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run([sys.executable, "-c", SERVE, json.dumps(runs), str(out)], env=env, capture_output=True,
+                          text=True, timeout=1200, cwd=tmp)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    got = json.loads(out.read_text())
+    return {name: ({k: v for k, v in expected.items() if k.startswith(name + "/")},
+                   {k: v for k, v in got.items() if k.startswith(name + "/")}) for name in STUDENTS}
+
+
+@pytest.mark.parametrize("student", list(STUDENTS))
+def test_vllm_serves_the_export_as_hf_generates(served, student):
+    expected, got = served[student]
+    assert got.keys() == expected.keys()
+    for key, rows in expected.items():
+        for i, (want, have) in enumerate(zip(rows, got[key], strict=True)):
+            assert have["tokens"] == want["tokens"], (key, i)
+            torch.testing.assert_close(torch.tensor(have["logprobs"]), torch.tensor(want["logprobs"]), atol=1e-4,
+                                       rtol=0, msg=lambda m: f"{key} prompt {i}: {m}")
+    tokens = [t for rows in expected.values() for row in rows for t in row["tokens"]]
+    assert len(set(tokens)) > len(tokens) // 4          # a model whose tokens say something (not one repeated)
