@@ -42,7 +42,9 @@ every path, the naive form and the cache slot take it). In order:
    filtered q, k, v: applied before every form and in `naive`), `check_padding`, `runs(kernel)` (False for a fast
    form that does not compute it: the general call, on the ops with every part's arguments, then runs instead),
    `layerwise` (False: the layerwise stage leaves it out of its optimizer), and a `State` (a `PartState` subclass)
-   if it keeps cache state: the slot then makes, reorders, batches, moves, counts and freezes it (`frozen`).
+   if it keeps cache state: the slot then makes, reorders, batches, moves, counts and freezes it (`frozen`). To be
+   served by vLLM (`dofattn.serve`) the state must reach a fixed size, and all zeros must mean "nothing seen yet"
+   (vLLM hands a new sequence a zeroed block; tests/test_serve.py serves a window, a sink and a convolution so).
 4. `layer.PARTS`: its class, in the order its `inputs` apply.
 5. tests/test_attention.py: a row of `LAYERS` (alone and beside the parts it combines with) and its term in
    `reference`, which composes the ops' naive forms itself; every path of the layer and `naive` are then checked
