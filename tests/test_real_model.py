@@ -75,7 +75,7 @@ def test_smoke_generate_with_linearized_smollm2(capsys):
                  "8", "--prompt", "Albedo is"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert captured.out.startswith("Albedo is") and "8 tokens" in captured.err
+    assert captured.out.startswith("Albedo is") and "8 new tokens" in captured.err
 
 
 @pytest.mark.parametrize("kind", ["prf", "performer"])
