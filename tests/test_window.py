@@ -107,8 +107,9 @@ def test_a_cpu_prefill_takes_the_block_form(monkeypatch):
     import dofattn.ops.window as window
 
     called = []
-    monkeypatch.setattr(window, "block_window_linear_attention", lambda *a, **kw: called.append("block") or (None, None))
-    monkeypatch.setattr(window, "blocked_window_linear_attention", lambda *a, **kw: called.append("blocked") or (None, None))
+    for name in ("block", "blocked"):
+        monkeypatch.setattr(window, f"{name}_window_linear_attention",
+                            lambda *a, name=name, **kw: called.append(name) or (None, None))
     tensors, _, _ = inputs(1, 40, 0, 2, 4, 4, 3, 4)
     with torch.no_grad():
         window.window_linear_attention(*tensors, 0.3, 4)

@@ -31,7 +31,8 @@ def run(ns) -> int:
     print(result["text"])
     rate = result["tokens_per_s"]
     after = f", then {rate:.1f} tokens/s" if rate == rate else ""          # nan: no token after the first
+    read = result["prompt_tokens"] / max(result["prompt_s"], 1e-9)
     print(f"[{result['model']}: read {result['prompt_tokens']} prompt tokens in {result['prompt_s']:.2f} s "
-          f"({result['prompt_tokens'] / max(result['prompt_s'], 1e-9):.0f} tokens/s); {result['new_tokens']} new tokens "
-          f"in {result['seconds']:.2f} s{after}; stopped {result['stopped']}]", file=sys.stderr)
+          f"({read:.0f} tokens/s); {result['new_tokens']} new tokens in {result['seconds']:.2f} s{after}; stopped "
+          f"{result['stopped']}]", file=sys.stderr)
     return 0

@@ -10,6 +10,7 @@ student with untrained features (--dims per layer), to check plumbing and speed,
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -104,25 +105,20 @@ class FirstToken:
         pass
 
 
+@contextlib.contextmanager
 def prompt_bar(tokens: int, model, progress):
     """A context in which a prompt of `tokens` read in chunks shows a progress bar (stderr), when `progress` is on
     and the model reads in chunks; else nothing."""
-    import contextlib
-
     from dofattn.attention.prompt import PromptReader, reading_progress
 
     if progress is None or not isinstance(model, PromptReader) or tokens <= model.prompt_chunk:
-        return contextlib.nullcontext()
+        yield
+        return
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=tokens, desc="reading the prompt", unit="token", leave=False)
-
-    @contextlib.contextmanager
-    def shown():
-        with bar, reading_progress(lambda done, total: bar.update(done - bar.n)):
-            yield
-
-    return shown()
+    with tqdm(total=tokens, desc="reading the prompt", unit="token", leave=False) as bar, \
+            reading_progress(lambda done, total: bar.update(done - bar.n)):
+        yield
 
 
 def run(cfg: GenerateConfig, progress=None) -> dict:

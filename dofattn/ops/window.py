@@ -362,13 +362,18 @@ def _banded_softmax(q, k, v, scaling: float, window: int, key_valid):
     return unblock(o), unblock(log_mass.transpose(2, 3)), unblock(any_key.transpose(2, 3))
 
 
+def _sink_span(sink_mask: torch.Tensor) -> int:
+    """The keys up to the last sink of any row (sink_mask [B, Tk]): how many a sink part reads."""
+    used = sink_mask.any(0).nonzero()
+    return int(used.max()) + 1 if used.numel() else 0
+
+
 def sink_softmax(q, k, v, scaling: float, window: int, sink_mask):
     """Exact softmax over the sink keys at least W before each query (those nearer are the band's), on the layout
     of `blocked_window_linear_attention` (q [B, Tk, H, D]): (ō [B, Tk, H, V], log-mass [B, Tk, H], any-key).
     Computes in q's dtype; only the keys and values up to the last sink are converted to it."""
     B, Tk, H = q.shape[:3]
-    used = sink_mask.any(0).nonzero()
-    L = int(used.max()) + 1 if used.numel() else 0                      # the keys up to the last sink in any row
+    L = _sink_span(sink_mask)
     k, v = k[:, :L].to(q.dtype), v[:, :L].to(q.dtype)
     pos_q = torch.arange(Tk, device=q.device)[:, None]
     pos_k = torch.arange(L, device=q.device)[None, :]
@@ -538,13 +543,11 @@ def block_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset
     # one row per query: [previous block | own block] exact (the band) or linear (the previous block's j ≤ i)
     pair_keys = torch.cat([kg[:, first - 1:N - 1], kg[:, first:]], 3)                    # [B, Nq, H, 2W, D]
     logits = torch.matmul(qg, pair_keys.transpose(-1, -2)).mul_(scaling)                 # [B, Nq, H, W, 2W]
-    linear = torch.matmul(pq, pk[:, first - 1:N - 1].transpose(-1, -2))                 # φq·φk [B, Nq, H, W, W]
-    none = linear <= 0                                                                   # no linear weight at all
-    linear.clamp_min_(TINY).log_().add_(shift[..., None])
+    linear = _log(torch.matmul(pq, pk[:, first - 1:N - 1].transpose(-1, -2))).add_(shift[..., None])   # [.., W, W]
     if log_gamma is not None:                                                            # γ^(i − j), j ≤ i
         linear.add_(log_gamma[:, None, None] * (i[:, None] - i[None, :]).clamp_min(0).to(dtype))
     before = logits[..., :C]
-    before.copy_(torch.where(later, before, linear.masked_fill_(none, -torch.inf)))
+    before.copy_(torch.where(later, before, linear))
     seen = torch.cat([plain_g[:, first - 1:N - 1], plain_g[:, first:]], 2)               # [B, Nq, 2W]
     band = torch.cat([torch.ones_like(later), ~later], 1)                                # [i, 2W]: own block j ≤ i
     logits.masked_fill_(~(seen[:, :, None, None, :] & band), -torch.inf)
@@ -569,11 +572,10 @@ def block_window_linear_attention(q, k, v, phi_q, phi_k, q_log_scale, log_offset
     if log_gamma is not None:
         read.mul_(torch.exp(log_gamma[:, None] * (i + 1).to(dtype))[..., None])
     den = read[..., -1]
-    state_logit = torch.where(den > 0, den.clamp_min(TINY).log() + shift, -torch.inf)   # [B, Nq, H, W]
+    state_logit = _log(den) + shift                                                      # [B, Nq, H, W]
     parts = [logits]
     if sink_mask is not None:                       # the sink keys, exact for every later query, up to the last sink
-        used = sink_mask.any(0).nonzero()
-        L = int(used.max()) + 1 if used.numel() else 0
+        L = _sink_span(sink_mask)
         pos_q = origin + n[:, None] * C + i[None, :]                                      # [Nq, W]
         sinks = (sink_mask & valid)[:, :L]                                               # [B, L]
         k_sink = k[:, :L].to(dtype).transpose(1, 2)[:, None]                              # [B, 1, H, L, D]
