@@ -26,13 +26,21 @@ import sys
 MIB = 2 ** 20
 
 
+def real_prompt(tokenizer, length: int):
+    """[1, length] token ids of real text: wiki-sample's train split, its blocks of up to 8 K joined."""
+    from dofattn.data import token_blocks
+
+    block = min(length, 8192)
+    ids = token_blocks("wiki-sample", tokenizer, seq_len=block, num_blocks=-(-length // block), split="train")
+    return ids.reshape(1, -1)[:, :length]
+
+
 def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) -> dict:
     import torch
     from transformers import DynamicCache
 
     from dofattn.attention.cache import cache_bytes
     from dofattn.jobs.bench import PeakMemory
-    from dofattn.data import token_blocks
     from dofattn.hf import cache_kwargs, load_model
     from dofattn.student import load_student, read_spec
 
@@ -46,9 +54,7 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
     else:
         model, tokenizer = load_model(read_spec(folder).base_model)
     model.eval()
-    block = min(length, 8192)
-    ids = token_blocks("wiki-sample", tokenizer, seq_len=block, num_blocks=-(-length // block), split="train")
-    prompt = ids.reshape(1, -1)[:, :length]
+    prompt = real_prompt(tokenizer, length)
     with torch.no_grad():                 # warm-up: the code and the allocator's first pages are not the prompt's
         warm = DynamicCache(config=model.config)
         model(input_ids=prompt[:, :64], use_cache=True, logits_to_keep=1, **cache_kwargs(model, warm))
@@ -74,14 +80,11 @@ def measure_export(folder: str, length: int, new_tokens: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dofattn.data import token_blocks
     from dofattn.jobs.bench import PeakMemory
 
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
-    block = min(length, 8192)
-    ids = token_blocks("wiki-sample", tokenizer, seq_len=block, num_blocks=-(-length // block), split="train")
-    prompt = ids.reshape(1, -1)[:, :length]
+    prompt = real_prompt(tokenizer, length)
     with torch.no_grad():
         model.generate(prompt[:, :64], max_new_tokens=2, do_sample=False)                 # warm-up
     memory = PeakMemory("cpu")

@@ -30,7 +30,7 @@ def read(route: str, model_kind: str, student: str, export: str | None, length: 
          extend_to: int | None) -> dict:
     import torch
 
-    from dofattn.data import token_blocks
+    from bounded_memory import real_prompt          # benchmarks/, beside this script
 
     if route == "export" and model_kind == "student":
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -51,9 +51,7 @@ def read(route: str, model_kind: str, student: str, export: str | None, length: 
 
         extend_context(model, extend_to)
     model.eval()
-    block = min(length, 8192)
-    ids = token_blocks("wiki-sample", tokenizer, seq_len=block, num_blocks=-(-length // block), split="train")
-    prompt = ids.reshape(1, -1)[:, :length]
+    prompt = real_prompt(tokenizer, length)
     mask = torch.ones_like(prompt)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     seconds = []
