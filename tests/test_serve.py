@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig                     #
 
 from dofattn.exported import load_export                                      # noqa: E402
 from dofattn.jobs.export import export                                        # noqa: E402
-from dofattn.spec import Attention, StudentSpec                               # noqa: E402
+from dofattn.spec import Attention, Kept, StudentSpec                               # noqa: E402
 from dofattn.student import build, fingerprint, save_student                  # noqa: E402
 from tests.conftest import tiny_tokenizer                                     # noqa: E402
 
@@ -65,11 +65,15 @@ if __name__ == "__main__":
     json.dump(results, open(out, "w"))
 """ % (NEW_TOKENS, MAX_LEN)
 
-# The students: (layers linearized, their attention). `hybrid` as the brief's recipes (window, sink, a decay, PRF) with
-# layer 1 kept as softmax attention; `conv` a pure linear student (gate, short convolution, Hedgehog features), every
-# layer linear, whose state holds parts the plugin does not name.
-STUDENTS = {"hybrid": ([0, 2], Attention(feature="prf", window=8, sink=2, decay="head")),
-            "conv": ([0, 1, 2], Attention(feature="hedgehog", window=0, sink=0, decay="gate", conv=3))}
+# The students: (layers linearized, their attention, how the kept layer holds its keys). `hybrid` as the recipes
+# (window, sink, a decay, PRF) with layer 1 kept as softmax attention on vLLM's paged cache; `conv` a pure linear
+# student (gate, short convolution, Hedgehog features), every layer linear, whose state holds parts the plugin does
+# not name; `bounded` as the default recipe: its kept layer holds the sink, the window and 4 selected keys per kv
+# head after the prompt, as a fixed state (the plugin turns chunked prefill off for it: its chunked run reads each
+# prompt in one step).
+STUDENTS = {"hybrid": ([0, 2], Attention(feature="prf", window=8, sink=2, decay="head"), Kept()),
+            "conv": ([0, 1, 2], Attention(feature="hedgehog", window=0, sink=0, decay="gate", conv=3), Kept()),
+            "bounded": ([0, 2], Attention(feature="prf", window=8, sink=2), Kept(select=4))}
 # The runs of each student: (engine arguments, {case: prompts}); the prompts' lengths: one shorter than the sink,
 # several longer than the window, and, with chunked prefill of 32 tokens, prompts read in 2 or 3 chunks.
 RUNS = [({}, {"one": prompts_of([20], 1), "mixed": prompts_of([1, 5, 9, 17, 40, 3], 2)}),
@@ -85,14 +89,14 @@ def tiny_llama() -> AutoModelForCausalLM:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def student_export(tmp: Path, layers: list[int], attention: Attention) -> Path:
+def student_export(tmp: Path, layers: list[int], attention: Attention, kept: Kept) -> Path:
     """An export of a student of `tiny_llama` (5, 8 and 12 features a head) whose own tensors differ from a fresh
     build."""
     base = tmp / "base"
     model = tiny_llama()
     model.save_pretrained(base)
     tiny_tokenizer().save_pretrained(base)
-    spec = StudentSpec(base_model=str(base), dims=[5, 8, 12], layers=layers, attention=attention, seed=3,
+    spec = StudentSpec(base_model=str(base), dims=[5, 8, 12], layers=layers, attention=attention, kept=kept, seed=3,
                        base=fingerprint(model))
     build(model, spec)
     with torch.no_grad():
@@ -106,7 +110,8 @@ def student_export(tmp: Path, layers: list[int], attention: Attention) -> Path:
 
 def hf_reference(folder: Path, cases: dict) -> dict:
     """For each prompt, one at a time: HF generate's greedy tokens (its cache; no stop at eos, as vLLM's ignore_eos)
-    and every token's log-probability after the prompt's first, from one forward over prompt and tokens (no cache)."""
+    and every token's log-probability after the prompt's first: the prompt's from one forward over it (no cache), the
+    generated ones' from generate's own logits (a bounded kept layer reads its bounded cache there, not every key)."""
     model, _, _ = load_export(folder)
     model.generation_config.eos_token_id = None
     out = {}
@@ -114,10 +119,14 @@ def hf_reference(folder: Path, cases: dict) -> dict:
         for key, batch in cases.items():
             out[key] = []
             for p in batch:
-                ids = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-                logprobs = model(ids, use_cache=False).logits.float().log_softmax(-1)[0, :-1]
-                out[key].append({"tokens": ids[0, len(p):].tolist(),
-                                 "logprobs": logprobs.gather(-1, ids[0, 1:, None])[:, 0].tolist()})
+                done = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                      output_logits=True, return_dict_in_generate=True)
+                tokens = done.sequences[0, len(p):]
+                prompt = model(torch.tensor([p]), use_cache=False).logits.float().log_softmax(-1)[0, :-1]
+                steps = torch.cat(done.logits).float().log_softmax(-1)                    # [new tokens, vocab]
+                out[key].append({"tokens": tokens.tolist(),
+                                 "logprobs": prompt.gather(-1, torch.tensor(p[1:])[:, None])[:, 0].tolist()
+                                 + steps.gather(-1, tokens[:, None])[:, 0].tolist()})
     return out
 
 
@@ -126,9 +135,9 @@ def served(tmp_path_factory):
     """{student: (HF's results, vLLM's)} for every student's runs, vLLM's in one subprocess."""
     tmp = tmp_path_factory.mktemp("serve")
     runs, expected = [], {}
-    for name, (layers, attention) in STUDENTS.items():
+    for name, (layers, attention, kept) in STUDENTS.items():
         (tmp / name).mkdir()
-        folder = student_export(tmp / name, layers, attention)
+        folder = student_export(tmp / name, layers, attention, kept)
         for engine, cases in RUNS:
             runs.append((str(folder), engine, {f"{name}/{k}": v for k, v in cases.items()}))
             expected.update(hf_reference(folder, runs[-1][2]))

@@ -47,7 +47,9 @@ def register() -> None:
 def _without_prefix_caching() -> None:
     """vLLM turns prefix caching on for a hybrid model by default; a dofattn state is not kept per block of the prompt
     (vLLM's "align" mode), so for a `DofattnForCausalLM` the plugin turns it off, with a warning, before vLLM sets
-    up the cache (its per-architecture config hook, `MODELS_CONFIG_MAP`)."""
+    up the cache (its per-architecture config hook, `MODELS_CONFIG_MAP`). A student whose kept layers are bounded
+    after the prompt (student.select) reads each prompt in one step: chunked prefill off, as vLLM does on a CPU for
+    a model it cannot chunk."""
     import logging
 
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
@@ -60,6 +62,15 @@ def _without_prefix_caching() -> None:
                 logging.getLogger("vllm").warning("dofattn: prefix caching is turned off (a linear layer's state is "
                                                   "not kept per block of the prompt)")
                 cache.enable_prefix_caching = False
+            kept = (getattr(vllm_config.model_config.hf_config, "dofattn", None) or {}).get("kept") or {}
+            scheduler = vllm_config.scheduler_config
+            if kept.get("select") and (scheduler.enable_chunked_prefill or scheduler.long_prefill_token_threshold):
+                longest = vllm_config.model_config.max_model_len
+                logging.getLogger("vllm").warning(
+                    "dofattn: chunked prefill is turned off and max_num_batched_tokens raised to max_model_len "
+                    f"({longest}): the bounded kept layers (student.select) choose their keys from the whole prompt")
+                scheduler.enable_chunked_prefill, scheduler.long_prefill_token_threshold = False, 0
+                scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, longest)
 
     MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, DofattnModelConfig)
 

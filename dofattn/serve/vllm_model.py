@@ -1,5 +1,6 @@
 """A dofattn export in vLLM: vLLM's own Llama for everything but attention, dofattn's `LinearAttention` in each
-linearized layer, vLLM's paged attention in the layers the student keeps exact.
+linearized layer; in the layers the student keeps exact, vLLM's paged attention, or, if the student bounds them after
+the prompt (student.select), a fixed state of the keys they keep (`DofattnBounded`).
 
     llm = vllm.LLM("exports/student", enable_prefix_caching=False)     # the plugin registered (`dofattn.serve`)
 
@@ -22,25 +23,32 @@ batch of the layer's cached call (its steady decode step once the window and sin
 prompt, or a chunk of one) runs the layer's general cached call, continuing from its slot; the slots are written
 back. No per-token loops.
 
-Not served yet (a ValueError names each): LoRA adapters not merged (export with --merge-lora), kept layers bounded
-after the prompt (student.select), families other than Llama, prefix caching (turned off by the plugin),
-speculative decoding, tensor parallelism.
+A bounded kept layer's slot is the `BoundedKVLayer` its `BoundedSoftmax` chooses after the prompt (the sink's keys,
+each kv head's selected ones, a ring of the last W): the prompt is read with exact causal attention in one step, so
+the plugin turns chunked prefill off for such a student (and a prompt that comes in chunks anyway is refused). With
+every kept layer bounded, a sequence's memory in vLLM is constant, prompt included: no paged cache at all.
+
+Not served yet (a ValueError names each): LoRA adapters not merged (export with --merge-lora), families other than
+Llama, prefix caching (turned off by the plugin), speculative decoding, tensor parallelism.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import fields
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from dofattn.attention.cache import LinearStateLayer
+from dofattn.attention.bounded import BoundedSoftmax
+from dofattn.attention.cache import LinearStateLayer, ring_slot
 from dofattn.attention.layer import LinearAttention
 from dofattn.features import make_feature_map
-from dofattn.spec import Attention, StudentSpec
+from dofattn.spec import Attention, Kept, StudentSpec
 
 SUPPORTED = ("LlamaForCausalLM",)
 OP_NAME = "dofattn_attention"
@@ -60,9 +68,6 @@ def student_spec(hf_config) -> StudentSpec:
         raise ValueError(f"dofattn's vLLM plugin serves students of {', '.join(SUPPORTED)}; this one's base is {base}")
     if spec.lora_rank:
         raise ValueError("dofattn's vLLM plugin serves students without LoRA adapters: export with --merge-lora")
-    if spec.kept.select:
-        raise ValueError("dofattn's vLLM plugin keeps every key of a kept softmax layer; this student bounds them "
-                         f"after the prompt (student.select = {spec.kept.select}), which it does not serve yet")
     return spec
 
 
@@ -141,6 +146,53 @@ def uniform_layout(layouts: Iterable[tuple]) -> tuple[tuple[str, tuple[int, ...]
                  for j, (name, shape, dt) in enumerate(first))
 
 
+def bounded_softmax(hf_config) -> BoundedSoftmax | None:
+    """The `BoundedSoftmax` of an export's kept layers (student.select > 0), or None (they keep every key)."""
+    spec = student_spec(hf_config)
+    if not spec.kept.select:
+        return None
+    return BoundedSoftmax(spec.kept, spec.attention, head_layout(hf_config)[2] ** -0.5)
+
+
+@functools.cache
+def _bounded_layout(kept: Kept, attention: Attention, heads: int, kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """What a bounded kept layer's slot holds per sequence after a prompt: the `BoundedKVLayer` it chooses, read off
+    a throwaway prompt longer than its sink, selection and window together: keys and values [Hkv, L + W, D] (L held,
+    then a ring of W) and which slots hold a real key [L + W] (a shorter prompt leaves some invalid)."""
+    bounded = BoundedSoftmax(kept, attention, head_dim ** -0.5)
+    held = attention.sink + kept.select + attention.window
+    g = torch.Generator().manual_seed(0)
+    T = 2 * held + 4
+    q = torch.randn(1, bounded.kept.select_observe, heads, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(1, kv_heads, T, head_dim, generator=g).to(dtype) for _ in range(2))
+    slot = bounded.choose(q, k, v, torch.ones(1, T, dtype=torch.bool))
+    return (("keys", tuple(slot.keys.shape[1:]), slot.keys.dtype),
+            ("values", tuple(slot.values.shape[1:]), slot.values.dtype),
+            ("valid", tuple(slot.valid.shape[1:]), slot.valid.dtype))
+
+
+def bounded_layout(hf_config, dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...] | None:
+    """A bounded kept layer's slot layout in a model of `dtype` (every kept layer's: one `Kept` config), or None."""
+    bounded = bounded_softmax(hf_config)
+    return None if bounded is None else _bounded_layout(bounded.kept, bounded.attention, *head_layout(hf_config),
+                                                        dtype)
+
+
+def aligned(layout: tuple) -> tuple:
+    """`layout` with its last tensor's last dimension grown until the page is a multiple of 8 bytes: vLLM views each
+    sequence's page at a stride of the page's size, which must divide by every dtype's size (the tensors run from
+    the widest dtype to the narrowest, so each one's offset does). A layer reads its own shapes (`StateLayer.own`)."""
+    def size(lay):
+        return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in lay)
+
+    layout = list(layout)
+    while size(layout) % 8:
+        name, shape, dtype = layout[-1]
+        layout[-1] = (name, (*shape[:-1], shape[-1] + 1), dtype)
+    return tuple(layout)
+
+
 def model_dtype(vllm_config) -> torch.dtype:
     return vllm_config.model_config.dtype
 
@@ -156,19 +208,19 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid       
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM  # noqa: E402
 from vllm.model_executor.models.utils import extract_layer_index                     # noqa: E402
 from vllm.utils.torch_utils import direct_register_custom_op                         # noqa: E402
+from vllm.v1.kv_cache_interface import MambaSpec                                     # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum            # noqa: E402
 
 
-class DofattnState(nn.Module, MambaBase):
-    """A linear layer's per-sequence state in vLLM's pool (`MambaBase`: one block per sequence, its tensors the
-    `uniform_layout`'s, of which this layer reads its own corner, `own`), and the layer's forward on it (`run`). It
-    has no parameters: the `LinearAttention` it runs is its attention module's (`linear`, not a child)."""
+class StateLayer(nn.Module, MambaBase):
+    """A dofattn layer's per-sequence state in vLLM's pool (`MambaBase`: one block per sequence, its tensors those of
+    `layout`, of which this layer reads its own corner, `own`), and the layer's forward on it (`run`, the subclass's).
+    It has no parameters."""
 
-    def __init__(self, linear: LinearAttention, layout: tuple, own: tuple, prefix: str):
+    def __init__(self, layout: tuple, own: tuple, prefix: str):
         super().__init__()
         self.layout, self.prefix = layout, prefix
         self.own = {name: shape for name, shape, _ in own}
-        object.__setattr__(self, "linear", linear)                   # not a submodule: its tensors load elsewhere
         config = get_current_vllm_config()
         if config.cache_config.mamba_cache_mode != "none":
             raise ValueError(f"dofattn's vLLM plugin serves without prefix caching (mamba cache mode "
@@ -197,24 +249,40 @@ class DofattnState(nn.Module, MambaBase):
         return {name: pool[(slice(None), *(slice(0, n) for n in self.own[name]))]
                 for (name, _, _), pool in zip(self.layout, self.kv_cache)}
 
+    def batch(self):
+        """This forward's rows (vLLM's packed batch, decodes first): (starts [rows + 1], lengths so far including
+        this call's tokens [rows], each row's block [rows]), or None in a profile or dummy run."""
+        metadata = get_forward_context().attn_metadata
+        meta = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if meta is None:
+            return None
+        if meta.num_decode_tokens != meta.num_decodes:
+            raise ValueError("dofattn's vLLM plugin takes one token per decode row (no speculative decoding)")
+        rows = meta.num_decodes + meta.num_prefills
+        return (meta.query_start_loc[:rows + 1].tolist(), meta.seq_lens[:rows].tolist(),
+                meta.state_indices_tensor[:rows].long(), meta.num_decodes)
+
+
+class DofattnState(StateLayer):
+    """A linear layer's state: its `LinearStateLayer`'s tensors (the `uniform_layout`). The `LinearAttention` it runs
+    is its attention module's (`linear`, not a child: its tensors load there)."""
+
+    def __init__(self, linear: LinearAttention, layout: tuple, own: tuple, prefix: str):
+        super().__init__(layout, own, prefix)
+        object.__setattr__(self, "linear", linear)
+
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
         """output[:n] = the layer's attention of the batch's n real tokens: q [T, H·D], k and v [T, Hkv·D] after
         RoPE, continuing each sequence from its block and writing its block back."""
-        metadata = get_forward_context().attn_metadata
-        meta = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-        if meta is None:                                             # a profile or dummy run: any numbers do
+        batch = self.batch()
+        if batch is None:                                            # a profile or dummy run: any numbers do
             output.zero_()
             return
+        starts, seq_lens, blocks, decodes = batch
         linear = self.linear
         H, Hkv = linear.num_heads, linear.num_kv_heads
         D = q.shape[-1] // H
-        decodes, prefills = meta.num_decodes, meta.num_prefills
-        if meta.num_decode_tokens != decodes:
-            raise ValueError("dofattn's vLLM plugin takes one token per decode row (no speculative decoding)")
-        rows = decodes + prefills
-        starts = meta.query_start_loc[:rows + 1].tolist()
-        seq_lens = meta.seq_lens[:rows].tolist()
-        blocks = meta.state_indices_tensor[:rows].long()
+        rows = len(seq_lens)
         views = self.views()
         fresh = [r for r in range(rows) if seq_lens[r] == starts[r + 1] - starts[r]]   # context 0: a new sequence
         if fresh:
@@ -243,6 +311,75 @@ class DofattnState(nn.Module, MambaBase):
                     views[name][at] = tensor
 
 
+class DofattnBounded(StateLayer):
+    """A kept softmax layer bounded after the prompt (student.select): its state is the `BoundedKVLayer` its
+    `BoundedSoftmax` chooses at the prompt's end (`bounded_layout`: L held keys, the sink's and each kv head's
+    selected, then a ring of the last W). A prompt is read with exact causal attention over itself, in one step (the
+    plugin turns chunked prefill off: the choice needs the whole prompt), then chosen from; a decode step writes its
+    key into its ring slot and attends over the valid slots, as `BoundedKVLayer` does in HF. A prompt that arrives
+    in chunks anyway is refused, never bounded early."""
+
+    def __init__(self, bounded: BoundedSoftmax, heads: int, kv_heads: int, head_dim: int, layout: tuple,
+                 prefix: str):
+        super().__init__(aligned(layout), layout, prefix)
+        self.bounded, self.heads, self.kv_heads, self.head_dim = bounded, heads, kv_heads, head_dim
+        self.width = bounded.attention.window
+        self.lead = self.own["valid"][0] - self.width
+        config = get_current_vllm_config().scheduler_config
+        if config.enable_chunked_prefill or config.long_prefill_token_threshold:
+            raise ValueError("dofattn's bounded kept layers (student.select) read a prompt in one step: serve with "
+                             "enable_chunked_prefill=False and max_num_batched_tokens >= max_model_len")
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
+        batch = self.batch()
+        if batch is None:
+            output.zero_()
+            return
+        starts, seq_lens, blocks, _ = batch
+        H, Hkv, D, L, W = self.heads, self.kv_heads, self.head_dim, self.lead, self.width
+        views = self.views()
+        keys, values, valid = views["keys"], views["values"], views["valid"]   # [blocks, Hkv, L + W, D] twice, [.., L + W]
+        steps, prompts = [], []
+        for r in range(len(seq_lens)):
+            length = starts[r + 1] - starts[r]
+            if seq_lens[r] == length:                        # context 0: a prompt (a one-token one is a "decode")
+                prompts.append(r)
+            elif length == 1:
+                steps.append(r)
+            else:
+                raise ValueError("dofattn's bounded kept layers (student.select) read a prompt in one step, and this "
+                                 "one came in chunks: serve with enable_chunked_prefill=False and "
+                                 "max_num_batched_tokens >= max_model_len")
+        n = starts[-1]
+        out = output[:n].view(n, H, D)
+        gqa, scale = H != Hkv, self.bounded.scaling
+        with torch.no_grad():
+            if steps:
+                at = blocks[steps]
+                tokens = torch.tensor([starts[r] for r in steps])
+                slot = ring_slot(torch.tensor([seq_lens[r] - 1 for r in steps]), W, L)     # [n]: each one's ring slot
+                keys[at, :, slot] = k[tokens].view(-1, Hkv, D).to(keys.dtype)
+                values[at, :, slot] = v[tokens].view(-1, Hkv, D).to(values.dtype)
+                valid[at, slot] = True
+                o = F.scaled_dot_product_attention(q[tokens].view(-1, H, 1, D).to(keys.dtype), keys[at], values[at],
+                                                   attn_mask=valid[at][:, None, None], scale=scale, enable_gqa=gqa)
+                out[tokens] = o[:, :, 0].to(out.dtype)
+            for r in prompts:
+                s, e = starts[r], starts[r + 1]
+                qr, kr, vr = (x[s:e].view(1, e - s, -1, D).transpose(1, 2).to(keys.dtype) for x in (q, k, v))
+                o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=gqa)
+                out[s:e] = o[0].transpose(0, 1).to(out.dtype)
+                observed = qr.transpose(1, 2)[:, -self.bounded.kept.select_observe:]
+                chosen = self.bounded.choose(observed, kr, vr, torch.ones(1, e - s, dtype=torch.bool))
+                held = chosen.lead                           # ≤ L: a prompt shorter than the sink holds fewer
+                block = blocks[r]
+                for pool, new in ((keys, chosen.keys[0]), (values, chosen.values[0])):
+                    pool[block] = 0
+                    pool[block, :, :held], pool[block, :, L:] = new[:, :held], new[:, held:]
+                valid[block] = False
+                valid[block, :held], valid[block, L:] = chosen.valid[0, :held], chosen.valid[0, held:]
+
+
 def dofattn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
                       layer_name: str) -> None:
     get_forward_context().no_compile_layers[layer_name].run(q, k, v, output)
@@ -258,8 +395,10 @@ direct_register_custom_op(op_name=OP_NAME, op_func=dofattn_attention, mutates_ar
 
 
 class DofattnAttention(LlamaAttention):
-    """A linearized layer: vLLM's qkv_proj, o_proj and rotary_emb (LlamaAttention's), the export's `LinearAttention`
-    at `dofattn` and its vLLM state at `attn`; no paged attention (no `Attention` is built)."""
+    """A layer whose attention is dofattn's: vLLM's qkv_proj, o_proj and rotary_emb (LlamaAttention's), and its vLLM
+    state at `attn`; no paged attention (no `Attention` is built). A linearized layer holds the export's
+    `LinearAttention` at `dofattn` (state: `DofattnState`); a kept layer bounded after the prompt holds no tensors
+    of its own (state: `DofattnBounded`)."""
 
     def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,
                  max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
@@ -285,11 +424,15 @@ class DofattnAttention(LlamaAttention):
                                         quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self._init_rotary_emb(config, quant_config=quant_config)
         dtype = model_dtype(get_current_vllm_config())
+        if layer not in spec.layers:
+            self.attn = DofattnBounded(bounded_softmax(config), heads, kv_heads, head_dim,
+                                       bounded_layout(config, dtype), prefix=f"{prefix}.attn")
+            return
         with torch.device("cpu"):
             self.dofattn = make_linear(spec.attention, spec.attention.feature, heads, kv_heads, head_dim,
                                        spec.dims[layer], self.scaling)
         layouts = layer_layouts(config, dtype)
-        self.attn = DofattnState(self.dofattn, uniform_layout(layouts.values()), layouts[layer],
+        self.attn = DofattnState(self.dofattn, aligned(uniform_layout(layouts.values())), layouts[layer],
                                  prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -303,12 +446,14 @@ class DofattnAttention(LlamaAttention):
 
 
 class DofattnLlamaDecoderLayer(LlamaDecoderLayer):
-    """Llama's decoder layer with `DofattnAttention` in the export's linear layers, LlamaAttention in the others."""
+    """Llama's decoder layer with `DofattnAttention` in the export's linear layers and in bounded kept layers,
+    LlamaAttention (vLLM's paged cache) in kept layers that hold every key."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:
         config = config or vllm_config.model_config.hf_config
-        linear = extract_layer_index(prefix) in student_spec(config).layers
-        super().__init__(vllm_config, prefix, config, attn_layer_type=DofattnAttention if linear else LlamaAttention)
+        spec = student_spec(config)
+        ours = extract_layer_index(prefix) in spec.layers or spec.kept.select > 0
+        super().__init__(vllm_config, prefix, config, attn_layer_type=DofattnAttention if ours else LlamaAttention)
 
 
 class DofattnForCausalLM(LlamaForCausalLM, HasInnerState, IsHybrid):
@@ -323,7 +468,9 @@ class DofattnForCausalLM(LlamaForCausalLM, HasInnerState, IsHybrid):
 
     @classmethod
     def state_layout(cls, vllm_config: VllmConfig) -> tuple:
-        return uniform_layout(layer_layouts(vllm_config.model_config.hf_config, model_dtype(vllm_config)).values())
+        """The linear layers' state layout, as each `DofattnState` declares it."""
+        return aligned(uniform_layout(layer_layouts(vllm_config.model_config.hf_config,
+                                                    model_dtype(vllm_config)).values()))
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
@@ -332,6 +479,16 @@ class DofattnForCausalLM(LlamaForCausalLM, HasInnerState, IsHybrid):
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
         return tuple(dtype for _, _, dtype in cls.state_layout(vllm_config))
+
+    @classmethod
+    def get_mamba_specs_from_config(cls, vllm_config: VllmConfig) -> tuple[MambaSpec, ...]:
+        """Each kind of state layer's spec (vLLM pads every state page to the largest): the linear layers', and the
+        bounded kept layers' if the student bounds them."""
+        layouts = [cls.state_layout(vllm_config)]
+        bounded = bounded_layout(vllm_config.model_config.hf_config, model_dtype(vllm_config))
+        layouts += [aligned(bounded)] if bounded else []
+        return tuple(MambaSpec(shapes=tuple(s for _, s, _ in lay), dtypes=tuple(d for _, _, d in lay), block_size=-1)
+                     for lay in layouts)
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple:
