@@ -13,9 +13,9 @@ What a slot holds is the layer's own: a `LinearStateLayer` (the state [H, M, V+1
 window's last W keys, values and flags, a sink's first S, a convolution's last K-1 inputs) after enough tokens that
 every part's state has its steady size. `state_layout` reads it off a throwaway layer of the same config (a probe
 of a few calls), so a new part serves with no change here, as long as its state has a fixed size and zeros mean
-"nothing seen yet" (both hold of every part so far: an empty window is W slots flagged invalid, an empty sink S). The
-layers' layouts are made one (each tensor's largest shape over the layers: only M differs), so every linear layer has
-the same vLLM spec; a layer reads its own corner of each tensor.
+"nothing seen yet" (both hold of every part so far: an empty window is W slots flagged invalid, an empty sink S). To
+vLLM every dofattn layer's state is one page of bytes of the same size (the largest layer's, `page_bytes`), so they
+share one spec and one group; each layer views its own tensors in its page.
 
 Per forward (`DofattnState.run`), in vLLM's packed batch (decodes first): the slots of sequences that start here
 (context 0: vLLM recycles state blocks without zeroing them) are zeroed; the decode rows (one token each) run as one
@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Iterable
 from dataclasses import fields
 
 import torch
@@ -134,18 +133,6 @@ def layer_layouts(hf_config, dtype: torch.dtype) -> dict[int, tuple]:
                             head_dim ** -0.5, dtype) for i in spec.layers}
 
 
-def uniform_layout(layouts: Iterable[tuple]) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
-    """One layout for every linear layer: each tensor's largest shape over the layers (their names, ranks and dtypes
-    are the same: one `Attention` config; M differs by layer)."""
-    layouts = list(layouts)
-    first = layouts[0]
-    for other in layouts[1:]:
-        if [(n, len(s), d) for n, s, d in other] != [(n, len(s), d) for n, s, d in first]:
-            raise ValueError("dofattn's linear layers keep different states; the plugin needs one layout")
-    return tuple((name, tuple(max(lay[j][1][a] for lay in layouts) for a in range(len(shape))), dt)
-                 for j, (name, shape, dt) in enumerate(first))
-
-
 def bounded_softmax(hf_config) -> BoundedSoftmax | None:
     """The `BoundedSoftmax` of an export's kept layers (student.select > 0), or None (they keep every key)."""
     spec = student_spec(hf_config)
@@ -179,18 +166,30 @@ def bounded_layout(hf_config, dtype: torch.dtype) -> tuple[tuple[str, tuple[int,
                                                         dtype)
 
 
-def aligned(layout: tuple) -> tuple:
-    """`layout` with its last tensor's last dimension grown until the page is a multiple of 8 bytes: vLLM views each
-    sequence's page at a stride of the page's size, which must divide by every dtype's size (the tensors run from
-    the widest dtype to the narrowest, so each one's offset does). A layer reads its own shapes (`StateLayer.own`)."""
-    def size(lay):
-        return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in lay)
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
-    layout = list(layout)
-    while size(layout) % 8:
-        name, shape, dtype = layout[-1]
-        layout[-1] = (name, (*shape[:-1], shape[-1] + 1), dtype)
-    return tuple(layout)
+
+def offsets(layout: tuple) -> list[int]:
+    """Each tensor's byte offset in a page that packs `layout` in order, each at a multiple of its dtype's size (the
+    layouts run from the widest dtype to the narrowest, so none is padded)."""
+    at, out = 0, []
+    for _, shape, dtype in layout:
+        at += -at % dtype.itemsize
+        out.append(at)
+        at += nbytes(shape, dtype)
+    return out
+
+
+def page_bytes(hf_config, dtype: torch.dtype) -> int:
+    """One state page of an export in vLLM, the same for every dofattn layer (so vLLM keeps them all in one group of
+    identical specs, with no padding layers): the largest layer's packed layout, rounded up to 8 bytes (vLLM views
+    the pool at this stride as each dtype)."""
+    layouts = list(layer_layouts(hf_config, dtype).values())
+    bounded = bounded_layout(hf_config, dtype)
+    layouts += [bounded] if bounded else []
+    size = max(offsets(layout)[-1] + nbytes(*layout[-1][1:]) for layout in layouts)
+    return size + -size % 8
 
 
 def model_dtype(vllm_config) -> torch.dtype:
@@ -208,19 +207,20 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid       
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM  # noqa: E402
 from vllm.model_executor.models.utils import extract_layer_index                     # noqa: E402
 from vllm.utils.torch_utils import direct_register_custom_op                         # noqa: E402
-from vllm.v1.kv_cache_interface import MambaSpec                                     # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum            # noqa: E402
 
 
 class StateLayer(nn.Module, MambaBase):
-    """A dofattn layer's per-sequence state in vLLM's pool (`MambaBase`: one block per sequence, its tensors those of
-    `layout`, of which this layer reads its own corner, `own`), and the layer's forward on it (`run`, the subclass's).
-    It has no parameters."""
+    """A dofattn layer's per-sequence state in vLLM's pool (`MambaBase`: one block per sequence) and the layer's
+    forward on it (`run`, the subclass's). vLLM sees one byte tensor of `page` bytes per sequence, the same for
+    every dofattn layer (`page_bytes`); the layer views its own tensors in it (`layout`: name, shape, dtype, packed
+    by `offsets`). It has no parameters."""
 
-    def __init__(self, layout: tuple, own: tuple, prefix: str):
+    def __init__(self, layout: tuple, page: int, prefix: str):
         super().__init__()
-        self.layout, self.prefix = layout, prefix
-        self.own = {name: shape for name, shape, _ in own}
+        self.layout, self.page, self.prefix = layout, page, prefix
+        if offsets(layout)[-1] + nbytes(*layout[-1][1:]) > page:
+            raise ValueError(f"{prefix}: its state ({layout}) does not fit a page of {page} bytes")
         config = get_current_vllm_config()
         if config.cache_config.mamba_cache_mode != "none":
             raise ValueError(f"dofattn's vLLM plugin serves without prefix caching (mamba cache mode "
@@ -235,19 +235,20 @@ class StateLayer(nn.Module, MambaBase):
 
     # MambaBase
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(shape for _, shape, _ in self.layout)
+        return ((self.page,),)
 
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return tuple(dtype for _, _, dtype in self.layout)
+        return (torch.uint8,)
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.LINEAR
 
     def views(self) -> dict[str, torch.Tensor]:
-        """This layer's tensors over every block: [blocks, *its own shape] views of the pool."""
-        return {name: pool[(slice(None), *(slice(0, n) for n in self.own[name]))]
-                for (name, _, _), pool in zip(self.layout, self.kv_cache)}
+        """This layer's tensors over every block: [blocks, *shape] views of the pool's pages."""
+        pages = self.kv_cache[0]                                                  # [blocks, page] bytes
+        return {name: pages[:, at:at + nbytes(shape, dtype)].view(dtype).view(-1, *shape)
+                for (name, shape, dtype), at in zip(self.layout, offsets(self.layout))}
 
     def batch(self):
         """This forward's rows (vLLM's packed batch, decodes first): (starts [rows + 1], lengths so far including
@@ -264,11 +265,11 @@ class StateLayer(nn.Module, MambaBase):
 
 
 class DofattnState(StateLayer):
-    """A linear layer's state: its `LinearStateLayer`'s tensors (the `uniform_layout`). The `LinearAttention` it runs
-    is its attention module's (`linear`, not a child: its tensors load there)."""
+    """A linear layer's state: its `LinearStateLayer`'s tensors (`state_layout`). The `LinearAttention` it runs is
+    its attention module's (`linear`, not a child: its tensors load there)."""
 
-    def __init__(self, linear: LinearAttention, layout: tuple, own: tuple, prefix: str):
-        super().__init__(layout, own, prefix)
+    def __init__(self, linear: LinearAttention, layout: tuple, page: int, prefix: str):
+        super().__init__(layout, page, prefix)
         object.__setattr__(self, "linear", linear)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
@@ -286,9 +287,7 @@ class DofattnState(StateLayer):
         views = self.views()
         fresh = [r for r in range(rows) if seq_lens[r] == starts[r + 1] - starts[r]]   # context 0: a new sequence
         if fresh:
-            index = blocks[fresh]
-            for pool in self.kv_cache:
-                pool[index] = 0
+            self.kv_cache[0][blocks[fresh]] = 0
         n = starts[rows]
         out = output[:n].view(n, H, D)
         with torch.no_grad():
@@ -319,12 +318,12 @@ class DofattnBounded(StateLayer):
     key into its ring slot and attends over the valid slots, as `BoundedKVLayer` does in HF. A prompt that arrives
     in chunks anyway is refused, never bounded early."""
 
-    def __init__(self, bounded: BoundedSoftmax, heads: int, kv_heads: int, head_dim: int, layout: tuple,
+    def __init__(self, bounded: BoundedSoftmax, heads: int, kv_heads: int, head_dim: int, layout: tuple, page: int,
                  prefix: str):
-        super().__init__(aligned(layout), layout, prefix)
+        super().__init__(layout, page, prefix)
         self.bounded, self.heads, self.kv_heads, self.head_dim = bounded, heads, kv_heads, head_dim
         self.width = bounded.attention.window
-        self.lead = self.own["valid"][0] - self.width
+        self.lead = dict((n, s) for n, s, _ in layout)["valid"][0] - self.width
         config = get_current_vllm_config().scheduler_config
         if config.enable_chunked_prefill or config.long_prefill_token_threshold:
             raise ValueError("dofattn's bounded kept layers (student.select) read a prompt in one step: serve with "
@@ -426,13 +425,12 @@ class DofattnAttention(LlamaAttention):
         dtype = model_dtype(get_current_vllm_config())
         if layer not in spec.layers:
             self.attn = DofattnBounded(bounded_softmax(config), heads, kv_heads, head_dim,
-                                       bounded_layout(config, dtype), prefix=f"{prefix}.attn")
+                                       bounded_layout(config, dtype), page_bytes(config, dtype), prefix=f"{prefix}.attn")
             return
         with torch.device("cpu"):
             self.dofattn = make_linear(spec.attention, spec.attention.feature, heads, kv_heads, head_dim,
                                        spec.dims[layer], self.scaling)
-        layouts = layer_layouts(config, dtype)
-        self.attn = DofattnState(self.dofattn, aligned(uniform_layout(layouts.values())), layouts[layer],
+        self.attn = DofattnState(self.dofattn, layer_layouts(config, dtype)[layer], page_bytes(config, dtype),
                                  prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -467,28 +465,12 @@ class DofattnForCausalLM(LlamaForCausalLM, HasInnerState, IsHybrid):
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=DofattnLlamaDecoderLayer)
 
     @classmethod
-    def state_layout(cls, vllm_config: VllmConfig) -> tuple:
-        """The linear layers' state layout, as each `DofattnState` declares it."""
-        return aligned(uniform_layout(layer_layouts(vllm_config.model_config.hf_config,
-                                                    model_dtype(vllm_config)).values()))
-
-    @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
-        return tuple(shape for _, shape, _ in cls.state_layout(vllm_config))
+        return ((page_bytes(vllm_config.model_config.hf_config, model_dtype(vllm_config)),),)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
-        return tuple(dtype for _, _, dtype in cls.state_layout(vllm_config))
-
-    @classmethod
-    def get_mamba_specs_from_config(cls, vllm_config: VllmConfig) -> tuple[MambaSpec, ...]:
-        """Each kind of state layer's spec (vLLM pads every state page to the largest): the linear layers', and the
-        bounded kept layers' if the student bounds them."""
-        layouts = [cls.state_layout(vllm_config)]
-        bounded = bounded_layout(vllm_config.model_config.hf_config, model_dtype(vllm_config))
-        layouts += [aligned(bounded)] if bounded else []
-        return tuple(MambaSpec(shapes=tuple(s for _, s, _ in lay), dtypes=tuple(d for _, _, d in lay), block_size=-1)
-                     for lay in layouts)
+        return (torch.uint8,)
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple:
