@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 ENGINE = r"""
@@ -32,7 +33,7 @@ if __name__ == "__main__":
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    folder, prompts, batches, new_tokens, max_len = json.loads(sys.argv[1])
+    folder, prompts, batches, new_tokens, max_len = json.load(open(sys.argv[1]))
     llm = vllm.LLM(folder, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=max_len,
                    max_num_seqs=max(batches), disable_log_stats=False)
     rows = []
@@ -68,8 +69,11 @@ def prompts(folder: str, count: int, length: int) -> list[list[int]]:
 def serve(folder: str, rows: list, batches: list[int], new_tokens: int, max_len: int) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, "-c", ENGINE, json.dumps([folder, rows, batches, new_tokens, max_len])],
-                          env=env, capture_output=True, text=True, timeout=3600)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as job:       # the prompts: too long for a command line
+        json.dump([folder, rows, batches, new_tokens, max_len], job)
+        job.flush()
+        done = subprocess.run([sys.executable, "-c", ENGINE, job.name], env=env, capture_output=True, text=True,
+                              timeout=3600)
     log = done.stdout + done.stderr
     if done.returncode:
         sys.exit(f"vLLM on {folder} failed:\n{log[-4000:]}")

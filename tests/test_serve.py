@@ -1,8 +1,10 @@
-"""dofattn's vLLM plugin (`dofattn.serve`): exports of tiny Llama students served by vLLM on CPU give HF generate's
-greedy tokens, and every prompt and generated token's log-probability as HF's forward: one prompt, a batch of mixed
-lengths (one shorter than the sink, some longer than the window), and prompts read in chunks of at most 32 tokens
-(chunked prefill). The students: window + sink + decay linear layers with PRF features and one softmax layer kept;
-and every layer pure linear with a gate, a short convolution and Hedgehog features.
+"""dofattn's vLLM plugin (`dofattn.serve`): exports of tiny students served by vLLM on CPU give HF generate's greedy
+tokens, and every prompt and generated token's log-probability as HF gives them: one prompt, a batch of mixed lengths
+(one shorter than the sink, some longer than the window), prompts read in chunks of at most 32 tokens (chunked
+prefill), requests preempted and recomputed; and vLLM's OpenAI-compatible server answers as HF generates. The
+students (Llama): window + sink + decay linear layers with PRF features and one softmax layer kept on vLLM's paged
+cache; every layer pure linear with a gate, a short convolution and Hedgehog features; the default recipe's form, its
+kept layer bounded after the prompt; and students of Qwen2, Qwen3 and Mistral.
 
 Runs where vllm imports and dofattn's `vllm.general_plugins` entry point is installed (the serving virtualenv); vLLM
 runs in a subprocess (it spawns its engine and worker), with a 1 GiB KV cache.
@@ -10,8 +12,11 @@ runs in a subprocess (it spawns its engine and worker), with a 1 GiB KV cache.
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -23,7 +28,7 @@ if not any(e.value == "dofattn.serve:register" for e in entry_points(group="vllm
     pytest.skip("dofattn's vllm.general_plugins entry point (dofattn.serve:register) is not installed",
                 allow_module_level=True)
 
-from transformers import AutoModelForCausalLM, LlamaConfig                     # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 from dofattn.exported import load_export                                      # noqa: E402
 from dofattn.jobs.export import export                                        # noqa: E402
@@ -34,6 +39,7 @@ from tests.conftest import tiny_tokenizer                                     # 
 NEW_TOKENS = 10
 MAX_LEN = 256
 CHUNK = 32           # max_num_batched_tokens of the chunked case
+PREEMPT_BLOCKS = 13  # the preempted case's cache: 4 requests need 12 blocks to start, 16 to finish
 
 
 def prompts_of(lengths, seed):
@@ -54,12 +60,13 @@ if __name__ == "__main__":
     results = {}
     for folder, engine, cases in runs:            # one engine at a time
         llm = vllm.LLM(folder, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
-                       max_model_len=%d, max_num_seqs=8, **engine)
+                       max_model_len=%d, disable_log_stats=False, **{"max_num_seqs": 8, **engine})
         for key, prompts in cases.items():
             got = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             results[key] = [{"tokens": list(g.outputs[0].token_ids),            # and each token's log-probability
                              "logprobs": [lp[t].logprob for lp, t in zip(g.prompt_logprobs[1:], p[1:])]
-                             + [lp[t].logprob for lp, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)]}
+                             + [lp[t].logprob for lp, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)],
+                             "preemptions": g.metrics.num_preemptions}
                             for g, p in zip(got, prompts)]
         del llm
     json.dump(results, open(out, "w"))
@@ -71,29 +78,45 @@ if __name__ == "__main__":
 # not name; `bounded` as the default recipe: its kept layer holds the sink, the window and 4 selected keys per kv
 # head after the prompt, as a fixed state (the plugin turns chunked prefill off for it: its chunked run reads each
 # prompt in one step).
-STUDENTS = {"hybrid": ([0, 2], Attention(feature="prf", window=8, sink=2, decay="head"), Kept()),
-            "conv": ([0, 1, 2], Attention(feature="hedgehog", window=0, sink=0, decay="gate", conv=3), Kept()),
-            "bounded": ([0, 2], Attention(feature="prf", window=8, sink=2), Kept(select=4))}
+HYBRID = ([0, 2], Attention(feature="prf", window=8, sink=2, decay="head"), Kept())
+BOUNDED = ([0, 2], Attention(feature="prf", window=8, sink=2), Kept(select=4))
+STUDENTS = {"hybrid": ("llama", *HYBRID),
+            "conv": ("llama", [0, 1, 2], Attention(feature="hedgehog", window=0, sink=0, decay="gate", conv=3), Kept()),
+            "bounded": ("llama", *BOUNDED),
+            # the other families vLLM's plugin serves, one engine each: Qwen2's qkv biases and its layer types,
+            # Qwen3's q/k norms (bounded), Mistral
+            "qwen2": ("qwen2", *HYBRID), "qwen3": ("qwen3", *BOUNDED), "mistral": ("mistral", *HYBRID)}
+FAMILY_RUNS = 1      # the families' students run the first of RUNS only
 # The runs of each student: (engine arguments, {case: prompts}); the prompts' lengths: one shorter than the sink,
 # several longer than the window, and, with chunked prefill of 32 tokens, prompts read in 2 or 3 chunks.
 RUNS = [({}, {"one": prompts_of([20], 1), "mixed": prompts_of([1, 5, 9, 17, 40, 3], 2)}),
         ({"max_num_batched_tokens": CHUNK}, {"chunked": prompts_of([70, 45, 33, 6], 3)})]
+# And the student whose kept layer is on vLLM's paged cache, in a cache too small for its requests' growth: blocks of
+# 32 tokens, 4 prompts of 60 tokens that cross their second block while they generate, and blocks for fewer than
+# all of them, so that vLLM preempts some and recomputes them (their linear states read again from the prompt and
+# the tokens made so far).
+PREEMPT = {"hybrid": [({"block_size": 32, "num_gpu_blocks_override": PREEMPT_BLOCKS, "max_num_seqs": 4},
+                       {"preempted": prompts_of([60, 61, 62, 63], 4)})]}
 
 
-def tiny_llama() -> AutoModelForCausalLM:
-    """A tiny random Llama whose head size (32) vLLM's CPU attention takes."""
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+
+
+def tiny_model(family: str) -> AutoModelForCausalLM:
+    """A tiny random model of `family` whose head size (32) vLLM's CPU attention takes."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, rope_theta=1e4,
-                         max_position_embeddings=MAX_LEN, tie_word_embeddings=False)
+    config = CONFIGS[family](vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, rope_theta=1e4,
+                             max_position_embeddings=MAX_LEN, tie_word_embeddings=False)
+    config.sliding_window = None                         # Mistral's default window (4096) is no part of these tests
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def student_export(tmp: Path, layers: list[int], attention: Attention, kept: Kept) -> Path:
-    """An export of a student of `tiny_llama` (5, 8 and 12 features a head) whose own tensors differ from a fresh
-    build."""
+def student_export(tmp: Path, family: str, layers: list[int], attention: Attention, kept: Kept) -> Path:
+    """An export of a student of `tiny_model(family)` (5, 8 and 12 features a head) whose own tensors differ from a
+    fresh build."""
     base = tmp / "base"
-    model = tiny_llama()
+    model = tiny_model(family)
     model.save_pretrained(base)
     tiny_tokenizer().save_pretrained(base)
     spec = StudentSpec(base_model=str(base), dims=[5, 8, 12], layers=layers, attention=attention, kept=kept, seed=3,
@@ -130,22 +153,36 @@ def hf_reference(folder: Path, cases: dict) -> dict:
     return out
 
 
+def serving_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """{student: (HF's results, vLLM's)} for every student's runs, vLLM's in one subprocess."""
+def exports(tmp_path_factory) -> dict[str, Path]:
+    """{student: its export}."""
     tmp = tmp_path_factory.mktemp("serve")
-    runs, expected = [], {}
-    for name, (layers, attention, kept) in STUDENTS.items():
+    folders = {}
+    for name, student in STUDENTS.items():
         (tmp / name).mkdir()
-        folder = student_export(tmp / name, layers, attention, kept)
-        for engine, cases in RUNS:
+        folders[name] = student_export(tmp / name, *student)
+    return folders
+
+
+@pytest.fixture(scope="module")
+def served(exports, tmp_path_factory):
+    """{student: (HF's results, vLLM's)} for every student's runs, vLLM's in one subprocess."""
+    tmp = tmp_path_factory.mktemp("served")
+    runs, expected = [], {}
+    for name, folder in exports.items():
+        own = RUNS if STUDENTS[name][0] == "llama" else RUNS[:FAMILY_RUNS]
+        for engine, cases in own + PREEMPT.get(name, []):
             runs.append((str(folder), engine, {f"{name}/{k}": v for k, v in cases.items()}))
             expected.update(hf_reference(folder, runs[-1][2]))
     out = tmp / "served.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run([sys.executable, "-c", SERVE, json.dumps(runs), str(out)], env=env, capture_output=True,
-                          text=True, timeout=1200, cwd=tmp)
+    done = subprocess.run([sys.executable, "-c", SERVE, json.dumps(runs), str(out)], env=serving_env(),
+                          capture_output=True, text=True, timeout=1200, cwd=tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     got = json.loads(out.read_text())
     return {name: ({k: v for k, v in expected.items() if k.startswith(name + "/")},
@@ -163,3 +200,44 @@ def test_vllm_serves_the_export_as_hf_generates(served, student):
                                        rtol=0, msg=lambda m: f"{key} prompt {i}: {m}")
     tokens = [t for rows in expected.values() for row in rows for t in row["tokens"]]
     assert len(set(tokens)) > len(tokens) // 4          # a model whose tokens say something (not one repeated)
+    if student in PREEMPT:                              # the preempted case did preempt
+        assert sum(row["preemptions"] for row in got[f"{student}/preempted"]) > 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_openai_server_answers_as_hf_generates(exports, tmp_path):
+    """vLLM's OpenAI-compatible server, started on loopback on the bounded student's export (the default recipe's
+    form), answers a completion request for token ids with HF generate's greedy tokens."""
+    folder, port = exports["bounded"], free_port()
+    prompt = prompts_of([37], 5)[0]
+    want = hf_reference(folder, {"p": [prompt]})["p"][0]["tokens"]
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+                               "--max-model-len", str(MAX_LEN), "--no-enable-prefix-caching"],
+                              env=serving_env(), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "the server did not answer /health in 600 s"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        body = {"model": str(folder), "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0,
+                "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, timeout=300).read())
+    finally:
+        server.terminate()
+        server.wait(60)
+    tokens = [int(t.split(":")[1]) for t in answer["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == want

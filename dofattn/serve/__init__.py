@@ -5,9 +5,9 @@
 
 vLLM calls `register()` once in every process it starts (the front end, the engine core, each worker, the process
 that inspects a model class), before it reads a model's config. It registers, without importing torch work:
-    the architecture  `DofattnForCausalLM` (an export's config.json `architectures`), lazily: the class is in
-                      `dofattn.serve.vllm_model` (vLLM's own Llama with dofattn's linear attention in the linearized
-                      layers), imported only where vLLM builds or inspects the model
+    the architectures `Dofattn<Family>` of each family served (`FAMILIES`), lazily: the classes are in
+                      `dofattn.serve.vllm_model` (vLLM's own model of the family with dofattn's attention in the
+                      student's layers), imported only where vLLM builds or inspects the model
     the config        model_type "dofattn" with transformers' `AutoConfig`, so that an export loads with no
                       `trust_remote_code` (the folder's own modeling code never runs): `DofattnConfig`, which reads an
                       export's config.json as its base family's config class (`dofattn_export.base_architecture`:
@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import functools
 
-ARCHITECTURE = "DofattnForCausalLM"
-MODEL_CLASS = "dofattn.serve.vllm_model:DofattnForCausalLM"
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")   # served bases
+MODULE = "dofattn.serve.vllm_model"
 MODEL_TYPE = "dofattn"        # = dofattn.exported.MODEL_TYPE (not imported here: that module imports torch)
+
+
+def architecture(base: str) -> str:
+    """The architecture vLLM builds for an export of `base` (LlamaForCausalLM -> DofattnLlamaForCausalLM)."""
+    return f"Dofattn{base}"
 
 _registered = False
 
@@ -37,8 +42,9 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+    for base in FAMILIES:
+        if architecture(base) not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(architecture(base), f"{MODULE}:{architecture(base)}")
     AutoConfig.register(MODEL_TYPE, dispatch_config(), exist_ok=True)
     _without_prefix_caching()
     _registered = True
@@ -46,7 +52,7 @@ def register() -> None:
 
 def _without_prefix_caching() -> None:
     """vLLM turns prefix caching on for a hybrid model by default; a dofattn state is not kept per block of the prompt
-    (vLLM's "align" mode), so for a `DofattnForCausalLM` the plugin turns it off, with a warning, before vLLM sets
+    (vLLM's "align" mode), so for a dofattn student the plugin turns it off, with a warning, before vLLM sets
     up the cache (its per-architecture config hook, `MODELS_CONFIG_MAP`). A student whose kept layers are bounded
     after the prompt (student.select) reads each prompt in one step: chunked prefill off, as vLLM does on a CPU for
     a model it cannot chunk."""
@@ -72,7 +78,8 @@ def _without_prefix_caching() -> None:
                 scheduler.enable_chunked_prefill, scheduler.long_prefill_token_threshold = False, 0
                 scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, longest)
 
-    MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, DofattnModelConfig)
+    for base in FAMILIES:
+        MODELS_CONFIG_MAP.setdefault(architecture(base), DofattnModelConfig)
 
 
 @functools.cache
@@ -107,11 +114,31 @@ def dispatch_config() -> type:
                 raise ValueError(f"this config.json (model_type {MODEL_TYPE!r}) names no base architecture that "
                                  f"transformers {transformers.__version__} has ({architecture!r} in dofattn_export): "
                                  f"not a dofattn export, or one of a newer transformers")
-            return family_config(model.config_class.__name__).from_dict(config_dict, **kwargs)
+            config = family_config(model.config_class.__name__).from_dict(config_dict, **kwargs)
+            return for_vllm(config, architecture)
 
     DofattnConfig.__module__, DofattnConfig.__qualname__ = __name__, "DofattnConfig"
     globals()["DofattnConfig"] = DofattnConfig
     return DofattnConfig
+
+
+def for_vllm(config, base: str):
+    """An export's config as vLLM reads it: the architecture its plugin builds for the base family
+    (`architecture`), and, where the family lists its layers' types, the student's own layers marked
+    "linear_attention" (vLLM takes a model whose types are all "full_attention" for one without state layers;
+    Qwen2 then asks for max_window_layers = num_hidden_layers, a sliding-window rule that no window here breaks)."""
+    if base not in FAMILIES:
+        raise ValueError(f"dofattn's vLLM plugin serves students of {', '.join(FAMILIES)}; this export's base is "
+                         f"{base}")
+    config.architectures = [architecture(base)]
+    spec = getattr(config, "dofattn", None) or {}
+    types = getattr(config, "layer_types", None)
+    if types and all(t == "full_attention" for t in types):
+        ours = set(spec.get("layers", [])) if not (spec.get("kept") or {}).get("select") else set(range(len(types)))
+        config.layer_types = ["linear_attention" if i in ours else t for i, t in enumerate(types)]
+        if getattr(config, "max_window_layers", None) is not None and not getattr(config, "use_sliding_window", False):
+            config.max_window_layers = config.num_hidden_layers
+    return config
 
 
 def __getattr__(name: str):

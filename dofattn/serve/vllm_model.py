@@ -1,13 +1,16 @@
-"""A dofattn export in vLLM: vLLM's own Llama for everything but attention, dofattn's `LinearAttention` in each
-linearized layer; in the layers the student keeps exact, vLLM's paged attention, or, if the student bounds them after
-the prompt (student.select), a fixed state of the keys they keep (`DofattnBounded`).
+"""A dofattn export in vLLM: vLLM's own model of the export's family (Llama, Mistral, Qwen2, Qwen3) for everything
+but attention, dofattn's `LinearAttention` in each linearized layer; in the layers the student keeps exact, vLLM's
+paged attention, or, if the student bounds them after the prompt (student.select), a fixed state of the keys they
+keep (`DofattnBounded`).
 
-    llm = vllm.LLM("exports/student", enable_prefix_caching=False)     # the plugin registered (`dofattn.serve`)
+    llm = vllm.LLM("exports/student")                  # the plugin registered (`dofattn.serve`), prefix caching off
 
-A linearized layer (`DofattnAttention`, at `model.layers.N.self_attn`) keeps vLLM's `qkv_proj`, `o_proj` and
-`rotary_emb`, holds the export's `LinearAttention` at `.dofattn` (so its tensors load under the export's own names,
-`model.layers.N.self_attn.dofattn.feature_map.directions`, ...) and a state layer at `.attn` (`DofattnState`, a
-vLLM `MambaBase`): one block of vLLM's state pool per sequence, holding that layer's cache slot.
+vLLM builds the family's model as it builds the teacher (`Dofattn<Family>`, `student_model`); then, in each of the
+student's layers, the family attention module's paged `Attention` (`self_attn.attn`) gives way to a state layer under
+the same name (`swap_attention`), and a linearized layer's `LinearAttention` goes at `self_attn.dofattn`, so its
+tensors load under the export's own names (`model.layers.N.self_attn.dofattn.feature_map.directions`, ...). The
+family's forward runs unchanged: projections, q/k norms, RoPE, `self.attn(q, k, v)`, output projection. A state layer
+(`StateLayer`, a vLLM `MambaBase`) holds one block of vLLM's state pool per sequence: that layer's cache slot.
 
 What a slot holds is the layer's own: a `LinearStateLayer` (the state [H, M, V+1], each part's `PartState`: a
 window's last W keys, values and flags, a sink's first S, a convolution's last K-1 inputs) after enough tokens that
@@ -28,8 +31,9 @@ each kv head's selected ones, a ring of the last W): the prompt is read with exa
 the plugin turns chunked prefill off for such a student (and a prompt that comes in chunks anyway is refused). With
 every kept layer bounded, a sequence's memory in vLLM is constant, prompt included: no paged cache at all.
 
-Not served yet (a ValueError names each): LoRA adapters not merged (export with --merge-lora), families other than
-Llama, prefix caching (turned off by the plugin), speculative decoding, tensor parallelism.
+Not served (a ValueError names each): LoRA adapters not merged (export with --merge-lora), other families (Gemma's
+sliding layers and soft caps among them), prefix caching (turned off by the plugin), speculative decoding, tensor
+and pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -47,9 +51,9 @@ from dofattn.attention.bounded import BoundedSoftmax
 from dofattn.attention.cache import LinearStateLayer, ring_slot
 from dofattn.attention.layer import LinearAttention
 from dofattn.features import make_feature_map
+from dofattn.serve import FAMILIES
 from dofattn.spec import Attention, Kept, StudentSpec
 
-SUPPORTED = ("LlamaForCausalLM",)
 OP_NAME = "dofattn_attention"
 STATE = "state"        # a slot's linear state, as `LinearStateLayer.tensors` names it; a part's: "window.keys", ...
 
@@ -63,8 +67,8 @@ def student_spec(hf_config) -> StudentSpec:
         raise ValueError("this config has no dofattn student spec (its \"dofattn\" entry): not a dofattn export")
     spec = StudentSpec.from_json(json.dumps(data), where="config.json (dofattn)")
     base = (getattr(hf_config, "dofattn_export", None) or {}).get("base_architecture")
-    if base not in SUPPORTED:
-        raise ValueError(f"dofattn's vLLM plugin serves students of {', '.join(SUPPORTED)}; this one's base is {base}")
+    if base not in FAMILIES:
+        raise ValueError(f"dofattn's vLLM plugin serves students of {', '.join(FAMILIES)}; this one's base is {base}")
     if spec.lora_rank:
         raise ValueError("dofattn's vLLM plugin serves students without LoRA adapters: export with --merge-lora")
     return spec
@@ -202,9 +206,12 @@ from vllm.config import VllmConfig, get_current_vllm_config                     
 from vllm.forward_context import get_forward_context                                 # noqa: E402
 from vllm.model_executor.layers.mamba.abstract import MambaBase                      # noqa: E402
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec      # noqa: E402
-from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear  # noqa: E402
+from vllm.model_executor.layers.attention import Attention                         # noqa: E402
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid            # noqa: E402
-from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM  # noqa: E402
+from vllm.model_executor.models.llama import LlamaForCausalLM                       # noqa: E402
+from vllm.model_executor.models.mistral import MistralForCausalLM                   # noqa: E402
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM                       # noqa: E402
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM                       # noqa: E402
 from vllm.model_executor.models.utils import extract_layer_index                     # noqa: E402
 from vllm.utils.torch_utils import direct_register_custom_op                         # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum            # noqa: E402
@@ -249,6 +256,12 @@ class StateLayer(nn.Module, MambaBase):
         pages = self.kv_cache[0]                                                  # [blocks, page] bytes
         return {name: pages[:, at:at + nbytes(shape, dtype)].view(dtype).view(-1, *shape)
                 for (name, shape, dtype), at in zip(self.layout, offsets(self.layout))}
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The family attention's `self.attn(q, k, v)`: q [T, H·D], k and v [T, Hkv·D] after RoPE -> [T, H·D]."""
+        output = torch.empty_like(q)
+        torch.ops.vllm.dofattn_attention(q.contiguous(), k.contiguous(), v.contiguous(), output, self.prefix)
+        return output
 
     def batch(self):
         """This forward's rows (vLLM's packed batch, decodes first): (starts [rows + 1], lengths so far including
@@ -393,76 +406,42 @@ direct_register_custom_op(op_name=OP_NAME, op_func=dofattn_attention, mutates_ar
                           fake_impl=dofattn_attention_fake)
 
 
-class DofattnAttention(LlamaAttention):
-    """A layer whose attention is dofattn's: vLLM's qkv_proj, o_proj and rotary_emb (LlamaAttention's), and its vLLM
-    state at `attn`; no paged attention (no `Attention` is built). A linearized layer holds the export's
-    `LinearAttention` at `dofattn` (state: `DofattnState`); a kept layer bounded after the prompt holds no tensors
-    of its own (state: `DofattnBounded`)."""
-
-    def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,
-                 bias_o_proj: bool = False, cache_config=None, prefix: str = "", attn_type: str = "decoder") -> None:
-        nn.Module.__init__(self)
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        if get_tensor_model_parallel_world_size() != 1:
-            raise ValueError("dofattn's vLLM plugin serves on one device (tensor_parallel_size=1)")
-        layer = extract_layer_index(prefix)
-        spec = student_spec(config)
-        heads, kv_heads, head_dim = head_layout(config)
-        self.hidden_size, self.total_num_heads, self.num_heads = hidden_size, num_heads, num_heads
-        self.total_num_kv_heads = self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.scaling = head_dim ** -0.5
-        self.max_position_embeddings = max_position_embeddings
-        self.qkv_proj = QKVParallelLinear(hidden_size=hidden_size, head_size=head_dim, total_num_heads=num_heads,
-                                          total_num_kv_heads=num_kv_heads, bias=bias, quant_config=quant_config,
-                                          prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(input_size=num_heads * head_dim, output_size=hidden_size, bias=bias_o_proj,
-                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
-        self._init_rotary_emb(config, quant_config=quant_config)
-        dtype = model_dtype(get_current_vllm_config())
-        if layer not in spec.layers:
-            self.attn = DofattnBounded(bounded_softmax(config), heads, kv_heads, head_dim,
-                                       bounded_layout(config, dtype), page_bytes(config, dtype), prefix=f"{prefix}.attn")
-            return
-        with torch.device("cpu"):
-            self.dofattn = make_linear(spec.attention, spec.attention.feature, heads, kv_heads, head_dim,
-                                       spec.dims[layer], self.scaling)
-        self.attn = DofattnState(self.dofattn, layer_layouts(config, dtype)[layer], page_bytes(config, dtype),
-                                 prefix=f"{prefix}.attn")
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        output = torch.empty_like(q)
-        torch.ops.vllm.dofattn_attention(q.contiguous(), k.contiguous(), v.contiguous(), output, self.attn.prefix)
-        output, _ = self.o_proj(output)
-        return output
+def swap_attention(model: nn.Module, hf_config, vllm_config: VllmConfig) -> None:
+    """Give the student's layers dofattn's attention in a family model vLLM has built: in each layer the student
+    linearized, and in each kept layer it bounds after the prompt, the family attention module's paged `Attention`
+    (at `.attn`, registered under its layer name) gives way to a state layer under the same name; a linearized layer's
+    `LinearAttention` goes beside it, at `.dofattn` (its tensors load under the export's names,
+    `model.layers.N.self_attn.dofattn.feature_map.directions`, ...). The family's own forward runs unchanged: its
+    projections, q/k norms and RoPE, then `self.attn(q, k, v)`, then its output projection."""
+    spec = student_spec(hf_config)
+    heads, kv_heads, head_dim = head_layout(hf_config)
+    dtype = model_dtype(vllm_config)
+    page = page_bytes(hf_config, dtype)
+    context = vllm_config.compilation_config.static_forward_context
+    for name, module in list(model.named_modules()):
+        paged = getattr(module, "attn", None)
+        if not isinstance(paged, Attention):
+            continue
+        layer = extract_layer_index(name)
+        if layer not in spec.layers and not spec.kept.select:
+            continue                                             # a kept layer on vLLM's paged cache
+        prefix = paged.layer_name
+        del context[prefix]
+        if layer in spec.layers:
+            with torch.device("cpu"):
+                module.dofattn = make_linear(spec.attention, spec.attention.feature, heads, kv_heads, head_dim,
+                                             spec.dims[layer], module.scaling)
+            module.attn = DofattnState(module.dofattn, layer_layouts(hf_config, dtype)[layer], page, prefix)
+        else:
+            module.attn = DofattnBounded(BoundedSoftmax(spec.kept, spec.attention, module.scaling), heads, kv_heads,
+                                         head_dim, bounded_layout(hf_config, dtype), page, prefix)
 
 
-class DofattnLlamaDecoderLayer(LlamaDecoderLayer):
-    """Llama's decoder layer with `DofattnAttention` in the export's linear layers and in bounded kept layers,
-    LlamaAttention (vLLM's paged cache) in kept layers that hold every key."""
-
-    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:
-        config = config or vllm_config.model_config.hf_config
-        spec = student_spec(config)
-        ours = extract_layer_index(prefix) in spec.layers or spec.kept.select > 0
-        super().__init__(vllm_config, prefix, config, attn_layer_type=DofattnAttention if ours else LlamaAttention)
-
-
-class DofattnForCausalLM(LlamaForCausalLM, HasInnerState, IsHybrid):
-    """A dofattn export of a Llama-family model in vLLM (see the module's docstring)."""
+class DofattnStates(HasInnerState, IsHybrid):
+    """What vLLM asks of a model whose layers keep a state per sequence: one page of bytes a layer (`page_bytes`)."""
 
     is_hybrid = True
     has_inner_state = True
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        student_spec(vllm_config.model_config.hf_config)
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=DofattnLlamaDecoderLayer)
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
@@ -476,3 +455,28 @@ class DofattnForCausalLM(LlamaForCausalLM, HasInnerState, IsHybrid):
     def get_mamba_state_copy_func(cls) -> tuple:
         # only align mode (prefix caching) copies states, which the plugin does not serve; one per state is valid
         return (get_temporal_copy_spec,)
+
+
+def student_model(family: type) -> type:
+    """`Dofattn<Family>`: vLLM's model of an export's family (LlamaForCausalLM, Qwen2ForCausalLM, ...) built as it
+    builds it, then given dofattn's attention (`swap_attention`)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+
+        student_spec(vllm_config.model_config.hf_config)
+        if get_tensor_model_parallel_world_size() != 1 or get_pp_group().world_size != 1:
+            raise ValueError("dofattn's vLLM plugin serves on one device (tensor_parallel_size=1, "
+                             "pipeline_parallel_size=1)")
+        family.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        swap_attention(self, vllm_config.model_config.hf_config, vllm_config)
+
+    name = f"Dofattn{family.__name__}"
+    return type(name, (DofattnStates, family), {"__init__": __init__, "__module__": __name__, "__qualname__": name,
+                                                "__doc__": f"A dofattn export of a {family.__name__} in vLLM."})
+
+
+DofattnLlamaForCausalLM = student_model(LlamaForCausalLM)
+DofattnMistralForCausalLM = student_model(MistralForCausalLM)
+DofattnQwen2ForCausalLM = student_model(Qwen2ForCausalLM)
+DofattnQwen3ForCausalLM = student_model(Qwen3ForCausalLM)
