@@ -107,6 +107,16 @@ def fingerprint(model: nn.Module) -> dict:
             "embedding_norm": round(float(embedding.detach().float().norm()), 3)}
 
 
+def bounded_layers(config, num_layers: int, layers: list[int], kept: Kept) -> list[int]:
+    """The layers a student bounds after the prompt (`BoundedSoftmax`): with `kept.select`, every layer it keeps as
+    softmax attention (not in `layers`) but the model's own local ones (`hf.local_layers`: bounded already)."""
+    if not kept.select:
+        return []
+    from dofattn.hf import local_layers
+
+    return sorted(set(range(num_layers)) - set(layers) - set(local_layers(config)))
+
+
 def linearize(model: nn.Module, dims: list[int], attention: Attention = Attention(), *, kept: Kept = Kept(),
               layers: list[int] | None = None, seed: int = 0) -> nn.Module:
     """Replace softmax attention by linear attention in `layers`, in place; returns `model`.
@@ -132,9 +142,7 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
         linear.train(modules[i].training)
         modules[i].add_module("dofattn", linear)
     if kept.select:   # the kept softmax layers (not a model's own local ones): bounded after the prompt
-        from dofattn.hf import local_layers
-
-        bounded = sorted(set(range(len(modules))) - set(layers) - set(local_layers(model.config)))
+        bounded = bounded_layers(model.config, len(modules), layers, kept)
         check_kept(attention, kept, len(bounded))
         for i in bounded:
             modules[i].add_module("dofattn_bounded", BoundedSoftmax(kept, attention, modules[i].scaling))

@@ -4,7 +4,8 @@ tokens, and every prompt and generated token's log-probability as HF gives them:
 prefill), requests preempted and recomputed; and vLLM's OpenAI-compatible server answers as HF generates. The
 students (Llama): window + sink + decay linear layers with PRF features and one softmax layer kept on vLLM's paged
 cache; every layer pure linear with a gate, a short convolution and Hedgehog features; the default recipe's form, its
-kept layer bounded after the prompt; and students of Qwen2, Qwen3 and Mistral.
+kept layer bounded after the prompt; students of Qwen2, Qwen3 and Mistral; and one exported to read past its base
+model's context with YaRN (`--extend-to`).
 
 Runs where vllm imports and dofattn's `vllm.general_plugins` entry point is installed (the serving virtualenv); vLLM
 runs in a subprocess (it spawns its engine and worker), with a 1 GiB KV cache.
@@ -85,8 +86,11 @@ STUDENTS = {"hybrid": ("llama", *HYBRID),
             "bounded": ("llama", *BOUNDED),
             # the other families vLLM's plugin serves, one engine each: Qwen2's qkv biases and its layer types,
             # Qwen3's q/k norms (bounded), Mistral
-            "qwen2": ("qwen2", *HYBRID), "qwen3": ("qwen3", *BOUNDED), "mistral": ("mistral", *HYBRID)}
-FAMILY_RUNS = 1      # the families' students run the first of RUNS only
+            "qwen2": ("qwen2", *HYBRID), "qwen3": ("qwen3", *BOUNDED), "mistral": ("mistral", *HYBRID),
+            # read past its base model's context (128 tokens) with YaRN, as `dofattn export --extend-to` makes it
+            "yarn": ("llama", *HYBRID)}
+EXTEND = {"yarn": (MAX_LEN // 2, MAX_LEN)}      # student: (its base model's context, the export's --extend-to)
+ONE_RUN = {"qwen2", "qwen3", "mistral", "yarn"}  # students that run the first of RUNS only
 # The runs of each student: (engine arguments, {case: prompts}); the prompts' lengths: one shorter than the sink,
 # several longer than the window, and, with chunked prefill of 32 tokens, prompts read in 2 or 3 chunks.
 RUNS = [({}, {"one": prompts_of([20], 1), "mixed": prompts_of([1, 5, 9, 17, 40, 3], 2)}),
@@ -95,28 +99,31 @@ RUNS = [({}, {"one": prompts_of([20], 1), "mixed": prompts_of([1, 5, 9, 17, 40, 
 # 32 tokens, 4 prompts of 60 tokens that cross their second block while they generate, and blocks for fewer than
 # all of them, so that vLLM preempts some and recomputes them (their linear states read again from the prompt and
 # the tokens made so far).
-PREEMPT = {"hybrid": [({"block_size": 32, "num_gpu_blocks_override": PREEMPT_BLOCKS, "max_num_seqs": 4},
-                       {"preempted": prompts_of([60, 61, 62, 63], 4)})]}
+# And the YaRN student on prompts past its base model's context.
+EXTRA = {"hybrid": [({"block_size": 32, "num_gpu_blocks_override": PREEMPT_BLOCKS, "max_num_seqs": 4},
+                     {"preempted": prompts_of([60, 61, 62, 63], 4)})],
+         "yarn": [({}, {"past": prompts_of([150, 230], 6)})]}
 
 
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
 
 
-def tiny_model(family: str) -> AutoModelForCausalLM:
+def tiny_model(family: str, context: int = MAX_LEN) -> AutoModelForCausalLM:
     """A tiny random model of `family` whose head size (32) vLLM's CPU attention takes."""
     torch.manual_seed(0)
     config = CONFIGS[family](vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, rope_theta=1e4,
-                             max_position_embeddings=MAX_LEN, tie_word_embeddings=False)
+                             max_position_embeddings=context, tie_word_embeddings=False)
     config.sliding_window = None                         # Mistral's default window (4096) is no part of these tests
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def student_export(tmp: Path, family: str, layers: list[int], attention: Attention, kept: Kept) -> Path:
+def student_export(tmp: Path, family: str, layers: list[int], attention: Attention, kept: Kept,
+                   extend: tuple[int, int] | None = None) -> Path:
     """An export of a student of `tiny_model(family)` (5, 8 and 12 features a head) whose own tensors differ from a
-    fresh build."""
+    fresh build; with `extend` (context, length), of a model of that context, exported to read `length` tokens."""
     base = tmp / "base"
-    model = tiny_model(family)
+    model = tiny_model(family, extend[0] if extend else MAX_LEN)
     model.save_pretrained(base)
     tiny_tokenizer().save_pretrained(base)
     spec = StudentSpec(base_model=str(base), dims=[5, 8, 12], layers=layers, attention=attention, kept=kept, seed=3,
@@ -128,7 +135,7 @@ def student_export(tmp: Path, family: str, layers: list[int], attention: Attenti
                 p.add_(0.1 * torch.randn_like(p))
         model(torch.randint(3, 300, (1, 24)), use_cache=False)          # calibrates the key shifts
     save_student(model, tmp / "student", spec)
-    return export(tmp / "student", tmp / "export")
+    return export(tmp / "student", tmp / "export", extend_to=extend[1] if extend else None)
 
 
 def hf_reference(folder: Path, cases: dict) -> dict:
@@ -166,7 +173,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     folders = {}
     for name, student in STUDENTS.items():
         (tmp / name).mkdir()
-        folders[name] = student_export(tmp / name, *student)
+        folders[name] = student_export(tmp / name, *student, EXTEND.get(name))
     return folders
 
 
@@ -176,8 +183,8 @@ def served(exports, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("served")
     runs, expected = [], {}
     for name, folder in exports.items():
-        own = RUNS if STUDENTS[name][0] == "llama" else RUNS[:FAMILY_RUNS]
-        for engine, cases in own + PREEMPT.get(name, []):
+        own = RUNS[:1] if name in ONE_RUN else RUNS
+        for engine, cases in own + EXTRA.get(name, []):
             runs.append((str(folder), engine, {f"{name}/{k}": v for k, v in cases.items()}))
             expected.update(hf_reference(folder, runs[-1][2]))
     out = tmp / "served.json"
@@ -200,7 +207,7 @@ def test_vllm_serves_the_export_as_hf_generates(served, student):
                                        rtol=0, msg=lambda m: f"{key} prompt {i}: {m}")
     tokens = [t for rows in expected.values() for row in rows for t in row["tokens"]]
     assert len(set(tokens)) > len(tokens) // 4          # a model whose tokens say something (not one repeated)
-    if student in PREEMPT:                              # the preempted case did preempt
+    if f"{student}/preempted" in got:                   # the preempted case did preempt
         assert sum(row["preemptions"] for row in got[f"{student}/preempted"]) > 0
 
 

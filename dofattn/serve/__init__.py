@@ -122,6 +122,19 @@ def dispatch_config() -> type:
     return DofattnConfig
 
 
+def student_layers(config) -> tuple[list[int], list[int]]:
+    """(the layers linearized, the kept ones bounded after the prompt) of an export's config: the layers whose
+    attention the plugin serves; the others stay vLLM's paged attention."""
+    import json
+
+    from dofattn.spec import StudentSpec
+    from dofattn.student import bounded_layers
+
+    spec = StudentSpec.from_json(json.dumps(config.dofattn), where="config.json (dofattn)")
+    text = config.get_text_config(decoder=True)
+    return list(spec.layers), bounded_layers(config, text.num_hidden_layers, list(spec.layers), spec.kept)
+
+
 def for_vllm(config, base: str):
     """An export's config as vLLM reads it: the architecture its plugin builds for the base family
     (`architecture`), and, where the family lists its layers' types, the student's own layers marked
@@ -131,10 +144,9 @@ def for_vllm(config, base: str):
         raise ValueError(f"dofattn's vLLM plugin serves students of {', '.join(FAMILIES)}; this export's base is "
                          f"{base}")
     config.architectures = [architecture(base)]
-    spec = getattr(config, "dofattn", None) or {}
     types = getattr(config, "layer_types", None)
     if types and all(t == "full_attention" for t in types):
-        ours = set(spec.get("layers", [])) if not (spec.get("kept") or {}).get("select") else set(range(len(types)))
+        ours = set().union(*student_layers(config))
         config.layer_types = ["linear_attention" if i in ours else t for i, t in enumerate(types)]
         if getattr(config, "max_window_layers", None) is not None and not getattr(config, "use_sliding_window", False):
             config.max_window_layers = config.num_hidden_layers

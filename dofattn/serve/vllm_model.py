@@ -51,7 +51,7 @@ from dofattn.attention.bounded import BoundedSoftmax
 from dofattn.attention.cache import LinearStateLayer, ring_slot
 from dofattn.attention.layer import LinearAttention
 from dofattn.features import make_feature_map
-from dofattn.serve import FAMILIES
+from dofattn.serve import FAMILIES, student_layers
 from dofattn.spec import Attention, Kept, StudentSpec
 
 OP_NAME = "dofattn_attention"
@@ -418,16 +418,17 @@ def swap_attention(model: nn.Module, hf_config, vllm_config: VllmConfig) -> None
     dtype = model_dtype(vllm_config)
     page = page_bytes(hf_config, dtype)
     context = vllm_config.compilation_config.static_forward_context
+    linear, bounded = student_layers(hf_config)
     for name, module in list(model.named_modules()):
         paged = getattr(module, "attn", None)
         if not isinstance(paged, Attention):
             continue
         layer = extract_layer_index(name)
-        if layer not in spec.layers and not spec.kept.select:
-            continue                                             # a kept layer on vLLM's paged cache
+        if layer not in linear and layer not in bounded:
+            continue                                # a kept layer on vLLM's paged cache (or the model's own window)
         prefix = paged.layer_name
         del context[prefix]
-        if layer in spec.layers:
+        if layer in linear:
             with torch.device("cpu"):
                 module.dofattn = make_linear(spec.attention, spec.attention.feature, heads, kv_heads, head_dim,
                                              spec.dims[layer], module.scaling)
