@@ -1,6 +1,7 @@
 """Where a decode step's time goes: a trained student and its teacher, one token at a time after a prompt.
 
     python benchmarks/decode_profile.py runs/long-context --context 512 8192 --out decode_profile.json
+    python benchmarks/decode_profile.py docs/plans/llama-3.2-1b/config.json --recipe window    # a shape alone
 
 Both models read each prompt (random tokens, the same for both); then blocks of `--steps` cached forwards of one
 token each (what HF `generate` runs per token, with its mask) are timed, the models' and lengths' blocks
@@ -8,7 +9,8 @@ interleaved over `--rounds` (a median each), so that the machine's drift does no
 runs with the profiler on. Each step's time is split by the module it is spent in (the linear layers' attention,
 the q/k/v/o projections, the MLPs, the norms, the LM head; the rest is HF's code around them, the kept layers'
 attention and the cache's bookkeeping), and the aten operators with the most self time are listed. `--threads` sets
-torch's intra-op threads (default: torch's).
+torch's intra-op threads (default: torch's). Given a config.json and `--recipe`, the teacher has random weights and
+the student is that recipe's, untrained (a step's time does not depend on the weights).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def profiled(model, held: list, count: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("student", help="a student: run folder or export")
+    parser.add_argument("student", help="a student: run folder or export; or a config.json (with --recipe)")
+    parser.add_argument("--recipe", help="with a config.json: the recipe whose untrained student is timed")
     parser.add_argument("--context", type=int, nargs="+", default=[512, 8192])
     parser.add_argument("--steps", type=int, default=8, help="decode steps a timed block")
     parser.add_argument("--rounds", type=int, default=4, help="timed blocks per model and context, interleaved")
@@ -122,8 +125,17 @@ def main() -> None:
     from dofattn.exported import load_any, spec_of
     from dofattn.hf import load_model
 
-    models = {"teacher": load_model(spec_of(args.student).base_model)[0].eval(),
-              "student": load_any(args.student, merge_lora=True)[0].eval()}
+    if args.recipe:
+        from dofattn.recipe import load as load_recipe
+        from dofattn.student import attention_modules, build_untrained
+
+        teacher = load_model(args.student, random_weights=True)[0].eval()
+        student = load_model(args.student, random_weights=True)[0].eval()
+        build_untrained(student, load_recipe(args.recipe), [64] * len(attention_modules(student)), stand_in=True)
+        models = {"teacher": teacher, "student": student}
+    else:
+        models = {"teacher": load_model(spec_of(args.student).base_model)[0].eval(),
+                  "student": load_any(args.student, merge_lora=True)[0].eval()}
     held = {(name, c): prefill(model, c) for c in args.context for name, model in models.items()}
     times = {key: [] for key in held}
     for _ in range(args.rounds):          # interleaved, so that the machine's drift falls on every row alike

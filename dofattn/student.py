@@ -107,6 +107,15 @@ def fingerprint(model: nn.Module) -> dict:
             "embedding_norm": round(float(embedding.detach().float().norm()), 3)}
 
 
+def linear_layer(attention: Attention, heads: int, kv_heads: int, head_dim: int, dim: int, scaling: float,
+                 seed: int) -> LinearAttention:
+    """One layer's `LinearAttention` (float32, on the default device): its feature map of `dim` features a head,
+    drawn from `seed`, and the parts `attention` names. `linearize` builds each layer so; so does the vLLM plugin
+    before it loads an export's tensors."""
+    fmap = make_feature_map(attention.feature, heads, head_dim, dim, scaling, seed=seed)
+    return LinearAttention(attention, fmap, num_kv_heads=kv_heads)
+
+
 def bounded_layers(config, num_layers: int, layers: list[int], kept: Kept) -> list[int]:
     """The layers a student bounds after the prompt (`BoundedSoftmax`): with `kept.select`, every layer it keeps as
     softmax attention (not in `layers`) but the model's own local ones (`hf.local_layers`: bounded already)."""
@@ -137,9 +146,8 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
     heads, kv_heads, head_dim = head_layout(model)
     param = next(model.parameters())
     for i in layers:
-        fmap = make_feature_map(attention.feature, heads, head_dim, dims[i], modules[i].scaling, seed=seed * 1000 + i)
-        linear = LinearAttention(attention, fmap, num_kv_heads=kv_heads).to(param.device)
-        linear.train(modules[i].training)
+        linear = linear_layer(attention, heads, kv_heads, head_dim, dims[i], modules[i].scaling, seed * 1000 + i)
+        linear = linear.to(param.device).train(modules[i].training)
         modules[i].add_module("dofattn", linear)
     if kept.select:   # the kept softmax layers (not a model's own local ones): bounded after the prompt
         bounded = bounded_layers(model.config, len(modules), layers, kept)

@@ -50,7 +50,7 @@ from torch import nn
 from dofattn.attention.bounded import BoundedSoftmax
 from dofattn.attention.cache import LinearStateLayer, ring_slot
 from dofattn.attention.layer import LinearAttention
-from dofattn.features import make_feature_map
+from dofattn.student import linear_layer
 from dofattn.serve import FAMILIES, student_layers
 from dofattn.spec import Attention, Kept, StudentSpec
 
@@ -82,14 +82,6 @@ def head_layout(hf_config) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-def make_linear(attention: Attention, feature: str, heads: int, kv_heads: int, head_dim: int, dim: int,
-                scaling: float) -> LinearAttention:
-    """A layer's `LinearAttention` as the export's `student.linearize` builds it (its tensors then loaded), in
-    float32 whatever the model's dtype, in eval mode."""
-    fmap = make_feature_map(feature, heads, head_dim, dim, scaling)
-    return LinearAttention(attention, fmap, num_kv_heads=kv_heads).float().eval()
-
-
 def slot_from(tensors: dict[str, torch.Tensor]) -> LinearStateLayer:
     """A cache slot holding these tensors, named as `LinearStateLayer.tensors` names them ("state", "window.keys")."""
     slot = LinearStateLayer()
@@ -103,13 +95,13 @@ def slot_from(tensors: dict[str, torch.Tensor]) -> LinearStateLayer:
 
 
 @functools.cache
-def state_layout(attention: Attention, feature: str, heads: int, kv_heads: int, head_dim: int, dim: int,
-                 scaling: float, dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+def state_layout(attention: Attention, heads: int, kv_heads: int, head_dim: int, dim: int, scaling: float,
+                 dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
     """What a cache slot of this layer holds per sequence once every part's state has its steady size: (name, shape
     without the batch, dtype) of each tensor, read off a throwaway layer called on random q, k, v in `dtype`: a
     prompt longer than every width in the config, then a step and a chunk, which must leave every shape as it was
     (a ValueError otherwise: a part whose state grows cannot be served in fixed blocks)."""
-    layer = make_linear(attention, feature, heads, kv_heads, head_dim, dim, scaling)
+    layer = linear_layer(attention, heads, kv_heads, head_dim, dim, scaling, seed=0).float().eval()
     widths = sum(getattr(attention, f.name) for f in fields(attention)
                  if isinstance(getattr(attention, f.name), int) and not isinstance(getattr(attention, f.name), bool))
     g = torch.Generator().manual_seed(0)
@@ -133,7 +125,7 @@ def layer_layouts(hf_config, dtype: torch.dtype) -> dict[int, tuple]:
     """{linear layer: its `state_layout`} of an export's config, for a model in `dtype`."""
     spec = student_spec(hf_config)
     heads, kv_heads, head_dim = head_layout(hf_config)
-    return {i: state_layout(spec.attention, spec.attention.feature, heads, kv_heads, head_dim, spec.dims[i],
+    return {i: state_layout(spec.attention, heads, kv_heads, head_dim, spec.dims[i],
                             head_dim ** -0.5, dtype) for i in spec.layers}
 
 
@@ -430,8 +422,8 @@ def swap_attention(model: nn.Module, hf_config, vllm_config: VllmConfig) -> None
         del context[prefix]
         if layer in linear:
             with torch.device("cpu"):
-                module.dofattn = make_linear(spec.attention, spec.attention.feature, heads, kv_heads, head_dim,
-                                             spec.dims[layer], module.scaling)
+                module.dofattn = linear_layer(spec.attention, heads, kv_heads, head_dim, spec.dims[layer],
+                                              module.scaling, spec.seed * 1000 + layer).float().eval()
             module.attn = DofattnState(module.dofattn, layer_layouts(hf_config, dtype)[layer], page, prefix)
         else:
             module.attn = DofattnBounded(BoundedSoftmax(spec.kept, spec.attention, module.scaling), heads, kv_heads,
