@@ -4,14 +4,9 @@
     .venv-serve/bin/python benchmarks/serve_cpu.py exports/window --teacher ~/.cache/dofattn/models/smollm2-135m \
         --batch 1 8 --prompt-tokens 1024 --new-tokens 32 --out serve.json
 
-Each model runs in its own engine (float32, eager, no prefix caching, `VLLM_CPU_KVCACHE_SPACE` GiB of cache,
-default 2). The prompts are real text (wiki-sample, train split), each exactly `--prompt-tokens` tokens and each a
-different stretch. For each batch size: one timed `generate` of B prompts for `--new-tokens` tokens (output tokens/s
-= B × new tokens / wall time, the prompts' reading included, as a server's throughput counts it), and, from the
-engine's own request metrics: the median request's time to its first token (queueing behind
-the batch's other prompts included), the batch's time until every request has its first token, and the decode rate
-after it (B × (new tokens - 1) / the time from the last first token to the last token). The engine's cache budget
-and the most requests of that length it holds at once are read from its log line ("Maximum concurrency").
+What is timed, and how, is `dofattn.serve.bench`'s (as `dofattn bench --parts serve` times it); here the prompts are
+real text (wiki-sample, train split), each exactly `--prompt-tokens` tokens and each a different stretch, and the
+engine runs in this python (the serving environment's).
 """
 
 from __future__ import annotations
@@ -19,42 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
 
-ENGINE = r"""
-import json, statistics, sys, time
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-if __name__ == "__main__":
-    import vllm
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    folder, prompts, batches, new_tokens, max_len = json.load(open(sys.argv[1]))
-    llm = vllm.LLM(folder, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=max_len,
-                   max_num_seqs=max(batches), disable_log_stats=False)
-    rows = []
-    for B in batches:
-        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts[:B]]
-        llm.generate(batch[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-        start = time.perf_counter()
-        out = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True),
-                           use_tqdm=False)
-        seconds = time.perf_counter() - start
-        made = sum(len(o.outputs[0].token_ids) for o in out)
-        stats = [o.metrics for o in out]
-        first = max(m.first_token_ts for m in stats) - min(m.scheduled_ts for m in stats)
-        decode = max(m.last_token_ts for m in stats) - max(m.first_token_ts for m in stats)
-        rows.append({"batch": B, "seconds": seconds, "output_tokens": made, "output_tokens_per_s": made / seconds,
-                     "ttft_s": statistics.median(m.first_token_latency for m in stats), "batch_first_token_s": first,
-                     "decode_tokens_per_s": B * (new_tokens - 1) / decode if decode > 0 else None,
-                     "preemptions": sum(m.num_preemptions for m in stats)})
-        print("ROW", json.dumps(rows[-1]), flush=True)
-    print("RESULT", json.dumps(rows), flush=True)
-"""
+from dofattn.serve.bench import serve                                           # noqa: E402
 
 
 def prompts(folder: str, count: int, length: int) -> list[list[int]]:
@@ -64,25 +30,6 @@ def prompts(folder: str, count: int, length: int) -> list[list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return token_blocks("wiki-sample", tokenizer, seq_len=length, num_blocks=count, split="train").tolist()
-
-
-def serve(folder: str, rows: list, batches: list[int], new_tokens: int, max_len: int) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as job:       # the prompts: too long for a command line
-        json.dump([folder, rows, batches, new_tokens, max_len], job)
-        job.flush()
-        done = subprocess.run([sys.executable, "-c", ENGINE, job.name], env=env, capture_output=True, text=True,
-                              timeout=3600)
-    log = done.stdout + done.stderr
-    if done.returncode:
-        sys.exit(f"vLLM on {folder} failed:\n{log[-4000:]}")
-    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))[7:])
-    concurrency = re.search(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.,]+)x", log)
-    cache = re.search(r"GPU KV cache size: ([\d,]+) tokens|KV cache size: ([\d,]+) tokens", log)
-    return {"model": folder, "rows": result,
-            "max_concurrency": float(concurrency.group(2).replace(",", "")) if concurrency else None,
-            "cache_tokens": int((cache.group(1) or cache.group(2)).replace(",", "")) if cache else None}
 
 
 def main() -> None:
@@ -106,7 +53,7 @@ def main() -> None:
         if args.only and name != args.only:
             continue
         started = time.perf_counter()
-        result["models"][name] = served = serve(folder, rows, args.batch, args.new_tokens, max_len)
+        result["models"][name] = served = serve(folder, rows, args.batch, args.new_tokens, max_len)   # this python
         for r in served["rows"]:
             decode = r["decode_tokens_per_s"]
             print(f"{name:8} batch {r['batch']:3}: {r['output_tokens_per_s']:6.1f} output tokens/s, first token "

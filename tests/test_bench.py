@@ -118,7 +118,9 @@ def test_bench_compile_adds_a_compiled_static_row(capsys, model_dirs, tmp_path, 
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--parts", "prefill,train"], "--parts takes some of prefill,decode,generation"),
+    (["--parts", "prefill,train"], "--parts takes some of prefill,decode,generation,serve"),
+    (["--parts", "prefill,serve"], "--parts serve times an export in vLLM beside its teacher"),   # before prefill
+    (["--serve-batch", "0"], "--serve-batch takes positive"),
     (["--seq-lens", "0"], "positive token counts"),
     (["--seq-lens", "1k"], "comma-separated token counts"),
     (["--repeats", "0"], "--repeats must be at least 1"),
@@ -130,6 +132,24 @@ def test_bench_bad_input(capsys, tmp_path, args, message):
     code = main(["bench", "--device", "cpu", "--model", "none", "--out", str(tmp_path / "b.json"), *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and not (tmp_path / "b.json").exists()
+
+
+def test_bench_serve_names_the_missing_serving_python(capsys, model_dirs, tmp_path):
+    """--parts serve on an export with a serving python that is not there: one line, before anything runs (the
+    part itself runs in the serving environment's tests, tests/test_serve.py)."""
+    from dofattn.jobs.export import export
+    from dofattn.spec import StudentSpec
+    from dofattn.student import build, fingerprint, save_student
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama")
+    spec = StudentSpec(base_model=str(model_dirs["llama"]), dims=(5, 5, 5), layers=(0, 2), base=fingerprint(model))
+    save_student(build(model, spec), tmp_path / "run", spec)
+    folder = export(tmp_path / "run", tmp_path / "export")
+    code = main(["bench", "--device", "cpu", "--parts", "serve", "--student", str(folder), "--serve-python",
+                 "/no/python", "--out", str(tmp_path / "b.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--serve-python /no/python does not exist" in err and not (tmp_path / "b.json").exists()
 
 
 def test_bench_writes_the_result_after_each_row(tmp_path, monkeypatch):

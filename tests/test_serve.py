@@ -248,3 +248,19 @@ def test_the_openai_server_answers_as_hf_generates(exports, tmp_path):
         server.wait(60)
     tokens = [int(t.split(":")[1]) for t in answer["choices"][0]["logprobs"]["tokens"]]
     assert tokens == want
+
+
+def test_dofattn_bench_times_an_export_in_vllm_beside_its_teacher(exports, tmp_path):
+    """`dofattn bench --parts serve`: the bounded student's export and its base model, each in its own engine, a
+    row per batch with output tokens/s, time to first token, decode rate and the requests its cache fits."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "dofattn", "bench", "--device", "cpu", "--parts", "serve",
+                           "--student", str(exports["bounded"]), "--serve-python", sys.executable,
+                           "--gen-contexts", "40", "--serve-batch", "1,3", "--new-tokens", "4", "--out", str(out)],
+                          env=serving_env(), capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = json.loads(out.read_text())["serve"]
+    assert [(r["student"], r["batch"]) for r in rows] == [(False, 1), (False, 3), (True, 1), (True, 3)]
+    assert all(r["output_tokens"] == 4 * r["batch"] and r["output_tokens_per_s"] > 0 and r["max_concurrency"] > 0
+               for r in rows)
+    assert all(r["vs_teacher"] > 0 for r in rows if r["student"]) and "vLLM (output tok/s" in done.stdout

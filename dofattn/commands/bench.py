@@ -9,6 +9,12 @@ linear op alone). Decode: one token against a context of T (SDPA over a KV cache
 fixed-size cache). Generation: the teacher and the student read a prompt of 512, 8 K and 32 K tokens and generate
 greedily: the decode steps' tokens/s, the prompt's time, the cache and the peak memory above the model. Medians of
 --repeats runs; a JSON with the hardware goes to --out, a figure of the generation beside it.
+
+    dofattn bench --parts serve --student EXPORT --gen-contexts 1024,8000 --serve-batch 1,8    # in vLLM
+
+Serve (only when asked): an export and its teacher, each in vLLM in the serving environment (bash
+scripts/serve-env.sh; --serve-python): output tokens/s of each batch, time to the first token, the decode rate and
+the most requests of that length the cache holds.
 """
 
 from __future__ import annotations

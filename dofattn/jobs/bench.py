@@ -40,7 +40,8 @@ from dofattn.errors import UserError
 from dofattn.options import Machine, option
 
 
-PARTS = ("prefill", "decode", "generation")
+PARTS = ("prefill", "decode", "generation", "serve")
+DEFAULT_PARTS = PARTS[:3]             # serve: only when asked (it needs the serving environment and an export)
 GEN_CONTEXTS = [512, 8192, 32768]     # where a user starts, the teacher's trained context, and beyond
 
 
@@ -68,7 +69,11 @@ class BenchConfig(Machine):
     gen_contexts: list[int] | None = option(None, "comma-separated prompt lengths for generation; auto: 512,8192,32768",
                                             none="auto")
     new_tokens: int = option(32, "tokens generated after each prompt")
-    parts: list[str] = option(list(PARTS), "which measurements to run (comma-separated)")
+    parts: list[str] = option(list(DEFAULT_PARTS), "which measurements to run (comma-separated; serve: an export in "
+                                                   "vLLM beside its teacher, at --gen-contexts and --serve-batch)")
+    serve_batch: list[int] = option([1, 8], "batch sizes of the serve part (requests served at once)")
+    serve_python: str | None = option(None, "the serving environment's python for the serve part (bash "
+                                            "scripts/serve-env.sh); auto: .venv-serve/bin/python", none="auto")
     compile: bool = option(False, "also time the students' static decoder compiled with torch.compile (for the "
                                   "CPU): minutes of compilation per student, and once more at a second prompt "
                                   "length; the first is reported as compile_ms")
@@ -442,6 +447,8 @@ def validate(cfg: BenchConfig) -> None:
     for name in ("heads", "head_dim", "dims", "decode_batch", "repeats", "new_tokens"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if not cfg.serve_batch or min(cfg.serve_batch) < 1:
+        raise UserError("--serve-batch needs positive batch sizes, e.g. 1,8")
     unknown = [p for p in cfg.parts if p not in PARTS]
     if unknown or not cfg.parts:
         raise UserError(f"--parts takes some of {','.join(PARTS)} (comma-separated), got {','.join(cfg.parts)!r}")
@@ -458,6 +465,8 @@ def run(cfg: BenchConfig, progress=None) -> dict:
     validate(cfg)
     use_threads(cfg.threads)
     student = student_of(cfg)               # neither a recipe nor a student, or not buildable: one line, at once
+    if "serve" in cfg.parts:
+        check_serve(cfg, student)
     out = check_output(cfg.out, "--out", (".json",)) if cfg.out else None
     dtype = parse_dtype(cfg.dtype)
     def say(text: str) -> None:           # each line out at once: a long run's rows show as they come
@@ -466,7 +475,7 @@ def run(cfg: BenchConfig, progress=None) -> dict:
             sys.stdout.flush()
 
     result = {"config": asdict(cfg), "student": student.description, "hardware": hardware(cfg.device),
-              "prefill": [], "decode": [], "generation": []}
+              "prefill": [], "decode": [], "generation": [], "serve": []}
     current = []                            # the rows of the part being measured
 
     def save() -> None:
@@ -479,7 +488,7 @@ def run(cfg: BenchConfig, progress=None) -> dict:
         save()
 
     parts = {"prefill": ("prefill op", bench_prefill), "decode": ("decode step", bench_decode),
-             "generation": ("generation", bench_generate)}
+             "generation": ("generation", bench_generate), "serve": ("vLLM", bench_serve)}
     say(f"student: {result['student']}")
     for name in PARTS:
         if name not in cfg.parts or (name == "generation" and not cfg.model):
@@ -494,6 +503,43 @@ def run(cfg: BenchConfig, progress=None) -> dict:
 
         plot_generation(result, out.with_suffix(".png"))
     return result
+
+
+def check_serve(cfg: BenchConfig, student: Student) -> str:
+    """The serve part's inputs, before anything runs: an export to time, and the serving environment's python."""
+    from dofattn.exported import is_export
+    from dofattn.serve.bench import serving_python
+
+    if student.path is None or not is_export(student.path):
+        raise UserError("--parts serve times an export in vLLM beside its teacher: give --student EXPORT (a folder "
+                        "of dofattn export --out)")
+    return serving_python(cfg.serve_python)
+
+
+def bench_serve(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
+    """An export and its teacher in vLLM (`serve.bench`), at each prompt length of --gen-contexts and each batch of
+    --serve-batch (random prompt tokens: the engine's speed does not depend on them)."""
+    from dofattn.exported import read_config, spec_of
+    from dofattn.serve.bench import serve, teacher_folder
+
+    python = check_serve(cfg, student)
+    teacher = teacher_folder(spec_of(student.path).base_model)
+    vocab = read_config(student.path)["vocab_size"]
+    rows = []
+    for T in cfg.gen_contexts:
+        g = torch.Generator().manual_seed(T)
+        prompts = torch.randint(3, vocab, (max(cfg.serve_batch), T), generator=g).tolist()
+        for folder, is_student in ((teacher, False), (str(student.path), True)):
+            served = serve(folder, prompts, cfg.serve_batch, cfg.new_tokens, T + cfg.new_tokens + 8, python)
+            for r in served["rows"]:
+                rows.append({"model": folder, "student": is_student, "engine": "vllm", "context": T, **r,
+                             "max_concurrency": served["max_concurrency"]})
+                report(rows[-1])
+    teacher_rows = {(r["context"], r["batch"]): r for r in rows if not r["student"]}
+    for r in rows:
+        if r["student"]:
+            r["vs_teacher"] = r["output_tokens_per_s"] / teacher_rows[r["context"], r["batch"]]["output_tokens_per_s"]
+    return rows
 
 
 def _short(x) -> str:
@@ -525,6 +571,17 @@ def format_tables(result: dict) -> str:
     for r in result["decode"]:
         lines.append(f"{r['T']:>7} {r['batch']:>5} {r['sdpa_ms']:>9.3f} {r['op_ms']:>9.3f} {r['linear_ms']:>9.3f} "
                      f"{r['student_ms']:>9.3f} {r['speedup_student_vs_sdpa']:>8.2f}x")
+    if result.get("serve"):
+        lines += ["vLLM (output tok/s: the batch's tokens over its wall time, prompts read included; x teacher: "
+                  "over the teacher's at that prompt and batch):",
+                  f"{'model':>8} {'prompt':>7} {'batch':>5} {'output tok/s':>13} {'x teacher':>10} "
+                  f"{'first token s':>14} {'decode tok/s':>13} {'requests fit':>13}"]
+        for r in result["serve"]:
+            ratio = f"{r['vs_teacher']:>9.2f}x" if "vs_teacher" in r else f"{'-':>10}"
+            fit = f"{r['max_concurrency']:>13.1f}" if r.get("max_concurrency") else f"{'-':>13}"
+            lines.append(f"{'student' if r['student'] else 'teacher':>8} {r['context']:>7} {r['batch']:>5} "
+                         f"{r['output_tokens_per_s']:>13.2f} {ratio} {r['ttft_s']:>14.2f} "
+                         f"{r['decode_tokens_per_s'] or 0:>13.1f} {fit}")
     if result["generation"]:
         lines += ["generation (graph tok/s: the CUDA graph's replays alone, without its capture; x teacher: decode "
                   "tok/s over the teacher's at that context):",
