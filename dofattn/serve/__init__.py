@@ -125,12 +125,10 @@ def dispatch_config() -> type:
 def student_layers(config) -> tuple[list[int], list[int]]:
     """(the layers linearized, the kept ones bounded after the prompt) of an export's config: the layers whose
     attention the plugin serves; the others stay vLLM's paged attention."""
-    import json
-
-    from dofattn.spec import StudentSpec
+    from dofattn.exported import export_spec
     from dofattn.student import bounded_layers
 
-    spec = StudentSpec.from_json(json.dumps(config.dofattn), where="config.json (dofattn)")
+    spec = export_spec(getattr(config, "dofattn", None))
     text = config.get_text_config(decoder=True)
     return list(spec.layers), bounded_layers(config, text.num_hidden_layers, list(spec.layers), spec.kept)
 

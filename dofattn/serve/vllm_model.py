@@ -39,7 +39,6 @@ and pipeline parallelism.
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import fields
 
@@ -52,6 +51,7 @@ from dofattn.attention.cache import LinearStateLayer, ring_slot
 from dofattn.attention.layer import LinearAttention
 from dofattn.student import linear_layer
 from dofattn.serve import FAMILIES, student_layers
+from dofattn.exported import export_spec
 from dofattn.spec import Attention, Kept, StudentSpec
 
 OP_NAME = "dofattn_attention"
@@ -62,10 +62,7 @@ STATE = "state"        # a slot's linear state, as `LinearStateLayer.tensors` na
 
 def student_spec(hf_config) -> StudentSpec:
     """The student spec of an export's config (its "dofattn" entry), checked against what the plugin serves."""
-    data = getattr(hf_config, "dofattn", None)
-    if not isinstance(data, dict):
-        raise ValueError("this config has no dofattn student spec (its \"dofattn\" entry): not a dofattn export")
-    spec = StudentSpec.from_json(json.dumps(data), where="config.json (dofattn)")
+    spec = export_spec(getattr(hf_config, "dofattn", None))          # a UserError if it is not a dofattn export
     base = (getattr(hf_config, "dofattn_export", None) or {}).get("base_architecture")
     if base not in FAMILIES:
         raise ValueError(f"dofattn's vLLM plugin serves students of {', '.join(FAMILIES)}; this one's base is {base}")
@@ -129,14 +126,6 @@ def layer_layouts(hf_config, dtype: torch.dtype) -> dict[int, tuple]:
                             head_dim ** -0.5, dtype) for i in spec.layers}
 
 
-def bounded_softmax(hf_config) -> BoundedSoftmax | None:
-    """The `BoundedSoftmax` of an export's kept layers (student.select > 0), or None (they keep every key)."""
-    spec = student_spec(hf_config)
-    if not spec.kept.select:
-        return None
-    return BoundedSoftmax(spec.kept, spec.attention, head_layout(hf_config)[2] ** -0.5)
-
-
 @functools.cache
 def _bounded_layout(kept: Kept, attention: Attention, heads: int, kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
@@ -144,10 +133,9 @@ def _bounded_layout(kept: Kept, attention: Attention, heads: int, kv_heads: int,
     a throwaway prompt longer than its sink, selection and window together: keys and values [Hkv, L + W, D] (L held,
     then a ring of W) and which slots hold a real key [L + W] (a shorter prompt leaves some invalid)."""
     bounded = BoundedSoftmax(kept, attention, head_dim ** -0.5)
-    held = attention.sink + kept.select + attention.window
+    T = 2 * (attention.sink + kept.select + attention.window) + 4
     g = torch.Generator().manual_seed(0)
-    T = 2 * held + 4
-    q = torch.randn(1, bounded.kept.select_observe, heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(1, kept.select_observe, heads, head_dim, generator=g).to(dtype)
     k, v = (torch.randn(1, kv_heads, T, head_dim, generator=g).to(dtype) for _ in range(2))
     slot = bounded.choose(q, k, v, torch.ones(1, T, dtype=torch.bool))
     return (("keys", tuple(slot.keys.shape[1:]), slot.keys.dtype),
@@ -157,13 +145,17 @@ def _bounded_layout(kept: Kept, attention: Attention, heads: int, kv_heads: int,
 
 def bounded_layout(hf_config, dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...] | None:
     """A bounded kept layer's slot layout in a model of `dtype` (every kept layer's: one `Kept` config), or None."""
-    bounded = bounded_softmax(hf_config)
-    return None if bounded is None else _bounded_layout(bounded.kept, bounded.attention, *head_layout(hf_config),
-                                                        dtype)
+    spec = student_spec(hf_config)
+    return _bounded_layout(spec.kept, spec.attention, *head_layout(hf_config), dtype) if spec.kept.select else None
 
 
 def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
+
+
+def packed_bytes(layout: tuple) -> int:
+    """The bytes a page needs for `layout` packed by `offsets`."""
+    return offsets(layout)[-1] + nbytes(*layout[-1][1:])
 
 
 def offsets(layout: tuple) -> list[int]:
@@ -184,7 +176,7 @@ def page_bytes(hf_config, dtype: torch.dtype) -> int:
     layouts = list(layer_layouts(hf_config, dtype).values())
     bounded = bounded_layout(hf_config, dtype)
     layouts += [bounded] if bounded else []
-    size = max(offsets(layout)[-1] + nbytes(*layout[-1][1:]) for layout in layouts)
+    size = max(packed_bytes(layout) for layout in layouts)
     return size + -size % 8
 
 
@@ -218,7 +210,7 @@ class StateLayer(nn.Module, MambaBase):
     def __init__(self, layout: tuple, page: int, prefix: str):
         super().__init__()
         self.layout, self.page, self.prefix = layout, page, prefix
-        if offsets(layout)[-1] + nbytes(*layout[-1][1:]) > page:
+        if packed_bytes(layout) > page:
             raise ValueError(f"{prefix}: its state ({layout}) does not fit a page of {page} bytes")
         config = get_current_vllm_config()
         if config.cache_config.mamba_cache_mode != "none":
@@ -315,6 +307,10 @@ class DofattnState(StateLayer):
                     views[name][at] = tensor
 
 
+ONE_STEP = ("dofattn's bounded kept layers (student.select) read a prompt in one step: serve with "
+            "enable_chunked_prefill=False and max_num_batched_tokens >= max_model_len")
+
+
 class DofattnBounded(StateLayer):
     """A kept softmax layer bounded after the prompt (student.select): its state is the `BoundedKVLayer` its
     `BoundedSoftmax` chooses at the prompt's end (`bounded_layout`: L held keys, the sink's and each kv head's
@@ -331,8 +327,7 @@ class DofattnBounded(StateLayer):
         self.lead = dict((n, s) for n, s, _ in layout)["valid"][0] - self.width
         config = get_current_vllm_config().scheduler_config
         if config.enable_chunked_prefill or config.long_prefill_token_threshold:
-            raise ValueError("dofattn's bounded kept layers (student.select) read a prompt in one step: serve with "
-                             "enable_chunked_prefill=False and max_num_batched_tokens >= max_model_len")
+            raise ValueError(ONE_STEP)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
         batch = self.batch()
@@ -351,9 +346,7 @@ class DofattnBounded(StateLayer):
             elif length == 1:
                 steps.append(r)
             else:
-                raise ValueError("dofattn's bounded kept layers (student.select) read a prompt in one step, and this "
-                                 "one came in chunks: serve with enable_chunked_prefill=False and "
-                                 "max_num_batched_tokens >= max_model_len")
+                raise ValueError(f"a prompt came in chunks: {ONE_STEP}")
         n = starts[-1]
         out = output[:n].view(n, H, D)
         gqa, scale = H != Hkv, self.bounded.scaling
@@ -408,7 +401,7 @@ def swap_attention(model: nn.Module, hf_config, vllm_config: VllmConfig) -> None
     spec = student_spec(hf_config)
     heads, kv_heads, head_dim = head_layout(hf_config)
     dtype = model_dtype(vllm_config)
-    page = page_bytes(hf_config, dtype)
+    page, layouts = page_bytes(hf_config, dtype), layer_layouts(hf_config, dtype)
     context = vllm_config.compilation_config.static_forward_context
     linear, bounded = student_layers(hf_config)
     for name, module in list(model.named_modules()):
@@ -424,7 +417,7 @@ def swap_attention(model: nn.Module, hf_config, vllm_config: VllmConfig) -> None
             with torch.device("cpu"):
                 module.dofattn = linear_layer(spec.attention, heads, kv_heads, head_dim, spec.dims[layer],
                                               module.scaling, spec.seed * 1000 + layer).float().eval()
-            module.attn = DofattnState(module.dofattn, layer_layouts(hf_config, dtype)[layer], page, prefix)
+            module.attn = DofattnState(module.dofattn, layouts[layer], page, prefix)
         else:
             module.attn = DofattnBounded(BoundedSoftmax(spec.kept, spec.attention, module.scaling), heads, kv_heads,
                                          head_dim, bounded_layout(hf_config, dtype), page, prefix)
