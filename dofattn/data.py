@@ -292,12 +292,6 @@ def _local_files(path: Path) -> list[Path]:
     return files
 
 
-def local_documents(path: Path) -> list[Document]:
-    """Documents of a local file or folder, keyed by file name and position."""
-    return [(f"{f.name}:{i}", text) for f in _local_files(path)
-            for text, i in zip(*_file_texts(f))]
-
-
 def _local_texts(path: Path, split: str) -> Sequence[str]:
     """The documents of a local file or folder in `split`, read lazily (see `split_documents`)."""
     files = [(f, *_file_texts(f)) for f in _local_files(path)]

@@ -36,7 +36,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from dofattn.attention import StaticKVLayer
+from dofattn.attention import LinearStateLayer, StaticKVLayer
+from dofattn.attention.bounded import BoundedKVLayer
 from dofattn.errors import UserError
 from dofattn.hf import cache_kwargs, local_layers
 
@@ -47,8 +48,9 @@ def static_slot(slot, length: int, position: torch.Tensor):
     """The static form of a prefilled cache slot, as the slot makes it (`to_static`: a window hybrid's state and a
     ring of its W slots, a linear layer's state alone, a bounded kept layer's held keys and a ring); HF's own slot
     of a kept softmax layer becomes `length` slots (`StaticKVLayer`). `position` is the decoder's [1] tensor."""
-    to_static = getattr(slot, "to_static", None)
-    return to_static(length, position) if to_static is not None else StaticKVLayer.from_layer(slot, length, position)
+    if isinstance(slot, (LinearStateLayer, BoundedKVLayer)):
+        return slot.to_static(position)
+    return StaticKVLayer.from_layer(slot, length, position)
 
 
 class Clock:

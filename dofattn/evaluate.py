@@ -109,10 +109,6 @@ def first_blocks(blocks: Blocks, n: int) -> Blocks:
     return parts
 
 
-def count_blocks(blocks: Blocks) -> int:
-    return len(blocks) if isinstance(blocks, torch.Tensor) else sum(len(part) for part in blocks)
-
-
 @torch.no_grad()
 def perplexity(model, blocks: Blocks, batch_size: int = 4, desc: str = "perplexity",
                progress: bool = True) -> float:
@@ -222,30 +218,6 @@ def compare(student, blocks: Blocks, teacher=None, batch_size: int = 4, progress
             tally.add(log_s.flatten(0, 1), log_t.flatten(0, 1), ids[:, 1:][:, part].flatten(), log_s.shape[1],
                       start)
     return tally.result()
-
-
-class AgainstTeacher:
-    """`compare` of a student against its own base model, repeated on fixed `blocks` [N, T] while the student
-    changes (layers switched back to softmax, say): the teacher's log-probabilities are computed once and held
-    in memory (N·(T−1)·vocab floats)."""
-
-    def __init__(self, student, blocks: torch.Tensor, batch_size: int = 2):
-        device = next(student.parameters()).device
-        self.student = student
-        self.batches = [blocks[s:s + batch_size].to(device) for s in range(0, len(blocks), batch_size)]
-        with torch.no_grad(), teacher_mode(student):
-            self.teacher = [list(_log_probs(student, ids)) for ids in self.batches]
-
-    @torch.no_grad()
-    def __call__(self) -> dict:
-        tally = _Tally()
-        for ids, log_t in zip(self.batches, self.teacher):
-            start = 0
-            for log_s, chunk_t, targets in zip(_log_probs(self.student, ids), log_t, _chunk_targets(ids)):
-                length = targets.numel() // ids.shape[0]
-                tally.add(log_s, chunk_t, targets, length, start)
-                start += length
-        return tally.result()
 
 
 HUB_TASKS = ("piqa", "arc_easy", "arc_challenge", "winogrande", "logiqa", "wsc273", "mmlu")

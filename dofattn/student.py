@@ -12,9 +12,7 @@ parameters and buffers; the base model's weights are loaded from `base_model`). 
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -202,31 +200,6 @@ def build_untrained(model: nn.Module, recipe, dims: list[int], stand_in: bool = 
     spec = recipe.student_spec(dims, layers)
     build(model, spec)
     return spec
-
-
-def restore_softmax(model: nn.Module, layers: list[int]) -> dict[int, LinearAttention]:
-    """Take the linear part off the attention layers in `layers`: they run their exact softmax attention again.
-    Returns the parts taken off, by layer (`linear_parts_back` puts them back)."""
-    modules = attention_modules(model)
-    parts = linear_parts(model)
-    return {i: modules[i]._modules.pop("dofattn") for i in layers if i in parts}
-
-
-def linear_parts_back(model: nn.Module, parts: dict[int, LinearAttention]) -> None:
-    modules = attention_modules(model)
-    for i, linear in parts.items():
-        modules[i].add_module("dofattn", linear)
-
-
-@contextlib.contextmanager
-def softmax_in(model: nn.Module, layers: list[int]) -> Iterator[None]:
-    """While active, the attention layers in `layers` run exact softmax attention; their linear parts come back
-    after."""
-    parts = restore_softmax(model, layers)
-    try:
-        yield
-    finally:
-        linear_parts_back(model, parts)
 
 
 def is_student_tensor(name: str) -> bool:

@@ -20,10 +20,12 @@ gain says whether "hard to approximate in isolation" is the signal student.keep_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -92,13 +94,55 @@ def run_text(folder: Path) -> tuple[str, int, int]:
     return run["data"], run["eval_seq_len"], run["seed"]
 
 
+@contextlib.contextmanager
+def softmax_in(model, layers: list[int]) -> Iterator[None]:
+    """While active, the attention layers in `layers` run exact softmax attention; their linear parts come back
+    after."""
+    from dofattn.student import attention_modules, linear_parts
+
+    modules, linear = attention_modules(model), linear_parts(model)
+    taken = {i: modules[i]._modules.pop("dofattn") for i in layers if i in linear}
+    try:
+        yield
+    finally:
+        for i, part in taken.items():
+            modules[i].add_module("dofattn", part)
+
+
+class AgainstTeacher:
+    """`compare` of a student against its own base model, repeated on fixed `blocks` [N, T] while the student
+    changes (layers switched back to softmax, say): the teacher's log-probabilities are computed once and held
+    in memory (N·(T−1)·vocab floats)."""
+
+    def __init__(self, student, blocks: torch.Tensor, batch_size: int = 2):
+        device = next(student.parameters()).device
+        self.student = student
+        self.batches = [blocks[s:s + batch_size].to(device) for s in range(0, len(blocks), batch_size)]
+        from dofattn.evaluate import _log_probs, teacher_mode
+
+        with torch.no_grad(), teacher_mode(student):
+            self.teacher = [list(_log_probs(student, ids)) for ids in self.batches]
+
+    @torch.no_grad()
+    def __call__(self) -> dict:
+        from dofattn.evaluate import _chunk_targets, _log_probs, _Tally
+
+        tally = _Tally()
+        for ids, log_t in zip(self.batches, self.teacher):
+            start = 0
+            for log_s, chunk_t, targets in zip(_log_probs(self.student, ids), log_t, _chunk_targets(ids)):
+                length = targets.numel() // ids.shape[0]
+                tally.add(log_s, chunk_t, targets, length, start)
+                start += length
+        return tally.result()
+
+
 def main() -> int:
     from tqdm.auto import tqdm
 
     from dofattn.data import token_blocks
     from dofattn.dof import DofResult
-    from dofattn.evaluate import AgainstTeacher
-    from dofattn.student import attention_modules, load_student, softmax_in
+    from dofattn.student import attention_modules, load_student
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, nargs="?", help="a pure-linear student's run folder")

@@ -105,7 +105,7 @@ def figures(args, cells: list[dict], teacher_ppl: float, runs: Path) -> dict:
     from dofattn.data import token_blocks
     from dofattn.dof import DofResult
     from dofattn.jobs.eval import layer_errors
-    from dofattn.plots import plot_dof, plot_layer_error_comparison, plot_ppl_bars
+    from dofattn.plots import plot_dof
     from dofattn.student import load_student
 
     prefix = args.figures
@@ -126,6 +126,53 @@ def figures(args, cells: list[dict], teacher_ppl: float, runs: Path) -> dict:
     entries = [(f"{c['row']} / {c['loss']}", c["ppl"]) for c in cells if "skipped" not in c]
     plot_ppl_bars(entries, teacher_ppl, f"{prefix}-ppl.png", title=f"{args.model}, {args.scale} matrix")
     return errors
+
+
+def plot_layer_error_comparison(errors: dict[str, dict], path: str | Path, title: str = "") -> None:
+    """Per-layer output and kernel error of several students side by side (name -> `layer_errors` result)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in ("output_error", "kernel_error")
+            if any(v is not None for e in errors.values() for v in e.get(k, []))]
+    labels = {"output_error": "attention output error (relative)", "kernel_error": "L2 kernel error (row-scaled)"}
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 3.2 * len(keys)), sharex=True, constrained_layout=True,
+                             squeeze=False)
+    width = 0.8 / len(errors)
+    for ax, key in zip(axes[:, 0], keys):
+        for j, (name, e) in enumerate(errors.items()):
+            values = e.get(key, [])
+            xs = [i + (j - (len(errors) - 1) / 2) * width for i, v in enumerate(values) if v is not None]
+            ax.bar(xs, [v for v in values if v is not None], width=width, label=name)
+        ax.set_ylabel(labels[key])
+        ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("layer")
+    axes[0, 0].set_title(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ppl_bars(entries: list[tuple[str, float]], teacher_ppl: float, path: str | Path, title: str = "") -> None:
+    """Horizontal bars of validation perplexity (log scale) per student, with the teacher as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(entries) + 1.2), constrained_layout=True)
+    names = [n for n, _ in entries]
+    ax.barh(range(len(entries)), [p for _, p in entries], color="tab:blue")
+    ax.axvline(teacher_ppl, color="black", ls="--", lw=1, label=f"teacher {teacher_ppl:.1f}")
+    ax.set_yticks(range(len(entries)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("validation perplexity (log scale)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:

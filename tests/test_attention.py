@@ -134,7 +134,7 @@ def continue_static(layer, q, k, v, valid, want, reorder: bool = False, tol: flo
     for _ in range(2 if reorder else 0):
         cache.batch_select_indices(torch.tensor([1, 0]))
     position = torch.tensor([6])
-    static = cache.to_static(T, position)
+    static = cache.to_static(position)
     for t in range(6, T):
         out = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=static)
         torch.testing.assert_close(out, want[:, t:t + 1], rtol=tol, atol=tol)

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dofattn.data import (FIRST_ROUND, check_source, clean_wikitext, load_texts, local_documents, parse_wiki_dump,
+from dofattn.data import (FIRST_ROUND, check_source, clean_wikitext, load_texts, parse_wiki_dump,
                           split_documents, token_blocks)
 from dofattn.errors import UserError
 from tests.conftest import TEXT
@@ -92,7 +92,7 @@ def test_local_sources(tmp_path):
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "first"}) + "\n\n" + json.dumps({"text": "second"}) + "\n")
     pq.write_table(pa.table({"text": ["row one", "row two"], "id": [1, 2]}), tmp_path / "c.parquet")
     (tmp_path / "ignored.csv").write_text("x,y")
-    assert [t for _, t in local_documents(tmp_path)] == ["plain text file", "first", "second", "row one", "row two"]
+    assert load_texts(str(tmp_path), "all") == ["plain text file", "first", "second", "row one", "row two"]
     assert load_texts(str(tmp_path / "b.jsonl"), "all") == ["first", "second"]
 
 

@@ -176,10 +176,22 @@ def test_lora_finds_every_familys_projections(family):
         torch.testing.assert_close(model(input_ids=x).logits, before, rtol=0, atol=0)
 
 
+def full_forward_qkv(model, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The naive reference of `TeacherStream`: q/k/v of `layer` captured from the teacher's full forward."""
+    from dofattn.capture import capture, run_forward
+    from dofattn.evaluate import teacher_mode
+
+    got = []
+    with teacher_mode(model), capture(model, lambda a: got.append(a) if a.layer == layer else None, layers=[layer]):
+        run_forward(model, blocks)
+    a = got[0]
+    return a.query.float(), a.key.float(), a.value.float()
+
+
 def test_the_teacher_stream_gives_the_full_forwards_qkv(family):
     """The layerwise stage's q/k/v, made layer by layer from the blocks' hidden states (odd batch split, layers
     skipped), equal those captured from the teacher's full forward, in every family (its own masks, RoPE, norms)."""
-    from dofattn.distill.teacher import TeacherStream, full_forward_qkv
+    from dofattn.distill.teacher import TeacherStream
 
     model = tiny(family)
     blocks = torch.randint(1, VOCAB, (5, 37), generator=torch.Generator().manual_seed(0))

@@ -153,7 +153,7 @@ class BoundedKVLayer(BatchSlot):
         query and less than W tokens before it."""
         return self.valid[:, None, None] if self.call_mask is None else self.call_mask
 
-    def to_static(self, length: int, position: torch.Tensor) -> StaticBoundedLayer:
+    def to_static(self, position: torch.Tensor) -> StaticBoundedLayer:
         """This slot for static decoding: the same held keys and ring (`StaticBoundedLayer`)."""
         return StaticBoundedLayer.from_layer(self, position)
 

@@ -179,7 +179,7 @@ class LinearStateLayer(BatchSlot):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")
 
-    def to_static(self, length: int, position: torch.Tensor) -> StaticStateLayer:
+    def to_static(self, position: torch.Tensor) -> StaticStateLayer:
         """This prefilled slot for static decoding (`engine.StaticDecoder`): `StaticStateLayer.freeze`. `position`:
         the decoder's [1] tensor."""
         return StaticStateLayer.freeze(self, position)
@@ -208,7 +208,7 @@ class StaticStateLayer(LinearStateLayer):
         static.parts = {name: part.frozen(layer.seen) for name, part in layer.parts.items()}
         return static
 
-    def to_static(self, length: int, position: torch.Tensor) -> StaticStateLayer:
+    def to_static(self, position: torch.Tensor) -> StaticStateLayer:
         return self                                  # static already
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.capture import AttentionInputs, capture, run_forward
+from dofattn.capture import AttentionInputs, capture
 from dofattn.evaluate import teacher_mode
 
 
@@ -121,11 +121,3 @@ class TeacherStream:
             hidden[offset:offset + len(part)] = layer_calls(self.model, self.layers[:1], part)[0]
         return hidden, calls
 
-
-def full_forward_qkv(model, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The naive reference of `TeacherStream`: q/k/v of `layer` captured from the teacher's full forward."""
-    got = []
-    with teacher_mode(model), capture(model, lambda a: got.append(a) if a.layer == layer else None, layers=[layer]):
-        run_forward(model, blocks)
-    a = got[0]
-    return a.query.float(), a.key.float(), a.value.float()
