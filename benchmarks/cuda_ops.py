@@ -130,7 +130,7 @@ def exact_rows(q, M, repeats, precisions) -> dict:
     fmap = make_feature_map("prf", H, D, M, scaling=D ** -0.5).to(q.device)
 
     def features():
-        return kernels.prf.prf_features(fmap, q, "query", MAX_KEY_EXCESS)[0]
+        return kernels.prf.prf_features(fmap.prf(), q, "query", MAX_KEY_EXCESS)[0]
 
     default, row, ref = common.exact_precision(q), {}, None
     saved = common.EXACT, common.EXACT_HALF

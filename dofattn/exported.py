@@ -45,13 +45,15 @@ from dofattn.attention.prompt import PromptReader, reading_forward
 from dofattn.errors import UserError
 from dofattn.io import check_safetensors
 from dofattn.spec import StudentSpec
+from dofattn.student import STUDENT_MODULES
 
 MODEL_TYPE = "dofattn"
 MODELING_FILE = "modeling_dofattn.py"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-# Parameter-name parts of the tensors kept in float32 on a 16-bit base (transformers' keep-in-fp32 globs).
-FLOAT32_MODULES = ["dofattn", "lora_"]
+# Parameter-name parts of the tensors kept in float32 on a 16-bit base (transformers' keep-in-fp32 globs): the
+# student's own.
+FLOAT32_MODULES = list(STUDENT_MODULES)
 
 
 # --- the exported model's classes ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from dofattn.errors import UserError
+from dofattn.ops.prf import PRFMap
 
 FEATURES = ("prf", "performer", "hedgehog", "dijiang")
 MAX_KEY_EXCESS = 30.0  # e^30 · 1e6 tokens stays far inside float32
@@ -47,13 +48,31 @@ class FeatureMap(nn.Module):
     """Base: one layer's map with `num_heads` heads of size `head_dim` to `dim` features."""
 
     kind = ""
-    estimates_kernel = False   # φ(q)·φ(k)·exp(scales) estimates exp(s·qᵀk) itself (not only the softmax's shape)
 
     def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float):
         super().__init__()
         if dim < 1:
             raise UserError(f"feature dimension must be >= 1, got {dim}")
         self.num_heads, self.head_dim, self.dim, self.scaling = num_heads, head_dim, dim, float(scaling)
+
+    @property
+    def estimates_kernel(self) -> bool:
+        """φ(q)·φ(k)·exp(scales) estimates exp(s·qᵀk) itself, not only the softmax's shape (`estimates_kernel`)."""
+        return estimates_kernel(self.kind)
+
+    def settled(self) -> bool:
+        """Whether the map no longer moves with the keys it reads (eval mode; a PRF map's key shift calibrated): what
+        a cached decode form that folds one key at a time needs."""
+        return not self.training
+
+    def prf(self) -> PRFMap | None:
+        """This map's numbers for the PRF fused forms (`ops.prf.PRFMap`), or None: not a PRF map."""
+        return None
+
+    def fused_ok(self, x: torch.Tensor, role: str) -> bool:
+        """Whether the one-kernel Triton features (`ops.triton.prf.prf_features`) give this call's result: never,
+        but for a PRF map."""
+        return False
 
     def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:  # [B, T, H, D] -> [B, T, H, M]
         raise NotImplementedError
@@ -86,8 +105,6 @@ def _orthogonal_rows(rows: int, cols: int, generator: torch.Generator) -> torch.
 class PositiveRandomFeatures(FeatureMap):
     """`prf` (learned) and `performer` (fixed orthogonal FAVOR+) positive random features."""
 
-    estimates_kernel = True
-
     def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float, learned: bool = True,
                  generator: torch.Generator | None = None):
         super().__init__(num_heads, head_dim, dim, scaling)
@@ -105,6 +122,8 @@ class PositiveRandomFeatures(FeatureMap):
             self.register_buffer("directions", z * norms)                            # [H, M, D]
             self.register_buffer("log_weights", torch.zeros(num_heads, dim))         # [H, M]
         self.register_buffer("key_shift", torch.full((num_heads,), -math.inf))       # [H]
+        self._calibrated: tuple | None = None      # (the key shift's storage and version, whether it is finite)
+        self._prf: tuple | None = None             # (the parameters' storage and versions, their `PRFMap`)
 
     def exponent(self, x: torch.Tensor) -> torch.Tensor:
         """log φ before any shift: [B, T, H, D] -> [B, T, H, M], float32."""
@@ -117,9 +136,23 @@ class PositiveRandomFeatures(FeatureMap):
         """True if every head's key shift is finite. Read from the GPU once per change of the buffer (its version
         counter moves on every in-place write, loading included), not on every decode step: no sync per token."""
         key = (self.key_shift.data_ptr(), self.key_shift._version)
-        if getattr(self, "_calibrated", (None, False))[0] != key:
+        if self._calibrated is None or self._calibrated[0] != key:
             self._calibrated = (key, bool(torch.isfinite(self.key_shift).all()))
         return self._calibrated[1]
+
+    def settled(self) -> bool:
+        return not self.training and self.shift_calibrated()
+
+    def prf(self) -> PRFMap:
+        """Directions and log-weights in float32, contiguous, and the per-head counts, made again only when the
+        parameters change (their version counter moves on every in-place update) or move: a decode step is
+        launch-bound, so nothing is converted per token."""
+        w, lw = self.directions, self.log_weights
+        key = (w.data_ptr(), w._version, lw.data_ptr(), lw._version, w.dtype, lw.dtype)
+        if self._prf is None or self._prf[0] != key:
+            counts = torch.tensor([self.dim] * self.num_heads, dtype=torch.int32, device=w.device)
+            self._prf = key, (w.detach().float().contiguous(), lw.detach().float().contiguous(), counts)
+        return PRFMap(*self._prf[1], self.key_shift, self.scaling, self.dim)
 
     @torch.no_grad()
     def _update_key_shift(self, exponent: torch.Tensor) -> None:
@@ -148,7 +181,7 @@ class PositiveRandomFeatures(FeatureMap):
         half_log_m = 0.5 * self.log_dims                                             # [H]
         if self.fused_ok(x, role):
             from dofattn.ops import load_triton
-            phi, q_scale = load_triton()[0].prf.prf_features(self, x, role, MAX_KEY_EXCESS)
+            phi, q_scale = load_triton()[0].prf.prf_features(self.prf(), x, role, MAX_KEY_EXCESS)
             return phi, (q_scale if role == "query" else self.key_shift - half_log_m)
         e = self.exponent(x)
         if role == "query":
@@ -210,6 +243,12 @@ class DiJiangFeatures(FeatureMap):
     def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
         u = x.float() * math.sqrt(self.scaling)
         return torch.softmax(torch.einsum("bthd,hdm->bthm", u, self.projection.float()), -1)
+
+
+def estimates_kernel(kind: str) -> bool:
+    """Whether maps of `kind` estimate the softmax kernel exp(s·qᵀk) itself (prf, performer), not only its shape: the
+    l2 loss and the kernel error compare their values (`FeatureMap.estimates_kernel`)."""
+    return kind in ("prf", "performer")
 
 
 def make_feature_map(kind: str, num_heads: int, head_dim: int, dim: int, scaling: float,

@@ -27,17 +27,13 @@ def option(default, help: str, **extra):
 
 
 @dataclasses.dataclass
-class Machine:
-    """Where a job runs its model and in what dtype: the options of every command that loads one, declared once
-    (a job's config inherits them)."""
+class Device:
+    """Where a job runs: the options of every command that runs a model, declared once (a job's config inherits
+    them; `distill` takes its dtype from the recipe)."""
 
     device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    threads: int | None = option(None, "CPU threads for torch's operations; auto: torch's default, one per core "
-                                       "(a decode step is many small operations: on a CPU that other work is using, "
-                                       "1 can be faster)", none="auto")
-    dtype: str = option("float32", "the model's dtype; auto: bfloat16 where the device computes it fast (CUDA; "
-                                   "CPUs with avx512_bf16 or AMX), else float32, as a recipe's run.dtype auto",
-                        choices=("float32", "bfloat16", "auto"))
+    threads: int | None = option(None, "CPU threads for torch (auto: one per core; on a busy CPU 1 can decode "
+                                       "faster)", none="auto")
 
     def check_machine(self) -> None:
         """The rules on these options that need no torch: answered before anything heavy loads."""
@@ -48,3 +44,12 @@ class Machine:
         if self.device not in ("auto", "cpu", "cuda") and not (
                 self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise UserError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or auto")
+
+
+@dataclasses.dataclass
+class Machine(Device):
+    """Where a job runs its model and in what dtype: the options of every command that loads one."""
+
+    dtype: str = option("float32", "the model's dtype; auto: bfloat16 where the device computes it fast (CUDA; "
+                                   "CPUs with avx512_bf16 or AMX), else float32, as a recipe's run.dtype auto",
+                        choices=("float32", "bfloat16", "auto"))

@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from dofattn.errors import UserError
+from dofattn.features import estimates_kernel
 from dofattn.options import option
 from dofattn.spec import LORA_TARGETS, Attention, Kept, StudentSpec, check_kept, check_lora
 
@@ -418,7 +419,7 @@ def validate(recipe: Recipe) -> None:
 def check_l2(attention: Attention, seq_len: int) -> None:
     """The l2 loss's rules, for a recipe and for the loss itself (`distill.losses.l2_loss`): it compares kernel
     values, which PRF and Performer features estimate, on the pairs beyond the window."""
-    if attention.feature not in ("prf", "performer"):
+    if not estimates_kernel(attention.feature):
         raise UserError(f"layerwise.loss = 'l2' compares kernel values: use student.feature prf or performer, not "
                         f"{attention.feature!r}")
     if attention.window >= seq_len:

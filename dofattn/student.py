@@ -21,6 +21,7 @@ from torch import nn
 
 from dofattn import __version__
 from dofattn.attention import LinearAttention, install
+from dofattn.attention.attach import LINEAR, attach, linear_of
 from dofattn.attention.bounded import BoundedSoftmax
 from dofattn.dof import DofResult
 from dofattn.errors import UserError
@@ -36,7 +37,7 @@ WEIGHTS_FILE = "features.safetensors"
 def linear_parts(model: nn.Module) -> dict[int, nn.Module]:
     """The linear attention (`LinearAttention`) of each linearized layer of `model`, by layer index, in order: the
     one place a layer's linear part is looked up (kept softmax layers and a teacher have none)."""
-    return {i: m.dofattn for i, m in enumerate(attention_modules(model)) if getattr(m, "dofattn", None) is not None}
+    return {i: linear for i, m in enumerate(attention_modules(model)) if (linear := linear_of(m)) is not None}
 
 
 def head_layout(model: nn.Module) -> tuple[int, int, int]:
@@ -146,12 +147,12 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
     for i in layers:
         linear = linear_layer(attention, heads, kv_heads, head_dim, dims[i], modules[i].scaling, seed * 1000 + i)
         linear = linear.to(param.device).train(modules[i].training)
-        modules[i].add_module("dofattn", linear)
+        attach(modules[i], linear=linear)
     if kept.select:   # the kept softmax layers (not a model's own local ones): bounded after the prompt
         bounded = bounded_layers(model.config, len(modules), layers, kept)
         check_kept(attention, kept, len(bounded))
         for i in bounded:
-            modules[i].add_module("dofattn_bounded", BoundedSoftmax(kept, attention, modules[i].scaling))
+            attach(modules[i], bounded=BoundedSoftmax(kept, attention, modules[i].scaling))
     install(model)
     return model
 
@@ -202,9 +203,15 @@ def build_untrained(model: nn.Module, recipe, dims: list[int], stand_in: bool = 
     return spec
 
 
+# The student's own modules, by their names' parts: a layer's linear attention (its feature map and parts) and LoRA's
+# adapters (`lora_A`, `lora_B`). Its tensors are theirs (`is_student_tensor`); an export keeps them in float32.
+STUDENT_MODULES = (LINEAR, "lora_")
+
+
 def is_student_tensor(name: str) -> bool:
-    """Whether a parameter/buffer name belongs to the student (feature maps, window gains, LoRA adapters)."""
-    return ".dofattn." in name or ".lora_" in name
+    """Whether a parameter/buffer name belongs to the student (`STUDENT_MODULES`: feature maps, parts, LoRA)."""
+    parts = name.split(".")
+    return LINEAR in parts[:-1] or any(part.startswith("lora_") for part in parts[1:])
 
 
 def student_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -290,18 +297,15 @@ def load_student_tensors(model: nn.Module, folder: str | Path) -> None:
                 tensor.copy_(state[name])
 
 
-# A layer's own tensors before they moved into its parts (folders of schema 2 and older): `dofattn.log_gain`.
-PART_OF = {"log_gain": "window", "decay_rate": "decay", "gate_weight": "decay", "conv_q": "conv", "conv_k": "conv",
-           "conv_v": "conv"}
-
-
 def _part_name(name: str, own: dict) -> str:
-    """`name` as the layer's parts name it: `…dofattn.log_gain` -> `…dofattn.window.log_gain` where the model has
-    that and not the old name."""
+    """`name` as the layer's parts name it: a layer's own tensor before it moved into its part (folders of schema
+    2 and older: `…dofattn.log_gain`) is the one part tensor of that name the model has (`….window.log_gain`)."""
     head, sep, leaf = name.rpartition(".dofattn.")
-    if not sep or name in own or leaf not in PART_OF:
+    if not sep or name in own or "." in leaf:
         return name
-    return f"{head}.dofattn.{PART_OF[leaf]}.{leaf}"
+    depth = name.count(".") + 1                                          # one name deeper: the part's
+    moved = [n for n in own if n.startswith(head + sep) and n.endswith("." + leaf) and n.count(".") == depth]
+    return moved[0] if len(moved) == 1 else name
 
 
 def load_student(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",

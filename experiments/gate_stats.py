@@ -97,7 +97,7 @@ def main() -> None:
         quantiles = torch.quantile(life.clamp_max(1e12)[torch.randperm(len(life))[:1_000_000]],
                                    torch.tensor(QUANTILES, dtype=torch.float64)).tolist()
         linear = attention_modules(model)[i].dofattn
-        rate_lives = half_lives(linear.log_decay()).tolist()
+        rate_lives = half_lives(linear.decay.log_decay()).tolist()
         row = {"layer": i, "quantiles": dict(zip(map(str, QUANTILES), quantiles)),
                "below_1": (life < 1).double().mean().item(), "above_1000": (life > 1000).double().mean().item(),
                "rates_alone": rate_lives}

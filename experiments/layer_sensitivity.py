@@ -98,15 +98,16 @@ def run_text(folder: Path) -> tuple[str, int, int]:
 def softmax_in(model, layers: list[int]) -> Iterator[None]:
     """While active, the attention layers in `layers` run exact softmax attention; their linear parts come back
     after."""
+    from dofattn.attention.attach import attach, detach
     from dofattn.student import attention_modules, linear_parts
 
     modules, linear = attention_modules(model), linear_parts(model)
-    taken = {i: modules[i]._modules.pop("dofattn") for i in layers if i in linear}
+    taken = {i: detach(modules[i]) for i in layers if i in linear}
     try:
         yield
     finally:
-        for i, part in taken.items():
-            modules[i].add_module("dofattn", part)
+        for i, (part, bounded) in taken.items():
+            attach(modules[i], linear=part, bounded=bounded)
 
 
 class AgainstTeacher:

@@ -49,7 +49,7 @@ def layer_rows(linear, q, k, v, scaling: float, spans, chunk: int = 512) -> dict
     phi_k, k_scale = fmap.features(k, "key")
     sink = first_keys(None, 1, T, a.sink, q.device) if a.sink else None
     parts, _ = window_parts(q, k, v, phi_q, phi_k, q_scale, k_scale + linear.window.log_gain, fmap.scaling,
-                            a.window, sink_mask=sink, log_decay=linear.log_decay())
+                            a.window, sink_mask=sink, **linear.op_arguments(v))
     lam = torch.stack([torch.where(has, lam, -torch.inf) for _, lam, has in parts])     # [parts, 1, T, H]
     total = torch.logsumexp(lam, 0)
     student_linear = torch.exp(lam[1] - total)[0]                                       # [T, H]

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from dofattn.spec import Attention
 from dofattn.attention import CONV_NAMES, LinearAttention, LinearStateLayer, Part
+from dofattn.attention.part import KERNELS
 from dofattn.attention.cache import PartState, keep_buffer
-from dofattn.attention.decay import Gate
+from dofattn.attention.decay import Decay
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
 from dofattn.ops.naive import naive_linear_attention
@@ -70,6 +71,11 @@ def reference_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(b, t, c, d)
 
 
+def head_decay(layer: LinearAttention) -> torch.Tensor | None:
+    """The layer's decay per head, log γ [H], read off its part (None without one)."""
+    return None if layer.decay is None else layer.decay.log_decay()
+
+
 def reference(layer: LinearAttention, q, k, v, valid) -> torch.Tensor:
     """The layer's output by the ops' naive forms (quadratic or token by token), none of the layer's dispatch."""
     fmap = layer.feature_map
@@ -82,12 +88,12 @@ def reference(layer: LinearAttention, q, k, v, valid) -> torch.Tensor:
         phi_k, k_scale = fmap.features(k, "key")
         sink = first_keys(valid, B, T, layer.attention.sink, q.device) if layer.attention.sink else None
         return naive_window_linear_attention(q, k, v, phi_q, phi_k, q_scale, k_scale + layer.window.log_gain,
-                                             fmap.scaling, layer.attention.window, valid, log_decay=layer.log_decay(),
+                                             fmap.scaling, layer.attention.window, valid, log_decay=head_decay(layer),
                                              sink_mask=sink)[0]
     phi_q, phi_k = fmap(q, "query"), fmap(k, "key") * valid[:, :, None, None]
     log_gate = layer.decay.log_gates(v) if (layer.attention.decay == "gate") else None
     return naive_linear_attention(phi_q, phi_k, v,
-                                  log_decay=None if (layer.attention.decay == "gate") else layer.log_decay(),
+                                  log_decay=None if (layer.attention.decay == "gate") else head_decay(layer),
                                   log_gate=log_gate)[0]
 
 
@@ -174,6 +180,7 @@ class Echo(Part):
     carries the last one across calls)."""
 
     name, State, layerwise = "echo", EchoState, False
+    kernels = KERNELS                     # it acts on the inputs, before any form
 
     @classmethod
     def build(cls, attention, num_heads, num_kv_heads, head_dim):
@@ -198,17 +205,20 @@ def test_a_new_stateful_part_needs_only_its_module_and_a_row_of_parts(variant, m
     path, its naive form includes it, the cache slot keeps, batches and freezes its state for static decoding."""
     import dofattn.attention.layer as layer_module
 
+    plain = odd_layer(variant, "prf").float()                       # the same layer without the part
     monkeypatch.setattr(layer_module, "PARTS", layer_module.PARTS + (Echo,))
-    layer = odd_layer(variant, "prf").float()
+    layer = odd_layer(variant, "prf").float()                       # the same draws, then the part's own
     assert isinstance(layer.echo, Echo) and layer.parts()[-1] is layer.echo
     q, k, v = (x.float() for x in odd_inputs()[:3])
     valid = torch.ones(B, T, dtype=torch.bool)
-    layer(q, k, v, valid)
-    layer.eval()
+    for each in (plain, layer):
+        each(q, k, v, valid)                                        # training mode: calibrates the key shift
+        each.eval()
     with torch.no_grad():
         full = layer(q, k, v, valid)
-        without = layer_module.LinearAttention.forward(layer, q, k, v * 0, valid)
-        assert (full - without).abs().max() > 1e-3                 # the part shows
+        assert (full - plain(q, k, v, valid)).abs().max() > 1e-3     # the part's own effect shows
+        echo = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], 1) * layer.echo.mix[:, None]   # kv heads
+        torch.testing.assert_close(full, plain(q, k, v + echo, valid), rtol=1e-5, atol=1e-6)   # and only it
         torch.testing.assert_close(naive_output(layer, q, k, v), full, rtol=1e-4, atol=1e-5)
         cache = LinearStateLayer()
         pieces = [slice(0, 6), *(slice(t, t + 1) for t in range(6, 9)), slice(9, T)]
@@ -422,7 +432,7 @@ def test_gate_starts_as_the_decay_then_differs_and_round_trips(tmp_path, model_d
     linearize(decayed, [5, 12, 7], Attention(window=0, sink=0, decay="head"), seed=2)
     x = ids()
     layer = attention_modules(model)[0].dofattn
-    assert layer.attention.decay == "gate" and isinstance(layer.decay, Gate) and "gate" in repr(layer)
+    assert layer.attention.decay == "gate" and isinstance(layer.decay, Decay) and layer.decay.per_token and "gate" in repr(layer)
     with torch.no_grad():
         torch.testing.assert_close(model(x, use_cache=False).logits, decayed(x, use_cache=False).logits)
         set_gates(model)

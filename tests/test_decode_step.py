@@ -90,8 +90,7 @@ def test_prf_step_is_the_fold_and_the_read(shape, decay):
     phi_q, q_scale = fmap.features(q[:, None], "query")
     want = window_decode_step(q, keys, values, valid, phi_q[:, 0], q_scale[:, 0], k_scale + log_gain, D ** -0.5,
                               want_state)
-    constants = prf_step_constants(fmap.directions, fmap.log_weights, fmap.key_shift, log_gain, D ** -0.5, Hkv,
-                                   MAX_KEY_EXCESS, log_decay)
+    constants = prf_step_constants(fmap.prf(), log_gain, Hkv, MAX_KEY_EXCESS, log_decay)
     got = prf_window_decode_step(q, old_k, old_v, old_valid, keys, values, valid, state, constants)
     torch.testing.assert_close(state, want_state, rtol=2e-5, atol=2e-6)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
@@ -256,15 +255,15 @@ def test_step_constants_follow_the_parameters(monkeypatch):
     with torch.no_grad():
         layer(q, k, v)                                                   # training mode: calibrates the shift
         layer.eval()
-        held = layer.step_constants()
-        assert layer.step_constants() is held
+        step_v = v[:, :1]
+        held = layer.step_constants(step_v)
+        assert layer.step_constants(step_v) is held
         layer.window.log_gain.add_(0.5)
         layer.decay.decay_rate.sub_(1.0)
-        fresh = layer.step_constants()
+        fresh = layer.step_constants(step_v)
         assert fresh is not held
-        want = prf_step_constants(layer.feature_map.directions, layer.feature_map.log_weights,
-                                  layer.feature_map.key_shift, layer.window.log_gain, D ** -0.5, Hkv, fresh.max_excess,
-                                  layer.log_decay())
+        want = prf_step_constants(layer.feature_map.prf(), layer.window.log_gain, Hkv, fresh.max_excess,
+                                  layer.decay.log_decay())
         for got, ref in zip(fresh, want):
             assert got == ref if isinstance(ref, float) else torch.equal(got, ref)
         lean, general = LinearStateLayer(), LinearStateLayer()

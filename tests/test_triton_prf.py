@@ -45,7 +45,7 @@ def test_prf_features_match_torch(shape):
     x = 6 * torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     for role in ("query", "key"):
         ref_phi, ref_scale = torch_features(fmap, x, role)
-        phi, scale = prf.prf_features(fmap, x, role, MAX_KEY_EXCESS)
+        phi, scale = prf.prf_features(fmap.prf(), x, role, MAX_KEY_EXCESS)
         assert_close(role, ref_phi, phi, RATIO)
         if role == "query":
             assert_close("scale", ref_scale, scale, 1e-6)
@@ -61,7 +61,7 @@ def test_prf_features_of_bfloat16_inputs():
     x = (6 * torch.randn(2, 70, 3, 16, generator=torch.Generator().manual_seed(2))).bfloat16().to(DEVICE)
     for role in ("query", "key"):
         ref_phi, ref_scale = torch_features(fmap, x.float(), role)
-        phi, scale = prf.prf_features(fmap, x, role, MAX_KEY_EXCESS)
+        phi, scale = prf.prf_features(fmap.prf(), x, role, MAX_KEY_EXCESS)
         assert phi.dtype == torch.bfloat16
         assert_close(role, ref_phi, phi, 1e-2)
         if role == "query":
@@ -82,22 +82,22 @@ def test_prf_decode_step_matches_the_layer():
     ref_o, ref_s = naive_linear_attention(torch_features(fmap, q, "query")[0], torch_features(fmap, k_h, "key")[0],
                                           v_h, state, output_final_state=True)
     before = state.clone()
-    o = prf.prf_decode_step(fmap, q, k, v, state, MAX_KEY_EXCESS)
+    o = prf.prf_decode_step(fmap.prf(), q, k, v, state, MAX_KEY_EXCESS)
     assert_close("o", ref_o, o, RATIO)
     assert_close("ht", ref_s, state, RATIO)                                            # updated in place
     # a padding token (row 1) leaves its state alone; row 0 steps as before
     state = before.clone()
-    prf.prf_decode_step(fmap, q, k, v, state, MAX_KEY_EXCESS, torch.tensor([[True], [False]], device=DEVICE))
+    prf.prf_decode_step(fmap.prf(), q, k, v, state, MAX_KEY_EXCESS, torch.tensor([[True], [False]], device=DEVICE))
     assert_close("ht0", ref_s[:1], state[:1], RATIO)
     assert torch.equal(state[1], before[1])
     with pytest.raises(ValueError, match="contiguous float32 state"):
-        prf.prf_decode_step(fmap, q, k, v, state.double(), MAX_KEY_EXCESS)
+        prf.prf_decode_step(fmap.prf(), q, k, v, state.double(), MAX_KEY_EXCESS)
     # with a decay: γ S + φk ⊗ [v, 1]; a padding token adds no key, but its step still decays the state
     log_decay = torch.tensor([-2.0, -0.05, -1e-4, -0.3], device=DEVICE)
     ref_o, ref_s = naive_linear_attention(torch_features(fmap, q, "query")[0], torch_features(fmap, k_h, "key")[0],
                                           v_h, before, output_final_state=True, log_decay=log_decay)
     state = before.clone()
-    o = prf.prf_decode_step(fmap, q, k, v, state, MAX_KEY_EXCESS, torch.tensor([[True], [False]], device=DEVICE),
+    o = prf.prf_decode_step(fmap.prf(), q, k, v, state, MAX_KEY_EXCESS, torch.tensor([[True], [False]], device=DEVICE),
                             log_decay=log_decay)
     assert_close("o0", ref_o[:1], o[:1], RATIO)
     assert_close("ht0", ref_s[:1], state[:1], RATIO)

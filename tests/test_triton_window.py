@@ -374,8 +374,8 @@ def test_prf_ring_step_dispatch(monkeypatch):
     q, k, v = (x[:, :1] for x in qkv)
     slots = ring.parts["window"]
     with pytest.raises(ValueError, match="contiguous buffers shaped"):
-        hybrid.prf_ring_step(layer.feature_map, q, k, v, ring.state, slots.keys.transpose(0, 1), slots.values,
+        hybrid.prf_ring_step(layer.feature_map.prf(), q, k, v, ring.state, slots.keys.transpose(0, 1), slots.values,
                              slots.valid, ring.position, layer.window.log_gain, MAX_KEY_EXCESS)
     with pytest.raises(ValueError, match="contiguous float32 state"):
-        hybrid.prf_ring_step(layer.feature_map, q, k, v, ring.state.double(), slots.keys, slots.values, slots.valid,
+        hybrid.prf_ring_step(layer.feature_map.prf(), q, k, v, ring.state.double(), slots.keys, slots.values, slots.valid,
                              ring.position, layer.window.log_gain, MAX_KEY_EXCESS)

@@ -11,23 +11,23 @@ transformers 5.24) and puts a `LinearStateLayer` in that layer's slot: it stores
 stays flat in context length. `model.generate()` needs nothing special.
 
 Modules, by part:
-    part      `Part`: what a layer asks of each of its parts (inputs, op arguments, a factor on pairs, a padding rule,
-              the fast forms it runs in, its cache state), each with a default that adds nothing
+    part      `Part`: what a layer asks of each of its parts (inputs, its effect as op arguments, a padding rule,
+              the fast forms it says it runs in, its cache state), each with a default that adds nothing
     layer     `LinearAttention`: builds its parts from its `spec.Attention` (`PARTS`), asks them, dispatches a call
               to its forms, and holds its attention the quadratic way composed from every part (`naive`)
     linear    pure linear attention's forms (prefill, cached call)
     hybrid    the window hybrid's forms: prefill, cached call, lean decode step, static ring step
     exact     the exact keys' parts: `Window` (the last W, and the linear part's gain) and `Sink` (the first S)
-    decay     `Decay` (per head) and `Gate` (per token), and a decay's padding rules
+    decay     `Decay` (per head, or per token: a gate), and a decay's padding rules
     conv      `ShortConv`, on q, k and v
     cache     the cache slots: `LinearStateLayer` with a `PartState` per part that keeps one, `StaticStateLayer`
               its static form (each part's state frozen: a window's as a ring), `StaticKVLayer` for a kept layer
     bounded   a kept softmax layer's cache bounded after the prompt (`spec.Kept`): `BoundedSoftmax`
     install   the AttentionInterface function, `install`, the cache-binding hooks
 
-Adding a part. Files it touches: `spec.py`, its own module, one row of `layer.PARTS`, its tests; and `ops/` if it
-changes the arithmetic (tests/test_attention.py adds a throwaway stateful part with only its module and the row:
-every path, the naive form and the cache slot take it). In order:
+Adding a part. Files it touches: its own module, a key of `spec.Attention`, one row of `layer.PARTS`, its tests;
+and `ops/` if it changes the arithmetic (tests/test_new_part.py adds a stateful part to a copy of the package with
+those three alone, and a student with it then trains, generates, saves, loads and exports). In order:
 1. `spec.py`: a field of `Attention` (the decay's `decay`), whose help is the recipe key's documentation
    (`student.decay`, `dofattn recipes --keys`); its rules against the other parts in `Attention.__post_init__` (a
    gate is for pure linear attention only), each a one-line UserError; a word in `Attention.describe` and a line
@@ -37,11 +37,12 @@ every path, the naive form and the cache slot take it). In order:
    form, and its rows in tests/test_ops.py and tests/test_triton_*.py against the reference on odd shapes, states
    and gradients included.
 3. `attention/<part>.py`: a `Part` subclass that owns its parameters and reads nothing of its layer: `name`,
-   `build` (from the config; None when it is off), and what it adds: `op_arguments` (the decay's `log_decay`),
-   `log_pair_factor` (its factor on each linear pair, which `naive` and the l2 loss add), `inputs` (a convolution's
-   filtered q, k, v: applied before every form and in `naive`), `check_padding`, `runs(kernel)` (False for a fast
-   form that does not compute it: the general call, on the ops with every part's arguments, then runs instead),
-   `layerwise` (False: the layerwise stage leaves it out of its optimizer), and a `State` (a `PartState` subclass)
+   `build` (from the config; None when it is off), and what it adds: `op_arguments` (its effect, stated once: the
+   decay's `log_decay`, which every form passes to its op, and `naive` and the l2 loss read as a factor on each
+   pair: `ops.naive.log_pair_factors`), `inputs` (a convolution's filtered q, k, v: applied before every form and
+   in `naive`), `check_padding`, `kernels` (the fast forms that compute it; none by default, so that the general
+   call runs instead, or static decoding refuses), `layerwise` (False: the layerwise stage leaves it out of its
+   optimizer), `rate` (a key of its own learning rate), and a `State` (a `PartState` subclass)
    if it keeps cache state: the slot then makes, reorders, batches, moves, counts and freezes it (`frozen`). To be
    served by vLLM (`dofattn.serve`) the state must reach a fixed size, and all zeros must mean "nothing seen yet"
    (vLLM hands a new sequence a zeroed block; tests/test_serve.py serves a window, a sink and a convolution so).
@@ -51,7 +52,8 @@ every path, the naive form and the cache slot take it). In order:
    against it: prefill with gradients, a cached prefill continued by steps and a chunk, the static ring.
 Nothing else changes: the recipe key, the saved spec (`dofattn.json`), export, the dry run's plan, the layerwise
 and end-to-end stages and every command take the config whole. A recipe that uses it sets the key in its TOML. (A
-part with its own learning rate, as the convolution's `end_to_end.conv_lr`, adds that key to `recipe.py`.)
+part with its own learning rate, as the convolution's `end_to_end.conv_lr`, adds that key to `recipe.py` and
+names it in `rate`.)
 """
 
 from dofattn.attention.cache import (CACHE_ARGUMENTS, LinearStateLayer, StaticKVLayer, StaticStateLayer, keep_buffer,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dofattn.attention.cache import LinearStateLayer, PartState, keep_buffer
-from dofattn.attention.part import Part
+from dofattn.attention.part import KERNELS, Part
 from dofattn.ops.conv import short_conv
 from dofattn.ops.softmax import expand_kv
 
@@ -31,6 +31,8 @@ class ShortConv(Part):
     identity, and it trains end to end."""
 
     name, State, layerwise = "conv", ConvState, False
+    kernels = KERNELS          # it acts on the inputs, before any form runs
+    rate = "conv_lr"           # end_to_end.conv_lr: its filters' learning rate
 
     @classmethod
     def build(cls, attention, num_heads: int, num_kv_heads: int, head_dim: int) -> ShortConv | None:

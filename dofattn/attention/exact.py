@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dofattn.attention.cache import LinearStateLayer, PartState, in_ring, last_keys
-from dofattn.attention.part import Part
+from dofattn.attention.part import KERNELS, Part
 from dofattn.errors import UserError
 from dofattn.ops.window import first_keys
 
@@ -53,6 +53,7 @@ class Window(Part):
     linear part's mass against the window's. Its cache state is the last W keys (`keep`)."""
 
     name, State = "window", WindowState
+    kernels = KERNELS          # the hybrid's fast forms are its own
 
     @classmethod
     def build(cls, attention, num_heads: int, num_kv_heads: int, head_dim: int) -> Window | None:
@@ -80,6 +81,7 @@ class Sink(Part):
     window's keys (the op's `lead`: an exact key's weight does not depend on its distance)."""
 
     name, State = "sink", SinkState
+    kernels = KERNELS          # every hybrid form reads its slots beside the window's
 
     @classmethod
     def build(cls, attention, num_heads: int, num_kv_heads: int, head_dim: int) -> Sink | None:

@@ -17,7 +17,8 @@ import torch
 
 from dofattn.attention.cache import LinearStateLayer, StaticStateLayer, keep_buffer, ring_slot
 from dofattn.attention.exact import SinkState
-from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
+from dofattn.errors import UserError
+from dofattn.features import MAX_KEY_EXCESS, in_model_dtype
 from dofattn.ops.naive import needs_grad
 from dofattn.ops.window import (PRFStep, first_keys, fold_key, prf_step_constants, prf_window_decode_step,
                                 window_decode_step, window_linear_attention)
@@ -96,8 +97,7 @@ class WindowBranch:
         if needs_grad(q, *self.parameters()):
             return False
         from dofattn.ops import load_triton
-        return (self.runs("prf_ring_step") and isinstance(fmap, PositiveRandomFeatures) and not fmap.training
-                and fmap.shift_calibrated()
+        return (self.runs("prf_ring_step") and fmap.prf() is not None and fmap.settled()
                 and cache.state is not None and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
                 and load_triton()[0] is not None)
 
@@ -106,10 +106,8 @@ class WindowBranch:
         numbers: one query, a full window of W cached keys, a full sink, and a feature map that the keys no longer
         move (eval mode; a PRF map's key shift calibrated). Syncs with a GPU only until a cache's sink is full."""
         fmap, last = self.feature_map, cache.part("window")
-        if (not self.runs("lean_step") or q.shape[1] != 1 or fmap.training or cache.state is None or last.keys is None
-                or last.keys.shape[1] != self.window.width):
-            return False
-        if isinstance(fmap, PositiveRandomFeatures) and not fmap.shift_calibrated():
+        if (not self.runs("lean_step") or q.shape[1] != 1 or not fmap.settled() or cache.state is None
+                or last.keys is None or last.keys.shape[1] != self.window.width):
             return False
         return self.sink is None or self.sink.ready(cache)
 
@@ -127,9 +125,9 @@ class WindowBranch:
         last.keys, last.values = torch.cat([last.keys[:, 1:], k], 1), torch.cat([last.values[:, 1:], v], 1)
         last.valid = torch.cat([last.valid[:, 1:], key_valid], 1)
         if self.prf_step_ok(q, cache):
-            o = prf_window_decode_step(q[:, 0], *old, *self.exact_keys(cache), cache.state, self.step_constants())
+            o = prf_window_decode_step(q[:, 0], *old, *self.exact_keys(cache), cache.state, self.step_constants(v))
             return o[:, None]
-        state, k_scale = self.fold(cache.state, *old, q.dtype)
+        state, k_scale = self.fold(cache.state, *old, q.dtype, v)
         keep_buffer(cache, "state", state)
         return self.read_exact(q, cache, k_scale, q.dtype)
 
@@ -137,22 +135,20 @@ class WindowBranch:
         """True when a steady decode step runs as `ops.window.prf_window_decode_step` (few operations, the state
         updated in place): a PRF map, float32, a contiguous state, no autograd (a window has no gate: `spec`); else
         `fold` and `read_exact`."""
-        return (self.runs("prf_window_step") and isinstance(self.feature_map, PositiveRandomFeatures)
+        return (self.runs("prf_window_step") and self.feature_map.prf() is not None
                 and q.dtype == torch.float32
                 and cache.state.dtype == torch.float32 and cache.state.is_contiguous()
                 and not needs_grad(q, *self.parameters()))
 
-    def step_constants(self) -> PRFStep:
-        """The PRF step's constants (`ops.window.prf_step_constants`), made again only when a tensor they come from
-        changed (its storage or its version: an optimizer step, a load, a move)."""
-        fmap = self.feature_map
-        sources = (fmap.directions, fmap.log_weights, fmap.key_shift, self.window.log_gain,
-                   *(() if self.decay is None else (self.decay.decay_rate,)))
-        key = tuple((t.data_ptr(), t._version) for t in sources)
-        held = getattr(self, "_step_constants", None)
+    def step_constants(self, v: torch.Tensor) -> PRFStep:
+        """The PRF step's constants (`ops.window.prf_step_constants`, with the parts' op arguments for the values v
+        [B, 1, Hkv, D]), made again only when a tensor of the layer changed (its storage or its version: an optimizer
+        step, a load, a move)."""
+        key = tuple((t.data_ptr(), t._version) for t in (*self.parameters(), *self.buffers()))
+        held = self._step_constants
         if held is None or held[0] != key:
-            held = key, prf_step_constants(fmap.directions, fmap.log_weights, fmap.key_shift, self.window.log_gain,
-                                           fmap.scaling, self.num_kv_heads, MAX_KEY_EXCESS, self.log_decay())
+            held = key, prf_step_constants(self.feature_map.prf(), self.window.log_gain, self.num_kv_heads,
+                                           MAX_KEY_EXCESS, **self.op_arguments(self.expand_kv(v)))
             self._step_constants = held
         return held[1]
 
@@ -162,15 +158,16 @@ class WindowBranch:
         return tuple(torch.cat([getattr(slots, name) for slots in held], 1) for name in ("keys", "values", "valid"))
 
     def fold(self, state: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+             dtype: torch.dtype, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the state after the key [B, Hkv, D] with its value leaves the window, the keys' log-scale [H]): a key
         that is padding or a sink (`valid` [B] False) adds nothing (with a decay, the state still decays: a step
-        passed). Features rounded to `dtype` if it is 16-bit (as `attend` does for a 16-bit model; the static ring
+        passed; the parts' op arguments read this step's values v [B, 1, Hkv, D]). Features rounded to `dtype` if it is 16-bit (as `attend` does for a 16-bit model; the static ring
         keeps them in float32, as its one-kernel step)."""
         phi, k_scale = self.feature_map.features(self.expand_kv(key[:, None]), "key")      # [B, 1, H, M], [H]
         phi = in_model_dtype(phi, dtype)[:, 0]
         phi = phi * valid[:, None, None].to(phi.dtype)
-        return fold_key(state, phi, self.expand_kv(value[:, None])[:, 0], self.log_decay()), k_scale
+        return fold_key(state, phi, self.expand_kv(value[:, None])[:, 0],
+                        **self.op_arguments(self.expand_kv(v))), k_scale
 
     def read_exact(self, q: torch.Tensor, cache: LinearStateLayer, k_scale: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor:
@@ -191,20 +188,23 @@ class WindowBranch:
         -> o [B, 1, H, D]. On CUDA (or with backend triton) a PRF map runs it as one kernel (`one_kernel_ring`);
         otherwise `fold` and `read_exact`, as the growing cache's `decode_step` (the ring's order does not matter:
         an exact key's weight does not depend on its distance)."""
+        if not self.runs("ring_step"):
+            raise UserError(f"static decoding runs a window hybrid's ring step, which does not compute every part of "
+                            f"this layer ({self.attention.describe()}); decode with HF generate")
         ring = cache.part("window")
         if self.one_kernel_ring(q, cache, backend):
             from dofattn.ops import load_triton
             if cache.arrivals is None or cache.arrivals.shape[0] != q.shape[0]:
                 cache.arrivals = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
-            decay_rate = None if self.decay is None else self.decay.decay_rate
             sink = cache.parts.get("sink", SinkState())                         # no sink: None tensors
             return load_triton()[0].window.prf_ring_step(
-                self.feature_map, q, k, v, cache.state, ring.keys, ring.values, ring.valid, cache.position,
-                self.window.log_gain, MAX_KEY_EXCESS, decay_rate, sink.keys, sink.values, sink.valid, cache.arrivals)
+                self.feature_map.prf(), q, k, v, cache.state, ring.keys, ring.values, ring.valid, cache.position,
+                self.window.log_gain, MAX_KEY_EXCESS, sink_keys=sink.keys, sink_values=sink.values,
+                sink_valid=sink.valid, arrivals=cache.arrivals, **self.op_arguments(self.expand_kv(v)))
         slot = ring_slot(cache.position, self.window.width)                               # [1]: the oldest key's slot
         state, k_scale = self.fold(cache.state, ring.keys.index_select(1, slot)[:, 0],
                                    ring.values.index_select(1, slot)[:, 0],
-                                   ring.valid.index_select(1, slot)[:, 0], torch.float32)
+                                   ring.valid.index_select(1, slot)[:, 0], torch.float32, v)
         cache.state.copy_(state)
         ring.keys.index_copy_(1, slot, k)
         ring.values.index_copy_(1, slot, v)

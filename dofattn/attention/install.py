@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from dofattn.attention.attach import bounded_of, linear_of
 from dofattn.attention.cache import cache_argument, state_layer
 from dofattn.attention.prompt import read_in_chunks
 from dofattn.capture import base_attention
@@ -40,7 +41,7 @@ def _hand_cache(module: nn.Module, args, kwargs):
     cache = cache_argument(kwargs)
     if cache is None or getattr(config, "_attn_implementation", IMPLEMENTATION) not in IMPLEMENTATIONS:
         return None
-    if getattr(module, "dofattn", None) is not None:   # None: the linear part taken off, softmax again
+    if linear_of(module) is not None:                  # None: the linear part taken off, softmax again
         state_layer(cache, module.layer_idx)
     return args, {**kwargs, CACHE_KWARG: cache}
 
@@ -85,7 +86,7 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     (`dofattn_bounded`) reads what its cache keeps after the prompt, and bounds the cache after the prompt."""
     slot = None if cache is None else _slot(module, cache)
     static = getattr(slot, "slot_mask", None)          # HF's own slots have none
-    bounded = getattr(module, "dofattn_bounded", None)
+    bounded = bounded_of(module)
     own = static() if static is not None else bounded.mask(slot) if bounded is not None else None
     bounded_own = own is not None and static is None
 
@@ -112,7 +113,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       attention_mask: torch.Tensor | None, eager: bool = False,
                       **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """AttentionInterface function: q [B, H, T, D], k/v [B, Hkv, T, D] -> ([B, T, H, D], None)."""
-    linear, cache = getattr(module, "dofattn", None), kwargs.pop(CACHE_KWARG, None)
+    linear, cache = linear_of(module), kwargs.pop(CACHE_KWARG, None)
     if linear is None:
         return _softmax(module, query, key, value, attention_mask, eager, cache, **kwargs)
     if key.shape[2] != query.shape[2]:

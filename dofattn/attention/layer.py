@@ -7,7 +7,7 @@ The parts, each a module that owns its parameters and its forms (`attention.exac
     window        exact softmax over the last W keys, the linear branch beyond, one normalisation (`exact.Window`);
                   the linear branch's weight per head
     sink          the first S real tokens exact for every later query (`exact.Sink`)
-    decay         a learned decay of the linear state per head (`decay.Decay`) or per token (`decay.Gate`)
+    decay         a learned decay of the linear state per head or per token (a gate) (`decay.Decay`)
     conv          a short causal convolution of q, k and v (`conv.ShortConv`)
 A part the config leaves out is None. Every rule on how the parts combine is the config's (`Attention`), checked
 when it is made. The layer dispatches a call to its forms: pure linear attention's (`linear.LinearBranch`), the
@@ -24,13 +24,14 @@ from torch import nn
 
 from dofattn.attention.cache import LinearStateLayer, StaticStateLayer
 from dofattn.attention.conv import ShortConv
-from dofattn.attention.decay import Decay, Gate
+from dofattn.attention.decay import Decay
 from dofattn.attention.exact import Sink, Window
 from dofattn.attention.hybrid import WindowBranch
 from dofattn.attention.linear import LinearBranch
 from dofattn.attention.part import Part
 from dofattn.errors import UserError
 from dofattn.features import FeatureMap
+from dofattn.ops.naive import log_pair_factors
 from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.ops.window import first_keys, window_logits
 from dofattn.spec import Attention
@@ -38,8 +39,8 @@ from dofattn.spec import Attention
 TINY = torch.finfo(torch.float32).tiny
 
 # The parts a layer may have, each made from the config (`Part.build`) in this order, which is also the order their
-# `inputs` apply. Two may share a name (a decay per head or per token): the config makes at most one of them.
-PARTS: tuple[type[Part], ...] = (Window, Sink, Decay, Gate, ShortConv)
+# `inputs` apply; each a child module under its own name.
+PARTS: tuple[type[Part], ...] = (Window, Sink, Decay, ShortConv)
 
 
 class LinearAttention(WindowBranch, LinearBranch, nn.Module):
@@ -65,16 +66,16 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
         self.feature_map = feature_map
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         for part in PARTS:            # each a child module under its name (None where the config leaves it out)
-            built = part.build(attention, num_heads, num_kv_heads, head_dim)
-            if built is not None or not hasattr(self, part.name):
-                setattr(self, part.name, built)
+            setattr(self, part.name, part.build(attention, num_heads, num_kv_heads, head_dim))
+        self._step_constants = None   # (what they were made from, the PRF step's constants): `step_constants`
 
     def parts(self) -> list[Part]:
-        """The parts this layer has, in `PARTS`' order."""
-        return [p for p in (getattr(self, name) for name in dict.fromkeys(c.name for c in PARTS)) if p is not None]
+        """The parts this layer has, in the order it was built with them (`PARTS`')."""
+        return [child for child in self.children() if isinstance(child, Part)]
 
-    def op_arguments(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every part's keyword arguments of the op (`Part.op_arguments`), from the values v [B, T, H, D]."""
+    def op_arguments(self, v: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Every part's keyword arguments of the ops (`Part.op_arguments`: its effect), from the values v [B, T, H, D]
+        on query heads; every form passes them whole, so an op that does not take one refuses it."""
         return {key: value for part in self.parts() for key, value in part.op_arguments(v).items()}
 
     def check_padding(self, key_valid: torch.Tensor, state: torch.Tensor | None = None) -> None:
@@ -88,10 +89,6 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
 
     def extra_repr(self) -> str:
         return self.attention.describe()
-
-    def log_decay(self) -> torch.Tensor | None:
-        """[H] float32: log γ_h of each head (< 0), or None without a decay (a gate's rate without its tokens)."""
-        return None if self.decay is None else self.decay.log_decay()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None = None,
                 cache: LinearStateLayer | None = None, backend: str = "auto") -> torch.Tensor:
@@ -135,7 +132,8 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
         the values), a sequence from position 0 without padding. First each part's `inputs` (a convolution's
         filters), then the pairs' logits: beside a window the exact keys (the last W, the first S) weigh as the
         teacher's kernel and the linear pairs as the features' (`ops.window.window_logits`, with the parts' op
-        arguments); pure linear attention, φq·φk times each part's `log_pair_factor`. `rows`: each row normalised,
+        arguments); pure linear attention, φq·φk times the pair factors of the parts' op arguments
+        (`log_pair_factor`). `rows`: each row normalised,
         the attention matrix that the layerwise loss holds against the teacher's; else the log weights before it
         (log TINY above the diagonal), whose masses the gain calibration compares. `gain`: with the window's learned
         gain on the linear part. `at` [R]: only the rows of these query positions ([B, H, R, T]: a long sequence's
@@ -167,11 +165,14 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
 
     def log_pair_factor(self, v: torch.Tensor | None, length: int,
                         at: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The sum of the parts' log factors on the linear part's pairs (`Part.log_pair_factor`; beside a window
-        counted from its edge), [B or 1, H, T or R, T], or None where no part puts one."""
-        factors = [f for part in self.parts()
-                   if (f := part.log_pair_factor(v, length, -self.attention.window, at)) is not None]
-        return sum(factors[1:], factors[0]) if factors else None
+        """The parts' op arguments as a log factor on the linear part's pairs (`ops.naive.log_pair_factors`; beside a
+        window counted from its edge), [B or 1, H, T or R, T], or None where no part puts one."""
+        return log_pair_factors(length, -self.attention.window, at, **self.op_arguments(v))
+
+    def needs_gain_calibration(self) -> bool:
+        """Whether the linear part's mass must be put on the exact keys' scale before training (`calibrate_gain`):
+        beside a window, for a map that does not estimate the kernel itself."""
+        return self.window is not None and not self.feature_map.estimates_kernel
 
     @torch.no_grad()
     def calibrate_gain(self, q: torch.Tensor, k: torch.Tensor) -> None:

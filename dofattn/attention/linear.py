@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from dofattn.attention.cache import LinearStateLayer, keep_buffer
-from dofattn.features import MAX_KEY_EXCESS, PositiveRandomFeatures, in_model_dtype
+from dofattn.features import MAX_KEY_EXCESS, in_model_dtype
 from dofattn.ops import linear_attention
 
 
@@ -21,8 +21,8 @@ class LinearBranch:
         D], k and v [B, T, Hkv, D] -> o [B, T, H, D]."""
         if self.one_kernel_step(q, cache, backend):
             from dofattn.ops import load_triton
-            return load_triton()[0].prf.prf_decode_step(self.feature_map, q, k, v, cache.state, MAX_KEY_EXCESS,
-                                                        key_valid, self.log_decay())
+            return load_triton()[0].prf.prf_decode_step(self.feature_map.prf(), q, k, v, cache.state, MAX_KEY_EXCESS,
+                                                        key_valid, **self.op_arguments(self.expand_kv(v)))
         o, state = self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, cache.state, True, backend)
         keep_buffer(cache, "state", state)
         return o
@@ -34,8 +34,7 @@ class LinearBranch:
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
         return (backend == "auto" and self.window is None and self.runs("prf_decode_step")
-                and q.shape[1] == 1 and q.is_cuda and isinstance(fmap, PositiveRandomFeatures)
-                and fmap.fused_ok(q, "key") and cache.state is not None and cache.state.dtype == torch.float32
+                and q.shape[1] == 1 and q.is_cuda and fmap.fused_ok(q, "key") and cache.state is not None and cache.state.dtype == torch.float32
                 and cache.state.is_contiguous())
 
     def linear_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,

@@ -9,12 +9,17 @@ parameters, made from the layer's config, and asked by the layer for what it add
 
 What the layer asks of each of its parts (`LinearAttention.parts()`), each with a default that adds nothing:
     inputs(q, k, v, key_valid, cache)        q, k, v before the attention (a convolution mixes neighbours in)
-    op_arguments(v)                          keyword arguments the linear op takes for it (a decay's `log_decay`)
-    log_pair_factor(v, length, offset, at)   its log factor on the linear pairs of the layer's attention matrix
+    op_arguments(v)                          its effect on the attention, stated once: keyword arguments of the ops (a
+                                             decay's `log_decay`), which every form reads, the naive form and the l2
+                                             loss as a factor on each pair (`ops.naive.log_pair_factors`); an op
+                                             that does not know an argument refuses it
     check_padding(key_valid, state)          a rule of its own on padded keys (a decay: padding on the left only)
-    runs(kernel)                             whether a fast form can run it (`KERNELS`)
+    kernels                                  the fast forms that compute it (`KERNELS`): none by default, so a fast
+                                             form runs only where every part has said it can (else the general call,
+                                             or a refusal where there is none: static decoding)
     layerwise                                whether the layerwise stage fits it on the teacher's q/k/v (a part that
                                              only acts through its inputs trains end to end)
+    rate                                     the end-to-end key of its own learning rate, if it has one (`conv_lr`)
 A `State` is registered for the cache slot under `name` (`cache.PART_STATES`) when the class is made: the slot
 makes, reorders, batches, moves, counts and freezes it for static decoding whatever the part.
 """
@@ -28,10 +33,11 @@ from torch import nn
 
 from dofattn.attention.cache import PART_STATES, PartState
 
-# The fast forms that name what they compute, which a part may not run in (`runs`; the general call, on the ops with
-# every part's `op_arguments`, runs every part): a pure linear layer's Triton decode step, a window hybrid's Triton
-# ring step, its steady decode step (`lean_step`: `fold_key` and `window_decode_step`) and that step's PRF form.
-KERNELS = ("prf_decode_step", "prf_ring_step", "lean_step", "prf_window_step")
+# The fast forms, which run a part only where it says so (`Part.kernels`; the general call, on the ops with every
+# part's `op_arguments`, runs every part): a pure linear layer's Triton decode step, a window hybrid's static ring
+# step (`ring_step`: fixed shapes, no general call to fall back on) and its Triton form, its steady decode step
+# (`lean_step`: `fold_key` and `window_decode_step`) and that step's PRF form.
+KERNELS = frozenset({"prf_decode_step", "ring_step", "prf_ring_step", "lean_step", "prf_window_step"})
 
 
 class Part(nn.Module):
@@ -40,6 +46,8 @@ class Part(nn.Module):
     name: ClassVar[str] = ""
     State: ClassVar[type[PartState] | None] = None
     layerwise: ClassVar[bool] = True
+    kernels: frozenset[str] = frozenset()        # the fast forms that compute it (`KERNELS`): none unless it says
+    rate: ClassVar[str | None] = None            # a key of `end_to_end` that gives it a learning rate of its own
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -57,22 +65,15 @@ class Part(nn.Module):
         layer's naive form): the same by default."""
         return q, k, v
 
-    def op_arguments(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Keyword arguments of the linear op for this part (`ops.linear_attention`), from the values v [B, T, H, D]:
-        none by default."""
+    def op_arguments(self, v: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Its effect, as keyword arguments of the ops (`ops.linear_attention`, `ops.window`, the decode steps), from
+        the values v [B, T, H, D] on query heads: none by default."""
         return {}
-
-    def log_pair_factor(self, v: torch.Tensor, length: int, offset: int = 0,
-                        at: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Its log factor on the pair (query t, key s) of a sequence of `length` ([B or 1, H, T or R, T], 0 where it
-        does not act), the linear pairs counted from `offset` (beside a window, -W: from its edge), only the rows
-        `at` if given; None: it puts no factor on pairs."""
-        return None
 
     def check_padding(self, key_valid: torch.Tensor, state: torch.Tensor | None = None) -> None:
         """UserError where these keys' padding flags [B, Tk] (after a chunk's `state`, if one) cannot be exact for
         this part: any padding by default."""
 
     def runs(self, kernel: str) -> bool:
-        """Whether the one-kernel form `kernel` (one of `KERNELS`) computes this part: yes by default."""
-        return True
+        """Whether the fast form `kernel` (one of `KERNELS`) computes this part (`kernels`)."""
+        return kernel in self.kernels

@@ -137,11 +137,12 @@ def announce(model: nn.Module, cache, length: int) -> None:
     becomes a `bounded.PromptKVLayer` of that length, which holds the keys until the last chunk and then chooses."""
     from transformers.cache_utils import DynamicLayer
 
+    from dofattn.attention.attach import bounded_of
     from dofattn.attention.bounded import PromptKVLayer
 
     layers = getattr(cache, "self_attention_cache", cache).layers
     for module in model.modules():
-        if getattr(module, "dofattn_bounded", None) is None:
+        if bounded_of(module) is None:
             continue
         while len(layers) <= module.layer_idx:
             layers.append(DynamicLayer())

@@ -30,7 +30,7 @@ import types
 import typing
 
 from dofattn.errors import UserError
-from dofattn.options import Machine
+from dofattn.options import Device
 
 VERBS = ("dof", "distill", "recipes", "eval", "generate", "bench", "sample", "export")
 
@@ -177,6 +177,6 @@ def config(cls, ns: argparse.Namespace, **values):
         elif "help" in f.metadata and hasattr(ns, f.name):
             kwargs[f.name] = _value(f, hints[f.name], getattr(ns, f.name))
     made = cls(**kwargs)
-    if isinstance(made, Machine):
+    if isinstance(made, Device):
         made.check_machine()                 # before a job imports torch or loads a model
     return made

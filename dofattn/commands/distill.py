@@ -19,11 +19,11 @@ from pathlib import Path
 
 from dofattn.commands import add_verb, config
 from dofattn.errors import UserError
-from dofattn.options import DATA_HELP, option
+from dofattn.options import DATA_HELP, Device, option
 
 
 @dataclass
-class DistillArgs:
+class DistillArgs(Device):
     """What a run is given beside its recipe: the recipe and its [run] keys, and where and how long it runs."""
 
     recipe: str | None = option(None, "a recipe name (below) or a .toml file; default: long-context, or with "
@@ -32,17 +32,16 @@ class DistillArgs:
                                    action="append", metavar="KEY=VALUE")
     model: str | None = option(None, "the teacher (run.model): built-in alias smollm2-135m, hub id, folder or .gguf")
     data: str | None = option(None, "training text (run.data): " + DATA_HELP)
-    eval_data: str | None = option(None, "the text scored, its validation split (run.eval_data); default: --data",
-                                   metavar="TEXT")
-    seed: int | None = option(None, "seed of the features, the data order and the DoF sample (run.seed)")
+    eval_data: str | None = option(None, "the text scored, its validation split (run.eval_data)", metavar="TEXT",
+                                   none="--data")
+    seed: int | None = option(None, "seed of features, data order, DoF sample (run.seed)")
     dtype: str | None = option(None, "the frozen model's dtype (run.dtype): float32 or bfloat16")
     out: str | None = option(None, "run folder: created, or resumed when it holds a run of the same recipe",
                              none="runs/RECIPE")
-    device: str = option("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
-    time_limit: float = option(0.0, "minutes of end-to-end training, then save and evaluate; run it again to go "
-                                    "on (0: none)", metavar="MIN")
-    continue_from: str | None = option(None, "go on from a copy of this run folder's student with more end-to-end "
-                                             "steps or other text (--out is the new folder)", metavar="RUN")
+    time_limit: float = option(0.0, "minutes of end-to-end training, then save and evaluate (0: none)",
+                               metavar="MIN")
+    continue_from: str | None = option(None, "go on from a copy of this run's student (more steps, other text) in "
+                                             "--out", metavar="RUN")
     dry_run: bool = option(False, "print the plan from the model's config only, and stop")
     world_size: int | None = option(None, "processes the plan is for (default: WORLD_SIZE or 1)", metavar="N")
     json: bool = option(False, "with --dry-run: the plan as JSON")
@@ -89,7 +88,9 @@ def run(ns) -> int:
         from dofattn.lora import require_peft
         require_peft()
     from dofattn.distill.run import DistillConfig, run as distill
+    from dofattn.hf import use_threads
 
+    use_threads(args.threads)
     job = DistillConfig(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from,
                         world_size(args), args.force)
     log = distill(job, progress=print)

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from dofattn.attention import CONV_NAMES
+from dofattn.attention import Part
 from dofattn.distill.world import all_max, all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
 from dofattn.evaluate import head, hidden_states, perplexity, teacher_mode
@@ -45,13 +45,19 @@ def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if is_student_tensor(n) and p.requires_grad]
 
 
+def own_rates(model, config) -> dict[int, float]:
+    """Parameter id -> the learning rate its part has of its own: a part's `rate` names a key of `end_to_end` (the
+    convolution's `conv_lr`), which the recipe set."""
+    return {id(p): rate for m in model.modules() if isinstance(m, Part) and m.rate is not None
+            and (rate := getattr(config, m.rate)) is not None for p in m.parameters()}
+
+
 def param_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float,
-                 conv_lr: float | None = None) -> tuple[list[str], list[dict]]:
-    """(names in the optimizer's order, Adam groups): everything at `lr`, with `conv_lr` the convolution filters in
-    a group of their own. Each group keeps its rate as "base_lr" for the cooldown."""
-    filters = tuple("." + name for name in CONV_NAMES) if conv_lr is not None else ()
-    parts = [([(n, p) for n, p in named if not (filters and n.endswith(filters))], lr),
-             ([(n, p) for n, p in named if filters and n.endswith(filters)], conv_lr)]
+                 own: dict[int, float]) -> tuple[list[str], list[dict]]:
+    """(names in the optimizer's order, Adam groups): everything at `lr`, then a group for each rate of `own`
+    (`own_rates`). Each group keeps its rate as "base_lr" for the cooldown."""
+    parts = [([(n, p) for n, p in named if id(p) not in own], lr),
+             *(([(n, p) for n, p in named if own.get(id(p)) == rate], rate) for rate in dict.fromkeys(own.values()))]
     return ([n for part, _ in parts for n, _ in part],
             [{"params": [p for _, p in part], "lr": rate, "base_lr": rate} for part, rate in parts if part])
 
@@ -272,9 +278,9 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
 
     named = trainable(model)
     steps, batch_size = config.steps, config.batch_size
-    names, groups = param_groups(named, config.lr, config.conv_lr)
+    names, groups = param_groups(named, config.lr, own_rates(model, config))
     persistent = model.state_dict().keys()             # PRF key shifts move in training too; masks are fixed
-    tensors = named + [(n, b) for n, b in model.named_buffers() if ".dofattn." in n and n in persistent]
+    tensors = named + [(n, b) for n, b in model.named_buffers() if is_student_tensor(n) and n in persistent]
     shifts = [b for n, b in tensors if n.endswith("key_shift")]
     optimizer = optimizer_class(groups)
     ckpt = out / "end_to_end"

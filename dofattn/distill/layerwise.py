@@ -57,7 +57,7 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
     gen = torch.Generator().manual_seed(seed)
     losses, start = [], time.perf_counter()
     linear.train()
-    if linear.window is not None and not linear.feature_map.estimates_kernel:  # the linear part on the window's scale
+    if linear.needs_gain_calibration():           # the linear part put on the exact keys' scale first
         q, k, _ = batch(fixed)
         linear.calibrate_gain(q, k)
     T = q_all.shape[1]

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dofattn.attention import LinearAttention
 from dofattn.ops.softmax import attention_logits
+from dofattn import recipe
 from dofattn.recipe import check_l2
 
 TINY = torch.finfo(torch.float32).tiny
@@ -103,4 +104,5 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     return diff.square().sum() / (mask.sum() * q.shape[0] * q.shape[2])
 
 
-LOSSES = {"softmax": softmax_loss, "l2": l2_loss}
+# The recipe's losses (`layerwise.loss`: their names are `recipe.LOSSES`, in this order).
+LOSSES = dict(zip(recipe.LOSSES, (softmax_loss, l2_loss), strict=True))

@@ -211,15 +211,14 @@ def evaluate(recipe: Recipe, model, blocks: torch.Tensor, dims: list[int]) -> di
 
     The Performer is `model` itself once the student is scored: the student's parts removed, its LoRA adapters
     off, every layer linearized anew, so that no second copy of the model is loaded. `model` is spent after."""
+    from dofattn.attention.attach import detach
     from dofattn.lora import set_lora_enabled
     from dofattn.student import attention_modules, linearize
 
     against = compare(model, blocks)
     teacher, student = against["teacher_ppl"], against["ppl"]
     for module in attention_modules(model):             # the base model again
-        for part in ("dofattn", "dofattn_bounded"):
-            if hasattr(module, part):
-                delattr(module, part)
+        detach(module)
     set_lora_enabled(model, False)
     budget = round(sum(dims) / len(dims))
     linearize(model, [budget] * len(dims), Attention(feature="performer", window=0, sink=0), seed=recipe.run.seed)

@@ -45,10 +45,10 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
     Memory stays bounded at length: the outputs come from the attention kernels (no T × T), the kernel error reads
     `ERROR_ROWS` evenly spaced rows of a block longer than `LONG_ROWS`, and the forward computes no logits (`eval`
     sends blocks longer than `LONG_BLOCK` one at a time)."""
+    from dofattn.attention.attach import linear_of
     from dofattn.capture import capture, run_forward
     from dofattn.distill.losses import l2_loss
     from dofattn.evaluate import blocks_in_batches, teacher_mode
-    from dofattn.features import PositiveRandomFeatures
     from dofattn.ops.softmax import expand_kv, softmax_attention
     from dofattn.student import attention_modules, linear_parts
 
@@ -57,7 +57,7 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
     kernel = [[] for _ in modules]
 
     def sink(a) -> None:
-        linear = getattr(modules[a.layer], "dofattn", None)
+        linear = linear_of(modules[a.layer])
         if linear is None:
             return
         k, v = expand_kv(a.key, a.num_heads), expand_kv(a.value, a.num_heads)
@@ -65,7 +65,7 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
         approx = linear(a.query, a.key, a.value)
         num[a.layer] += (approx.float() - exact).square().sum().item()
         den[a.layer] += exact.square().sum().item()
-        if isinstance(linear.feature_map, PositiveRandomFeatures):
+        if linear.feature_map.estimates_kernel:             # the kernel error compares kernel values
             T = a.query.shape[1]
             at = None if T <= LONG_ROWS else torch.linspace(0, T - 1, ERROR_ROWS, device=k.device).long()
             kernel[a.layer].append(l2_loss(linear, a.query, k, v, a.scaling, at).item())

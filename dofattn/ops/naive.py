@@ -115,6 +115,25 @@ def segment_sums(x: torch.Tensor) -> torch.Tensor:
     return x[..., :, None].expand(*x.shape, L).masked_fill(~later, 0.0).cumsum(-2)
 
 
+def log_pair_factors(length: int, offset: int = 0, at: torch.Tensor | None = None,
+                     log_decay: torch.Tensor | None = None,
+                     log_gate: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The ops' decay arguments as a log factor on each pair (query t, key s) of a sequence of `length` from position
+    0, float32: a decay (t - s + offset) log γ_h where positive, else 0 ([1, H, T or R, T]; beside a window, offset -W:
+    counted from its edge); a gate Σ_{s<j≤t} log g_j ([B, H, T or R, T]; pure linear attention: offset 0); None for
+    neither. `at` [R]: only the rows of these query positions. The quadratic form of the pairs' weights, which the
+    naive layer and the l2 loss read."""
+    if log_decay is not None:
+        rows = length if at is None else len(at)
+        return log_decay_matrix(log_decay, rows, length, offset=offset, at=at)[0][None]
+    if log_gate is not None:
+        if offset:
+            raise ValueError("a gate weighs pairs from the key on (offset 0): it does not sit beside a window")
+        factor = segment_sums(gate_log(log_gate, torch.float32))
+        return factor if at is None else factor[:, :, at]
+    return None
+
+
 def suffix_sums(x: torch.Tensor) -> torch.Tensor:
     """[..., L] -> [..., L]: out[..., j] = Σ_{i>j} x_i (0 for the last)."""
     return F.pad(x.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))

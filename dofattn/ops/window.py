@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from dofattn.ops import linear_attention
+from dofattn.ops.prf import PRFMap
 from dofattn.ops.naive import (TINY, check_log_decay, compute_dtype, decay_factors, decay_log, delayed_keys,
                                log_decay_matrix, needs_grad, valid_and)
 
@@ -235,10 +236,11 @@ class PRFStep(NamedTuple):
     max_excess: float
 
 
-def prf_step_constants(directions, log_weights, key_shift, log_gain, scaling: float, num_kv_heads: int,
-                       max_excess: float, log_decay=None) -> PRFStep:
-    """A PRF map's directions [H, M, D] and log-weights [H, M], its calibrated key shift [H], the window's log-gain
-    [H], the softmax scaling, the kv heads, the key exponent's cap and log γ [H] (or None), as `PRFStep`."""
+def prf_step_constants(prf: PRFMap, log_gain, num_kv_heads: int, max_excess: float, log_decay=None) -> PRFStep:
+    """A PRF map's numbers (`ops.prf.PRFMap`: directions [H, M, D], log-weights [H, M], the calibrated key shift
+    [H], the softmax scaling), the window's log-gain [H], the kv heads, the key exponent's cap and log γ [H] (or
+    None), as `PRFStep`."""
+    directions, log_weights, key_shift, scaling = prf.directions, prf.log_weights, prf.key_shift, prf.scaling
     H, M, D = directions.shape
     G = H // num_kv_heads
     z = (directions.float() * math.sqrt(scaling)).transpose(1, 2)                           # [H, D, M]

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dofattn.attention.attach import attach
 from dofattn.attention.bounded import BoundedSoftmax
 from dofattn.attention.cache import LinearStateLayer, ring_slot
 from dofattn.attention.layer import LinearAttention
@@ -415,9 +416,10 @@ def swap_attention(model: nn.Module, hf_config, vllm_config: VllmConfig) -> None
         del context[prefix]
         if layer in linear:
             with torch.device("cpu"):
-                module.dofattn = linear_layer(spec.attention, heads, kv_heads, head_dim, spec.dims[layer],
-                                              module.scaling, spec.seed * 1000 + layer).float().eval()
-            module.attn = DofattnState(module.dofattn, layouts[layer], page, prefix)
+                own = linear_layer(spec.attention, heads, kv_heads, head_dim, spec.dims[layer], module.scaling,
+                                   spec.seed * 1000 + layer).float().eval()
+            attach(module, linear=own)                  # where the export's tensors name it (`attention.attach`)
+            module.attn = DofattnState(own, layouts[layer], page, prefix)
         else:
             module.attn = DofattnBounded(BoundedSoftmax(spec.kept, spec.attention, module.scaling), heads, kv_heads,
                                          head_dim, bounded_layout(hf_config, dtype), page, prefix)

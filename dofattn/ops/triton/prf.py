@@ -1,12 +1,13 @@
 """The PRF feature map in Triton, and a PRF layer's whole decode step in one kernel.
 
-    phi, q_log_scale = prf_features(fmap, q, "query", MAX_KEY_EXCESS)             # no autograd
-    o = prf_decode_step(fmap, q1, k1, v1, state, MAX_KEY_EXCESS)                 # features + step, one kernel
+    prf = feature_map.prf()                                                      # the map's numbers (`ops.prf`)
+    phi, q_log_scale = prf_features(prf, q, "query", MAX_KEY_EXCESS)              # no autograd
+    o = prf_decode_step(prf, q1, k1, v1, state, MAX_KEY_EXCESS)                  # features + step, one kernel
 
 Same result as `PositiveRandomFeatures.features` and the naive op's step (`naive.py`): phi [B, T, H, M], state
 [B, H, M, V+1] float32. The projection that makes the exponents runs at `common.exact_precision` (ieee for float32
 x, tf32x3 for 16-bit x). The window hybrid's decode step (`window.prf_ring_step`) uses the same exponents
-(`_prf_exponents`) and map arguments (`_prf_args`).
+(`_prf_exponents`) and the map's numbers (`ops.prf.PRFMap`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from dofattn.ops.naive import decay_log
+from dofattn.ops.prf import PRFMap
 from dofattn.ops.triton.common import _pow2, exact_precision
 
 
@@ -106,43 +108,27 @@ def _prf_tiles(M: int) -> tuple[int, int]:
 PRF_WARPS = 8   # the feature map: no register spills in ptxas' report at 8 warps with tf32x3 (sm_90)
 
 
-def _prf_args(fmap):
-    """Directions [H, M, D], log-weights [H, M] (float32, contiguous) and per-head counts [H] (int32) of a PRF map.
-
-    Kept on the map between calls (a decode step is launch-bound: no conversions per token) and rebuilt when the
-    parameters change (their version counter moves on every in-place update) or move."""
-    w, lw = fmap.directions, fmap.log_weights
-    key = (w.data_ptr(), w._version, lw.data_ptr(), lw._version, w.dtype, lw.dtype)
-    cached = getattr(fmap, "_fused_args", None)
-    if cached is None or cached[0] != key:
-        counts = [fmap.dim] * fmap.num_heads
-        args = (w.detach().float().contiguous(), lw.detach().float().contiguous(),
-                torch.tensor(counts, dtype=torch.int32, device=w.device))
-        cached = (key, args)
-        fmap._fused_args = cached
-    return cached[1]
-
-
-def prf_features(fmap, x: torch.Tensor, role: str, max_excess: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`PositiveRandomFeatures.features` in one kernel, without autograd: x [B, T, H, D] -> (φ [B, T, H, M] in x's
-    dtype if 16-bit else float32, the query log-scale [B, T, H] float32 or None for keys). Keys use the map's current
-    `key_shift`, which must be finite (calibrated)."""
+def prf_features(prf: PRFMap, x: torch.Tensor, role: str,
+                 max_excess: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`PositiveRandomFeatures.features` in one kernel, without autograd: the map's numbers (`ops.prf.PRFMap`), x
+    [B, T, H, D] -> (φ [B, T, H, M] in x's dtype if 16-bit else float32, the query log-scale [B, T, H] float32 or
+    None for keys). Keys use the map's current `key_shift`, which must be finite (calibrated)."""
     B, T, H, D = x.shape
-    M = fmap.dim
-    w, lw, counts = _prf_args(fmap)
+    M = prf.dim
+    w, lw, counts = prf.directions, prf.log_weights, prf.counts
     dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     phi = torch.empty(B, T, H, M, device=x.device, dtype=dtype)
     query = role == "query"
     scale = torch.empty(B, T, H, device=x.device, dtype=torch.float32) if query else phi
     BM, BT = _prf_tiles(M)
     grid = (triton.cdiv(T, BT), B * H)
-    _prf_features[grid](x.contiguous(), w, lw, counts, fmap.key_shift, phi, scale, T, H, D, M,
-                        fmap.scaling ** 0.5, max_excess, BT=BT, BD=_pow2(D), BM=BM, QUERY=query,
+    _prf_features[grid](x.contiguous(), w, lw, counts, prf.key_shift, phi, scale, T, H, D, M,
+                        prf.scaling ** 0.5, max_excess, BT=BT, BD=_pow2(D), BM=BM, QUERY=query,
                         EXACT_PREC=exact_precision(x), num_warps=PRF_WARPS)
     return phi, (scale if query else None)
 
 
-def prf_decode_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+def prf_decode_step(prf: PRFMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
                     max_excess: float, key_valid: torch.Tensor | None = None,
                     log_decay: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of a PRF linear-attention layer in one kernel, the state updated in place.
@@ -154,16 +140,16 @@ def prf_decode_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
     the prefill).
     """
     B, _, H, D = q.shape
-    Hkv, V, M = k.shape[2], v.shape[-1], fmap.dim
+    Hkv, V, M = k.shape[2], v.shape[-1], prf.dim
     if state.shape != (B, H, M, V + 1) or state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"prf_decode_step needs a contiguous float32 state [B, H, M, V+1] = {(B, H, M, V + 1)}, got "
                          f"{tuple(state.shape)} {state.dtype}")
-    w, lw, counts = _prf_args(fmap)
+    w, lw, counts = prf.directions, prf.log_weights, prf.counts
     o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
     valid = None if key_valid is None else key_valid.reshape(B).contiguous()
     ld = state if log_decay is None else decay_log(log_decay, torch.float32).contiguous()
-    _prf_decode_step[(B * H,)](q.contiguous(), k.contiguous(), v.contiguous(), w, lw, counts, fmap.key_shift, state, o,
-                               state if valid is None else valid, ld, H, H // Hkv, D, M, V, fmap.scaling ** 0.5,
+    _prf_decode_step[(B * H,)](q.contiguous(), k.contiguous(), v.contiguous(), w, lw, counts, prf.key_shift, state, o,
+                               state if valid is None else valid, ld, H, H // Hkv, D, M, V, prf.scaling ** 0.5,
                                max_excess, BD=_pow2(D), BM=_pow2(M), BV=_pow2(V + 1), HAS_VALID=valid is not None,
                                HAS_DECAY=log_decay is not None)
     return o

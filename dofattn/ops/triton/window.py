@@ -1,7 +1,7 @@
 """The sliding-window hybrid in Triton: its prefill (forward and backward) and its static decode step.
 
     o, state = window_forward(q, k, v, phi_q, phi_k, q_log_scale, log_offset, scaling, 64)   # with autograd
-    o = prf_ring_step(fmap, q1, k1, v1, state, keys, values, key_valid, position, log_gain, MAX_KEY_EXCESS)
+    o = prf_ring_step(prf, q1, k1, v1, state, keys, values, key_valid, position, log_gain, MAX_KEY_EXCESS)
                                                   # a window hybrid's static step on its ring of W keys, one kernel
 
 Same layout, math and result as `ops/window.py` (the spec) and `hybrid.WindowBranch.ring_step`.
@@ -25,7 +25,8 @@ import triton.language as tl
 
 from dofattn.ops.naive import decay_log, delayed_keys, needs_grad, valid_and
 from dofattn.ops.triton.common import EXACT, _dot_dtype, _pow2, _tile, _value_tile, interpreting
-from dofattn.ops.triton.prf import _prf_args, _prf_exponents
+from dofattn.ops.prf import PRFMap
+from dofattn.ops.triton.prf import _prf_exponents
 from dofattn.ops.triton.scan import scan, scan_grads
 
 WINDOWS = (16, 32, 64)   # window sizes the Triton hybrid takes (the window is its exact part's chunk)
@@ -359,14 +360,14 @@ class WindowHybrid(torch.autograd.Function):
 
 
 @triton.jit
-def _prf_ring_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, gain_ptr, rate_ptr, s_ptr, rk_ptr, rv_ptr,
+def _prf_ring_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, gain_ptr, log_decay_ptr, s_ptr, rk_ptr, rv_ptr,
                    rvalid_ptr, pos_ptr, sk_ptr, sv_ptr, svalid_ptr, arrive_ptr, o_ptr, H, G, D, M, V, W, NS,
                    root_s, scaling, max_excess, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
                    BW: tl.constexpr, BS: tl.constexpr, BKV: tl.constexpr, HAS_DECAY: tl.constexpr,
                    HAS_SINK: tl.constexpr):
     """A window hybrid's whole static decode step for one (batch, head) (`hybrid.WindowBranch.ring_step`): the key in
     ring slot p mod W (p = pos_ptr[0], read here) leaves the window: its PRF features (on query head h's map) join
-    the state in place, S ← γ S + φk ⊗ [v, 1] (γ = exp(−min(exp(rate_ptr[h]), 1e4)) with a decay; nothing if the
+    the state in place, S ← γ S + φk ⊗ [v, 1] (γ = exp(log_decay_ptr[h]) with a decay; nothing if the
     slot was empty); the new key takes the slot; then o = one softmax over the ring's valid keys, the sink's
     (sk_ptr [B, NS, Hkv, D]) and the linear part's mass exp(log(φq·z) + shift), shift = the query's and key's
     log-scales + log_gain[h], under their max. Ring keys, values [B, W, Hkv, D | V], flags [B, W] (uint8).
@@ -404,7 +405,7 @@ def _prf_ring_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, gain_ptr
     S = tl.load(s_ptr + rows[:, None] + ov[None, :], mask=mr[:, None] & mv[None, :], other=0.0)
     z = tl.load(s_ptr + rows + V, mask=mr, other=0.0)
     if HAS_DECAY:
-        decay = tl.exp(-tl.minimum(tl.exp(tl.load(rate_ptr + h).to(tl.float32)), 1e4))
+        decay = tl.exp(tl.load(log_decay_ptr + h).to(tl.float32))
         S, z = S * decay, z * decay
     v_old = tl.load(rv_ptr + leaving * V + ov, mask=mv, other=0.0).to(tl.float32)            # [BV]
     S += pk[:, None] * v_old[None, :]
@@ -457,9 +458,9 @@ def _prf_ring_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, gain_ptr
         tl.store(arrive_ptr + b, 0)
 
 
-def prf_ring_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, keys: torch.Tensor,
+def prf_ring_step(prf: PRFMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, keys: torch.Tensor,
                   values: torch.Tensor, key_valid: torch.Tensor, position: torch.Tensor, log_gain: torch.Tensor,
-                  max_excess: float, decay_rate: torch.Tensor | None = None, sink_keys: torch.Tensor | None = None,
+                  max_excess: float, log_decay: torch.Tensor | None = None, sink_keys: torch.Tensor | None = None,
                   sink_values: torch.Tensor | None = None, sink_valid: torch.Tensor | None = None,
                   arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """`hybrid.WindowBranch.ring_step` of a PRF window hybrid in one kernel: the state, the ring and its flags
@@ -467,8 +468,8 @@ def prf_ring_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
 
     q [B, 1, H, D] (after RoPE); k, v [B, 1, Hkv, D | V] on kv heads (H a multiple of Hkv); state [B, H, M, V+1]
     float32 contiguous; keys, values [B, W, Hkv, D | V] and key_valid [B, W] bool: the ring (slot p mod W holds the
-    key at position p), contiguous; position [1] int64: p, the token being decoded; log_gain [H]; decay_rate [H] or
-    None: log γ_h = −min(exp(decay_rate_h), 1e4) (`decay.Decay.log_decay`), computed in the kernel; sink_keys,
+    key at position p), contiguous; position [1] int64: p, the token being decoded; log_gain [H]; log_decay [H] or
+    None: log γ_h (clamped to [-1e4, 0], as the ops do); sink_keys,
     sink_values [B, S, Hkv, D | V] and sink_valid [B, S] or None: exact keys beside the ring, never folded;
     arrivals [B] int32 zeros (kept between steps, `StaticStateLayer.arrivals`; None: a new one). The map's key_shift
     must be finite. Returns o [B, 1, H, V] in q.dtype.
@@ -481,7 +482,7 @@ def prf_ring_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
     would run G heads one after the other).
     """
     B, _, H, D = q.shape
-    Hkv, V, M, W = k.shape[2], v.shape[-1], fmap.dim, keys.shape[1]
+    Hkv, V, M, W = k.shape[2], v.shape[-1], prf.dim, keys.shape[1]
     if state.shape != (B, H, M, V + 1) or state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"prf_ring_step needs a contiguous float32 state [B, H, M, V+1] = {(B, H, M, V + 1)}, got "
                          f"{tuple(state.shape)} {state.dtype}")
@@ -499,17 +500,18 @@ def prf_ring_step(fmap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
         sink_keys, sink_values, sink_valid = sink_keys.contiguous(), sink_values.contiguous(), sink_valid.contiguous()
     if not (q.is_cuda or interpreting()):
         raise RuntimeError(f"prf_ring_step needs CUDA tensors, got {q.device}; use the PyTorch ring step")
-    w, lw, counts = _prf_args(fmap)
+    w, lw, counts = prf.directions, prf.log_weights, prf.counts
+    ld = None if log_decay is None else decay_log(log_decay, torch.float32).contiguous()
     if arrivals is None:
         arrivals = torch.zeros(B, dtype=torch.int32, device=q.device)
     o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
     flags = key_valid.view(torch.uint8)
     _prf_ring_step[(B * H,)](
-        q.contiguous(), k.contiguous(), v.contiguous(), w, lw, counts, fmap.key_shift, log_gain,
-        log_gain if decay_rate is None else decay_rate, state, keys, values, flags, position,
+        q.contiguous(), k.contiguous(), v.contiguous(), w, lw, counts, prf.key_shift, log_gain,
+        log_gain if ld is None else ld, state, keys, values, flags, position,
         sink_keys if sink else keys, sink_values if sink else values, sink_valid.view(torch.uint8) if sink else flags,
-        arrivals, o, H, H // Hkv, D, M, V, W, S if sink else 0, fmap.scaling ** 0.5, fmap.scaling, max_excess,
+        arrivals, o, H, H // Hkv, D, M, V, W, S if sink else 0, prf.scaling ** 0.5, prf.scaling, max_excess,
         BD=_pow2(D), BM=_pow2(M), BV=_pow2(V), BW=_tile(W), BS=_tile(S) if sink else 2,
-        BKV=triton.next_power_of_2(Hkv * max(D, V)), HAS_DECAY=decay_rate is not None, HAS_SINK=sink,
+        BKV=triton.next_power_of_2(Hkv * max(D, V)), HAS_DECAY=ld is not None, HAS_SINK=sink,
         num_warps=RING_WARPS)
     return o
