@@ -41,13 +41,13 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
 
     from dofattn.attention.cache import cache_bytes
     from dofattn.jobs.bench import PeakMemory
-    from dofattn.hf import cache_kwargs, load_model
-    from dofattn.student import load_student, read_spec
+    from dofattn.model.hf import cache_kwargs, load_model
+    from dofattn.model.student import load_student, read_spec
 
     if kind == "export":
         return measure_export(folder, length, new_tokens)
     if kind == "student":
-        from dofattn.attention.prompt import set_prompt_chunk
+        from dofattn.model.prompt import set_prompt_chunk
 
         model, tokenizer, _ = load_student(folder)
         set_prompt_chunk(model, chunk)
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)               # internal: KIND LENGTH
     args = parser.parse_args()
     if args.chunk is None:
-        from dofattn.attention.prompt import PROMPT_CHUNK
+        from dofattn.model.prompt import PROMPT_CHUNK
 
         args.chunk = PROMPT_CHUNK
     if args.one:

@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dofattn.hf import cache_kwargs, load_model  # noqa: E402
-from dofattn.student import attention_modules, linearize  # noqa: E402
+from dofattn.model.hf import cache_kwargs, load_model  # noqa: E402
+from dofattn.model.student import attention_modules, linearize  # noqa: E402
 from dofattn.spec import Attention
 
 

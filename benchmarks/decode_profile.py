@@ -69,7 +69,7 @@ def prefill(model, context: int) -> list:
     """[cache, next token, attention mask] after a random prompt of `context` tokens (the same for every model)."""
     from transformers import DynamicCache
 
-    from dofattn.hf import cache_kwargs
+    from dofattn.model.hf import cache_kwargs
 
     ids = torch.randint(3, 40000, (1, context), generator=torch.Generator().manual_seed(context))
     cache = DynamicCache(config=model.config)
@@ -81,7 +81,7 @@ def prefill(model, context: int) -> list:
 def steps(model, held: list, count: int) -> None:
     """`count` decode steps continuing `held` (updated), each a cached forward of one token with its mask, as
     `generate` calls it."""
-    from dofattn.hf import cache_kwargs
+    from dofattn.model.hf import cache_kwargs
 
     cache, token, mask = held
     for _ in range(count):
@@ -122,12 +122,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dofattn.exported import load_any, spec_of
-    from dofattn.hf import load_model
+    from dofattn.model.exported import load_any, spec_of
+    from dofattn.model.hf import load_model
 
     if args.recipe:
         from dofattn.recipe import load as load_recipe
-        from dofattn.student import attention_modules, build_untrained
+        from dofattn.distill.choose import build_untrained
+        from dofattn.model.student import attention_modules
 
         teacher = load_model(args.student, random_weights=True)[0].eval()
         student = load_model(args.student, random_weights=True)[0].eval()

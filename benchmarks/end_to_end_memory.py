@@ -28,8 +28,8 @@ def measure(chunk: int, checkpointed: bool, seq_len: int, batch: int, layers: in
 
     from dofattn.distill.end_to_end import layers_checkpointed, loss
     from dofattn.evaluate import teacher_mode
-    from dofattn.lora import add_lora
-    from dofattn.student import attention_modules, is_student_tensor, linearize
+    from dofattn.model.lora import add_lora
+    from dofattn.model.student import attention_modules, is_student_tensor, linearize
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,

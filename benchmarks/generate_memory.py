@@ -24,8 +24,9 @@ def measure(kind: str, context: int, new_tokens: int, chunk: int) -> dict:
     import torch
 
     from dofattn.data import token_blocks
-    from dofattn.hf import load_model
-    from dofattn.student import linearize, resolve_dims
+    from dofattn.model.hf import load_model
+    from dofattn.distill.choose import resolve_dims
+    from dofattn.model.student import linearize
 
     torch.manual_seed(0)
     model, tokenizer = load_model("smollm2-135m")

@@ -37,7 +37,7 @@ def main() -> None:
     from dofattn.distill.costs import forward_counts, layerwise_step_counts
     from dofattn.distill.plan import make_plan
     from dofattn.dof import DOF_BLOCKS, DOF_SEQ_LEN
-    from dofattn.hf import model_config
+    from dofattn.model.hf import model_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="long-context")

@@ -29,9 +29,9 @@ def main() -> None:
     from dofattn import recipe as recipes
     from dofattn.distill.end_to_end import layers_checkpointed, loss
     from dofattn.distill.plan import make_plan
-    from dofattn.hf import model_config, softmax_implementation
+    from dofattn.model.hf import model_config, softmax_implementation
     from dofattn.memory import LiveBytes
-    from dofattn.student import attention_modules, build, is_student_tensor
+    from dofattn.model.student import attention_modules, build, is_student_tensor
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a folder with config.json (or anything run.model takes)")

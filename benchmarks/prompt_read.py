@@ -42,12 +42,12 @@ def read(route: str, model_kind: str, student: str, export: str | None, length: 
 
         model, tokenizer, _ = load(GenerateConfig(model=student))
     else:
-        from dofattn.hf import load_model
-        from dofattn.student import read_spec
+        from dofattn.model.hf import load_model
+        from dofattn.model.student import read_spec
 
         model, tokenizer = load_model(read_spec(student).base_model)
     if extend_to:
-        from dofattn.hf import extend_context
+        from dofattn.model.hf import extend_context
 
         extend_context(model, extend_to)
     model.eval()

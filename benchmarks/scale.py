@@ -121,12 +121,13 @@ def end_to_end_row(model, recipe, device: str, steps: int) -> dict:
 
 def main() -> None:
     from dofattn import recipe as recipes
-    from dofattn.attention.install import install
+    from dofattn.model.install import install
     from dofattn.jobs.bench import hardware
     from dofattn.distill.plan import make_plan
-    from dofattn.hf import RANDOM_WEIGHTS, load_model, model_config
+    from dofattn.model.hf import RANDOM_WEIGHTS, load_model, model_config
     from dofattn.recipe import resolve_dtype
-    from dofattn.student import attention_modules, build_untrained
+    from dofattn.distill.choose import build_untrained
+    from dofattn.model.student import attention_modules
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=CONFIG, help="a config.json (random weights)")

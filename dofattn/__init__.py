@@ -5,7 +5,7 @@
     linearize(base_model, [64] * 30, Attention(window=64, sink=4))  # a loaded HF model made a student, in place
 
 The pipeline, a layer each: `ops` (kernels and their naive references) -> `features` (feature maps) -> `attention`
-(the layer in parts) -> `spec` (the student's config) -> `student` (the swap into a Hugging Face model) ->
+(the layer in parts) -> `spec` (the student's config) -> `model` (the swap into a Hugging Face model) ->
 `distill` (the stages) -> the jobs (`jobs.dof`, `distill.run`, `jobs.eval`, `jobs.generate`, `jobs.bench`,
 `jobs.sample`, `export`) -> `commands` (the CLI). The names below load their modules when first used, so `dofattn --help` stays quick.
 """
@@ -13,10 +13,11 @@ The pipeline, a layer each: `ops` (kernels and their naive references) -> `featu
 __version__ = "0.1.0"
 
 _PUBLIC = {"Attention": "dofattn.spec", "Kept": "dofattn.spec", "StudentSpec": "dofattn.spec",
-           "linearize": "dofattn.student", "load_student": "dofattn.student", "save_student": "dofattn.student",
-           "load": ("dofattn.exported", "load_any"), "export": "dofattn.jobs.export",
+           "linearize": "dofattn.model.student", "load_student": "dofattn.model.student",
+           "save_student": "dofattn.model.student",
+           "load": ("dofattn.model.exported", "load_any"), "export": "dofattn.jobs.export",
            "StaticDecoder": "dofattn.engine", "load_recipe": ("dofattn.recipe", "load"),
-           "set_prompt_chunk": "dofattn.attention.prompt"}
+           "set_prompt_chunk": "dofattn.model.prompt"}
 __all__ = sorted(_PUBLIC)
 
 

@@ -393,7 +393,7 @@ def hf_cached(name: str) -> bool:
 def check_hf_reachable(spec: str, name: str) -> None:
     """A one-line error for a hub dataset that is neither a local folder, nor cached, nor reachable (offline,
     `datasets` would fail only when the run reads its text, after the model loads)."""
-    from dofattn.hf import _hub_reachable
+    from dofattn.model.hf import _hub_reachable
 
     if not Path(name).expanduser().exists() and not hf_cached(name) and not _hub_reachable():
         raise UserError(f"--data {spec}: dataset {name} is not in the Hugging Face cache and the hub cannot be "

@@ -152,7 +152,7 @@ class PointSample:
 def sample_points(model, blocks: torch.Tensor, samples: int = 1024, batch_size: int = 4, seed: int = 0,
                   progress: bool = True) -> PointSample:
     """Capture queries and keys of every layer on `blocks` [N, T], keeping `samples` points per head."""
-    from dofattn.capture import capture, run_forward
+    from dofattn.model.capture import capture, run_forward
 
     num_blocks, seq_len = blocks.shape
     sampler = PointSampler(num_blocks, seq_len, samples, seed)
@@ -198,7 +198,7 @@ def attention_dofs(model, blocks: torch.Tensor, lam: float = 2.0 ** -8, progress
                    attention: Attention | None = None) -> list[list[float]]:
     """Per layer and head [L][H], the mean `attention_dof` of the model's attention over `blocks` [N, T], one block
     at a time (memory: H·T² float64 per layer); `attention` as there."""
-    from dofattn.capture import capture, run_forward
+    from dofattn.model.capture import capture, run_forward
 
     sums: dict[int, torch.Tensor] = {}
 

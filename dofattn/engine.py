@@ -37,9 +37,9 @@ import torch
 from transformers import DynamicCache
 
 from dofattn.attention import LinearStateLayer, StaticKVLayer
-from dofattn.attention.bounded import BoundedKVLayer
+from dofattn.model.bounded import BoundedKVLayer
 from dofattn.errors import UserError
-from dofattn.hf import cache_kwargs, local_layers
+from dofattn.model.hf import cache_kwargs, local_layers
 
 WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
 
@@ -81,7 +81,7 @@ class StaticDecoder:
         # after generate: prefill_s, decode_steps, decode_s; graphed: capture_s, replays, replay_s; compiled: the first
         # compiled step's compile_s (that step is then not among decode_steps)
         self.timings: dict = {}
-        from dofattn.student import linear_parts
+        from dofattn.model.student import linear_parts
 
         linear = set(linear_parts(model))
         if not linear and not softmax_only:

@@ -30,9 +30,9 @@ Blocks = torch.Tensor | list[torch.Tensor]
 def teacher_mode(model) -> Iterator[None]:
     """While active, `model` is its base model: softmax attention in every layer (its linear layers are ignored)
     and LoRA adapters, if any, switched off."""
-    from dofattn.attention import IMPLEMENTATIONS
-    from dofattn.hf import softmax_implementation
-    from dofattn.lora import set_lora_enabled
+    from dofattn.model.install import IMPLEMENTATIONS
+    from dofattn.model.hf import softmax_implementation
+    from dofattn.model.lora import set_lora_enabled
 
     current = model.config._attn_implementation
     if current not in IMPLEMENTATIONS:
@@ -241,7 +241,7 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
     except ImportError:
         raise UserError("--tasks needs lm-evaluation-harness: pip install -e '.[eval]' in the dofattn "
                         "checkout") from None
-    from dofattn.hf import _hub_reachable
+    from dofattn.model.hf import _hub_reachable
 
     manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]

@@ -169,7 +169,7 @@ def resolve_dtype(recipe: Recipe, device: str) -> Recipe:
         return recipe
     from dataclasses import replace
 
-    from dofattn.hf import fast_bfloat16
+    from dofattn.model.hf import fast_bfloat16
 
     return replace(recipe, run=replace(recipe.run, dtype="bfloat16" if fast_bfloat16(device) else "float32"))
 

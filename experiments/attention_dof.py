@@ -27,7 +27,7 @@ from experiments.layer_sensitivity import spearman, top  # noqa: E402
 def main() -> int:
     from dofattn.data import token_blocks
     from dofattn.dof import attention_dofs
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gains", type=Path, required=True, help="layer_sensitivity.py's JSON")

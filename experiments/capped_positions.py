@@ -18,9 +18,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from dofattn import evaluate
 from dofattn.data import token_blocks
-from dofattn.student import load_student
+from dofattn.model.student import load_student
 
-inst = importlib.import_module("dofattn.attention.install")   # the module (the package's `install` is a function)
+inst = importlib.import_module("dofattn.model.install")   # the module (the package's `install` is a function)
 run, W = sys.argv[1], int(sys.argv[2])
 T_BLOCK = int(sys.argv[3]) if len(sys.argv) > 3 else 32768
 model, tok, _ = load_student(run)

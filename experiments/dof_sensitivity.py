@@ -76,8 +76,8 @@ def plot(rows: list[dict], path: str) -> None:
 def main() -> None:
     from dofattn.data import token_blocks
     from dofattn.dof import sample_points
-    from dofattn.hf import load_model
-    from dofattn.student import head_layout
+    from dofattn.model.hf import load_model
+    from dofattn.model.student import head_layout
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")

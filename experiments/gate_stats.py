@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dofattn.data import token_blocks
-from dofattn.student import attention_modules, load_student
+from dofattn.model.student import attention_modules, load_student
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 

@@ -37,7 +37,7 @@ def attention_profile(model, ids: torch.Tensor, start: int = 64) -> list[dict]:
     """Per layer, where the teacher's attention goes, averaged over heads and the queries at positions >= `start`
     of `ids` [B, T]: the mass on the first token (the sink), on the last 4 tokens and on the last 64 (what a
     64-token window covers)."""
-    from dofattn.capture import capture, run_forward
+    from dofattn.model.capture import capture, run_forward
     from dofattn.evaluate import teacher_mode
     from dofattn.ops.softmax import attention_logits, expand_kv
 
@@ -98,8 +98,8 @@ def run_text(folder: Path) -> tuple[str, int, int]:
 def softmax_in(model, layers: list[int]) -> Iterator[None]:
     """While active, the attention layers in `layers` run exact softmax attention; their linear parts come back
     after."""
-    from dofattn.attention.attach import attach, detach
-    from dofattn.student import attention_modules, linear_parts
+    from dofattn.model.attach import attach, detach
+    from dofattn.model.student import attention_modules, linear_parts
 
     modules, linear = attention_modules(model), linear_parts(model)
     taken = {i: detach(modules[i]) for i in layers if i in linear}
@@ -143,7 +143,7 @@ def main() -> int:
 
     from dofattn.data import token_blocks
     from dofattn.dof import DofResult
-    from dofattn.student import attention_modules, load_student
+    from dofattn.model.student import attention_modules, load_student
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, nargs="?", help="a pure-linear student's run folder")

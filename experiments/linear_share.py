@@ -85,10 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, help="a figure of the three measures by position, per layer")
     args = parser.parse_args(argv)
 
-    from dofattn.capture import capture, run_forward
+    from dofattn.model.capture import capture, run_forward
     from dofattn.data import token_blocks
     from dofattn.evaluate import teacher_mode
-    from dofattn.student import attention_modules, load_student
+    from dofattn.model.student import attention_modules, load_student
 
     model, tokenizer, spec = load_student(args.student)
     if not spec.attention.window:

@@ -106,7 +106,7 @@ def figures(args, cells: list[dict], teacher_ppl: float, runs: Path) -> dict:
     from dofattn.dof import DofResult
     from dofattn.jobs.eval import layer_errors
     from dofattn.plots import plot_dof
-    from dofattn.student import load_student
+    from dofattn.model.student import load_student
 
     prefix = args.figures
     dof_json = runs / "dof-softmax" / "dof.json"

@@ -18,7 +18,7 @@ import torch
 
 from dofattn import evaluate
 from dofattn.data import token_blocks
-from dofattn.student import load_student
+from dofattn.model.student import load_student
 
 run, kind, factor = sys.argv[1], sys.argv[2], float(sys.argv[3])
 T_BLOCK = int(sys.argv[4]) if len(sys.argv) > 4 else 32768

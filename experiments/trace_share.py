@@ -12,7 +12,7 @@ import torch
 
 from dofattn.data import token_blocks
 from dofattn.dof import head_dof, sample_points
-from dofattn.hf import load_model
+from dofattn.model.hf import load_model
 
 
 def main() -> None:

@@ -36,9 +36,9 @@ import torch
 from dofattn.spec import Attention
 from dofattn.data import token_blocks
 from dofattn.distill.end_to_end import loss as end_to_end_loss
-from dofattn.hf import load_model, parse_dtype
-from dofattn.lora import add_lora
-from dofattn.student import is_student_tensor, linearize, load_student
+from dofattn.model.hf import load_model, parse_dtype
+from dofattn.model.lora import add_lora
+from dofattn.model.student import is_student_tensor, linearize, load_student
 
 ROUNDED = "float32-rounded"      # float32 compute, frozen weights rounded to bfloat16
 STUDENTS = {"window": Attention(feature="prf", window=64, sink=4),

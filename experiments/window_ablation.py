@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def ablate(folder: Path) -> dict:
     from dofattn.data import token_blocks
     from dofattn.evaluate import compare
-    from dofattn.student import load_student
+    from dofattn.model.student import load_student
 
     from dofattn.distill.run_folder import RECIPE_FILE, RunFolder
 

@@ -42,10 +42,10 @@ def far_mass(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int
 def main() -> int:
     from tqdm import tqdm
 
-    from dofattn.capture import capture, run_forward
+    from dofattn.model.capture import capture, run_forward
     from dofattn.data import token_blocks
     from dofattn.dof import allocate, attention_dof
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")

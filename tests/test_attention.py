@@ -17,7 +17,7 @@ from dofattn.ops.naive import naive_linear_attention
 from dofattn.ops.softmax import expand_kv
 from dofattn.ops.window import first_keys, naive_window_linear_attention
 from dofattn.spec import StudentSpec
-from dofattn.student import attention_modules, fingerprint, linearize, load_student, save_student
+from dofattn.model.student import attention_modules, fingerprint, linearize, load_student, save_student
 from tests.conftest import tiny_model
 
 FAMILIES = ["llama", "gpt2", "gpt_neox"]
@@ -306,7 +306,7 @@ def test_a_kept_softmax_layer_generates_batched_as_one_by_one(family):
 def test_kv_cache_of_past_tokens_is_refused():
     from transformers import DynamicCache
 
-    from dofattn.hf import cache_kwargs
+    from dofattn.model.hf import cache_kwargs
 
     model = tiny_model("llama")
     teacher = tiny_model("llama")
@@ -360,7 +360,7 @@ def test_decay_generation_matches_full_forward(family, feature):
 
 @pytest.mark.parametrize("window", [0, 4])
 def test_decay_changes_the_output_and_round_trips(tmp_path, model_dirs, window):
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
     plain, _ = load_model(str(model_dirs["llama"]))
@@ -424,7 +424,7 @@ def test_gate_generation_matches_full_forward(family, feature):
 
 
 def test_gate_starts_as_the_decay_then_differs_and_round_trips(tmp_path, model_dirs):
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
     decayed, _ = load_model(str(model_dirs["llama"]))
@@ -549,7 +549,7 @@ def test_conv_left_padding_is_the_start_of_a_sequence(family, tokenizer):
 
 
 def test_conv_round_trips_and_refuses_bad_widths(tmp_path, model_dirs):
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="gate", conv=4), seed=2)

@@ -12,9 +12,9 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from dofattn.attention import LinearStateLayer
-from dofattn.hf import cache_kwargs
+from dofattn.model.hf import cache_kwargs
 from dofattn.spec import Attention
-from dofattn.student import linearize
+from dofattn.model.student import linearize
 from tests.test_families import LAYERS, ids, tiny
 
 BEAMS, NEW_TOKENS = 3, 6

@@ -17,7 +17,7 @@ def slow_students(monkeypatch):
     PREFILL_S), while the teacher runs at full speed."""
     import time
 
-    from dofattn import student
+    from dofattn.model import student
 
     linearize = student.linearize
 
@@ -139,7 +139,7 @@ def test_bench_serve_names_the_missing_serving_python(capsys, model_dirs, tmp_pa
     part itself runs in the serving environment's tests, tests/test_serve.py)."""
     from dofattn.jobs.export import export
     from dofattn.spec import StudentSpec
-    from dofattn.student import build, fingerprint, save_student
+    from dofattn.model.student import build, fingerprint, save_student
     from tests.conftest import tiny_model
 
     model = tiny_model("llama")
@@ -193,7 +193,7 @@ def test_generation_rates_come_from_the_decode_steps_own_clock(monkeypatch):
 def test_bench_times_a_trained_student_against_its_base_model(capsys, model_dirs, tmp_path):
     """--student RUN: the ops take its spec's attention whole, generation its trained tensors against its base."""
     from dofattn.spec import Attention, Kept, StudentSpec
-    from dofattn.student import build, fingerprint, save_student
+    from dofattn.model.student import build, fingerprint, save_student
     from tests.conftest import tiny_model
 
     model = tiny_model("llama")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dofattn.capture import AttentionInputs, capture, run_forward
+from dofattn.model.capture import AttentionInputs, capture, run_forward
 from tests.conftest import tiny_model
 
 

@@ -131,7 +131,7 @@ def test_dof_with_the_attention_dof(capsys, model_dirs, text_file, tmp_path):
     """--attention: each layer's mean attention DoF over its heads and the same blocks, in the JSON and the table."""
     from dofattn.data import token_blocks
     from dofattn.dof import attention_dofs
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     out_json = tmp_path / "dof.json"
     code, out, err = run(capsys, "dof", "--model", str(model_dirs["llama"]), "--data", str(text_file),
@@ -245,8 +245,8 @@ def test_generate_linearized_tiny_model(capsys, tmp_path, tokenizer):
     predictions: at their initial size the residual stream alone decides them.)"""
     import torch
 
-    from dofattn.hf import load_model
-    from dofattn.student import linearize
+    from dofattn.model.hf import load_model
+    from dofattn.model.student import linearize
     from tests.conftest import tiny_model
 
     folder = tmp_path / "loud"
@@ -288,9 +288,9 @@ def test_generate_static_matches_hf(capsys, model_dirs):
 
 
 def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
     from dofattn.spec import StudentSpec
-    from dofattn.student import fingerprint, linearize, save_student
+    from dofattn.model.student import fingerprint, linearize, save_student
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [4, 4, 4], Attention(feature="hedgehog", window=0, sink=0))

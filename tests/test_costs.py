@@ -13,7 +13,7 @@ from dofattn.distill.losses import LOSSES, sample_rows
 from dofattn.distill.plan import make_plan
 from dofattn.memory import LiveBytes
 from dofattn.ops.softmax import expand_kv
-from dofattn.student import attention_modules, linearize
+from dofattn.model.student import attention_modules, linearize
 from tests.conftest import tiny_model
 from tests.test_distill import distill_argv
 

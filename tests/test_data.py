@@ -341,7 +341,7 @@ def test_two_gloo_processes_tokenize_their_shares_into_one_processs_blocks(token
 def test_a_hub_dataset_offline_and_not_cached_is_refused_before_any_model(monkeypatch, tmp_path):
     from huggingface_hub import constants
 
-    from dofattn import hf
+    from dofattn.model import hf
 
     monkeypatch.setattr(hf, "_hub_reachable", lambda *a: False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))

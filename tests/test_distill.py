@@ -28,9 +28,9 @@ from dofattn.distill.losses import LOSSES
 from dofattn.distill.teacher import TeacherStream
 from dofattn.dof import DofResult, LayerDof
 from dofattn.evaluate import perplexity
-from dofattn.hf import load_model
+from dofattn.model.hf import load_model
 from dofattn.recipe import packaged as packaged_recipes
-from dofattn.student import attention_modules, head_layout, linearize, load_student
+from dofattn.model.student import attention_modules, head_layout, linearize, load_student
 from dofattn.spec import Attention
 from tests.conftest import tiny_model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dofattn.spec import Attention
-from dofattn.capture import AttentionInputs
+from dofattn.model.capture import AttentionInputs
 from dofattn.dof import (DofResult, HeldoutAttentionError, LayerDof, PointSample, PointSampler, allocate,
                          allocate_dims, allocate_dims_auto, attention_dof, attention_dofs, head_dof, sample_points)
 from dofattn.errors import UserError

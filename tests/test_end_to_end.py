@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from dofattn.spec import Attention
 from dofattn.distill.end_to_end import decoder_layers, layers_checkpointed, loss, trainable
 from dofattn.evaluate import head, hidden_states, teacher_mode
-from dofattn.lora import add_lora
-from dofattn.student import attention_modules, is_student_tensor, linearize
+from dofattn.model.lora import add_lora
+from dofattn.model.student import attention_modules, is_student_tensor, linearize
 from tests.conftest import tiny_model
 from tests.test_families import FAMILIES, tiny
 
@@ -40,10 +40,10 @@ from safetensors.torch import save_file
 
 from dofattn.distill.end_to_end import train
 from dofattn.distill.world import join, world
-from dofattn.hf import load_model
-from dofattn.lora import add_lora
+from dofattn.model.hf import load_model
+from dofattn.model.lora import add_lora
 from dofattn.recipe import EndToEnd
-from dofattn.student import is_student_tensor, linearize
+from dofattn.model.student import is_student_tensor, linearize
 from dofattn.spec import Attention
 
 model_dir, out, batch_size = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])

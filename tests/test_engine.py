@@ -9,7 +9,7 @@ import torch
 from dofattn.attention import LinearAttention
 from dofattn.engine import StaticDecoder
 from dofattn.errors import UserError
-from dofattn.student import attention_modules, linearize
+from dofattn.model.student import attention_modules, linearize
 from dofattn.spec import Attention
 from tests.conftest import tiny_model
 
@@ -123,7 +123,7 @@ def test_a_teacher_decodes_on_static_slots(device):
     """A model with no linear layer (`softmax_only`, a teacher timed as its student is: `benchmarks/scale.py`), its
     attention through dofattn's: every layer on static slots, HF generate's tokens."""
     from dofattn.attention import StaticKVLayer
-    from dofattn.attention.install import install
+    from dofattn.model.install import install
 
     model = tiny_model("llama").to(device)
     model.generation_config.eos_token_id = None

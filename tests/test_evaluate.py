@@ -13,7 +13,7 @@ from dofattn.errors import UserError
 from dofattn.evaluate import compare, perplexity, teacher_mode
 from dofattn.jobs.eval import layer_errors
 from dofattn.spec import Attention
-from dofattn.student import linearize
+from dofattn.model.student import linearize
 from tests.conftest import tiny_model
 
 LINEAR = Attention(window=0, sink=0)        # pure linear attention
@@ -124,9 +124,9 @@ def test_teacher_mode_keeps_a_kv_cache(family):
 def saved_linear_student(base, folder):
     """(the model, its folder): the tiny model in `base` with every layer linear (`LINEAR`, dims 4, 6, 8), saved as
     a student in `folder`."""
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
     from dofattn.spec import StudentSpec
-    from dofattn.student import fingerprint, save_student
+    from dofattn.model.student import fingerprint, save_student
 
     model, _ = load_model(str(base))
     linearize(model, [4, 6, 8], LINEAR)
@@ -279,7 +279,7 @@ def test_synthetic_long_context_tasks_run_offline_at_each_length(tokenizer, monk
     length and a tokenizer it can load, `limit` prompts each; scores keyed by length."""
     import lm_eval
 
-    from dofattn import hf
+    from dofattn.model import hf
     from dofattn.evaluate import format_tasks, lm_eval_tasks
 
     monkeypatch.setattr(hf, "_hub_reachable", lambda *a: pytest.fail("a synthetic task needs no hub"))
@@ -310,7 +310,7 @@ def test_synthetic_long_context_tasks_run_offline_at_each_length(tokenizer, monk
 def test_niah_single_1_on_the_teacher_at_512_tokens():
     """lm-eval's own prompts and scoring, offline, on the built-in teacher: it finds the needle at 512 tokens."""
     from dofattn.evaluate import lm_eval_tasks
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     assert lm_eval_tasks(model, tokenizer, ["niah_single_1"], limit=2, batch_size=1, lengths=[512]) == {

@@ -13,11 +13,11 @@ from safetensors import safe_open
 
 from dofattn.cli import main
 from dofattn.errors import UserError
-from dofattn.exported import is_export, load_export
+from dofattn.model.exported import is_export, load_export
 from dofattn.jobs.export import export
-from dofattn.hf import extend_context
+from dofattn.model.hf import extend_context
 from dofattn.spec import Attention, Kept, StudentSpec
-from dofattn.student import build, fingerprint, load_student, save_student
+from dofattn.model.student import build, fingerprint, load_student, save_student
 from tests.conftest import tiny_model
 
 IDS = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(0))      # longer than the windows
@@ -246,8 +246,8 @@ def test_the_modeling_file_only_binds_dofattns_classes(exported):
     from its copy of dofattn's code (`dofattn_code.py`, the package's modules as they are), which loads them under
     the file's module name (so that saving the model again copies both files), as subclasses of the base family's
     own class; `load_export` gets dofattn's own classes without either file."""
-    from dofattn.bundle import bundle_text
-    from dofattn.exported import student_classes
+    from dofattn.model.bundle import bundle_text
+    from dofattn.model.exported import student_classes
     cases = exported[0]
     for case, (folder, _, got) in cases.items():
         source = (folder / "modeling_dofattn.py").read_text()
@@ -426,8 +426,8 @@ def test_eval_takes_an_export_and_finds_its_teacher(exported, text_file, tmp_pat
 
 @pytest.mark.slow
 def test_the_builtin_model_exports_and_reloads(tmp_path):
-    from dofattn.hf import load_model
-    from dofattn.student import resolve_dims
+    from dofattn.model.hf import load_model
+    from dofattn.distill.choose import resolve_dims
 
     model, tokenizer = load_model("smollm2-135m")
     spec = StudentSpec(base_model="smollm2-135m", dims=resolve_dims("fix:16", model), layers=range(30),

@@ -18,10 +18,10 @@ from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 from dofattn.spec import Attention
 from dofattn.attention import LinearStateLayer
 from dofattn.errors import UserError
-from dofattn.hf import SUPPORTED, check_supported, local_layers
-from dofattn.lora import add_lora
+from dofattn.model.hf import SUPPORTED, check_supported, local_layers
+from dofattn.model.lora import add_lora
 from dofattn.spec import StudentSpec
-from dofattn.student import build, fingerprint, global_layers, load_student, save_student
+from dofattn.model.student import build, fingerprint, global_layers, load_student, save_student
 from tests.test_attention import assert_batched_as_alone
 
 VOCAB, LAYERS, WINDOW = 300, 4, 6    # sliding windows of WINDOW tokens, shorter than the prompts
@@ -178,7 +178,7 @@ def test_lora_finds_every_familys_projections(family):
 
 def full_forward_qkv(model, blocks: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The naive reference of `TeacherStream`: q/k/v of `layer` captured from the teacher's full forward."""
-    from dofattn.capture import capture, run_forward
+    from dofattn.model.capture import capture, run_forward
     from dofattn.evaluate import teacher_mode
 
     got = []

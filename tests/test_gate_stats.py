@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dofattn.spec import StudentSpec
-from dofattn.student import attention_modules, fingerprint, linearize, save_student
+from dofattn.model.student import attention_modules, fingerprint, linearize, save_student
 from dofattn.spec import Attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ spec.loader.exec_module(gate_stats)
 
 
 def gated_student(tmp_path, model_dirs, gate=True) -> Path:
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [5, 12, 7], Attention(window=0, sink=0,

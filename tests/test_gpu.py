@@ -20,7 +20,7 @@ import torch
 
 from dofattn.engine import StaticDecoder
 from dofattn.spec import Attention, Kept
-from dofattn.student import is_student_tensor, linearize
+from dofattn.model.student import is_student_tensor, linearize
 from tests.conftest import tiny_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else os.environ.get("DOFATTN_GPU_TEST_DEVICE")
@@ -72,7 +72,7 @@ def test_ring_kernel_with_decay_and_sink_in_a_cuda_graph():
 def test_bounded_kept_layers_static_slots_under_capture():
     """A kept layer bounded after the prompt (sink, 3 chosen keys per kv head, a ring of W) beside linear layers
     with a decay: its static slots written in place under the graph."""
-    from dofattn.attention.bounded import StaticBoundedLayer
+    from dofattn.model.bounded import StaticBoundedLayer
 
     model = student(Attention(window=4, sink=2, decay="head"), Kept(select=3, select_observe=3), layers=(0, 2))
     prompt = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(2))

@@ -12,7 +12,7 @@ from transformers import BertConfig
 
 from dofattn import assets
 from dofattn.errors import UserError
-from dofattn.hf import SUPPORTED, load_model, parse_dtype
+from dofattn.model.hf import SUPPORTED, load_model, parse_dtype
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
@@ -63,7 +63,7 @@ def test_every_command_reads_dtype_alike(monkeypatch):
     """One --dtype across the commands: float32 by default, auto as a recipe's run.dtype (bench included)."""
     import dataclasses
 
-    from dofattn import hf
+    from dofattn.model import hf
     from dofattn.jobs.bench import BenchConfig
     from dofattn.options import Machine
 
@@ -112,7 +112,7 @@ def test_extend_context_is_hf_yarn_without_temperature(family):
     attention factor 1), partial rotary (NeoX) included: the same logits at positions past the old context."""
     from tests.conftest import CONFIGS, tiny_model
 
-    from dofattn.hf import extend_context
+    from dofattn.model.hf import extend_context
 
     model = tiny_model(family)
     extend_context(model, 1024)
@@ -135,7 +135,7 @@ def test_extend_context_refusals():
     """No RoPE (GPT-2), a length within the context, a RoPE already scaled: one-line UserErrors."""
     from tests.conftest import tiny_model
 
-    from dofattn.hf import extend_context
+    from dofattn.model.hf import extend_context
 
     with pytest.raises(UserError, match="no single RoPE"):
         extend_context(tiny_model("gpt2"), 1024)

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 from dofattn.cli import main
 from dofattn.errors import UserError
 from dofattn.evaluate import teacher_mode
-from dofattn.lora import add_lora, lora_layers, lora_parameters, merge_lora
-from dofattn.student import linearize, load_student
+from dofattn.model.lora import add_lora, lora_layers, lora_parameters, merge_lora
+from dofattn.model.student import linearize, load_student
 from dofattn.spec import Attention
 from tests.conftest import tiny_model
 
@@ -127,7 +127,7 @@ def test_distilled_student_with_mlp_adapters_round_trip(capsys, model_dirs, corp
 def test_bfloat16_distillation_trains_and_saves_float32_tensors(capsys, model_dirs, corpus, tmp_path):
     from safetensors.torch import load_file
 
-    from dofattn.student import WEIGHTS_FILE
+    from dofattn.model.student import WEIGHTS_FILE
 
     out, _ = distill_lora(capsys, model_dirs, corpus, tmp_path, "--dtype", "bfloat16")
     saved = load_file(str(out / WEIGHTS_FILE))

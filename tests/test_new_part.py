@@ -75,7 +75,7 @@ import transformers as tf
 import dofattn
 from dofattn.jobs.export import export
 from dofattn.spec import Attention, StudentSpec
-from dofattn.student import attention_modules, build, fingerprint, load_student, save_student
+from dofattn.model.student import attention_modules, build, fingerprint, load_student, save_student
 
 assert Path(dofattn.__file__).parent == Path(sys.argv[1]), dofattn.__file__
 tmp, base = Path(sys.argv[2]), sys.argv[3]                          # the tiny Llama of `model_dirs`

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from dofattn import hf
+from dofattn.model import hf
 from dofattn import recipe as recipes
 from dofattn.cli import main
-from dofattn.student import linear_layers
+from dofattn.distill.choose import linear_layers
 from dofattn.distill.end_to_end import layers_checkpointed, loss
 from dofattn.distill.plan import make_plan
 from dofattn.distill.teacher import TeacherStream
 from dofattn.errors import UserError
 from dofattn.memory import LiveBytes
-from dofattn.student import build, is_student_tensor
+from dofattn.model.student import build, is_student_tensor
 from tests import test_families as families
 from tests.conftest import tiny_model
 
@@ -119,7 +119,7 @@ def test_model_config_finds_and_refuses_models_as_load_model_does(tmp_path):
 
 
 def test_linear_layers_are_the_candidates_less_the_softmax_layers_kept():
-    """`student.linear_layers`, the one rule of a run and of its plan: Gemma 2 keeps its own sliding-window layers
+    """`distill.choose.linear_layers`, the one rule of a run and of its plan: Gemma 2 keeps its own sliding-window layers
     (0 and 2) exact by default; the softmax layers chosen come off the rest, the plan's the last of them."""
     gemma = families.tiny("gemma2")
     keep_one = recipes.load("window", ["student.keep_softmax=1"])

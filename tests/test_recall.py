@@ -140,9 +140,9 @@ def long_llama(tmp_path_factory, tokenizer):
 
 
 def test_eval_verb_runs_the_recall_grid(capsys, tmp_path, long_llama, corpus):
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
     from dofattn.spec import StudentSpec
-    from dofattn.student import fingerprint, linearize, save_student
+    from dofattn.model.student import fingerprint, linearize, save_student
 
     model, _ = load_model(str(long_llama))
     linearize(model, [4, 6, 8], Attention(feature="prf", window=0, sink=0))

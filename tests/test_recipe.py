@@ -111,7 +111,7 @@ def test_every_key_has_a_meaning_and_a_type_the_files_can_hold():
 @pytest.mark.parametrize("fast,expected", [(True, "bfloat16"), (False, "float32")])
 def test_auto_dtype_is_what_the_device_computes_fast_and_is_recorded(monkeypatch, fast, expected):
     """run.dtype = auto resolves before a run (the run folder's recipe.toml holds the resolved one), by the device."""
-    from dofattn import hf
+    from dofattn.model import hf
     from dofattn.recipe import resolve_dtype
 
     monkeypatch.setattr(hf, "fast_bfloat16", lambda device: fast)

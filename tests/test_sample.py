@@ -9,7 +9,7 @@ import torch
 from dofattn.cli import main
 from dofattn.data import check_source, load_texts, token_blocks
 from dofattn.errors import UserError
-from dofattn.hf import load_model
+from dofattn.model.hf import load_model
 from dofattn.jobs.sample import SampleSpec, prompts, sample_text
 
 TRAIN_WORDS = "The quick brown fox jumps over the lazy dog. "

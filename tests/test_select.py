@@ -10,7 +10,7 @@ from dofattn.ops.select import naive_select_keys, select_keys
 from dofattn.ops.softmax import expand_kv
 from dofattn.ops.window import first_keys
 from dofattn.spec import Attention, Kept, StudentSpec
-from dofattn.student import linearize
+from dofattn.model.student import linearize
 from tests.conftest import tiny_model
 
 # odd shapes: 23 tokens (a prompt of 15), 6 query heads on 2 kv heads, head dim 5
@@ -163,7 +163,7 @@ def test_bounded_softmax_cache_reads_what_the_spec_keeps():
 
     from transformers.cache_utils import DynamicLayer
 
-    from dofattn.attention.bounded import BoundedSoftmax
+    from dofattn.model.bounded import BoundedSoftmax
 
     q, k, v, valid = inputs()
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))                                    # HF layout [B, heads, T, D]
@@ -231,7 +231,7 @@ def test_a_bounded_cache_that_drops_nothing_generates_as_the_full_one():
 def test_static_decoding_of_a_bounded_kept_layer_matches_hf_generate(length):
     """The static decoder's ring of W slots after the held keys reads what the growing bounded cache reads: the same
     greedy tokens as HF generate, over more steps than the window has slots."""
-    from dofattn.attention.bounded import StaticBoundedLayer
+    from dofattn.model.bounded import StaticBoundedLayer
     from dofattn.engine import StaticDecoder
 
     model = tiny_model("llama")
@@ -257,7 +257,7 @@ def test_steps_after_the_prompt_with_gradients_keep_each_steps_keys():
     go back through both (the keys the first step's attention saved are unchanged)."""
     from transformers import DynamicCache
 
-    from dofattn.hf import cache_kwargs
+    from dofattn.model.hf import cache_kwargs
 
     model = tiny_model("llama")
     linearize(model, [4] * 3, Attention(window=4, sink=2), kept=Kept(select=3, select_observe=3), layers=[0, 2],

@@ -31,10 +31,10 @@ if not any(e.value == "dofattn.serve:register" for e in entry_points(group="vllm
 
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
-from dofattn.exported import load_export                                      # noqa: E402
+from dofattn.model.exported import load_export                                      # noqa: E402
 from dofattn.jobs.export import export                                        # noqa: E402
 from dofattn.spec import Attention, Kept, StudentSpec                               # noqa: E402
-from dofattn.student import build, fingerprint, save_student                  # noqa: E402
+from dofattn.model.student import build, fingerprint, save_student                  # noqa: E402
 from tests.conftest import tiny_tokenizer                                     # noqa: E402
 
 NEW_TOKENS = 10

@@ -12,7 +12,7 @@ from dofattn.errors import UserError
 from dofattn.features import make_feature_map
 from dofattn.ops.window import first_keys, naive_window_linear_attention, window_linear_attention
 from dofattn.spec import StudentSpec
-from dofattn.student import attention_modules, fingerprint, linearize, load_student, save_student
+from dofattn.model.student import attention_modules, fingerprint, linearize, load_student, save_student
 from tests.conftest import tiny_model
 from tests.test_window import SHAPES, ids, inputs
 
@@ -186,7 +186,7 @@ def test_static_decoding_with_a_sink_matches_hf_generate():
 
 
 def test_sink_student_round_trip(tmp_path, model_dirs):
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [5, 7, 3], Attention(window=8, sink=2), seed=4)

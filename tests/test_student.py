@@ -6,8 +6,9 @@ import torch
 from dofattn.spec import Attention
 from dofattn.errors import UserError
 from dofattn.spec import StudentSpec
-from dofattn.student import (attach_student, attention_modules, fingerprint, linearize,
-                             load_student, read_spec, resolve_dims, save_student)
+from dofattn.distill.choose import resolve_dims
+from dofattn.model.student import (attach_student, attention_modules, fingerprint, linearize,
+                             load_student, read_spec, save_student)
 from tests.conftest import tiny_model
 
 FAMILIES = ["llama", "gpt2", "gpt_neox"]
@@ -74,7 +75,7 @@ def make_student(family, tmp_path, model_dirs, feature="prf"):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_load_round_trip_is_exact(family, tmp_path, model_dirs):
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     base, _ = load_model(str(model_dirs[family]))
     model = tiny_model(family)
@@ -118,8 +119,8 @@ def test_resolve_dims(tmp_path):
 
 
 def test_student_file_holds_only_trained_state(tmp_path, model_dirs):
-    from dofattn.hf import load_model
-    from dofattn.student import student_state
+    from dofattn.model.hf import load_model
+    from dofattn.model.student import student_state
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [5, 7, 3], Attention(window=4, sink=1), seed=4)
@@ -146,7 +147,7 @@ def test_older_student_folders_load_or_fail_clearly(tmp_path, model_dirs):
     per-head dims, which a spec no longer holds, is refused with what to do."""
     import json
 
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [5, 12, 7], Attention(window=0, sink=0, decay="gate"), seed=2)
@@ -184,8 +185,8 @@ def test_schema_2_folders_with_flat_tensor_names_load(tmp_path, model_dirs):
 
     from safetensors.torch import load_file, save_file
 
-    from dofattn.hf import load_model
-    from dofattn.student import WEIGHTS_FILE
+    from dofattn.model.hf import load_model
+    from dofattn.model.student import WEIGHTS_FILE
 
     model, _ = load_model(str(model_dirs["llama"]))
     attention = Attention(window=4, sink=0, decay="head", conv=2)

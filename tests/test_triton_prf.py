@@ -111,7 +111,7 @@ def test_generation_on_cuda_takes_one_kernel_steps(family, decay, monkeypatch):
     """Greedy generation on CUDA: every step of every layer is one `prf_decode_step` (with the layer's decay, if it
     has one), and the logits equal a full forward over the generated sequence (Triton prefill) up to float
     rounding."""
-    from dofattn.student import attention_modules, linearize
+    from dofattn.model.student import attention_modules, linearize
     from tests.conftest import tiny_model
 
     model = tiny_model(family).cuda()

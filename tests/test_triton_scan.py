@@ -330,7 +330,7 @@ def test_gated_layer_trains_on_triton_as_on_chunk():
     """A gated Hedgehog layer of a tiny Llama (GQA), its gate trained away from the start: `attend` on the Triton
     kernels gives the chunk op's output and the same gradients for q, k, v and every parameter (feature map, decay
     rate, gate weights)."""
-    from dofattn.student import attention_modules, linearize
+    from dofattn.model.student import attention_modules, linearize
     from tests.conftest import tiny_model
 
     model = tiny_model("llama").to(DEVICE)

@@ -11,7 +11,7 @@ from dofattn.attention import LinearAttention, LinearStateLayer
 from dofattn.features import make_feature_map
 from dofattn.ops.window import block_window_linear_attention, naive_window_linear_attention, window_linear_attention
 from dofattn.spec import StudentSpec
-from dofattn.student import attention_modules, fingerprint, linearize, load_student, save_student
+from dofattn.model.student import attention_modules, fingerprint, linearize, load_student, save_student
 from tests.conftest import tiny_model
 
 # (B, T, P, H, D, V, M, W): odd lengths, windows larger and smaller than T, a window of 1, cached keys (P > 0)
@@ -277,7 +277,7 @@ def test_generation_with_a_window_matches_the_full_forward(family, decay):
 
 
 def test_window_student_round_trip(tmp_path, model_dirs):
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     model, _ = load_model(str(model_dirs["llama"]))
     linearize(model, [5, 7, 3], Attention(window=8, sink=0), seed=4)

@@ -1,14 +1,11 @@
-"""The drop-in linear attention: a layer of parts per linearized layer, plugged into Hugging Face attention modules.
+"""The linear attention layer, in parts: one `LinearAttention` per linearized layer, and its cache slots.
 
 A linearized layer keeps its HF attention module (projections, RoPE, output projection all untouched) and gains a
-child module `dofattn` (a `LinearAttention`). The model's attention implementation is set to "dofattn", an
-`AttentionInterface` function that runs `LinearAttention` for modules that have one and SDPA for the others.
-
-Generation: a linear layer needs no KV cache, only its recurrent state [B, H, M, V+1]. A forward pre-hook on each
-linearized module finds the HF `Cache` it is called with (`cache`; `past_key_values` or `layer_past` before
-transformers 5.24) and puts a `LinearStateLayer` in that layer's slot: it stores only the state and the token count
-(plus, for a window hybrid, the last W keys and values, and with a short convolution its last K-1 inputs), so memory
-stays flat in context length. `model.generate()` needs nothing special.
+child module (`model.attach`) whose attention runs in place of softmax (`model.install`: the "dofattn" attention
+implementation). Generation: a linear layer needs no KV cache, only its recurrent state [B, H, M, V+1]: its slot in
+the HF `Cache` becomes a `LinearStateLayer`, which stores the state and the token count (plus, for a window hybrid,
+the last W keys and values, and with a short convolution its last K-1 inputs), so memory stays flat in context
+length. `model.generate()` needs nothing special.
 
 Modules, by part:
     part      `Part`: what a layer asks of each of its parts (inputs, its effect as op arguments, a padding rule,
@@ -22,8 +19,6 @@ Modules, by part:
     conv      `ShortConv`, on q, k and v
     cache     the cache slots: `LinearStateLayer` with a `PartState` per part that keeps one, `StaticStateLayer`
               its static form (each part's state frozen: a window's as a ring), `StaticKVLayer` for a kept layer
-    bounded   a kept softmax layer's cache bounded after the prompt (`spec.Kept`): `BoundedSoftmax`
-    install   the AttentionInterface function, `install`, the cache-binding hooks
 
 Adding a part. Files it touches: its own module, a key of `spec.Attention`, one row of `layer.PARTS`, its tests;
 and `ops/` if it changes the arithmetic (tests/test_new_part.py adds a stateful part to a copy of the package with
@@ -60,11 +55,10 @@ from dofattn.attention.cache import (CACHE_ARGUMENTS, LinearStateLayer, StaticKV
                                      state_layer)
 from dofattn.attention.conv import CONV_NAMES
 from dofattn.attention.decay import DECAY_START, GATE_FLOOR, check_decay_padding, check_left_padding
-from dofattn.attention.install import IMPLEMENTATION, IMPLEMENTATIONS, attention_forward, install
 from dofattn.attention.layer import PARTS, LinearAttention
 from dofattn.attention.part import Part
 
 __all__ = ["LinearAttention", "Part", "PARTS", "LinearStateLayer", "StaticStateLayer", "StaticKVLayer", "state_layer",
-           "keep_buffer", "install", "attention_forward", "IMPLEMENTATION", "IMPLEMENTATIONS", "CACHE_ARGUMENTS",
+           "keep_buffer", "CACHE_ARGUMENTS",
            "CONV_NAMES", "DECAY_START", "GATE_FLOOR", "check_decay_padding",
            "check_left_padding"]

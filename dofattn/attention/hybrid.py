@@ -161,8 +161,9 @@ class WindowBranch:
              dtype: torch.dtype, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the state after the key [B, Hkv, D] with its value leaves the window, the keys' log-scale [H]): a key
         that is padding or a sink (`valid` [B] False) adds nothing (with a decay, the state still decays: a step
-        passed; the parts' op arguments read this step's values v [B, 1, Hkv, D]). Features rounded to `dtype` if it is 16-bit (as `attend` does for a 16-bit model; the static ring
-        keeps them in float32, as its one-kernel step)."""
+        passed; the parts' op arguments read this step's values v [B, 1, Hkv, D]). Features rounded to `dtype` if
+        it is 16-bit (as `attend` does for a 16-bit model; the static ring keeps them in float32, as its one-kernel
+        step)."""
         phi, k_scale = self.feature_map.features(self.expand_kv(key[:, None]), "key")      # [B, 1, H, M], [H]
         phi = in_model_dtype(phi, dtype)[:, 0]
         phi = phi * valid[:, None, None].to(phi.dtype)

@@ -34,8 +34,8 @@ class LinearBranch:
         (A padding token is handled inside the kernel: nothing here reads GPU values, so nothing syncs.)"""
         fmap = self.feature_map
         return (backend == "auto" and self.window is None and self.runs("prf_decode_step")
-                and q.shape[1] == 1 and q.is_cuda and fmap.fused_ok(q, "key") and cache.state is not None and cache.state.dtype == torch.float32
-                and cache.state.is_contiguous())
+                and q.shape[1] == 1 and q.is_cuda and fmap.fused_ok(q, "key") and cache.state is not None
+                and cache.state.dtype == torch.float32 and cache.state.is_contiguous())
 
     def linear_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
                       state: torch.Tensor | None, output_final_state: bool,

@@ -65,7 +65,7 @@ def add_parser(verbs):
 def run(ns) -> int:
     """The `distill` verb."""
     from dofattn import recipe as recipes
-    from dofattn.hf import resolve_device
+    from dofattn.model.hf import resolve_device
 
     args = config(DistillArgs, ns)
     if args.time_limit < 0:
@@ -85,10 +85,10 @@ def run(ns) -> int:
     if args.world_size is not None or args.json:
         raise UserError("--world-size and --json go with --dry-run (a run's processes are torchrun's)")
     if recipe.student.lora_rank:                  # before hours of layerwise training, not after
-        from dofattn.lora import require_peft
+        from dofattn.model.lora import require_peft
         require_peft()
     from dofattn.distill.run import DistillConfig, run as distill
-    from dofattn.hf import use_threads
+    from dofattn.model.hf import use_threads
 
     use_threads(args.threads)
     job = DistillConfig(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from,
@@ -120,7 +120,7 @@ def dry_run(recipe, args: DistillArgs) -> int:
     and the model folder's tokenizer are checked as the run would, before it reads them."""
     from dofattn.distill.plan import make_plan
     from dofattn.distill.run import check_inputs
-    from dofattn.hf import resolve_device
+    from dofattn.model.hf import resolve_device
 
     check_inputs(recipe, weights=False)
     plan = make_plan(recipe, world_size(args), device=resolve_device(args.device))

@@ -1,6 +1,6 @@
 """Generate text with a linearized student (or any supported model) and its constant-size state.
 
---model takes a student folder written by `dofattn distill` (or `dofattn.student.save_student`), a folder
+--model takes a student folder written by `dofattn distill` (or `dofattn.model.student.save_student`), a folder
 written by `dofattn export`, or a base model (alias, hub id, folder, .gguf). With a base model, --student RECIPE
 makes it that recipe's student with untrained features (--dims per layer: useful to check plumbing and speed, not
 quality); without it the base model generates as it is.

@@ -19,16 +19,87 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.capture import capture, run_forward
+from dofattn.model.capture import capture, run_forward
 from dofattn.distill.world import barrier, world
 from dofattn.dof import DofResult, allocate_dims, attention_dofs, sample_points
 from dofattn.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
 from dofattn.errors import UserError
-from dofattn.hf import context_length
+from dofattn.model.hf import context_length
 from dofattn.io import write_atomic
 from dofattn.ops.softmax import attention_logits, expand_kv
 from dofattn.recipe import Recipe
-from dofattn.student import head_layout, resolve_dims
+from dofattn.spec import StudentSpec
+from dofattn.model.student import attention_modules, build, global_layers, head_layout
+
+# --- the student's shape from a recipe: its dims, its linear layers, or an untrained student -------------------
+
+def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "") -> list[int]:
+    """Feature dims per layer from `fix`, `fix:C`, a dof.json path, or a list."""
+    num_layers = len(attention_modules(model))
+    _, _, head_dim = head_layout(model)
+    if isinstance(spec, list):
+        dims = spec
+    elif spec == "fix" or spec.startswith("fix:") or spec.isdigit():
+        value = spec if spec.isdigit() else spec.partition(":")[2] or str(head_dim)
+        if not value.isdigit() or int(value) < 1:
+            raise UserError(f"bad --dims {spec!r}; use C or fix:C with C >= 1, fix, or a dof.json file")
+        dims = [int(value)] * num_layers
+    elif spec.endswith(".json"):
+        path = Path(spec)
+        if not path.is_file():
+            raise UserError(f"dims file {spec} does not exist; run `dofattn dof --out {spec}` first")
+        try:
+            result = DofResult.from_json(path.read_text())
+        except (json.JSONDecodeError, TypeError, KeyError) as err:
+            raise UserError(f"{spec} is not a dofattn dof.json file ({err})") from None
+        if model_name and result.model and result.model != model_name:
+            raise UserError(f"dims file {spec} was computed for model {result.model!r}, not {model_name!r}; "
+                            f"run `dofattn dof --model {model_name}`")
+        dims = result.dims
+    else:
+        raise UserError(f"bad --dims {spec!r}; use C, fix, fix:C, or a dof.json file")
+    if len(dims) != num_layers:
+        raise UserError(f"--dims gives {len(dims)} layers but the model has {num_layers}")
+    if min(dims) < 1:
+        raise UserError(f"--dims must be >= 1 in every layer, got {min(dims)}")
+    return [int(d) for d in dims]
+
+
+def linear_layers(recipe, model, chosen: list[int] | None = None) -> list[int]:
+    """The layers a run of `recipe` linearizes in `model`: those that may be (every layer; with student.local_layers
+    = keep all but the model's own sliding-window ones, `student.global_layers`) less the softmax layers `chosen`
+    (`softmax_layers`). `chosen` [] gives the candidates themselves, None takes the last student.keep_softmax of
+    them (the dry run's plan: the layers are chosen at run time). A UserError where keep_softmax leaves none."""
+
+    s = recipe.student
+    candidates = global_layers(model) if s.local_layers == "keep" else list(range(len(attention_modules(model))))
+    if s.keep_softmax >= len(candidates):
+        raise UserError(f"student.keep_softmax = {s.keep_softmax} leaves no layer to linearize: the model has "
+                        f"{len(candidates)} layers that may be linearized")
+    chosen = candidates[len(candidates) - s.keep_softmax:] if chosen is None else chosen
+    return [i for i in candidates if i not in chosen]
+
+
+def check_untrained(recipe) -> None:
+    """A UserError for a recipe whose student cannot be built untrained: its kept softmax layers a run chooses."""
+    if recipe.student.keep_softmax:
+        raise UserError(f"recipe {recipe.name!r} keeps softmax layers that a run chooses (copy probe or DoF); "
+                        f"distill it, then use the run folder")
+
+
+def build_untrained(model: nn.Module, recipe, dims: list[int], stand_in: bool = False) -> StudentSpec:
+    """Make `model` the untrained student of `recipe` (a `recipe.Recipe`: its [student] architecture whole) with
+    `dims` features per layer, in place, for what does not depend on training (speed, memory, plumbing); its spec.
+    A recipe whose kept softmax layers a run chooses is a UserError (`check_untrained`), unless `stand_in`: then its
+    last `keep_softmax` layers stand in for them, as in the dry run's plan (the same count and shapes; for speed and
+    memory, not quality)."""
+    if not stand_in:
+        check_untrained(recipe)
+    layers = linear_layers(recipe, model) if stand_in else global_layers(model)
+    spec = recipe.student_spec(dims, layers)
+    build(model, spec)
+    return spec
+
 
 ATTENTION_DOF_BLOCKS = 8      # training blocks on which the teacher's attention matrices are measured
 ATTENTION_DOF_SEQ_LEN = 512   # tokens per block, at most (else eval.seq_len): each T x T matrix's SVD costs T³

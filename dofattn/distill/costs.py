@@ -53,7 +53,7 @@ def meta_model(config, dtype: torch.dtype = torch.float32):
 
     from transformers import AutoModelForCausalLM
 
-    from dofattn.hf import softmax_implementation
+    from dofattn.model.hf import softmax_implementation
 
     config = copy.deepcopy(config)                   # from_config sets its dtype: the caller's keeps the stored one
     with torch.device("meta"):
@@ -138,7 +138,7 @@ def stage_lengths(recipe, config) -> dict[str, int]:
     """The tokens per sequence of each stage that runs the model: what its rate is measured at."""
     from dofattn.distill.choose import ATTENTION_DOF_SEQ_LEN, COPY_SEQ_LEN
     from dofattn.dof import DOF_SEQ_LEN
-    from dofattn.hf import context_length
+    from dofattn.model.hf import context_length
 
     r = recipe
     if r.student.keep_softmax_by == "copy":
@@ -168,7 +168,7 @@ def forward_rates(config, dtype: torch.dtype, device: str, lengths) -> dict[int,
     random weights (made once), timed on [1, length] tokens after a short warm-up, its FLOPs counted as
     `forward_counts` counts them (the body of one layer: its matrix products and attention, at the rate its other
     operations leave them)."""
-    from dofattn.hf import random_model
+    from dofattn.model.hf import random_model
 
     one = one_layer(config)
     body = random_model(one, dtype, device).base_model

@@ -37,7 +37,7 @@ from dofattn.errors import UserError
 from dofattn.evaluate import head, hidden_states, perplexity, teacher_mode
 from dofattn.io import read_safetensors, write_json
 from dofattn.recipe import EndToEnd
-from dofattn.student import is_student_tensor, linear_parts
+from dofattn.model.student import is_student_tensor, linear_parts
 
 
 def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:

@@ -24,7 +24,7 @@ from dofattn.distill.world import barrier, world
 from dofattn.io import read_safetensors
 from dofattn.ops.softmax import expand_kv
 from dofattn.recipe import Layerwise
-from dofattn.student import attention_modules, linear_parts
+from dofattn.model.student import attention_modules, linear_parts
 
 
 def param_groups(linear: LinearAttention, lr: float, lr_weights: float) -> list[dict]:

@@ -72,7 +72,7 @@ def measure_step(recipe: Recipe, model, count_flops: bool = False) -> Step:
 
     from dofattn.distill.end_to_end import layers_checkpointed, loss
     from dofattn.memory import LiveBytes, RealConstants
-    from dofattn.student import is_student_tensor, linear_parts
+    from dofattn.model.student import is_student_tensor, linear_parts
 
     e2e = recipe.end_to_end
     mode = FakeTensorMode()
@@ -234,7 +234,7 @@ def _shard(shape: tuple[int, ...], world: int) -> int:
 
 def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[list[int] | None, float]:
     """(dims per layer when the recipe fixes them, else None; their mean over the linearized layers)."""
-    from dofattn.student import resolve_dims
+    from dofattn.distill.choose import resolve_dims
 
     rule = recipe.student.dims
     if rule in ("dof", "clip"):      # mean = head size over all layers (Algorithm 1's budget); clip only lowers it
@@ -246,7 +246,7 @@ def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[
 def plan_tokens(recipe: Recipe, config, world: int) -> Tokens:
     from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, ATTENTION_DOF_SEQ_LEN, COPY_BLOCKS, COPY_SEQ_LEN
     from dofattn.dof import DOF_BLOCKS, DOF_SEQ_LEN
-    from dofattn.hf import context_length
+    from dofattn.model.hf import context_length
 
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
     dof = DOF_BLOCKS * DOF_SEQ_LEN if s.dims in ("dof", "clip") else 0
@@ -280,10 +280,11 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     run.model's. With a `device`, each stage's peak memory, disk and time there (`costs`: this machine measured for
     a second or two, and the layerwise step timed); `timed` False: memory and disk alone (no time is measured)."""
     from dofattn.distill.end_to_end import decoder_layers
-    from dofattn.hf import local_layers, model_config
+    from dofattn.model.hf import local_layers, model_config
     from dofattn.memory import resident_now
     from dofattn.recipe import resolve_dtype
-    from dofattn.student import attention_modules, build, head_layout, is_student_tensor, linear_layers
+    from dofattn.distill.choose import linear_layers
+    from dofattn.model.student import attention_modules, build, head_layout, is_student_tensor
 
     before = resident_now()                     # this process before any model: Python, torch, transformers
     recipe = resolve_dtype(recipe, device or "cpu")

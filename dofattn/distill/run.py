@@ -15,7 +15,7 @@ from dofattn.distill.world import barrier, join, world
 from dofattn.evaluate import compare, perplexity
 from dofattn.recipe import Recipe
 from dofattn.spec import Attention
-from dofattn.student import linear_layers
+from dofattn.distill.choose import linear_layers, resolve_dims
 
 
 @dataclass
@@ -76,7 +76,7 @@ def check_inputs(recipe: Recipe, weights: bool = True) -> None:
     """What a run reads before it trains, checked before anything loads (also by `distill --dry-run`, which plans
     from a config alone: `weights` False): its text sources, and a local model folder's weights and tokenizer."""
     from dofattn.data import check_source
-    from dofattn.hf import check_tokenizer, refuse_config_only
+    from dofattn.model.hf import check_tokenizer, refuse_config_only
 
     if weights:
         refuse_config_only(recipe.run.model, "distill (without --dry-run)")
@@ -93,10 +93,8 @@ def run(cfg: DistillConfig, progress=None) -> dict:
 
     r, out, device, time_limit, continue_from = cfg.recipe, cfg.folder, cfg.device, cfg.time_limit, cfg.continue_from
     r = resolve_dtype(r, device)                   # auto: what this device computes fast, recorded in the folder
-    from dofattn.data import token_blocks
-    from dofattn.hf import load_model, parse_dtype
-    from dofattn.student import (attention_modules, build, fingerprint,
-                                 is_student_tensor, load_student_tensors, resolve_dims, save_student)
+    from dofattn.model.hf import load_model, parse_dtype
+    from dofattn.model.student import attention_modules, build, fingerprint, is_student_tensor, save_student
 
     check_inputs(r)
     if continue_from:                              # before the model loads: a refused copy costs nothing
@@ -121,33 +119,10 @@ def run(cfg: DistillConfig, progress=None) -> dict:
         resolve_dims(r.student.dims, model, r.run.model)
     candidates = linear_layers(r, model, [])   # all, or (local_layers = keep) all but sliding-window ones
     # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
-    lw, e2e = r.layerwise, r.end_to_end
-    # under torchrun each process tokenizes a share of the documents; all get the same blocks
-    share = world()
-    train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed, share=share)
-    e2e_train = train
-    if e2e.steps and (r.end_to_end_blocks, e2e.seq_len) != tuple(train.shape):
-        e2e_train = token_blocks(r.run.data, tokenizer, e2e.seq_len, r.end_to_end_blocks,
-                                 split="train", seed=r.run.seed, share=share)
-    valid = token_blocks(r.run.eval_data or r.run.data, tokenizer, r.eval.seq_len, r.eval.blocks,
-                         split="validation", seed=0, share=share)
-    copied = False
-    if rank == 0:                                  # after the model loaded: a typo in the model leaves no folder
-        if continue_from:
-            copied = run_folder.copy_run(Path(continue_from), out, r)
-        run_folder.check(out, r)
-    barrier()
-    finished = run_folder.RunFolder(out).log
-    done = finished.get("end_to_end", {}) if finished else {}
-    done_steps, stopped = done.get("steps", 0), bool(done.get("stopped"))
-    if finished and not stopped and done_steps >= e2e.steps:
-        say(f"{out} holds a finished run with this recipe; its results:")
+    train, e2e_train, valid = read_blocks(r, tokenizer)
+    finished, done_steps = open_folder(r, out, continue_from, rank, say)
+    if finished and done_steps is None:
         return finished
-    if finished:
-        why = (f"a copy of {continue_from}; its end-to-end phase goes on" if copied else
-               "the end-to-end phase stopped at its time limit; going on" if stopped else
-               "the end-to-end phase is asked for more steps; going on")
-        say(f"{out}: {why} from step {done_steps} to {e2e.steps}")
 
     stage.begin("dof")
     dims = choose.dims(r, model, tokenizer, out)
@@ -162,25 +137,8 @@ def run(cfg: DistillConfig, progress=None) -> dict:
     log.dims, log.softmax_layers = dims, kept
     stage.end()
 
-    if finished:            # going on with the end-to-end phase: the layerwise stage is done
-        log.layers = finished.get("layers", {})
-        stage.keep(finished, ("layerwise", "layerwise_eval"))
-        before = finished.get("evaluation", {})
-        if "layerwise_student_ppl" in before:
-            log.evaluation["layerwise_student_ppl"] = before["layerwise_student_ppl"]
-        elif not done_steps and lw.steps and "student_ppl" in before:      # it had no end-to-end phase
-            log.evaluation["layerwise_student_ppl"] = before["student_ppl"]
-        if not done_steps:  # its student was saved without end-to-end checkpoints
-            load_student_tensors(model, out)
-    elif lw.steps:
-        stage.begin("layerwise")
-        stream = TeacherStream(model, train, lw.batch_size, progress=bars)
-        log.layers = layerwise(model, stream, out, lw, r.run.seed, progress=bars)
-        stage.end()
-        if e2e.steps and rank == 0:                # what the layerwise stage alone reached
-            stage.begin("layerwise_eval")
-            log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
-            stage.end()
+    layerwise_stage(r, model, out, train, valid, log, stage, finished, done_steps, bars)
+    e2e = r.end_to_end
     if e2e.steps:
         stage.begin("end_to_end")
         log.end_to_end = end_to_end.train(model, e2e_train, out, e2e, r.run.seed, valid, time_limit=60 * time_limit,
@@ -205,15 +163,83 @@ def run(cfg: DistillConfig, progress=None) -> dict:
     return asdict(log)
 
 
+def read_blocks(r: Recipe, tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(layerwise blocks, end-to-end blocks, validation blocks) of the recipe's text: under torchrun each process
+    tokenizes a share of the documents, and all get the same blocks."""
+    from dofattn.data import token_blocks
+
+    lw, e2e, share = r.layerwise, r.end_to_end, world()
+    train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed, share=share)
+    e2e_train = train
+    if e2e.steps and (r.end_to_end_blocks, e2e.seq_len) != tuple(train.shape):
+        e2e_train = token_blocks(r.run.data, tokenizer, e2e.seq_len, r.end_to_end_blocks,
+                                 split="train", seed=r.run.seed, share=share)
+    valid = token_blocks(r.run.eval_data or r.run.data, tokenizer, r.eval.seq_len, r.eval.blocks,
+                         split="validation", seed=0, share=share)
+    return train, e2e_train, valid
+
+
+def open_folder(r: Recipe, out: Path, continue_from: str | None, rank: int, say) -> tuple[dict | None, int | None]:
+    """The run folder made or checked (a copy of `continue_from` first), after the model loaded (a typo in the model
+    leaves no folder): (its finished log or None, the end-to-end steps done; None: the run is complete, nothing
+    to do)."""
+    copied = False
+    if rank == 0:
+        if continue_from:
+            copied = run_folder.copy_run(Path(continue_from), out, r)
+        run_folder.check(out, r)
+    barrier()
+    finished = run_folder.RunFolder(out).log
+    done = finished.get("end_to_end", {}) if finished else {}
+    done_steps, stopped = done.get("steps", 0), bool(done.get("stopped"))
+    if finished and not stopped and done_steps >= r.end_to_end.steps:
+        say(f"{out} holds a finished run with this recipe; its results:")
+        return finished, None
+    if finished:
+        why = (f"a copy of {continue_from}; its end-to-end phase goes on" if copied else
+               "the end-to-end phase stopped at its time limit; going on" if stopped else
+               "the end-to-end phase is asked for more steps; going on")
+        say(f"{out}: {why} from step {done_steps} to {r.end_to_end.steps}")
+    return finished, done_steps
+
+
+def layerwise_stage(r: Recipe, model, out: Path, train: torch.Tensor, valid: torch.Tensor, log, stage,
+                    finished: dict | None, done_steps: int, bars: bool) -> None:
+    """The layerwise stage, or (going on with an end-to-end phase) what the finished one left: its per-layer log and
+    times, and the student it saved if no end-to-end step was."""
+    from dofattn.model.student import load_student_tensors
+
+    lw, rank = r.layerwise, world()[0]
+    if finished:            # going on with the end-to-end phase: the layerwise stage is done
+        log.layers = finished.get("layers", {})
+        stage.keep(finished, ("layerwise", "layerwise_eval"))
+        before = finished.get("evaluation", {})
+        if "layerwise_student_ppl" in before:
+            log.evaluation["layerwise_student_ppl"] = before["layerwise_student_ppl"]
+        elif not done_steps and lw.steps and "student_ppl" in before:      # it had no end-to-end phase
+            log.evaluation["layerwise_student_ppl"] = before["student_ppl"]
+        if not done_steps:  # its student was saved without end-to-end checkpoints
+            load_student_tensors(model, out)
+    elif lw.steps:
+        stage.begin("layerwise")
+        stream = TeacherStream(model, train, lw.batch_size, progress=bars)
+        log.layers = layerwise(model, stream, out, lw, r.run.seed, progress=bars)
+        stage.end()
+        if r.end_to_end.steps and rank == 0:       # what the layerwise stage alone reached
+            stage.begin("layerwise_eval")
+            log.evaluation["layerwise_student_ppl"] = perplexity(model, valid, desc="layerwise student ppl")
+            stage.end()
+
+
 def evaluate(recipe: Recipe, model, blocks: torch.Tensor, dims: list[int]) -> dict:
     """On validation `blocks`: perplexity of the teacher, the student and an untrained Performer with the same
     budget, and the student's KL to the teacher, top-1 agreement and those by context length (`by_position`).
 
     The Performer is `model` itself once the student is scored: the student's parts removed, its LoRA adapters
     off, every layer linearized anew, so that no second copy of the model is loaded. `model` is spent after."""
-    from dofattn.attention.attach import detach
-    from dofattn.lora import set_lora_enabled
-    from dofattn.student import attention_modules, linearize
+    from dofattn.model.attach import detach
+    from dofattn.model.lora import set_lora_enabled
+    from dofattn.model.student import attention_modules, linearize
 
     against = compare(model, blocks)
     teacher, student = against["teacher_ppl"], against["ppl"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from dofattn.capture import AttentionInputs, capture
+from dofattn.model.capture import AttentionInputs, capture
 from dofattn.evaluate import teacher_mode
 
 
@@ -67,7 +67,7 @@ class TeacherStream:
 
     def __init__(self, model, blocks: torch.Tensor, batch_size: int, progress: bool = True):
         from dofattn.distill.end_to_end import decoder_layers
-        from dofattn.student import attention_modules, head_layout
+        from dofattn.model.student import attention_modules, head_layout
 
         self.model, self.blocks, self.batch_size, self.progress = model, blocks, batch_size, progress
         self.layers = decoder_layers(model)

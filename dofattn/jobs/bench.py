@@ -84,8 +84,8 @@ class BenchConfig(Machine):
     def resolved(self) -> BenchConfig:
         """This config on a named device, with a dtype and the lengths: `auto` (None) made the device's default; a
         trained student given as --model made the student timed."""
-        from dofattn.exported import is_any_student
-        from dofattn.hf import machine_dtype, resolve_device
+        from dofattn.model.exported import is_any_student
+        from dofattn.model.hf import machine_dtype, resolve_device
 
         device = resolve_device(self.device)
         cuda = device.startswith("cuda")
@@ -156,7 +156,7 @@ def student_of(cfg: BenchConfig) -> Student:
     """The student `cfg.student` names: a trained one (a run folder or an export) or a recipe's untrained one; a
     UserError for neither, or for a recipe whose student cannot be built untrained."""
     from dofattn import recipe as recipes
-    from dofattn.exported import is_any_student, spec_of
+    from dofattn.model.exported import is_any_student, spec_of
     if is_any_student(cfg.student):
         spec = spec_of(cfg.student)
         return Student(spec.attention, f"{cfg.student} ({'; '.join(spec.describe())})", cfg.student, None)
@@ -355,9 +355,10 @@ def _generation_row(cfg: BenchConfig, model: str, student: bool, T: int, engine:
 def load_models(cfg: BenchConfig, student: Student, dtype: torch.dtype):
     """(name, is the student, model, tokenizer) of the teacher, then the student: a trained one and its base model,
     or a recipe's student on `cfg.model` with untrained features (each loaded when its turn comes)."""
-    from dofattn.hf import RANDOM_WEIGHTS, config_only, load_model
-    from dofattn.exported import load_any, spec_of
-    from dofattn.student import attention_modules, build_untrained
+    from dofattn.model.hf import RANDOM_WEIGHTS, config_only, load_model
+    from dofattn.model.exported import load_any, spec_of
+    from dofattn.distill.choose import build_untrained
+    from dofattn.model.student import attention_modules
 
     path, recipe = student.path, student.recipe
     if path is not None:
@@ -458,7 +459,7 @@ def run(cfg: BenchConfig, progress=None) -> dict:
     """The measurements in `cfg.parts`; a JSON-ready dict, also written to `cfg.out` after each row (and part), so
     that a run stopped partway (a time limit, an out-of-memory kill) keeps what it measured. `progress(text)` gets
     each row as it is measured (print, say; None: quiet)."""
-    from dofattn.hf import parse_dtype, use_threads
+    from dofattn.model.hf import parse_dtype, use_threads
     from dofattn.io import check_output, write_atomic
 
     cfg = cfg.resolved()
@@ -507,7 +508,7 @@ def run(cfg: BenchConfig, progress=None) -> dict:
 
 def check_serve(cfg: BenchConfig, student: Student) -> str:
     """The serve part's inputs, before anything runs: an export to time, and the serving environment's python."""
-    from dofattn.exported import is_export
+    from dofattn.model.exported import is_export
     from dofattn.serve.bench import serving_python
 
     if student.path is None or not is_export(student.path):
@@ -519,7 +520,7 @@ def check_serve(cfg: BenchConfig, student: Student) -> str:
 def bench_serve(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     """An export and its teacher in vLLM (`serve.bench`), at each prompt length of --gen-contexts and each batch of
     --serve-batch (random prompt tokens: the engine's speed does not depend on them)."""
-    from dofattn.exported import read_config, spec_of
+    from dofattn.model.exported import read_config, spec_of
     from dofattn.serve.bench import serve, teacher_folder
 
     python = check_serve(cfg, student)

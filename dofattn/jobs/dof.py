@@ -60,7 +60,7 @@ def run(cfg: DofConfig, progress=None):
     from dofattn.data import SPLITS, check_source, token_blocks
     from dofattn.dof import (HELDOUT_POINTS, allocate_dims, allocate_dims_auto, attention_dofs, check_sample_size,
                              sample_points)
-    from dofattn.hf import load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
+    from dofattn.model.hf import load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
     from dofattn.io import check_output, write_atomic
 
     say = progress or (lambda text: None)

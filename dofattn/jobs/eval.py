@@ -45,12 +45,12 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
     Memory stays bounded at length: the outputs come from the attention kernels (no T × T), the kernel error reads
     `ERROR_ROWS` evenly spaced rows of a block longer than `LONG_ROWS`, and the forward computes no logits (`eval`
     sends blocks longer than `LONG_BLOCK` one at a time)."""
-    from dofattn.attention.attach import linear_of
-    from dofattn.capture import capture, run_forward
+    from dofattn.model.attach import linear_of
+    from dofattn.model.capture import capture, run_forward
     from dofattn.distill.losses import l2_loss
     from dofattn.evaluate import blocks_in_batches, teacher_mode
     from dofattn.ops.softmax import expand_kv, softmax_attention
-    from dofattn.student import attention_modules, linear_parts
+    from dofattn.model.student import attention_modules, linear_parts
 
     modules = attention_modules(student)
     num, den = [0.0] * len(modules), [0.0] * len(modules)
@@ -79,7 +79,6 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
     return {"output_error": [math.sqrt(n / d) if i in linear and d > 0 else None
                              for i, (n, d) in enumerate(zip(num, den))],
             "kernel_error": [sum(k) / len(k) if k else None for k in kernel]}
-
 
 
 # --- `dofattn eval` -------------------------------------------------------------------------------------------------
@@ -175,8 +174,9 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
     """Everything about `cfg` that can be checked before a model loads; -> the output paths ({"out": ..., and each
     figure asked for})."""
     from dofattn.data import check_source
-    from dofattn.hf import check_extend_to
-    from dofattn.student import check_default_run, is_student
+    from dofattn.model.hf import check_extend_to
+    from dofattn.jobs import check_default_run
+    from dofattn.model.student import is_student
 
     check_default_run(cfg.model)
     out = cfg.out
@@ -218,12 +218,9 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         result = run(EvalConfig(model="runs/window", data="notes.txt", out=None))   # a plain file, scored whole
         result["tokens"], result["ppl"], result["kl"]
     """
-    from dofattn.data import WIKI_SAMPLE, sources, token_blocks
-    from dofattn.evaluate import (compare, first_blocks, format_comparison, format_layer_errors, format_tasks,
-                                  lm_eval_tasks)
-    from dofattn.exported import is_any_student, load_any, lora_merged
-    from dofattn.hf import extend_context, load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
-    from dofattn.io import write_atomic
+    from dofattn.data import WIKI_SAMPLE, sources
+    from dofattn.evaluate import format_comparison, format_layer_errors, format_tasks, lm_eval_tasks
+    from dofattn.model.hf import context_length, machine_dtype, refuse_config_only, resolve_device, use_threads
 
     say = progress or (lambda text: None)
     paths = check(cfg)
@@ -234,17 +231,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     split = cfg.split or ("validation" if held_out else "all")
     device = resolve_device(cfg.device)
     dtype = machine_dtype(cfg.dtype, device)
-    teacher_name = cfg.teacher
-    if is_any_student(cfg.model):
-        model, tokenizer, spec = load_any(cfg.model, dtype=dtype, device=device)
-        if lora_merged(cfg.model) and not teacher_name:   # an export's own base weights carry the merged adapters
-            teacher_name = spec.base_model
-    else:
-        model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
-    if cfg.extend_to:
-        extend_context(model, cfg.extend_to)
-    from dofattn.hf import context_length
-
+    model, tokenizer = load_student_or_model(cfg, dtype, device)
     context = context_length(model.config)
     if cfg.task_lengths and context and max(cfg.task_lengths) > context and not cfg.beyond_context:
         raise UserError(f"--task-lengths {max(cfg.task_lengths)} is past the model's context of {context} tokens: "
@@ -253,27 +240,13 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         from dofattn.recall import resolve_lengths
 
         lengths = resolve_lengths(cfg.lengths, context, cfg.beyond_context)
-    teacher = load_model(teacher_name, dtype=dtype, device=device)[0] if teacher_name else None
-    if teacher is not None and cfg.extend_to:
-        extend_context(teacher, cfg.extend_to)
+    teacher_name, teacher = load_teacher(cfg, dtype, device)
     result = {"model": cfg.model, "teacher": teacher_name or "base model", "data": cfg.data, "split": split,
               **({"extend_to": cfg.extend_to} if cfg.extend_to else {})}
     errors = {}
     if cfg.num_blocks != 0:
-        if cfg.num_blocks is None and plain_text(cfg.data):
-            blocks = text_blocks(cfg.data, tokenizer, cfg.seq_len, split)
-        else:
-            blocks = token_blocks(cfg.data, tokenizer, cfg.seq_len, cfg.num_blocks or DEFAULT_BLOCKS, split=split,
-                                  seed=0)
-        longest = max(b.shape[-1] for b in (blocks if isinstance(blocks, list) else [blocks]))
-        if context and longest > context and not cfg.beyond_context:
-            raise UserError(f"--seq-len {cfg.seq_len} is past the model's context of {context} tokens: add "
-                            f"--extend-to {cfg.seq_len} (RoPE scaled to it), or --beyond-context to score it as it is")
-        batch = batch_of(cfg, longest)
-        result.update(seq_len=cfg.seq_len, **compare(model, blocks, teacher, batch))
-        chosen = first_blocks(blocks, cfg.layer_blocks)
-        errors = layer_errors(model, chosen, batch) if cfg.layer_blocks else {}
-        result.update(errors)
+        result.update(score_text(cfg, model, tokenizer, teacher, split, context))
+        errors = {key: result[key] for key in ("output_error", "kernel_error") if key in result}
         say(format_comparison(result))
     if errors:
         say(format_layer_errors(errors))
@@ -300,6 +273,68 @@ def run(cfg: EvalConfig, progress=None) -> dict:
             with teacher_mode(model):                # the student's own base model: its softmax attention
                 result["teacher_tasks"] = run_tasks(model, "teacher")
         say(format_tasks(result["tasks"], result["teacher_tasks"]))
+    write_outputs(cfg, paths, result, errors, split, say)
+    return result
+
+
+def load_student_or_model(cfg: EvalConfig, dtype, device: str):
+    """(model, tokenizer): the student or export `cfg.model` as saved, or a plain model; its RoPE extended to
+    `cfg.extend_to` if asked."""
+    from dofattn.model.exported import is_any_student, load_any
+    from dofattn.model.hf import extend_context, load_model
+
+    if is_any_student(cfg.model):
+        model, tokenizer, _ = load_any(cfg.model, dtype=dtype, device=device)
+    else:
+        model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
+    if cfg.extend_to:
+        extend_context(model, cfg.extend_to)
+    return model, tokenizer
+
+
+def load_teacher(cfg: EvalConfig, dtype, device: str):
+    """(its name, the teacher model) of `cfg.teacher`; (None, None): the student's own base model (`teacher_mode`),
+    unless an export's base weights carry merged adapters: then its base model, loaded."""
+    from dofattn.model.exported import is_any_student, lora_merged, spec_of
+    from dofattn.model.hf import extend_context, load_model
+
+    name = cfg.teacher
+    if not name and is_any_student(cfg.model) and lora_merged(cfg.model):
+        name = spec_of(cfg.model).base_model
+    if not name:
+        return None, None
+    teacher = load_model(name, dtype=dtype, device=device)[0]
+    if cfg.extend_to:
+        extend_context(teacher, cfg.extend_to)
+    return name, teacher
+
+
+def score_text(cfg: EvalConfig, model, tokenizer, teacher, split: str, context: int | None) -> dict:
+    """The student against its teacher on the text's blocks (`evaluate.compare`), and each layer's errors on the
+    first `cfg.layer_blocks` of them."""
+    from dofattn.data import token_blocks
+    from dofattn.evaluate import compare, first_blocks
+
+    if cfg.num_blocks is None and plain_text(cfg.data):
+        blocks = text_blocks(cfg.data, tokenizer, cfg.seq_len, split)
+    else:
+        blocks = token_blocks(cfg.data, tokenizer, cfg.seq_len, cfg.num_blocks or DEFAULT_BLOCKS, split=split,
+                              seed=0)
+    longest = max(b.shape[-1] for b in (blocks if isinstance(blocks, list) else [blocks]))
+    if context and longest > context and not cfg.beyond_context:
+        raise UserError(f"--seq-len {cfg.seq_len} is past the model's context of {context} tokens: add "
+                        f"--extend-to {cfg.seq_len} (RoPE scaled to it), or --beyond-context to score it as it is")
+    batch = batch_of(cfg, longest)
+    found = {"seq_len": cfg.seq_len, **compare(model, blocks, teacher, batch)}
+    if cfg.layer_blocks:
+        found.update(layer_errors(model, first_blocks(blocks, cfg.layer_blocks), batch))
+    return found
+
+
+def write_outputs(cfg: EvalConfig, paths: dict, result: dict, errors: dict, split: str, say) -> None:
+    """The result's JSON and plots where `cfg` asks for them (`check`'s paths)."""
+    from dofattn.io import write_atomic
+
     if "out" in paths:
         write_atomic(paths["out"], json.dumps(result, indent=2))
         say(f"wrote {paths['out']}")
@@ -319,6 +354,5 @@ def run(cfg: EvalConfig, progress=None) -> dict:
 
         plot_recall(result["recall"], paths["plot_recall"], title=f"{cfg.model}: recall against the teacher")
         say(f"wrote {paths['plot_recall']}")
-    return result
 
 

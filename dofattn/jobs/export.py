@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from dofattn import __version__
-from dofattn.bundle import BUNDLE_FILE, bundle_text
+from dofattn.model.bundle import BUNDLE_FILE, bundle_text
 from dofattn.errors import UserError
-from dofattn.exported import MODEL_TYPE, MODELING_FILE, WEIGHTS_INDEX, is_export
+from dofattn.model.exported import MODEL_TYPE, MODELING_FILE, WEIGHTS_INDEX, is_export
 from dofattn.io import write_atomic, write_json
 from dofattn.options import option
 from dofattn.recipe import DEFAULT_RUN
@@ -39,7 +39,7 @@ The classes are dofattn's own (`exported.student_classes`), from the copy of its
 
 from .dofattn_code import load
 
-DofattnConfig, DofattnForCausalLM = load("exported").student_classes("{model_class}", module=__name__)
+DofattnConfig, DofattnForCausalLM = load("model.exported").student_classes("{model_class}", module=__name__)
 '''
 
 
@@ -64,7 +64,7 @@ def write_weights(tensors: dict[str, torch.Tensor], folder: Path, max_shard: int
 def _source(path: Path) -> tuple[Path, Path | None]:
     """(student folder, run folder or None) for --model; a UserError if it is neither."""
     from dofattn.distill.run_folder import RECIPE_FILE
-    from dofattn.student import is_student, read_spec
+    from dofattn.model.student import is_student, read_spec
 
     if not path.is_dir():
         raise UserError(f"--model {path} is not a folder; give a dofattn distill run folder or a student folder")
@@ -99,7 +99,7 @@ def check_out(out: Path) -> None:
 
 def _unwrap_lora(model: nn.Module) -> None:
     """Put each merged LoRA layer's base projection back in its place: the model no longer needs peft."""
-    from dofattn.lora import lora_layers
+    from dofattn.model.lora import lora_layers
 
     layers = set(lora_layers(model))
     assert all(layer.merged for layer in layers), "fold the adapters (merge_lora) before unwrapping"
@@ -112,7 +112,7 @@ def _unwrap_lora(model: nn.Module) -> None:
 def weights(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors an export stores: the model's state dict less tied copies (transformers ties them again), the
     base model's floating tensors in `dtype`, the student's own as they are (float32)."""
-    from dofattn.student import is_student_tensor
+    from dofattn.model.student import is_student_tensor
 
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     state = model.state_dict()
@@ -163,8 +163,8 @@ class ExportConfig:
 
 def run(cfg: ExportConfig) -> Path:
     """`export` as `cfg` says; the folder written."""
-    from dofattn.hf import check_extend_to
-    from dofattn.student import check_default_run
+    from dofattn.model.hf import check_extend_to
+    from dofattn.jobs import check_default_run
 
     check_default_run(cfg.model, takes_base=False)
     if not cfg.out:
@@ -181,8 +181,8 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
     into place). `dtype` is the base model's weights' (the student's own tensors stay float32); weights above
     `max_shard` (bytes, or "5GB") are written in shards. `extend_to`: the config's RoPE scaled to that many tokens
     (`hf.extend_context`), so that `from_pretrained` builds it so."""
-    from dofattn.hf import parse_dtype
-    from dofattn.student import load_student, read_spec
+    from dofattn.model.hf import parse_dtype
+    from dofattn.model.student import load_student, read_spec
 
     source, run = _source(Path(model_path))
     out = Path(out)
@@ -192,7 +192,7 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
     if merge_lora and not spec.lora_rank:
         raise UserError(f"--merge-lora: the student in {model_path} has no LoRA adapters to fold; drop --merge-lora")
     if spec.lora_rank:
-        from dofattn.lora import require_peft
+        from dofattn.model.lora import require_peft
         require_peft()
     # folding adapters is done in float32 and rounded once; without it the base loads in its export dtype
     model, tokenizer, _ = load_student(source, dtype=torch.float32 if merge_lora else torch_dtype)
@@ -200,14 +200,14 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
     if spec.lora_rank:
         lora = "adapters"
         if merge_lora:
-            from dofattn.lora import merge_lora as merge
+            from dofattn.model.lora import merge_lora as merge
 
             merge(model)
             _unwrap_lora(model)
             spec = replace(spec, lora_rank=0, lora_alpha=0.0, lora_targets="attention")
             lora = "merged"
     if extend_to:
-        from dofattn.hf import extend_context
+        from dofattn.model.hf import extend_context
 
         extend_context(model, extend_to)
     dtype_name = str(torch_dtype).removeprefix("torch.")
@@ -272,7 +272,7 @@ def _architecture(spec: StudentSpec, lora: str) -> list[str]:
 
 def _base_origin(base: str) -> str:
     """Where a built-in base model comes from, for the card ("" for any other)."""
-    from dofattn.hf import BUILTIN
+    from dofattn.model.hf import BUILTIN
 
     if base not in BUILTIN:
         return ""

@@ -46,7 +46,7 @@ class GenerateConfig(Machine):
 
 def check(cfg: GenerateConfig) -> None:
     """Every rule on the options, before a model loads."""
-    from dofattn.hf import check_extend_to
+    from dofattn.model.hf import check_extend_to
 
     if cfg.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {cfg.max_new_tokens}")
@@ -66,9 +66,10 @@ def check(cfg: GenerateConfig) -> None:
 def load(cfg: GenerateConfig):
     """(model, tokenizer, what it is in words) as `cfg` asks."""
     from dofattn import recipe as recipes
-    from dofattn.hf import load_model, machine_dtype, refuse_config_only, resolve_device
-    from dofattn.exported import is_any_student, load_any
-    from dofattn.student import build_untrained, check_default_run, check_untrained, resolve_dims
+    from dofattn.model.hf import load_model, machine_dtype, refuse_config_only, resolve_device
+    from dofattn.model.exported import is_any_student, load_any
+    from dofattn.distill.choose import build_untrained, check_untrained, resolve_dims
+    from dofattn.jobs import check_default_run
 
     check_default_run(cfg.model)
     refuse_config_only(cfg.model, "generate")
@@ -109,7 +110,7 @@ class FirstToken:
 def prompt_bar(tokens: int, model, progress):
     """A context in which a prompt of `tokens` read in chunks shows a progress bar (stderr), when `progress` is on
     and the model reads in chunks; else nothing."""
-    from dofattn.attention.prompt import PromptReader, reading_progress
+    from dofattn.model.prompt import PromptReader, reading_progress
 
     if progress is None or not isinstance(model, PromptReader) or tokens <= model.prompt_chunk:
         yield
@@ -127,13 +128,13 @@ def run(cfg: GenerateConfig, progress=None) -> dict:
     a second each), "model" (what generated it, in words)}. `progress(text)` gets progress lines (None: quiet)."""
     import torch
 
-    from dofattn.hf import use_threads
+    from dofattn.model.hf import use_threads
 
     check(cfg)
     use_threads(cfg.threads)
     model, tokenizer, what = load(cfg)
     if cfg.extend_to:
-        from dofattn.hf import extend_context
+        from dofattn.model.hf import extend_context
 
         extend_context(model, cfg.extend_to)
         what += f", read to {cfg.extend_to} tokens (YaRN)"

@@ -139,7 +139,7 @@ def run(cfg: SampleConfig, progress=None) -> dict:
     """`dofattn sample`: load `spec.model` and append samples to `out` until it holds `samples` (a .jsonl file),
     everything checked before the model loads. -> {"samples": in the file, "new": written now, "seconds", "out"}."""
     from dofattn.data import check_source
-    from dofattn.hf import load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
+    from dofattn.model.hf import load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
 
     spec, samples, device, dtype = cfg.spec, cfg.run.samples, cfg.run.device, cfg.run.dtype
     out = Path(cfg.run.out).expanduser()

@@ -2,10 +2,10 @@
 
     (folder / BUNDLE_FILE).write_text(bundle_text())       # `dofattn export` does this
     from .dofattn_code import load                         # the export's modeling file does this
-    DofattnConfig, DofattnForCausalLM = load("exported").student_classes("LlamaForCausalLM", module=__name__)
+    DofattnConfig, DofattnForCausalLM = load("model.exported").student_classes("LlamaForCausalLM", module=__name__)
 
 `bundle_text` is one Python file, `dofattn_code.py`: the package's modules that loading and running a student can
-reach (the import closure of `dofattn.exported`, imports inside functions included, and the Triton kernels, which load
+reach (the import closure of `dofattn.model.exported`, imports inside functions included, and the Triton kernels, which load
 only where Triton does), each module's source as it is in this dofattn, one source line to a line of the file, with
 its imports of `dofattn` renamed to the bundle's own package (`_dofattn_<hash>`), and an importer that serves them
 from the file. So:
@@ -26,8 +26,8 @@ from pathlib import Path
 from dofattn import __version__
 
 BUNDLE_FILE = "dofattn_code.py"
-ROOTS = ("dofattn.exported", "dofattn.ops.triton")   # what an export's classes import; the kernels, loaded by name
-PACKAGE = Path(__file__).resolve().parent          # the dofattn package's folder
+ROOTS = ("dofattn.model.exported", "dofattn.ops.triton")   # an export's classes; the kernels, loaded by name
+PACKAGE = Path(__file__).resolve().parent.parent   # the dofattn package's folder
 
 
 def module_file(name: str) -> Path | None:

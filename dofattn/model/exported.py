@@ -41,11 +41,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dofattn.attention.prompt import PromptReader, reading_forward
+from dofattn.model.prompt import PromptReader, reading_forward
 from dofattn.errors import UserError
 from dofattn.io import check_safetensors
 from dofattn.spec import StudentSpec
-from dofattn.student import STUDENT_MODULES
+from dofattn.model.student import STUDENT_MODULES
 
 MODEL_TYPE = "dofattn"
 MODELING_FILE = "modeling_dofattn.py"
@@ -105,7 +105,7 @@ def make_student(model: nn.Module) -> nn.Module:
     """Called by DofattnForCausalLM.__init__ (and by the modeling files of exports older than `student_classes`):
     give the config back its base family and build the student into `model` (its layers linearized, LoRA adapters
     added) as the config's spec says."""
-    from dofattn.student import build
+    from dofattn.model.student import build
 
     model.config.model_type = model.config.dofattn_export["base_model_type"]
     return build(model, export_spec(getattr(model.config, "dofattn", None)))
@@ -115,7 +115,7 @@ def after_loading(loaded):
     """Called after `from_pretrained` (which may also return loading info beside the model): the feature maps'
     non-persistent buffers, which transformers leaves unset when it builds on the meta device, made again from the
     spec; the attention implementation installed again (in case it was reset)."""
-    from dofattn.attention import install
+    from dofattn.model.install import install
     from dofattn.features import FeatureMap, make_feature_map
 
     model = loaded[0] if isinstance(loaded, tuple) else loaded
@@ -149,21 +149,21 @@ def is_export(folder: str | Path) -> bool:
 
 def is_any_student(path: str | Path) -> bool:
     """Whether `path` holds a trained student: a run or student folder (dofattn.json), or an export."""
-    from dofattn.student import is_student
+    from dofattn.model.student import is_student
 
     return is_student(path) or is_export(path)
 
 
 def spec_of(path: str | Path) -> StudentSpec:
     """The spec of the student at `path` (a student folder or an export), without loading a model."""
-    from dofattn.student import read_spec
+    from dofattn.model.student import read_spec
 
     return export_spec(read_config(path)["dofattn"]) if is_export(path) else read_spec(path)
 
 
 def load_any(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", merge_lora: bool = False):
     """(model, tokenizer, spec) of the student at `path`: a student folder (`student.load_student`) or an export."""
-    from dofattn.student import load_student
+    from dofattn.model.student import load_student
 
     load = load_export if is_export(path) else load_student
     return load(path, dtype=dtype, device=device, merge_lora=merge_lora)
@@ -175,7 +175,7 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
     weights (faster inference, but the base model, i.e. the teacher, is gone)."""
     from transformers import AutoTokenizer
 
-    from dofattn.hf import padded
+    from dofattn.model.hf import padded
 
     folder = Path(folder)
     config = read_config(folder)
@@ -186,7 +186,7 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
                         f"the student again")
     spec = export_spec(config["dofattn"])
     if spec.lora_rank:
-        from dofattn.lora import require_peft
+        from dofattn.model.lora import require_peft
         require_peft()
     for name in weight_files(folder):               # a missing or damaged file: one line, not a traceback
         check_safetensors(folder / name)
@@ -200,7 +200,7 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
             from None
     model = model_cls.from_pretrained(folder, config=hf_config, dtype=dtype).to(device).eval()
     if merge_lora and spec.lora_rank:
-        from dofattn.lora import merge_lora as merge
+        from dofattn.model.lora import merge_lora as merge
 
         merge(model)
     return model, padded(tokenizer), spec

@@ -17,12 +17,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from dofattn.attention.attach import bounded_of, linear_of
+from dofattn.model.attach import bounded_of, linear_of
 from dofattn.attention.cache import cache_argument, state_layer
-from dofattn.attention.prompt import read_in_chunks
-from dofattn.capture import base_attention
+from dofattn.model.prompt import read_in_chunks
+from dofattn.model.capture import base_attention
 from dofattn.errors import UserError
-from dofattn.hf import attention_modules, softmax_implementation
+from dofattn.model.hf import attention_modules, softmax_implementation
 
 IMPLEMENTATION = "dofattn"               # softmax layers on SDPA
 EAGER_IMPLEMENTATION = "dofattn_eager"   # softmax layers on the family's eager attention

@@ -137,8 +137,8 @@ def announce(model: nn.Module, cache, length: int) -> None:
     becomes a `bounded.PromptKVLayer` of that length, which holds the keys until the last chunk and then chooses."""
     from transformers.cache_utils import DynamicLayer
 
-    from dofattn.attention.attach import bounded_of
-    from dofattn.attention.bounded import PromptKVLayer
+    from dofattn.model.attach import bounded_of
+    from dofattn.model.bounded import PromptKVLayer
 
     layers = getattr(cache, "self_attention_cache", cache).layers
     for module in model.modules():
@@ -155,7 +155,7 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
     """The call's outputs, its tokens read piece by piece into one cache (made here if the call brings none)."""
     from transformers import DynamicCache
 
-    from dofattn.hf import cache_kwargs
+    from dofattn.model.hf import cache_kwargs
 
     name = "input_ids" if call.get("input_ids") is not None else "inputs_embeds"
     tokens, mask, positions = call.pop(name), call.pop("attention_mask", None), call.pop("position_ids", None)

@@ -1,7 +1,7 @@
 """The linearized student: turning a loaded HF model into linear attention, and saving / loading it.
 
     model, tok = load_model("smollm2-135m")
-    linearize(model, resolve_dims("dof.json", model, "smollm2-135m"), Attention(window=64, sink=4))
+    linearize(model, [64] * 30, Attention(window=64, sink=4))        # dims per layer: `distill.choose`
     save_student(model, "run/", spec)                  # spec: a `dofattn.spec.StudentSpec`
     student, tok, spec = load_student("run/")          # the base model again, linearized, trained features loaded
 
@@ -20,13 +20,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dofattn import __version__
-from dofattn.attention import LinearAttention, install
-from dofattn.attention.attach import LINEAR, attach, linear_of
-from dofattn.attention.bounded import BoundedSoftmax
-from dofattn.dof import DofResult
+from dofattn.attention import LinearAttention
+from dofattn.model.install import install
+from dofattn.model.attach import LINEAR, attach, linear_of
+from dofattn.model.bounded import BoundedSoftmax
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
-from dofattn.hf import attention_modules
+from dofattn.model.hf import attention_modules
 from dofattn.io import atomic_path, read_safetensors, write_atomic
 from dofattn.spec import Attention, Kept, StudentSpec, check_kept
 
@@ -52,7 +52,7 @@ def head_layout(model: nn.Module) -> tuple[int, int, int]:
 def global_layers(model: nn.Module) -> list[int]:
     """The layers linearized by default: all but the model's own local ones (`hf.local_layers`: sliding-window
     attention, bounded in memory already, stays exact). A UserError if every layer is local."""
-    from dofattn.hf import local_layers
+    from dofattn.model.hf import local_layers
 
     count = len(attention_modules(model))
     local = set(local_layers(model.config))
@@ -63,38 +63,6 @@ def global_layers(model: nn.Module) -> list[int]:
                         f"over {window} tokens, bounded in memory already: nothing to linearize by default; set "
                         f"student.local_layers = \"linearize\" to replace them anyway")
     return layers
-
-
-def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "") -> list[int]:
-    """Feature dims per layer from `fix`, `fix:C`, a dof.json path, or a list."""
-    num_layers = len(attention_modules(model))
-    _, _, head_dim = head_layout(model)
-    if isinstance(spec, list):
-        dims = spec
-    elif spec == "fix" or spec.startswith("fix:") or spec.isdigit():
-        value = spec if spec.isdigit() else spec.partition(":")[2] or str(head_dim)
-        if not value.isdigit() or int(value) < 1:
-            raise UserError(f"bad --dims {spec!r}; use C or fix:C with C >= 1, fix, or a dof.json file")
-        dims = [int(value)] * num_layers
-    elif spec.endswith(".json"):
-        path = Path(spec)
-        if not path.is_file():
-            raise UserError(f"dims file {spec} does not exist; run `dofattn dof --out {spec}` first")
-        try:
-            result = DofResult.from_json(path.read_text())
-        except (json.JSONDecodeError, TypeError, KeyError) as err:
-            raise UserError(f"{spec} is not a dofattn dof.json file ({err})") from None
-        if model_name and result.model and result.model != model_name:
-            raise UserError(f"dims file {spec} was computed for model {result.model!r}, not {model_name!r}; "
-                            f"run `dofattn dof --model {model_name}`")
-        dims = result.dims
-    else:
-        raise UserError(f"bad --dims {spec!r}; use C, fix, fix:C, or a dof.json file")
-    if len(dims) != num_layers:
-        raise UserError(f"--dims gives {len(dims)} layers but the model has {num_layers}")
-    if min(dims) < 1:
-        raise UserError(f"--dims must be >= 1 in every layer, got {min(dims)}")
-    return [int(d) for d in dims]
 
 
 def fingerprint(model: nn.Module) -> dict:
@@ -120,7 +88,7 @@ def bounded_layers(config, num_layers: int, layers: list[int], kept: Kept) -> li
     softmax attention (not in `layers`) but the model's own local ones (`hf.local_layers`: bounded already)."""
     if not kept.select:
         return []
-    from dofattn.hf import local_layers
+    from dofattn.model.hf import local_layers
 
     return sorted(set(range(num_layers)) - set(layers) - set(local_layers(config)))
 
@@ -161,46 +129,10 @@ def build(model: nn.Module, spec: StudentSpec) -> nn.Module:
     """Make `model` the (untrained) student `spec` describes, in place: its layers linearized, LoRA adapters added."""
     linearize(model, list(spec.dims), spec.attention, kept=spec.kept, layers=list(spec.layers), seed=spec.seed)
     if spec.lora_rank:
-        from dofattn.lora import add_lora
+        from dofattn.model.lora import add_lora
 
         add_lora(model, spec.lora_rank, spec.lora_alpha or None, seed=spec.seed, targets=spec.lora_targets)
     return model
-
-
-def linear_layers(recipe, model, chosen: list[int] | None = None) -> list[int]:
-    """The layers a run of `recipe` linearizes in `model`: those that may be (every layer; with student.local_layers
-    = keep all but the model's own sliding-window ones, `student.global_layers`) less the softmax layers `chosen`
-    (`softmax_layers`). `chosen` [] gives the candidates themselves, None takes the last student.keep_softmax of
-    them (the dry run's plan: the layers are chosen at run time). A UserError where keep_softmax leaves none."""
-
-    s = recipe.student
-    candidates = global_layers(model) if s.local_layers == "keep" else list(range(len(attention_modules(model))))
-    if s.keep_softmax >= len(candidates):
-        raise UserError(f"student.keep_softmax = {s.keep_softmax} leaves no layer to linearize: the model has "
-                        f"{len(candidates)} layers that may be linearized")
-    chosen = candidates[len(candidates) - s.keep_softmax:] if chosen is None else chosen
-    return [i for i in candidates if i not in chosen]
-
-
-def check_untrained(recipe) -> None:
-    """A UserError for a recipe whose student cannot be built untrained: its kept softmax layers a run chooses."""
-    if recipe.student.keep_softmax:
-        raise UserError(f"recipe {recipe.name!r} keeps softmax layers that a run chooses (copy probe or DoF); "
-                        f"distill it, then use the run folder")
-
-
-def build_untrained(model: nn.Module, recipe, dims: list[int], stand_in: bool = False) -> StudentSpec:
-    """Make `model` the untrained student of `recipe` (a `recipe.Recipe`: its [student] architecture whole) with
-    `dims` features per layer, in place, for what does not depend on training (speed, memory, plumbing); its spec.
-    A recipe whose kept softmax layers a run chooses is a UserError (`check_untrained`), unless `stand_in`: then its
-    last `keep_softmax` layers stand in for them, as in the dry run's plan (the same count and shapes; for speed and
-    memory, not quality)."""
-    if not stand_in:
-        check_untrained(recipe)
-    layers = linear_layers(recipe, model) if stand_in else global_layers(model)
-    spec = recipe.student_spec(dims, layers)
-    build(model, spec)
-    return spec
 
 
 # The student's own modules, by their names' parts: a layer's linear attention (its feature map and parts) and LoRA's
@@ -227,18 +159,6 @@ def save_student(model: nn.Module, folder: str | Path, spec: StudentSpec) -> Pat
         save_file(student_state(model), str(tmp), metadata={"dofattn_version": __version__})
     write_atomic(folder / CONFIG_FILE, spec.to_json())
     return folder
-
-
-def check_default_run(path: str, takes_base: bool = True) -> None:
-    """A UserError when `path` is the default recipe's run folder (`recipe.DEFAULT_RUN`) and no run made it yet
-    (eval, export, generate and bench look there unless told otherwise); `takes_base`: the command also takes a
-    base model (export does not)."""
-    from dofattn.recipe import DEFAULT_RUN
-
-    if path == DEFAULT_RUN and not Path(path).exists():
-        raise UserError(f"no student in {DEFAULT_RUN} yet: train it with `dofattn distill`, or pass --model (a run "
-                        f"folder or a student folder" + (", an export, or smollm2-135m for the teacher)" if takes_base
-                                                         else ")"))
 
 
 def is_student(path: str | Path) -> bool:
@@ -312,13 +232,13 @@ def load_student(folder: str | Path, dtype: torch.dtype = torch.float32, device:
                  merge_lora: bool = False):
     """(model, tokenizer, spec) of the student saved in `folder`; `merge_lora` folds LoRA adapters into the
     weights (faster inference, but the base model, i.e. the teacher, is gone). An export: `exported.load_any`."""
-    from dofattn.hf import load_model
+    from dofattn.model.hf import load_model
 
     spec = read_spec(folder)
     model, tokenizer = load_model(spec.base_model, dtype=dtype, device=device)
     attach_student(model, folder, spec)
     if merge_lora and spec.lora_rank:
-        from dofattn.lora import merge_lora as merge
+        from dofattn.model.lora import merge_lora as merge
 
         merge(model)
     return model, tokenizer, spec

@@ -24,7 +24,7 @@ import functools
 
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")   # served bases
 MODULE = "dofattn.serve.vllm_model"
-MODEL_TYPE = "dofattn"        # = dofattn.exported.MODEL_TYPE (not imported here: that module imports torch)
+MODEL_TYPE = "dofattn"        # = dofattn.model.exported.MODEL_TYPE (not imported here: that module imports torch)
 
 
 def architecture(base: str) -> str:
@@ -125,8 +125,8 @@ def dispatch_config() -> type:
 def student_layers(config) -> tuple[list[int], list[int]]:
     """(the layers linearized, the kept ones bounded after the prompt) of an export's config: the layers whose
     attention the plugin serves; the others stay vLLM's paged attention."""
-    from dofattn.exported import export_spec
-    from dofattn.student import bounded_layers
+    from dofattn.model.exported import export_spec
+    from dofattn.model.student import bounded_layers
 
     spec = export_spec(getattr(config, "dofattn", None))
     text = config.get_text_config(decoder=True)

@@ -74,7 +74,7 @@ def serving_python(path: str | None) -> str:
 
 def teacher_folder(base_model: str) -> str:
     """The folder (or hub id) vLLM loads a student's base model from: a built-in alias's cached safetensors."""
-    from dofattn.hf import BUILTIN, builtin_folder, model_source
+    from dofattn.model.hf import BUILTIN, builtin_folder, model_source
 
     return str(builtin_folder(base_model) if base_model in BUILTIN else model_source(base_model))
 

@@ -46,13 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dofattn.attention.attach import attach
-from dofattn.attention.bounded import BoundedSoftmax
+from dofattn.model.attach import attach
+from dofattn.model.bounded import BoundedSoftmax
 from dofattn.attention.cache import LinearStateLayer, ring_slot
 from dofattn.attention.layer import LinearAttention
-from dofattn.student import linear_layer
+from dofattn.model.student import linear_layer
 from dofattn.serve import FAMILIES, student_layers
-from dofattn.exported import export_spec
+from dofattn.model.exported import export_spec
 from dofattn.spec import Attention, Kept, StudentSpec
 
 OP_NAME = "dofattn_attention"
