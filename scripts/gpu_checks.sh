@@ -59,7 +59,7 @@ LOG="$OUT/run.log"
 # the model's one-time conversion to safetensors runs on the CPU beside the tests
 converting=
 if [[ $PARTS == *bench* ]]; then
-    ( timeout 300 python3 -c "from dofattn.hf import builtin_folder; print(builtin_folder('smollm2-135m'))" \
+    ( timeout 300 python3 -c "from dofattn.model.hf import builtin_folder; print(builtin_folder('smollm2-135m'))" \
         > "$OUT/convert.log" 2>&1 ) &
     converting=$!
 fi

@@ -280,13 +280,10 @@ def run(cfg: EvalConfig, progress=None) -> dict:
 def load_student_or_model(cfg: EvalConfig, dtype, device: str):
     """(model, tokenizer): the student or export `cfg.model` as saved, or a plain model; its RoPE extended to
     `cfg.extend_to` if asked."""
-    from dofattn.model.exported import is_any_student, load_any
-    from dofattn.model.hf import extend_context, load_model
+    from dofattn.model.exported import load_model_or_student
+    from dofattn.model.hf import extend_context
 
-    if is_any_student(cfg.model):
-        model, tokenizer, _ = load_any(cfg.model, dtype=dtype, device=device)
-    else:
-        model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
+    model, tokenizer, _ = load_model_or_student(cfg.model, dtype=dtype, device=device)
     if cfg.extend_to:
         extend_context(model, cfg.extend_to)
     return model, tokenizer

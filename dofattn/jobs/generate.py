@@ -66,8 +66,8 @@ def check(cfg: GenerateConfig) -> None:
 def load(cfg: GenerateConfig):
     """(model, tokenizer, what it is in words) as `cfg` asks."""
     from dofattn import recipe as recipes
-    from dofattn.model.hf import load_model, machine_dtype, refuse_config_only, resolve_device
-    from dofattn.model.exported import is_any_student, load_any
+    from dofattn.model.hf import machine_dtype, refuse_config_only, resolve_device
+    from dofattn.model.exported import is_any_student, load_model_or_student
     from dofattn.distill.choose import build_untrained, check_untrained, resolve_dims
     from dofattn.jobs import check_default_run
 
@@ -75,15 +75,14 @@ def load(cfg: GenerateConfig):
     refuse_config_only(cfg.model, "generate")
     device = resolve_device(cfg.device)
     dtype = machine_dtype(cfg.dtype, device)
-    if is_any_student(cfg.model):
-        if cfg.student:
-            raise UserError(f"{cfg.model} is already a student; drop --student")
-        model, tokenizer, spec = load_any(cfg.model, dtype=dtype, device=device, merge_lora=True)
-        return model, tokenizer, f"student of {spec.base_model} ({'; '.join(spec.describe())})"
+    if cfg.student and is_any_student(cfg.model):
+        raise UserError(f"{cfg.model} is already a student; drop --student")
     recipe = recipes.load(cfg.student) if cfg.student else None
     if recipe is not None:              # before the model loads: refused at once
         check_untrained(recipe)
-    model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
+    model, tokenizer, spec = load_model_or_student(cfg.model, dtype=dtype, device=device, merge_lora=True)
+    if spec is not None:
+        return model, tokenizer, f"student of {spec.base_model} ({'; '.join(spec.describe())})"
     if recipe is None:
         return model, tokenizer, cfg.model
     spec = build_untrained(model, recipe, resolve_dims(cfg.dims or "fix", model, cfg.model))
