@@ -364,7 +364,12 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
                          f"the layerwise student over {blocks} blocks of {length}"))
     rows.append(("evaluate", live + 2 * hidden + 8 * chunk, student, model_time(3 * one_pass, "evaluate"),
                  f"teacher, student and Performer over {blocks} blocks of {length}"))
+    return peaks(rows, base)
 
+
+def peaks(rows: list[tuple[str, int, int, float, str]], base: int) -> list[StageCost]:
+    """The stages' costs from their rows (name, arrays, disk, seconds, how): each stage's arrays with their slack
+    on top of `base`, and the process's peak after it (the largest so far)."""
     costs, peak = [], base
     for name, arrays, disk, seconds, how in rows:
         own = base + int(arrays * (1 + SLACK.get(name, SLACK["other"])))
