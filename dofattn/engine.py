@@ -14,7 +14,7 @@ A softmax layer kept beside them (`student.keep_softmax`) gets buffers of T + ma
 and values (`attention.StaticKVLayer`): the prompt's at the front, each step's written in place at the cache
 position, and the layer attends over the slots written so far. Each step reads every slot (the unwritten ones
 masked), so its cost is the same at every token of a call. One bounded after the prompt (`student.select`) keeps its
-held keys and a ring of W slots (`attention.bounded.StaticBoundedLayer`): the same size at any length.
+held keys and a ring of W slots (`model.bounded.StaticBoundedLayer`): the same size at any length.
 
 On CPU (or with graph=False) the same static step runs eagerly, token by token: the tokens are the same, which is
 what the tests check. With compile=True (for the CPU) the step runs through `torch.compile` instead: the whole
@@ -75,7 +75,7 @@ class Clock:
 class StaticDecoder:
     """Greedy decoding of a linear student on static buffers; `graph` (default: on CUDA) replays a CUDA graph.
     `softmax_only`: a model with no linear layer (a teacher, timed as its student is) is taken too; its attention
-    must run through dofattn (`attention.install`), which reads the static slots."""
+    must run through dofattn (`model.install`), which reads the static slots."""
 
     def __init__(self, model, graph: bool | None = None, compile: bool = False, softmax_only: bool = False):
         # after generate: prefill_s, decode_steps, decode_s; graphed: capture_s, replays, replay_s; compiled: the first

@@ -98,7 +98,7 @@ class Attention:
 @dataclass(frozen=True)
 class Kept:
     """How the layers kept as softmax attention (`student.keep_softmax`) hold their cache: every key (select = 0), or
-    bounded after the prompt (`attention.bounded.BoundedSoftmax`): the sink and window of the linear layers'
+    bounded after the prompt (`model.bounded.BoundedSoftmax`): the sink and window of the linear layers'
     `Attention`, and the C keys per kv head that the prompt's last queries attend to most."""
 
     select: int = option(0, "after the prompt, the kept softmax layers hold only the sink, the window and the C keys "

@@ -1,4 +1,4 @@
-"""A long prompt read in chunks (`attention.prompt`): the outputs, the cache and the kept layers' choice of one call."""
+"""A long prompt read in chunks (`model.prompt`): the outputs, the cache and the kept layers' choice of one call."""
 
 import importlib
 

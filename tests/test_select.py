@@ -1,4 +1,4 @@
-"""The selected keys (`ops.select`, `attention.bounded`): a kept softmax layer's cache after the prompt, bounded to its
+"""The selected keys (`ops.select`, `model.bounded`): a kept softmax layer's cache after the prompt, bounded to its
 sink, its window and the keys the prompt's last queries attend to most (`spec.Kept`)."""
 
 import pytest
@@ -154,7 +154,7 @@ def test_a_schema_3_folder_reads_its_selection_or_refuses_an_option_that_left():
     assert StudentSpec.from_json(json.dumps(current)) == spec
 
 
-# --- a kept softmax layer's bounded cache (`attention.bounded`) ------------------------------------------------
+# --- a kept softmax layer's bounded cache (`model.bounded`) ---------------------------------------------------
 
 def test_bounded_softmax_cache_reads_what_the_spec_keeps():
     """A prompt read in full, then chunks: each later query of head h attends, exactly, to the sink, its kv head's

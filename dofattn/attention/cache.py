@@ -45,7 +45,7 @@ def last_keys(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
 def ring_slot(position, width: int, lead: int = 0):
     """The slot of the key at `position` (an int, or a tensor of positions) in a ring of `width` slots after `lead`
     others: lead + position mod width. The one ring rule: the window hybrid's static ring
-    (`exact.WindowState.frozen`) and a bounded kept layer's cache (`bounded.BoundedKVLayer`, `StaticBoundedLayer`)
+    (`exact.WindowState.frozen`) and a bounded kept layer's cache (`model.bounded.BoundedKVLayer`, `StaticBoundedLayer`)
     both keep their last keys by it."""
     return lead + (position.remainder(width) if isinstance(position, torch.Tensor) else position % width)
 
@@ -219,7 +219,7 @@ class StaticKVLayer(CacheLayerMixin):
     """A kept softmax layer's cache slot for static decoding (`engine.StaticDecoder`): the prompt's keys and values at
     the front of buffers of `length` slots [B, Hkv, length, D], and `position`, the decoder's [1] tensor: each step
     writes its key and value into slot `position` in place. The layer attends over the slots written so far
-    (`slot_mask`, which `attention.install` hands SDPA in place of HF's mask), so that the step has the same shapes
+    (`slot_mask`, which `model.install` hands SDPA in place of HF's mask), so that the step has the same shapes
     every token."""
 
     is_sliding = False

@@ -220,7 +220,9 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     """
     from dofattn.data import WIKI_SAMPLE, sources
     from dofattn.evaluate import format_comparison, format_layer_errors, format_tasks, lm_eval_tasks
-    from dofattn.model.hf import context_length, machine_dtype, refuse_config_only, resolve_device, use_threads
+    from dofattn.model.exported import load_model_or_student
+    from dofattn.model.hf import (context_length, extend_context, machine_dtype, refuse_config_only, resolve_device,
+                                  use_threads)
 
     say = progress or (lambda text: None)
     paths = check(cfg)
@@ -231,7 +233,9 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     split = cfg.split or ("validation" if held_out else "all")
     device = resolve_device(cfg.device)
     dtype = machine_dtype(cfg.dtype, device)
-    model, tokenizer = load_student_or_model(cfg, dtype, device)
+    model, tokenizer, _ = load_model_or_student(cfg.model, dtype=dtype, device=device)
+    if cfg.extend_to:
+        extend_context(model, cfg.extend_to)
     context = context_length(model.config)
     if cfg.task_lengths and context and max(cfg.task_lengths) > context and not cfg.beyond_context:
         raise UserError(f"--task-lengths {max(cfg.task_lengths)} is past the model's context of {context} tokens: "
@@ -275,18 +279,6 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         say(format_tasks(result["tasks"], result["teacher_tasks"]))
     write_outputs(cfg, paths, result, errors, split, say)
     return result
-
-
-def load_student_or_model(cfg: EvalConfig, dtype, device: str):
-    """(model, tokenizer): the student or export `cfg.model` as saved, or a plain model; its RoPE extended to
-    `cfg.extend_to` if asked."""
-    from dofattn.model.exported import load_model_or_student
-    from dofattn.model.hf import extend_context
-
-    model, tokenizer, _ = load_model_or_student(cfg.model, dtype=dtype, device=device)
-    if cfg.extend_to:
-        extend_context(model, cfg.extend_to)
-    return model, tokenizer
 
 
 def load_teacher(cfg: EvalConfig, dtype, device: str):

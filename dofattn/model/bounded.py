@@ -8,7 +8,7 @@ SnapKV-style) and the last W keys, and drops the rest (`BoundedKVLayer`). Every 
 generated tokens) reads those, exactly, and a key leaving its window is gone: memory after the prompt is (S + C + W)
 keys per kv head at any length.
 
-The prompt is a sequence's first call. A long one is read in chunks (`attention.prompt`: the model's forward
+The prompt is a sequence's first call. A long one is read in chunks (`model.prompt`: the model's forward
 splits it), and while it is read the slot holds every key so far, the key validity and the last queries
 (`PromptKVLayer`); when its last chunk is read, the slot chooses, from those, exactly as after one call. So the
 read holds the prompt's keys in the kept layers (1.5 KB a token and layer for SmolLM2-135M in float32), not a whole

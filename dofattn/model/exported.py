@@ -41,11 +41,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dofattn.model.prompt import PromptReader, reading_forward
 from dofattn.errors import UserError
 from dofattn.io import check_safetensors
-from dofattn.spec import StudentSpec
+from dofattn.model.prompt import PromptReader, reading_forward
 from dofattn.model.student import STUDENT_MODULES
+from dofattn.spec import StudentSpec
 
 MODEL_TYPE = "dofattn"
 MODELING_FILE = "modeling_dofattn.py"
@@ -79,7 +79,7 @@ def student_classes(base_architecture: str, module: str = __name__) -> tuple[typ
     class DofattnForCausalLM(PromptReader, base_model):
         config_class = DofattnConfig
         _keep_in_fp32_modules_strict = FLOAT32_MODULES
-        forward = reading_forward(base_model)             # long prompts read in chunks (`attention.prompt`)
+        forward = reading_forward(base_model)             # long prompts read in chunks (`model.prompt`)
 
         def __init__(self, config):
             super().__init__(config)

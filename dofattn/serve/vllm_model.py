@@ -418,7 +418,7 @@ def swap_attention(model: nn.Module, hf_config, vllm_config: VllmConfig) -> None
             with torch.device("cpu"):
                 own = linear_layer(spec.attention, heads, kv_heads, head_dim, spec.dims[layer], module.scaling,
                                    spec.seed * 1000 + layer).float().eval()
-            attach(module, linear=own)                  # where the export's tensors name it (`attention.attach`)
+            attach(module, linear=own)                  # where the export's tensors name it (`model.attach`)
             module.attn = DofattnState(own, layouts[layer], page, prefix)
         else:
             module.attn = DofattnBounded(BoundedSoftmax(spec.kept, spec.attention, module.scaling), heads, kv_heads,
