@@ -274,3 +274,21 @@ def test_step_constants_follow_the_parameters(monkeypatch):
         assert calls == [1]
         monkeypatch.setattr(layer, "lean_step_ok", lambda *a: False)
         torch.testing.assert_close(out, layer(q[:, 8:], k[:, 8:], v[:, 8:], cache=general), rtol=1e-5, atol=1e-6)
+
+
+def test_step_arguments_follow_the_parameters():
+    """A decode step's op arguments are kept while the layer's tensors are, made again after an in-place change, and
+    made each call with autograd on or where a part reads the values (a gate)."""
+    fmap = make_feature_map("hedgehog", 4, 8, 6, scaling=8 ** -0.5)
+    layer = LinearAttention(Attention(window=3, sink=0, decay="head"), fmap, num_kv_heads=2).eval()
+    v = torch.randn(1, 1, 2, 8)
+    with torch.no_grad():
+        held = layer.step_arguments(v)
+        assert layer.step_arguments(v) is held and torch.equal(held["log_decay"], layer.decay.log_decay())
+        layer.decay.decay_rate.sub_(1.0)
+        fresh = layer.step_arguments(v)
+        assert fresh is not held and torch.equal(fresh["log_decay"], layer.decay.log_decay())
+        gated = LinearAttention(Attention(window=0, sink=0, decay="gate"), fmap, num_kv_heads=2).eval()
+        assert gated.step_arguments(v) is not gated.step_arguments(v)
+        torch.testing.assert_close(gated.step_arguments(v)["log_gate"], gated.decay.log_gates(expand_kv(v, 4)))
+    assert layer.step_arguments(v) is not layer.step_arguments(v)

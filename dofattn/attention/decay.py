@@ -52,6 +52,7 @@ class Decay(Part):
         if self.per_token:
             self.gate_weight = nn.Parameter(torch.zeros(num_heads, head_dim))                    # [H, D]
         self.kernels = frozenset() if self.per_token else KERNELS
+        self.reads_values = self.per_token
 
     def extra_repr(self) -> str:
         return "per token (gate)" if self.per_token else "per head"

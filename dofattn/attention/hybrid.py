@@ -144,11 +144,11 @@ class WindowBranch:
         """The PRF step's constants (`ops.window.prf_step_constants`, with the parts' op arguments for the values v
         [B, 1, Hkv, D]), made again only when a tensor of the layer changed (its storage or its version: an optimizer
         step, a load, a move)."""
-        key = tuple((t.data_ptr(), t._version) for t in (*self.parameters(), *self.buffers()))
+        key = self.tensor_versions()
         held = self._step_constants
         if held is None or held[0] != key:
             held = key, prf_step_constants(self.feature_map.prf(), self.window.log_gain, self.num_kv_heads,
-                                           MAX_KEY_EXCESS, **self.op_arguments(self.expand_kv(v)))
+                                           MAX_KEY_EXCESS, **self.step_arguments(v))
             self._step_constants = held
         return held[1]
 
@@ -167,8 +167,7 @@ class WindowBranch:
         phi, k_scale = self.feature_map.features(self.expand_kv(key[:, None]), "key")      # [B, 1, H, M], [H]
         phi = in_model_dtype(phi, dtype)[:, 0]
         phi = phi * valid[:, None, None].to(phi.dtype)
-        return fold_key(state, phi, self.expand_kv(value[:, None])[:, 0],
-                        **self.op_arguments(self.expand_kv(v))), k_scale
+        return fold_key(state, phi, self.expand_kv(value[:, None])[:, 0], **self.step_arguments(v)), k_scale
 
     def read_exact(self, q: torch.Tensor, cache: LinearStateLayer, k_scale: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor:
@@ -201,7 +200,7 @@ class WindowBranch:
             return load_triton()[0].window.prf_ring_step(
                 self.feature_map.prf(), q, k, v, cache.state, ring.keys, ring.values, ring.valid, cache.position,
                 self.window.log_gain, MAX_KEY_EXCESS, sink_keys=sink.keys, sink_values=sink.values,
-                sink_valid=sink.valid, arrivals=cache.arrivals, **self.op_arguments(self.expand_kv(v)))
+                sink_valid=sink.valid, arrivals=cache.arrivals, **self.step_arguments(v))
         slot = ring_slot(cache.position, self.window.width)                               # [1]: the oldest key's slot
         state, k_scale = self.fold(cache.state, ring.keys.index_select(1, slot)[:, 0],
                                    ring.values.index_select(1, slot)[:, 0],

@@ -68,6 +68,7 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
         for part in PARTS:            # each a child module under its name (None where the config leaves it out)
             setattr(self, part.name, part.build(attention, num_heads, num_kv_heads, head_dim))
         self._step_constants = None   # (what they were made from, the PRF step's constants): `step_constants`
+        self._step_arguments = None   # (what they were made from, the parts' op arguments): `step_arguments`
 
     def parts(self) -> list[Part]:
         """The parts this layer has, in the order it was built with them (`PARTS`')."""
@@ -77,6 +78,22 @@ class LinearAttention(WindowBranch, LinearBranch, nn.Module):
         """Every part's keyword arguments of the ops (`Part.op_arguments`: its effect), from the values v [B, T, H, D]
         on query heads; every form passes them whole, so an op that does not take one refuses it."""
         return {key: value for part in self.parts() for key, value in part.op_arguments(v).items()}
+
+    def tensor_versions(self) -> tuple:
+        """The storage and version of every tensor of the layer: it changes with an optimizer step, a load, a move."""
+        return tuple((t.data_ptr(), t._version) for t in (*self.parameters(), *self.buffers()))
+
+    def step_arguments(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parts' op arguments for a decode step whose values are v [B, 1, Hkv, D]: made again only when a tensor
+        of the layer changed (a decode step is launch-bound); made each call with autograd on, while a step is
+        compiled (the compiled graph holds them), or where a part reads the values."""
+        if (torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or any(part.reads_values for part in self.parts())):
+            return self.op_arguments(self.expand_kv(v))
+        key = self.tensor_versions()
+        if self._step_arguments is None or self._step_arguments[0] != key:
+            self._step_arguments = key, self.op_arguments(None)
+        return self._step_arguments[1]
 
     def check_padding(self, key_valid: torch.Tensor, state: torch.Tensor | None = None) -> None:
         """Every part's rule on padded keys (`Part.check_padding`)."""

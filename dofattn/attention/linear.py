@@ -22,7 +22,7 @@ class LinearBranch:
         if self.one_kernel_step(q, cache, backend):
             from dofattn.ops import load_triton
             return load_triton()[0].prf.prf_decode_step(self.feature_map.prf(), q, k, v, cache.state, MAX_KEY_EXCESS,
-                                                        key_valid, **self.op_arguments(self.expand_kv(v)))
+                                                        key_valid, **self.step_arguments(v))
         o, state = self.attend(q, self.expand_kv(k), self.expand_kv(v), key_valid, cache.state, True, backend)
         keep_buffer(cache, "state", state)
         return o

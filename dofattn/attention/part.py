@@ -20,6 +20,8 @@ What the layer asks of each of its parts (`LinearAttention.parts()`), each with 
     layerwise                                whether the layerwise stage fits it on the teacher's q/k/v (a part that
                                              only acts through its inputs trains end to end)
     rate                                     the end-to-end key of its own learning rate, if it has one (`conv_lr`)
+    reads_values                             whether its op arguments read the values (a gate); those of the others
+                                             are made once while the layer's tensors stay (`step_arguments`)
 A `State` is registered for the cache slot under `name` (`cache.PART_STATES`) when the class is made: the slot
 makes, reorders, batches, moves, counts and freezes it for static decoding whatever the part.
 """
@@ -48,6 +50,7 @@ class Part(nn.Module):
     layerwise: ClassVar[bool] = True
     kernels: frozenset[str] = frozenset()        # the fast forms that compute it (`KERNELS`): none unless it says
     rate: ClassVar[str | None] = None            # a key of `end_to_end` that gives it a learning rate of its own
+    reads_values: bool = False                   # its op arguments read the values (a gate); else made once a step
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
