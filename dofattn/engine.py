@@ -37,9 +37,10 @@ import torch
 from transformers import DynamicCache
 
 from dofattn.attention import LinearStateLayer, StaticKVLayer
+from dofattn.attention.cache import cache_kwargs
 from dofattn.model.bounded import BoundedKVLayer
 from dofattn.errors import UserError
-from dofattn.model.hf import cache_kwargs, local_layers
+from dofattn.model.hf import local_layers
 
 WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
 

@@ -184,7 +184,7 @@ def read_answer(model, prompt: Prompt) -> tuple[list[int], float, int]:
     from transformers import DynamicCache
 
     from dofattn.attention.cache import cache_bytes
-    from dofattn.model.hf import cache_kwargs
+    from dofattn.attention.cache import cache_kwargs
 
     device = next(model.parameters()).device
     n = len(prompt.answer)

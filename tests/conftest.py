@@ -72,8 +72,12 @@ def tokenizer():
 
 
 def tiny_model(family: str, vocab: int = 300, seed: int = 0):
+    """A tiny random model of `family`, of the class dofattn makes a model with (`hf.causal_lm_class`)."""
+    from dofattn.model.hf import causal_lm_class
+
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(CONFIGS[family](vocab)).eval()
+    config = CONFIGS[family](vocab)
+    return causal_lm_class(config)._from_config(config).eval()
 
 
 @pytest.fixture(scope="session", params=sorted(CONFIGS))

@@ -306,7 +306,7 @@ def test_a_kept_softmax_layer_generates_batched_as_one_by_one(family):
 def test_kv_cache_of_past_tokens_is_refused():
     from transformers import DynamicCache
 
-    from dofattn.model.hf import cache_kwargs
+    from dofattn.attention.cache import cache_kwargs
 
     model = tiny_model("llama")
     teacher = tiny_model("llama")

@@ -1,5 +1,5 @@
 """The hybrid's decode step in few operations (`ops.window.window_decode_step`, `fold_key`;
-`hybrid.WindowBranch.decode_step` and the ring's step): the op against the spec's last row, the layer's steady steps against its general cached call
+`hybrid.WindowForms.decode_step` and the ring's step): the op against the spec's last row, the layer's steady steps against its general cached call
 (outputs, states and caches, step after step), and numerics at exponent 195."""
 
 import math
@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from dofattn.attention.hybrid import WindowForms
 from dofattn.spec import Attention
 from dofattn.attention import LinearAttention, LinearStateLayer, StaticStateLayer
 from dofattn.features import make_feature_map
@@ -119,13 +120,13 @@ def layer_pair(H, Hkv, D, M, W, S, decay, seed=0):
 def count_lean(layer, monkeypatch):
     """Counts the layer's steps through `decode_step`: the test must not pass on the general path alone."""
     calls = []
-    original = layer.decode_step
+    original = WindowForms.decode_step
 
     def counted(*args):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(layer, "decode_step", counted)
+    monkeypatch.setattr(WindowForms, "decode_step", counted)
     return calls
 
 
@@ -158,7 +159,7 @@ def test_steady_steps_equal_the_general_call(H, Hkv, W, S, decay, prompt, dtype,
             args = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], valid[:, :t + 1][:, -1:])
             out = layer(*args, cache=lean)
             with monkeypatch.context() as m:
-                m.setattr(layer, "lean_step_ok", lambda *a: False)
+                m.setattr(WindowForms, "lean_step_ok", lambda *a: False)
                 ref = layer(*args, cache=general)
             tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
             torch.testing.assert_close(out, ref, **tol)
@@ -182,7 +183,7 @@ def test_ring_steps_equal_the_general_call(W, S, decay, prompt, monkeypatch):
     q = 2 * torch.randn(2, prompt + 2 * W + 3, H, D, generator=g)
     k, v = (2 * torch.randn(2, prompt + 2 * W + 3, Hkv, D, generator=g) for _ in range(2))
     listed, ringed = LinearStateLayer(), LinearStateLayer()
-    monkeypatch.setattr(layer, "lean_step_ok", lambda *a: False)     # the reference: the general call
+    monkeypatch.setattr(WindowForms, "lean_step_ok", lambda *a: False)     # the reference: the general call
     with torch.no_grad():
         layer(q[:, :prompt], k[:, :prompt], v[:, :prompt])          # training mode: calibrates the shift
         layer.eval()
@@ -256,11 +257,11 @@ def test_step_constants_follow_the_parameters(monkeypatch):
         layer(q, k, v)                                                   # training mode: calibrates the shift
         layer.eval()
         step_v = v[:, :1]
-        held = layer.step_constants(step_v)
-        assert layer.step_constants(step_v) is held
+        held = WindowForms.step_constants(layer, step_v)
+        assert WindowForms.step_constants(layer, step_v) is held
         layer.window.log_gain.add_(0.5)
         layer.decay.decay_rate.sub_(1.0)
-        fresh = layer.step_constants(step_v)
+        fresh = WindowForms.step_constants(layer, step_v)
         assert fresh is not held
         want = prf_step_constants(layer.feature_map.prf(), layer.window.log_gain, Hkv, fresh.max_excess,
                                   layer.decay.log_decay())
@@ -272,7 +273,7 @@ def test_step_constants_follow_the_parameters(monkeypatch):
         calls = count_lean(layer, monkeypatch)
         out = layer(q[:, 8:], k[:, 8:], v[:, 8:], cache=lean)
         assert calls == [1]
-        monkeypatch.setattr(layer, "lean_step_ok", lambda *a: False)
+        monkeypatch.setattr(WindowForms, "lean_step_ok", lambda *a: False)
         torch.testing.assert_close(out, layer(q[:, 8:], k[:, 8:], v[:, 8:], cache=general), rtol=1e-5, atol=1e-6)
 
 

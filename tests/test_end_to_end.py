@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from dofattn.spec import Attention
-from dofattn.distill.end_to_end import decoder_layers, layers_checkpointed, loss, trainable
+from dofattn.distill.end_to_end import layers_checkpointed, loss, trainable
+from dofattn.model.hf import decoder_layers
 from dofattn.evaluate import head, hidden_states, teacher_mode
 from dofattn.model.lora import add_lora
 from dofattn.model.student import attention_modules, is_student_tensor, linearize

@@ -6,6 +6,7 @@ On CUDA the decoder replays a CUDA graph per token; on CPU it runs the same stat
 import pytest
 import torch
 
+from dofattn.attention.hybrid import WindowForms
 from dofattn.attention import LinearAttention
 from dofattn.engine import StaticDecoder
 from dofattn.errors import UserError
@@ -195,7 +196,7 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
     model = model.to(device)
     prompt = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
     with monkeypatch.context() as patch:         # the PyTorch ring step, on any device
-        patch.setattr(LinearAttention, "one_kernel_ring", lambda self, q, cache, backend: False)
+        patch.setattr(WindowForms, "one_kernel_ring", lambda layer, q, cache, backend: False)
         decoder = StaticDecoder(model)
         ref = decoder.generate(prompt, 6)
         ref_cache = decoder.cache
@@ -203,9 +204,9 @@ def test_ring_kernel_gives_the_eager_tokens(device, monkeypatch):
     step = hybrid.prf_ring_step
     monkeypatch.setattr(hybrid, "prf_ring_step", lambda *a, **k: calls.append(1) or step(*a, **k))
     if device == "cpu":
-        ring_step = LinearAttention.ring_step
-        monkeypatch.setattr(LinearAttention, "ring_step", lambda self, q, k, v, cache, backend="auto":
-                            ring_step(self, q, k, v, cache, "triton"))
+        ring_step = WindowForms.ring_step
+        monkeypatch.setattr(WindowForms, "ring_step", lambda layer, q, k, v, cache, backend="auto":
+                            ring_step(layer, q, k, v, cache, "triton"))
     decoder = StaticDecoder(model)
     assert torch.equal(decoder.generate(prompt, 6), ref)
     assert len(calls) == 3 * (5 if device == "cpu" else 3)       # CUDA: 2 warm-up steps and the capture

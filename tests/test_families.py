@@ -12,9 +12,9 @@ layers (Gemma 2 and 3: every other layer; Mistral: every layer), which stay exac
 import pytest
 import torch
 import transformers as tf
-from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
+from dofattn.model.hf import causal_lm_class
 from dofattn.spec import Attention
 from dofattn.attention import LinearStateLayer
 from dofattn.errors import UserError
@@ -54,7 +54,8 @@ LOCAL = {"mistral": [0, 1, 2, 3], "gemma2": [0, 2], "gemma3_text": [0, 2]}   # t
 
 def tiny(family: str, seed: int = 0):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+    config = FAMILIES[family]()
+    model = causal_lm_class(config)._from_config(config).eval()      # the class dofattn makes a model with
     if family == "qwen2":   # q/k/v biases start at 0: make them matter
         with torch.no_grad():
             for layer in model.model.layers:

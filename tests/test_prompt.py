@@ -170,10 +170,9 @@ def test_reading_progress_reports_each_chunk():
 def test_generate_times_the_prompt_apart_from_the_new_tokens(model_dirs, monkeypatch):
     """`dofattn generate`'s job: the prompt's time (to its first new token) and the rate of the tokens after it,
     with a progress bar over the chunks of a long prompt."""
-    from dofattn.model.prompt import PromptReader
     from dofattn.jobs.generate import GenerateConfig, run
 
-    monkeypatch.setattr(PromptReader, "prompt_chunk", 4)
+    monkeypatch.setattr("dofattn.model.prompt.PROMPT_CHUNK", 4)
     lines = []
     result = run(GenerateConfig(model=str(model_dirs["llama"]), student="window", prompt="the quick brown fox " * 5,
                                 max_new_tokens=5), progress=lines.append)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from dofattn.attention.hybrid import WindowForms
 from dofattn.spec import Attention
 from dofattn.attention import LinearAttention, LinearStateLayer
 from dofattn.errors import UserError
@@ -143,9 +144,9 @@ def test_a_prefill_with_a_sink_hands_the_op_its_own_keys(monkeypatch):
     keys_seen = []
     with torch.no_grad():
         full = layer.attend(q, k, v)[0]
-    attend = layer.window_attend
-    monkeypatch.setattr(layer, "window_attend",
-                        lambda q, k, *a, **kw: keys_seen.append(k.shape[1]) or attend(q, k, *a, **kw))
+    attend = WindowForms.attend
+    monkeypatch.setattr(WindowForms, "attend",
+                        lambda layer, q, k, *a, **kw: keys_seen.append(k.shape[1]) or attend(layer, q, k, *a, **kw))
     cache = LinearStateLayer()
     with torch.no_grad():
         streamed = torch.cat([layer(q[:, :9], k[:, :9], v[:, :9], cache=cache),

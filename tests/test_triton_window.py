@@ -13,6 +13,7 @@ import torch
 # first: it skips the module without Triton
 from tests.triton_helpers import CUDA, DEVICE, RATIO, decay_leaf, on_device, skip_wrong_bf16_dots
 
+from dofattn.attention.hybrid import WindowForms
 from dofattn.ops.triton import window as hybrid  # noqa: E402
 from dofattn.spec import Attention
 from tests.test_ops import assert_close  # noqa: E402
@@ -363,13 +364,13 @@ def test_prf_ring_step_dispatch(monkeypatch):
     layer, rings, positions, qkv = ring_case(5, 0, 4, 2, 24, 37, False, 3, torch.float32, steps=1)
     ring = rings[1]
     with torch.no_grad():
-        assert layer.one_kernel_ring(qkv[0], ring, "auto") == CUDA
-        assert layer.one_kernel_ring(qkv[0], ring, "triton")
-        assert not layer.one_kernel_ring(qkv[0], ring, "naive")
+        assert WindowForms.one_kernel_ring(layer, qkv[0], ring, "auto") == CUDA
+        assert WindowForms.one_kernel_ring(layer, qkv[0], ring, "triton")
+        assert not WindowForms.one_kernel_ring(layer, qkv[0], ring, "naive")
         layer.train()
-        assert not layer.one_kernel_ring(qkv[0], ring, "triton")   # training would move the key shift
+        assert not WindowForms.one_kernel_ring(layer, qkv[0], ring, "triton")   # training would move the key shift
         layer.eval()
-    assert not layer.one_kernel_ring(qkv[0], ring,
+    assert not WindowForms.one_kernel_ring(layer, qkv[0], ring,
                                             "triton")       # autograd: the parameters want gradients
     q, k, v = (x[:, :1] for x in qkv)
     slots = ring.parts["window"]

@@ -10,11 +10,12 @@ length. `model.generate()` needs nothing special.
 Modules, by part:
     part      `Part`: what a layer asks of each of its parts (inputs, its effect as op arguments, a padding rule,
               the fast forms it says it runs in, its cache state), each with a default that adds nothing
-    layer     `LinearAttention`: builds its parts from its `spec.Attention` (`PARTS`), asks them, dispatches a call
-              to its forms, and holds its attention the quadratic way composed from every part (`naive`)
-    linear    pure linear attention's forms (prefill, cached call)
-    hybrid    the window hybrid's forms: prefill, cached call, lean decode step, static ring step
-    exact     the exact keys' parts: `Window` (the last W, and the linear part's gain) and `Sink` (the first S)
+    layer     `LinearAttention`: builds its parts from its `spec.Attention` (`PARTS`), asks them, runs a call
+              through its forms, and holds its attention the quadratic way composed from every part (`naive`)
+    linear    pure linear attention's forms (`LinearForms`: prefill, cached call, one-kernel step, naive)
+    hybrid    the window hybrid: its parts `Window` (the last W keys exact, the linear part's gain) and `Sink` (the
+              first S), their cache states, and its forms (`WindowForms`: prefill, cached call, lean decode step,
+              static ring step, naive, the gain's calibration)
     decay     `Decay` (per head, or per token: a gate), and a decay's padding rules
     conv      `ShortConv`, on q, k and v
     cache     the cache slots: `LinearStateLayer` with a `PartState` per part that keeps one, `StaticStateLayer`

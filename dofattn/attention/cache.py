@@ -9,6 +9,8 @@ into a fresh cache slot.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
@@ -23,6 +25,13 @@ CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
 def cache_argument(arguments: dict) -> Cache | None:
     """The cache a call's keyword arguments bring under any of its names (`CACHE_ARGUMENTS`), or None."""
     return next((arguments[name] for name in CACHE_ARGUMENTS if arguments.get(name) is not None), None)
+
+
+def cache_kwargs(model, cache) -> dict:
+    """{name: cache} for a call of `model`: its forward takes the cache as `cache` from transformers 5.24 on and as
+    `past_key_values` before (still accepted there, with a deprecation warning)."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def keep_buffer(holder, name: str, value: torch.Tensor) -> None:
@@ -124,6 +133,7 @@ class LinearStateLayer(BatchSlot):
     kept beside linear ones (`student.keep_softmax`), whose keys include the past and its padding. A model with no
     such layer falls back to layer 0's small mask."""
 
+    static = False     # a static decoder's slot (`StaticStateLayer`): fixed shapes, a ring, steps in place
     is_sliding = True
     is_compileable = False
     is_croppable = False
@@ -193,6 +203,8 @@ class StaticStateLayer(LinearStateLayer):
     per token (a count that moved would recompile a compiled step every token); the decoder sets `seen` when it is
     done. `arrivals` [B] int32 (zeros between steps) is the one-kernel ring step's count of the programs that have
     read a row's ring slot."""
+
+    static = True
 
     arrivals: torch.Tensor | None = None
     position: torch.Tensor | None = None

@@ -29,13 +29,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dofattn.attention import Part
 from dofattn.distill.world import all_max, all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
 from dofattn.evaluate import head, hidden_states, perplexity, teacher_mode
 from dofattn.io import read_safetensors, write_json
+from dofattn.model.hf import decoder_layers
 from dofattn.recipe import EndToEnd
 from dofattn.model.student import is_student_tensor, linear_parts
 
@@ -98,11 +98,6 @@ def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0) -> torch.Te
         value = value + (checkpoint(_chunk_loss, *part, use_reentrant=False) if chunk and student.requires_grad
                          else _chunk_loss(*part))
     return value / targets.numel()
-
-
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The model's decoder layers (HF's `GradientCheckpointingLayer`s), in order."""
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 @contextlib.contextmanager

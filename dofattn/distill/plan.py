@@ -279,7 +279,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     """The plan of `recipe` at `world_size` processes; `config` (a transformers config) instead of reading
     run.model's. With a `device`, each stage's peak memory, disk and time there (`costs`: this machine measured for
     a second or two, and the layerwise step timed); `timed` False: memory and disk alone (no time is measured)."""
-    from dofattn.distill.end_to_end import decoder_layers
+    from dofattn.model.hf import decoder_layers
     from dofattn.model.hf import local_layers, model_config
     from dofattn.memory import resident_now
     from dofattn.recipe import resolve_dtype

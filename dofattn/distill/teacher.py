@@ -31,8 +31,9 @@ class _Recorded(Exception):
 
 def layer_calls(model, layers: list[torch.nn.Module], ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
     """(the hidden states entering `layers[0]`, [(args after the hidden states, kwargs)] per layer in `layers`) of the
-    model's forward on `ids`. Nothing is computed past the embeddings: while recording each layer returns its input,
-    and the forward stops at the last of `layers`."""
+    model's forward on `ids`: each layer's call recorded by a hook as the forward reaches it, the forward stopped
+    before the last of `layers` runs (so neither it, the final norm nor the LM head computes; the layers before it
+    do, once, on these ids)."""
     calls, first = [], []
 
     def record(module, args, kwargs):
@@ -44,21 +45,15 @@ def layer_calls(model, layers: list[torch.nn.Module], ids: torch.Tensor) -> tupl
             raise _Recorded
         return None
 
-    def passes(hidden_states=None, *args, **kwargs):        # a layer while recording: its input, unchanged
-        return hidden_states
-
     hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
-    for layer in layers:
-        layer.forward = passes
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
     except _Recorded:
         pass
     finally:
-        for layer, hook in zip(layers, hooks):
+        for hook in hooks:
             hook.remove()
-            del layer.forward
     return first[0], calls
 
 
@@ -66,7 +61,7 @@ class TeacherStream:
     """The teacher's q/k/v of the layerwise blocks, layer after layer (module docstring)."""
 
     def __init__(self, model, blocks: torch.Tensor, batch_size: int, progress: bool = True):
-        from dofattn.distill.end_to_end import decoder_layers
+        from dofattn.model.hf import decoder_layers
         from dofattn.model.student import attention_modules, head_layout
 
         self.model, self.blocks, self.batch_size, self.progress = model, blocks, batch_size, progress

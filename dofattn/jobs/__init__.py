@@ -28,3 +28,25 @@ def check_default_run(path: str, takes_base: bool = True) -> None:
         raise UserError(f"no student in {DEFAULT_RUN} yet: train it with `dofattn distill`, or pass --model (a run "
                         f"folder or a student folder" + (", an export, or smollm2-135m for the teacher)" if takes_base
                                                          else ")"))
+
+
+def load_for_job(path: str, recipe=None, dims: str | list[int] = "fix", *, dtype, device: str,
+                 merge_lora: bool = False, random_weights: bool = False, stand_in: bool = False):
+    """(model, tokenizer, spec) of what a job runs, the one choice of eval, generate and bench: a student folder or
+    an export as saved (`exported.load_any`); else the model at `path` as it is (spec None) or, given a `recipe`,
+    made that recipe's untrained student with `dims` features (`choose.build_untrained`; `stand_in`: its chosen
+    softmax layers stood in for, for speed and memory). `random_weights`: a config alone is built with random
+    weights (bench), else refused."""
+    from dofattn.distill.choose import build_untrained, resolve_dims
+    from dofattn.model.exported import is_any_student, load_any
+    from dofattn.model.hf import load_model
+
+    if is_any_student(path):
+        if recipe is not None:
+            raise UserError(f"{path} is already a student; drop --student")
+        return load_any(path, dtype=dtype, device=device, merge_lora=merge_lora)
+    model, tokenizer = load_model(str(path), dtype=dtype, device=device, random_weights=random_weights)
+    if recipe is None:
+        return model, tokenizer, None
+    spec = build_untrained(model, recipe, resolve_dims(dims, model, str(path)), stand_in=stand_in)
+    return model.eval(), tokenizer, spec

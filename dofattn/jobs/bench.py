@@ -354,23 +354,23 @@ def _generation_row(cfg: BenchConfig, model: str, student: bool, T: int, engine:
 
 def load_models(cfg: BenchConfig, student: Student, dtype: torch.dtype):
     """(name, is the student, model, tokenizer) of the teacher, then the student: a trained one and its base model,
-    or a recipe's student on `cfg.model` with untrained features (each loaded when its turn comes)."""
-    from dofattn.model.hf import RANDOM_WEIGHTS, config_only, load_model
-    from dofattn.model.exported import load_any, spec_of
-    from dofattn.distill.choose import build_untrained
-    from dofattn.model.student import attention_modules
+    or a recipe's student on `cfg.model` with untrained features (each loaded when its turn comes: `load_for_job`)."""
+    from dofattn.jobs import load_for_job
+    from dofattn.model.exported import spec_of
+    from dofattn.model.hf import RANDOM_WEIGHTS, config_only
 
     path, recipe = student.path, student.recipe
+    on = {"dtype": dtype, "device": cfg.device}
     if path is not None:
         base = spec_of(path).base_model
-        yield base, False, *load_model(base, dtype=dtype, device=cfg.device)
-        yield path, True, *load_any(path, dtype=dtype, device=cfg.device, merge_lora=True)[:2]
+        yield base, False, *load_for_job(base, **on)[:2]
+        yield path, True, *load_for_job(path, merge_lora=True, **on)[:2]
         return
     name = f"{cfg.model} ({RANDOM_WEIGHTS})" if config_only(cfg.model) else cfg.model   # said in every row
-    yield name, False, *load_model(cfg.model, dtype=dtype, device=cfg.device, random_weights=True)
-    model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device, random_weights=True)
-    build_untrained(model, recipe, [cfg.dims] * len(attention_modules(model)), stand_in=True)
-    yield f"{name}, recipe {recipe.name}", True, model.eval(), tokenizer
+    yield name, False, *load_for_job(cfg.model, random_weights=True, **on)[:2]
+    model, tokenizer, _ = load_for_job(cfg.model, recipe, f"fix:{cfg.dims}", random_weights=True,
+                                       stand_in=True, **on)
+    yield f"{name}, recipe {recipe.name}", True, model, tokenizer
 
 
 @torch.no_grad()

@@ -220,7 +220,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     """
     from dofattn.data import WIKI_SAMPLE, sources
     from dofattn.evaluate import format_comparison, format_layer_errors, format_tasks, lm_eval_tasks
-    from dofattn.model.exported import load_model_or_student
+    from dofattn.jobs import load_for_job
     from dofattn.model.hf import (context_length, extend_context, machine_dtype, refuse_config_only, resolve_device,
                                   use_threads)
 
@@ -233,7 +233,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     split = cfg.split or ("validation" if held_out else "all")
     device = resolve_device(cfg.device)
     dtype = machine_dtype(cfg.dtype, device)
-    model, tokenizer, _ = load_model_or_student(cfg.model, dtype=dtype, device=device)
+    model, tokenizer, _ = load_for_job(cfg.model, dtype=dtype, device=device)
     if cfg.extend_to:
         extend_context(model, cfg.extend_to)
     context = context_length(model.config)

@@ -67,25 +67,22 @@ def load(cfg: GenerateConfig):
     """(model, tokenizer, what it is in words) as `cfg` asks."""
     from dofattn import recipe as recipes
     from dofattn.model.hf import machine_dtype, refuse_config_only, resolve_device
-    from dofattn.model.exported import is_any_student, load_model_or_student
-    from dofattn.distill.choose import build_untrained, check_untrained, resolve_dims
-    from dofattn.jobs import check_default_run
+    from dofattn.distill.choose import check_untrained
+    from dofattn.jobs import check_default_run, load_for_job
 
     check_default_run(cfg.model)
     refuse_config_only(cfg.model, "generate")
     device = resolve_device(cfg.device)
     dtype = machine_dtype(cfg.dtype, device)
-    if cfg.student and is_any_student(cfg.model):
-        raise UserError(f"{cfg.model} is already a student; drop --student")
     recipe = recipes.load(cfg.student) if cfg.student else None
     if recipe is not None:              # before the model loads: refused at once
         check_untrained(recipe)
-    model, tokenizer, spec = load_model_or_student(cfg.model, dtype=dtype, device=device, merge_lora=True)
-    if spec is not None:
-        return model, tokenizer, f"student of {spec.base_model} ({'; '.join(spec.describe())})"
-    if recipe is None:
+    model, tokenizer, spec = load_for_job(cfg.model, recipe, cfg.dims or "fix", dtype=dtype, device=device,
+                                          merge_lora=True)
+    if spec is None:
         return model, tokenizer, cfg.model
-    spec = build_untrained(model, recipe, resolve_dims(cfg.dims or "fix", model, cfg.model))
+    if recipe is None:
+        return model, tokenizer, f"student of {spec.base_model} ({'; '.join(spec.describe())})"
     return model, tokenizer, f"{cfg.model} as recipe {recipe.name}'s student, untrained ({'; '.join(spec.describe())})"
 
 

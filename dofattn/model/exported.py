@@ -169,17 +169,6 @@ def load_any(path: str | Path, dtype: torch.dtype = torch.float32, device: str =
     return load(path, dtype=dtype, device=device, merge_lora=merge_lora)
 
 
-def load_model_or_student(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                          merge_lora: bool = False):
-    """(model, tokenizer, spec) of what a job runs: a student folder or an export as saved (`load_any`), or any
-    supported model as it is (spec None). The one choice of eval and generate."""
-    from dofattn.model.hf import load_model
-
-    if is_any_student(path):
-        return load_any(path, dtype=dtype, device=device, merge_lora=merge_lora)
-    return (*load_model(str(path), dtype=dtype, device=device), None)
-
-
 def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 merge_lora: bool = False):
     """(model, tokenizer, spec) of the export in `folder`, in eval mode; `merge_lora` folds LoRA adapters into the

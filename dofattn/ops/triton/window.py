@@ -4,7 +4,7 @@
     o = prf_ring_step(prf, q1, k1, v1, state, keys, values, key_valid, position, log_gain, MAX_KEY_EXCESS)
                                                   # a window hybrid's static step on its ring of W keys, one kernel
 
-Same layout, math and result as `ops/window.py` (the spec) and `hybrid.WindowBranch.ring_step`.
+Same layout, math and result as `ops/window.py` (the spec) and `hybrid.WindowForms.ring_step`.
 
 The hybrid (window W) runs the linear part as the scan (`scan.py`) on the keys delayed by W (read in place, W
 rows back; the backward builds delayed copies), then `_window_exact` adds, per chunk of W queries, exact softmax
@@ -365,7 +365,7 @@ def _prf_ring_step(q_ptr, k_ptr, v_ptr, w_ptr, lw_ptr, cnt_ptr, ks_ptr, gain_ptr
                    root_s, scaling, max_excess, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
                    BW: tl.constexpr, BS: tl.constexpr, BKV: tl.constexpr, HAS_DECAY: tl.constexpr,
                    HAS_SINK: tl.constexpr):
-    """A window hybrid's whole static decode step for one (batch, head) (`hybrid.WindowBranch.ring_step`): the key in
+    """A window hybrid's whole static decode step for one (batch, head) (`hybrid.WindowForms.ring_step`): the key in
     ring slot p mod W (p = pos_ptr[0], read here) leaves the window: its PRF features (on query head h's map) join
     the state in place, S ← γ S + φk ⊗ [v, 1] (γ = exp(log_decay_ptr[h]) with a decay; nothing if the
     slot was empty); the new key takes the slot; then o = one softmax over the ring's valid keys, the sink's
@@ -463,7 +463,7 @@ def prf_ring_step(prf: PRFMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                   max_excess: float, log_decay: torch.Tensor | None = None, sink_keys: torch.Tensor | None = None,
                   sink_values: torch.Tensor | None = None, sink_valid: torch.Tensor | None = None,
                   arrivals: torch.Tensor | None = None) -> torch.Tensor:
-    """`hybrid.WindowBranch.ring_step` of a PRF window hybrid in one kernel: the state, the ring and its flags
+    """`hybrid.WindowForms.ring_step` of a PRF window hybrid in one kernel: the state, the ring and its flags
     updated in place, the position read on the device (no host sync: a CUDA graph can replay it).
 
     q [B, 1, H, D] (after RoPE); k, v [B, 1, Hkv, D | V] on kv heads (H a multiple of Hkv); state [B, H, M, V+1]
