@@ -41,7 +41,8 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
 
     from dofattn.attention.cache import cache_bytes
     from dofattn.jobs.bench import PeakMemory
-    from dofattn.model.hf import cache_kwargs, load_model
+    from dofattn.attention.cache import cache_kwargs
+    from dofattn.model.hf import load_model
     from dofattn.model.student import load_student, read_spec
 
     if kind == "export":

@@ -23,7 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dofattn.model.hf import cache_kwargs, load_model  # noqa: E402
+from dofattn.attention.cache import cache_kwargs  # noqa: E402
+from dofattn.model.hf import load_model  # noqa: E402
 from dofattn.model.student import attention_modules, linearize  # noqa: E402
 from dofattn.spec import Attention
 

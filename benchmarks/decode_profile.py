@@ -69,7 +69,7 @@ def prefill(model, context: int) -> list:
     """[cache, next token, attention mask] after a random prompt of `context` tokens (the same for every model)."""
     from transformers import DynamicCache
 
-    from dofattn.model.hf import cache_kwargs
+    from dofattn.attention.cache import cache_kwargs
 
     ids = torch.randint(3, 40000, (1, context), generator=torch.Generator().manual_seed(context))
     cache = DynamicCache(config=model.config)
@@ -81,7 +81,7 @@ def prefill(model, context: int) -> list:
 def steps(model, held: list, count: int) -> None:
     """`count` decode steps continuing `held` (updated), each a cached forward of one token with its mask, as
     `generate` calls it."""
-    from dofattn.model.hf import cache_kwargs
+    from dofattn.attention.cache import cache_kwargs
 
     cache, token, mask = held
     for _ in range(count):

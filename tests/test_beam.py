@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from dofattn.attention import LinearStateLayer
-from dofattn.model.hf import cache_kwargs
+from dofattn.attention.cache import cache_kwargs
 from dofattn.spec import Attention
 from dofattn.model.student import linearize
 from tests.test_families import LAYERS, ids, tiny

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from dofattn.model.bounded import BoundedKVLayer, PromptKVLayer
 from dofattn.model.prompt import set_prompt_chunk
-from dofattn.model.hf import cache_kwargs
+from dofattn.attention.cache import cache_kwargs
 from dofattn.spec import Attention, Kept
 from dofattn.model.student import linearize
 from tests.conftest import tiny_model

@@ -257,7 +257,7 @@ def test_steps_after_the_prompt_with_gradients_keep_each_steps_keys():
     go back through both (the keys the first step's attention saved are unchanged)."""
     from transformers import DynamicCache
 
-    from dofattn.model.hf import cache_kwargs
+    from dofattn.attention.cache import cache_kwargs
 
     model = tiny_model("llama")
     linearize(model, [4] * 3, Attention(window=4, sink=2), kept=Kept(select=3, select_observe=3), layers=[0, 2],
