@@ -38,6 +38,7 @@ LEFT = {"student.delta": (False,), "end_to_end.carry": (0,), "layerwise.rows_by"
 LOSSES = ("softmax", "l2")
 DTYPES = ("float32", "bfloat16", "auto")
 KEEP_BY = ("dof", "copy")
+EXACT_BY = ("copy", "mass")
 LOCAL = ("keep", "linearize")
 
 
@@ -65,6 +66,13 @@ class Student:
                                          "recall beyond the window needs; their KV cache grows with the context unless "
                                          "student.select bounds it)",
                                   choices=KEEP_BY)
+    exact_heads: float = option(0.0, "keep this many key/value heads exact inside the linear layers (a count >= 1, or "
+                                   "a share < 1 of the model's key/value heads), their query heads with them, "
+                                   "chosen by exact_heads_by and bounded after the prompt as the kept layers are "
+                                   "(student.select); the other heads of their layers linear (0: none)")
+    exact_heads_by: str = option("copy", "which heads exact_heads keeps: copy (those that copy most from far back on "
+                                         "the copy probe) or mass (those whose attention puts the most weight beyond "
+                                         "the window and the sink on long training blocks)", choices=EXACT_BY)
     local_layers: str = option("keep", "the model's own sliding-window layers (Gemma 2/3, Mistral): keep (exact, as "
                                        "they are bounded already) or linearize (like the rest)", choices=LOCAL)
     lora_rank: int = option(0, "LoRA adapters of this rank, trained in the end-to-end phase (0: none)")
@@ -138,14 +146,17 @@ class Recipe:
     def end_to_end_blocks(self) -> int:
         return self.end_to_end.blocks or self.layerwise.blocks
 
-    def student_spec(self, dims: list[int], layers: list[int], base: dict | None = None) -> StudentSpec:
+    def student_spec(self, dims: list[int], layers: list[int], base: dict | None = None,
+                     exact_heads: list[list[int]] | tuple = ()) -> StudentSpec:
         """The student a run of this recipe trains: these dims and linear layers, its [student] table's attention
-        config whole, its LoRA adapters (alpha = rank), and `base`, the base model's fingerprint
-        (`student.fingerprint`; None where the weights have no values, as in the dry run's plan)."""
+        config whole, its LoRA adapters (alpha = rank), `exact_heads` (per layer, the key/value heads kept exact:
+        `distill.choose.exact_heads`), and `base`, the base model's fingerprint (`student.fingerprint`; None where
+        the weights have no values, as in the dry run's plan)."""
         s = self.student
         return StudentSpec(base_model=self.run.model, dims=dims, layers=layers, attention=s.attention, kept=s.kept,
                            seed=self.run.seed, base=base or {}, lora_rank=s.lora_rank,
-                           lora_alpha=float(s.lora_rank), lora_targets=s.lora_targets)
+                           lora_alpha=float(s.lora_rank), lora_targets=s.lora_targets,
+                           exact_heads=tuple(tuple(h) for h in exact_heads))
 
     def keys(self) -> dict[str, object]:
         """Every key as `table.key` -> value."""
@@ -379,7 +390,10 @@ def validate(recipe: Recipe) -> None:
     check_lora(lora_rank=s.lora_rank, lora_targets=s.lora_targets)
     if s.keep_softmax < 0:
         raise UserError(f"student.keep_softmax = {s.keep_softmax}: give >= 0 layers")
-    check_kept(a, s.kept, s.keep_softmax)
+    if not s.exact_heads >= 0 or (s.exact_heads >= 1 and s.exact_heads != int(s.exact_heads)):
+        raise UserError(f"student.exact_heads = {s.exact_heads}: give a count of key/value heads >= 1, a share "
+                        f"between 0 and 1, or 0 (none)")
+    check_kept(a, s.kept, s.keep_softmax, s.exact_heads)
     dims = s.dims
     if not (dims in ("dof", "clip", "fix") or dims.startswith("fix:") or dims.endswith(".json")):
         raise UserError(f"student.dims = {dims!r}; use dof, clip, fix, fix:C or a dof.json file")

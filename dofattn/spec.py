@@ -130,14 +130,36 @@ class Kept:
         return ", ".join([*parts, f"window={attention.window}", f"select={self.select}"])
 
 
-def check_kept(attention: Attention, kept: Kept, num_kept: int) -> None:
-    """The rules between the linear layers' `attention` and the `kept` layers' cache (`num_kept` of them)."""
+def check_kept(attention: Attention, kept: Kept, num_kept: int, exact_heads: int | float = 0) -> None:
+    """The rules between the linear layers' `attention` and what stays exact: `num_kept` whole layers kept as softmax
+    attention, `exact_heads` key/value heads kept exact inside linear layers (a count or a share: any > 0 is some);
+    the `kept` cache bound of both."""
     if kept.select and not attention.window:
         raise UserError(f"student.select = {kept.select}: a kept layer's bound holds the window's keys beside the "
                         f"selected ones; set student.window >= 1, or select = 0")
-    if kept.select and not num_kept:
+    if kept.select and not num_kept and not exact_heads:
         raise UserError(f"student.select = {kept.select} bounds the layers kept as softmax attention, and this "
                         f"student keeps none: set student.keep_softmax >= 1, or select = 0")
+    if exact_heads and not kept.select:
+        raise UserError("student.exact_heads keeps heads exact inside linear layers, bounded after the prompt as the "
+                        "kept layers are: set student.select >= 1 (the keys they choose)")
+
+
+def check_exact_heads(exact: tuple[tuple[int, ...], ...], layers: tuple[int, ...], num_layers: int,
+                      num_kv_heads: int | None) -> None:
+    """The rules on the key/value heads a student keeps exact inside its linear layers: an entry per layer, heads
+    only in linear layers (a kept layer is exact whole), each once, at least one linear head left in each layer."""
+    if len(exact) != num_layers:
+        raise UserError(f"exact_heads gives {len(exact)} layers but the student has {num_layers}")
+    for i, heads in enumerate(exact):
+        if heads and i not in layers:
+            raise UserError(f"exact_heads names heads {list(heads)} of layer {i}, which is not linear: a layer kept "
+                            f"as softmax attention is exact whole")
+        if len(set(heads)) != len(heads) or any(h < 0 for h in heads):
+            raise UserError(f"exact_heads of layer {i} = {list(heads)}: give distinct key/value heads >= 0")
+        if num_kv_heads is not None and heads and (max(heads) >= num_kv_heads or len(heads) >= num_kv_heads):
+            raise UserError(f"exact_heads of layer {i} = {list(heads)}: the model has {num_kv_heads} key/value "
+                            f"heads a layer, and a linear layer keeps at least one of them linear")
 
 
 def check_lora(*, lora_rank: int, lora_targets: str) -> None:
@@ -165,6 +187,7 @@ class StudentSpec:
     lora_rank: int = 0
     lora_alpha: float = 0.0           # 0: the rank
     lora_targets: str = "attention"
+    exact_heads: tuple[tuple[int, ...], ...] = ()   # per layer, its key/value heads kept exact (none: ())
     schema: int = SCHEMA
     dofattn_version: str = __version__
 
@@ -175,12 +198,25 @@ class StudentSpec:
             object.__setattr__(self, "attention", Attention(**self.attention))
         if isinstance(self.kept, dict):
             object.__setattr__(self, "kept", Kept(**self.kept))
-        check_kept(self.attention, self.kept, len(self.dims) - len(self.layers))
+        exact = tuple(tuple(sorted(int(h) for h in heads)) for heads in self.exact_heads)
+        object.__setattr__(self, "exact_heads", exact if any(exact) else ())
+        check_kept(self.attention, self.kept, len(self.dims) - len(self.layers), self.exact_count)
         check_lora(lora_rank=self.lora_rank, lora_targets=self.lora_targets)
         if not self.dims or min(self.dims) < 1:
             raise UserError(f"a student needs >= 1 feature in every layer, got dims {list(self.dims)}")
         if any(i < 0 or i >= len(self.dims) for i in self.layers):
             raise UserError(f"linearized layers {list(self.layers)} out of range for {len(self.dims)} layers")
+        if self.exact_heads:
+            check_exact_heads(self.exact_heads, self.layers, len(self.dims), self.base.get("num_kv_heads"))
+
+    @property
+    def exact_count(self) -> int:
+        """Key/value heads kept exact inside the linear layers."""
+        return sum(len(heads) for heads in self.exact_heads)
+
+    def exact_of(self, layer: int) -> tuple[int, ...]:
+        """The key/value heads of `layer` kept exact (none: ())."""
+        return self.exact_heads[layer] if self.exact_heads else ()
 
     @property
     def softmax_layers(self) -> list[int]:
@@ -201,6 +237,11 @@ class StudentSpec:
                     f"most: fixed memory" if kept.select else "their cache grows with the context")
             lines.append(f"softmax attention kept in layer{'s' if len(softmax) > 1 else ''} "
                          f"{', '.join(map(str, softmax))} ({held})")
+        if self.exact_heads:
+            mixed = [i for i, heads in enumerate(self.exact_heads) if heads]
+            lines.append(f"{self.exact_count} key/value heads kept exact inside {len(mixed)} linear layers "
+                         f"({', '.join(f'{i}: {list(self.exact_heads[i])}' for i in mixed)}; after the prompt each "
+                         f"holds its first {a.sink} tokens, its last {a.window} and its {kept.select} chosen keys)")
         if a.window and self.layers:
             lines.append(f"exact softmax attention over the last {a.window} tokens"
                          + (f" and the first {a.sink}" if a.sink else "") + ", linear attention beyond")

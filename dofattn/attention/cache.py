@@ -142,6 +142,7 @@ class LinearStateLayer(BatchSlot):
         super().__init__()
         self.state: torch.Tensor | None = None   # [B, H, M, V+1], float32: the linear branch
         self.parts: dict[str, PartState] = {}    # by part name (`LinearAttention`'s attribute): window, sink, conv
+        self.exact: CacheLayerMixin | None = None   # the slot of the layer's exact heads, if it keeps some
         self.seen = 0
 
     def part(self, name: str) -> PartState:
@@ -163,6 +164,8 @@ class LinearStateLayer(BatchSlot):
         for part in self.parts.values():
             for name, t in part.tensors().items():
                 setattr(part, name, fn(t))
+        if self.exact is not None:
+            map_slot(self.exact, fn)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -184,7 +187,7 @@ class LinearStateLayer(BatchSlot):
         return -1
 
     def reset(self) -> None:
-        self.state, self.parts, self.seen = None, {}, 0
+        self.state, self.parts, self.exact, self.seen = None, {}, None, 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a linear attention state cannot drop tokens (no assisted or speculative decoding)")
@@ -218,6 +221,8 @@ class StaticStateLayer(LinearStateLayer):
         if layer.state is not None:
             static.state = layer.state.float().contiguous()
         static.parts = {name: part.frozen(layer.seen) for name, part in layer.parts.items()}
+        if layer.exact is not None:
+            static.exact = layer.exact.to_static(position)
         return static
 
     def to_static(self, position: torch.Tensor) -> StaticStateLayer:
@@ -271,12 +276,25 @@ class StaticKVLayer(CacheLayerMixin):
         return self.length
 
 
+def map_slot(slot: CacheLayerMixin, fn) -> None:
+    """Every tensor t of a cache slot replaced by fn(t): a `BatchSlot` says how; another (HF's own) holds them as its
+    attributes."""
+    if isinstance(slot, BatchSlot):
+        slot._map(fn)
+        return
+    for name, t in list(vars(slot).items()):
+        if isinstance(t, torch.Tensor):
+            setattr(slot, name, fn(t))
+
+
 def cache_bytes(cache: Cache | None) -> int:
     """Bytes a generation cache holds for its sequences: every tensor of every layer (a KV cache; or a state with
-    its parts' window, sink and convolution history). 0 for no cache."""
+    its parts' window, sink and convolution history, and its exact heads' slot). 0 for no cache."""
     def held(layer) -> list:
         parts = getattr(layer, "parts", {})
-        return [t for holder in (layer, *parts.values()) for t in vars(holder).values() if isinstance(t, torch.Tensor)]
+        exact = getattr(layer, "exact", None)
+        own = [t for holder in (layer, *parts.values()) for t in vars(holder).values() if isinstance(t, torch.Tensor)]
+        return own + ([] if exact is None else held(exact))
 
     return sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", []) for t in held(layer))
 

@@ -82,21 +82,22 @@ def linear_layers(recipe, model, chosen: list[int] | None = None) -> list[int]:
 
 def check_untrained(recipe) -> None:
     """A UserError for a recipe whose student cannot be built untrained: its kept softmax layers a run chooses."""
-    if recipe.student.keep_softmax:
-        raise UserError(f"recipe {recipe.name!r} keeps softmax layers that a run chooses (copy probe or DoF); "
-                        f"distill it, then use the run folder")
+    if recipe.student.keep_softmax or recipe.student.exact_heads:
+        raise UserError(f"recipe {recipe.name!r} keeps softmax layers or heads that a run chooses (copy probe, DoF "
+                        f"or far mass); distill it, then use the run folder")
 
 
 def build_untrained(model: nn.Module, recipe, dims: list[int], stand_in: bool = False) -> StudentSpec:
     """Make `model` the untrained student of `recipe` (a `recipe.Recipe`: its [student] architecture whole) with
     `dims` features per layer, in place, for what does not depend on training (speed, memory, plumbing); its spec.
-    A recipe whose kept softmax layers a run chooses is a UserError (`check_untrained`), unless `stand_in`: then its
-    last `keep_softmax` layers stand in for them, as in the dry run's plan (the same count and shapes; for speed and
-    memory, not quality)."""
+    A recipe whose kept softmax layers (or exact heads) a run chooses is a UserError (`check_untrained`), unless
+    `stand_in`: then its last `keep_softmax` layers (and `stand_in_exact_heads`) stand in for them, as in the dry
+    run's plan (the same count and shapes; for speed and memory, not quality)."""
     if not stand_in:
         check_untrained(recipe)
     layers = linear_layers(recipe, model) if stand_in else global_layers(model)
-    spec = recipe.student_spec(dims, layers)
+    exact = stand_in_exact_heads(recipe, model, layers) if stand_in else []
+    spec = recipe.student_spec(dims, layers, exact_heads=exact)
     build(model, spec)
     return spec
 
@@ -197,19 +198,111 @@ def softmax_layers(recipe: Recipe, model, tokenizer, out: Path, candidates: list
         return json.dumps({"lam": recipe.dof.lam, "blocks": len(blocks), "seq_len": blocks.shape[1],
                            "layers": [sum(h) / len(h) for h in heads], "heads": heads}, indent=2)
 
-    def estimate_copy() -> str:
-        context = context_length(model.config)
-        seq_len = min(COPY_SEQ_LEN, context) if context else COPY_SEQ_LEN
-        blocks = token_blocks(recipe.run.data, tokenizer, seq_len, COPY_BLOCKS, split="train", seed=recipe.run.seed)
-        heads = copy_scores(model, blocks, COPY_SPAN, progress=True)
-        return json.dumps({"span": COPY_SPAN, "blocks": len(blocks), "seq_len": blocks.shape[1],
-                           "layers": [max(h) for h in heads], "heads": heads}, indent=2)
-
     if recipe.student.keep_softmax_by == "copy":
-        score = json.loads(_once(out / "copy_scores.json", estimate_copy))["layers"]
+        score = json.loads(_once(out / "copy_scores.json", lambda: estimate_copy(recipe, model, tokenizer)))["layers"]
     else:
         score = json.loads(_once(out / "attention_dof.json", estimate_dof))["layers"]
     order = sorted(candidates, key=lambda i: (-score[i], i))
     return sorted(order[:K])
+
+
+def estimate_copy(recipe: Recipe, model, tokenizer) -> str:
+    """`copy_scores.json`: the copy probe's score of every layer (its best head's) and head, on training blocks."""
+    from dofattn.data import token_blocks
+
+    context = context_length(model.config)
+    seq_len = min(COPY_SEQ_LEN, context) if context else COPY_SEQ_LEN
+    blocks = token_blocks(recipe.run.data, tokenizer, seq_len, COPY_BLOCKS, split="train", seed=recipe.run.seed)
+    heads = copy_scores(model, blocks, COPY_SPAN, progress=True)
+    return json.dumps({"span": COPY_SPAN, "blocks": len(blocks), "seq_len": blocks.shape[1],
+                       "layers": [max(h) for h in heads], "heads": heads}, indent=2)
+
+
+# --- which heads stay exact inside linear layers --------------------------------------------------------------------
+
+MASS_SEQ_LEN = 2048   # tokens per block of the far-mass measure (at most the model's context)
+MASS_BLOCKS = 4
+
+
+def far_mass(model, blocks: torch.Tensor, attention, progress: bool = True) -> list[list[float]]:
+    """Per layer and query head [L][H], the teacher's softmax weight on the pairs a linear layer of `attention` (a
+    `spec.Attention`) leaves to its linear branch (beyond the window, not the sink: `linear_pairs`), averaged over
+    the queries that have such pairs, on `blocks` [N, T]. What a head loses where the linear branch is poor; unlike
+    the copy probe it reads real text, and sees any far attention, not only copying."""
+    sums: dict[int, torch.Tensor] = {}
+
+    def record(x) -> None:
+        T = x.query.shape[1]
+        far = attention.linear_pairs(T, x.query.device)                                  # [T, T]
+        rows = far.any(-1)
+        weights = attention_logits(x.query, expand_kv(x.key, x.num_heads), x.scaling).softmax(-1)   # [B, H, T, T]
+        mass = (weights * far).sum(-1)[..., rows].mean(-1).sum(0).cpu()                   # [H]
+        sums[x.layer] = sums.get(x.layer, 0) + mass
+
+    device = next(model.parameters()).device
+    with capture(model, record), torch.no_grad():
+        for block in tqdm(blocks, desc="far mass", unit="block", disable=not progress):
+            run_forward(model, block[None].to(device))
+    return [(sums[i] / len(blocks)).tolist() for i in sorted(sums)]
+
+
+def exact_count(share: float, num_kv_heads: int, num_layers: int) -> int:
+    """Key/value heads `student.exact_heads` keeps: a count as it is, a share < 1 of all of them rounded (at least
+    one)."""
+    if share >= 1 or not share:
+        return int(share)
+    return max(1, round(share * num_kv_heads * num_layers))
+
+
+def stand_in_exact_heads(recipe: Recipe, model, linear: list[int]) -> list[list[int]]:
+    """Exact heads for what is built before a run chooses them (the dry run's plan, a stand-in student for speed
+    and memory): as many as `student.exact_heads` keeps, key/value head 0 of the last `linear` layers first, then
+    head 1, ... (the same count and shapes, not the same heads). [] where it keeps none."""
+    _, kv_heads, _ = head_layout(model)
+    num_layers = len(attention_modules(model))
+    count = exact_count(recipe.student.exact_heads, kv_heads, num_layers)
+    chosen = [[] for _ in range(num_layers)]
+    for h in range(kv_heads - 1):
+        for i in reversed(linear):
+            if sum(map(len, chosen)) < count:
+                chosen[i].append(h)
+    return chosen if count else []
+
+
+def exact_heads(recipe: Recipe, model, tokenizer, out: Path, linear: list[int]) -> list[list[int]]:
+    """Per layer, the key/value heads `student.exact_heads` keeps exact: of the `linear` layers' heads, those with
+    the highest score of `student.exact_heads_by` (a key/value head scores as the best of its query heads; ties: the
+    earlier layer, then head): copy, the copy probe (`copy_scores.json`); mass, the far mass (`far_mass.json`). A
+    layer keeps at least one head linear; a head past that is passed over. [] where it keeps none."""
+    from dofattn.data import token_blocks
+
+    s = recipe.student
+    heads, kv_heads, _ = head_layout(model)
+    num_layers = len(attention_modules(model))
+    count = exact_count(s.exact_heads, kv_heads, num_layers)
+    if not count:
+        return []
+
+    def estimate_mass() -> str:
+        context = context_length(model.config)
+        seq_len = min(MASS_SEQ_LEN, context) if context else MASS_SEQ_LEN
+        blocks = token_blocks(recipe.run.data, tokenizer, seq_len, MASS_BLOCKS, split="train", seed=recipe.run.seed)
+        scores = far_mass(model, blocks, s.attention, progress=True)
+        return json.dumps({"window": s.attention.window, "sink": s.attention.sink, "blocks": len(blocks),
+                           "seq_len": blocks.shape[1], "heads": scores}, indent=2)
+
+    if s.exact_heads_by == "copy":
+        scores = json.loads(_once(out / "copy_scores.json", lambda: estimate_copy(recipe, model, tokenizer)))["heads"]
+    else:
+        scores = json.loads(_once(out / "far_mass.json", estimate_mass))["heads"]
+    group = heads // kv_heads
+    score = {(i, h): max(scores[i][h * group:(h + 1) * group]) for i in linear for h in range(kv_heads)}
+    chosen = [[] for _ in range(num_layers)]
+    for i, h in sorted(score, key=lambda ih: (-score[ih], ih)):
+        if sum(map(len, chosen)) == count:
+            break
+        if len(chosen[i]) + 1 < kv_heads:
+            chosen[i].append(h)
+    return [sorted(c) for c in chosen]
 
 

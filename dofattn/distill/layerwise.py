@@ -24,6 +24,7 @@ from dofattn.distill.world import barrier, world
 from dofattn.io import read_safetensors
 from dofattn.ops.softmax import expand_kv
 from dofattn.recipe import Layerwise
+from dofattn.model.attach import bounded_of
 from dofattn.model.student import attention_modules, linear_parts
 
 
@@ -118,6 +119,9 @@ def layerwise(model, stream: TeacherStream, out: Path, config: Layerwise, seed: 
     logs = {i: load_layer(out, i, part) for i, part in linear.items()
             if i % size == rank and layer_file(out, i).is_file()}
     for layer, acts in stream.walk([i for i in linear if i % size == rank and i not in logs]):
+        bounded = bounded_of(modules[layer])
+        if bounded is not None:              # exact heads beside the linear ones: the linear heads' q/k/v
+            acts = bounded.heads.split(*acts, dim=2)[1]
         log = train_layer(linear[layer], acts, modules[layer].scaling, config, seed=seed * 100_003 + layer,
                           desc=f"layer {layer:2d} ({config.loss})", progress=progress)
         del acts                             # before the stream makes the next layer's

@@ -244,18 +244,21 @@ def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[
 
 
 def plan_tokens(recipe: Recipe, config, world: int) -> Tokens:
-    from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, ATTENTION_DOF_SEQ_LEN, COPY_BLOCKS, COPY_SEQ_LEN
+    from dofattn.distill.choose import (ATTENTION_DOF_BLOCKS, ATTENTION_DOF_SEQ_LEN, COPY_BLOCKS, COPY_SEQ_LEN,
+                                        MASS_BLOCKS, MASS_SEQ_LEN)
     from dofattn.dof import DOF_BLOCKS, DOF_SEQ_LEN
     from dofattn.model.hf import context_length
 
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
     dof = DOF_BLOCKS * DOF_SEQ_LEN if s.dims in ("dof", "clip") else 0
     choice = 0
-    if s.keep_softmax and s.keep_softmax_by == "copy":
-        context = context_length(config)                  # as choose.softmax_layers sizes the copy probe
+    context = context_length(config)                      # as choose sizes the copy probe and the far mass
+    if s.keep_softmax_by == "copy" and s.keep_softmax or s.exact_heads_by == "copy" and s.exact_heads:
         choice = COPY_BLOCKS * (min(COPY_SEQ_LEN, context) if context else COPY_SEQ_LEN)
     elif s.keep_softmax:
         choice = ATTENTION_DOF_BLOCKS * min(recipe.eval.seq_len, ATTENTION_DOF_SEQ_LEN)
+    if s.exact_heads and s.exact_heads_by == "mass":
+        choice += MASS_BLOCKS * (min(MASS_SEQ_LEN, context) if context else MASS_SEQ_LEN)
     return Tokens(dof_sample=dof, softmax_choice=choice,
                   layerwise_teacher=lw.blocks * lw.seq_len if lw.steps else 0,
                   layerwise_training=lw.steps * lw.batch_size * lw.seq_len,
@@ -283,7 +286,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     from dofattn.model.hf import local_layers, model_config
     from dofattn.memory import resident_now
     from dofattn.recipe import resolve_dtype
-    from dofattn.distill.choose import linear_layers
+    from dofattn.distill.choose import linear_layers, stand_in_exact_heads
     from dofattn.model.student import attention_modules, build, head_layout, is_student_tensor
 
     before = resident_now()                     # this process before any model: Python, torch, transformers
@@ -304,12 +307,13 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     linear = linear_layers(recipe, model)
     local = local_layers(model.config) if s.local_layers == "keep" else []
     dims, mean_dim = plan_dims(recipe, model, head_dim, linear)
+    exact = stand_in_exact_heads(recipe, model, linear)
     layers = Layers(count=count, heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
                     intermediate=intermediate, vocab=vocab, linear=linear, local=local, keep_softmax=s.keep_softmax,
                     keep_softmax_by=s.keep_softmax_by, dims_rule=s.dims, dims=dims, mean_dim=mean_dim)
 
     with torch.device("meta"):                  # the student's tensors too: no random features drawn
-        build(model, recipe.student_spec(dims or [round(mean_dim)] * count, linear))
+        build(model, recipe.student_spec(dims or [round(mean_dim)] * count, linear, exact_heads=exact))
     persistent = model.state_dict().keys()
     trained = [p for n, p in model.named_parameters() if is_student_tensor(n)]
     fixed = [b for n, b in model.named_buffers() if is_student_tensor(n) and n in persistent]
@@ -338,6 +342,9 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     if s.keep_softmax:
         notes.append(f"the {s.keep_softmax} softmax layers are chosen at run time (by {s.keep_softmax_by}); the "
                      f"plan takes them as the last layers")
+    if exact:
+        notes.append(f"the {sum(map(len, exact))} exact key/value heads are chosen at run time (by "
+                     f"{s.exact_heads_by}); the plan takes the first heads of the last linear layers")
     plan = Plan(recipe=recipe.name, model=recipe.run.model, model_type=config.model_type,
                 parameters=sum(p.numel() for p in base), student_parameters=sum(p.numel() for p in trained),
                 layers=layers, tokens=plan_tokens(recipe, config, W),
@@ -349,7 +356,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
         if e2e.steps and timed:                 # a second fake step, of the same student, for its FLOPs
             model = meta_model(config, getattr(torch, run_dtype))
             with torch.device("meta"):
-                build(model, recipe.student_spec(dims or [round(mean_dim)] * count, linear))
+                build(model, recipe.student_spec(dims or [round(mean_dim)] * count, linear, exact_heads=exact))
             plan.end_to_end_flops = measure_step(recipe, model, count_flops=True).flops
         plan.calibration = calibrate(recipe, plan, config, device, before, timed)
         plan.stages = stage_costs(recipe, plan, config, plan.calibration)

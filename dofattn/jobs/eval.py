@@ -45,7 +45,7 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
     Memory stays bounded at length: the outputs come from the attention kernels (no T × T), the kernel error reads
     `ERROR_ROWS` evenly spaced rows of a block longer than `LONG_ROWS`, and the forward computes no logits (`eval`
     sends blocks longer than `LONG_BLOCK` one at a time)."""
-    from dofattn.model.attach import linear_of
+    from dofattn.model.attach import bounded_of, linear_of
     from dofattn.model.capture import capture, run_forward
     from dofattn.distill.losses import l2_loss
     from dofattn.evaluate import blocks_in_batches, teacher_mode
@@ -57,18 +57,21 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
     kernel = [[] for _ in modules]
 
     def sink(a) -> None:
-        linear = linear_of(modules[a.layer])
+        linear, bounded = linear_of(modules[a.layer]), bounded_of(modules[a.layer])
         if linear is None:
             return
-        k, v = expand_kv(a.key, a.num_heads), expand_kv(a.value, a.num_heads)
-        exact = softmax_attention(a.query, k, v, a.scaling)                  # [B, T, H, D]
-        approx = linear(a.query, a.key, a.value)
+        query, key, value = a.query, a.key, a.value
+        if bounded is not None:          # exact heads beside the linear ones: the linear heads' error
+            query, key, value = bounded.heads.split(query, key, value, dim=2)[1]
+        k, v = expand_kv(key, query.shape[2]), expand_kv(value, query.shape[2])
+        exact = softmax_attention(query, k, v, a.scaling)                    # [B, T, H, D]
+        approx = linear(query, key, value)
         num[a.layer] += (approx.float() - exact).square().sum().item()
         den[a.layer] += exact.square().sum().item()
         if linear.feature_map.estimates_kernel:             # the kernel error compares kernel values
             T = a.query.shape[1]
             at = None if T <= LONG_ROWS else torch.linspace(0, T - 1, ERROR_ROWS, device=k.device).long()
-            kernel[a.layer].append(l2_loss(linear, a.query, k, v, a.scaling, at).item())
+            kernel[a.layer].append(l2_loss(linear, query, k, v, a.scaling, at).item())
 
     device = next(student.parameters()).device
     with teacher_mode(student), capture(student, sink):

@@ -201,17 +201,78 @@ class StaticBoundedLayer(CacheLayerMixin):
         return -1
 
 
+class HeadSplit:
+    """Which key/value heads of a linear layer stay exact softmax attention (`exact`) and which are linear, each query
+    head going with its key/value head's group. Heads are taken and put back by slicing runs of neighbours (no index
+    tensors: a CUDA graph can capture it)."""
+
+    def __init__(self, exact, num_kv_heads: int, num_heads: int):
+        self.exact = tuple(sorted(int(h) for h in exact))
+        self.num_kv_heads, self.num_heads = int(num_kv_heads), int(num_heads)
+        self.linear = tuple(h for h in range(self.num_kv_heads) if h not in self.exact)
+        group = self.num_heads // self.num_kv_heads
+        self.exact_q = tuple(h * group + g for h in self.exact for g in range(group))
+        self.linear_q = tuple(h * group + g for h in self.linear for g in range(group))
+
+    def __repr__(self) -> str:
+        return f"exact kv heads {list(self.exact)} of {self.num_kv_heads}"
+
+    def split(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dim: int):
+        """((q, k, v) of the exact heads, (q, k, v) of the linear ones), the heads along `dim` of each."""
+        kv = lambda x, heads: take(x, heads, dim)
+        return ((take(query, self.exact_q, dim), kv(key, self.exact), kv(value, self.exact)),
+                (take(query, self.linear_q, dim), kv(key, self.linear), kv(value, self.linear)))
+
+    def merge(self, exact: torch.Tensor, linear: torch.Tensor, dim: int) -> torch.Tensor:
+        """The layer's output heads in order along `dim`, from the exact heads' and the linear heads' outputs."""
+        where = {h: (0, i) for i, h in enumerate(self.exact_q)} | {h: (1, i) for i, h in enumerate(self.linear_q)}
+        pieces, parts = [], (exact, linear)
+        for h in range(self.num_heads):
+            which, i = where[h]
+            if pieces and pieces[-1][0] == which and pieces[-1][2] == i:
+                pieces[-1][2] += 1                                   # the run goes on
+            else:
+                pieces.append([which, i, i + 1])
+        return torch.cat([parts[w].narrow(dim, a, b - a) for w, a, b in pieces], dim)
+
+
+def take(x: torch.Tensor, heads: tuple[int, ...], dim: int) -> torch.Tensor:
+    """x's `heads` along `dim`, in order, by runs of neighbours."""
+    runs = []
+    for h in heads:
+        if runs and runs[-1][1] == h:
+            runs[-1][1] += 1
+        else:
+            runs.append([h, h + 1])
+    pieces = [x.narrow(dim, a, b - a) for a, b in runs]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
 class BoundedSoftmax(nn.Module):
     """A kept softmax layer's bounded cache: the selection of a `spec.Kept` beside the sink and window of the linear
-    layers' `spec.Attention`. It has no parameters and holds nothing between calls: the call's cache comes as an
-    argument (`install`), and a prompt read in chunks announces its length in the layer's slot (`PromptKVLayer`)."""
+    layers' `spec.Attention`; with `heads` (a `HeadSplit`), those of a linear layer's key/value heads it keeps exact
+    (their slot nested in the layer's `LinearStateLayer`: `exact`). It has no parameters and holds nothing between
+    calls: the call's cache comes as an argument (`install`), and a prompt read in chunks announces its length in the
+    layer's slot (`PromptKVLayer`)."""
 
-    def __init__(self, kept, attention, scaling: float):
+    def __init__(self, kept, attention, scaling: float, heads: HeadSplit | None = None):
         super().__init__()
-        self.kept, self.attention, self.scaling = kept, attention, float(scaling)
+        self.kept, self.attention, self.scaling, self.heads = kept, attention, float(scaling), heads
 
     def extra_repr(self) -> str:
-        return self.kept.describe(self.attention)
+        return self.kept.describe(self.attention) + ("" if self.heads is None else f", {self.heads!r}")
+
+    @torch.no_grad()
+    def observed(self, slot: PromptKVLayer, query: torch.Tensor, new_valid: torch.Tensor) -> BoundedKVLayer | None:
+        """A prompt's call read into `slot` (query [B, H, T, D], which of its keys are real [B, T]): the slot keeps
+        which keys are real and the last queries; once the whole prompt is read, the bounded slot chosen from them
+        (`choose`), else None."""
+        valid = new_valid if slot.valid is None else torch.cat([slot.valid, new_valid], 1)
+        queries = query.transpose(1, 2) if slot.queries is None else torch.cat([slot.queries, query.transpose(1, 2)], 1)
+        slot.valid, slot.queries = valid, last_keys(queries, self.kept.select_observe)     # [B, ≤ observe, H, D]
+        if not slot.read():
+            return None
+        return self.choose(slot.queries, slot.keys, slot.values, slot.valid)
 
     def mask(self, slot) -> torch.Tensor | None:
         """The slot's own mask once it is bounded (a call after the prompt), else None (HF's mask stands)."""

@@ -78,6 +78,22 @@ def _sdpa_in_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return torch.cat(blocks, 2).transpose(1, 2).contiguous(), None
 
 
+def _attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            mask: torch.Tensor | None, eager: bool, bounded_own: bool, **kwargs) -> tuple[torch.Tensor, None]:
+    """The family's softmax: SDPA, or its eager attention (mask bool [B, H|1, T, P], or HF's own). `bounded_own`: the
+    mask is a bounded slot's own, after the prompt."""
+    if eager and mask is not None and mask.dtype == torch.bool:   # eager attention adds its mask to the logits
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    if eager:
+        return base_attention("eager", module)(module, query, key, value, mask, **kwargs)
+    if (mask is not None and mask.dtype == torch.bool and not module.training
+            and (1 < query.shape[2] < key.shape[2] or (bounded_own and not query.is_cuda))):
+        # a prompt's chunk after its first, or a bounded layer's call after the prompt on a CPU
+        return _sdpa_in_blocks(query, key, value, mask, kwargs.get("scaling", module.scaling))
+    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+
 def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: torch.Tensor | None, eager: bool, cache=None,
              **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,25 +104,59 @@ def _softmax(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     static = getattr(slot, "slot_mask", None)          # HF's own slots have none
     bounded = bounded_of(module)
     own = static() if static is not None else bounded.mask(slot) if bounded is not None else None
-    bounded_own = own is not None and static is None
-
-    def attend(query, key, value, mask):      # the family's softmax; mask: bool [B, H|1, T, P], or HF's own
-        if eager and mask is not None and mask.dtype == torch.bool:   # eager attention adds its mask to the logits
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                ~mask, torch.finfo(query.dtype).min)
-        if eager:
-            return base_attention("eager", module)(module, query, key, value, mask, **kwargs)
-        if (mask is not None and mask.dtype == torch.bool and not module.training
-                and (1 < query.shape[2] < key.shape[2] or (bounded_own and not query.is_cuda))):
-            # a prompt's chunk after its first, or a bounded layer's call after the prompt on a CPU
-            return _sdpa_in_blocks(query, key, value, mask, kwargs.get("scaling", module.scaling))
-        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
-
     new_valid = _key_padding(attention_mask, query.shape[2]) if bounded is not None and own is None else None
-    out = attend(query, key, value, own if own is not None else attention_mask)
+    out = _attend(module, query, key, value, own if own is not None else attention_mask, eager,
+                  own is not None and static is None, **kwargs)
     if bounded is not None and cache is not None:    # after a prompt, the cache keeps what it bounds
         bounded.after(cache, module.layer_idx, query, key, value, new_valid)
     return out
+
+
+def _exact_heads(module: nn.Module, bounded, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, eager: bool, slot, **kwargs) -> torch.Tensor:
+    """A linear layer's exact heads (query [B, He, T, D], key and value [B, Hkv_e, T, D], this call's): without a
+    cache, softmax under HF's mask; with one, their own slot nested in the layer's (`slot.exact`): while the prompt
+    is read a `PromptKVLayer` that holds its keys (made here on a sequence's first call, or announced by the prompt
+    reader), under a causal mask of their own over the real keys (each query sees itself, so no row is empty); after
+    it the bounded slot the prompt chose (`BoundedSoftmax.observed`), or its static form. -> [B, T, He, D]."""
+    from dofattn.model.bounded import PromptKVLayer
+
+    if slot is None:
+        return _attend(module, query, key, value, attention_mask, eager, False, **kwargs)[0]
+    B, T = query.shape[0], query.shape[2]
+    inner = slot.exact
+    if inner is not None and not isinstance(inner, PromptKVLayer):        # after the prompt: its bounded slot
+        keys, values = inner.update(key, value)
+        own = inner.slot_mask() if slot.static else inner.mask()
+        return _attend(module, query, keys, values, own, eager, not slot.static, **kwargs)[0]
+    if inner is None:                                                      # a sequence's first call: its prompt
+        inner = slot.exact = PromptKVLayer(T)
+    past = inner.keys.shape[2] if inner.is_initialized else 0
+    keys, values = inner.update(key, value)
+    new_valid = _key_padding(attention_mask, T)
+    new_valid = torch.ones(B, T, dtype=torch.bool, device=key.device) if new_valid is None else new_valid
+    valid = new_valid if inner.valid is None else torch.cat([inner.valid, new_valid], 1)        # [B, P]
+    key_at = torch.arange(past + T, device=key.device)
+    query_at = torch.arange(past, past + T, device=key.device)[:, None]                        # [T, 1]
+    mask = ((key_at <= query_at) & valid[:, None, :]) | (key_at == query_at)                     # [B, T, P]
+    out = _attend(module, query, keys, values, mask[:, None], eager, False, **kwargs)[0]
+    chosen = bounded.observed(inner, query, new_valid)
+    if chosen is not None:
+        slot.exact = chosen
+    return out
+
+
+def _mixed(module: nn.Module, linear, bounded, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           attention_mask: torch.Tensor | None, eager: bool, cache, **kwargs) -> tuple[torch.Tensor, None]:
+    """A linear layer that keeps some key/value heads exact (`bounded.heads`, a `HeadSplit`): those heads and their
+    query heads as softmax attention (`_exact_heads`), the rest as the layer's `LinearAttention`; each head's output
+    is its own, so the layer's is theirs side by side."""
+    (qe, ke, ve), (ql, kl, vl) = bounded.heads.split(query, key, value, dim=1)
+    slot = None if cache is None else _slot(module, cache)
+    key_valid = _key_padding(attention_mask, key.shape[2])
+    linear_out = linear(ql.transpose(1, 2), kl.transpose(1, 2), vl.transpose(1, 2), key_valid, cache=slot)
+    exact_out = _exact_heads(module, bounded, qe, ke, ve, attention_mask, eager, slot, **kwargs)
+    return bounded.heads.merge(exact_out, linear_out, dim=2), None
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -119,6 +169,9 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if key.shape[2] != query.shape[2]:
         raise UserError(f"layer {module.layer_idx} is linear attention but received {key.shape[2]} keys for "
                         f"{query.shape[2]} queries: a KV cache of past tokens; use the default DynamicCache")
+    bounded = bounded_of(module)
+    if bounded is not None:                  # exact heads beside the linear ones
+        return _mixed(module, linear, bounded, query, key, value, attention_mask, eager, cache, **kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     key_valid = _key_padding(attention_mask, k.shape[1])
     return linear(q, k, v, key_valid, cache=None if cache is None else _slot(module, cache)), None

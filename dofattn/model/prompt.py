@@ -134,16 +134,23 @@ def _pieces(model: nn.Module, call: dict) -> list[tuple[int, int]] | None:
 
 
 def announce(model: nn.Module, cache, length: int) -> None:
-    """Tell each kept layer with a bounded cache that a prompt of `length` tokens is coming in chunks: its fresh slot
-    becomes a `bounded.PromptKVLayer` of that length, which holds the keys until the last chunk and then chooses."""
+    """Tell each kept layer with a bounded cache (and each linear layer's exact heads) that a prompt of `length`
+    tokens is coming in chunks: its fresh slot becomes a `bounded.PromptKVLayer` of that length, which holds the keys
+    until the last chunk and then chooses."""
     from transformers.cache_utils import DynamicLayer
 
-    from dofattn.model.attach import bounded_of
+    from dofattn.attention.cache import state_layer
+    from dofattn.model.attach import bounded_of, linear_of
     from dofattn.model.bounded import PromptKVLayer
 
     layers = getattr(cache, "self_attention_cache", cache).layers
     for module in model.modules():
         if bounded_of(module) is None:
+            continue
+        if linear_of(module) is not None:          # a linear layer's exact heads: their slot nested in its own
+            slot = state_layer(cache, module.layer_idx)
+            if slot.exact is None and slot.get_seq_length() == 0:
+                slot.exact = PromptKVLayer(length)
             continue
         while len(layers) <= module.layer_idx:
             layers.append(DynamicLayer())

@@ -23,12 +23,12 @@ from dofattn import __version__
 from dofattn.attention import LinearAttention
 from dofattn.model.install import install
 from dofattn.model.attach import LINEAR, attach, linear_of
-from dofattn.model.bounded import BoundedSoftmax
+from dofattn.model.bounded import BoundedSoftmax, HeadSplit
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
 from dofattn.model.hf import attention_modules
 from dofattn.io import atomic_path, read_safetensors, write_atomic
-from dofattn.spec import Attention, Kept, StudentSpec, check_kept
+from dofattn.spec import Attention, Kept, StudentSpec, check_exact_heads, check_kept
 
 CONFIG_FILE = "dofattn.json"
 WEIGHTS_FILE = "features.safetensors"
@@ -94,7 +94,7 @@ def bounded_layers(config, num_layers: int, layers: list[int], kept: Kept) -> li
 
 
 def linearize(model: nn.Module, dims: list[int], attention: Attention = Attention(), *, kept: Kept = Kept(),
-              layers: list[int] | None = None, seed: int = 0) -> nn.Module:
+              layers: list[int] | None = None, seed: int = 0, exact_heads=()) -> nn.Module:
     """Replace softmax attention by linear attention in `layers`, in place; returns `model`.
 
     `layers` None: every layer but the model's own sliding-window ones (`global_layers`). `dims[i]` is the feature
@@ -102,7 +102,9 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
     every linear layer attends, passed whole to each `LinearAttention`: `Attention(window=0, sink=0)` is pure
     linear attention, the default a 64-token window and a 4-token sink beside it. `kept` (a `spec.Kept`) is how the
     layers kept as softmax attention (not a model's own local ones) hold their cache: every key, or bounded after
-    the prompt (`model.bounded.BoundedSoftmax`). A model of the class dofattn makes one with (`hf.causal_lm_class`,
+    the prompt (`model.bounded.BoundedSoftmax`). `exact_heads` (per layer, or () for none): the key/value heads of
+    a linear layer kept exact, with their query heads, bounded as the kept layers are (`bounded.HeadSplit`); the
+    layer's `LinearAttention` has the other heads. A model of the class dofattn makes one with (`hf.causal_lm_class`,
     as `hf.load_model` loads it) then reads long prompts in chunks (`model.prompt`); one of transformers' own class
     reads each call in one piece, with the same outputs.
     """
@@ -113,23 +115,35 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
     if any(i < 0 or i >= len(modules) for i in layers):
         raise UserError(f"layers {layers} out of range for a model with {len(modules)} layers")
     heads, kv_heads, head_dim = head_layout(model)
+    exact_heads = tuple(tuple(h) for h in exact_heads)
+    if exact_heads:
+        check_exact_heads(exact_heads, tuple(layers), len(modules), kv_heads)
     param = next(model.parameters())
     for i in layers:
-        linear = linear_layer(attention, heads, kv_heads, head_dim, dims[i], modules[i].scaling, seed * 1000 + i)
+        exact = exact_heads[i] if exact_heads else ()
+        group = heads // kv_heads
+        linear = linear_layer(attention, heads - group * len(exact), kv_heads - len(exact), head_dim, dims[i],
+                              modules[i].scaling, seed * 1000 + i)
         linear = linear.to(param.device).train(modules[i].training)
         attach(modules[i], linear=linear)
+        if exact:
+            attach(modules[i], bounded=BoundedSoftmax(kept, attention, modules[i].scaling,
+                                                      heads=HeadSplit(exact, kv_heads, heads)))
     if kept.select:   # the kept softmax layers (not a model's own local ones): bounded after the prompt
         bounded = bounded_layers(model.config, len(modules), layers, kept)
-        check_kept(attention, kept, len(bounded))
+        check_kept(attention, kept, len(bounded), sum(map(len, exact_heads)))
         for i in bounded:
             attach(modules[i], bounded=BoundedSoftmax(kept, attention, modules[i].scaling))
+    elif exact_heads:
+        check_kept(attention, kept, 0, sum(map(len, exact_heads)))
     install(model)
     return model
 
 
 def build(model: nn.Module, spec: StudentSpec) -> nn.Module:
     """Make `model` the (untrained) student `spec` describes, in place: its layers linearized, LoRA adapters added."""
-    linearize(model, list(spec.dims), spec.attention, kept=spec.kept, layers=list(spec.layers), seed=spec.seed)
+    linearize(model, list(spec.dims), spec.attention, kept=spec.kept, layers=list(spec.layers), seed=spec.seed,
+              exact_heads=spec.exact_heads)
     if spec.lora_rank:
         from dofattn.model.lora import add_lora
 

@@ -69,6 +69,9 @@ def student_spec(hf_config) -> StudentSpec:
         raise ValueError(f"dofattn's vLLM plugin serves students of {', '.join(FAMILIES)}; this one's base is {base}")
     if spec.lora_rank:
         raise ValueError("dofattn's vLLM plugin serves students without LoRA adapters: export with --merge-lora")
+    if spec.exact_heads:
+        raise ValueError("dofattn's vLLM plugin does not serve exact heads inside linear layers (student.exact_heads) "
+                         "yet: serve it with HF generate, or distill a student with whole kept layers")
     return spec
 
 
