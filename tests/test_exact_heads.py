@@ -209,3 +209,55 @@ def test_exact_heads_in_a_kept_layer_are_refused():
     with pytest.raises(UserError, match="not linear"):
         StudentSpec(base_model="x", dims=(6,) * 3, layers=(0, 2), attention=ATTENTION, kept=Kept(select=4),
                     exact_heads=((), (1,), ()))
+
+
+def test_the_heads_chosen_are_the_best_scored_with_one_linear_head_left(tmp_path):
+    """`choose.exact_heads` ranks key/value heads by their best query head's score, passes over a head that would
+    leave its layer no linear one, and takes a share of all the model's key/value heads as a count."""
+    import json
+
+    from dofattn import recipe as recipes
+    from dofattn.distill.choose import exact_count, exact_heads
+
+    model = tiny()                                                   # 8 query heads on 4 kv heads, 3 layers
+    scores = [[0.0] * 8 for _ in range(3)]
+    for layer, head, value in ((0, 0, 0.9), (0, 2, 0.8), (0, 4, 0.7), (0, 6, 0.6), (2, 7, 0.5), (1, 1, 0.4)):
+        scores[layer][head] = value                                  # query head h is kv head h // 2's
+    (tmp_path / "copy_scores.json").write_text(json.dumps({"heads": scores}))
+    recipe = recipes.load("long-context", overrides={"student.keep_softmax": 0, "student.exact_heads": 5})
+    chosen = exact_heads(recipe, model, None, tmp_path, [0, 1, 2])
+    assert chosen == [[0, 1, 2], [0], [3]]                           # layer 0's fourth head passed over
+    assert exact_count(0.1, 3, 30) == 9 and exact_count(0.001, 3, 30) == 1 and exact_count(9.0, 3, 30) == 9
+
+
+def test_far_mass_is_the_weight_beyond_the_window():
+    """Every query's weight on the linear pairs, between 0 and 1; none where the window covers the block."""
+    from dofattn.distill.choose import far_mass
+
+    model = tiny()
+    blocks = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(11))
+    mass = torch.tensor(far_mass(model, blocks, Attention(window=4, sink=1), progress=False))
+    assert mass.shape == (3, 8) and (mass > 0).all() and (mass < 1).all()
+    assert torch.equal(torch.tensor(far_mass(model, blocks, Attention(window=2, sink=0), progress=False)) >= mass,
+                       torch.ones(3, 8, dtype=torch.bool))           # a smaller window leaves more beyond it
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2",
+                                    "gpt2", "gpt_neox"])
+def test_every_family_runs_exact_heads(family):
+    """In each supported family (GQA, biases, q/k norms, soft caps on the eager path, sliding-window layers kept,
+    fused projections, partial rotary): the first new token's logits are the forward's, and left-padded rows
+    generate what they generate alone."""
+    from tests.test_attention import assert_batched_as_alone
+    from tests.test_families import LAYERS, student_layers, tiny as family_model
+
+    model = family_model(family)
+    layers = student_layers(family)
+    exact = [(0,) if i == layers[0] else () for i in range(LAYERS)]
+    linearize(model, [6] * LAYERS, ATTENTION, kept=Kept(select=4, select_observe=3, select_pool=3), layers=layers,
+              seed=1, exact_heads=exact)
+    ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        seq, logits = logits_as_generated(model, ids, 3)
+        torch.testing.assert_close(logits[:, 0], model(ids).logits[:, -1], rtol=1e-4, atol=1e-4)
+    assert_batched_as_alone(model, new_tokens=4)
