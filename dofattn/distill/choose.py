@@ -139,17 +139,23 @@ def copy_scores(model, blocks: torch.Tensor, span: int = COPY_SPAN, progress: bo
     of `blocks` [N, T], averaged over the blocks. Recall beyond a student's window needs the heads that score high
     (those that find the passage an answer repeats); a synthetic probe, so the recall tasks stay held out."""
     probe, at = copy_probe(blocks, span)
+    return per_head(model, probe, lambda x: copy_mass(x.query, expand_kv(x.key, x.num_heads), x.scaling, at, span),
+                    "copy probe", progress)
+
+
+def per_head(model, blocks: torch.Tensor, score, desc: str, progress: bool = True) -> list[list[float]]:
+    """Per layer and query head [L][H], `score` of each layer's attention inputs (a `capture.AttentionInputs` ->
+    [B, H]) averaged over `blocks` [N, T], one forward of the model a block."""
     sums: dict[int, torch.Tensor] = {}
 
     def record(x) -> None:
-        mass = copy_mass(x.query, expand_kv(x.key, x.num_heads), x.scaling, at, span).sum(0).cpu()
-        sums[x.layer] = sums.get(x.layer, 0) + mass
+        sums[x.layer] = sums.get(x.layer, 0) + score(x).sum(0).cpu()
 
     device = next(model.parameters()).device
     with capture(model, record), torch.no_grad():
-        for block in tqdm(probe, desc="copy probe", unit="block", disable=not progress):
+        for block in tqdm(blocks, desc=desc, unit="block", disable=not progress):
             run_forward(model, block[None].to(device))
-    return [(sums[i] / len(probe)).tolist() for i in sorted(sums)]
+    return [(sums[i] / len(blocks)).tolist() for i in sorted(sums)]
 
 
 def _once(path: Path, compute) -> str:
@@ -229,21 +235,15 @@ def far_mass(model, blocks: torch.Tensor, attention, progress: bool = True) -> l
     `spec.Attention`) leaves to its linear branch (beyond the window, not the sink: `linear_pairs`), averaged over
     the queries that have such pairs, on `blocks` [N, T]. What a head loses where the linear branch is poor; unlike
     the copy probe it reads real text, and sees any far attention, not only copying."""
-    sums: dict[int, torch.Tensor] = {}
 
-    def record(x) -> None:
+    def mass(x) -> torch.Tensor:
         T = x.query.shape[1]
         far = attention.linear_pairs(T, x.query.device)                                  # [T, T]
         rows = far.any(-1)
         weights = attention_logits(x.query, expand_kv(x.key, x.num_heads), x.scaling).softmax(-1)   # [B, H, T, T]
-        mass = (weights * far).sum(-1)[..., rows].mean(-1).sum(0).cpu()                   # [H]
-        sums[x.layer] = sums.get(x.layer, 0) + mass
+        return (weights * far).sum(-1)[..., rows].mean(-1)                                # [B, H]
 
-    device = next(model.parameters()).device
-    with capture(model, record), torch.no_grad():
-        for block in tqdm(blocks, desc="far mass", unit="block", disable=not progress):
-            run_forward(model, block[None].to(device))
-    return [(sums[i] / len(blocks)).tolist() for i in sorted(sums)]
+    return per_head(model, blocks, mass, "far mass", progress)
 
 
 def exact_count(share: float, num_kv_heads: int, num_layers: int) -> int:
