@@ -1,5 +1,5 @@
 """Memory per sequence of a saved student (and its teacher) against prompt length: after the prompt, during
-generation, and the prefill's peak.
+generation, and the prefill's peak (and, for a folder, the prefill's time: `prefill_s`).
 
     python benchmarks/bounded_memory.py runs/long-context --lengths 1024 8192 32768 --out memory.json
     python benchmarks/bounded_memory.py runs/long-context --chunk 0 --models student   # the prompt in one piece
@@ -22,6 +22,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 
 MIB = 2 ** 20
 
@@ -64,7 +65,9 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
     memory.start()
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
+        start = time.perf_counter()
         logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache)).logits
+        prefill_s = time.perf_counter() - start
         after_prompt = cache_bytes(cache)
         peak = memory.above()
         token = logits[:, -1].argmax(-1, keepdim=True)
@@ -73,7 +76,7 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
             token = logits[:, -1].argmax(-1, keepdim=True)
     return {"model": kind, "length": length, "new_tokens": new_tokens, "chunk": chunk if kind == "student" else 0,
             "cache_after_prompt_mib": after_prompt / MIB, "cache_after_generation_mib": cache_bytes(cache) / MIB,
-            "prefill_peak_mib": peak / MIB}
+            "prefill_peak_mib": peak / MIB, "prefill_s": prefill_s}
 
 
 def measure_export(folder: str, length: int, new_tokens: int) -> dict:
