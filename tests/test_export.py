@@ -94,8 +94,9 @@ def make_student(family: str, folder: Path, base: Path, **arch):
     model = tiny_model(family)
     layers = arch.pop("layers", [0, 1, 2])
     kept = Kept(**arch.pop("kept", {}))
+    exact = arch.pop("exact_heads", ())
     spec = StudentSpec(base_model=str(base), dims=[5, 12, 7], layers=layers, attention=Attention(**arch), kept=kept,
-                       seed=4, base=fingerprint(model))
+                       seed=4, base=fingerprint(model), exact_heads=exact)
     build(model, spec)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -131,7 +132,10 @@ def exported(tmp_path_factory, model_dirs, corpus):
                                ("llama-hedgehog-decay-conv", "llama", {"feature": "hedgehog", "decay": "head",
                                                                       "conv": 2, "window": 0, "sink": 0}),
                                ("llama-select", "llama", {"window": 4, "sink": 1, "layers": [0, 2], "kept": {
-                                   "select": 2, "select_observe": 2, "select_pool": 1}})]:
+                                   "select": 2, "select_observe": 2, "select_pool": 1}}),
+                               ("llama-exact-heads", "llama", {"window": 4, "sink": 1, "exact_heads": ((0,), (), (1,)),
+                                                              "kept": {"select": 2, "select_observe": 2,
+                                                                       "select_pool": 1}})]:
         students[name] = tmp / f"student-{name}"
         refs[name] = reference(make_student(family, students[name], model_dirs[family], **arch))
     wide = load_student(students["llama-select"])[0]                  # read to 1024 tokens (the base: 256)
@@ -155,7 +159,7 @@ def exported(tmp_path_factory, model_dirs, corpus):
 
 
 CASES = ["llama-linear", "gpt2-window-sink", "gpt_neox-window-sink-softmax", "llama-hedgehog-decay-conv", "llama-select",
-         "llama-select-extended", "run-lora", "run-lora-merged", "run-lora-bfloat16"]
+         "llama-select-extended", "llama-exact-heads", "run-lora", "run-lora-merged", "run-lora-bfloat16"]
 
 
 def test_an_extended_export_reads_with_yarn(exported, capsys, text_file, tmp_path):
