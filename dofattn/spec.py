@@ -214,10 +214,6 @@ class StudentSpec:
         """Key/value heads kept exact inside the linear layers."""
         return sum(len(heads) for heads in self.exact_heads)
 
-    def exact_of(self, layer: int) -> tuple[int, ...]:
-        """The key/value heads of `layer` kept exact (none: ())."""
-        return self.exact_heads[layer] if self.exact_heads else ()
-
     @property
     def softmax_layers(self) -> list[int]:
         return [i for i in range(len(self.dims)) if i not in self.layers]

@@ -346,10 +346,11 @@ class WindowForms:
         teacher's kernel, the linear pairs as the features' with the parts' op arguments (`ops.window.window_logits`;
         `gain`: with the window's learned gain on the linear part)."""
         a, fmap = layer.attention, layer.feature_map
-        phi_q, q_scale = fmap.features(q if at is None else q[:, at], "query")
+        q_rows = q if at is None else q[:, at]
+        phi_q, q_scale = fmap.features(q_rows, "query")
         phi_k, k_scale = fmap.features(k, "key")
         sink = first_keys(None, k.shape[0], k.shape[1], a.sink, k.device) if a.sink else None
-        logits, _ = window_logits(q if at is None else q[:, at], k, phi_q, phi_k, q_scale,
+        logits, _ = window_logits(q_rows, k, phi_q, phi_k, q_scale,
                                   k_scale + layer.window.log_gain if gain else k_scale, fmap.scaling, a.window,
                                   sink_mask=sink, query_at=at, **layer.op_arguments(v))
         return torch.log_softmax(logits, -1).clamp_min(math.log(TINY)) if rows else logits

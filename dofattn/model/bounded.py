@@ -213,6 +213,8 @@ class HeadSplit:
         group = self.num_heads // self.num_kv_heads
         self.exact_q = tuple(h * group + g for h in self.exact for g in range(group))
         self.linear_q = tuple(h * group + g for h in self.linear for g in range(group))
+        side_by_side = self.exact_q + self.linear_q                   # the heads as `merge` receives them
+        self.order = tuple(side_by_side.index(h) for h in range(self.num_heads))
 
     def __repr__(self) -> str:
         return f"exact kv heads {list(self.exact)} of {self.num_kv_heads}"
@@ -225,15 +227,7 @@ class HeadSplit:
 
     def merge(self, exact: torch.Tensor, linear: torch.Tensor, dim: int) -> torch.Tensor:
         """The layer's output heads in order along `dim`, from the exact heads' and the linear heads' outputs."""
-        where = {h: (0, i) for i, h in enumerate(self.exact_q)} | {h: (1, i) for i, h in enumerate(self.linear_q)}
-        pieces, parts = [], (exact, linear)
-        for h in range(self.num_heads):
-            which, i = where[h]
-            if pieces and pieces[-1][0] == which and pieces[-1][2] == i:
-                pieces[-1][2] += 1                                   # the run goes on
-            else:
-                pieces.append([which, i, i + 1])
-        return torch.cat([parts[w].narrow(dim, a, b - a) for w, a, b in pieces], dim)
+        return take(torch.cat([exact, linear], dim), self.order, dim)
 
 
 def take(x: torch.Tensor, heads: tuple[int, ...], dim: int) -> torch.Tensor:
@@ -288,20 +282,15 @@ class BoundedSoftmax(nn.Module):
         layers = getattr(cache, "self_attention_cache", cache).layers
         slot = layers[layer_idx] if layer_idx < len(layers) else None
         B, _, T, _ = query.shape
-        if isinstance(slot, PromptKVLayer):
-            valid, queries = slot.valid, slot.queries
-        elif type(slot) is DynamicLayer and key.shape[2] == T:         # a sequence's first call
-            valid, queries = None, None
+        real = torch.ones(B, T, dtype=torch.bool, device=key.device) if new_valid is None else new_valid
+        if isinstance(slot, PromptKVLayer):                                # a chunk of an announced prompt
+            chosen = self.observed(slot, query, real)
+        elif type(slot) is DynamicLayer and key.shape[2] == T:             # a sequence's first call: its prompt
+            chosen = self.choose(last_keys(query.transpose(1, 2), self.kept.select_observe), key, value, real)
         else:
             return                        # bounded already, or a cache this layer did not start: nothing to choose
-        real = torch.ones(B, T, dtype=torch.bool, device=key.device) if new_valid is None else new_valid
-        valid = real if valid is None else torch.cat([valid, real], 1)
-        queries = query.transpose(1, 2) if queries is None else torch.cat([queries, query.transpose(1, 2)], 1)
-        queries = last_keys(queries, self.kept.select_observe)            # [B, ≤ observe, H, D]
-        if isinstance(slot, PromptKVLayer) and not slot.read():
-            slot.valid, slot.queries = valid, queries
-            return
-        layers[layer_idx] = self.choose(queries, key, value, valid)
+        if chosen is not None:
+            layers[layer_idx] = chosen
 
     def choose(self, queries: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                valid: torch.Tensor) -> BoundedKVLayer:

@@ -119,9 +119,9 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
     if exact_heads:
         check_exact_heads(exact_heads, tuple(layers), len(modules), kv_heads)
     param = next(model.parameters())
+    group = heads // kv_heads
     for i in layers:
         exact = exact_heads[i] if exact_heads else ()
-        group = heads // kv_heads
         linear = linear_layer(attention, heads - group * len(exact), kv_heads - len(exact), head_dim, dims[i],
                               modules[i].scaling, seed * 1000 + i)
         linear = linear.to(param.device).train(modules[i].training)
@@ -129,13 +129,10 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
         if exact:
             attach(modules[i], bounded=BoundedSoftmax(kept, attention, modules[i].scaling,
                                                       heads=HeadSplit(exact, kv_heads, heads)))
-    if kept.select:   # the kept softmax layers (not a model's own local ones): bounded after the prompt
-        bounded = bounded_layers(model.config, len(modules), layers, kept)
-        check_kept(attention, kept, len(bounded), sum(map(len, exact_heads)))
-        for i in bounded:
-            attach(modules[i], bounded=BoundedSoftmax(kept, attention, modules[i].scaling))
-    elif exact_heads:
-        check_kept(attention, kept, 0, sum(map(len, exact_heads)))
+    bounded = bounded_layers(model.config, len(modules), layers, kept)   # with kept.select: the kept softmax layers
+    check_kept(attention, kept, len(bounded), sum(map(len, exact_heads)))
+    for i in bounded:         # not a model's own local ones: bounded after the prompt
+        attach(modules[i], bounded=BoundedSoftmax(kept, attention, modules[i].scaling))
     install(model)
     return model
 
