@@ -4,7 +4,8 @@
     phi_q, phi_k = fmap(q, "query"), fmap(k, "key")                 # [B, T, H, M] each, float32
 
 Every map has its own parameters per head (directions, projections, weights: leading dim H); the feature dimension
-M is one per layer. Kinds:
+M is one per layer, or for `prf`/`performer` one per head (`head_dims`, each at most M: head h uses its
+first head_dims[h] features, the rest have exponent −inf, so feature 0, and 1/M becomes 1/head_dims[h]). Kinds:
 
 - `prf`: the paper's learned positive random features. With u = √s·x (s the layer's softmax scaling),
   φ_m(x) = exp(z_mᵀu − ‖u‖²/2 + ½·log α_m), so that φ(q)·φ(k)/M = (1/M)Σ_m α_m e^{z_mᵀu_q − ‖u_q‖²/2}
@@ -90,7 +91,9 @@ class FeatureMap(nn.Module):
         return phi, phi.new_zeros(shape)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
+        per_head = getattr(self, "head_dims", None)
+        return (f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
+                + (f", head_dims={per_head}" if per_head else ""))
 
 
 def _orthogonal_rows(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -106,10 +109,15 @@ class PositiveRandomFeatures(FeatureMap):
     """`prf` (learned) and `performer` (fixed orthogonal FAVOR+) positive random features."""
 
     def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float, learned: bool = True,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, head_dims: list[int] | tuple | None = None):
         super().__init__(num_heads, head_dim, dim, scaling)
-        counts = torch.full((num_heads,), float(dim))
-        self.register_buffer("log_dims", counts.log(), persistent=False)                              # [H]: log M
+        if head_dims is not None and (len(head_dims) != num_heads or min(head_dims) < 1 or max(head_dims) > dim):
+            raise UserError(f"head_dims must give each of the {num_heads} heads between 1 and {dim} features, "
+                            f"got {list(head_dims)}")
+        self.head_dims = None if head_dims is None else [int(d) for d in head_dims]
+        counts = torch.tensor(self.head_dims or [dim] * num_heads, dtype=torch.float32)
+        self.register_buffer("log_dims", counts.log(), persistent=False)                              # [H]: log M_h
+        self.register_buffer("active", torch.arange(dim)[None, :] < counts[:, None], persistent=False)  # [H, M]
         self.kind = "prf" if learned else "performer"
         g = generator or torch.Generator().manual_seed(0)
         if learned:
@@ -130,7 +138,7 @@ class PositiveRandomFeatures(FeatureMap):
         u = x.float() * math.sqrt(self.scaling)                                      # [B, T, H, D]
         proj = torch.einsum("bthd,hmd->bthm", u, self.directions.float())
         e = proj - 0.5 * u.square().sum(-1, keepdim=True) + 0.5 * self.log_weights.float()
-        return e
+        return e if self.head_dims is None else e.masked_fill(~self.active, -math.inf)
 
     def shift_calibrated(self) -> bool:
         """True if every head's key shift is finite. Read from the GPU once per change of the buffer (its version
@@ -150,7 +158,8 @@ class PositiveRandomFeatures(FeatureMap):
         w, lw = self.directions, self.log_weights
         key = (w.data_ptr(), w._version, lw.data_ptr(), lw._version, w.dtype, lw.dtype)
         if self._prf is None or self._prf[0] != key:
-            counts = torch.tensor([self.dim] * self.num_heads, dtype=torch.int32, device=w.device)
+            counts = torch.tensor(self.head_dims or [self.dim] * self.num_heads, dtype=torch.int32,
+                                  device=w.device)
             self._prf = key, (w.detach().float().contiguous(), lw.detach().float().contiguous(), counts)
         return PRFMap(*self._prf[1], self.key_shift, self.scaling, self.dim)
 
@@ -252,13 +261,16 @@ def estimates_kernel(kind: str) -> bool:
 
 
 def make_feature_map(kind: str, num_heads: int, head_dim: int, dim: int, scaling: float,
-                     seed: int = 0) -> FeatureMap:
-    """A fresh feature map of `kind` (one of FEATURES) for one layer."""
+                     seed: int = 0, head_dims: list[int] | tuple | None = None) -> FeatureMap:
+    """A fresh feature map of `kind` (one of FEATURES) for one layer; `head_dims` (prf, performer) gives each head
+    its own number of features, at most `dim`."""
     g = torch.Generator().manual_seed(seed)
-    if kind == "prf":
-        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=True, generator=g)
-    if kind == "performer":
-        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=False, generator=g)
+    if head_dims is not None and kind not in ("prf", "performer"):
+        raise UserError(f"per-head feature dims (student.dims = \"dof-head\") need prf or performer features, "
+                        f"not {kind!r}")
+    if kind in ("prf", "performer"):
+        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=kind == "prf", generator=g,
+                                      head_dims=head_dims)
     if kind == "hedgehog":
         return HedgehogFeatures(num_heads, head_dim, dim, scaling, generator=g)
     if kind == "dijiang":

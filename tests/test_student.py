@@ -129,19 +129,6 @@ def test_student_file_holds_only_trained_state(tmp_path, model_dirs):
         "feature_map.directions", "feature_map.log_weights", "feature_map.key_shift", "window.log_gain"}
 
 
-def test_per_head_dims_are_gone():
-    """Per-head feature counts were built but never saved (non-persistent masks): a student built with them reloaded
-    as another model. They are gone: linearize takes no head_dims, and a feature map has none."""
-    import inspect
-
-    from dofattn.features import make_feature_map
-
-    assert "head_dims" not in inspect.signature(linearize).parameters
-    assert "head_dims" not in inspect.signature(make_feature_map).parameters
-    with pytest.raises(TypeError):
-        linearize(tiny_model("llama"), [4, 4, 4], head_dims=[[4] * 4] * 3)
-
-
 def test_older_student_folders_load_or_fail_clearly(tmp_path, model_dirs):
     """A schema-1 dofattn.json (decay and gate as flags, no schema field) loads as the same student; one with
     per-head dims, which a spec no longer holds, is refused with what to do."""

@@ -27,7 +27,7 @@ from dofattn.errors import UserError
 from dofattn.model.hf import context_length
 from dofattn.io import write_atomic
 from dofattn.ops.softmax import attention_logits, expand_kv
-from dofattn.recipe import Recipe
+from dofattn.recipe import DOF_DIMS, Recipe
 from dofattn.spec import StudentSpec
 from dofattn.model.student import attention_modules, build, global_layers, head_layout
 
@@ -166,13 +166,15 @@ def _once(path: Path, compute) -> str:
     return path.read_text()
 
 
-def dims(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
-    """Features per layer for `student.dims`."""
+def dims(recipe: Recipe, model, tokenizer, out: Path) -> tuple[list[int], list[list[int]]]:
+    """(features per layer, features per query head of each layer or [] for none) for `student.dims`. dof-head: the
+    DoF allocation over all heads (`dof.allocate_dims`' head_dims, mean = head size), each layer computing its
+    largest head's count."""
     from dofattn.data import token_blocks
 
     rule, model_name = recipe.student.dims, recipe.run.model
-    if rule not in ("dof", "clip"):
-        return resolve_dims(rule, model, model_name)
+    if rule not in DOF_DIMS:
+        return resolve_dims(rule, model, model_name), []
 
     def estimate() -> str:
         blocks = token_blocks(recipe.run.data, tokenizer, DOF_SEQ_LEN, DOF_BLOCKS, split="train",
@@ -184,7 +186,11 @@ def dims(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
             print(f"WARNING: {warning}", flush=True)
         return result.to_json()
 
-    return resolve_dims(DofResult.from_json(_once(out / "dof.json", estimate)).dims, model, model_name)
+    result = DofResult.from_json(_once(out / "dof.json", estimate))
+    if rule != "dof-head":
+        return resolve_dims(result.dims, model, model_name), []
+    head_dims = [layer.head_dims for layer in result.layers]
+    return resolve_dims([max(heads) for heads in head_dims], model, model_name), head_dims
 
 
 def softmax_layers(recipe: Recipe, model, tokenizer, out: Path, candidates: list[int]) -> list[int]:

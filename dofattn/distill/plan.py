@@ -45,7 +45,7 @@ from dofattn.distill.costs import fake_model, meta_model
 from dofattn.dof import spans
 from dofattn.errors import UserError
 from dofattn.memory import available_memory
-from dofattn.recipe import Recipe
+from dofattn.recipe import DOF_DIMS, Recipe
 
 GIB = 1024 ** 3
 
@@ -237,7 +237,7 @@ def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[
     from dofattn.distill.choose import resolve_dims
 
     rule = recipe.student.dims
-    if rule in ("dof", "clip"):      # mean = head size over all layers (Algorithm 1's budget); clip only lowers it
+    if rule in DOF_DIMS:      # mean = head size over all layers (Algorithm 1's budget); clip only lowers it
         return None, float(head_dim)
     dims = resolve_dims(rule, model, recipe.run.model)
     return dims, sum(dims[i] for i in linear) / len(linear)
@@ -250,7 +250,7 @@ def plan_tokens(recipe: Recipe, config, world: int) -> Tokens:
     from dofattn.model.hf import context_length
 
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
-    dof = DOF_BLOCKS * DOF_SEQ_LEN if s.dims in ("dof", "clip") else 0
+    dof = DOF_BLOCKS * DOF_SEQ_LEN if s.dims in DOF_DIMS else 0
     choice = 0
     context = context_length(config)                      # as choose sizes the copy probe and the far mass
     if s.keep_softmax_by == "copy" and s.keep_softmax or s.exact_heads_by == "copy" and s.exact_heads:
@@ -336,9 +336,11 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
                     gathered=gathered * phase, activations=step.activations, recompute=step.backward,
                     loss=step.loss, whole_model=sum(p.nbytes for p in base))
     notes = []
-    if s.dims in ("dof", "clip"):
+    if s.dims in DOF_DIMS:
         notes.append("feature dims come from the DoF stage at run time; the student's size is at the budget's mean"
-                     + (" (clip can only lower it)" if s.dims == "clip" else ""))
+                     + (" (clip can only lower it)" if s.dims == "clip" else "")
+                     + (" (dof-head: each layer computes its largest head's count, more than the mean)"
+                        if s.dims == "dof-head" else ""))
     if s.keep_softmax:
         notes.append(f"the {s.keep_softmax} softmax layers are chosen at run time (by {s.keep_softmax_by}); the "
                      f"plan takes them as the last layers")

@@ -13,7 +13,7 @@ from dofattn.distill.layerwise import layerwise
 from dofattn.distill.teacher import TeacherStream
 from dofattn.distill.world import barrier, join, world
 from dofattn.evaluate import compare, perplexity
-from dofattn.recipe import Recipe
+from dofattn.recipe import DOF_DIMS, Recipe
 from dofattn.spec import Attention
 from dofattn.distill.choose import linear_layers, resolve_dims
 
@@ -115,7 +115,7 @@ def run(cfg: DistillConfig, progress=None) -> dict:
 
     model, tokenizer = load_model(r.run.model, dtype=parse_dtype(r.run.dtype), device=device)
     num_layers = len(attention_modules(model))
-    if r.student.dims not in ("dof", "clip"):      # a bad fix:C or another model's dof.json leaves no run folder
+    if r.student.dims not in DOF_DIMS:      # a bad fix:C or another model's dof.json leaves no run folder
         resolve_dims(r.student.dims, model, r.run.model)
     candidates = linear_layers(r, model, [])   # all, or (local_layers = keep) all but sliding-window ones
     # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
@@ -125,14 +125,14 @@ def run(cfg: DistillConfig, progress=None) -> dict:
         return finished
 
     stage.begin("dof")
-    dims = choose.dims(r, model, tokenizer, out)
+    dims, head_dims = choose.dims(r, model, tokenizer, out)
     stage.begin("softmax_choice")
     chosen = choose.softmax_layers(r, model, tokenizer, out, candidates)
     linear = linear_layers(r, model, chosen)
     exact = choose.exact_heads(r, model, tokenizer, out, linear)
     stage.begin("setup")                           # the student built: setup goes on
     kept = [i for i in range(num_layers) if i not in candidates or i in chosen]
-    spec = r.student_spec(dims, linear, base=fingerprint(model), exact_heads=exact)
+    spec = r.student_spec(dims, linear, base=fingerprint(model), exact_heads=exact, head_dims=head_dims)
     build(model, spec)
     for name, p in model.named_parameters():       # only the student's tensors ever train
         p.requires_grad_(is_student_tensor(name))

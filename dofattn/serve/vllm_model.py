@@ -72,6 +72,9 @@ def student_spec(hf_config) -> StudentSpec:
     if spec.exact_heads:
         raise ValueError("dofattn's vLLM plugin does not serve exact heads inside linear layers (student.exact_heads) "
                          "yet: serve it with HF generate, or distill a student with whole kept layers")
+    if spec.head_dims:
+        raise ValueError("dofattn's vLLM plugin does not serve per-head feature dims (student.dims = \"dof-head\"): "
+                         "serve it with HF generate")
     return spec
 
 
