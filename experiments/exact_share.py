@@ -11,7 +11,9 @@ no exact head and no bound, `student.select = 0`). The stages, each skipped wher
     eval8k    dofattn eval on 4 validation blocks of 8 K, by position (eval-8k.json: the 4-8 K bucket)
     niah      RULER niah_single_1 at 4 K and 8 K, 25 prompts each (niah.json)
     read32k   benchmarks/bounded_memory.py at 32 K: the state after the prompt, the read's time and peak (read-32k.json)
-`--gather` writes one JSON row per run folder found under OUT, with whatever its stages wrote.
+`--gather FILE` writes one JSON row per run folder found under OUT, with whatever its stages wrote, and beside it
+FILE's table (.md: one row per run, the figures of the curve) and figure (.png: validation and the 4-8 K bucket over
+the teacher's, and RULER where measured, against the exact share).
 """
 
 from __future__ import annotations
@@ -61,6 +63,68 @@ def gather(out: Path) -> list[dict]:
     return rows
 
 
+def summary(row: dict) -> dict:
+    """The curve's figures of one gathered row (None where its stage has not run)."""
+    log, e8, niah, read = (row.get(k) for k in ("log", "eval-8k", "niah", "read-32k"))
+    out = {"share": row["share"], "by": row["by"], "valid": None, "bucket_4_8k": None, "worst_bucket": None,
+           "niah_4k": None, "niah_8k": None, "state_mib": None, "read_32k_s": None, "read_32k_peak_mib": None}
+    if log and log.get("evaluation", {}).get("student_vs_teacher"):
+        out["valid"] = log["evaluation"]["student_vs_teacher"]
+    if e8:
+        ratios = e8["by_position"]["ratio"]
+        out["bucket_4_8k"], out["worst_bucket"] = ratios[-1], max(ratios)
+    if niah:
+        acc = niah["tasks"]["niah_single_1"]
+        out["niah_4k"], out["niah_8k"] = acc.get("4096"), acc.get("8192")
+    if read:
+        r = read["rows"][0]
+        out["state_mib"], out["read_32k_s"], out["read_32k_peak_mib"] = (r["cache_after_prompt_mib"], r["prefill_s"],
+                                                                         r["prefill_peak_mib"])
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    def f(x, fmt, unit=""):
+        return "–" if x is None else format(x, fmt) + unit
+
+    lines = ["| exact share (kv heads) | by | validation × teacher | 4–8 K × teacher | worst bucket | RULER 4 K | "
+             "RULER 8 K | state after the prompt | 32 K read | its peak |", "|" + "---|" * 2 + "---:|" * 8]
+    for r in sorted(map(summary, rows), key=lambda r: (r["share"], r["by"])):
+        lines.append(f"| {r['share']:.0%} ({round(r['share'] * 90)}) | {r['by'] if r['share'] else '–'} | "
+                     f"{f(r['valid'], '.3f')} | {f(r['bucket_4_8k'], '.2f')} | {f(r['worst_bucket'], '.2f')} | "
+                     f"{f(r['niah_4k'], '.0%')} | {f(r['niah_8k'], '.0%')} | {f(r['state_mib'], '.1f', ' MiB')} | "
+                     f"{f(r['read_32k_s'], '.0f', ' s')} | {f(r['read_32k_peak_mib'], '.0f', ' MiB')} |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sorted(map(summary, rows), key=lambda r: r["share"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for by, marker in (("copy", "o"), ("mass", "s")):
+        mine = [r for r in points if r["by"] == by or r["share"] == 0]
+        for key, color, label in (("valid", "tab:blue", "validation (512)"), ("bucket_4_8k", "tab:red", "4–8 K")):
+            xy = [(100 * r["share"], r[key]) for r in mine if r[key] is not None]
+            if len(xy) > 1 or any(r["by"] == by and r["share"] for r in mine if r[key] is not None):
+                left.plot(*zip(*xy), marker=marker, color=color, label=f"{label}, {by}")
+        for key, color in (("niah_4k", "tab:green"), ("niah_8k", "tab:purple")):
+            xy = [(100 * r["share"], r[key]) for r in mine if r[key] is not None]
+            if xy:
+                right.plot(*zip(*xy), marker=marker, color=color, label=f"{key[5:]}, {by}")
+    left.axhline(1.05, color="gray", ls="--", lw=1)
+    left.axhline(1.15, color="gray", ls=":", lw=1)
+    left.set(xlabel="key/value heads exact (%)", ylabel="perplexity × teacher", title="quality against exact share")
+    right.set(xlabel="key/value heads exact (%)", ylabel="RULER niah_single_1", ylim=(0, 1.05), title="recall")
+    for ax in (left, right):
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
@@ -71,7 +135,10 @@ def main() -> None:
     parser.add_argument("--gather", type=Path, help="write the rows found under OUT to this JSON and stop")
     args = parser.parse_args()
     if args.gather:
-        args.gather.write_text(json.dumps(gather(args.out), indent=1))
+        rows = gather(args.out)
+        args.gather.write_text(json.dumps(rows, indent=1))
+        args.gather.with_suffix(".md").write_text(table(rows))
+        figure(rows, args.gather.with_suffix(".png"))
         return
     for share in args.shares:
         for by in (args.by if share else ["copy"]):
