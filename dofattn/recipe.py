@@ -38,7 +38,6 @@ LEFT = {"student.delta": (False,), "end_to_end.carry": (0,), "layerwise.rows_by"
 LOSSES = ("softmax", "l2")
 DTYPES = ("float32", "bfloat16", "auto")
 KEEP_BY = ("dof", "copy")
-EXACT_BY = ("copy", "mass")
 LOCAL = ("keep", "linearize")
 DOF_DIMS = ("dof", "clip", "dof-head")   # student.dims rules the DoF stage decides at run time
 
@@ -71,11 +70,8 @@ class Student:
                                   choices=KEEP_BY)
     exact_heads: float = option(0.0, "keep this many key/value heads exact inside the linear layers (a count >= 1, or "
                                    "a share < 1 of the model's key/value heads), their query heads with them, "
-                                   "chosen by exact_heads_by and bounded after the prompt as the kept layers are "
-                                   "(student.select); the other heads of their layers linear (0: none)")
-    exact_heads_by: str = option("copy", "which heads exact_heads keeps: copy (those that copy most from far back on "
-                                         "the copy probe) or mass (those whose attention puts the most weight beyond "
-                                         "the window and the sink on long training blocks)", choices=EXACT_BY)
+                                   "those that copy most on the copy probe, bounded after the prompt as kept layers "
+                                   "are (student.select); the other heads of their layers linear (0: none)")
     local_layers: str = option("keep", "the model's own sliding-window layers (Gemma 2/3, Mistral): keep (exact, as "
                                        "they are bounded already) or linearize (like the rest)", choices=LOCAL)
     lora_rank: int = option(0, "LoRA adapters of this rank, trained in the end-to-end phase (0: none)")

@@ -1,11 +1,11 @@
 """Quality and cost against the share of key/value heads kept exact inside linear layers (issue 67's curve).
 
     python3 experiments/exact_share.py runs/exact --shares 0 0.02 0.05 0.1 0.2 0.4 --by copy --stages distill eval8k
-    python3 experiments/exact_share.py runs/exact --shares 0.1 --by copy mass --stages distill eval8k   # copy vs mass
     python3 experiments/exact_share.py runs/exact --gather docs/results/exact-share.json
 
 Each (share, measure) is the default recipe (`long-context`) with no whole layer kept (`student.keep_softmax = 0`)
-and `student.exact_heads = SHARE` chosen by `student.exact_heads_by = BY`, trained into OUT/share-SHARE-BY (share 0:
+and `student.exact_heads = SHARE` (chosen by the copy probe; BY = mass ran before that choice left the package, its
+rows stay in docs/results/exact-share.json), trained into OUT/share-SHARE-BY (share 0:
 no exact head and no bound, `student.select = 0`). The stages, each skipped where its file exists:
     distill   dofattn distill (the run's log.json: validation perplexity over the teacher's on 8 blocks of 512)
     eval8k    dofattn eval on 4 validation blocks of 8 K, by position (eval-8k.json: the 4-8 K bucket)
@@ -34,7 +34,7 @@ def folder(out: Path, share: float, by: str) -> Path:
 def stages(run: Path, share: float, by: str) -> dict[str, tuple[Path, list[str]]]:
     """stage -> (the file it writes, its command)."""
     dofattn = [sys.executable, "-m", "dofattn"]
-    sets = (["student.keep_softmax=0", f"student.exact_heads={share}", f"student.exact_heads_by={by}"] if share
+    sets = (["student.keep_softmax=0", f"student.exact_heads={share}"] if share
             else ["student.keep_softmax=0", "student.select=0"])
     distill = [*dofattn, "distill", "--out", str(run), *[a for s in sets for a in ("--set", s)]]
     return {
@@ -129,7 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--shares", type=float, nargs="+", default=[0.1])
-    parser.add_argument("--by", nargs="+", default=["copy"], choices=["copy", "mass"])
+    parser.add_argument("--by", nargs="+", default=["copy"], choices=["copy"])
     parser.add_argument("--stages", nargs="+", default=["distill", "eval8k"],
                         choices=["distill", "eval8k", "niah", "read32k"])
     parser.add_argument("--gather", type=Path, help="write the rows found under OUT to this JSON and stop")

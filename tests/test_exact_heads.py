@@ -230,18 +230,6 @@ def test_the_heads_chosen_are_the_best_scored_with_one_linear_head_left(tmp_path
     assert exact_count(0.1, 3, 30) == 9 and exact_count(0.001, 3, 30) == 1 and exact_count(9.0, 3, 30) == 9
 
 
-def test_far_mass_is_the_weight_beyond_the_window():
-    """Every query's weight on the linear pairs, between 0 and 1; none where the window covers the block."""
-    from dofattn.distill.choose import far_mass
-
-    model = tiny()
-    blocks = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(11))
-    mass = torch.tensor(far_mass(model, blocks, Attention(window=4, sink=1), progress=False))
-    assert mass.shape == (3, 8) and (mass > 0).all() and (mass < 1).all()
-    assert torch.equal(torch.tensor(far_mass(model, blocks, Attention(window=2, sink=0), progress=False)) >= mass,
-                       torch.ones(3, 8, dtype=torch.bool))           # a smaller window leaves more beyond it
-
-
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2",
                                     "gpt2", "gpt_neox"])
 def test_every_family_runs_exact_heads(family):

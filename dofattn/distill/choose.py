@@ -232,26 +232,6 @@ def estimate_copy(recipe: Recipe, model, tokenizer) -> str:
 
 # --- which heads stay exact inside linear layers --------------------------------------------------------------------
 
-MASS_SEQ_LEN = 2048   # tokens per block of the far-mass measure (at most the model's context)
-MASS_BLOCKS = 4
-
-
-def far_mass(model, blocks: torch.Tensor, attention, progress: bool = True) -> list[list[float]]:
-    """Per layer and query head [L][H], the teacher's softmax weight on the pairs a linear layer of `attention` (a
-    `spec.Attention`) leaves to its linear branch (beyond the window, not the sink: `linear_pairs`), averaged over
-    the queries that have such pairs, on `blocks` [N, T]. What a head loses where the linear branch is poor; unlike
-    the copy probe it reads real text, and sees any far attention, not only copying."""
-
-    def mass(x) -> torch.Tensor:
-        T = x.query.shape[1]
-        far = attention.linear_pairs(T, x.query.device)                                  # [T, T]
-        rows = far.any(-1)
-        weights = attention_logits(x.query, expand_kv(x.key, x.num_heads), x.scaling).softmax(-1)   # [B, H, T, T]
-        return (weights * far).sum(-1)[..., rows].mean(-1)                                # [B, H]
-
-    return per_head(model, blocks, mass, "far mass", progress)
-
-
 def exact_count(share: float, num_kv_heads: int, num_layers: int) -> int:
     """Key/value heads `student.exact_heads` keeps: a count as it is, a share < 1 of all of them rounded (at least
     one)."""
@@ -276,12 +256,10 @@ def stand_in_exact_heads(recipe: Recipe, model, linear: list[int]) -> list[list[
 
 
 def exact_heads(recipe: Recipe, model, tokenizer, out: Path, linear: list[int]) -> list[list[int]]:
-    """Per layer, the key/value heads `student.exact_heads` keeps exact: of the `linear` layers' heads, those with
-    the highest score of `student.exact_heads_by` (a key/value head scores as the best of its query heads; ties: the
-    earlier layer, then head): copy, the copy probe (`copy_scores.json`); mass, the far mass (`far_mass.json`). A
-    layer keeps at least one head linear; a head past that is passed over. [] where it keeps none."""
-    from dofattn.data import token_blocks
-
+    """Per layer, the key/value heads `student.exact_heads` keeps exact: of the `linear` layers' heads, those that
+    copy most on the copy probe (`copy_scores.json`; a key/value head scores as the best of its query heads; ties:
+    the earlier layer, then head). A layer keeps at least one head linear; a head past that is passed over. [] where
+    it keeps none. (The teacher's attention mass beyond the window chose worse heads: docs/log, issue 67.)"""
     s = recipe.student
     heads, kv_heads, _ = head_layout(model)
     num_layers = len(attention_modules(model))
@@ -289,18 +267,7 @@ def exact_heads(recipe: Recipe, model, tokenizer, out: Path, linear: list[int]) 
     if not count:
         return []
 
-    def estimate_mass() -> str:
-        context = context_length(model.config)
-        seq_len = min(MASS_SEQ_LEN, context) if context else MASS_SEQ_LEN
-        blocks = token_blocks(recipe.run.data, tokenizer, seq_len, MASS_BLOCKS, split="train", seed=recipe.run.seed)
-        scores = far_mass(model, blocks, s.attention, progress=True)
-        return json.dumps({"window": s.attention.window, "sink": s.attention.sink, "blocks": len(blocks),
-                           "seq_len": blocks.shape[1], "heads": scores}, indent=2)
-
-    if s.exact_heads_by == "copy":
-        scores = json.loads(_once(out / "copy_scores.json", lambda: estimate_copy(recipe, model, tokenizer)))["heads"]
-    else:
-        scores = json.loads(_once(out / "far_mass.json", estimate_mass))["heads"]
+    scores = json.loads(_once(out / "copy_scores.json", lambda: estimate_copy(recipe, model, tokenizer)))["heads"]
     group = heads // kv_heads
     score = {(i, h): max(scores[i][h * group:(h + 1) * group]) for i in linear for h in range(kv_heads)}
     chosen = [[] for _ in range(num_layers)]

@@ -244,21 +244,18 @@ def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[
 
 
 def plan_tokens(recipe: Recipe, config, world: int) -> Tokens:
-    from dofattn.distill.choose import (ATTENTION_DOF_BLOCKS, ATTENTION_DOF_SEQ_LEN, COPY_BLOCKS, COPY_SEQ_LEN,
-                                        MASS_BLOCKS, MASS_SEQ_LEN)
+    from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, ATTENTION_DOF_SEQ_LEN, COPY_BLOCKS, COPY_SEQ_LEN
     from dofattn.dof import DOF_BLOCKS, DOF_SEQ_LEN
     from dofattn.model.hf import context_length
 
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
     dof = DOF_BLOCKS * DOF_SEQ_LEN if s.dims in DOF_DIMS else 0
     choice = 0
-    context = context_length(config)                      # as choose sizes the copy probe and the far mass
-    if s.keep_softmax_by == "copy" and s.keep_softmax or s.exact_heads_by == "copy" and s.exact_heads:
+    context = context_length(config)                      # as choose sizes the copy probe
+    if s.keep_softmax_by == "copy" and s.keep_softmax or s.exact_heads:
         choice = COPY_BLOCKS * (min(COPY_SEQ_LEN, context) if context else COPY_SEQ_LEN)
     elif s.keep_softmax:
         choice = ATTENTION_DOF_BLOCKS * min(recipe.eval.seq_len, ATTENTION_DOF_SEQ_LEN)
-    if s.exact_heads and s.exact_heads_by == "mass":
-        choice += MASS_BLOCKS * (min(MASS_SEQ_LEN, context) if context else MASS_SEQ_LEN)
     return Tokens(dof_sample=dof, softmax_choice=choice,
                   layerwise_teacher=lw.blocks * lw.seq_len if lw.steps else 0,
                   layerwise_training=lw.steps * lw.batch_size * lw.seq_len,
@@ -345,8 +342,8 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
         notes.append(f"the {s.keep_softmax} softmax layers are chosen at run time (by {s.keep_softmax_by}); the "
                      f"plan takes them as the last layers")
     if exact:
-        notes.append(f"the {sum(map(len, exact))} exact key/value heads are chosen at run time (by "
-                     f"{s.exact_heads_by}); the plan takes the first heads of the last linear layers")
+        notes.append(f"the {sum(map(len, exact))} exact key/value heads are chosen at run time (by the copy "
+                     f"probe); the plan takes the first heads of the last linear layers")
     plan = Plan(recipe=recipe.name, model=recipe.run.model, model_type=config.model_type,
                 parameters=sum(p.numel() for p in base), student_parameters=sum(p.numel() for p in trained),
                 layers=layers, tokens=plan_tokens(recipe, config, W),
