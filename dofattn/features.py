@@ -36,6 +36,7 @@ from dofattn.errors import UserError
 from dofattn.ops.prf import PRFMap
 
 FEATURES = ("prf", "performer", "hedgehog", "dijiang")
+PER_HEAD = ("prf", "performer")   # the kinds whose maps take per-head dims (`head_dims`)
 MAX_KEY_EXCESS = 30.0  # e^30 · 1e6 tokens stays far inside float32
 
 
@@ -55,6 +56,7 @@ class FeatureMap(nn.Module):
         if dim < 1:
             raise UserError(f"feature dimension must be >= 1, got {dim}")
         self.num_heads, self.head_dim, self.dim, self.scaling = num_heads, head_dim, dim, float(scaling)
+        self.head_dims: list[int] | None = None      # features per head, where each head has its own (`PER_HEAD`)
 
     @property
     def estimates_kernel(self) -> bool:
@@ -91,9 +93,8 @@ class FeatureMap(nn.Module):
         return phi, phi.new_zeros(shape)
 
     def extra_repr(self) -> str:
-        per_head = getattr(self, "head_dims", None)
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
-                + (f", head_dims={per_head}" if per_head else ""))
+                + (f", head_dims={self.head_dims}" if self.head_dims else ""))
 
 
 def _orthogonal_rows(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -265,7 +266,7 @@ def make_feature_map(kind: str, num_heads: int, head_dim: int, dim: int, scaling
     """A fresh feature map of `kind` (one of FEATURES) for one layer; `head_dims` (prf, performer) gives each head
     its own number of features, at most `dim`."""
     g = torch.Generator().manual_seed(seed)
-    if head_dims is not None and kind not in ("prf", "performer"):
+    if head_dims is not None and kind not in PER_HEAD:
         raise UserError(f"per-head feature dims (student.dims = \"dof-head\") need prf or performer features, "
                         f"not {kind!r}")
     if kind in ("prf", "performer"):

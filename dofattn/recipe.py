@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from dofattn.errors import UserError
-from dofattn.features import estimates_kernel
+from dofattn.features import PER_HEAD, estimates_kernel
 from dofattn.options import option
 from dofattn.spec import LORA_TARGETS, Attention, Kept, StudentSpec, check_kept, check_lora
 
@@ -398,7 +398,7 @@ def validate(recipe: Recipe) -> None:
     dims = s.dims
     if not (dims in (*DOF_DIMS, "fix") or dims.startswith("fix:") or dims.endswith(".json")):
         raise UserError(f"student.dims = {dims!r}; use dof, clip, dof-head, fix, fix:C or a dof.json file")
-    if dims == "dof-head" and a.feature not in ("prf", "performer"):
+    if dims == "dof-head" and a.feature not in PER_HEAD:
         raise UserError(f"student.dims = \"dof-head\" needs prf or performer features, not "
                         f"student.feature = {a.feature!r}")
     at_least = {"layerwise.batch_size": 1, "layerwise.seq_len": 2, "layerwise.blocks": 1, "end_to_end.batch_size": 1,

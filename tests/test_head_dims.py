@@ -21,7 +21,7 @@ from dofattn.model.hf import attention_modules
 from dofattn.model.install import attention_forward
 from dofattn.model.student import linearize
 from dofattn.spec import Attention, Kept, StudentSpec
-from tests.test_exact_heads import ATTENTION, logits_as_generated, tiny
+from tests.test_exact_heads import logits_as_generated, saved_and_exported, tiny
 
 COUNTS = (3, 7, 1, 5, 6, 2, 7, 4)        # features per query head of an 8-head layer of 7 features
 
@@ -103,29 +103,11 @@ def test_generation_and_static_decoding_are_the_forward():
 
 
 def test_save_load_and_export_keep_the_head_dims(tmp_path, tokenizer):
-    from dofattn.jobs.export import ExportConfig, run as export
-    from dofattn.model.exported import load_any
-    from dofattn.model.student import fingerprint, load_student, save_student
-
-    model = per_head()
-    base = tmp_path / "base"
-    tiny().save_pretrained(base)
-    tokenizer.save_pretrained(base)
     head_dims = (COUNTS, tuple(reversed(COUNTS)), (7,) * 8)
-    spec = StudentSpec(base_model=str(base), dims=(7,) * 3, layers=(0, 1, 2), attention=Attention(window=3, sink=1),
-                       seed=1, base=fingerprint(model), head_dims=head_dims)
-    assert any("own share" in line for line in spec.describe())
-    save_student(model, tmp_path / "student", spec)
-    loaded, _, again = load_student(tmp_path / "student")
+    spec = dict(dims=(7,) * 3, layers=(0, 1, 2), attention=Attention(window=3, sink=1), seed=1, head_dims=head_dims)
+    assert any("own share" in line for line in StudentSpec(base_model="x", **spec).describe())
+    again = saved_and_exported(per_head(), tmp_path, tokenizer, **spec)
     assert again.head_dims == head_dims
-    ids = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(10))
-    with torch.no_grad():
-        want = model(ids).logits
-        torch.testing.assert_close(loaded(ids).logits, want, rtol=1e-5, atol=1e-5)
-    export(ExportConfig(model=str(tmp_path / "student"), out=str(tmp_path / "export")))
-    exported, _, _ = load_any(tmp_path / "export")
-    with torch.no_grad():
-        torch.testing.assert_close(exported(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_run_takes_each_layers_largest_head_and_every_heads_count(tmp_path):

@@ -122,7 +122,7 @@ def after_loading(loaded):
     for module in model.modules():
         if isinstance(module, FeatureMap) and module._non_persistent_buffers_set:
             fresh = make_feature_map(module.kind, module.num_heads, module.head_dim, module.dim, module.scaling,
-                                     head_dims=getattr(module, "head_dims", None))
+                                     head_dims=module.head_dims)
             for name in module._non_persistent_buffers_set:
                 setattr(module, name, getattr(fresh, name).to(getattr(module, name).device))
     install(model)
