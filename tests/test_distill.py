@@ -346,7 +346,7 @@ def other_model_dims(folder: Path) -> Path:
     (["layerwise.loss=l2", "student.feature=hedgehog"], "layerwise.loss = 'l2' compares kernel values"),
     (["student.dims={other_dims}"], "was computed for model 'other'"),
     (["student.dims=fix:0"], "bad --dims 'fix:0'"),
-    (["student.dims=linear-dof"], "student.dims = 'linear-dof'; use dof, clip, fix, fix:C or a dof.json file"),
+    (["student.dims=linear-dof"], "student.dims = 'linear-dof'; use dof, clip, dof-head, fix, fix:C or a dof.json file"),
     (["student.dims={tmp}/missing.json"], "does not exist"),
     (["end_to_end.cooldown_steps=-1"], "end_to_end.cooldown_steps = -1: give >= 0"),
     (["end_to_end.steps=2", "end_to_end.cooldown_steps=3"], "longer than the phase (end_to_end.steps = 2)"),
