@@ -4,8 +4,9 @@ tokens, and every prompt and generated token's log-probability as HF gives them:
 prefill), requests preempted and recomputed; and vLLM's OpenAI-compatible server answers as HF generates. The
 students (Llama): window + sink + decay linear layers with PRF features and one softmax layer kept on vLLM's paged
 cache; every layer pure linear with a gate, a short convolution and Hedgehog features; the default recipe's form, its
-kept layer bounded after the prompt; students of Qwen2, Qwen3 and Mistral; and one exported to read past its base
-model's context with YaRN (`--extend-to`).
+kept layer bounded after the prompt; a student whose linear layers keep some key/value heads exact (bounded after
+the prompt) and give each query head its own count of features; students of Qwen2, Qwen3 and Mistral; and one
+exported to read past its base model's context with YaRN (`--extend-to`).
 
 Runs where vllm imports and dofattn's `vllm.general_plugins` entry point is installed (the serving virtualenv); vLLM
 runs in a subprocess (it spawns its engine and worker), with a 1 GiB KV cache.
@@ -84,11 +85,16 @@ BOUNDED = ([0, 2], Attention(feature="prf", window=8, sink=2), Kept(select=4))
 STUDENTS = {"hybrid": ("llama", *HYBRID),
             "conv": ("llama", [0, 1, 2], Attention(feature="hedgehog", window=0, sink=0, decay="gate", conv=3), Kept()),
             "bounded": ("llama", *BOUNDED),
+            # every layer linear, 2 kv heads of 4 query heads: layer 0 keeps kv head 1 exact, layer 2 kv head 0, both
+            # bounded after the prompt (student.exact_heads); each query head its own count of features (dof-head)
+            "heads": ("llama", [0, 1, 2], Attention(feature="prf", window=8, sink=2), Kept(select=4)),
             # the other families vLLM's plugin serves, one engine each: Qwen2's qkv biases and its layer types,
             # Qwen3's q/k norms (bounded), Mistral
             "qwen2": ("qwen2", *HYBRID), "qwen3": ("qwen3", *BOUNDED), "mistral": ("mistral", *HYBRID),
             # read past its base model's context (128 tokens) with YaRN, as `dofattn export --extend-to` makes it
             "yarn": ("llama", *HYBRID)}
+SPLIT = {"heads": dict(kv_heads=2, exact_heads=((1,), (), (0,)),
+                       head_dims=((5, 3, 5, 2), (8, 8, 1, 4), (6, 12, 12, 7)))}
 EXTEND = {"yarn": (MAX_LEN // 2, MAX_LEN)}      # student: (its base model's context, the export's --extend-to)
 ONE_RUN = {"qwen2", "qwen3", "mistral", "yarn"}  # students that run the first of RUNS only
 # The runs of each student: (engine arguments, {case: prompts}); the prompts' lengths: one shorter than the sink,
@@ -108,26 +114,28 @@ EXTRA = {"hybrid": [({"block_size": 32, "num_gpu_blocks_override": PREEMPT_BLOCK
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
 
 
-def tiny_model(family: str, context: int = MAX_LEN) -> AutoModelForCausalLM:
-    """A tiny random model of `family` whose head size (32) vLLM's CPU attention takes."""
+def tiny_model(family: str, context: int = MAX_LEN, kv_heads: int = 1) -> AutoModelForCausalLM:
+    """A tiny random model of `family` (2 query heads a key/value head) whose head size (32) vLLM's CPU attention
+    takes."""
     torch.manual_seed(0)
     config = CONFIGS[family](vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, rope_theta=1e4,
-                             max_position_embeddings=context, tie_word_embeddings=False)
+                             num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads, head_dim=32,
+                             rope_theta=1e4, max_position_embeddings=context, tie_word_embeddings=False)
     config.sliding_window = None                         # Mistral's default window (4096) is no part of these tests
     return AutoModelForCausalLM.from_config(config).eval()
 
 
 def student_export(tmp: Path, family: str, layers: list[int], attention: Attention, kept: Kept,
-                   extend: tuple[int, int] | None = None) -> Path:
+                   extend: tuple[int, int] | None = None, kv_heads: int = 1, **split) -> Path:
     """An export of a student of `tiny_model(family)` (5, 8 and 12 features a head) whose own tensors differ from a
-    fresh build; with `extend` (context, length), of a model of that context, exported to read `length` tokens."""
+    fresh build; with `extend` (context, length), of a model of that context, exported to read `length` tokens;
+    `split`, the spec's exact_heads and head_dims."""
     base = tmp / "base"
-    model = tiny_model(family, extend[0] if extend else MAX_LEN)
+    model = tiny_model(family, extend[0] if extend else MAX_LEN, kv_heads)
     model.save_pretrained(base)
     tiny_tokenizer().save_pretrained(base)
     spec = StudentSpec(base_model=str(base), dims=[5, 8, 12], layers=layers, attention=attention, kept=kept, seed=3,
-                       base=fingerprint(model))
+                       base=fingerprint(model), **split)
     build(model, spec)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -173,7 +181,7 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     folders = {}
     for name, student in STUDENTS.items():
         (tmp / name).mkdir()
-        folders[name] = student_export(tmp / name, *student, EXTEND.get(name))
+        folders[name] = student_export(tmp / name, *student, EXTEND.get(name), **SPLIT.get(name, {}))
     return folders
 
 

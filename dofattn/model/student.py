@@ -75,12 +75,17 @@ def fingerprint(model: nn.Module) -> dict:
 
 
 def linear_layer(attention: Attention, heads: int, kv_heads: int, head_dim: int, dim: int, scaling: float,
-                 seed: int, head_dims=None) -> LinearAttention:
+                 seed: int, head_dims=None, exact=()) -> LinearAttention:
     """One layer's `LinearAttention` (float32, on the default device): its feature map of `dim` features a head
-    (`head_dims`: each head its own count, at most `dim`), drawn from `seed`, and the parts `attention` names.
-    `linearize` builds each layer so; so does the vLLM plugin before it loads an export's tensors."""
-    fmap = make_feature_map(attention.feature, heads, head_dim, dim, scaling, seed=seed, head_dims=head_dims)
-    return LinearAttention(attention, fmap, num_kv_heads=kv_heads)
+    (`head_dims`: each of the layer's query heads its own count, at most `dim`), drawn from `seed`, and the parts
+    `attention` names. `exact`: the key/value heads the layer keeps exact (`bounded.HeadSplit`); the module covers
+    the others and their query heads. `linearize` builds each layer so; so does the vLLM plugin before it loads an
+    export's tensors."""
+    group = heads // kv_heads
+    counts = [c for h, c in enumerate(head_dims) if h // group not in exact] if head_dims else None
+    fmap = make_feature_map(attention.feature, heads - group * len(exact), head_dim, dim, scaling, seed=seed,
+                            head_dims=counts)
+    return LinearAttention(attention, fmap, num_kv_heads=kv_heads - len(exact))
 
 
 def bounded_layers(config, num_layers: int, layers: list[int], kept: Kept) -> list[int]:
@@ -120,12 +125,10 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
     if exact_heads:
         check_exact_heads(exact_heads, tuple(layers), len(modules), kv_heads)
     param = next(model.parameters())
-    group = heads // kv_heads
     for i in layers:
         exact = exact_heads[i] if exact_heads else ()
-        counts = [head_dims[i][h] for h in range(heads) if h // group not in exact] if head_dims else None
-        linear = linear_layer(attention, heads - group * len(exact), kv_heads - len(exact), head_dim, dims[i],
-                              modules[i].scaling, seed * 1000 + i, head_dims=counts)
+        linear = linear_layer(attention, heads, kv_heads, head_dim, dims[i], modules[i].scaling, seed * 1000 + i,
+                              head_dims=head_dims[i] if head_dims else None, exact=exact)
         linear = linear.to(param.device).train(modules[i].training)
         attach(modules[i], linear=linear)
         if exact:

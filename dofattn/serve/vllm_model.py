@@ -29,7 +29,10 @@ back. No per-token loops.
 A bounded kept layer's slot is the `BoundedKVLayer` its `BoundedSoftmax` chooses after the prompt (the sink's keys,
 each kv head's selected ones, a ring of the last W): the prompt is read with exact causal attention in one step, so
 the plugin turns chunked prefill off for such a student (and a prompt that comes in chunks anyway is refused). With
-every kept layer bounded, a sequence's memory in vLLM is constant, prompt included: no paged cache at all.
+every kept layer bounded, a sequence's memory in vLLM is constant, prompt included: no paged cache at all. A linear
+layer that keeps some key/value heads exact (student.exact_heads, `DofattnMixed`) holds both in its page: its linear
+heads' state and its exact heads' bounded slot; its heads are split and put back as HF's `HeadSplit` does. Per-head
+feature counts (student.dims = "dof-head") are the layer's feature map's own, rebuilt from the export's spec.
 
 Not served (a ValueError names each): LoRA adapters not merged (export with --merge-lora), other families (Gemma's
 sliding layers and soft caps among them), prefix caching (turned off by the plugin), speculative decoding, tensor
@@ -47,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dofattn.model.attach import attach
-from dofattn.model.bounded import BoundedSoftmax
+from dofattn.model.bounded import BoundedSoftmax, HeadSplit
 from dofattn.attention.cache import LinearStateLayer, ring_slot
 from dofattn.attention.layer import LinearAttention
 from dofattn.model.student import linear_layer
@@ -57,6 +60,7 @@ from dofattn.spec import Attention, Kept, StudentSpec
 
 OP_NAME = "dofattn_attention"
 STATE = "state"        # a slot's linear state, as `LinearStateLayer.tensors` names it; a part's: "window.keys", ...
+EXACT = "exact."       # a mixed layer's exact heads' bounded slot: "exact.keys", "exact.values", "exact.valid"
 
 
 # --- a layer's state layout, from its parts (no vLLM) ----------------------------------------------------------
@@ -69,12 +73,6 @@ def student_spec(hf_config) -> StudentSpec:
         raise ValueError(f"dofattn's vLLM plugin serves students of {', '.join(FAMILIES)}; this one's base is {base}")
     if spec.lora_rank:
         raise ValueError("dofattn's vLLM plugin serves students without LoRA adapters: export with --merge-lora")
-    if spec.exact_heads:
-        raise ValueError("dofattn's vLLM plugin does not serve exact heads inside linear layers (student.exact_heads) "
-                         "yet: serve it with HF generate, or distill a student with whole kept layers")
-    if spec.head_dims:
-        raise ValueError("dofattn's vLLM plugin does not serve per-head feature dims (student.dims = \"dof-head\"): "
-                         "serve it with HF generate")
     return spec
 
 
@@ -98,14 +96,24 @@ def slot_from(tensors: dict[str, torch.Tensor]) -> LinearStateLayer:
     return slot
 
 
+def packed(entries) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """A slot's (name, shape, dtype) entries in page order: fp32 first, then 16-bit, then flags (vLLM views each
+    tensor at its byte offset in a page as its dtype, so none needs padding)."""
+    return tuple(sorted(entries, key=lambda e: -e[2].itemsize))
+
+
 @functools.cache
 def state_layout(attention: Attention, heads: int, kv_heads: int, head_dim: int, dim: int, scaling: float,
-                 dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
-    """What a cache slot of this layer holds per sequence once every part's state has its steady size: (name, shape
-    without the batch, dtype) of each tensor, read off a throwaway layer called on random q, k, v in `dtype`: a
-    prompt longer than every width in the config, then a step and a chunk, which must leave every shape as it was
-    (a ValueError otherwise: a part whose state grows cannot be served in fixed blocks)."""
-    layer = linear_layer(attention, heads, kv_heads, head_dim, dim, scaling, seed=0).float().eval()
+                 dtype: torch.dtype, head_dims: tuple[int, ...] | None = None,
+                 exact: tuple[int, ...] = ()) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """What a cache slot of this layer's `LinearAttention` holds per sequence once every part's state has its steady
+    size: (name, shape without the batch, dtype) of each tensor, read off a throwaway layer (`linear_layer`: with
+    `exact` heads, of the others) called on random q, k, v in `dtype`: a prompt longer than every width in the
+    config, then a step and a chunk, which must leave every shape as it was (a ValueError otherwise: a part whose
+    state grows cannot be served in fixed blocks)."""
+    layer = linear_layer(attention, heads, kv_heads, head_dim, dim, scaling, seed=0, head_dims=head_dims,
+                         exact=exact).float().eval()
+    heads, kv_heads = layer.num_heads, layer.num_kv_heads
     widths = sum(getattr(attention, f.name) for f in fields(attention)
                  if isinstance(getattr(attention, f.name), int) and not isinstance(getattr(attention, f.name), bool))
     g = torch.Generator().manual_seed(0)
@@ -120,17 +128,32 @@ def state_layout(attention: Attention, heads: int, kv_heads: int, head_dim: int,
     if seen[0] != seen[1] or seen[1] != seen[2]:
         raise ValueError(f"a dofattn layer's cache slot changes shape from call to call ({seen}): vLLM serves "
                          f"states of a fixed size only")
-    # fp32 first, then 16-bit, then flags: vLLM views each tensor at its byte offset in a page as its dtype
-    entries = sorted(((n, s, d) for n, (s, d) in seen[0].items()), key=lambda e: -e[2].itemsize)
-    return tuple(entries)
+    return packed((n, s, d) for n, (s, d) in seen[0].items())
+
+
+def exact_of(spec: StudentSpec, layer: int) -> tuple[int, ...]:
+    """The key/value heads linear layer `layer` keeps exact (student.exact_heads), () for none."""
+    return tuple(spec.exact_heads[layer]) if spec.exact_heads else ()
+
+
+def layer_layout(spec: StudentSpec, layer: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """A linear layer's slot: its `LinearAttention`'s `state_layout`, and, if it keeps heads exact, their bounded
+    slot beside it (`bounded_layout` of those heads, named "exact.keys", "exact.values", "exact.valid")."""
+    exact = exact_of(spec, layer)
+    head_dims = tuple(spec.head_dims[layer]) if spec.head_dims else None
+    own = state_layout(spec.attention, heads, kv_heads, head_dim, spec.dims[layer], head_dim ** -0.5, dtype,
+                       head_dims, exact)
+    if not exact:
+        return own
+    group = heads // kv_heads
+    held = _bounded_layout(spec.kept, spec.attention, group * len(exact), len(exact), head_dim, dtype)
+    return packed(own + tuple((EXACT + name, shape, d) for name, shape, d in held))
 
 
 def layer_layouts(hf_config, dtype: torch.dtype) -> dict[int, tuple]:
-    """{linear layer: its `state_layout`} of an export's config, for a model in `dtype`."""
+    """{linear layer: its `layer_layout`} of an export's config, for a model in `dtype`."""
     spec = student_spec(hf_config)
-    heads, kv_heads, head_dim = head_layout(hf_config)
-    return {i: state_layout(spec.attention, heads, kv_heads, head_dim, spec.dims[i],
-                            head_dim ** -0.5, dtype) for i in spec.layers}
+    return {i: layer_layout(spec, i, *head_layout(hf_config), dtype) for i in spec.layers}
 
 
 @functools.cache
@@ -210,13 +233,14 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum       
 
 class StateLayer(nn.Module, MambaBase):
     """A dofattn layer's per-sequence state in vLLM's pool (`MambaBase`: one block per sequence) and the layer's
-    forward on it (`run`, the subclass's). vLLM sees one byte tensor of `page` bytes per sequence, the same for
-    every dofattn layer (`page_bytes`); the layer views its own tensors in it (`layout`: name, shape, dtype, packed
-    by `offsets`). It has no parameters."""
+    forward on it (`run`; what the layer attends with is the subclass's `attend`). vLLM sees one byte tensor of `page`
+    bytes per sequence, the same for every dofattn layer (`page_bytes`); the layer views its own tensors in it
+    (`layout`: name, shape, dtype, packed by `offsets`). It has no parameters."""
 
-    def __init__(self, layout: tuple, page: int, prefix: str):
+    def __init__(self, layout: tuple, page: int, prefix: str, heads: int, kv_heads: int, head_dim: int):
         super().__init__()
         self.layout, self.page, self.prefix = layout, page, prefix
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         if packed_bytes(layout) > page:
             raise ValueError(f"{prefix}: its state ({layout}) does not fit a page of {page} bytes")
         config = get_current_vllm_config()
@@ -256,7 +280,7 @@ class StateLayer(nn.Module, MambaBase):
 
     def batch(self):
         """This forward's rows (vLLM's packed batch, decodes first): (starts [rows + 1], lengths so far including
-        this call's tokens [rows], each row's block [rows]), or None in a profile or dummy run."""
+        this call's tokens [rows], each row's block [rows], decode rows), or None in a profile or dummy run."""
         metadata = get_forward_context().attn_metadata
         meta = metadata.get(self.prefix) if isinstance(metadata, dict) else None
         if meta is None:
@@ -267,121 +291,157 @@ class StateLayer(nn.Module, MambaBase):
         return (meta.query_start_loc[:rows + 1].tolist(), meta.seq_lens[:rows].tolist(),
                 meta.state_indices_tensor[:rows].long(), meta.num_decodes)
 
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
+        """output[:n] = the layer's attention of the batch's n real tokens: q [T, H·D], k and v [T, Hkv·D] after
+        RoPE, continuing each sequence from its block and writing its block back. The blocks of sequences that
+        start here (context 0: vLLM recycles state blocks without zeroing them) are zeroed first."""
+        batch = self.batch()
+        if batch is None:                                            # a profile or dummy run: any numbers do
+            output.zero_()
+            return
+        starts, seq_lens, blocks, _ = batch
+        fresh = [r for r in range(len(seq_lens)) if seq_lens[r] == starts[r + 1] - starts[r]]
+        if fresh:
+            self.kv_cache[0][blocks[fresh]] = 0
+        n, H, Hkv, D = starts[-1], self.heads, self.kv_heads, self.head_dim
+        with torch.no_grad():
+            self.attend(q[:n].view(n, H, D), k[:n].view(n, Hkv, D), v[:n].view(n, Hkv, D), output[:n].view(n, H, D),
+                        self.views(), batch)
+
+
+def attend_linear(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  views: dict[str, torch.Tensor], batch) -> None:
+    """out = `linear`'s attention of a batch (q [n, H, D], k and v [n, Hkv, D], its heads), each sequence continued
+    from its slot in `views` and written back: the decode rows (one token each) as one batch of the layer's cached
+    call (its steady decode step once the window and sink are full), then each prefill row (a prompt, or a chunk of
+    one) by the layer's general cached call. No per-token loops."""
+    starts, _, blocks, decodes = batch
+    if decodes:
+        at = blocks[:decodes]
+        slot = slot_from({name: view[at] for name, view in views.items()})
+        o = linear(q[:decodes, None], k[:decodes, None], v[:decodes, None], cache=slot)
+        out[:decodes] = o[:, 0].to(out.dtype)
+        for name, tensor in slot.tensors().items():
+            views[name][at] = tensor
+    for r in range(decodes, len(starts) - 1):
+        s, e = starts[r], starts[r + 1]
+        at = blocks[r:r + 1]
+        slot = slot_from({name: view[at] for name, view in views.items()})
+        o = linear(q[s:e][None], k[s:e][None], v[s:e][None], cache=slot)
+        out[s:e] = o[0].to(out.dtype)
+        for name, tensor in slot.tensors().items():
+            views[name][at] = tensor
+
+
+ONE_STEP = ("dofattn's bounded kept layers and exact heads (student.select) read a prompt in one step: serve with "
+            "enable_chunked_prefill=False and max_num_batched_tokens >= max_model_len")
+
+
+def check_one_step() -> None:
+    """A ValueError unless vLLM reads every prompt in one step (what bounding after the prompt needs)."""
+    config = get_current_vllm_config().scheduler_config
+    if config.enable_chunked_prefill or config.long_prefill_token_threshold:
+        raise ValueError(ONE_STEP)
+
+
+def attend_bounded(bounded: BoundedSoftmax, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   views: dict[str, torch.Tensor], batch) -> None:
+    """out = softmax attention bounded after the prompt (`bounded`) of a batch (q [n, H, D], k and v [n, Hkv, D]):
+    a prompt with exact causal attention over itself, in one step, then the slot its `choose` keeps (`views`: keys
+    and values [blocks, Hkv, L + W, D], L held then a ring of the last W, and which slots hold a real key); a decode
+    step writes its key into its ring slot and attends over the valid slots, as `BoundedKVLayer` does in HF. A prompt
+    that arrives in chunks is refused, never bounded early."""
+    starts, seq_lens, blocks, _ = batch
+    keys, values, valid = views["keys"], views["values"], views["valid"]
+    H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
+    W = bounded.attention.window
+    L = valid.shape[1] - W
+    steps, prompts = [], []
+    for r in range(len(seq_lens)):
+        length = starts[r + 1] - starts[r]
+        if seq_lens[r] == length:                        # context 0: a prompt (a one-token one is a "decode")
+            prompts.append(r)
+        elif length == 1:
+            steps.append(r)
+        else:
+            raise ValueError(f"a prompt came in chunks: {ONE_STEP}")
+    gqa, scale = H != Hkv, bounded.scaling
+    if steps:
+        at = blocks[steps]
+        tokens = torch.tensor([starts[r] for r in steps])
+        slot = ring_slot(torch.tensor([seq_lens[r] - 1 for r in steps]), W, L)     # [n]: each one's ring slot
+        keys[at, :, slot] = k[tokens].to(keys.dtype)
+        values[at, :, slot] = v[tokens].to(values.dtype)
+        valid[at, slot] = True
+        o = F.scaled_dot_product_attention(q[tokens][:, :, None].to(keys.dtype), keys[at], values[at],
+                                           attn_mask=valid[at][:, None, None], scale=scale, enable_gqa=gqa)
+        out[tokens] = o[:, :, 0].to(out.dtype)
+    for r in prompts:
+        s, e = starts[r], starts[r + 1]
+        qr, kr, vr = (x[s:e][None].transpose(1, 2).to(keys.dtype) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[s:e] = o[0].transpose(0, 1).to(out.dtype)
+        observed = qr.transpose(1, 2)[:, -bounded.kept.select_observe:]
+        chosen = bounded.choose(observed, kr, vr, torch.ones(1, e - s, dtype=torch.bool))
+        held = chosen.lead                           # ≤ L: a prompt shorter than the sink holds fewer
+        block = blocks[r]
+        for pool, new in ((keys, chosen.keys[0]), (values, chosen.values[0])):
+            pool[block] = 0
+            pool[block, :, :held], pool[block, :, L:] = new[:, :held], new[:, held:]
+        valid[block] = False
+        valid[block, :held], valid[block, L:] = chosen.valid[0, :held], chosen.valid[0, held:]
+
 
 class DofattnState(StateLayer):
     """A linear layer's state: its `LinearStateLayer`'s tensors (`state_layout`). The `LinearAttention` it runs is
     its attention module's (`linear`, not a child: its tensors load there)."""
 
-    def __init__(self, linear: LinearAttention, layout: tuple, page: int, prefix: str):
-        super().__init__(layout, page, prefix)
+    def __init__(self, linear: LinearAttention, layout: tuple, page: int, prefix: str, head_dim: int):
+        super().__init__(layout, page, prefix, linear.num_heads, linear.num_kv_heads, head_dim)
         object.__setattr__(self, "linear", linear)
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
-        """output[:n] = the layer's attention of the batch's n real tokens: q [T, H·D], k and v [T, Hkv·D] after
-        RoPE, continuing each sequence from its block and writing its block back."""
-        batch = self.batch()
-        if batch is None:                                            # a profile or dummy run: any numbers do
-            output.zero_()
-            return
-        starts, seq_lens, blocks, decodes = batch
-        linear = self.linear
-        H, Hkv = linear.num_heads, linear.num_kv_heads
-        D = q.shape[-1] // H
-        rows = len(seq_lens)
-        views = self.views()
-        fresh = [r for r in range(rows) if seq_lens[r] == starts[r + 1] - starts[r]]   # context 0: a new sequence
-        if fresh:
-            self.kv_cache[0][blocks[fresh]] = 0
-        n = starts[rows]
-        out = output[:n].view(n, H, D)
-        with torch.no_grad():
-            if decodes:
-                at = blocks[:decodes]
-                slot = slot_from({name: view[at] for name, view in views.items()})
-                o = linear(q[:decodes].view(decodes, 1, H, D), k[:decodes].view(decodes, 1, Hkv, D),
-                           v[:decodes].view(decodes, 1, Hkv, D), cache=slot)
-                out[:decodes] = o[:, 0].to(out.dtype)
-                for name, tensor in slot.tensors().items():
-                    views[name][at] = tensor
-            for r in range(decodes, rows):
-                s, e = starts[r], starts[r + 1]
-                at = blocks[r:r + 1]
-                slot = slot_from({name: view[at] for name, view in views.items()})
-                o = linear(q[s:e].view(1, e - s, H, D), k[s:e].view(1, e - s, Hkv, D), v[s:e].view(1, e - s, Hkv, D),
-                           cache=slot)
-                out[s:e] = o[0].to(out.dtype)
-                for name, tensor in slot.tensors().items():
-                    views[name][at] = tensor
-
-
-ONE_STEP = ("dofattn's bounded kept layers (student.select) read a prompt in one step: serve with "
-            "enable_chunked_prefill=False and max_num_batched_tokens >= max_model_len")
+    def attend(self, q, k, v, out, views, batch) -> None:
+        attend_linear(self.linear, q, k, v, out, views, batch)
 
 
 class DofattnBounded(StateLayer):
     """A kept softmax layer bounded after the prompt (student.select): its state is the `BoundedKVLayer` its
     `BoundedSoftmax` chooses at the prompt's end (`bounded_layout`: L held keys, the sink's and each kv head's
-    selected, then a ring of the last W). A prompt is read with exact causal attention over itself, in one step (the
-    plugin turns chunked prefill off: the choice needs the whole prompt), then chosen from; a decode step writes its
-    key into its ring slot and attends over the valid slots, as `BoundedKVLayer` does in HF. A prompt that arrives
-    in chunks anyway is refused, never bounded early."""
+    selected, then a ring of the last W), read and served by `attend_bounded`. The plugin turns chunked prefill off:
+    the choice needs the whole prompt."""
 
     def __init__(self, bounded: BoundedSoftmax, heads: int, kv_heads: int, head_dim: int, layout: tuple, page: int,
                  prefix: str):
-        super().__init__(layout, page, prefix)
-        self.bounded, self.heads, self.kv_heads, self.head_dim = bounded, heads, kv_heads, head_dim
-        self.width = bounded.attention.window
-        self.lead = dict((n, s) for n, s, _ in layout)["valid"][0] - self.width
-        config = get_current_vllm_config().scheduler_config
-        if config.enable_chunked_prefill or config.long_prefill_token_threshold:
-            raise ValueError(ONE_STEP)
+        super().__init__(layout, page, prefix, heads, kv_heads, head_dim)
+        self.bounded = bounded
+        check_one_step()
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
-        batch = self.batch()
-        if batch is None:
-            output.zero_()
-            return
-        starts, seq_lens, blocks, _ = batch
-        H, Hkv, D, L, W = self.heads, self.kv_heads, self.head_dim, self.lead, self.width
-        views = self.views()
-        keys, values, valid = views["keys"], views["values"], views["valid"]   # [blocks, Hkv, L + W, D] twice, [.., L + W]
-        steps, prompts = [], []
-        for r in range(len(seq_lens)):
-            length = starts[r + 1] - starts[r]
-            if seq_lens[r] == length:                        # context 0: a prompt (a one-token one is a "decode")
-                prompts.append(r)
-            elif length == 1:
-                steps.append(r)
-            else:
-                raise ValueError(f"a prompt came in chunks: {ONE_STEP}")
-        n = starts[-1]
-        out = output[:n].view(n, H, D)
-        gqa, scale = H != Hkv, self.bounded.scaling
-        with torch.no_grad():
-            if steps:
-                at = blocks[steps]
-                tokens = torch.tensor([starts[r] for r in steps])
-                slot = ring_slot(torch.tensor([seq_lens[r] - 1 for r in steps]), W, L)     # [n]: each one's ring slot
-                keys[at, :, slot] = k[tokens].view(-1, Hkv, D).to(keys.dtype)
-                values[at, :, slot] = v[tokens].view(-1, Hkv, D).to(values.dtype)
-                valid[at, slot] = True
-                o = F.scaled_dot_product_attention(q[tokens].view(-1, H, 1, D).to(keys.dtype), keys[at], values[at],
-                                                   attn_mask=valid[at][:, None, None], scale=scale, enable_gqa=gqa)
-                out[tokens] = o[:, :, 0].to(out.dtype)
-            for r in prompts:
-                s, e = starts[r], starts[r + 1]
-                qr, kr, vr = (x[s:e].view(1, e - s, -1, D).transpose(1, 2).to(keys.dtype) for x in (q, k, v))
-                o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=gqa)
-                out[s:e] = o[0].transpose(0, 1).to(out.dtype)
-                observed = qr.transpose(1, 2)[:, -self.bounded.kept.select_observe:]
-                chosen = self.bounded.choose(observed, kr, vr, torch.ones(1, e - s, dtype=torch.bool))
-                held = chosen.lead                           # ≤ L: a prompt shorter than the sink holds fewer
-                block = blocks[r]
-                for pool, new in ((keys, chosen.keys[0]), (values, chosen.values[0])):
-                    pool[block] = 0
-                    pool[block, :, :held], pool[block, :, L:] = new[:, :held], new[:, held:]
-                valid[block] = False
-                valid[block, :held], valid[block, L:] = chosen.valid[0, :held], chosen.valid[0, held:]
+    def attend(self, q, k, v, out, views, batch) -> None:
+        attend_bounded(self.bounded, q, k, v, out, views, batch)
+
+
+class DofattnMixed(StateLayer):
+    """A linear layer that keeps some key/value heads exact (student.exact_heads): those heads and their query heads
+    bounded after the prompt (`attend_bounded`, their slot's tensors named "exact.keys", ...), the others its
+    `LinearAttention`'s (`attend_linear`), split and put back by the layer's `HeadSplit` as in HF; one page holds
+    both slots (`layer_layout`)."""
+
+    def __init__(self, linear: LinearAttention, bounded: BoundedSoftmax, heads: int, kv_heads: int, head_dim: int,
+                 layout: tuple, page: int, prefix: str):
+        super().__init__(layout, page, prefix, heads, kv_heads, head_dim)
+        object.__setattr__(self, "linear", linear)
+        self.bounded = bounded
+        check_one_step()
+
+    def attend(self, q, k, v, out, views, batch) -> None:
+        split = self.bounded.heads
+        (qe, ke, ve), (ql, kl, vl) = split.split(q, k, v, dim=1)
+        own = {name: view for name, view in views.items() if not name.startswith(EXACT)}
+        held = {name[len(EXACT):]: view for name, view in views.items() if name.startswith(EXACT)}
+        linear_out, exact_out = torch.empty_like(ql), torch.empty_like(qe)
+        attend_linear(self.linear, ql, kl, vl, linear_out, own, batch)
+        attend_bounded(self.bounded, qe, ke, ve, exact_out, held, batch)
+        out.copy_(split.merge(exact_out, linear_out, dim=1))
 
 
 def dofattn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
@@ -421,11 +481,18 @@ def swap_attention(model: nn.Module, hf_config, vllm_config: VllmConfig) -> None
         prefix = paged.layer_name
         del context[prefix]
         if layer in linear:
+            exact = exact_of(spec, layer)
+            head_dims = spec.head_dims[layer] if spec.head_dims else None
             with torch.device("cpu"):
                 own = linear_layer(spec.attention, heads, kv_heads, head_dim, spec.dims[layer], module.scaling,
-                                   spec.seed * 1000 + layer).float().eval()
+                                   spec.seed * 1000 + layer, head_dims=head_dims, exact=exact).float().eval()
             attach(module, linear=own)                  # where the export's tensors name it (`model.attach`)
-            module.attn = DofattnState(own, layouts[layer], page, prefix)
+            if exact:
+                split = HeadSplit(exact, kv_heads, heads)
+                split = BoundedSoftmax(spec.kept, spec.attention, module.scaling, heads=split)
+                module.attn = DofattnMixed(own, split, heads, kv_heads, head_dim, layouts[layer], page, prefix)
+            else:
+                module.attn = DofattnState(own, layouts[layer], page, prefix, head_dim)
         else:
             module.attn = DofattnBounded(BoundedSoftmax(spec.kept, spec.attention, module.scaling), heads, kv_heads,
                                          head_dim, bounded_layout(hf_config, dtype), page, prefix)
