@@ -101,6 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dofattn: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:             # `dofattn recipes --keys | head`: the reader has gone; nothing more to say
+        quiet_stdout()
+        return 1
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush into a closed pipe raises nothing."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

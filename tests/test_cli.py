@@ -413,3 +413,14 @@ def test_threads_wait_passively_when_other_work_uses_the_cpu():
     assert env == {"OMP_WAIT_POLICY": "PASSIVE"} and "other work is using the CPU (load 2.0)" in line
     assert out["idle"] == [None, {}] and out["late"] == [None, {}]
     assert out["chosen"] == [None, {"OMP_WAIT_POLICY": "ACTIVE"}]
+
+
+@pytest.mark.parametrize("argv", [["recipes", "--keys"], ["recipes", "long-context"], ["--help"]])
+def test_output_into_a_closed_pipe_is_no_traceback(argv):
+    """`dofattn recipes --keys | head`: the reader has gone before dofattn writes; it stops without a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "dofattn", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(60)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
