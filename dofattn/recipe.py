@@ -16,6 +16,7 @@ rules their own. `validate` holds every other rule.
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -372,6 +373,8 @@ def coerce(key: str, value, where: str):
         raise UserError(f"{where}: {key} cannot be unset; give {NAMES[base]}")
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if base is float and isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{where}: {key} = {value!r} is not a finite number")
     if base is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):

@@ -424,3 +424,18 @@ def test_output_into_a_closed_pipe_is_no_traceback(argv):
     err = proc.stderr.read().decode()
     proc.wait(60)
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["dof", "--lam", "nan"], ["dof", "--lam", "inf"], ["generate", "--temperature", "nan"],
+                                  ["sample", "--temperature=-inf"], ["distill", "--dry-run", "--time-limit", "nan"],
+                                  ["distill", "--dry-run", "--set", "dof.lam=inf"],
+                                  ["distill", "--dry-run", "--set", "end_to_end.lr=nan"]])
+def test_a_number_that_is_not_finite_is_refused_in_one_line(capsys, tmp_path, argv):
+    """nan and infinity, as an option or a recipe key, are refused before anything runs, and nothing is written."""
+    try:
+        code = main([*argv, "--out", str(tmp_path / "out")])
+    except SystemExit as exit:                       # argparse's own error: usage, then one line
+        code = exit.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "is not a finite number" in err[-1], err
+    assert not list(tmp_path.iterdir())

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import math
 import types
 import typing
 
@@ -113,7 +114,7 @@ def add_options(parser: argparse.ArgumentParser, *classes, order: tuple[str, ...
             continue
         shown = _shown(default, none)
         suffix = f" (default: {shown})" if shown is not None else ""
-        parse = kind if kind in (int, float) else str          # lists are split and checked by `config`
+        parse = finite if kind is float else kind if kind is int else str    # lists: split and checked by `config`
         if none is not None and parse is not str:
             parse = _or_word(parse, none)
         if meta.get("action") == "append":
@@ -131,6 +132,17 @@ class Renamed(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         raise UserError(f"{self.verb} {option_string} is now {self.new}: `dofattn {self.verb} --help` lists the "
                         f"options")
+
+
+def finite(text: str) -> float:
+    """A float option's value: a number, not nan or infinity (argparse's one-line error otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def _or_word(parse, word: str):
