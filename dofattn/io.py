@@ -95,6 +95,22 @@ def check_output(path: str, what: str, suffixes: tuple[str, ...]) -> Path:
         raise UserError(f"{what} {path} should end in {' or '.join(suffixes)}")
     if out.is_dir():
         raise UserError(f"{what} {path} is a folder; give a file name")
+    if out.parent.is_file():
+        raise UserError(f"{what} {path}: {out.parent} is a file, not a folder")
     if not out.parent.is_dir():
         raise UserError(f"{what} folder {out.parent} does not exist; create it first")
+    check_writable(out.parent, what)
     return out
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """A UserError naming option `what` unless a file can be made in `folder` (tried with a temporary file, gone at
+    once), so that a long computation is not lost at its end."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise UserError(f"{what}: cannot write in {folder} ({err.strerror or err}); give a folder you can "
+                        f"write") from None

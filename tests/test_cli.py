@@ -192,6 +192,8 @@ def test_lam_auto(capsys, model_dirs, text_file, tmp_path):
     (["--budget", "0"], "--budget"),
     (["--lam", "-1"], "--lam must be positive"),
     (["--out", "{tmp}/no-dir/dof.json"], "does not exist"),
+    (["--out", "{tmp}/afile/dof.json"], "afile is a file, not a folder"),
+    (["--out", "/proc/dof.json"], "--out: cannot write in /proc"),
     (["--plot", "{tmp}/dof.jpg"], "--plot"),
     (["--device", "tpu"], "unknown device"),
     (["--seq-len", "0"], "give at least 1 block of at least 2 tokens"),
@@ -200,6 +202,7 @@ def test_bad_input_is_one_line_error(capsys, tmp_path, model_dirs, text_file, ar
     from transformers import BertConfig
 
     bert = tmp_path / "bert"
+    (tmp_path / "afile").write_text("x")
     BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                intermediate_size=64).save_pretrained(bert)
     base = ["dof", "--model", str(model_dirs["llama"]), "--data", str(text_file), "--split", "all",
@@ -439,3 +442,16 @@ def test_a_number_that_is_not_finite_is_refused_in_one_line(capsys, tmp_path, ar
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "is not a finite number" in err[-1], err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--out", "{tmp}/afile/eval.json"], "afile is a file, not a folder"),
+    (["--out", "/proc/eval.json"], "--out: cannot write in /proc"),
+])
+def test_eval_bad_input_is_one_line_error(capsys, tmp_path, model_dirs, args, message):
+    (tmp_path / "afile").write_text("x")
+    code, _, err = run(capsys, "eval", "--model", str(model_dirs["llama"]), *[a.format(tmp=tmp_path) for a in args])
+    lines = [line for line in err.splitlines() if line.startswith("dofattn: error:")]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

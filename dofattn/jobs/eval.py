@@ -196,7 +196,7 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
                         "--task-lengths 4096,8192")
     if cfg.prompts is not None and (cfg.prompts < 1 or not (cfg.recall or cfg.tasks)):
         raise UserError(f"--prompts {cfg.prompts}: give at least 1 prompt a cell of --recall or --tasks")
-    if (cfg.num_blocks or 0) < 0 or cfg.layer_blocks < 0 or (cfg.batch_size or 1) < 1:
+    if (cfg.num_blocks or 0) < 0 or cfg.layer_blocks < 0 or (cfg.batch_size is not None and cfg.batch_size < 1):
         raise UserError("--batch-size must be >= 1, --num-blocks and --layer-blocks >= 0")
     check_extend_to(cfg.extend_to)
     if cfg.teacher_answers and cfg.recall is None:
