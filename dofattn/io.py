@@ -103,6 +103,17 @@ def check_output(path: str, what: str, suffixes: tuple[str, ...]) -> Path:
     return out
 
 
+def check_parent(path: Path, what: str) -> None:
+    """A UserError naming option `what` unless `path`'s folder exists or can be made: its nearest existing
+    ancestor is a folder one can write in."""
+    at = Path(path).absolute().parent
+    while not at.exists():
+        at = at.parent
+    if not at.is_dir():
+        raise UserError(f"{what} {path}: {at} is a file, not a folder")
+    check_writable(at, what)
+
+
 def check_writable(folder: Path, what: str) -> None:
     """A UserError naming option `what` unless a file can be made in `folder` (tried with a temporary file, gone at
     once), so that a long computation is not lost at its end."""

@@ -96,6 +96,7 @@ def test_special_tokens_are_never_sampled_even_where_the_model_prefers_them(mode
     (("--samples", 0), "must be at least 1"),
     (("--out", "{tmp}/samples.txt"), "must end in .jsonl"),
     (("--out", "{tmp}/foreign.jsonl"), "was not written by `dofattn sample`"),
+    (("--out", "{tmp}/foreign.jsonl/more/x.jsonl"), "foreign.jsonl is a file, not a folder"),
     (("--data", "{tmp}/missing.txt"), "is neither"),
 ])
 def test_bad_input_is_one_line_and_changes_nothing(capsys, model_dirs, split_corpus, tmp_path, flags, message):

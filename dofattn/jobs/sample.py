@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from dofattn.data import token_blocks
 from dofattn.errors import UserError
+from dofattn.io import check_parent
 from dofattn.options import DATA_HELP, Machine, option
 
 
@@ -145,6 +146,9 @@ def run(cfg: SampleConfig, progress=None) -> dict:
     out = Path(cfg.run.out).expanduser()
     if out.suffix != ".jsonl":
         raise UserError(f"--out {out} must end in .jsonl")
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a .jsonl file name")
+    check_parent(out, "--out")
     check_source(spec.data)
     refuse_config_only(spec.model, "sample (text from a trained model)")
     check(spec, samples)
