@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -380,6 +381,34 @@ def test_export_replaces_a_previous_export(tmp_path, exported):
     assert main(["export", "--model", str(student), "--out", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["dofattn_export"]["base_model_type"] == "gpt2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["files recorded", "an export from before the record"])
+def test_export_keeps_what_the_user_put_beside_an_earlier_export(tmp_path, capsys, exported, recorded):
+    """An earlier export with the user's notes and evaluations beside it is refused, not replaced with them; with
+    them moved out it is replaced. Exports made before they recorded their files are judged by the names exports
+    write."""
+    cases = exported[0]
+    out = tmp_path / "again"
+    student = cases["llama-linear"][0].parent.parent / "student-llama-linear"
+    assert main(["export", "--model", str(student), "--out", str(out)]) == 0
+    capsys.readouterr()
+    config = json.loads((out / "config.json").read_text())
+    assert {"config.json", "model.safetensors", "README.md"} <= set(config["dofattn_export"]["files"])
+    if not recorded:
+        del config["dofattn_export"]["files"]
+        (out / "config.json").write_text(json.dumps(config))
+    (out / "notes.md").write_text("mine")
+    (out / "evals").mkdir()
+    (out / "evals" / "eval.json").write_text("{}")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["export", "--model", str(student), "--out", str(out)]) == 2
+    assert "holds evals/, notes.md beside an earlier export" in one_line_error(capsys)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
+    (out / "notes.md").unlink()
+    shutil.rmtree(out / "evals")
+    assert main(["export", "--model", str(student), "--out", str(out)]) == 0
 
 
 def test_a_damaged_export_is_refused_in_one_line(tmp_path, capsys, exported):

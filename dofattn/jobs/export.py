@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, replace
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from dofattn import __version__
 from dofattn.model.bundle import BUNDLE_FILE, bundle_text
 from dofattn.errors import UserError
-from dofattn.model.exported import MODEL_TYPE, MODELING_FILE, WEIGHTS_INDEX, is_export
+from dofattn.model.exported import MODEL_TYPE, MODELING_FILE, WEIGHTS_INDEX, is_export, read_config
 from dofattn.io import write_atomic, write_json
 from dofattn.options import option
 from dofattn.recipe import DEFAULT_RUN
@@ -89,12 +90,28 @@ def _source(path: Path) -> tuple[Path, Path | None]:
     return path, path
 
 
+# what an export made before it recorded its files (`dofattn_export.files`) may hold
+EXPORT_NAMES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+                MODELING_FILE, BUNDLE_FILE, CARD_FILE, "recipe.toml", "tokenizer*", "special_tokens_map.json",
+                "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
 def check_out(out: Path) -> None:
-    """Refuse an --out that holds anything but a previous export (which is replaced)."""
+    """Refuse an --out that holds anything but a previous export (which is replaced): a file, a folder of other
+    things, or an export beside which the user keeps files it did not write (they would go with it)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a folder")
-    if out.is_dir() and any(out.iterdir()) and not is_export(out):
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not is_export(out):
         raise UserError(f"--out {out} is not empty and holds no dofattn export; give a new or empty folder")
+    written = (read_config(out).get("dofattn_export") or {}).get("files")
+    own = (lambda name: name in written) if written else (lambda name: any(fnmatch(name, p) for p in EXPORT_NAMES))
+    others = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if not own(p.name))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise UserError(f"--out {out} holds {shown} beside an earlier export, which the export did not write and "
+                        f"replacing it would delete: move them, or give another --out")
 
 
 def _unwrap_lora(model: nn.Module) -> None:
@@ -231,6 +248,9 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
             shutil.copy2(run / RECIPE_FILE, stage / RECIPE_FILE)
             recipe = RunFolder(run)
         write_atomic(stage / CARD_FILE, model_card(spec, dtype_name, lora, recipe, out.name, extend_to))
+        config = export_config(model, spec, dtype_name, lora, str(model_path))
+        config["dofattn_export"]["files"] = sorted(p.name for p in stage.iterdir())     # what a later export replaces
+        write_json(stage / "config.json", config, indent=2)
         _move_into_place(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
