@@ -14,6 +14,7 @@ the one moved last staying.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -101,6 +102,17 @@ def check_output(path: str, what: str, suffixes: tuple[str, ...]) -> Path:
         raise UserError(f"{what} folder {out.parent} does not exist; create it first")
     check_writable(out.parent, what)
     return out
+
+
+def new_name(path: str | Path, beside: tuple[str, ...] = ()) -> Path:
+    """`path`, or where it is taken the first free `STEM-2.SUFFIX`, `STEM-3.SUFFIX`, ... (free with each of the
+    `beside` suffixes too: a figure written next to it): where a command names its result itself, so that an
+    earlier one is never replaced without being asked (an explicit --out is)."""
+    path = Path(path)
+    for n in itertools.count(1):
+        name = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+        if not any(p.exists() for p in (name, *(name.with_suffix(s) for s in beside))):
+            return name
 
 
 def check_parent(path: Path, what: str) -> None:

@@ -207,6 +207,10 @@ def test_bench_times_a_trained_student_against_its_base_model(capsys, model_dirs
     assert code == 0, capsys.readouterr().err
     assert out.with_suffix(".png").stat().st_size > 0
     result = json.loads(out.read_text())
+    from dofattn.jobs.bench import BenchConfig
+
+    again = BenchConfig(model=str(tmp_path / "run")).resolved().out     # the next run's: beside, not over it
+    assert again == str(tmp_path / "run" / "bench-2.json")
     peaks = [r["peak_above_model_bytes"] for r in result["generation"]]
     assert all(isinstance(p, int) for p in peaks) or sys.platform != "linux"
     assert "the 3 keys per kv head" in result["student"] and result["prefill"][0]["student"] == "window=4, sink=2, decay=head"

@@ -344,6 +344,10 @@ def test_commands_look_for_the_default_run_and_write_into_run_folders(capsys, tm
     (tmp_path / "runs" / "w" / "dofattn.json").write_text("{}")
     assert check(EvalConfig(model="runs/w"))["out"] == Path("runs/w/eval.json")
     assert check(EvalConfig(model=str(model_dirs["llama"])))["out"] == Path("eval.json")
+    (tmp_path / "runs" / "w" / "eval.json").write_text("{}")           # an earlier result is never replaced unasked
+    (tmp_path / "runs" / "w" / "eval-2.json").write_text("{}")
+    assert check(EvalConfig(model="runs/w"))["out"] == Path("runs/w/eval-3.json")
+    assert check(EvalConfig(model="runs/w", out="runs/w/eval.json"))["out"] == Path("runs/w/eval.json")
 
 
 @pytest.mark.parametrize("argv,verb", [

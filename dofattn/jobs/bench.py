@@ -79,11 +79,13 @@ class BenchConfig(Machine):
                                   "length; the first is reported as compile_ms")
     out: str | None = option("auto", "where to write the JSON result (rewritten after each row; a figure of the "
                                      "generation beside it, .png); auto: bench.json in a trained student's folder, "
-                                     "else in this folder; none: nowhere", none="none")
+                                     "else in this folder (bench-2.json, ... where one is there); none: nowhere",
+                             none="none")
 
     def resolved(self) -> BenchConfig:
         """This config on a named device, with a dtype and the lengths: `auto` (None) made the device's default; a
         trained student given as --model made the student timed."""
+        from dofattn.io import new_name
         from dofattn.model.exported import is_any_student
         from dofattn.model.hf import machine_dtype, resolve_device
 
@@ -96,8 +98,8 @@ class BenchConfig(Machine):
                        seq_lens=([2048, 8192, 32768, 131072] if cuda else [512, 2048]) if self.seq_lens is None
                        else self.seq_lens,
                        gen_contexts=GEN_CONTEXTS if self.gen_contexts is None else self.gen_contexts,
-                       out=(str(Path(student) / "bench.json") if trained and Path(student).is_dir() else "bench.json")
-                       if self.out == "auto" else self.out)
+                       out=str(new_name(Path(student) / "bench.json" if trained and Path(student).is_dir()
+                                        else "bench.json", beside=(".png",))) if self.out == "auto" else self.out)
 
 
 def _sync(device: str) -> None:

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dofattn.errors import UserError
-from dofattn.io import check_output
+from dofattn.io import check_output, new_name
 from dofattn.options import DATA_HELP, Machine, option
 from dofattn.recipe import DEFAULT_RUN
 
@@ -115,7 +115,7 @@ class EvalConfig(Machine):
                                                   "(RULER's), each scored apart, e.g. 4096,8192; default 4096",
                                             none="default")
     out: str | None = option("auto", "where to write the JSON result; auto: eval.json in the student's run folder "
-                                     "(else in this folder)")
+                                     "(else in this folder), or eval-2.json, ... where one is there already")
     plot: str | None = option(None, "also write a figure of the per-layer errors (.png, .pdf or .svg)")
     plot_positions: str | None = option(None, "also write a figure of perplexity and KL by context length (.png, "
                                               ".pdf or .svg)")
@@ -184,7 +184,7 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
     check_default_run(cfg.model)
     out = cfg.out
     if out == "auto":
-        out = str(Path(cfg.model) / "eval.json") if is_student(cfg.model) else "eval.json"
+        out = str(new_name(Path(cfg.model) / "eval.json" if is_student(cfg.model) else "eval.json"))
     paths = {"out": check_output(out, "--out", (".json",))} if out else {}
     paths.update({name: check_output(path, "--" + name.replace("_", "-"), (".png", ".pdf", ".svg"))
                   for name in FIGURES if (path := getattr(cfg, name))})
