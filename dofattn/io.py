@@ -3,13 +3,15 @@ and safetensors files read whole or refused in one line.
 
     write_atomic(path, text_or_bytes)
     write_json(path, obj, indent=2)
-    with atomic_path(path) as tmp:          # for writers that take a path (safetensors, a stream)
-        save_file(tensors, str(tmp))
+    save_tensors(tensors, path, metadata)        # a safetensors file
+    with atomic_path(path) as tmp:          # for other writers that take a path (a stream)
+        ...
     tensors, metadata = read_safetensors(path)   # a UserError naming the file if it is missing or damaged
     check_safetensors(path)                      # the same check, reading only the header (a large file)
 
 A reader never sees a half-written file, and two processes writing the same file at once each write a whole copy,
-the one moved last staying.
+the one moved last staying. Every file gets the mode the user's umask gives a new file (the safetensors writer's
+own is 0600).
 """
 
 from __future__ import annotations
@@ -42,7 +44,24 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    os.chmod(tmp, 0o666 & ~umask())
     os.replace(tmp, path)
+
+
+def umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_tensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """`tensors` as a safetensors file at `path`, whole or not at all; returns the path."""
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+    return Path(path)
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:

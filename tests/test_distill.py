@@ -354,7 +354,7 @@ def other_model_dims(folder: Path) -> Path:
     (["layerwise.steps=-1"], "layerwise.steps = -1: give >= 0"),
     (["layerwise.steps=2.5"], "layerwise.steps = 2.5 is not an integer"),
     (["end_to_end.lr=0"], "end_to_end.lr = 0.0: give a value > 0"),
-    (["end_to_end.kd_weight=nan"], "end_to_end.kd_weight = nan: give >= 0"),
+    (["end_to_end.kd_weight=nan"], "end_to_end.kd_weight = nan is not a finite number"),
     (["student.window=-1"], "student.window = -1: give >= 0 tokens"),
     (["student.window=8", "student.sink=-1"], "student.sink = -1: give >= 0 tokens"),
     (["student.sink=4"], "student.sink = 4 sits beside a softmax window"),

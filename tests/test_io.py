@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from dofattn.io import atomic_path, staging, write_atomic, write_json
 
@@ -47,3 +48,22 @@ def test_safetensors_read_whole_or_refused_in_one_line(tmp_path):
             read_safetensors(path)
     with pytest.raises(UserError, match="missing.safetensors is missing"):
         read_safetensors(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_files_get_the_mode_of_the_users_umask(tmp_path, mask):
+    """Written whole, text and safetensors alike, with the mode a new file gets under the umask (the safetensors
+    writer's own is 0600, whatever the umask)."""
+    import os
+
+    from dofattn.io import save_tensors, write_atomic
+
+    old = os.umask(mask)
+    try:
+        write_atomic(tmp_path / "a.json", "{}")
+        save_tensors({"x": torch.zeros(2)}, tmp_path / "b.safetensors")
+    finally:
+        os.umask(old)
+    for name in ("a.json", "b.safetensors"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.safetensors"]

@@ -27,14 +27,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dofattn.attention import Part
 from dofattn.distill.world import all_max, all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
 from dofattn.evaluate import head, hidden_states, perplexity, teacher_mode
-from dofattn.io import read_safetensors, write_json
+from dofattn.io import read_safetensors, save_tensors, write_json
 from dofattn.model.hf import decoder_layers
 from dofattn.recipe import EndToEnd
 from dofattn.model.student import is_student_tensor, linear_parts
@@ -159,7 +158,7 @@ def save_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path | N
         if "step" in state:
             tensors[f"{name}::step"] = torch.as_tensor(state["step"]).reshape(1).float()
     if path is not None:
-        save_file(tensors, str(path), metadata={"step": str(step)})
+        save_tensors(tensors, path, metadata={"step": str(step)})
 
 
 def load_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path) -> None:
@@ -183,7 +182,7 @@ def save_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: list, o
     save_optimizer(optimizer, names, folder / "optimizer.safetensors" if write else None, step)
     if not write:
         return
-    save_file(features, str(folder / "features.safetensors"))
+    save_tensors(features, folder / "features.safetensors")
     write_json(ckpt / "state.json", {"step": step, "folder": folder.name, "losses": losses, "curve": curve})
     for old in ckpt.glob("step_*"):
         if old.name != folder.name:

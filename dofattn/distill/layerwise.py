@@ -14,14 +14,13 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dofattn.attention import LinearAttention
 from dofattn.distill.losses import LOSSES, sample_rows
 from dofattn.distill.teacher import TeacherStream
 from dofattn.distill.world import barrier, world
-from dofattn.io import read_safetensors
+from dofattn.io import read_safetensors, save_tensors
 from dofattn.ops.softmax import expand_kv
 from dofattn.recipe import Layerwise
 from dofattn.model.attach import bounded_of
@@ -98,10 +97,8 @@ def layer_file(out: Path, layer: int) -> Path:
 def save_layer(out: Path, layer: int, linear: LinearAttention, log: dict) -> None:
     path = layer_file(out, layer)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
     state = {k: v.detach().contiguous() for k, v in linear.state_dict().items()}
-    save_file(state, str(tmp), metadata={"log": json.dumps(log)})
-    tmp.replace(path)
+    save_tensors(state, path, metadata={"log": json.dumps(log)})
 
 
 def load_layer(out: Path, layer: int, linear: LinearAttention) -> dict:

@@ -21,7 +21,7 @@ from dofattn import __version__
 from dofattn.model.bundle import BUNDLE_FILE, bundle_text
 from dofattn.errors import UserError
 from dofattn.model.exported import MODEL_TYPE, MODELING_FILE, WEIGHTS_INDEX, is_export, read_config
-from dofattn.io import write_atomic, write_json
+from dofattn.io import save_tensors, write_atomic, write_json
 from dofattn.options import option
 from dofattn.recipe import DEFAULT_RUN
 from dofattn.spec import StudentSpec
@@ -48,12 +48,11 @@ def write_weights(tensors: dict[str, torch.Tensor], folder: Path, max_shard: int
     """Write `tensors` into `folder` as model.safetensors, or above `max_shard` as shards with their index (the
     names transformers gives them); returns the files written."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
 
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard)
     for name, names in split.filename_to_tensors.items():
-        save_file({n: tensors[n] for n in names}, str(folder / name),
-                  metadata={"format": "pt", "dofattn_version": __version__})
+        save_tensors({n: tensors[n] for n in names}, folder / name,
+                     metadata={"format": "pt", "dofattn_version": __version__})
     if split.is_sharded:
         write_json(folder / WEIGHTS_INDEX, {"metadata": split.metadata, "weight_map": split.tensor_to_filename},
                    indent=2)
@@ -233,10 +232,7 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
-        files = write_weights(weights(model, torch_dtype), stage, max_shard)
-        write_json(stage / "config.json", export_config(model, spec, dtype_name, lora, str(model_path)), indent=2)
-        for name in files:                                          # not the safetensors writer's 0600
-            os.chmod(stage / name, (stage / "config.json").stat().st_mode & 0o777)
+        write_weights(weights(model, torch_dtype), stage, max_shard)
         write_atomic(stage / MODELING_FILE, modeling_file(model, spec.base_model))
         write_atomic(stage / BUNDLE_FILE, bundle_text())
         model.generation_config.save_pretrained(stage)
@@ -249,7 +245,8 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
             recipe = RunFolder(run)
         write_atomic(stage / CARD_FILE, model_card(spec, dtype_name, lora, recipe, out.name, extend_to))
         config = export_config(model, spec, dtype_name, lora, str(model_path))
-        config["dofattn_export"]["files"] = sorted(p.name for p in stage.iterdir())     # what a later export replaces
+        files = {p.name for p in stage.iterdir()} | {"config.json"}
+        config["dofattn_export"]["files"] = sorted(files)               # what a later export may replace
         write_json(stage / "config.json", config, indent=2)
         _move_into_place(stage, out)
     except BaseException:

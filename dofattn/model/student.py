@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from dofattn import __version__
@@ -27,7 +26,7 @@ from dofattn.model.bounded import BoundedSoftmax, HeadSplit
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
 from dofattn.model.hf import attention_modules
-from dofattn.io import atomic_path, read_safetensors, write_atomic
+from dofattn.io import read_safetensors, save_tensors, write_atomic
 from dofattn.spec import Attention, Kept, StudentSpec, check_exact_heads, check_kept
 
 CONFIG_FILE = "dofattn.json"
@@ -173,8 +172,7 @@ def save_student(model: nn.Module, folder: str | Path, spec: StudentSpec) -> Pat
     """Write `dofattn.json` and `features.safetensors` into `folder` (created if needed)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    with atomic_path(folder / WEIGHTS_FILE) as tmp:
-        save_file(student_state(model), str(tmp), metadata={"dofattn_version": __version__})
+    save_tensors(student_state(model), folder / WEIGHTS_FILE, metadata={"dofattn_version": __version__})
     write_atomic(folder / CONFIG_FILE, spec.to_json())
     return folder
 
