@@ -345,7 +345,7 @@ def other_model_dims(folder: Path) -> Path:
     (["student.feature=cosine"], "student.feature = 'cosine'; use one of prf, performer, hedgehog, dijiang"),
     (["layerwise.loss=l2", "student.feature=hedgehog"], "layerwise.loss = 'l2' compares kernel values"),
     (["student.dims={other_dims}"], "was computed for model 'other'"),
-    (["student.dims=fix:0"], "bad --dims 'fix:0'"),
+    (["student.dims=fix:0"], "bad student.dims 'fix:0'"),
     (["student.dims=linear-dof"], "student.dims = 'linear-dof'; use dof, clip, dof-head, fix, fix:C or a dof.json file"),
     (["student.dims={tmp}/missing.json"], "does not exist"),
     (["end_to_end.cooldown_steps=-1"], "end_to_end.cooldown_steps = -1: give >= 0"),
@@ -386,10 +386,13 @@ def other_model_dims(folder: Path) -> Path:
     (["--dtype", "float16"], "run.dtype = 'float16'; use one of float32, bfloat16"),
     (["--data", "{tmp}/missing.txt"], "neither 'wiki-sample'"),
     (["--model", "{tmp}/no-such-model"], "does not exist"),
+    (["--model", "{tmp}/run-folder"], "is a dofattn student, not a base model: give its base model"),
     (["--continue-from", "{tmp}"], "is not a finished (or time-limited) dofattn distill run folder: it needs recipe.toml"),
 ])
 def test_bad_input_is_one_line_error(capsys, model_dirs, corpus, tmp_path, args, message):
     other_dims = other_model_dims(tmp_path)
+    (tmp_path / "run-folder").mkdir()
+    (tmp_path / "run-folder" / "dofattn.json").write_text("{}")
     bad_toml, bad_table = tmp_path / "bad.toml", tmp_path / "table.toml"
     bad_toml.write_text("[student\nwindow = 3\n")
     bad_table.write_text("[training]\nsteps = 3\n")

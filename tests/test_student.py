@@ -213,3 +213,13 @@ def test_the_package_hands_out_its_public_names_lazily():
         dofattn.nothere
     code = "import sys, dofattn; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("path,message", [("/no/such/student", "/no/such/student does not exist: give a run folder"),
+                                          (123, "load takes the path of a student"),
+                                          (None, "load takes the path of a student")])
+def test_load_names_what_is_wrong_with_its_path(path, message):
+    import dofattn
+
+    with pytest.raises(UserError, match=message):
+        dofattn.load(path)

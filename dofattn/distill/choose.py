@@ -33,8 +33,8 @@ from dofattn.model.student import attention_modules, build, global_layers, head_
 
 # --- the student's shape from a recipe: its dims, its linear layers, or an untrained student -------------------
 
-def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "") -> list[int]:
-    """Feature dims per layer from `fix`, `fix:C`, a dof.json path, or a list."""
+def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "", what: str = "--dims") -> list[int]:
+    """Feature dims per layer from `fix`, `fix:C`, a dof.json path, or a list; errors name option `what`."""
     num_layers = len(attention_modules(model))
     _, _, head_dim = head_layout(model)
     if isinstance(spec, list):
@@ -42,7 +42,7 @@ def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "") 
     elif spec == "fix" or spec.startswith("fix:") or spec.isdigit():
         value = spec if spec.isdigit() else spec.partition(":")[2] or str(head_dim)
         if not value.isdigit() or int(value) < 1:
-            raise UserError(f"bad --dims {spec!r}; use C or fix:C with C >= 1, fix, or a dof.json file")
+            raise UserError(f"bad {what} {spec!r}; use C or fix:C with C >= 1, fix, or a dof.json file")
         dims = [int(value)] * num_layers
     elif spec.endswith(".json"):
         path = Path(spec)
@@ -57,9 +57,9 @@ def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "") 
                             f"run `dofattn dof --model {model_name}`")
         dims = result.dims
     else:
-        raise UserError(f"bad --dims {spec!r}; use C, fix, fix:C, or a dof.json file")
+        raise UserError(f"bad {what} {spec!r}; use C, fix, fix:C, or a dof.json file")
     if len(dims) != num_layers:
-        raise UserError(f"--dims gives {len(dims)} layers but the model has {num_layers}")
+        raise UserError(f"{what} gives {len(dims)} layers but the model has {num_layers}")
     if min(dims) < 1:
         raise UserError(f"--dims must be >= 1 in every layer, got {min(dims)}")
     return [int(d) for d in dims]
@@ -174,7 +174,7 @@ def dims(recipe: Recipe, model, tokenizer, out: Path) -> tuple[list[int], list[l
 
     rule, model_name = recipe.student.dims, recipe.run.model
     if rule not in DOF_DIMS:
-        return resolve_dims(rule, model, model_name), []
+        return resolve_dims(rule, model, model_name, "student.dims"), []
 
     def estimate() -> str:
         blocks = token_blocks(recipe.run.data, tokenizer, DOF_SEQ_LEN, DOF_BLOCKS, split="train",

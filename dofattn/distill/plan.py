@@ -239,7 +239,7 @@ def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[
     rule = recipe.student.dims
     if rule in DOF_DIMS:      # mean = head size over all layers (Algorithm 1's budget); clip only lowers it
         return None, float(head_dim)
-    dims = resolve_dims(rule, model, recipe.run.model)
+    dims = resolve_dims(rule, model, recipe.run.model, "student.dims")
     return dims, sum(dims[i] for i in linear) / len(linear)
 
 

@@ -116,7 +116,7 @@ def run(cfg: DistillConfig, progress=None) -> dict:
     model, tokenizer = load_model(r.run.model, dtype=parse_dtype(r.run.dtype), device=device)
     num_layers = len(attention_modules(model))
     if r.student.dims not in DOF_DIMS:      # a bad fix:C or another model's dof.json leaves no run folder
-        resolve_dims(r.student.dims, model, r.run.model)
+        resolve_dims(r.student.dims, model, r.run.model, "student.dims")
     candidates = linear_layers(r, model, [])   # all, or (local_layers = keep) all but sliding-window ones
     # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
     train, e2e_train, valid = read_blocks(r, tokenizer)

@@ -166,6 +166,12 @@ def load_any(path: str | Path, dtype: torch.dtype = torch.float32, device: str =
     """(model, tokenizer, spec) of the student at `path`: a student folder (`student.load_student`) or an export."""
     from dofattn.model.student import load_student
 
+    if not isinstance(path, (str, Path)):
+        raise UserError(f"load takes the path of a student (a run folder, a student folder or an export), got "
+                        f"{type(path).__name__} {path!r}")
+    if not Path(path).expanduser().exists():
+        raise UserError(f"{path} does not exist: give a run folder (dofattn distill --out), a student folder or an "
+                        f"export")
     load = load_export if is_export(path) else load_student
     return load(path, dtype=dtype, device=device, merge_lora=merge_lora)
 

@@ -349,6 +349,9 @@ def check_tokenizer(spec: str) -> None:
     """A UserError for a local model folder with weights and no tokenizer, before anything loads (a hub id, an alias
     or a .gguf file carries its own; a folder of a config alone is what `distill --dry-run` plans from)."""
     path = Path(spec).expanduser()
+    if spec not in BUILTIN and (path / "dofattn.json").is_file():
+        raise UserError(f"{spec} is a dofattn student, not a base model: give its base model, or train it further "
+                        f"with `dofattn distill --continue-from {spec}`")
     if spec in BUILTIN or not path.is_dir() or not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         return
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
