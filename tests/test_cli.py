@@ -324,6 +324,7 @@ def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
     (["--extend-to", "0"], "--extend-to 0"),
     (["--extend-to", "128"], "within the model's context of 256 tokens"),
     (["--prompt", ""], "--prompt is empty"),
+    (["--prompt", "the cat sat " * 100, "--max-new-tokens", "4"], "run past the model's context of 256 tokens"),
 ])
 def test_generate_bad_input(capsys, model_dirs, args, message):
     code, _, err = run(capsys, "generate", "--model", str(model_dirs["llama"]), *args)

@@ -102,6 +102,18 @@ class FirstToken:
         pass
 
 
+def check_context(model, prompt_tokens: int, new_tokens: int) -> None:
+    """A UserError where the prompt and the tokens asked for run past the model's context (as `eval` refuses a
+    block past it): the positions beyond were never trained; --extend-to reads further."""
+    from dofattn.model.hf import context_length
+
+    context = context_length(model.config)
+    if context and prompt_tokens + new_tokens > context:
+        raise UserError(f"the prompt ({prompt_tokens} tokens) and --max-new-tokens {new_tokens} run past the "
+                        f"model's context of {context} tokens: shorten the prompt, or add --extend-to "
+                        f"{2 ** (prompt_tokens + new_tokens - 1).bit_length()} (YaRN)")
+
+
 @contextlib.contextmanager
 def prompt_bar(tokens: int, model, progress):
     """A context in which a prompt of `tokens` read in chunks shows a progress bar (stderr), when `progress` is on
@@ -141,6 +153,7 @@ def run(cfg: GenerateConfig, progress=None) -> dict:
     inputs = tokenizer(cfg.prompt, return_tensors="pt").to(device)
     sampling = {"do_sample": True, "temperature": cfg.temperature} if cfg.temperature > 0 else {"do_sample": False}
     prompt_tokens = inputs["input_ids"].shape[1]
+    check_context(model, prompt_tokens, cfg.max_new_tokens)
     start = time.perf_counter()
     if cfg.static:
         from dofattn.engine import StaticDecoder
