@@ -451,6 +451,7 @@ def test_a_number_that_is_not_finite_is_refused_in_one_line(capsys, tmp_path, ar
 
 @pytest.mark.parametrize("args,message", [
     (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--seq-len", "1000"], "--seq-len 1000 is past the model's context of 256 tokens"),
     (["--out", "{tmp}/afile/eval.json"], "afile is a file, not a folder"),
     (["--out", "/proc/eval.json"], "--out: cannot write in /proc"),
 ])

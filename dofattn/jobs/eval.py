@@ -240,6 +240,9 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     if cfg.extend_to:
         extend_context(model, cfg.extend_to)
     context = context_length(model.config)
+    exact_blocks = cfg.num_blocks != 0 and not (cfg.num_blocks is None and plain_text(cfg.data))   # of --seq-len
+    if exact_blocks and context and cfg.seq_len > context and not cfg.beyond_context:
+        raise UserError(past_context(cfg.seq_len, context))
     if cfg.task_lengths and context and max(cfg.task_lengths) > context and not cfg.beyond_context:
         raise UserError(f"--task-lengths {max(cfg.task_lengths)} is past the model's context of {context} tokens: "
                         f"add --extend-to {max(cfg.task_lengths)}, or --beyond-context")
@@ -301,6 +304,11 @@ def load_teacher(cfg: EvalConfig, dtype, device: str):
     return name, teacher
 
 
+def past_context(seq_len: int, context: int) -> str:
+    return (f"--seq-len {seq_len} is past the model's context of {context} tokens: add --extend-to {seq_len} (RoPE "
+            f"scaled to it), or --beyond-context to score it as it is")
+
+
 def score_text(cfg: EvalConfig, model, tokenizer, teacher, split: str, context: int | None) -> dict:
     """The student against its teacher on the text's blocks (`evaluate.compare`), and each layer's errors on the
     first `cfg.layer_blocks` of them."""
@@ -314,8 +322,7 @@ def score_text(cfg: EvalConfig, model, tokenizer, teacher, split: str, context: 
                               seed=0)
     longest = max(b.shape[-1] for b in (blocks if isinstance(blocks, list) else [blocks]))
     if context and longest > context and not cfg.beyond_context:
-        raise UserError(f"--seq-len {cfg.seq_len} is past the model's context of {context} tokens: add "
-                        f"--extend-to {cfg.seq_len} (RoPE scaled to it), or --beyond-context to score it as it is")
+        raise UserError(past_context(cfg.seq_len, context))
     batch = batch_of(cfg, longest)
     found = {"seq_len": cfg.seq_len, **compare(model, blocks, teacher, batch)}
     if cfg.layer_blocks:
