@@ -420,6 +420,9 @@ def test_run_folder_with_another_recipe_is_refused_and_untouched(capsys, model_d
         lines = [line for line in err.splitlines() if line.startswith("dofattn: error:")]
         assert len(lines) == 1 and f"another recipe ({changed})" in lines[0], err
         assert snapshot(out) == before
+        code, _, err = run(capsys, *distill_argv(model_dirs["gpt_neox"], corpus, out, *base, *extra), "--dry-run")
+        assert code == 2 and f"another recipe ({changed})" in err, err          # the plan refuses it as the run
+        assert snapshot(out) == before
     # the same recipe again: a finished run resumes to the same student; so does its own recipe.toml
     reference = features(out)
     for again in (argv, ["distill", "--recipe", str(out / "recipe.toml"), "--out", str(out), "--device", "cpu"]):
@@ -432,6 +435,13 @@ def test_run_folder_with_another_recipe_is_refused_and_untouched(capsys, model_d
     (old / "run.json").write_text("{}")
     code, _, err = run(capsys, *distill_argv(model_dirs["gpt_neox"], corpus, old, "layerwise.steps=5"))
     assert code == 2 and "holds a run of an older dofattn (run.json" in err, err
+    mine = tmp_path / "mine"                         # a folder of the user's own: refused by the plan and the run
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for dry in ((), ("--dry-run",)):
+        code, _, err = run(capsys, *distill_argv(model_dirs["gpt_neox"], corpus, mine, *base), *dry)
+        assert code == 2 and "exists and is not a dofattn run folder" in err, err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 
 def test_out_folder_that_is_not_a_run_is_refused(capsys, model_dirs, corpus, tmp_path):

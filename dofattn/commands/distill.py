@@ -116,13 +116,18 @@ def world_size(args: DistillArgs) -> int:
 
 
 def dry_run(recipe, args: DistillArgs) -> int:
-    """`distill --dry-run`: the plan (`distill.plan`), from the model's config alone; nothing is written. The data
-    and the model folder's tokenizer are checked as the run would, before it reads them."""
+    """`distill --dry-run`: the plan (`distill.plan`), from the model's config alone; nothing is written. The data,
+    the model folder's tokenizer and the run folder are checked as the run would, before it reads them."""
     from dofattn.distill.plan import make_plan
     from dofattn.distill.run import check_inputs
     from dofattn.model.hf import resolve_device
 
     check_inputs(recipe, weights=False)
+    if not args.continue_from:                     # the folder the run would write, refused as the run refuses it
+        from dofattn.distill.run_folder import refuse
+        from dofattn.recipe import resolve_dtype
+
+        refuse(Path(args.out or f"runs/{recipe.name}"), resolve_dtype(recipe, resolve_device(args.device)))
     plan = make_plan(recipe, world_size(args), device=resolve_device(args.device))
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     return 0

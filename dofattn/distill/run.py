@@ -99,6 +99,8 @@ def run(cfg: DistillConfig, progress=None) -> dict:
     check_inputs(r)
     if continue_from:                              # before the model loads: a refused copy costs nothing
         run_folder.check_continue(Path(continue_from), out, r)
+    else:
+        run_folder.refuse(out, r)
     if not cfg.force:                              # the plan's memory and disk, before anything loads
         from dofattn.distill.plan import check_room
         from dofattn.distill.plan import make_plan

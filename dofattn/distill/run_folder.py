@@ -79,26 +79,33 @@ def refuse_foreign_folder(out: Path) -> None:
         raise UserError(f"--out {out} exists and is not a dofattn run folder; give another --out")
 
 
-def check(out: Path, recipe: Recipe) -> None:
-    """Refuse a run folder made with another recipe; record ours in a new one. More end-to-end steps than the
-    folder's run had are allowed: the run goes on to them (each step's blocks come from the seed and the step, so
-    with as many processes as before and no cooldown begun, the result is the longer run's)."""
+def refuse(out: Path, recipe: Recipe) -> bool:
+    """Refuse a run folder made with another recipe, or a folder that holds something else; only reads (the dry run
+    and the run, before anything loads, ask it). -> whether `out` holds a run of this recipe whose end-to-end phase
+    is to grow (more steps than its own: allowed, the run goes on to them; each step's blocks come from the seed and
+    the step, so with as many processes as before and no cooldown begun, the result is the longer run's)."""
     path = out / RECIPE_FILE
-    if path.is_file():
-        before = recipes.load(str(path))
-        changed = _differ(before, recipe)
-        if changed == ["end_to_end.steps"] and recipe.end_to_end.steps > before.end_to_end.steps:
-            write_atomic(path, recipe.to_toml())
-            return
-        if changed:
-            more = (" (end_to_end.steps can only grow)" if "end_to_end.steps" in changed
-                    and recipe.end_to_end.steps < before.end_to_end.steps else "")
-            raise UserError(f"run folder {out} holds a run with another recipe ({', '.join(changed)}){more}; give "
-                            f"another --out, or delete the folder to start over")
-        return
-    refuse_foreign_folder(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, recipe.to_toml())
+    if not path.is_file():
+        refuse_foreign_folder(out)
+        return False
+    before = recipes.load(str(path))
+    changed = _differ(before, recipe)
+    if changed == ["end_to_end.steps"] and recipe.end_to_end.steps > before.end_to_end.steps:
+        return True
+    if changed:
+        more = (" (end_to_end.steps can only grow)" if "end_to_end.steps" in changed
+                and recipe.end_to_end.steps < before.end_to_end.steps else "")
+        raise UserError(f"run folder {out} holds a run with another recipe ({', '.join(changed)}){more}; give "
+                        f"another --out, or delete the folder to start over")
+    return False
+
+
+def check(out: Path, recipe: Recipe) -> None:
+    """`refuse`, then record the recipe: in a new folder, or one whose end-to-end phase grows."""
+    grows = refuse(out, recipe)
+    if grows or not (out / RECIPE_FILE).is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / RECIPE_FILE, recipe.to_toml())
 
 
 def check_continue(source: Path, out: Path, recipe: Recipe) -> None:
