@@ -383,11 +383,10 @@ def test_export_replaces_a_previous_export(tmp_path, exported):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
 
 
-@pytest.mark.parametrize("recorded", [True, False], ids=["files recorded", "an export from before the record"])
-def test_export_keeps_what_the_user_put_beside_an_earlier_export(tmp_path, capsys, exported, recorded):
-    """An earlier export with the user's notes and evaluations beside it is refused, not replaced with them; with
-    them moved out it is replaced. Exports made before they recorded their files are judged by the names exports
-    write."""
+def test_export_keeps_what_the_user_put_beside_an_earlier_export(tmp_path, capsys, exported):
+    """An earlier export with the user's notes and evaluations beside it is refused, not replaced with them, by the
+    files it recorded and, for an export made before they were recorded, by the names exports write; with them
+    moved out it is replaced."""
     cases = exported[0]
     out = tmp_path / "again"
     student = cases["llama-linear"][0].parent.parent / "student-llama-linear"
@@ -395,17 +394,18 @@ def test_export_keeps_what_the_user_put_beside_an_earlier_export(tmp_path, capsy
     capsys.readouterr()
     config = json.loads((out / "config.json").read_text())
     assert {"config.json", "model.safetensors", "README.md"} <= set(config["dofattn_export"]["files"])
-    if not recorded:
-        del config["dofattn_export"]["files"]
-        (out / "config.json").write_text(json.dumps(config))
     (out / "notes.md").write_text("mine")
     (out / "evals").mkdir()
     (out / "evals" / "eval.json").write_text("{}")
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    assert main(["export", "--model", str(student), "--out", str(out)]) == 2
-    assert "holds evals/, notes.md beside an earlier export" in one_line_error(capsys)
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
+    for recorded in (True, False):
+        if not recorded:
+            del config["dofattn_export"]["files"]
+            (out / "config.json").write_text(json.dumps(config))
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        assert main(["export", "--model", str(student), "--out", str(out)]) == 2
+        assert "holds evals/, notes.md beside an earlier export" in one_line_error(capsys), recorded
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
     (out / "notes.md").unlink()
     shutil.rmtree(out / "evals")
     assert main(["export", "--model", str(student), "--out", str(out)]) == 0
