@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -140,13 +141,15 @@ def main() -> None:
         args.gather.with_suffix(".md").write_text(table(rows))
         figure(rows, args.gather.with_suffix(".png"))
         return
+    path = os.environ.get("PYTHONPATH")      # benchmarks/ scripts import dofattn from this tree, installed or not
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
     for share in args.shares:
         for by in (args.by if share else ["copy"]):
             run = folder(args.out, share, by)
             for name, (done, command) in stages(run, share, by).items():
                 if name in args.stages and not done.is_file():
                     print(" ".join(command), flush=True)
-                    subprocess.run(command, check=True)
+                    subprocess.run(command, check=True, env=env)
 
 
 if __name__ == "__main__":
