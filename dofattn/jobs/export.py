@@ -102,9 +102,10 @@ def check_out(out: Path) -> None:
         raise UserError(f"--out {out} is a file; give a folder")
     if not out.is_dir() or not any(out.iterdir()):
         return
-    if not is_export(out):
+    config = read_config(out)
+    if config is None:
         raise UserError(f"--out {out} is not empty and holds no dofattn export; give a new or empty folder")
-    written = (read_config(out).get("dofattn_export") or {}).get("files")
+    written = (config.get("dofattn_export") or {}).get("files")
     own = (lambda name: name in written) if written else (lambda name: any(fnmatch(name, p) for p in EXPORT_NAMES))
     others = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if not own(p.name))
     if others:
