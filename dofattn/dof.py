@@ -25,8 +25,7 @@ resolve the unit-diagonal K's eigenvalues below that), so 0 ≤ N ≤ J always.
 
 Allocation: layer DoF = max over heads (a layer's heads share one feature dimension); M_l ∝ layer DoF with mean
 `budget` (the total budget·L preserved exactly by largest-remainder rounding, every M_l ≥ 1); `clip` caps each M_l
-at the head size (the paper's DoF+clip, which lowers the total). Per-head dims are allocated the same way over all
-heads (mean `budget`), for per-head feature maps.
+at the head size (the paper's DoF+clip, which lowers the total).
 """
 
 from __future__ import annotations
@@ -248,7 +247,6 @@ class LayerDof:
     dof: float
     head_dof: list[float]
     dim: int
-    head_dims: list[int]
     dof_std: float = 0.0   # spread of the layer DoF over the `repeats` disjoint point sets (0 for one set)
     attention_dof: float | None = None   # `dofattn dof --attention`: the mean DoF of its attention matrices
 
@@ -295,7 +293,9 @@ class DofResult:
     @classmethod
     def from_json(cls, text: str) -> "DofResult":
         raw = json.loads(text)
-        raw["layers"] = [LayerDof(**layer) for layer in raw.get("layers", [])]
+        # head_dims: per-head dims, in every dof.json before 2026-12-03 (that option measured flat and left)
+        raw["layers"] = [LayerDof(**{k: v for k, v in layer.items() if k != "head_dims"})
+                         for layer in raw.get("layers", [])]
         return cls(**raw)
 
 
@@ -333,16 +333,10 @@ def allocate_dims(sample: PointSample, lam: float, budget: int, clip: bool = Fal
     layer_std = per_run.amax(-1).std(0).tolist() if repeats > 1 else [0.0] * per_run.shape[1]
     layer_dof = [max(h) for h in head_dof]
     dims = allocate(layer_dof, budget * len(layer_dof))
-    flat = [d for h in head_dof for d in h]
-    flat_dims = allocate(flat, budget * len(flat))
     if clip:
         dims = [min(d, sample.head_dim) for d in dims]
-        flat_dims = [min(d, sample.head_dim) for d in flat_dims]
-    layers, i = [], 0
-    for layer, heads in enumerate(head_dof):
-        layers.append(LayerDof(layer, layer_dof[layer], heads, dims[layer], flat_dims[i:i + len(heads)],
-                               layer_std[layer]))
-        i += len(heads)
+    layers = [LayerDof(layer, layer_dof[layer], heads, dims[layer], layer_std[layer])
+              for layer, heads in enumerate(head_dof)]
     return DofResult(lam=lam, samples=J, budget=budget, clip=clip, lam_scale=lam_scale, head_dim=sample.head_dim,
                      repeats=repeats, layers=layers, **meta)
 

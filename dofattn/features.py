@@ -4,8 +4,7 @@
     phi_q, phi_k = fmap(q, "query"), fmap(k, "key")                 # [B, T, H, M] each, float32
 
 Every map has its own parameters per head (directions, projections, weights: leading dim H); the feature dimension
-M is one per layer, or for `prf`/`performer` one per head (`head_dims`, each at most M: head h uses its
-first head_dims[h] features, the rest have exponent −inf, so feature 0, and 1/M becomes 1/head_dims[h]). Kinds:
+M is one per layer. Kinds:
 
 - `prf`: the paper's learned positive random features. With u = √s·x (s the layer's softmax scaling),
   φ_m(x) = exp(z_mᵀu − ‖u‖²/2 + ½·log α_m), so that φ(q)·φ(k)/M = (1/M)Σ_m α_m e^{z_mᵀu_q − ‖u_q‖²/2}
@@ -36,7 +35,6 @@ from dofattn.errors import UserError
 from dofattn.ops.prf import PRFMap
 
 FEATURES = ("prf", "performer", "hedgehog", "dijiang")
-PER_HEAD = ("prf", "performer")   # the kinds whose maps take per-head dims (`head_dims`)
 MAX_KEY_EXCESS = 30.0  # e^30 · 1e6 tokens stays far inside float32
 
 
@@ -56,7 +54,6 @@ class FeatureMap(nn.Module):
         if dim < 1:
             raise UserError(f"feature dimension must be >= 1, got {dim}")
         self.num_heads, self.head_dim, self.dim, self.scaling = num_heads, head_dim, dim, float(scaling)
-        self.head_dims: list[int] | None = None      # features per head, where each head has its own (`PER_HEAD`)
 
     @property
     def estimates_kernel(self) -> bool:
@@ -93,8 +90,7 @@ class FeatureMap(nn.Module):
         return phi, phi.new_zeros(shape)
 
     def extra_repr(self) -> str:
-        return (f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
-                + (f", head_dims={self.head_dims}" if self.head_dims else ""))
+        return f"heads={self.num_heads}, head_dim={self.head_dim}, dim={self.dim}, scaling={self.scaling:g}"
 
 
 def _orthogonal_rows(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -110,15 +106,8 @@ class PositiveRandomFeatures(FeatureMap):
     """`prf` (learned) and `performer` (fixed orthogonal FAVOR+) positive random features."""
 
     def __init__(self, num_heads: int, head_dim: int, dim: int, scaling: float, learned: bool = True,
-                 generator: torch.Generator | None = None, head_dims: list[int] | tuple | None = None):
+                 generator: torch.Generator | None = None):
         super().__init__(num_heads, head_dim, dim, scaling)
-        if head_dims is not None and (len(head_dims) != num_heads or min(head_dims) < 1 or max(head_dims) > dim):
-            raise UserError(f"head_dims must give each of the {num_heads} heads between 1 and {dim} features, "
-                            f"got {list(head_dims)}")
-        self.head_dims = None if head_dims is None else [int(d) for d in head_dims]
-        counts = torch.tensor(self.head_dims or [dim] * num_heads, dtype=torch.float32)
-        self.register_buffer("log_dims", counts.log(), persistent=False)                              # [H]: log M_h
-        self.register_buffer("active", torch.arange(dim)[None, :] < counts[:, None], persistent=False)  # [H, M]
         self.kind = "prf" if learned else "performer"
         g = generator or torch.Generator().manual_seed(0)
         if learned:
@@ -138,8 +127,7 @@ class PositiveRandomFeatures(FeatureMap):
         """log φ before any shift: [B, T, H, D] -> [B, T, H, M], float32."""
         u = x.float() * math.sqrt(self.scaling)                                      # [B, T, H, D]
         proj = torch.einsum("bthd,hmd->bthm", u, self.directions.float())
-        e = proj - 0.5 * u.square().sum(-1, keepdim=True) + 0.5 * self.log_weights.float()
-        return e if self.head_dims is None else e.masked_fill(~self.active, -math.inf)
+        return proj - 0.5 * u.square().sum(-1, keepdim=True) + 0.5 * self.log_weights.float()
 
     def shift_calibrated(self) -> bool:
         """True if every head's key shift is finite. Read from the GPU once per change of the buffer (its version
@@ -153,14 +141,13 @@ class PositiveRandomFeatures(FeatureMap):
         return not self.training and self.shift_calibrated()
 
     def prf(self) -> PRFMap:
-        """Directions and log-weights in float32, contiguous, and the per-head counts, made again only when the
+        """Directions and log-weights in float32, contiguous, and the per-head counts (M each), made again only when the
         parameters change (their version counter moves on every in-place update) or move: a decode step is
         launch-bound, so nothing is converted per token."""
         w, lw = self.directions, self.log_weights
         key = (w.data_ptr(), w._version, lw.data_ptr(), lw._version, w.dtype, lw.dtype)
         if self._prf is None or self._prf[0] != key:
-            counts = torch.tensor(self.head_dims or [self.dim] * self.num_heads, dtype=torch.int32,
-                                  device=w.device)
+            counts = torch.full((self.num_heads,), self.dim, dtype=torch.int32, device=w.device)
             self._prf = key, (w.detach().float().contiguous(), lw.detach().float().contiguous(), counts)
         return PRFMap(*self._prf[1], self.key_shift, self.scaling, self.dim)
 
@@ -188,7 +175,7 @@ class PositiveRandomFeatures(FeatureMap):
         return triton_available()
 
     def features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
-        half_log_m = 0.5 * self.log_dims                                             # [H]
+        half_log_m = 0.5 * math.log(self.dim)
         if self.fused_ok(x, role):
             from dofattn.ops import load_triton
             phi, q_scale = load_triton()[0].prf.prf_features(self.prf(), x, role, MAX_KEY_EXCESS)
@@ -262,16 +249,11 @@ def estimates_kernel(kind: str) -> bool:
 
 
 def make_feature_map(kind: str, num_heads: int, head_dim: int, dim: int, scaling: float,
-                     seed: int = 0, head_dims: list[int] | tuple | None = None) -> FeatureMap:
-    """A fresh feature map of `kind` (one of FEATURES) for one layer; `head_dims` (prf, performer) gives each head
-    its own number of features, at most `dim`."""
+                     seed: int = 0) -> FeatureMap:
+    """A fresh feature map of `kind` (one of FEATURES) for one layer."""
     g = torch.Generator().manual_seed(seed)
-    if head_dims is not None and kind not in PER_HEAD:
-        raise UserError(f"per-head feature dims (student.dims = \"dof-head\") need prf or performer features, "
-                        f"not {kind!r}")
     if kind in ("prf", "performer"):
-        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=kind == "prf", generator=g,
-                                      head_dims=head_dims)
+        return PositiveRandomFeatures(num_heads, head_dim, dim, scaling, learned=kind == "prf", generator=g)
     if kind == "hedgehog":
         return HedgehogFeatures(num_heads, head_dim, dim, scaling, generator=g)
     if kind == "dijiang":

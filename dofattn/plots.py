@@ -27,9 +27,6 @@ def plot_dof(result: DofResult, path: str | Path) -> None:
 
     bottom.bar(layers, result.dims, color="tab:green", label="layer dim")
     bottom.axhline(result.budget, color="black", lw=1, ls="--", label=f"uniform budget {result.budget}")
-    for layer in result.layers:
-        bottom.scatter([layer.layer] * len(layer.head_dims), layer.head_dims, s=8, color="black", alpha=0.4,
-                       label="per-head dims" if layer.layer == 0 else None)
     bottom.set_xlabel("layer")
     bottom.set_ylabel("feature dimension")
     bottom.legend(loc="upper right", fontsize=8)

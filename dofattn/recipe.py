@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 
 from dofattn.errors import UserError
-from dofattn.features import PER_HEAD, estimates_kernel
+from dofattn.features import estimates_kernel
 from dofattn.options import option
 from dofattn.spec import LORA_TARGETS, Attention, Kept, StudentSpec, check_kept, check_lora
 
@@ -40,7 +40,7 @@ LOSSES = ("softmax", "l2")
 DTYPES = ("float32", "bfloat16", "auto")
 KEEP_BY = ("dof", "copy")
 LOCAL = ("keep", "linearize")
-DOF_DIMS = ("dof", "clip", "dof-head")   # student.dims rules the DoF stage decides at run time
+DOF_DIMS = ("dof", "clip")   # student.dims rules the DoF stage decides at run time
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,7 @@ class Student:
     attention: Attention = field(default_factory=Attention, metadata={"holds": Attention})  # keys: student.window
     kept: Kept = field(default_factory=Kept, metadata={"holds": Kept})                 # keys: student.select
     dims: str = option("dof", "features per layer: dof (in proportion to each layer's DoF, mean = head size), clip "
-                              "(dof capped at the head size), dof-head (each query head in proportion to its own "
-                              "DoF over all heads, same mean; a layer computes its largest head's count), fix, "
-                              "fix:C, or a dof.json from `dofattn dof`")
+                              "(dof capped at the head size), fix, fix:C, or a dof.json from `dofattn dof`")
     keep_softmax: int = option(0, "keep K layers as softmax attention, chosen by keep_softmax_by")
     keep_softmax_by: str = option("dof", "which layers keep_softmax keeps: dof (the largest DoF of their attention "
                                          "matrices) or copy (the teacher's heads that copy most from far back, which "
@@ -147,18 +145,16 @@ class Recipe:
         return self.end_to_end.blocks or self.layerwise.blocks
 
     def student_spec(self, dims: list[int], layers: list[int], base: dict | None = None,
-                     exact_heads: list[list[int]] | tuple = (), head_dims: list[list[int]] | tuple = ()) -> StudentSpec:
+                     exact_heads: list[list[int]] | tuple = ()) -> StudentSpec:
         """The student a run of this recipe trains: these dims and linear layers, its [student] table's attention
         config whole, its LoRA adapters (alpha = rank), `exact_heads` (per layer, the key/value heads kept exact:
-        `distill.choose.exact_heads`), `head_dims` (per layer, features per query head: `student.dims = dof-head`),
-        and `base`, the base model's fingerprint (`student.fingerprint`; None where
+        `distill.choose.exact_heads`) and `base`, the base model's fingerprint (`student.fingerprint`; None where
         the weights have no values, as in the dry run's plan)."""
         s = self.student
         return StudentSpec(base_model=self.run.model, dims=dims, layers=layers, attention=s.attention, kept=s.kept,
                            seed=self.run.seed, base=base or {}, lora_rank=s.lora_rank,
                            lora_alpha=float(s.lora_rank), lora_targets=s.lora_targets,
-                           exact_heads=tuple(tuple(h) for h in exact_heads),
-                           head_dims=tuple(tuple(h) for h in head_dims))
+                           exact_heads=tuple(tuple(h) for h in exact_heads))
 
     def keys(self) -> dict[str, object]:
         """Every key as `table.key` -> value."""
@@ -400,10 +396,7 @@ def validate(recipe: Recipe) -> None:
     check_kept(a, s.kept, s.keep_softmax, s.exact_heads)
     dims = s.dims
     if not (dims in (*DOF_DIMS, "fix") or dims.startswith("fix:") or dims.endswith(".json")):
-        raise UserError(f"student.dims = {dims!r}; use dof, clip, dof-head, fix, fix:C or a dof.json file")
-    if dims == "dof-head" and a.feature not in PER_HEAD:
-        raise UserError(f"student.dims = \"dof-head\" needs prf or performer features, not "
-                        f"student.feature = {a.feature!r}")
+        raise UserError(f"student.dims = {dims!r}; use dof, clip, fix, fix:C or a dof.json file")
     at_least = {"layerwise.batch_size": 1, "layerwise.seq_len": 2, "layerwise.blocks": 1, "end_to_end.batch_size": 1,
                 "end_to_end.seq_len": 2, "end_to_end.checkpoint_every": 1, "eval.blocks": 1, "eval.seq_len": 2,
                 "layerwise.steps": 0, "layerwise.rows": 0, "end_to_end.steps": 0, "end_to_end.cooldown_steps": 0,

@@ -162,17 +162,6 @@ def check_exact_heads(exact: tuple[tuple[int, ...], ...], layers: tuple[int, ...
                             f"heads a layer, and a linear layer keeps at least one of them linear")
 
 
-def check_head_dims(head_dims: tuple[tuple[int, ...], ...], dims: tuple[int, ...], num_heads: int | None) -> None:
-    """The rules on per-head feature counts: an entry per layer, one count per query head, each between 1 and the
-    layer's dim (the features the layer computes; its heads use their first `count`)."""
-    if len(head_dims) != len(dims):
-        raise UserError(f"head_dims gives {len(head_dims)} layers but the student has {len(dims)}")
-    for i, (heads, dim) in enumerate(zip(head_dims, dims)):
-        if not heads or min(heads) < 1 or max(heads) > dim or (num_heads is not None and len(heads) != num_heads):
-            raise UserError(f"head_dims of layer {i} = {list(heads)}: give each of the layer's query heads between 1 "
-                            f"and its {dim} features")
-
-
 def check_lora(*, lora_rank: int, lora_targets: str) -> None:
     """The rules on a student's LoRA adapters; a UserError names the recipe key (student.KEY)."""
     if lora_targets not in LORA_TARGETS:
@@ -199,7 +188,6 @@ class StudentSpec:
     lora_alpha: float = 0.0           # 0: the rank
     lora_targets: str = "attention"
     exact_heads: tuple[tuple[int, ...], ...] = ()   # per layer, its key/value heads kept exact (none: ())
-    head_dims: tuple[tuple[int, ...], ...] = ()     # per layer, features per query head, each <= dims (none: ())
     schema: int = SCHEMA
     dofattn_version: str = __version__
 
@@ -212,7 +200,6 @@ class StudentSpec:
             object.__setattr__(self, "kept", Kept(**self.kept))
         exact = tuple(tuple(sorted(int(h) for h in heads)) for heads in self.exact_heads)
         object.__setattr__(self, "exact_heads", exact if any(exact) else ())
-        object.__setattr__(self, "head_dims", tuple(tuple(int(d) for d in heads) for heads in self.head_dims))
         check_kept(self.attention, self.kept, len(self.dims) - len(self.layers), self.exact_count)
         check_lora(lora_rank=self.lora_rank, lora_targets=self.lora_targets)
         if not self.dims or min(self.dims) < 1:
@@ -221,8 +208,6 @@ class StudentSpec:
             raise UserError(f"linearized layers {list(self.layers)} out of range for {len(self.dims)} layers")
         if self.exact_heads:
             check_exact_heads(self.exact_heads, self.layers, len(self.dims), self.base.get("num_kv_heads"))
-        if self.head_dims:
-            check_head_dims(self.head_dims, self.dims, self.base.get("num_heads"))
 
     @property
     def exact_count(self) -> int:
@@ -241,10 +226,6 @@ class StudentSpec:
             "" if not dims else f", `{a.feature}` features, " + (
                 f"{dims[0]} per head" if len(set(dims)) == 1 else
                 f"{min(dims)}-{max(dims)} per head by layer (mean {sum(dims) / len(dims):.0f})"))]
-        if self.head_dims and self.layers:
-            counts = [d for i in self.layers for d in self.head_dims[i]]
-            lines.append(f"each query head uses its own share of its layer's features: {min(counts)}-{max(counts)} "
-                         f"(mean {sum(counts) / len(counts):.0f}), by its DoF")
         softmax = self.softmax_layers
         if softmax:
             held = (f"after the prompt each holds its first {a.sink} tokens, its last {a.window} and the "
@@ -289,6 +270,7 @@ class StudentSpec:
         elif schema != SCHEMA:
             raise UserError(f"{where} has schema {schema}; this dofattn ({__version__}) reads schemas 1 to {SCHEMA}: "
                             f"upgrade dofattn")
+        data = _pop_head_dims(data, where)
         if isinstance(data.get("attention"), dict):
             data = {**data, "attention": dict(data["attention"])}
             _pop_left(data["attention"], LEFT, where)
@@ -306,13 +288,21 @@ class StudentSpec:
 
 
 def _from_schema_1(data: dict, where: str) -> dict:
-    """A schema-1 dofattn.json (decay and gate as flags, head_dims) as schema 2."""
+    """A schema-1 dofattn.json (decay and gate as flags) as schema 2."""
     data = dict(data)
-    if data.pop("head_dims", None) is not None:
-        raise UserError(f"{where} gives every head its own feature count (the removed --per-head); this dofattn "
-                        f"cannot load it: distill the student again")
     gate, decay = data.pop("gate", False), data.pop("decay", False)
     data["decay"] = "gate" if gate else "head" if decay else "none"
+    return data
+
+
+def _pop_head_dims(data: dict, where: str) -> dict:
+    """`data` without `head_dims`, which every schema-1 spec and those of 2026-12-02 hold (features per query head:
+    `--per-head`, then `student.dims = dof-head`, both measured flat and removed): empty, it is dropped; a student
+    built with them is refused."""
+    data = dict(data)
+    if data.pop("head_dims", None):
+        raise UserError(f"{where} gives every head its own feature count (per-head dims, an option that measured "
+                        f"flat and left dofattn: docs/log/experiments.md); distill the student again")
     return data
 
 

@@ -11,7 +11,8 @@ no exact head and no bound, `student.select = 0`). The stages, each skipped wher
     eval8k    dofattn eval on 4 validation blocks of 8 K, by position (eval-8k.json: the 4-8 K bucket)
     niah      RULER niah_single_1 at 4 K and 8 K, 25 prompts each (niah.json)
     read32k   benchmarks/bounded_memory.py at 32 K: the state after the prompt, the read's time and peak (read-32k.json)
-`--gather FILE` writes one JSON row per run folder found under OUT, with whatever its stages wrote, and beside it
+`--gather FILE` writes one JSON row per run folder found under OUT, with whatever its stages wrote (FILE's earlier
+rows whose folder is gone stay, so a point measured on another machine is not lost), and beside it
 FILE's table (.md: one row per run, the figures of the curve) and figure (.png: validation and the 4-8 K bucket over
 the teacher's, and RULER where measured, against the exact share).
 """
@@ -137,6 +138,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.gather:
         rows = gather(args.out)
+        found = {r["run"] for r in rows}
+        if args.gather.is_file():
+            rows += [r for r in json.loads(args.gather.read_text()) if r["run"] not in found]
         args.gather.write_text(json.dumps(rows, indent=1))
         args.gather.with_suffix(".md").write_text(table(rows))
         figure(rows, args.gather.with_suffix(".png"))

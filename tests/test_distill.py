@@ -335,7 +335,7 @@ def test_two_gloo_processes_train_the_same_layers_as_one(capsys, model_dirs, cor
 
 def other_model_dims(folder: Path) -> Path:
     path = folder / "other-dof.json"
-    layers = [LayerDof(layer=i, dof=10.0, head_dof=[10.0] * 4, dim=8, head_dims=[8] * 4) for i in range(LAYERS)]
+    layers = [LayerDof(layer=i, dof=10.0, head_dof=[10.0] * 4, dim=8) for i in range(LAYERS)]
     path.write_text(DofResult(model="other", samples=64, budget=8, head_dim=16, layers=layers).to_json())
     return path
 
@@ -346,7 +346,7 @@ def other_model_dims(folder: Path) -> Path:
     (["layerwise.loss=l2", "student.feature=hedgehog"], "layerwise.loss = 'l2' compares kernel values"),
     (["student.dims={other_dims}"], "was computed for model 'other'"),
     (["student.dims=fix:0"], "bad student.dims 'fix:0'"),
-    (["student.dims=linear-dof"], "student.dims = 'linear-dof'; use dof, clip, dof-head, fix, fix:C or a dof.json file"),
+    (["student.dims=linear-dof"], "student.dims = 'linear-dof'; use dof, clip, fix, fix:C or a dof.json file"),
     (["student.dims={tmp}/missing.json"], "does not exist"),
     (["end_to_end.cooldown_steps=-1"], "end_to_end.cooldown_steps = -1: give >= 0"),
     (["end_to_end.steps=2", "end_to_end.cooldown_steps=3"], "longer than the phase (end_to_end.steps = 2)"),

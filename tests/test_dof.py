@@ -294,7 +294,6 @@ def test_allocate_dims_uses_max_over_heads_and_keeps_budget():
     result = allocate_dims(sample, lam=1e-9, budget=8, model="m")
     assert [layer.dof for layer in result.layers] == [4, 2, 8]
     assert result.dims == [7, 3, 14] and sum(result.dims) == 24
-    assert sum(sum(layer.head_dims) for layer in result.layers) == 8 * 6
     clipped = allocate_dims(sample, lam=1e-9, budget=8, clip=True)
     assert clipped.dims == [7, 3, 8]
 
@@ -303,7 +302,7 @@ def test_result_json_schema_and_warnings():
     result = allocate_dims(preset([[32, 31], [32, 32]]), lam=1e-9, budget=4, model="m")
     raw = json.loads(result.to_json())
     assert {"model", "lam", "samples", "budget", "clip", "layers"} <= set(raw)
-    assert set(raw["layers"][0]) == {"layer", "dof", "head_dof", "dim", "head_dims", "dof_std", "attention_dof"}
+    assert set(raw["layers"][0]) == {"layer", "dof", "head_dof", "dim", "dof_std", "attention_dof"}
     assert raw["layers"][0]["attention_dof"] is None                        # only `dofattn dof --attention` fills it
     assert DofResult.from_json(result.to_json()) == result
     for layer in raw["layers"]:                                            # a file from before the field loads

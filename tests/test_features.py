@@ -1,5 +1,4 @@
-"""The feature maps (`dofattn.features`): shapes and positivity, numerics at large exponents, the key shift, per-head
-dims."""
+"""The feature maps (`dofattn.features`): shapes and positivity, numerics at large exponents, the key shift."""
 
 import math
 

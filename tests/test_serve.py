@@ -86,15 +86,14 @@ STUDENTS = {"hybrid": ("llama", *HYBRID),
             "conv": ("llama", [0, 1, 2], Attention(feature="hedgehog", window=0, sink=0, decay="gate", conv=3), Kept()),
             "bounded": ("llama", *BOUNDED),
             # every layer linear, 2 kv heads of 4 query heads: layer 0 keeps kv head 1 exact, layer 2 kv head 0, both
-            # bounded after the prompt (student.exact_heads); each query head its own count of features (dof-head)
+            # bounded after the prompt (student.exact_heads)
             "heads": ("llama", [0, 1, 2], Attention(feature="prf", window=8, sink=2), Kept(select=4)),
             # the other families vLLM's plugin serves, one engine each: Qwen2's qkv biases and its layer types,
             # Qwen3's q/k norms (bounded), Mistral
             "qwen2": ("qwen2", *HYBRID), "qwen3": ("qwen3", *BOUNDED), "mistral": ("mistral", *HYBRID),
             # read past its base model's context (128 tokens) with YaRN, as `dofattn export --extend-to` makes it
             "yarn": ("llama", *HYBRID)}
-SPLIT = {"heads": dict(kv_heads=2, exact_heads=((1,), (), (0,)),
-                       head_dims=((5, 3, 5, 2), (8, 8, 1, 4), (6, 12, 12, 7)))}
+SPLIT = {"heads": dict(kv_heads=2, exact_heads=((1,), (), (0,)))}
 EXTEND = {"yarn": (MAX_LEN // 2, MAX_LEN)}      # student: (its base model's context, the export's --extend-to)
 ONE_RUN = {"qwen2", "qwen3", "mistral", "yarn"}  # students that run the first of RUNS only
 # The runs of each student: (engine arguments, {case: prompts}); the prompts' lengths: one shorter than the sink,
@@ -129,7 +128,7 @@ def student_export(tmp: Path, family: str, layers: list[int], attention: Attenti
                    extend: tuple[int, int] | None = None, kv_heads: int = 1, **split) -> Path:
     """An export of a student of `tiny_model(family)` (5, 8 and 12 features a head) whose own tensors differ from a
     fresh build; with `extend` (context, length), of a model of that context, exported to read `length` tokens;
-    `split`, the spec's exact_heads and head_dims."""
+    `split`, the spec's exact_heads."""
     base = tmp / "base"
     model = tiny_model(family, extend[0] if extend else MAX_LEN, kv_heads)
     model.save_pretrained(base)

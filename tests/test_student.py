@@ -130,8 +130,9 @@ def test_student_file_holds_only_trained_state(tmp_path, model_dirs):
 
 
 def test_older_student_folders_load_or_fail_clearly(tmp_path, model_dirs):
-    """A schema-1 dofattn.json (decay and gate as flags, no schema field) loads as the same student; one with
-    per-head dims, which a spec no longer holds, is refused with what to do."""
+    """A schema-1 dofattn.json (decay and gate as flags, no schema field) loads as the same student, and so does
+    one of 2026-12-02 (schema 4 with an empty `head_dims`); one with per-head dims, which a spec no longer holds,
+    is refused with what to do."""
     import json
 
     from dofattn.model.hf import load_model
@@ -150,9 +151,12 @@ def test_older_student_folders_load_or_fail_clearly(tmp_path, model_dirs):
     x = ids()
     with torch.no_grad():
         assert torch.equal(model(x, use_cache=False).logits, loaded(x, use_cache=False).logits)
-    (folder / "dofattn.json").write_text(json.dumps({**old, "head_dims": [[5] * 4, [12] * 4, [7] * 4]}))
-    with pytest.raises(UserError, match="every head its own feature count.*distill the student again"):
-        read_spec(folder)
+    (folder / "dofattn.json").write_text(json.dumps({**json.loads(spec.to_json()), "head_dims": []}))
+    assert read_spec(folder) == spec
+    for written in (old, json.loads(spec.to_json())):
+        (folder / "dofattn.json").write_text(json.dumps({**written, "head_dims": [[5] * 4, [12] * 4, [7] * 4]}))
+        with pytest.raises(UserError, match="every head its own feature count.*distill the student again"):
+            read_spec(folder)
     (folder / "dofattn.json").write_text(json.dumps({**json.loads(spec.to_json()), "schema": 5}))
     with pytest.raises(UserError, match="has schema 5.*upgrade dofattn"):
         read_spec(folder)

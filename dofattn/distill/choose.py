@@ -166,15 +166,13 @@ def _once(path: Path, compute) -> str:
     return path.read_text()
 
 
-def dims(recipe: Recipe, model, tokenizer, out: Path) -> tuple[list[int], list[list[int]]]:
-    """(features per layer, features per query head of each layer or [] for none) for `student.dims`. dof-head: the
-    DoF allocation over all heads (`dof.allocate_dims`' head_dims, mean = head size), each layer computing its
-    largest head's count."""
+def dims(recipe: Recipe, model, tokenizer, out: Path) -> list[int]:
+    """Features per layer for `student.dims`."""
     from dofattn.data import token_blocks
 
     rule, model_name = recipe.student.dims, recipe.run.model
     if rule not in DOF_DIMS:
-        return resolve_dims(rule, model, model_name, "student.dims"), []
+        return resolve_dims(rule, model, model_name, "student.dims")
 
     def estimate() -> str:
         blocks = token_blocks(recipe.run.data, tokenizer, DOF_SEQ_LEN, DOF_BLOCKS, split="train",
@@ -186,11 +184,7 @@ def dims(recipe: Recipe, model, tokenizer, out: Path) -> tuple[list[int], list[l
             print(f"WARNING: {warning}", flush=True)
         return result.to_json()
 
-    result = DofResult.from_json(_once(out / "dof.json", estimate))
-    if rule != "dof-head":
-        return resolve_dims(result.dims, model, model_name), []
-    head_dims = [layer.head_dims for layer in result.layers]
-    return resolve_dims([max(heads) for heads in head_dims], model, model_name), head_dims
+    return resolve_dims(DofResult.from_json(_once(out / "dof.json", estimate)).dims, model, model_name)
 
 
 def softmax_layers(recipe: Recipe, model, tokenizer, out: Path, candidates: list[int]) -> list[int]:

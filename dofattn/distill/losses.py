@@ -87,7 +87,7 @@ def l2_loss(linear: LinearAttention, q: torch.Tensor, k: torch.Tensor, v: torch.
     c_k = e_k.amax(dim=(0, 1, 3), keepdim=True).detach()
     dot = torch.einsum("bthm,bshm->bhts", torch.exp(e_q - c_q), torch.exp(e_k - c_k))
     log_kernel_hat = (torch.log(dot.clamp_min(TINY)) + c_q.squeeze(-1).permute(0, 2, 1)[..., None]
-                      + c_k.reshape(1, -1, 1, 1) - fmap.log_dims.reshape(1, -1, 1, 1))   # [B, H, R, T]
+                      + c_k.reshape(1, -1, 1, 1) - math.log(fmap.dim))   # [B, H, R, T]
     log_factor = linear.log_pair_factor(v, T, at)
     if log_factor is not None:  # the student's weight of a pair is its kernel estimate times its parts' factors
         log_kernel_hat = log_kernel_hat + log_factor

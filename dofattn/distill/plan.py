@@ -335,9 +335,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     notes = []
     if s.dims in DOF_DIMS:
         notes.append("feature dims come from the DoF stage at run time; the student's size is at the budget's mean"
-                     + (" (clip can only lower it)" if s.dims == "clip" else "")
-                     + (" (dof-head: each layer computes its largest head's count, more than the mean)"
-                        if s.dims == "dof-head" else ""))
+                     + (" (clip can only lower it)" if s.dims == "clip" else ""))
     if s.keep_softmax:
         notes.append(f"the {s.keep_softmax} softmax layers are chosen at run time (by {s.keep_softmax_by}); the "
                      f"plan takes them as the last layers")

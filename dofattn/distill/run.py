@@ -127,14 +127,14 @@ def run(cfg: DistillConfig, progress=None) -> dict:
         return finished
 
     stage.begin("dof")
-    dims, head_dims = choose.dims(r, model, tokenizer, out)
+    dims = choose.dims(r, model, tokenizer, out)
     stage.begin("softmax_choice")
     chosen = choose.softmax_layers(r, model, tokenizer, out, candidates)
     linear = linear_layers(r, model, chosen)
     exact = choose.exact_heads(r, model, tokenizer, out, linear)
     stage.begin("setup")                           # the student built: setup goes on
     kept = [i for i in range(num_layers) if i not in candidates or i in chosen]
-    spec = r.student_spec(dims, linear, base=fingerprint(model), exact_heads=exact, head_dims=head_dims)
+    spec = r.student_spec(dims, linear, base=fingerprint(model), exact_heads=exact)
     build(model, spec)
     for name, p in model.named_parameters():       # only the student's tensors ever train
         p.requires_grad_(is_student_tensor(name))

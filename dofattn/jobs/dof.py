@@ -138,17 +138,14 @@ def format_lam_search(result) -> str:
 
 
 def format_table(result) -> str:
-    """A `dof.DofResult` per layer: DoF max (± its spread over repeats), min, dim, head dims, attention DoF."""
+    """A `dof.DofResult` per layer: DoF max (± its spread over repeats), min, dim, attention DoF."""
     spread = result.repeats > 1
     attention = any(layer.attention_dof is not None for layer in result.layers)
     std_header = f"  {'± std':>6}" if spread else ""
     attention_header = f"  {'attn DoF':>8}" if attention else ""
-    rows = [f"{'layer':>5}  {'DoF max':>8}{std_header}  {'DoF min':>8}  {'dim':>5}  {'head dims':>12}"
-            f"{attention_header}"]
+    rows = [f"{'layer':>5}  {'DoF max':>8}{std_header}  {'DoF min':>8}  {'dim':>5}{attention_header}"]
     for layer in result.layers:
-        heads = f"{min(layer.head_dims)}-{max(layer.head_dims)}"
         std = f"  {layer.dof_std:>6.2f}" if spread else ""
         attn = f"  {layer.attention_dof:>8.2f}" if attention else ""
-        rows.append(f"{layer.layer:>5}  {layer.dof:>8.2f}{std}  {min(layer.head_dof):>8.2f}  {layer.dim:>5}  "
-                    f"{heads:>12}{attn}")
+        rows.append(f"{layer.layer:>5}  {layer.dof:>8.2f}{std}  {min(layer.head_dof):>8.2f}  {layer.dim:>5}{attn}")
     return "\n".join(rows)

@@ -112,19 +112,11 @@ def make_student(model: nn.Module) -> nn.Module:
 
 
 def after_loading(loaded):
-    """Called after `from_pretrained` (which may also return loading info beside the model): the feature maps'
-    non-persistent buffers, which transformers leaves unset when it builds on the meta device, made again from the
-    spec; the attention implementation installed again (in case it was reset)."""
+    """Called after `from_pretrained` (which may also return loading info beside the model): the attention
+    implementation installed again (in case it was reset)."""
     from dofattn.model.install import install
-    from dofattn.features import FeatureMap, make_feature_map
 
     model = loaded[0] if isinstance(loaded, tuple) else loaded
-    for module in model.modules():
-        if isinstance(module, FeatureMap) and module._non_persistent_buffers_set:
-            fresh = make_feature_map(module.kind, module.num_heads, module.head_dim, module.dim, module.scaling,
-                                     head_dims=module.head_dims)
-            for name in module._non_persistent_buffers_set:
-                setattr(module, name, getattr(fresh, name).to(getattr(module, name).device))
     install(model)
     return loaded
 

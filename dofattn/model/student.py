@@ -74,16 +74,14 @@ def fingerprint(model: nn.Module) -> dict:
 
 
 def linear_layer(attention: Attention, heads: int, kv_heads: int, head_dim: int, dim: int, scaling: float,
-                 seed: int, head_dims=None, exact=()) -> LinearAttention:
-    """One layer's `LinearAttention` (float32, on the default device): its feature map of `dim` features a head
-    (`head_dims`: each of the layer's query heads its own count, at most `dim`), drawn from `seed`, and the parts
+                 seed: int, exact=()) -> LinearAttention:
+    """One layer's `LinearAttention` (float32, on the default device): its feature map of `dim` features a head,
+    drawn from `seed`, and the parts
     `attention` names. `exact`: the key/value heads the layer keeps exact (`bounded.HeadSplit`); the module covers
     the others and their query heads. `linearize` builds each layer so; so does the vLLM plugin before it loads an
     export's tensors."""
     group = heads // kv_heads
-    counts = [c for h, c in enumerate(head_dims) if h // group not in exact] if head_dims else None
-    fmap = make_feature_map(attention.feature, heads - group * len(exact), head_dim, dim, scaling, seed=seed,
-                            head_dims=counts)
+    fmap = make_feature_map(attention.feature, heads - group * len(exact), head_dim, dim, scaling, seed=seed)
     return LinearAttention(attention, fmap, num_kv_heads=kv_heads - len(exact))
 
 
@@ -98,7 +96,7 @@ def bounded_layers(config, num_layers: int, layers: list[int], kept: Kept) -> li
 
 
 def linearize(model: nn.Module, dims: list[int], attention: Attention = Attention(), *, kept: Kept = Kept(),
-              layers: list[int] | None = None, seed: int = 0, exact_heads=(), head_dims=()) -> nn.Module:
+              layers: list[int] | None = None, seed: int = 0, exact_heads=()) -> nn.Module:
     """Replace softmax attention by linear attention in `layers`, in place; returns `model`.
 
     `layers` None: every layer but the model's own sliding-window ones (`global_layers`). `dims[i]` is the feature
@@ -108,8 +106,7 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
     layers kept as softmax attention (not a model's own local ones) hold their cache: every key, or bounded after
     the prompt (`model.bounded.BoundedSoftmax`). `exact_heads` (per layer, or () for none): the key/value heads of
     a linear layer kept exact, with their query heads, bounded as the kept layers are (`bounded.HeadSplit`); the
-    layer's `LinearAttention` has the other heads. `head_dims` (per layer, a count per query head, or () for
-    none): each linear head uses its own number of the layer's `dims[i]` features (`features`). A model of the
+    layer's `LinearAttention` has the other heads. A model of the
     class dofattn makes one with (`hf.causal_lm_class`, as `hf.load_model` loads it) then reads long prompts in
     chunks (`model.prompt`); one of transformers' own class reads each call in one piece, with the same outputs.
     """
@@ -127,7 +124,7 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
     for i in layers:
         exact = exact_heads[i] if exact_heads else ()
         linear = linear_layer(attention, heads, kv_heads, head_dim, dims[i], modules[i].scaling, seed * 1000 + i,
-                              head_dims=head_dims[i] if head_dims else None, exact=exact)
+                              exact=exact)
         linear = linear.to(param.device).train(modules[i].training)
         attach(modules[i], linear=linear)
         if exact:
@@ -144,7 +141,7 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
 def build(model: nn.Module, spec: StudentSpec) -> nn.Module:
     """Make `model` the (untrained) student `spec` describes, in place: its layers linearized, LoRA adapters added."""
     linearize(model, list(spec.dims), spec.attention, kept=spec.kept, layers=list(spec.layers), seed=spec.seed,
-              exact_heads=spec.exact_heads, head_dims=spec.head_dims)
+              exact_heads=spec.exact_heads)
     if spec.lora_rank:
         from dofattn.model.lora import add_lora
 

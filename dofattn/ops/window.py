@@ -245,14 +245,12 @@ def prf_step_constants(prf: PRFMap, log_gain, num_kv_heads: int, max_excess: flo
     G = H // num_kv_heads
     z = (directions.float() * math.sqrt(scaling)).transpose(1, 2)                           # [H, D, M]
     key_directions = z.reshape(num_kv_heads, G, D, M).permute(0, 2, 1, 3).reshape(num_kv_heads, D, G * M)
-    counts = prf.counts.to(directions.device)                                               # [H]: M per head
-    active = torch.arange(M, device=directions.device)[None, :] < counts[:, None]             # [H, M]
-    half = (0.5 * log_weights.float()).masked_fill(~active, -math.inf)      # a head's features past its count: 0
+    half = 0.5 * log_weights.float()
     key_bias = (half - key_shift.float()[:, None]).reshape(num_kv_heads, 1, G * M)
     decay = None if log_decay is None else decay_log(log_decay, torch.float32).exp()[:, None, None]
-    log_offset = key_shift.float() - counts.double().log().float() + log_gain.float()
     return PRFStep(z.contiguous(), key_directions.contiguous(), half[:, None].contiguous(), key_bias.contiguous(),
-                   log_offset.contiguous(), decay, float(scaling), float(max_excess))
+                   (key_shift.float() - math.log(M) + log_gain.float()).contiguous(), decay, float(scaling),
+                   float(max_excess))
 
 
 @torch.no_grad()

@@ -31,8 +31,7 @@ each kv head's selected ones, a ring of the last W): the prompt is read with exa
 the plugin turns chunked prefill off for such a student (and a prompt that comes in chunks anyway is refused). With
 every kept layer bounded, a sequence's memory in vLLM is constant, prompt included: no paged cache at all. A linear
 layer that keeps some key/value heads exact (student.exact_heads, `DofattnMixed`) holds both in its page: its linear
-heads' state and its exact heads' bounded slot; its heads are split and put back as HF's `HeadSplit` does. Per-head
-feature counts (student.dims = "dof-head") are the layer's feature map's own, rebuilt from the export's spec.
+heads' state and its exact heads' bounded slot; its heads are split and put back as HF's `HeadSplit` does.
 
 Not served (a ValueError names each): LoRA adapters not merged (export with --merge-lora), other families (Gemma's
 sliding layers and soft caps among them), prefix caching (turned off by the plugin), speculative decoding, tensor
@@ -104,15 +103,13 @@ def packed(entries) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
 
 @functools.cache
 def state_layout(attention: Attention, heads: int, kv_heads: int, head_dim: int, dim: int, scaling: float,
-                 dtype: torch.dtype, head_dims: tuple[int, ...] | None = None,
-                 exact: tuple[int, ...] = ()) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+                 dtype: torch.dtype, exact: tuple[int, ...] = ()) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
     """What a cache slot of this layer's `LinearAttention` holds per sequence once every part's state has its steady
     size: (name, shape without the batch, dtype) of each tensor, read off a throwaway layer (`linear_layer`: with
     `exact` heads, of the others) called on random q, k, v in `dtype`: a prompt longer than every width in the
     config, then a step and a chunk, which must leave every shape as it was (a ValueError otherwise: a part whose
     state grows cannot be served in fixed blocks)."""
-    layer = linear_layer(attention, heads, kv_heads, head_dim, dim, scaling, seed=0, head_dims=head_dims,
-                         exact=exact).float().eval()
+    layer = linear_layer(attention, heads, kv_heads, head_dim, dim, scaling, seed=0, exact=exact).float().eval()
     heads, kv_heads = layer.num_heads, layer.num_kv_heads
     widths = sum(getattr(attention, f.name) for f in fields(attention)
                  if isinstance(getattr(attention, f.name), int) and not isinstance(getattr(attention, f.name), bool))
@@ -140,9 +137,8 @@ def layer_layout(spec: StudentSpec, layer: int, heads: int, kv_heads: int, head_
     """A linear layer's slot: its `LinearAttention`'s `state_layout`, and, if it keeps heads exact, their bounded
     slot beside it (`bounded_layout` of those heads, named "exact.keys", "exact.values", "exact.valid")."""
     exact = exact_of(spec, layer)
-    head_dims = tuple(spec.head_dims[layer]) if spec.head_dims else None
     own = state_layout(spec.attention, heads, kv_heads, head_dim, spec.dims[layer], head_dim ** -0.5, dtype,
-                       head_dims, exact)
+                       exact)
     if not exact:
         return own
     group = heads // kv_heads
@@ -482,10 +478,9 @@ def swap_attention(model: nn.Module, hf_config, vllm_config: VllmConfig) -> None
         del context[prefix]
         if layer in linear:
             exact = exact_of(spec, layer)
-            head_dims = spec.head_dims[layer] if spec.head_dims else None
             with torch.device("cpu"):
                 own = linear_layer(spec.attention, heads, kv_heads, head_dim, spec.dims[layer], module.scaling,
-                                   spec.seed * 1000 + layer, head_dims=head_dims, exact=exact).float().eval()
+                                   spec.seed * 1000 + layer, exact=exact).float().eval()
             attach(module, linear=own)                  # where the export's tensors name it (`model.attach`)
             if exact:
                 split = HeadSplit(exact, kv_heads, heads)
