@@ -36,7 +36,7 @@ def main() -> None:
     from dofattn import recipe as recipes
     from dofattn.distill.costs import forward_counts, layerwise_step_counts
     from dofattn.distill.plan import make_plan
-    from dofattn.dof import DOF_BLOCKS, DOF_SEQ_LEN
+    from dofattn.recipe import DOF_BLOCKS, DOF_SEQ_LEN
     from dofattn.model.hf import model_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

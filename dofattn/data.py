@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from dofattn.assets import GENSIM, cache_dir, wheel_member
@@ -478,6 +477,8 @@ def token_blocks(spec: str, tokenizer, seq_len: int, num_blocks: int | None = No
     process of the torchrun group calls this together: each tokenizes only its share of the documents, and all get
     the blocks one process makes alone.
     """
+    import torch
+
     if seq_len < 2:
         raise UserError(f"--seq-len must be at least 2, got {seq_len}")
     if num_blocks is not None and num_blocks < 1:

@@ -46,7 +46,6 @@ RESOLUTION = 1e-10  # smallest shift on the unit-diagonal kernel: float64 cannot
 MAX_LOG_SHIFT = 690.0  # e^690 is finite in float64; rows shifted that far contribute exactly 0
 SATURATION = 0.95   # a head whose DoF reaches this fraction of J cannot be told apart from any other
 FLAT_SPREAD = 1.25  # layer DoF max/min below this: the allocation is close to uniform
-DOF_BLOCKS, DOF_SEQ_LEN, DOF_POINTS = 32, 256, 1024   # the DoF estimate's sample: blocks, their length, points/head
 
 
 # --- the estimator --------------------------------------------------------------------------------------------

@@ -33,8 +33,8 @@ from torch import nn
 
 from dofattn.errors import UserError
 from dofattn.ops.prf import PRFMap
+from dofattn.spec import FEATURES, estimates_kernel   # noqa: F401 (the kinds, and which estimate the kernel)
 
-FEATURES = ("prf", "performer", "hedgehog", "dijiang")
 MAX_KEY_EXCESS = 30.0  # e^30 · 1e6 tokens stays far inside float32
 
 
@@ -240,12 +240,6 @@ class DiJiangFeatures(FeatureMap):
     def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
         u = x.float() * math.sqrt(self.scaling)
         return torch.softmax(torch.einsum("bthd,hdm->bthm", u, self.projection.float()), -1)
-
-
-def estimates_kernel(kind: str) -> bool:
-    """Whether maps of `kind` estimate the softmax kernel exp(s·qᵀk) itself (prf, performer), not only its shape: the
-    l2 loss and the kernel error compare their values (`FeatureMap.estimates_kernel`)."""
-    return kind in ("prf", "performer")
 
 
 def make_feature_map(kind: str, num_heads: int, head_dim: int, dim: int, scaling: float,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from dofattn.errors import UserError
+
 DATA_HELP = ("wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several of these "
              "joined by + (pooled)")
 
@@ -37,8 +39,6 @@ class Device:
 
     def check_machine(self) -> None:
         """The rules on these options that need no torch: answered before anything heavy loads."""
-        from dofattn.errors import UserError
-
         if self.threads is not None and self.threads < 1:
             raise UserError(f"--threads must be at least 1, got {self.threads}")
         if self.device not in ("auto", "cpu", "cuda") and not (
@@ -53,3 +53,9 @@ class Machine(Device):
     dtype: str = option("float32", "the model's dtype; auto: bfloat16 where the device computes it fast (CUDA; "
                                    "CPUs with avx512_bf16 or AMX), else float32, as a recipe's run.dtype auto",
                         choices=("float32", "bfloat16", "auto"))
+
+
+def check_extend_to(length: int | None) -> None:
+    """--extend-to's own rule, before a model loads (None: not asked for); the model's are `extend_context`'s."""
+    if length is not None and length < 1:
+        raise UserError(f"--extend-to {length}: give a number of tokens past the model's context")

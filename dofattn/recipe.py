@@ -24,9 +24,8 @@ from importlib import resources
 from pathlib import Path
 
 from dofattn.errors import UserError
-from dofattn.features import estimates_kernel
 from dofattn.options import option
-from dofattn.spec import LORA_TARGETS, Attention, Kept, StudentSpec, check_kept, check_lora
+from dofattn.spec import LORA_TARGETS, Attention, Kept, StudentSpec, check_kept, check_lora, estimates_kernel
 
 FORMAT = 1          # of recipe files: a file with another `format` is refused
 DEFAULT = "long-context"   # what `dofattn distill` trains without --recipe: the best student measured
@@ -41,6 +40,7 @@ DTYPES = ("float32", "bfloat16", "auto")
 KEEP_BY = ("dof", "copy")
 LOCAL = ("keep", "linearize")
 DOF_DIMS = ("dof", "clip")   # student.dims rules the DoF stage decides at run time
+DOF_BLOCKS, DOF_SEQ_LEN, DOF_POINTS = 32, 256, 1024   # the DoF stage's sample: blocks, their length, points/head
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,28 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-import torch
-
 from dofattn import __version__
 from dofattn.errors import UserError
-from dofattn.features import FEATURES
-from dofattn.ops.window import window_pairs
 from dofattn.options import option
 
+CONFIG_FILE = "dofattn.json"   # a student folder's spec
 SCHEMA = 4    # of dofattn.json; 3: the kept layers' keys in `attention`; 2: its keys flat in the spec; 1: flags
+FEATURES = ("prf", "performer", "hedgehog", "dijiang")   # the feature maps (`features`)
 DECAYS = ("none", "head", "gate")  # no decay; a learned decay per head; a decay per token read off its value
 LORA_TARGETS = ("attention", "all")
+
+
+def is_student(path) -> bool:
+    """Whether `path` is a student folder (it holds a `CONFIG_FILE`)."""
+    from pathlib import Path
+
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def estimates_kernel(kind: str) -> bool:
+    """Whether maps of `kind` estimate the softmax kernel exp(s·qᵀk) itself (prf, performer), not only its shape: the
+    l2 loss and the kernel error compare their values (`FeatureMap.estimates_kernel`)."""
+    return kind in ("prf", "performer")
 
 
 @dataclass(frozen=True)
@@ -76,11 +87,15 @@ class Attention:
         """Whether the linear state decays (a decay per head, or a gate per token)."""
         return self.decay != "none"
 
-    def linear_pairs(self, length: int, device=None) -> torch.Tensor:
+    def linear_pairs(self, length: int, device=None):
         """[T, T] bool: the causal pairs (query t, key s) that the linear branch holds, the rest of the causal
         triangle being exact: all of them in pure linear attention; beside a window, s <= t - W and s >= S (the
         sink's keys stay exact). For a sequence that starts at position 0 without padding (`ops.window.window_pairs`).
         """
+        import torch
+
+        from dofattn.ops.window import window_pairs
+
         pos = torch.arange(length, device=device)
         if not self.window:
             return pos[None, :] <= pos[:, None]

@@ -47,7 +47,7 @@ def test_options_come_from_the_library_configs(capsys):
     """bench's options are `bench.BenchConfig`'s fields, eval's `eval_job.EvalConfig`'s, sample's include
     `sample.SampleSpec`'s; dof's sample defaults are a distillation run's (`choose.DOF_*`)."""
     from dofattn.jobs.bench import BenchConfig
-    from dofattn.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+    from dofattn.recipe import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
     from dofattn.jobs.eval import EvalConfig
     from dofattn.jobs.sample import SampleSpec
 
@@ -331,6 +331,15 @@ def test_generate_bad_input(capsys, model_dirs, args, message):
     assert code == 2 and message in err
 
 
+def test_generate_dims_with_a_student_says_its_dims_are_its_own(capsys, tmp_path):
+    """--dims sizes an untrained student; given a trained one it is refused as such (not "add --student", which
+    would then say "already a student"), before anything loads."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "dofattn.json").write_text("{}")
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path / "s"), "--dims", "fix:32")
+    assert code == 2 and "is a trained student whose feature dims are its own: drop --dims" in err
+
+
 def test_commands_look_for_the_default_run_and_write_into_run_folders(capsys, tmp_path, monkeypatch, model_dirs):
     """Without --model, generate, eval and export look in runs/long-context and say what to do when it is not
     there; distill's default folder is runs/<recipe>; eval of a student run folder writes its eval.json there."""
@@ -384,6 +393,49 @@ def test_machine_options_are_refused_before_torch_loads_a_model(verb):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--threads must be at least 1, got 0" in done.stderr and "unknown device 'gpu'" in done.stderr
+
+
+# A value the options alone rule out, one per command: (argv, the error's text). Refused in a fraction of a second,
+# before torch or transformers is imported (issue 69: 2-10 s before, each importing both).
+VALUE_ONLY = [
+    (["dof", "--lam", "nan"], "--lam: 'nan' is not a finite number"),
+    (["dof", "--points", "0"], "--points must be at least 2, got 0"),
+    (["dof", "--out", "/proc/x.json"], "--out: cannot write in /proc"),
+    (["distill", "--set", "dof.lam=inf"], "dof.lam = inf is not a finite number"),
+    (["distill", "--set", "student.dims=bogus"], "student.dims = 'bogus'"),
+    (["distill", "--dry-run", "--time-limit", "nan"], "--time-limit: 'nan' is not a finite number"),
+    (["eval", "--model", "smollm2-135m", "--seq-len", "0"], "--seq-len must be at least 2, got 0"),
+    (["eval", "--model", "smollm2-135m", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["eval", "--model", "smollm2-135m", "--split", "bogus"], "--split 'bogus': use one of train, validation, all"),
+    (["eval", "--model", "smollm2-135m", "--out", "/proc/x.json"], "--out: cannot write in /proc"),
+    (["generate", "--model", "smollm2-135m", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["generate", "--temperature", "nan"], "--temperature: 'nan' is not a finite number"),
+    (["bench", "--model", "smollm2-135m", "--seq-lens", "0"], "--seq-lens (or auto) takes positive token counts"),
+    (["bench", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["sample", "--temperature", "nan"], "--temperature: 'nan' is not a finite number"),
+    (["sample", "--samples", "0", "--out", "s.jsonl"], "--samples, --prompt-tokens, --new-tokens and --batch-size"),
+]
+
+
+def test_value_only_refusals_import_neither_torch_nor_transformers(tmp_path):
+    """Every case of VALUE_ONLY in one fresh interpreter: exit 2, its one line, nothing written, and neither torch
+    nor transformers in sys.modules afterwards (the job modules import them inside their functions)."""
+    script = ("import json, sys\nfrom dofattn.cli import main\n"
+              "for argv in json.loads(sys.argv[1]):\n"
+              "    print('@@', file=sys.stderr, flush=True)\n"
+              "    try:\n        code = main(argv)\n    except SystemExit as stop:\n        code = stop.code\n"
+              "    print('exit', code, file=sys.stderr, flush=True)\n"
+              "print('LOADED', [m for m in ('torch', 'transformers') if m in sys.modules])\n")
+    done = subprocess.run([sys.executable, "-c", script, json.dumps([argv for argv, _ in VALUE_ONLY])],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert "LOADED []" in done.stdout, done.stdout + done.stderr[-2000:]
+    answers = done.stderr.split("@@\n")[1:]
+    assert len(answers) == len(VALUE_ONLY), done.stderr[-2000:]
+    for (argv, message), answer in zip(VALUE_ONLY, answers):
+        *said, code = answer.strip().splitlines()
+        errors = [line for line in said if "error:" in line]      # argparse's own print their usage first
+        assert code == "exit 2" and errors == said[-1:] and message in errors[0], (argv, answer)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_paths_that_cannot_be_what_they_name_are_refused(capsys, tmp_path, monkeypatch):

@@ -65,7 +65,6 @@ def add_parser(verbs):
 def run(ns) -> int:
     """The `distill` verb."""
     from dofattn import recipe as recipes
-    from dofattn.model.hf import resolve_device
 
     args = config(DistillArgs, ns)
     if args.time_limit < 0:
@@ -88,7 +87,7 @@ def run(ns) -> int:
         from dofattn.model.lora import require_peft
         require_peft()
     from dofattn.distill.run import DistillConfig, run as distill
-    from dofattn.model.hf import use_threads
+    from dofattn.model.hf import resolve_device, use_threads
 
     use_threads(args.threads)
     job = DistillConfig(recipe, args.out, resolve_device(args.device), args.time_limit, args.continue_from,

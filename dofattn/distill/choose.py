@@ -22,12 +22,11 @@ from tqdm.auto import tqdm
 from dofattn.model.capture import capture, run_forward
 from dofattn.distill.world import barrier, world
 from dofattn.dof import DofResult, allocate_dims, attention_dofs, sample_points
-from dofattn.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
 from dofattn.errors import UserError
 from dofattn.model.hf import context_length
 from dofattn.io import write_atomic
 from dofattn.ops.softmax import attention_logits, expand_kv
-from dofattn.recipe import DOF_DIMS, Recipe
+from dofattn.recipe import DOF_BLOCKS, DOF_DIMS, DOF_POINTS, DOF_SEQ_LEN, Recipe
 from dofattn.spec import StudentSpec
 from dofattn.model.student import attention_modules, build, global_layers, head_layout
 

@@ -137,7 +137,7 @@ def layerwise_step_seconds(recipe, plan, device: str) -> float:
 def stage_lengths(recipe, config) -> dict[str, int]:
     """The tokens per sequence of each stage that runs the model: what its rate is measured at."""
     from dofattn.distill.choose import ATTENTION_DOF_SEQ_LEN, COPY_SEQ_LEN
-    from dofattn.dof import DOF_SEQ_LEN
+    from dofattn.recipe import DOF_SEQ_LEN
     from dofattn.model.hf import context_length
 
     r = recipe
@@ -293,7 +293,7 @@ def layerwise_step_counts(recipe, plan) -> tuple[int, int]:
 def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCost]:
     """Each stage's arrays, the process's peak after it, its disk and its time (module docstring)."""
     from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, COPY_BLOCKS
-    from dofattn.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+    from dofattn.recipe import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
     from dofattn.evaluate import SCORE_CHUNK
 
     r, L, m, t = recipe, plan.layers, plan.memory, plan.tokens

@@ -10,14 +10,30 @@ fields are its command's options (the device options inherited from `options.Mac
                its loading: `exported`)
 
 `dofattn distill`'s job is the distillation stages' own (`distill.run`).
+
+A job module imports torch, transformers and the model code inside its functions, not at its top: its config
+dataclass is the command's options and its checks run on the options alone, so `--help` and a refusal of a bad
+value take a fraction of a second (tests/test_cli.py checks that such a refusal imports neither).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from dofattn.errors import UserError
 from dofattn.recipe import DEFAULT_RUN
+
+
+def no_grad(fn):
+    """`torch.no_grad()` as a decorator that imports torch only when `fn` is called."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        import torch
+
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 def check_default_run(path: str, takes_base: bool = True) -> None:

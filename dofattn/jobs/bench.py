@@ -33,10 +33,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
 
-import torch
-import torch.nn.functional as F
-
 from dofattn.errors import UserError
+from dofattn.jobs import no_grad
 from dofattn.options import Machine, option
 
 
@@ -103,12 +101,16 @@ class BenchConfig(Machine):
 
 
 def _sync(device: str) -> None:
+    import torch
+
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
 def cuda_time(fn, repeats: int, warmups: int = 2) -> float:
     """Median milliseconds of fn() by CUDA events, after `warmups` calls (compilation, the allocator)."""
+    import torch
+
     for _ in range(warmups):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
@@ -180,6 +182,8 @@ def op_backends(device: str) -> list[str]:
 
 def try_timed(fn, device: str, repeats: int) -> float | str:
     """`timed`, or the error's one-line text (out of memory at long T, a backend that fails) instead of a time."""
+    import torch
+
     try:
         return timed(fn, device, repeats)
     except (RuntimeError, torch.OutOfMemoryError) as error:
@@ -195,8 +199,11 @@ def _pure(attention):
     return Attention(feature=attention.feature, window=0, sink=0)
 
 
-@torch.no_grad()
+@no_grad
 def bench_prefill(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
     from dofattn.ops import linear_attention, pick_backend
 
     rows = []
@@ -233,10 +240,13 @@ def bench_prefill(cfg: BenchConfig, student: Student, dtype: torch.dtype, report
     return rows
 
 
-@torch.no_grad()
+@no_grad
 def bench_decode(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     """The student's step runs on a cache it prefilled with W + S + 1 tokens (its window full, its sink filled):
     the steady step of a long generation, whose cost does not grow with T."""
+    import torch
+    import torch.nn.functional as F
+
     from dofattn.attention import LinearStateLayer
     from dofattn.attention.cache import cache_bytes
     from dofattn.ops import linear_attention
@@ -282,6 +292,8 @@ class TokenClock:
     and the decode steps' own time in one run, not the difference of two separately timed runs."""
 
     def __init__(self, device: str):
+        import torch
+
         from dofattn.engine import Clock
 
         self.clock, self.stamps = Clock(torch.device(device)), []
@@ -310,6 +322,8 @@ class PeakMemory:
         self.cuda, self.base = device.startswith("cuda"), None
 
     def start(self) -> None:
+        import torch
+
         if self.cuda:
             self.base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -323,6 +337,8 @@ class PeakMemory:
 
     def above(self) -> int | None:
         """Bytes of the peak since `start` above the baseline (None where it cannot be read)."""
+        import torch
+
         if self.base is None:
             return None
         if self.cuda:
@@ -375,8 +391,10 @@ def load_models(cfg: BenchConfig, student: Student, dtype: torch.dtype):
     yield f"{name}, recipe {recipe.name}", True, model, tokenizer
 
 
-@torch.no_grad()
+@no_grad
 def bench_generate(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
+    import torch
+
     from dofattn.engine import StaticDecoder
 
     rows = []
@@ -429,6 +447,8 @@ def bench_generate(cfg: BenchConfig, student: Student, dtype: torch.dtype, repor
 
 
 def hardware(device: str) -> dict:
+    import torch
+
     info = {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or
             platform.machine(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": device}
@@ -444,8 +464,11 @@ def hardware(device: str) -> dict:
 
 
 def validate(cfg: BenchConfig) -> None:
-    if not cfg.seq_lens or min(cfg.seq_lens) < 1 or (cfg.model and (not cfg.gen_contexts or
-                                                                       min(cfg.gen_contexts) < 1)):
+    """The rules on the options alone (lengths left at auto, None, pass until `resolved` picks them)."""
+    def bad(lengths) -> bool:
+        return lengths is not None and (not lengths or min(lengths) < 1)
+
+    if bad(cfg.seq_lens) or (cfg.model and bad(cfg.gen_contexts)):
         raise UserError("--seq-lens and --gen-contexts need positive token counts, e.g. 512,2048")
     for name in ("heads", "head_dim", "dims", "decode_batch", "repeats", "new_tokens"):
         if getattr(cfg, name) < 1:
@@ -461,11 +484,14 @@ def run(cfg: BenchConfig, progress=None) -> dict:
     """The measurements in `cfg.parts`; a JSON-ready dict, also written to `cfg.out` after each row (and part), so
     that a run stopped partway (a time limit, an out-of-memory kill) keeps what it measured. `progress(text)` gets
     each row as it is measured (print, say; None: quiet)."""
-    from dofattn.model.hf import parse_dtype, use_threads
+    validate(cfg)                       # on the options alone: before torch and transformers are imported
+    from dofattn.model.hf import model_source, parse_dtype, use_threads
     from dofattn.io import check_output, write_atomic
 
     cfg = cfg.resolved()
     validate(cfg)
+    if cfg.model and cfg.model != cfg.student:    # a base model to time generation with: it exists, or one line
+        model_source(cfg.model)
     use_threads(cfg.threads)
     student = student_of(cfg)               # neither a recipe nor a student, or not buildable: one line, at once
     if "serve" in cfg.parts:
@@ -522,6 +548,8 @@ def check_serve(cfg: BenchConfig, student: Student) -> str:
 def bench_serve(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=lambda row: None) -> list[dict]:
     """An export and its teacher in vLLM (`serve.bench`), at each prompt length of --gen-contexts and each batch of
     --serve-batch (random prompt tokens: the engine's speed does not depend on them)."""
+    import torch
+
     from dofattn.model.exported import read_config, spec_of
     from dofattn.serve.bench import serve, teacher_folder
 

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from dofattn.dof import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
+from dofattn.recipe import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
 from dofattn.errors import UserError
 from dofattn.options import DATA_HELP, Machine, option
 
@@ -58,13 +58,10 @@ def run(cfg: DofConfig, progress=None):
     """`dofattn dof`: the `dof.DofResult` of `cfg.model` (also written to `cfg.out`, and a figure to `cfg.plot`).
     `progress(text)` gets each table as it is ready and each file written (print, say; None: quiet)."""
     from dofattn.data import SPLITS, check_source, token_blocks
-    from dofattn.dof import (HELDOUT_POINTS, allocate_dims, allocate_dims_auto, attention_dofs, check_sample_size,
-                             sample_points)
-    from dofattn.model.hf import load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
     from dofattn.io import check_output, write_atomic
 
     say = progress or (lambda text: None)
-    # everything that can be checked without the model is checked before it loads
+    # everything that can be checked on the options alone is checked before torch and the model code are imported
     out = check_output(cfg.out, "--out", (".json",))
     plot = check_output(cfg.plot, "--plot", (".png", ".pdf", ".svg")) if cfg.plot else None
     if cfg.points < 2:
@@ -74,7 +71,6 @@ def run(cfg: DofConfig, progress=None):
     if cfg.budget is not None and cfg.budget < 1:
         raise UserError(f"--budget is the mean feature dimension per layer and must be >= 1, got {cfg.budget}")
     check_source(cfg.data)
-    refuse_config_only(cfg.model, "dof (queries and keys of a trained model)")
     if cfg.split not in SPLITS:
         raise UserError(f"unknown --split {cfg.split!r}; use one of {', '.join(SPLITS)}")
     if cfg.num_blocks < 1 or cfg.batch_size < 1:
@@ -83,6 +79,11 @@ def run(cfg: DofConfig, progress=None):
         raise UserError(f"--repeats must be at least 1, got {cfg.repeats}")
     if cfg.lam_auto and cfg.lam_scale != "trace":
         raise UserError("--lam-auto searches trace-relative λ; drop --lam-scale raw")
+    from dofattn.dof import (HELDOUT_POINTS, allocate_dims, allocate_dims_auto, attention_dofs, check_sample_size,
+                             sample_points)
+    from dofattn.model.hf import load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
+
+    refuse_config_only(cfg.model, "dof (queries and keys of a trained model)")
     heldout = HELDOUT_POINTS if cfg.lam_auto else 0
     check_sample_size(cfg.points * cfg.repeats + heldout, cfg.num_blocks, cfg.seq_len)
     device = resolve_device(cfg.device)

@@ -16,11 +16,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from dofattn.errors import UserError
 from dofattn.io import check_output, new_name
+from dofattn.jobs import no_grad
 from dofattn.options import DATA_HELP, Machine, option
 from dofattn.recipe import DEFAULT_RUN
 
@@ -35,7 +35,7 @@ def batch_of(cfg: EvalConfig, longest: int) -> int:
     return cfg.batch_size or (1 if longest > LONG_BLOCK else 2)
 
 
-@torch.no_grad()
+@no_grad
 def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) -> dict:
     """Per layer, on the teacher's own q/k/v: relative error of the linear attention output against softmax
     attention (‖o_lin − o_soft‖ / ‖o_soft‖), and the row-scaled L2 kernel error of PRF maps (the distillation's
@@ -45,6 +45,8 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
     Memory stays bounded at length: the outputs come from the attention kernels (no T × T), the kernel error reads
     `ERROR_ROWS` evenly spaced rows of a block longer than `LONG_ROWS`, and the forward computes no logits (`eval`
     sends blocks longer than `LONG_BLOCK` one at a time)."""
+    import torch
+
     from dofattn.model.attach import bounded_of, linear_of
     from dofattn.model.capture import capture, run_forward
     from dofattn.distill.losses import l2_loss
@@ -158,6 +160,8 @@ def text_blocks(data: str, tokenizer, seq_len: int, split: str = "all") -> list[
     one), in blocks of `seq_len` and a last shorter one: [[N, seq_len], [1, rest]] (either part left out when
     empty; a rest of one token, which nothing predicts, too). Scoring them predicts every token but each block's
     first."""
+    import torch
+
     from dofattn.data import texts
 
     ids: list[int] = []
@@ -176,10 +180,10 @@ def text_blocks(data: str, tokenizer, seq_len: int, split: str = "all") -> list[
 def check(cfg: EvalConfig) -> dict[str, Path]:
     """Everything about `cfg` that can be checked before a model loads; -> the output paths ({"out": ..., and each
     figure asked for})."""
-    from dofattn.data import check_source
-    from dofattn.model.hf import check_extend_to
+    from dofattn.data import SPLITS, check_source
     from dofattn.jobs import check_default_run
-    from dofattn.model.student import is_student
+    from dofattn.options import check_extend_to
+    from dofattn.spec import is_student
 
     check_default_run(cfg.model)
     out = cfg.out
@@ -189,6 +193,10 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
     paths.update({name: check_output(path, "--" + name.replace("_", "-"), (".png", ".pdf", ".svg"))
                   for name in FIGURES if (path := getattr(cfg, name))})
     check_source(cfg.data)
+    if cfg.split is not None and cfg.split not in SPLITS:
+        raise UserError(f"--split {cfg.split!r}: use one of {', '.join(SPLITS)}")
+    if cfg.seq_len < 2:
+        raise UserError(f"--seq-len must be at least 2, got {cfg.seq_len}")
     if cfg.task_path and not Path(cfg.task_path).is_dir():
         raise UserError(f"--task-path {cfg.task_path} is not a folder of lm-eval task YAMLs")
     if cfg.task_lengths is not None and (not cfg.tasks or min(cfg.task_lengths, default=0) < 1):
@@ -221,14 +229,14 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         result = run(EvalConfig(model="runs/window", data="notes.txt", out=None))   # a plain file, scored whole
         result["tokens"], result["ppl"], result["kl"]
     """
+    say = progress or (lambda text: None)
+    paths = check(cfg)                  # on the options alone: before torch and transformers are imported
     from dofattn.data import WIKI_SAMPLE, sources
     from dofattn.evaluate import format_comparison, format_layer_errors, format_tasks, lm_eval_tasks
     from dofattn.jobs import load_for_job
     from dofattn.model.hf import (context_length, extend_context, machine_dtype, refuse_config_only, resolve_device,
                                   use_threads)
 
-    say = progress or (lambda text: None)
-    paths = check(cfg)
     refuse_config_only(cfg.model, "eval")
     refuse_config_only(cfg.teacher, "eval --teacher")
     use_threads(cfg.threads)

@@ -180,7 +180,7 @@ class ExportConfig:
 
 def run(cfg: ExportConfig) -> Path:
     """`export` as `cfg` says; the folder written."""
-    from dofattn.model.hf import check_extend_to
+    from dofattn.options import check_extend_to
     from dofattn.jobs import check_default_run
 
     check_default_run(cfg.model, takes_base=False)

@@ -46,7 +46,8 @@ class GenerateConfig(Machine):
 
 def check(cfg: GenerateConfig) -> None:
     """Every rule on the options, before a model loads."""
-    from dofattn.model.hf import check_extend_to
+    from dofattn.options import check_extend_to
+    from dofattn.spec import is_student
 
     if cfg.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {cfg.max_new_tokens}")
@@ -59,8 +60,11 @@ def check(cfg: GenerateConfig) -> None:
     if cfg.compile and not cfg.static:
         raise UserError("--compile compiles the static decoder's step; add --static")
     check_extend_to(cfg.extend_to)
+    if cfg.dims and is_student(cfg.model):
+        raise UserError(f"{cfg.model} is a trained student whose feature dims are its own: drop --dims")
     if cfg.dims and not cfg.student:
-        raise UserError("--dims sizes the features of an untrained student: add --student RECIPE (e.g. paper)")
+        raise UserError("--dims sizes the features of an untrained student: add --student RECIPE (e.g. paper) to "
+                        "make one of the base model --model")
 
 
 def load(cfg: GenerateConfig):
@@ -134,11 +138,11 @@ def run(cfg: GenerateConfig, progress=None) -> dict:
     """The prompt continued: {"text" (prompt and continuation), "new_tokens", "seconds", "prompt_tokens",
     "prompt_s" (reading the prompt, its first new token included), "tokens_per_s" (the new tokens after the first,
     a second each), "model" (what generated it, in words)}. `progress(text)` gets progress lines (None: quiet)."""
+    check(cfg)                          # on the options alone: before torch and transformers are imported
     import torch
 
     from dofattn.model.hf import use_threads
 
-    check(cfg)
     use_threads(cfg.threads)
     model, tokenizer, what = load(cfg)
     if cfg.extend_to:

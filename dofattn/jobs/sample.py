@@ -20,12 +20,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from dofattn.data import token_blocks
 from dofattn.errors import UserError
 from dofattn.io import check_parent
+from dofattn.jobs import no_grad
 from dofattn.options import DATA_HELP, Machine, option
 
 
@@ -86,9 +86,11 @@ def prompts(spec: SampleSpec, tokenizer, samples: int) -> torch.Tensor:
     return blocks[order]
 
 
-@torch.no_grad()
+@no_grad
 def sample_text(model, tokenizer, spec: SampleSpec, samples: int, out: Path, progress: bool = True) -> dict:
     """Append `samples` teacher samples to `out` (see the module docstring); returns a summary."""
+    import torch
+
     check(spec, samples)
     start = done_samples(out, spec)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -140,7 +142,6 @@ def run(cfg: SampleConfig, progress=None) -> dict:
     """`dofattn sample`: load `spec.model` and append samples to `out` until it holds `samples` (a .jsonl file),
     everything checked before the model loads. -> {"samples": in the file, "new": written now, "seconds", "out"}."""
     from dofattn.data import check_source
-    from dofattn.model.hf import load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
 
     spec, samples, device, dtype = cfg.spec, cfg.run.samples, cfg.run.device, cfg.run.dtype
     out = Path(cfg.run.out).expanduser()
@@ -150,9 +151,11 @@ def run(cfg: SampleConfig, progress=None) -> dict:
         raise UserError(f"--out {out} is a folder; give a .jsonl file name")
     check_parent(out, "--out")
     check_source(spec.data)
-    refuse_config_only(spec.model, "sample (text from a trained model)")
     check(spec, samples)
     done_samples(out, spec)                        # refuse a foreign file before loading the model
+    from dofattn.model.hf import load_model, machine_dtype, refuse_config_only, resolve_device, use_threads
+
+    refuse_config_only(spec.model, "sample (text from a trained model)")
     use_threads(cfg.run.threads)
     device = resolve_device(device)
     model, tokenizer = load_model(spec.model, dtype=machine_dtype(dtype, device), device=device)

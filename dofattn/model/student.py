@@ -27,9 +27,9 @@ from dofattn.errors import UserError
 from dofattn.features import make_feature_map
 from dofattn.model.hf import attention_modules
 from dofattn.io import read_safetensors, save_tensors, write_atomic
-from dofattn.spec import Attention, Kept, StudentSpec, check_exact_heads, check_kept
+from dofattn.spec import (CONFIG_FILE, Attention, Kept, StudentSpec, check_exact_heads, check_kept,  # noqa: F401
+                          is_student)
 
-CONFIG_FILE = "dofattn.json"
 WEIGHTS_FILE = "features.safetensors"
 
 
@@ -172,10 +172,6 @@ def save_student(model: nn.Module, folder: str | Path, spec: StudentSpec) -> Pat
     save_tensors(student_state(model), folder / WEIGHTS_FILE, metadata={"dofattn_version": __version__})
     write_atomic(folder / CONFIG_FILE, spec.to_json())
     return folder
-
-
-def is_student(path: str | Path) -> bool:
-    return (Path(path) / CONFIG_FILE).is_file()
 
 
 def read_spec(folder: str | Path) -> StudentSpec:
