@@ -245,7 +245,7 @@ def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[
 
 def plan_tokens(recipe: Recipe, config, world: int) -> Tokens:
     from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, ATTENTION_DOF_SEQ_LEN, COPY_BLOCKS, COPY_SEQ_LEN
-    from dofattn.dof import DOF_BLOCKS, DOF_SEQ_LEN
+    from dofattn.recipe import DOF_BLOCKS, DOF_SEQ_LEN
     from dofattn.model.hf import context_length
 
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
