@@ -328,10 +328,15 @@ def _hf_texts(spec: str, split: str) -> Texts:
 
 # --- splits and packing -------------------------------------------------------------------------------------------
 
+def check_split(split: str, what: str = "split") -> None:
+    """A one-line UserError unless `split` is one of SPLITS (`what`: how the message names it, e.g. "--split")."""
+    if split not in SPLITS:
+        raise UserError(f"unknown {what} {split!r}; use one of {', '.join(SPLITS)}")
+
+
 def split_documents(docs: list[Document], split: str) -> list[str]:
     """The texts of `docs` that belong to `split` (see the module docstring)."""
-    if split not in SPLITS:
-        raise UserError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    check_split(split)
     if split == "all":
         return [text for _, text in docs]
     if len(docs) == 1:
@@ -402,8 +407,7 @@ def check_hf_reachable(spec: str, name: str) -> None:
 def texts(spec: str, split: str = "train") -> Sequence[str]:
     """The documents of data source `spec` (see the module docstring) in `split`, in source order, as a sequence
     that reads each document when it is asked for (the built-in sample is in memory)."""
-    if split not in SPLITS:
-        raise UserError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    check_split(split)
     parts = sources(spec)
     if len(parts) > 1:
         check_source(spec)

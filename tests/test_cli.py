@@ -406,7 +406,7 @@ VALUE_ONLY = [
     (["distill", "--dry-run", "--time-limit", "nan"], "--time-limit: 'nan' is not a finite number"),
     (["eval", "--model", "smollm2-135m", "--seq-len", "0"], "--seq-len must be at least 2, got 0"),
     (["eval", "--model", "smollm2-135m", "--batch-size", "0"], "--batch-size must be >= 1"),
-    (["eval", "--model", "smollm2-135m", "--split", "bogus"], "--split 'bogus': use one of train, validation, all"),
+    (["eval", "--model", "smollm2-135m", "--split", "bogus"], "unknown --split 'bogus'; use one of train, validation, all"),
     (["eval", "--model", "smollm2-135m", "--out", "/proc/x.json"], "--out: cannot write in /proc"),
     (["generate", "--model", "smollm2-135m", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["generate", "--temperature", "nan"], "--temperature: 'nan' is not a finite number"),

@@ -57,7 +57,7 @@ class DofConfig(Machine):
 def run(cfg: DofConfig, progress=None):
     """`dofattn dof`: the `dof.DofResult` of `cfg.model` (also written to `cfg.out`, and a figure to `cfg.plot`).
     `progress(text)` gets each table as it is ready and each file written (print, say; None: quiet)."""
-    from dofattn.data import SPLITS, check_source, token_blocks
+    from dofattn.data import check_source, check_split, token_blocks
     from dofattn.io import check_output, write_atomic
 
     say = progress or (lambda text: None)
@@ -71,8 +71,7 @@ def run(cfg: DofConfig, progress=None):
     if cfg.budget is not None and cfg.budget < 1:
         raise UserError(f"--budget is the mean feature dimension per layer and must be >= 1, got {cfg.budget}")
     check_source(cfg.data)
-    if cfg.split not in SPLITS:
-        raise UserError(f"unknown --split {cfg.split!r}; use one of {', '.join(SPLITS)}")
+    check_split(cfg.split, "--split")
     if cfg.num_blocks < 1 or cfg.batch_size < 1:
         raise UserError("--num-blocks and --batch-size must be at least 1")
     if cfg.repeats < 1:

@@ -180,7 +180,7 @@ def text_blocks(data: str, tokenizer, seq_len: int, split: str = "all") -> list[
 def check(cfg: EvalConfig) -> dict[str, Path]:
     """Everything about `cfg` that can be checked before a model loads; -> the output paths ({"out": ..., and each
     figure asked for})."""
-    from dofattn.data import SPLITS, check_source
+    from dofattn.data import check_source, check_split
     from dofattn.jobs import check_default_run
     from dofattn.options import check_extend_to
     from dofattn.spec import is_student
@@ -193,8 +193,8 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
     paths.update({name: check_output(path, "--" + name.replace("_", "-"), (".png", ".pdf", ".svg"))
                   for name in FIGURES if (path := getattr(cfg, name))})
     check_source(cfg.data)
-    if cfg.split is not None and cfg.split not in SPLITS:
-        raise UserError(f"--split {cfg.split!r}: use one of {', '.join(SPLITS)}")
+    if cfg.split is not None:
+        check_split(cfg.split, "--split")
     if cfg.seq_len < 2:
         raise UserError(f"--seq-len must be at least 2, got {cfg.seq_len}")
     if cfg.task_path and not Path(cfg.task_path).is_dir():

@@ -64,7 +64,8 @@ def write_weights(tensors: dict[str, torch.Tensor], folder: Path, max_shard: int
 def _source(path: Path) -> tuple[Path, Path | None]:
     """(student folder, run folder or None) for --model; a UserError if it is neither."""
     from dofattn.distill.run_folder import RECIPE_FILE
-    from dofattn.model.student import is_student, read_spec
+    from dofattn.model.student import read_spec
+    from dofattn.spec import is_student
 
     if not path.is_dir():
         raise UserError(f"--model {path} is not a folder; give a dofattn distill run folder or a student folder")

@@ -142,7 +142,7 @@ def is_export(folder: str | Path) -> bool:
 
 def is_any_student(path: str | Path) -> bool:
     """Whether `path` holds a trained student: a run or student folder (dofattn.json), or an export."""
-    from dofattn.model.student import is_student
+    from dofattn.spec import is_student
 
     return is_student(path) or is_export(path)
 

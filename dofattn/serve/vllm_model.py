@@ -103,7 +103,8 @@ def packed(entries) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
 
 @functools.cache
 def state_layout(attention: Attention, heads: int, kv_heads: int, head_dim: int, dim: int, scaling: float,
-                 dtype: torch.dtype, exact: tuple[int, ...] = ()) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+                 dtype: torch.dtype,
+                 exact: tuple[int, ...] = ()) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
     """What a cache slot of this layer's `LinearAttention` holds per sequence once every part's state has its steady
     size: (name, shape without the batch, dtype) of each tensor, read off a throwaway layer (`linear_layer`: with
     `exact` heads, of the others) called on random q, k, v in `dtype`: a prompt longer than every width in the
