@@ -32,6 +32,7 @@ sync per token): `generate` cuts each row after its first `eos_token_id` instead
 from __future__ import annotations
 
 import time
+from numbers import Integral
 
 import torch
 from transformers import DynamicCache
@@ -71,6 +72,21 @@ class Clock:
         now = self.now()
         lap, self.last = now - self.last, now
         return lap
+
+
+def check_ids(input_ids, vocab: int) -> None:
+    """A UserError unless `input_ids` is a non-empty [B, T] tensor of integer token ids below `vocab`."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise UserError(f"input_ids must be a tensor of token ids [batch, length] (tok(text, return_tensors='pt')"
+                        f".input_ids), got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise UserError(f"input_ids must be [batch, length] with at least one token, got shape "
+                        f"{list(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise UserError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        raise UserError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got ids from {low} to {high}")
 
 
 class StaticDecoder:
@@ -114,8 +130,9 @@ class StaticDecoder:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
         """input_ids [B, T] -> [B, T + max_new_tokens] (rows after their first EOS filled with EOS)."""
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        check_ids(input_ids, self.model.get_input_embeddings().num_embeddings)
+        if not isinstance(max_new_tokens, Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}")
         B, T = input_ids.shape
         input_ids = input_ids.to(self.device)
         clock = Clock(self.device)

@@ -158,8 +158,24 @@ def test_refuses_what_it_cannot_keep_static():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="CUDA graphs need the model on a CUDA device"):
             StaticDecoder(model, graph=True)
-    with pytest.raises(UserError, match="max_new_tokens must be at least 1"):
-        StaticDecoder(model).generate(torch.zeros(1, 3, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("ids, max_new, message", [
+    ([[1, 2, 3]], 4, "input_ids must be a tensor of token ids"),
+    (torch.zeros(0, 3, dtype=torch.long), 4, "at least one token, got shape \\[0, 3\\]"),
+    (torch.zeros(3, dtype=torch.long), 4, "input_ids must be \\[batch, length\\]"),
+    (torch.zeros(1, 3), 4, "integer token ids, got torch.float32"),
+    (torch.tensor([[1, 300]]), 4, "must lie in \\[0, 300\\)"),
+    (torch.tensor([[-1, 2]]), 4, "must lie in"),
+    (torch.zeros(1, 3, dtype=torch.long), 0, "max_new_tokens must be a whole number of at least 1, got 0"),
+    (torch.zeros(1, 3, dtype=torch.long), 2.5, "max_new_tokens must be a whole number of at least 1, got 2.5"),
+    (torch.zeros(1, 3, dtype=torch.long), float("nan"), "max_new_tokens must be a whole number"),
+])
+def test_generate_checks_its_arguments(ids, max_new, message):
+    model = tiny_model("llama")
+    linearize(model, [8, 8, 8], Attention(window=0, sink=0))
+    with pytest.raises(UserError, match=message):
+        StaticDecoder(model).generate(ids, max_new)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -7,6 +7,7 @@ from dofattn.spec import Attention
 from dofattn.errors import UserError
 from dofattn.spec import StudentSpec
 from dofattn.distill.choose import resolve_dims
+from dofattn.model.attach import bounded_of, linear_of
 from dofattn.model.student import (attach_student, attention_modules, fingerprint, linearize,
                              load_student, read_spec, save_student)
 from tests.conftest import tiny_model
@@ -227,3 +228,38 @@ def test_load_names_what_is_wrong_with_its_path(path, message):
 
     with pytest.raises(UserError, match=message):
         dofattn.load(path)
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((64,), {}, "dims must be a list of feature dimensions, one per layer \\(3\\), got int"),
+    (("64",), {}, "dims must be a list"),
+    (([8] * 5,), {}, "dims has 5 entries for a model with 3 layers"),
+    (([8, 0, 8],), {}, "dims\\[1\\] must be a whole number of features of at least 1, got 0"),
+    (([8, 8.5, 8],), {}, "dims\\[1\\] must be a whole number"),
+    (([8, float("nan"), 8],), {}, "dims\\[1\\] must be a whole number"),
+    (([8] * 3, "window"), {}, "takes a dofattn.spec.Attention as its attention, got str"),
+    (([8] * 3,), {"layers": [0, 7]}, "out of range for a model with 3 layers"),
+    (([8] * 3,), {"layers": [1, 1]}, "distinct whole layer indices"),
+    (([8] * 3,), {"layers": 2}, "layers must be a list of layer indices"),
+    (([8] * 3,), {"seed": 1.5}, "seed must be a whole number"),
+    (([8] * 3,), {"kept": 4}, "takes a dofattn.spec.Kept"),
+])
+def test_linearize_checks_its_arguments_before_it_changes_the_model(args, kwargs, message):
+    """A bad argument is one UserError and the model is left whole: no layer converted, its logits unchanged."""
+    model = tiny_model("llama")
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises(UserError, match=message):
+        linearize(model, *args, **kwargs)
+    assert not any(linear_of(m) or bounded_of(m) for m in attention_modules(model))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_linearize_refuses_a_student_and_a_non_model():
+    model = linearize(tiny_model("llama"), [8] * 3)
+    with pytest.raises(UserError, match="the model is a student already"):
+        linearize(model, [8] * 3)
+    with pytest.raises(UserError, match="takes a loaded Hugging Face model"):
+        linearize("smollm2-135m", [8] * 3)

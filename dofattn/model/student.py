@@ -13,6 +13,7 @@ parameters and buffers; the base model's weights are loaded from `base_model`). 
 from __future__ import annotations
 
 import json
+from numbers import Integral
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from dofattn import __version__
 from dofattn.attention import LinearAttention
 from dofattn.model.install import install
-from dofattn.model.attach import LINEAR, attach, linear_of
+from dofattn.model.attach import LINEAR, attach, bounded_of, linear_of
 from dofattn.model.bounded import BoundedSoftmax, HeadSplit
 from dofattn.errors import UserError
 from dofattn.features import make_feature_map
@@ -109,32 +110,65 @@ def linearize(model: nn.Module, dims: list[int], attention: Attention = Attentio
     class dofattn makes one with (`hf.causal_lm_class`, as `hf.load_model` loads it) then reads long prompts in
     chunks (`model.prompt`); one of transformers' own class reads each call in one piece, with the same outputs.
     """
-    if not isinstance(attention, Attention):
-        raise TypeError(f"linearize takes a dofattn.spec.Attention, got {type(attention).__name__}")
-    modules = attention_modules(model)
-    layers = global_layers(model) if layers is None else sorted(layers)
-    if any(i < 0 or i >= len(modules) for i in layers):
-        raise UserError(f"layers {layers} out of range for a model with {len(modules)} layers")
+    modules, layers, dims = _check_linearize(model, dims, attention, kept, layers, seed)
     heads, kv_heads, head_dim = head_layout(model)
     exact_heads = tuple(tuple(h) for h in exact_heads)
     if exact_heads:
         check_exact_heads(exact_heads, tuple(layers), len(modules), kv_heads)
+    bounded = bounded_layers(model.config, len(modules), layers, kept)   # with kept.select: the kept softmax layers
+    check_kept(attention, kept, len(bounded), sum(map(len, exact_heads)))
     param = next(model.parameters())
+    parts = {}                # every module built before any is attached: on an error the model is as it was
     for i in layers:
         exact = exact_heads[i] if exact_heads else ()
         linear = linear_layer(attention, heads, kv_heads, head_dim, dims[i], modules[i].scaling, seed * 1000 + i,
                               exact=exact)
         linear = linear.to(param.device).train(modules[i].training)
-        attach(modules[i], linear=linear)
+        parts[i] = {"linear": linear}
         if exact:
-            attach(modules[i], bounded=BoundedSoftmax(kept, attention, modules[i].scaling,
-                                                      heads=HeadSplit(exact, kv_heads, heads)))
-    bounded = bounded_layers(model.config, len(modules), layers, kept)   # with kept.select: the kept softmax layers
-    check_kept(attention, kept, len(bounded), sum(map(len, exact_heads)))
+            parts[i]["bounded"] = BoundedSoftmax(kept, attention, modules[i].scaling,
+                                                 heads=HeadSplit(exact, kv_heads, heads))
     for i in bounded:         # not a model's own local ones: bounded after the prompt
-        attach(modules[i], bounded=BoundedSoftmax(kept, attention, modules[i].scaling))
+        parts[i] = {"bounded": BoundedSoftmax(kept, attention, modules[i].scaling)}
+    for i, part in parts.items():
+        attach(modules[i], **part)
     install(model)
     return model
+
+
+def _check_linearize(model, dims, attention, kept, layers, seed) -> tuple[list, list[int], list[int]]:
+    """`linearize`'s arguments, checked before the model changes: (attention modules, layers sorted, dims)."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise UserError(f"linearize takes a loaded Hugging Face model (dofattn.load_model), got {type(model).__name__}")
+    if not isinstance(attention, Attention):
+        raise UserError(f"linearize takes a dofattn.spec.Attention as its attention, got {type(attention).__name__}")
+    if not isinstance(kept, Kept):
+        raise UserError(f"linearize takes a dofattn.spec.Kept as kept=, got {type(kept).__name__}")
+    modules = attention_modules(model)
+    if any(linear_of(m) is not None or bounded_of(m) is not None for m in modules):
+        raise UserError("the model is a student already (some layers hold dofattn's modules): linearize a freshly "
+                        "loaded model, or load a trained student with dofattn.load")
+    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__len__"):
+        raise UserError(f"dims must be a list of feature dimensions, one per layer ({len(modules)}), "
+                        f"got {type(dims).__name__}: e.g. [64] * {len(modules)}")
+    dims = list(dims)
+    if len(dims) != len(modules):
+        raise UserError(f"dims has {len(dims)} entries for a model with {len(modules)} layers: give one per layer")
+    if not isinstance(seed, Integral) or isinstance(seed, bool):
+        raise UserError(f"seed must be a whole number, got {seed!r}")
+    layers = global_layers(model) if layers is None else layers
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise UserError(f"layers must be a list of layer indices, got {type(layers).__name__}")
+    layers = list(layers)
+    if any(not isinstance(i, Integral) or isinstance(i, bool) for i in layers) or len(set(layers)) != len(layers):
+        raise UserError(f"layers must be distinct whole layer indices, got {layers}")
+    if any(i < 0 or i >= len(modules) for i in layers):
+        raise UserError(f"layers {sorted(layers)} out of range for a model with {len(modules)} layers")
+    for i in layers:
+        d = dims[i]
+        if not isinstance(d, Integral) or isinstance(d, bool) or d < 1:
+            raise UserError(f"dims[{i}] must be a whole number of features of at least 1, got {d!r}")
+    return modules, sorted(int(i) for i in layers), [int(d) if isinstance(d, Integral) else d for d in dims]
 
 
 def build(model: nn.Module, spec: StudentSpec) -> nn.Module:
