@@ -18,6 +18,9 @@ if not torch.cuda.is_available():
     # triton (transformers does), see tests/triton_helpers.py.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A plan measures afresh in the tests (`dofattn.kept`): nothing read from, or left in, the user's cache.
+os.environ["DOFATTN_PLAN_CACHE"] = "off"
+
 # The interpreter's dots round as a GPU's (DOFATTN_DOTS=off or -p no:tests.gpu_dots: as the interpreter's own).
 pytest_plugins = ["tests.gpu_dots"] if not torch.cuda.is_available() and importlib.util.find_spec("triton") else []
 

@@ -404,6 +404,7 @@ VALUE_ONLY = [
     (["distill", "--set", "dof.lam=inf"], "dof.lam = inf is not a finite number"),
     (["distill", "--set", "student.dims=bogus"], "student.dims = 'bogus'"),
     (["distill", "--dry-run", "--time-limit", "nan"], "--time-limit: 'nan' is not a finite number"),
+    (["distill", "--recalibrate"], "--world-size, --json and --recalibrate go with --dry-run"),
     (["eval", "--model", "smollm2-135m", "--seq-len", "0"], "--seq-len must be at least 2, got 0"),
     (["eval", "--model", "smollm2-135m", "--batch-size", "0"], "--batch-size must be >= 1"),
     (["eval", "--model", "smollm2-135m", "--split", "bogus"], "unknown --split 'bogus'; use one of train, validation, all"),

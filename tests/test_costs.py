@@ -131,3 +131,79 @@ def test_weights_stored_in_another_dtype_pass_through_the_setup_stage():
     assert setup.arrays == plans["bfloat16"].parameters * 4 and "float32 weights converted to bfloat16" in setup.how
     assert plans["bfloat16"].peak == max(s.peak for s in plans["bfloat16"].stages) >= setup.peak
     assert model.config.dtype == torch.float32                       # the plan leaves the caller's config as it was
+
+
+@pytest.fixture
+def keeping(tmp_path, monkeypatch):
+    """Plans keep what they measure, in a cache of this test's own; the cores taken as idle."""
+    monkeypatch.setenv("DOFATTN_PLAN_CACHE", "on")
+    monkeypatch.setenv("DOFATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(costs, "_idle", lambda device: True)
+    return tmp_path / "cache" / "plans"
+
+
+def dry_json(capsys, model_dirs, *extra):
+    import json
+
+    code = main(["distill", "--dry-run", "--json", "--recipe", "window", "--model", str(model_dirs["llama"]),
+                 "--device", "cpu", "--set", "layerwise.seq_len=32", *extra])
+    assert code == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_second_plan_reads_what_the_first_measured(capsys, model_dirs, keeping, monkeypatch):
+    """The second dry run reads the steps, counts and timings the first kept: the same plan, nothing measured."""
+    first = dry_json(capsys, model_dirs)
+    kinds = sorted({p.name.split("-")[0] for p in keeping.iterdir()})
+    assert kinds == ["forward", "layerwise_counts", "layerwise_step", "rates", "step", "step_flops"]
+    assert "measured now on cpu" in first["calibration"]["note"]
+    from dofattn.distill import plan as plans
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured again")
+    for module, name in [(plans, "measure_step"), (costs, "forward_rates"), (costs, "layerwise_step_seconds"),
+                         (costs, "_forward_counts"), (costs, "_layerwise_step_counts")]:
+        monkeypatch.setattr(module, name, measured)
+    second = dry_json(capsys, model_dirs)
+    assert "and kept (--recalibrate measures again)" in second["calibration"]["note"]
+    for key in ("stages", "memory", "peak", "disk", "seconds", "end_to_end_flops"):
+        assert second[key] == first[key], key
+
+
+def test_recalibrate_times_the_machine_again_and_other_shapes_are_measured(capsys, model_dirs, keeping,
+                                                                           monkeypatch):
+    dry_json(capsys, model_dirs)
+    calls = []
+    real = costs.forward_rates
+    monkeypatch.setattr(costs, "forward_rates", lambda *a: calls.append(a) or real(*a))
+    assert "measured now" in dry_json(capsys, model_dirs, "--recalibrate")["calibration"]["note"]
+    assert len(calls) == 1
+    dry_json(capsys, model_dirs, "--set", "layerwise.seq_len=48")            # another shape: a new key
+    assert len(calls) == 2
+
+
+def test_timings_made_beside_other_work_are_not_kept(capsys, model_dirs, keeping, monkeypatch):
+    monkeypatch.setattr(costs, "_idle", lambda device: False)
+    note = dry_json(capsys, model_dirs)["calibration"]["note"]
+    assert "with other work on the cores (not kept)" in note
+    kinds = {p.name.split("-")[0] for p in keeping.iterdir()}
+    assert "rates" not in kinds and "layerwise_step" not in kinds and "step" in kinds     # counts are kept
+
+
+def test_a_damaged_kept_answer_is_measured_again(capsys, model_dirs, keeping):
+    first = dry_json(capsys, model_dirs)
+    for path in keeping.iterdir():
+        path.write_text("{not json")
+    second = dry_json(capsys, model_dirs)
+    assert second["memory"] == first["memory"] and "measured now" in second["calibration"]["note"]
+
+
+def test_a_change_of_code_is_a_new_key(monkeypatch, keeping):
+    from dofattn import kept
+
+    assert kept.kept("probe", {"a": 1}, lambda: 1) == 1
+    assert kept.kept("probe", {"a": 1}, lambda: 2) == 1            # kept
+    monkeypatch.setattr(kept, "_CODE", "another version")
+    assert kept.kept("probe", {"a": 1}, lambda: 3) == 3            # new code: measured again
+    monkeypatch.setenv("DOFATTN_PLAN_CACHE", "off")
+    assert kept.kept("probe", {"a": 1}, lambda: 4) == 4

@@ -45,6 +45,8 @@ class DistillArgs(Device):
     dry_run: bool = option(False, "print the plan from the model's config only, and stop")
     world_size: int | None = option(None, "processes the plan is for (default: WORLD_SIZE or 1)", metavar="N")
     json: bool = option(False, "with --dry-run: the plan as JSON")
+    recalibrate: bool = option(False, "with --dry-run: time this machine again (a plan keeps what it timed with "
+                                      "the cores idle, and the next plan reads it)")
     force: bool = option(False, "start even if the plan exceeds free memory or disk")
 
 
@@ -81,8 +83,9 @@ def run(ns) -> int:
     recipe = recipes.load(name, args.set or [], overrides)
     if args.dry_run:
         return dry_run(recipe, args)
-    if args.world_size is not None or args.json:
-        raise UserError("--world-size and --json go with --dry-run (a run's processes are torchrun's)")
+    if args.world_size is not None or args.json or args.recalibrate:
+        raise UserError("--world-size, --json and --recalibrate go with --dry-run (a run's processes are "
+                        "torchrun's; a run measures itself)")
     if recipe.student.lora_rank:                  # before hours of layerwise training, not after
         from dofattn.model.lora import require_peft
         require_peft()
@@ -127,7 +130,7 @@ def dry_run(recipe, args: DistillArgs) -> int:
         from dofattn.recipe import resolve_dtype
 
         refuse(Path(args.out or f"runs/{recipe.name}"), resolve_dtype(recipe, resolve_device(args.device)))
-    plan = make_plan(recipe, world_size(args), device=resolve_device(args.device))
+    plan = make_plan(recipe, world_size(args), device=resolve_device(args.device), recalibrate=args.recalibrate)
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     return 0
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
+from dofattn.kept import kept
 from dofattn.memory import resident_now
 
 # Stored figures, fitted to the default job on a 2-core AMD EPYC (avx512_bf16, torch 2.13) in float32 and bfloat16
@@ -190,20 +192,52 @@ def forward_rates(config, dtype: torch.dtype, device: str, lengths) -> dict[int,
     return rates
 
 
-def calibrate(recipe, plan, config, device: str = "cpu", base: int | None = None, timed: bool = True) -> Calibration:
+def calibrate(recipe, plan, config, device: str = "cpu", base: int | None = None, timed: bool = True,
+              recalibrate: bool = False) -> Calibration:
     """Measure this machine (a second or two, more for a large model; the layerwise steps take what five of them
     take); `base`: this process's resident bytes before any model (default: now). `timed` False: only the base
-    (memory and disk are planned, no time: `distill`'s check before it starts)."""
+    (memory and disk are planned, no time: `distill`'s check before it starts). What was measured with the cores
+    idle is kept for this machine, model shape and recipe (`dofattn.kept`) and read by the next plan;
+    `recalibrate` measures again."""
     base = resident_now() if base is None else base
     if not timed:
         return Calibration(device=device, base=base, rates={}, layerwise_step=math.nan, note="not timed")
+    from dofattn.kept import kept_with_date, machine
+
+    idle = _idle(device)                             # read before measuring: the measurement loads the cores itself
     dtype = getattr(torch, recipe.run.dtype)
-    rates = forward_rates(config, dtype, device, stage_lengths(recipe, config).values())
-    step = layerwise_step_seconds(recipe, plan, device) if recipe.layerwise.steps and plan.layers.linear else 0.0
+    lengths = sorted(set(stage_lengths(recipe, config).values()))
+    where = machine(device)
+    pairs, rates_date = kept_with_date(
+        "rates", {"machine": where, "config": config, "dtype": recipe.run.dtype, "lengths": lengths},
+        lambda: sorted(forward_rates(config, dtype, device, lengths).items()), keep=idle, fresh=recalibrate)
+    rates = {int(n): rate for n, rate in pairs}
+    step, step_date = 0.0, None
+    if recipe.layerwise.steps and plan.layers.linear:
+        key = {"machine": where, "layerwise": recipe.layerwise, "attention": recipe.student.attention,
+               "layers": plan.layers}
+        step, step_date = kept_with_date("layerwise_step", key, lambda: layerwise_step_seconds(recipe, plan, device),
+                                         keep=idle, fresh=recalibrate)
+    dates = sorted({d for d in (rates_date, step_date) if d})
+    when = (f"measured on {device} on {', '.join(dates)} and kept (--recalibrate measures again)" if dates else
+            f"measured now on {device}" + ("" if idle else " with other work on the cores (not kept)"))
     shown = ", ".join(f"{n:,} tokens {rate / 1e9:.0f}" for n, rate in rates.items())
     return Calibration(device=device, base=base, rates=rates, layerwise_step=step,
-                       note=f"measured now on {device}: one decoder layer's forward in {recipe.run.dtype} at "
+                       note=f"{when}: one decoder layer's forward in {recipe.run.dtype} at "
                             f"{shown} GFLOP/s" + (f"; a layerwise step in {step:.3f} s" if step else ""))
+
+
+def _idle(device: str) -> bool:
+    """Whether the cores are free of other work (the 1-minute load average below `cli.BUSY_LOAD`): a timing made
+    beside other work is not kept. On a GPU the host's load does not matter."""
+    from dofattn.cli import BUSY_LOAD
+
+    if str(device).startswith("cuda"):
+        return True
+    try:
+        return os.getloadavg()[0] < BUSY_LOAD
+    except OSError:
+        return False
 
 
 # --- counting, on the model built from its config ------------------------------------------------------------------
@@ -252,8 +286,12 @@ def _fake(module, existing=(), grad: bool = False):
 
 def forward_counts(config, dtype: torch.dtype, batch: int, length: int, logits: bool = True) -> tuple[int, int]:
     """(live bytes at the peak, FLOPs) of the teacher's forward on [batch, length] tokens (with its logits, as
-    `capture.run_forward` makes them, or the body alone)."""
+    `capture.run_forward` makes them, or the body alone); kept (`dofattn.kept`)."""
+    key = {"config": config, "dtype": str(dtype), "batch": batch, "length": length, "logits": logits}
+    return tuple(kept("forward", key, lambda: _forward_counts(config, dtype, batch, length, logits)))
 
+
+def _forward_counts(config, dtype: torch.dtype, batch: int, length: int, logits: bool) -> tuple[int, int]:
     model = meta_model(config, dtype)
     ids = torch.zeros(batch, length, dtype=torch.long)
     with _fake(model) as (live, flops):
@@ -263,7 +301,12 @@ def forward_counts(config, dtype: torch.dtype, batch: int, length: int, logits: 
 
 def layerwise_step_counts(recipe, plan) -> tuple[int, int]:
     """(live bytes at the peak, FLOPs) of one layerwise step (loss, backward) at the recipe's shapes and the mean
-    dim, q/k/v included."""
+    dim, q/k/v included; kept (`dofattn.kept`)."""
+    key = {"layerwise": recipe.layerwise, "attention": recipe.student.attention, "layers": plan.layers}
+    return tuple(kept("layerwise_counts", key, lambda: _layerwise_step_counts(recipe, plan)))
+
+
+def _layerwise_step_counts(recipe, plan) -> tuple[int, int]:
     from dofattn.attention import LinearAttention
     from dofattn.distill.losses import LOSSES, sample_rows
     from dofattn.features import make_feature_map

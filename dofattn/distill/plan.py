@@ -44,6 +44,7 @@ import torch
 from dofattn.distill.costs import fake_model, meta_model
 from dofattn.dof import spans
 from dofattn.errors import UserError
+from dofattn.kept import kept
 from dofattn.memory import available_memory
 from dofattn.recipe import DOF_DIMS, Recipe
 
@@ -275,10 +276,12 @@ def layerwise_bytes(recipe: Recipe, hidden: int, heads: int, kv_heads: int, head
 
 
 def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | None = None,
-              timed: bool = True) -> Plan:
+              timed: bool = True, recalibrate: bool = False) -> Plan:
     """The plan of `recipe` at `world_size` processes; `config` (a transformers config) instead of reading
     run.model's. With a `device`, each stage's peak memory, disk and time there (`costs`: this machine measured for
-    a second or two, and the layerwise step timed); `timed` False: memory and disk alone (no time is measured)."""
+    a second or two, and the layerwise step timed); `timed` False: memory and disk alone (no time is measured).
+    What it counts and times is kept (`dofattn.kept`): a second plan of the same recipe and model reads it;
+    `recalibrate` times the machine again."""
     from dofattn.model.hf import decoder_layers
     from dofattn.model.hf import local_layers, model_config
     from dofattn.memory import resident_now
@@ -324,7 +327,8 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
         in_layers = {id(p) for m in body for p in m.parameters()}
         root = sum(p.nbytes for p in model.parameters() if id(p) not in in_layers)
         gathered = root + 2 * max(sum(p.nbytes for p in m.parameters()) for m in body)
-    step = measure_step(recipe, model) if e2e.steps else Step(0, 0, 0)
+    shape = {"recipe": recipe, "config": config, "dims": dims, "linear": linear, "exact": exact}   # what a step is of
+    step = Step(**kept("step", shape, lambda: asdict(measure_step(recipe, model)))) if e2e.steps else Step(0, 0, 0)
     phase = int(e2e.steps > 0)        # no end-to-end phase: nothing trains at once, nothing is sharded
     memory = Memory(world_size=W, dtype=run_dtype, batch_size=e2e.batch_size, seq_len=e2e.seq_len,
                     loss_chunk=min(e2e.loss_chunk or e2e.seq_len - 1, e2e.seq_len - 1),
@@ -351,11 +355,14 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
         from dofattn.distill.costs import calibrate, stage_costs
 
         if e2e.steps and timed:                 # a second fake step, of the same student, for its FLOPs
-            model = meta_model(config, getattr(torch, run_dtype))
-            with torch.device("meta"):
-                build(model, recipe.student_spec(dims or [round(mean_dim)] * count, linear, exact_heads=exact))
-            plan.end_to_end_flops = measure_step(recipe, model, count_flops=True).flops
-        plan.calibration = calibrate(recipe, plan, config, device, before, timed)
+            def flops() -> int:
+                student = meta_model(config, getattr(torch, run_dtype))
+                with torch.device("meta"):
+                    build(student, recipe.student_spec(dims or [round(mean_dim)] * count, linear, exact_heads=exact))
+                return measure_step(recipe, student, count_flops=True).flops
+
+            plan.end_to_end_flops = kept("step_flops", shape, flops)
+        plan.calibration = calibrate(recipe, plan, config, device, before, timed, recalibrate)
         plan.stages = stage_costs(recipe, plan, config, plan.calibration)
     return plan
 
