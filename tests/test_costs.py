@@ -166,8 +166,10 @@ def test_a_second_plan_reads_what_the_first_measured(capsys, model_dirs, keeping
         monkeypatch.setattr(module, name, measured)
     second = dry_json(capsys, model_dirs)
     assert "and kept (--recalibrate measures again)" in second["calibration"]["note"]
-    for key in ("stages", "memory", "peak", "disk", "seconds", "end_to_end_flops"):
+    for key in ("memory", "disk", "seconds", "end_to_end_flops"):
         assert second[key] == first[key], key
+    same = ("name", "arrays", "disk", "seconds")          # a peak starts from this process's memory now
+    assert [[s[k] for k in same] for s in second["stages"]] == [[s[k] for k in same] for s in first["stages"]]
 
 
 def test_recalibrate_times_the_machine_again_and_other_shapes_are_measured(capsys, model_dirs, keeping,
@@ -207,3 +209,25 @@ def test_a_change_of_code_is_a_new_key(monkeypatch, keeping):
     assert kept.kept("probe", {"a": 1}, lambda: 3) == 3            # new code: measured again
     monkeypatch.setenv("DOFATTN_PLAN_CACHE", "off")
     assert kept.kept("probe", {"a": 1}, lambda: 4) == 4
+
+
+def test_a_plan_says_what_is_absurd_for_its_data_and_its_machine(capsys, model_dirs, monkeypatch):
+    """--world-size 100000 reads the end-to-end data thousands of times over; a plan of months; a plan beyond the
+    free memory: the dry run still prints the plan, with a warning line for each (the run refuses the last)."""
+    from dofattn.distill import plan as plans
+
+    code = main(["distill", "--dry-run", "--recipe", "window", "--model", str(model_dirs["llama"]), "--device", "cpu",
+                 "--set", "layerwise.seq_len=32", "--world-size", "100000"])
+    out = capsys.readouterr().out
+    assert code == 0
+    warnings = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "times over (more than 20)" in warnings[0], out
+    monkeypatch.setattr(plans, "MAX_DAYS", 0)
+    monkeypatch.setattr(plans, "available_memory", lambda: 1 << 20)
+    plan = dry_json(capsys, model_dirs)
+    assert [w.split(" ")[:3] for w in plan["warnings"]] == [["the", "plan", "takes"], ["the", "plan", "needs"]]
+    assert "of memory at its peak" in plan["warnings"][1] and "--force" not in plan["warnings"][1]
+
+
+def test_an_ordinary_plan_warns_of_nothing(capsys, model_dirs):
+    assert dry_json(capsys, model_dirs)["warnings"] == []

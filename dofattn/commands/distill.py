@@ -30,7 +30,7 @@ class DistillArgs(Device):
                                       "--continue-from that run's recipe")
     set: list[str] | None = option(None, "change one recipe key, e.g. --set student.window=32 (repeatable)",
                                    action="append", metavar="KEY=VALUE")
-    model: str | None = option(None, "the teacher (run.model): built-in alias smollm2-135m, hub id, folder or .gguf")
+    model: str | None = option(None, "teacher (run.model): smollm2-135m, hub id, dir, .gguf")
     data: str | None = option(None, "training text (run.data): " + DATA_HELP)
     eval_data: str | None = option(None, "the text scored, its validation split (run.eval_data)", metavar="TEXT",
                                    none="--data")
@@ -38,15 +38,14 @@ class DistillArgs(Device):
     dtype: str | None = option(None, "the frozen model's dtype (run.dtype): float32 or bfloat16")
     out: str | None = option(None, "run folder: created, or resumed when it holds a run of the same recipe",
                              none="runs/RECIPE")
-    time_limit: float = option(0.0, "minutes of end-to-end training, then save and evaluate (0: none)",
+    time_limit: float = option(0.0, "end-to-end minutes (0: no limit)",
                                metavar="MIN")
     continue_from: str | None = option(None, "go on from a copy of this run's student (more steps, other text) in "
                                              "--out", metavar="RUN")
     dry_run: bool = option(False, "print the plan from the model's config only, and stop")
     world_size: int | None = option(None, "processes the plan is for (default: WORLD_SIZE or 1)", metavar="N")
     json: bool = option(False, "with --dry-run: the plan as JSON")
-    recalibrate: bool = option(False, "with --dry-run: time this machine again (a plan keeps what it timed with "
-                                      "the cores idle, and the next plan reads it)")
+    recalibrate: bool = option(False, "with --dry-run: time the machine again")
     force: bool = option(False, "start even if the plan exceeds free memory or disk")
 
 
@@ -120,17 +119,19 @@ def world_size(args: DistillArgs) -> int:
 def dry_run(recipe, args: DistillArgs) -> int:
     """`distill --dry-run`: the plan (`distill.plan`), from the model's config alone; nothing is written. The data,
     the model folder's tokenizer and the run folder are checked as the run would, before it reads them."""
-    from dofattn.distill.plan import make_plan
+    from dofattn.distill.plan import make_plan, no_room
     from dofattn.distill.run import check_inputs
     from dofattn.model.hf import resolve_device
 
     check_inputs(recipe, weights=False)
+    folder = Path(args.out or f"runs/{recipe.name}")
     if not args.continue_from:                     # the folder the run would write, refused as the run refuses it
         from dofattn.distill.run_folder import refuse
         from dofattn.recipe import resolve_dtype
 
-        refuse(Path(args.out or f"runs/{recipe.name}"), resolve_dtype(recipe, resolve_device(args.device)))
+        refuse(folder, resolve_dtype(recipe, resolve_device(args.device)))
     plan = make_plan(recipe, world_size(args), device=resolve_device(args.device), recalibrate=args.recalibrate)
+    plan.warnings += no_room(plan, folder)             # what the run would refuse without --force
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     return 0
 

@@ -198,6 +198,7 @@ class Plan:
     layerwise: int                    # bytes the teacher's stream holds in the layerwise stage (0: none)
     memory: Memory
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # figures absurd for the data or the machine (`warn`)
     end_to_end_flops: int = 0                        # of one end-to-end step (FlopCounterMode)
     stages: list = field(default_factory=list)       # `costs.StageCost` per stage on this machine (with a calibration)
     calibration: object = None                       # `costs.Calibration`: how this machine was measured
@@ -364,7 +365,26 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
             plan.end_to_end_flops = kept("step_flops", shape, flops)
         plan.calibration = calibrate(recipe, plan, config, device, before, timed, recalibrate)
         plan.stages = stage_costs(recipe, plan, config, plan.calibration)
+    plan.warnings = warn(plan)
     return plan
+
+
+MAX_PASSES = 20     # end-to-end training that reads its data more often than this learns the sample, not the text
+MAX_DAYS = 30       # a plan longer than this on the machine it was timed on is not one to start by mistake
+
+
+def warn(plan: Plan) -> list[str]:
+    """What is absurd in a plan for its data or its machine: more passes over the end-to-end data than
+    `MAX_PASSES`, more time than `MAX_DAYS`. The plan is still made; the dry run and the run print these."""
+    t, found = plan.tokens, []
+    if t.end_to_end and t.end_to_end_data and t.end_to_end / t.end_to_end_data > MAX_PASSES:
+        found.append(f"end-to-end training reads {t.end_to_end:,} tokens drawn from {t.end_to_end_data:,}: its data "
+                     f"{t.end_to_end / t.end_to_end_data:,.0f} times over (more than {MAX_PASSES}); give more text "
+                     f"(--data), fewer end_to_end.steps or fewer processes")
+    if plan.stages and plan.seconds > MAX_DAYS * 86400:
+        found.append(f"the plan takes {plan.seconds / 86400:,.0f} days on {plan.calibration.device} (more than "
+                     f"{MAX_DAYS}): shorten the stages, or plan for more devices (--world-size)")
+    return found
 
 
 # --- printing --------------------------------------------------------------------------------------------------------
@@ -425,7 +445,7 @@ def format_plan(plan: Plan) -> str:
         rows.append(f"memory per device: no end-to-end phase; each process holds the whole model, "
                     f"{_size(m.whole_model)} ({m.dtype})")
         rows += [f"note: {note}" for note in plan.notes]
-        return "\n".join(rows + format_stages(plan))
+        return "\n".join(rows + format_stages(plan) + [f"warning: {line}" for line in plan.warnings])
     how = (f"FSDP2 over {m.world_size} devices" if m.world_size > 1 else "1 process, nothing sharded")
     rows.append(f"memory per device, end-to-end: {how}, {m.dtype}")
     chunks = (f"logits in chunks of {m.loss_chunk} positions" if m.loss_chunk < m.seq_len - 1 else
@@ -444,7 +464,7 @@ def format_plan(plan: Plan) -> str:
     for note in plan.notes:
         rows.append(f"note: {note}")
     rows += format_stages(plan)
-    return "\n".join(rows)
+    return "\n".join(rows + [f"warning: {line}" for line in plan.warnings])
 
 
 def _duration(seconds: float) -> str:
@@ -469,23 +489,33 @@ def format_stages(plan: Plan) -> list[str]:
 
 def check_room(plan, folder) -> None:
     """A one-line UserError when the plan's peak resident memory (on the CPU) or its disk is more than this machine
-    has free; `distill --force` starts anyway. On a GPU the weights and arrays live in its memory, which the plan's
-    end-to-end table gives per device: only the disk is checked there."""
+    has free (`no_room`); `distill --force` starts anyway."""
+    short = no_room(plan, folder)
+    if short:
+        raise UserError(f"{short[0]}; --force starts anyway")
+
+
+def no_room(plan, folder) -> list[str]:
+    """What this machine lacks for the plan: its peak resident memory (on the CPU) beyond the free memory, its disk
+    beyond the free disk where `folder` would be. On a GPU the weights and arrays live in its memory, which the
+    plan's end-to-end table gives per device: only the disk is checked there."""
     import shutil
     from pathlib import Path
 
     if not plan.stages:
-        return
+        return []
+    short = []
     have = available_memory()
     if plan.calibration.device == "cpu" and have is not None and plan.peak > have:
         worst = next(s for s in plan.stages if s.peak == plan.peak)
-        raise UserError(f"the plan needs {_size(plan.peak)} of memory at its peak ({worst.name}) and this machine has "
-                        f"{_size(have)} free: shorten layerwise.seq_len or layerwise.blocks, or end_to_end.seq_len, "
-                        f"or use run.dtype=bfloat16 (`distill --dry-run` shows each stage); --force starts anyway")
+        short.append(f"the plan needs {_size(plan.peak)} of memory at its peak ({worst.name}) and this machine has "
+                     f"{_size(have)} free: shorten layerwise.seq_len or layerwise.blocks, or end_to_end.seq_len, "
+                     f"or use run.dtype=bfloat16 (`distill --dry-run` shows each stage)")
     where = Path(folder).expanduser().absolute()
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
     if plan.disk > free:
-        raise UserError(f"the plan writes {_size(plan.disk)} to {folder} and {where} has {_size(free)} free: free some "
-                        f"disk or give another --out; --force starts anyway")
+        short.append(f"the plan writes {_size(plan.disk)} to {folder} and {where} has {_size(free)} free: free some "
+                     f"disk or give another --out")
+    return short

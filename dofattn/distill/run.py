@@ -101,14 +101,16 @@ def run(cfg: DistillConfig, progress=None) -> dict:
         run_folder.check_continue(Path(continue_from), out, r)
     else:
         run_folder.refuse(out, r)
-    if not cfg.force:                              # the plan's memory and disk, before anything loads
-        from dofattn.distill.plan import check_room
-        from dofattn.distill.plan import make_plan
+    from dofattn.distill.plan import check_room, make_plan
 
-        check_room(make_plan(r, cfg.world_size, device=device, timed=False), out)
+    plan = make_plan(r, cfg.world_size, device=device, timed=False)     # memory and disk, before anything loads
+    if not cfg.force:
+        check_room(plan, out)
     device = join(device)
     rank = world()[0]
     say = progress if progress is not None and rank == 0 else (lambda text: None)
+    for line in plan.warnings:
+        say(f"warning: {line}")
     bars = progress is not None and rank == 0
     torch.manual_seed(r.run.seed)
     log = run_folder.RunLog(recipe={"name": r.name, **r.keys()})
