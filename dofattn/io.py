@@ -39,6 +39,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield the staging name of `path`; when the block ends without an error, move what was written there onto
     `path`, else remove it."""
     tmp = staging(path)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         yield tmp
     except BaseException:
@@ -109,17 +110,14 @@ def check_safetensors(path: str | Path) -> None:
 
 
 def check_output(path: str, what: str, suffixes: tuple[str, ...]) -> Path:
-    """`path` as a file that can be written, with one of `suffixes`; a UserError naming option `what` if not."""
+    """`path` as a file that can be written, with one of `suffixes` (its folder made if missing, as `export` makes
+    its --out); a UserError naming option `what` if not."""
     out = Path(path)
     if out.suffix.lower() not in suffixes:
         raise UserError(f"{what} {path} should end in {' or '.join(suffixes)}")
     if out.is_dir():
         raise UserError(f"{what} {path} is a folder; give a file name")
-    if out.parent.is_file():
-        raise UserError(f"{what} {path}: {out.parent} is a file, not a folder")
-    if not out.parent.is_dir():
-        raise UserError(f"{what} folder {out.parent} does not exist; create it first")
-    check_writable(out.parent, what)
+    check_parent(out, what)             # a missing folder is made when the file is written (`atomic_path`)
     return out
 
 

@@ -7,6 +7,14 @@ from pathlib import Path
 from dofattn.dof import DofResult
 
 
+def save(fig, path: str | Path) -> None:
+    """Write `fig` to `path` (its folder made if missing), whole: under a staging name, then moved into place."""
+    from dofattn.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".").lower() or "png")
+
+
 def plot_dof(result: DofResult, path: str | Path) -> None:
     """Two panels over layers: DoF (heads as points, layer max as a line) and the allocated dims (bars)."""
     import matplotlib
@@ -30,7 +38,7 @@ def plot_dof(result: DofResult, path: str | Path) -> None:
     bottom.set_xlabel("layer")
     bottom.set_ylabel("feature dimension")
     bottom.legend(loc="upper right", fontsize=8)
-    fig.savefig(path, dpi=120)
+    save(fig, path)
     plt.close(fig)
 
 
@@ -51,7 +59,7 @@ def plot_layer_errors(errors: dict, path: str | Path, title: str = "") -> None:
         ax.set_ylabel(labels[key])
     axes[-1, 0].set_xlabel("layer")
     axes[0, 0].set_title(title)
-    fig.savefig(path, dpi=120)
+    save(fig, path)
     plt.close(fig)
 
 
@@ -75,7 +83,7 @@ def plot_by_position(runs: dict[str, dict], path: str | Path, title: str = "") -
     bottom.set_xscale("log", base=2)
     top.legend(fontsize=8)
     top.set_title(title)
-    fig.savefig(path, dpi=120)
+    save(fig, path)
     plt.close(fig)
 
 
@@ -114,7 +122,7 @@ def plot_recall(recall: dict, path: str | Path, title: str = "") -> None:
     fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=120)
+    save(fig, path)
     plt.close(fig)
 
 
@@ -145,5 +153,5 @@ def plot_generation(result: dict, path: str | Path) -> None:
     hardware = result.get("hardware", {})
     fig.suptitle(f"{result.get('student', '')[:90]}\n{hardware.get('cpu', '')} {hardware.get('gpu', '')}, "
                  f"{hardware.get('torch_threads', '')} threads", fontsize=8)
-    fig.savefig(path, dpi=120)
+    save(fig, path)
     plt.close(fig)

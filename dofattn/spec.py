@@ -23,6 +23,7 @@ from dofattn.errors import UserError
 from dofattn.options import option
 
 CONFIG_FILE = "dofattn.json"   # a student folder's spec
+WEIGHTS_FILE = "features.safetensors"   # and its trained tensors (`model.student.save_student`)
 SCHEMA = 4    # of dofattn.json; 3: the kept layers' keys in `attention`; 2: its keys flat in the spec; 1: flags
 FEATURES = ("prf", "performer", "hedgehog", "dijiang")   # the feature maps (`features`)
 DECAYS = ("none", "head", "gate")  # no decay; a learned decay per head; a decay per token read off its value
@@ -34,6 +35,33 @@ def is_student(path) -> bool:
     from pathlib import Path
 
     return (Path(path) / CONFIG_FILE).is_file()
+
+
+# An export (`dofattn export`, loaded by `model.exported`): a Hugging Face folder whose config.json has this model
+# type and a "dofattn" entry (the spec), its classes in MODELING_FILE, its weights in one file or shards (WEIGHTS_INDEX).
+MODEL_TYPE = "dofattn"
+MODELING_FILE = "modeling_dofattn.py"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def read_config(folder) -> dict | None:
+    """config.json of `folder` if it is a dofattn export, else None."""
+    from pathlib import Path
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    is_export = isinstance(config, dict) and config.get("model_type") == MODEL_TYPE and "dofattn" in config
+    return config if is_export else None
+
+
+def is_export(folder) -> bool:
+    """Whether `folder` is a dofattn export (`read_config`)."""
+    return read_config(folder) is not None
 
 
 def estimates_kernel(kind: str) -> bool:

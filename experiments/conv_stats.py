@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dofattn.model.student import WEIGHTS_FILE, read_spec
+from dofattn.model.student import read_spec
+from dofattn.spec import WEIGHTS_FILE
 
 STREAMS = ("q", "k", "v")
 NAME = re.compile(r"\.layers\.(\d+)\..*\.dofattn\.(?:conv\.)?conv_([qkv])$")   # (older folders: no part)

@@ -180,6 +180,17 @@ def test_lam_auto(capsys, model_dirs, text_file, tmp_path):
     assert "<- chosen" in out and "uniform" in out
 
 
+def test_dof_makes_the_folders_of_its_out_and_plot(capsys, tmp_path, model_dirs, text_file):
+    """As export makes its --out, dof, eval and bench make a missing folder for their files (only a file in the way,
+    or a folder that cannot be written, is refused)."""
+    out, plot = tmp_path / "new" / "deep" / "dof.json", tmp_path / "figures" / "dof.png"
+    code, _, err = run(capsys, "dof", "--model", str(model_dirs["llama"]), "--data", str(text_file), "--split", "all",
+                       "--points", "32", "--num-blocks", "2", "--seq-len", "32", "--out", str(out), "--plot", str(plot))
+    assert code == 0, err
+    assert out.is_file() and plot.is_file() and plot.read_bytes()[:4] == b"\x89PNG"
+    assert not list(out.parent.glob("*.partial")) and not list(plot.parent.glob("*.partial"))
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "{tmp}/no-such-model"], "does not exist"),
     (["--lam-auto", "--lam-scale", "raw"], "--lam-auto searches trace-relative"),
@@ -191,7 +202,6 @@ def test_lam_auto(capsys, model_dirs, text_file, tmp_path):
     (["--samples", "64"], "dof --samples is now --points"),
     (["--budget", "0"], "--budget"),
     (["--lam", "-1"], "--lam must be positive"),
-    (["--out", "{tmp}/no-dir/dof.json"], "does not exist"),
     (["--out", "{tmp}/afile/dof.json"], "afile is a file, not a folder"),
     (["--out", "/proc/dof.json"], "--out: cannot write in /proc"),
     (["--plot", "{tmp}/dof.jpg"], "--plot"),
@@ -414,6 +424,8 @@ VALUE_ONLY = [
     (["bench", "--model", "smollm2-135m", "--seq-lens", "0"], "--seq-lens (or auto) takes positive token counts"),
     (["bench", "--repeats", "0"], "--repeats must be at least 1, got 0"),
     (["sample", "--temperature", "nan"], "--temperature: 'nan' is not a finite number"),
+    (["export", "--model", "no-such-run", "--out", "x"], "--model no-such-run is not a folder"),
+    (["export", "--out", "/proc/x"], "no student in runs/long-context yet"),
     (["sample", "--samples", "0", "--out", "s.jsonl"], "--samples, --prompt-tokens, --new-tokens and --batch-size"),
 ]
 

@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from dofattn.cli import main
 from dofattn.errors import UserError
-from dofattn.model.exported import is_export, load_export
+from dofattn.model.exported import load_export
+from dofattn.spec import is_export
 from dofattn.jobs.export import export
 from dofattn.model.hf import extend_context
 from dofattn.spec import Attention, Kept, StudentSpec

@@ -127,7 +127,7 @@ def test_distilled_student_with_mlp_adapters_round_trip(capsys, model_dirs, corp
 def test_bfloat16_distillation_trains_and_saves_float32_tensors(capsys, model_dirs, corpus, tmp_path):
     from safetensors.torch import load_file
 
-    from dofattn.model.student import WEIGHTS_FILE
+    from dofattn.spec import WEIGHTS_FILE
 
     out, _ = distill_lora(capsys, model_dirs, corpus, tmp_path, "--dtype", "bfloat16")
     saved = load_file(str(out / WEIGHTS_FILE))

@@ -178,7 +178,7 @@ def test_schema_2_folders_with_flat_tensor_names_load(tmp_path, model_dirs):
     from safetensors.torch import load_file, save_file
 
     from dofattn.model.hf import load_model
-    from dofattn.model.student import WEIGHTS_FILE
+    from dofattn.spec import WEIGHTS_FILE
 
     model, _ = load_model(str(model_dirs["llama"]))
     attention = Attention(window=4, sink=0, decay="head", conv=2)

@@ -17,7 +17,7 @@ from dofattn import recipe as recipes
 from dofattn.errors import UserError
 from dofattn.io import write_atomic, write_json
 from dofattn.recipe import CONTINUE_MAY_CHANGE, Recipe
-from dofattn.model.student import CONFIG_FILE, WEIGHTS_FILE
+from dofattn.spec import CONFIG_FILE, WEIGHTS_FILE
 
 RECIPE_FILE, LOG_FILE = "recipe.toml", "log.json"
 # What --continue-from copies: what `dofattn distill` wrote.

@@ -536,7 +536,7 @@ def run(cfg: BenchConfig, progress=None) -> dict:
 
 def check_serve(cfg: BenchConfig, student: Student) -> str:
     """The serve part's inputs, before anything runs: an export to time, and the serving environment's python."""
-    from dofattn.model.exported import is_export
+    from dofattn.spec import is_export
     from dofattn.serve.bench import serving_python
 
     if student.path is None or not is_export(student.path):
@@ -550,7 +550,8 @@ def bench_serve(cfg: BenchConfig, student: Student, dtype: torch.dtype, report=l
     --serve-batch (random prompt tokens: the engine's speed does not depend on them)."""
     import torch
 
-    from dofattn.model.exported import read_config, spec_of
+    from dofattn.model.exported import spec_of
+    from dofattn.spec import read_config
     from dofattn.serve.bench import serve, teacher_folder
 
     python = check_serve(cfg, student)

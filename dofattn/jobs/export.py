@@ -14,17 +14,13 @@ from dataclasses import dataclass, replace
 from fnmatch import fnmatch
 from pathlib import Path
 
-import torch
-from torch import nn
-
 from dofattn import __version__
 from dofattn.model.bundle import BUNDLE_FILE, bundle_text
 from dofattn.errors import UserError
-from dofattn.model.exported import MODEL_TYPE, MODELING_FILE, WEIGHTS_INDEX, is_export, read_config
 from dofattn.io import save_tensors, write_atomic, write_json
 from dofattn.options import option
 from dofattn.recipe import DEFAULT_RUN
-from dofattn.spec import StudentSpec
+from dofattn.spec import MODEL_TYPE, MODELING_FILE, WEIGHTS_INDEX, StudentSpec, is_export, read_config
 
 MAX_SHARD = "5GB"                 # transformers' and the hub's default shard size
 CARD_FILE = "README.md"
@@ -64,7 +60,6 @@ def write_weights(tensors: dict[str, torch.Tensor], folder: Path, max_shard: int
 def _source(path: Path) -> tuple[Path, Path | None]:
     """(student folder, run folder or None) for --model; a UserError if it is neither."""
     from dofattn.distill.run_folder import RECIPE_FILE
-    from dofattn.model.student import read_spec
     from dofattn.spec import is_student
 
     if not path.is_dir():
@@ -76,6 +71,8 @@ def _source(path: Path) -> tuple[Path, Path | None]:
         what = "a dofattn export already" if is_export(path) else "not a dofattn student"
         raise UserError(f"--model {path} is {what}; give a distill run folder or a student folder (dofattn.json + "
                         f"features.safetensors)")
+    from dofattn.model.student import read_spec
+
     read_spec(path)
     if not (path / RECIPE_FILE).is_file():
         return path, None
@@ -199,12 +196,14 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
     into place). `dtype` is the base model's weights' (the student's own tensors stay float32); weights above
     `max_shard` (bytes, or "5GB") are written in shards. `extend_to`: the config's RoPE scaled to that many tokens
     (`hf.extend_context`), so that `from_pretrained` builds it so."""
-    from dofattn.model.hf import parse_dtype
-    from dofattn.model.student import load_student, read_spec
-
     source, run = _source(Path(model_path))
     out = Path(out)
     check_out(out)
+    import torch
+
+    from dofattn.model.hf import parse_dtype
+    from dofattn.model.student import load_student, read_spec
+
     torch_dtype = parse_dtype(dtype)
     spec = read_spec(source)
     if merge_lora and not spec.lora_rank:
@@ -360,6 +359,8 @@ def transformers_version() -> str:
 
 def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str, extend_to: int | None = None) -> str:
     """README.md of an export: base model, recipe, evaluation, how to load it."""
+    import torch
+
     base = spec.base_model
     hub_id = "/" in base and not base.startswith((".", "/", "~")) and not Path(base).exists()
     front = ["---", "library_name: transformers", "tags: [dofattn, linear-attention]"]

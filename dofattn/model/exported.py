@@ -45,12 +45,9 @@ from dofattn.errors import UserError
 from dofattn.io import check_safetensors
 from dofattn.model.prompt import PromptReader, reading_forward
 from dofattn.model.student import STUDENT_MODULES
-from dofattn.spec import StudentSpec
+from dofattn.spec import MODEL_TYPE, MODELING_FILE, WEIGHTS_INDEX, StudentSpec, is_export, read_config
 
-MODEL_TYPE = "dofattn"
-MODELING_FILE = "modeling_dofattn.py"
 WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 # Parameter-name parts of the tensors kept in float32 on a 16-bit base (transformers' keep-in-fp32 globs): the
 # student's own.
 FLOAT32_MODULES = list(STUDENT_MODULES)
@@ -122,23 +119,6 @@ def after_loading(loaded):
 
 
 # --- reading an export -----------------------------------------------------------------------------------------
-
-def read_config(folder: str | Path) -> dict | None:
-    """config.json of `folder` if it is a dofattn export, else None."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    is_export = isinstance(config, dict) and config.get("model_type") == MODEL_TYPE and "dofattn" in config
-    return config if is_export else None
-
-
-def is_export(folder: str | Path) -> bool:
-    return read_config(folder) is not None
-
 
 def is_any_student(path: str | Path) -> bool:
     """Whether `path` holds a trained student: a run or student folder (dofattn.json), or an export."""

@@ -28,9 +28,7 @@ from dofattn.errors import UserError
 from dofattn.features import make_feature_map
 from dofattn.model.hf import attention_modules
 from dofattn.io import read_safetensors, save_tensors, write_atomic
-from dofattn.spec import CONFIG_FILE, Attention, Kept, StudentSpec, check_exact_heads, check_kept
-
-WEIGHTS_FILE = "features.safetensors"
+from dofattn.spec import CONFIG_FILE, WEIGHTS_FILE, Attention, Kept, StudentSpec, check_exact_heads, check_kept
 
 
 def linear_parts(model: nn.Module) -> dict[int, nn.Module]:

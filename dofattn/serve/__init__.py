@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import functools
 
+from dofattn.spec import MODEL_TYPE
+
 FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")   # served bases
 MODULE = "dofattn.serve.vllm_model"
-MODEL_TYPE = "dofattn"        # = dofattn.model.exported.MODEL_TYPE (not imported here: that module imports torch)
 
 
 def architecture(base: str) -> str:
