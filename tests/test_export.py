@@ -430,6 +430,21 @@ def test_a_damaged_export_is_refused_in_one_line(tmp_path, capsys, exported):
     assert "has no usable tokenizer" in one_line_error(capsys)
 
 
+def test_an_export_without_its_weights_is_refused_by_every_command(tmp_path, capsys, exported, text_file):
+    """Without model.safetensors an export's folder is not taken for a config alone (which asked transformers for the
+    folder's custom code, and its prompt waited 15 s): eval, generate and bench name the missing file, bench before
+    it times anything."""
+    out = tmp_path / "no-weights"
+    shutil.copytree(exported[0]["llama-linear"][0], out)
+    (out / "model.safetensors").unlink()
+    for argv in (["generate", "--model", str(out)],
+                 ["eval", "--model", str(out), "--data", str(text_file), "--out", str(tmp_path / "e.json")],
+                 ["bench", "--model", str(out), "--out", str(tmp_path / "b.json")]):
+        assert main(argv + ["--device", "cpu"]) == 2, argv
+        assert "model.safetensors is missing" in one_line_error(capsys), argv
+    assert not (tmp_path / "e.json").exists() and not (tmp_path / "b.json").exists()
+
+
 def test_generate_takes_an_export(exported, capsys):
     cases, run = exported[:2]
     argv = ["generate", "--prompt", "The quick brown fox", "--max-new-tokens", "6", "--device", "cpu"]

@@ -30,5 +30,6 @@ def run(ns) -> int:
     out = export(config(ExportConfig, ns))
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(f"wrote {out} ({size / 2 ** 20:.1f} MiB); load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, "
-          f"trust_remote_code=True) or dofattn generate --model {out}")
+          f"trust_remote_code=True) and its tokenizer with AutoTokenizer, trust_remote_code=True too (without it "
+          f"transformers asks), or dofattn generate --model {out}")
     return 0

@@ -167,8 +167,7 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
     if spec.lora_rank:
         from dofattn.model.lora import require_peft
         require_peft()
-    for name in weight_files(folder):               # a missing or damaged file: one line, not a traceback
-        check_safetensors(folder / name)
+    check_weights(folder)                           # a missing or damaged file: one line, not a traceback
     config_cls, model_cls = student_classes(config["dofattn_export"]["base_architecture"])
     hf_config = config_cls.from_pretrained(folder)
     try:                                            # config=: not the folder's code, nor a prompt for it
@@ -183,6 +182,17 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, device: 
 
         merge(model)
     return model, padded(tokenizer), spec
+
+
+def check_weights(path: str | Path) -> None:
+    """The one-line UserError of a missing, truncated or foreign weight file of the student at `path` (an export's
+    model.safetensors or shards, a student folder's features.safetensors), from the headers alone: before a job
+    spends time on anything else."""
+    from dofattn.spec import WEIGHTS_FILE as FEATURES_FILE
+
+    path = Path(path)
+    for name in weight_files(path) if is_export(path) else [FEATURES_FILE]:
+        check_safetensors(path / name)
 
 
 def weight_files(folder: Path) -> list[str]:

@@ -282,7 +282,9 @@ def config_only(spec: str | None) -> Path | None:
     if path.is_file() and path.suffix == ".json":
         return path
     if path.is_dir() and (path / "config.json").is_file() and not any(any(path.glob(p)) for p in WEIGHT_FILES):
-        return path / "config.json"
+        from dofattn.spec import is_export
+
+        return None if is_export(path) else path / "config.json"   # an export's loader names its missing weights
     return None
 
 
