@@ -26,16 +26,22 @@ from dofattn.errors import UserError
 Blocks = torch.Tensor | list[torch.Tensor]
 
 
+def is_base(model) -> bool:
+    """Whether `model` runs no attention of dofattn's (`model.install`): a base model, its own teacher."""
+    from dofattn.model.install import IMPLEMENTATIONS
+
+    return model.config._attn_implementation not in IMPLEMENTATIONS
+
+
 @contextlib.contextmanager
 def teacher_mode(model) -> Iterator[None]:
     """While active, `model` is its base model: softmax attention in every layer (its linear layers are ignored)
     and LoRA adapters, if any, switched off."""
-    from dofattn.model.install import IMPLEMENTATIONS
     from dofattn.model.hf import softmax_implementation
     from dofattn.model.lora import set_lora_enabled
 
     current = model.config._attn_implementation
-    if current not in IMPLEMENTATIONS:
+    if is_base(model):
         yield
         return
     has_lora = set_lora_enabled(model, False)
@@ -139,7 +145,7 @@ class _Tally:
         rows of the batch come block after block."""
         nll_s = -log_s.gather(1, targets[:, None])[:, 0]
         nll_t = -log_t.gather(1, targets[:, None])[:, 0]
-        kl = (log_t.exp() * (log_t - log_s)).sum(-1)
+        kl = (log_t.exp() * (log_t - log_s)).sum(-1).clamp_min(0)        # >= 0: rounding gives -1e-8
         per_position = torch.stack([nll_s, nll_t, kl]).double().reshape(3, -1, length).sum(1).cpu()
         end = start + length
         if end > self.at.shape[1]:
@@ -202,14 +208,16 @@ def compare(student, blocks: Blocks, teacher=None, batch_size: int = 4, progress
     for batch in tqdm(blocks_in_batches(blocks, batch_size), desc="student vs teacher", unit="batch",
                       disable=not progress, leave=False):
         ids = batch.to(device)
-        if teacher is None:
+        student_hidden = hidden_states(student, ids)[:, :-1]
+        if teacher is None and is_base(student):            # a base model is its own teacher: one forward
+            teacher_hidden, teacher_model = student_hidden, student
+        elif teacher is None:
             with teacher_mode(student):
                 teacher_hidden = hidden_states(student, ids)[:, :-1]
             teacher_model = student
         else:
             teacher_hidden = hidden_states(teacher, ids.to(next(teacher.parameters()).device))[:, :-1]
             teacher_model = teacher
-        student_hidden = hidden_states(student, ids)[:, :-1]
         size = score_chunk(ids)
         for start in range(0, student_hidden.shape[1], size):
             part = slice(start, start + size)

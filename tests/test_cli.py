@@ -514,6 +514,17 @@ def test_a_number_that_is_not_finite_is_refused_in_one_line(capsys, tmp_path, ar
     assert not list(tmp_path.iterdir())
 
 
+def test_eval_of_a_base_model_says_it_is_its_own_teacher(capsys, tmp_path, model_dirs, text_file):
+    """A model that is not a student is scored once, not against itself a second time: ratio 1, KL exactly 0."""
+    out = tmp_path / "eval.json"
+    code, printed, err = run(capsys, "eval", "--model", str(model_dirs["llama"]), "--data", str(text_file),
+                             "--num-blocks", "2", "--seq-len", "32", "--layer-blocks", "0", "--out", str(out))
+    assert code == 0, err
+    assert "is not a student: its teacher is itself" in printed + err
+    result = json.loads(out.read_text())
+    assert result["ppl"] == result["teacher_ppl"] and result["kl"] == 0 and result["top1_agreement"] == 1
+
+
 @pytest.mark.parametrize("args,message", [
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--seq-len", "1000"], "--seq-len 1000 is past the model's context of 256 tokens"),

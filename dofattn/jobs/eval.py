@@ -259,6 +259,12 @@ def run(cfg: EvalConfig, progress=None) -> dict:
 
         lengths = resolve_lengths(cfg.lengths, context, cfg.beyond_context)
     teacher_name, teacher = load_teacher(cfg, dtype, device)
+    from dofattn.evaluate import is_base
+
+    itself = teacher is None and is_base(model)      # a base model, scored alone: its teacher is itself
+    if itself:
+        say(f"{cfg.model} is not a student: its teacher is itself (ratio 1, KL 0; text and tasks are scored once); "
+            f"give a run folder or an export, or --teacher OTHER to compare two models")
     result = {"model": cfg.model, "teacher": teacher_name or "base model", "data": cfg.data, "split": split,
               **({"extend_to": cfg.extend_to} if cfg.extend_to else {})}
     errors = {}
@@ -285,7 +291,9 @@ def run(cfg: EvalConfig, progress=None) -> dict:
                                  cfg.task_lengths, scored=heard)
 
         result["tasks"] = run_tasks(model, "student")
-        if teacher is not None:
+        if itself:
+            result["teacher_tasks"] = result["tasks"]
+        elif teacher is not None:
             result["teacher_tasks"] = run_tasks(teacher, "teacher")
         else:
             with teacher_mode(model):                # the student's own base model: its softmax attention
