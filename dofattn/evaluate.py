@@ -233,7 +233,7 @@ HUB_TASKS = ("piqa", "arc_easy", "arc_challenge", "winogrande", "logiqa", "wsc27
 
 def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
                   batch_size: int = 4, lengths: list[int] | None = None,
-                  scored=None) -> dict[str, dict[str, float]]:
+                  scored=None, verbose: bool = False) -> dict[str, dict[str, float]]:
     """Zero-shot lm-evaluation-harness tasks on the in-memory `model`: {task: {metric: value}}.
 
     `include_path` adds a folder of local task YAMLs. Tasks that are not local need their datasets from the
@@ -241,6 +241,7 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
     (RULER's niah_*, vt, cwe, fwe: lm-eval builds their prompts with the model's tokenizer, offline) are scored
     at each of `lengths` apart ({task: {"4096": accuracy, ...}}, `limit` prompts each; default 4096), as lm-eval
     scores them; `scored(length, {task: accuracy})` hears each length as it ends (a long run cut short keeps them).
+    What lm-eval prints is kept off the terminal unless `verbose` (`quiet_output`).
     """
     try:
         import lm_eval
@@ -263,12 +264,14 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
         raise UserError(f"task(s) {', '.join(remote)} need their datasets from the Hugging Face hub, which cannot "
                         f"be reached; run with a network, or give local tasks with --task-path")
     device = str(next(model.parameters()).device)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+    with quiet_output(verbose):
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
     found = {}
     rest = [t for t in tasks if t not in synthetic]
     if rest:
-        results = lm_eval.simple_evaluate(model=lm, tasks=rest, task_manager=manager, limit=limit,
-                                          log_samples=False, bootstrap_iters=0)
+        with quiet_output(verbose):
+            results = lm_eval.simple_evaluate(model=lm, tasks=rest, task_manager=manager, limit=limit,
+                                              log_samples=False, bootstrap_iters=0)
         found.update({task: {name.split(",")[0]: value for name, value in metrics.items()
                              if isinstance(value, (int, float)) and not isinstance(value, bool)
                              and name != "sample_len"}
@@ -281,14 +284,54 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
             for length in lengths or [4096]:
                 sized = TaskManager(include_path=include_path,
                                     metadata={"max_seq_lengths": [length], "tokenizer": folder})
-                results = lm_eval.simple_evaluate(model=lm, tasks=synthetic, task_manager=sized, limit=limit,
-                                                  log_samples=False, bootstrap_iters=0)
+                with quiet_output(verbose):
+                    results = lm_eval.simple_evaluate(model=lm, tasks=synthetic, task_manager=sized, limit=limit,
+                                                      log_samples=False, bootstrap_iters=0)
                 now = {task: results["results"][task][f"{length},none"] for task in synthetic}
                 for task, value in now.items():
                     found.setdefault(task, {})[str(length)] = value
                 if scored:
                     scored(length, now)
     return found
+
+
+@contextlib.contextmanager
+def quiet_output(verbose: bool = False) -> Iterator[None]:
+    """While active (unless `verbose`), whatever is printed to the terminal's stdout and stderr, by Python or by a
+    subprocess (lm-eval's nltk downloads, its `git describe`, its log lines and progress bars), goes to a temporary
+    file instead; if the block fails, the file's last lines go to stderr, so that a failure still says why."""
+    if verbose:
+        yield
+        return
+    import os
+    import sys
+    import tempfile
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    streams = sys.stdout, sys.stderr
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 1)                    # a subprocess's output, and C code's
+        os.dup2(log.fileno(), 2)
+        text = open(log.fileno(), "w", closefd=False, errors="replace")   # Python's, where sys.stdout is not fd 1
+        sys.stdout = sys.stderr = text
+        failed = False
+        try:
+            yield
+        except BaseException as err:
+            failed = not isinstance(err, (UserError, KeyboardInterrupt))
+            raise
+        finally:
+            text.flush()
+            sys.stdout, sys.stderr = streams
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            if failed:
+                log.seek(0)
+                sys.stderr.write(log.read()[-4000:].decode(errors="replace"))
 
 
 def synthetic_task(manager, task: str) -> bool:

@@ -315,3 +315,27 @@ def test_niah_single_1_on_the_teacher_at_512_tokens():
     model, tokenizer = load_model("smollm2-135m")
     assert lm_eval_tasks(model, tokenizer, ["niah_single_1"], limit=2, batch_size=1, lengths=[512]) == {
         "niah_single_1": {"512": 1.0}}
+
+
+def test_what_other_libraries_print_is_kept_off_the_terminal_unless_verbose(capfd):
+    """`quiet_output`: Python's prints and a subprocess's stderr (lm-eval's `git describe` outside a repository)
+    go to a file; -v lets them through; on a failure the file's last lines are printed with it."""
+    import subprocess
+    import sys
+
+    from dofattn.evaluate import quiet_output
+
+    chatter = [sys.executable, "-c", "import sys; print('fatal: not a git repository', file=sys.stderr)"]
+    with quiet_output():
+        print("[nltk_data] Error loading punkt_tab")
+        subprocess.run(chatter)
+    print("ours")
+    out, err = capfd.readouterr()
+    assert out == "ours\n" and err == ""
+    with quiet_output(verbose=True):
+        subprocess.run(chatter)
+    assert "fatal: not a git repository" in capfd.readouterr().err
+    with pytest.raises(RuntimeError), quiet_output():
+        print("the cause")
+        raise RuntimeError("lm-eval failed")
+    assert "the cause" in capfd.readouterr().err

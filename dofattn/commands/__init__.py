@@ -106,11 +106,12 @@ def add_options(parser: argparse.ArgumentParser, *classes, order: tuple[str, ...
         if meta.get("choices") is None:
             meta.pop("choices", None)
         default, kind = _default(f), _base(kind)
+        short = (meta.pop("short"),) if "short" in meta else ()        # e.g. -v beside --verbose
         if meta.pop("positional", False):
             parser.add_argument(f.name, nargs="?", default=default, help=help_text)
             continue
         if kind is bool:
-            parser.add_argument(flag(f.name), action="store_true", help=help_text)
+            parser.add_argument(*short, flag(f.name), action="store_true", help=help_text)
             continue
         shown = _shown(default, none)
         suffix = f" (default: {shown})" if shown is not None else ""

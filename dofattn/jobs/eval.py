@@ -113,6 +113,8 @@ class EvalConfig(Machine):
                                            "mmlu need the hub; RULER's niah_single_1 ... built offline at "
                                            "--task-lengths; local ones via --task-path)")
     task_path: str | None = option(None, "folder of local lm-eval task YAMLs")
+    verbose: bool = option(False, "with --tasks: show what lm-eval prints (its downloads, log lines, progress bars)",
+                           short="-v")
     task_lengths: list[int] | None = option(None, "prompt lengths in tokens of the synthetic long-context tasks "
                                                   "(RULER's), each scored apart, e.g. 4096,8192; default 4096",
                                             none="default")
@@ -288,7 +290,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
                                             + ", ".join(f"{task} {value:.4f}" for task, value in now.items()))
             return lm_eval_tasks(m, tokenizer, cfg.tasks, cfg.task_path, cfg.prompts,
                                  batch_of(cfg, max(cfg.task_lengths or [4096])),
-                                 cfg.task_lengths, scored=heard)
+                                 cfg.task_lengths, scored=heard, verbose=cfg.verbose)
 
         result["tasks"] = run_tasks(model, "student")
         if itself:
