@@ -41,6 +41,12 @@ class Device:
         """The rules on these options that need no torch: answered before anything heavy loads."""
         if self.threads is not None and self.threads < 1:
             raise UserError(f"--threads must be at least 1, got {self.threads}")
+        import os
+
+        cores = os.cpu_count() or 1
+        if self.threads is not None and self.threads > 4 * cores:
+            raise UserError(f"--threads {self.threads} is more than 4 per core of this machine's {cores}: give at most "
+                            f"{cores} (or auto)")
         if self.device not in ("auto", "cpu", "cuda") and not (
                 self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise UserError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or auto")
