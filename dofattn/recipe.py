@@ -383,6 +383,22 @@ def coerce(key: str, value, where: str):
 
 # --- the rules ------------------------------------------------------------------------------------------------------
 
+def check_fixed_dims(rule: str, what: str = "--dims") -> None:
+    """A one-line UserError naming option `what` unless `rule` is one of the forms `choose.resolve_dims` takes: C or
+    fix:C with C >= 1, fix, or a dof.json file that exists; on the text alone, before any model loads."""
+    from pathlib import Path
+
+    if rule == "fix" or rule.startswith("fix:") or rule.isdigit():
+        value = rule if rule.isdigit() else rule.partition(":")[2] or "1"
+        if not value.isdigit() or int(value) < 1:
+            raise UserError(f"bad {what} {rule!r}; use C or fix:C with C >= 1, fix, or a dof.json file")
+    elif rule.endswith(".json"):
+        if not Path(rule).is_file():
+            raise UserError(f"dims file {rule} does not exist; run `dofattn dof --out {rule}` first")
+    else:
+        raise UserError(f"bad {what} {rule!r}; use C, fix, fix:C, or a dof.json file")
+
+
 def validate(recipe: Recipe) -> None:
     """Every rule on a recipe's keys, each a one-line UserError naming the key and what is allowed."""
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end

@@ -297,7 +297,7 @@ def test_generate_static_matches_hf(capsys, model_dirs):
     code, static_wide, err = run(capsys, *args, "--extend-to", "1024", "--static")
     assert code == 0 and static_wide == wide, err
     code, _, err = run(capsys, "generate", "--model", str(model_dirs["llama"]), "--static")
-    assert code == 2 and "every layer of this model is softmax attention" in err
+    assert code == 2 and "--static decodes a linearized student" in err       # before the model loads
 
 
 def test_generate_from_student_folder(capsys, model_dirs, tmp_path):
@@ -421,6 +421,9 @@ VALUE_ONLY = [
     (["eval", "--model", "smollm2-135m", "--out", "/proc/x.json"], "--out: cannot write in /proc"),
     (["generate", "--model", "smollm2-135m", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["generate", "--temperature", "nan"], "--temperature: 'nan' is not a finite number"),
+    (["generate", "--model", "smollm2-135m", "--student", "paper", "--dims", "0"], "bad --dims '0'; use C or fix:C"),
+    (["generate", "--model", "smollm2-135m", "--static"], "--static decodes a linearized student"),
+    (["generate"], "no student in runs/long-context yet"),
     (["bench", "--model", "smollm2-135m", "--seq-lens", "0"], "--seq-lens (or auto) takes positive token counts"),
     (["bench", "--repeats", "0"], "--repeats must be at least 1, got 0"),
     (["sample", "--temperature", "nan"], "--temperature: 'nan' is not a finite number"),

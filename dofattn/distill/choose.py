@@ -26,7 +26,7 @@ from dofattn.errors import UserError
 from dofattn.model.hf import context_length
 from dofattn.io import write_atomic
 from dofattn.ops.softmax import attention_logits, expand_kv
-from dofattn.recipe import DOF_BLOCKS, DOF_DIMS, DOF_POINTS, DOF_SEQ_LEN, Recipe
+from dofattn.recipe import DOF_BLOCKS, DOF_DIMS, DOF_POINTS, DOF_SEQ_LEN, Recipe, check_fixed_dims
 from dofattn.spec import StudentSpec
 from dofattn.model.student import attention_modules, build, global_layers, head_layout
 
@@ -36,17 +36,15 @@ def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "", 
     """Feature dims per layer from `fix`, `fix:C`, a dof.json path, or a list; errors name option `what`."""
     num_layers = len(attention_modules(model))
     _, _, head_dim = head_layout(model)
+    if not isinstance(spec, list):
+        check_fixed_dims(spec, what)
     if isinstance(spec, list):
         dims = spec
     elif spec == "fix" or spec.startswith("fix:") or spec.isdigit():
         value = spec if spec.isdigit() else spec.partition(":")[2] or str(head_dim)
-        if not value.isdigit() or int(value) < 1:
-            raise UserError(f"bad {what} {spec!r}; use C or fix:C with C >= 1, fix, or a dof.json file")
         dims = [int(value)] * num_layers
-    elif spec.endswith(".json"):
+    else:                                                 # a dof.json that exists
         path = Path(spec)
-        if not path.is_file():
-            raise UserError(f"dims file {spec} does not exist; run `dofattn dof --out {spec}` first")
         try:
             result = DofResult.from_json(path.read_text())
         except (json.JSONDecodeError, TypeError, KeyError) as err:
@@ -55,8 +53,6 @@ def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "", 
             raise UserError(f"dims file {spec} was computed for model {result.model!r}, not {model_name!r}; "
                             f"run `dofattn dof --model {model_name}`")
         dims = result.dims
-    else:
-        raise UserError(f"bad {what} {spec!r}; use C, fix, fix:C, or a dof.json file")
     if len(dims) != num_layers:
         raise UserError(f"{what} gives {len(dims)} layers but the model has {num_layers}")
     if min(dims) < 1:

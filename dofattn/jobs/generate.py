@@ -46,9 +46,11 @@ class GenerateConfig(Machine):
 
 def check(cfg: GenerateConfig) -> None:
     """Every rule on the options, before a model loads."""
+    from dofattn.jobs import check_default_run
     from dofattn.options import check_extend_to
-    from dofattn.spec import is_student
+    from dofattn.spec import is_export, is_student
 
+    check_default_run(cfg.model)
     if cfg.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {cfg.max_new_tokens}")
     if not cfg.prompt:
@@ -65,6 +67,13 @@ def check(cfg: GenerateConfig) -> None:
     if cfg.dims and not cfg.student:
         raise UserError("--dims sizes the features of an untrained student: add --student RECIPE (e.g. paper) to "
                         "make one of the base model --model")
+    if cfg.dims:
+        from dofattn.recipe import check_fixed_dims
+
+        check_fixed_dims(cfg.dims)
+    if cfg.static and not cfg.student and not (is_student(cfg.model) or is_export(cfg.model)):
+        raise UserError(f"--static decodes a linearized student, and {cfg.model} is not one: give a run folder or an "
+                        f"export, add --student RECIPE for an untrained one, or drop --static")
 
 
 def load(cfg: GenerateConfig):
