@@ -252,11 +252,7 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
                         "checkout") from None
     from dofattn.model.hf import _hub_reachable
 
-    manager = TaskManager(include_path=include_path)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; e.g. {', '.join(HUB_TASKS)}, or a local "
-                        f"task YAML in --task-path")
+    manager = check_tasks(tasks, include_path)
     local = set(TaskManager(include_path=include_path, include_defaults=False).all_tasks) if include_path else set()
     synthetic = [t for t in tasks if synthetic_task(manager, t)]
     remote = [t for t in tasks if t not in local and t not in synthetic]
@@ -293,6 +289,22 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
                 if scored:
                     scored(length, now)
     return found
+
+
+def check_tasks(tasks: list[str], include_path: str | None = None):
+    """lm-eval's TaskManager, once every name of `tasks` is one of its tasks (a one-line UserError if not, or if
+    lm-eval is not installed): `eval` asks before it loads a model."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise UserError("--tasks needs lm-evaluation-harness: pip install -e '.[eval]' in the dofattn "
+                        "checkout") from None
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; e.g. {', '.join(HUB_TASKS)}, or a local "
+                        f"task YAML in --task-path")
+    return manager
 
 
 @contextlib.contextmanager

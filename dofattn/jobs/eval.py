@@ -241,6 +241,10 @@ def run(cfg: EvalConfig, progress=None) -> dict:
 
     refuse_config_only(cfg.model, "eval")
     refuse_config_only(cfg.teacher, "eval --teacher")
+    if cfg.tasks:                                    # the names, before a model loads
+        from dofattn.evaluate import check_tasks
+
+        check_tasks(cfg.tasks, cfg.task_path)
     use_threads(cfg.threads)
     held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(cfg.data))
     split = cfg.split or ("validation" if held_out else "all")
