@@ -124,6 +124,8 @@ def figure(rows: list[dict], path: Path) -> None:
     for ax in (left, right):
         if ax.lines:
             ax.legend(fontsize=8)
+    if not right.lines:
+        right.text(0.5, 0.5, "not measured yet (--stages niah)", ha="center", va="center", transform=right.transAxes)
     fig.savefig(path, dpi=120)
 
 
