@@ -17,6 +17,7 @@ import sys
 from dofattn import __version__
 from dofattn.commands import VERBS, module, summary
 from dofattn.errors import UserError
+from dofattn.options import BUSY_LOAD
 
 
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
@@ -55,7 +56,6 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, 64 << 20) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
-BUSY_LOAD = 1.0     # the 1-minute load average from which other work is taken to share the cores
 
 
 def wait_passively_when_busy(environ=None, load: float | None = None) -> str | None:

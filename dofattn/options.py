@@ -16,6 +16,8 @@ import dataclasses
 
 from dofattn.errors import UserError
 
+BUSY_LOAD = 1.0     # the 1-minute load average from which other work is taken to share the cores (cli, plan timings)
+
 DATA_HELP = ("wiki-sample, a .txt/.jsonl/.parquet file or folder, hf:NAME[:CONFIG[:SPLIT]], or several of these "
              "joined by + (pooled)")
 

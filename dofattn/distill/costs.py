@@ -228,9 +228,9 @@ def calibrate(recipe, plan, config, device: str = "cpu", base: int | None = None
 
 
 def _idle(device: str) -> bool:
-    """Whether the cores are free of other work (the 1-minute load average below `cli.BUSY_LOAD`): a timing made
+    """Whether the cores are free of other work (the 1-minute load average below `options.BUSY_LOAD`): a timing made
     beside other work is not kept. On a GPU the host's load does not matter."""
-    from dofattn.cli import BUSY_LOAD
+    from dofattn.options import BUSY_LOAD
 
     if str(device).startswith("cuda"):
         return True
