@@ -56,8 +56,6 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, 64 << 20) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
-
-
 def wait_passively_when_busy(environ=None, load: float | None = None) -> str | None:
     """With other work on the cores (a 1-minute load average of at least `BUSY_LOAD`), torch's OpenMP threads are
     told to sleep at a barrier instead of spinning (`OMP_WAIT_POLICY=PASSIVE`), unless the policy is set already or

@@ -233,7 +233,7 @@ HUB_TASKS = ("piqa", "arc_easy", "arc_challenge", "winogrande", "logiqa", "wsc27
 
 def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
                   batch_size: int = 4, lengths: list[int] | None = None,
-                  scored=None, verbose: bool = False) -> dict[str, dict[str, float]]:
+                  scored=None, verbose: bool = False, manager=None) -> dict[str, dict[str, float]]:
     """Zero-shot lm-evaluation-harness tasks on the in-memory `model`: {task: {metric: value}}.
 
     `include_path` adds a folder of local task YAMLs. Tasks that are not local need their datasets from the
@@ -241,18 +241,16 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
     (RULER's niah_*, vt, cwe, fwe: lm-eval builds their prompts with the model's tokenizer, offline) are scored
     at each of `lengths` apart ({task: {"4096": accuracy, ...}}, `limit` prompts each; default 4096), as lm-eval
     scores them; `scored(length, {task: accuracy})` hears each length as it ends (a long run cut short keeps them).
-    What lm-eval prints is kept off the terminal unless `verbose` (`quiet_output`).
+    What lm-eval prints is kept off the terminal unless `verbose` (`quiet_output`). `manager`: the TaskManager
+    `check_tasks` gave for these tasks (its index takes seconds), else made here.
     """
-    try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
-    except ImportError:
-        raise UserError("--tasks needs lm-evaluation-harness: pip install -e '.[eval]' in the dofattn "
-                        "checkout") from None
+    manager = manager or check_tasks(tasks, include_path)
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
     from dofattn.model.hf import _hub_reachable
 
-    manager = check_tasks(tasks, include_path)
     local = set(TaskManager(include_path=include_path, include_defaults=False).all_tasks) if include_path else set()
     synthetic = [t for t in tasks if synthetic_task(manager, t)]
     remote = [t for t in tasks if t not in local and t not in synthetic]

@@ -36,17 +36,16 @@ def resolve_dims(spec: str | list[int], model: nn.Module, model_name: str = "", 
     """Feature dims per layer from `fix`, `fix:C`, a dof.json path, or a list; errors name option `what`."""
     num_layers = len(attention_modules(model))
     _, _, head_dim = head_layout(model)
-    if not isinstance(spec, list):
-        check_fixed_dims(spec, what)
+    if isinstance(spec, str):
+        check_fixed_dims(spec, what)                      # its form, on the text alone
     if isinstance(spec, list):
         dims = spec
     elif spec == "fix" or spec.startswith("fix:") or spec.isdigit():
         value = spec if spec.isdigit() else spec.partition(":")[2] or str(head_dim)
         dims = [int(value)] * num_layers
     else:                                                 # a dof.json that exists
-        path = Path(spec)
         try:
-            result = DofResult.from_json(path.read_text())
+            result = DofResult.from_json(Path(spec).read_text())
         except (json.JSONDecodeError, TypeError, KeyError) as err:
             raise UserError(f"{spec} is not a dofattn dof.json file ({err})") from None
         if model_name and result.model and result.model != model_name:

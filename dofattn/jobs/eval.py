@@ -241,10 +241,10 @@ def run(cfg: EvalConfig, progress=None) -> dict:
 
     refuse_config_only(cfg.model, "eval")
     refuse_config_only(cfg.teacher, "eval --teacher")
-    if cfg.tasks:                                    # the names, before a model loads
+    if cfg.tasks:                                    # the names, before a model loads; the index is kept
         from dofattn.evaluate import check_tasks
 
-        check_tasks(cfg.tasks, cfg.task_path)
+        task_manager = check_tasks(cfg.tasks, cfg.task_path)
     use_threads(cfg.threads)
     held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(cfg.data))
     split = cfg.split or ("validation" if held_out else "all")
@@ -294,7 +294,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
                                             + ", ".join(f"{task} {value:.4f}" for task, value in now.items()))
             return lm_eval_tasks(m, tokenizer, cfg.tasks, cfg.task_path, cfg.prompts,
                                  batch_of(cfg, max(cfg.task_lengths or [4096])),
-                                 cfg.task_lengths, scored=heard, verbose=cfg.verbose)
+                                 cfg.task_lengths, scored=heard, verbose=cfg.verbose, manager=task_manager)
 
         result["tasks"] = run_tasks(model, "student")
         if itself:
