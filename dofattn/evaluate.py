@@ -54,13 +54,20 @@ def teacher_mode(model) -> Iterator[None]:
             set_lora_enabled(model, True)
 
 
-SCORE_CHUNK = 512    # predictions whose vocabulary-wide logits exist at once, over a batch's blocks (the KL of 4 x
-                     # 511 predictions at once: 3.2 GB above the model at SmolLM2's 49 152 tokens; of 512: 0.8 GB)
+SCORE_VALUES = 512 * 49_152   # vocabulary-wide logits that exist at once over a batch's blocks: 512 predictions at
+                              # SmolLM2's 49,152 tokens (0.1 GB in float32; the KL of 4 x 511 at once was 3.2 GB above
+                              # the model), 96 at Gemma 3's 262,144
 
 
-def score_chunk(ids: torch.Tensor) -> int:
-    """Positions per chunk of the scores of a batch `ids` [B, T]: `SCORE_CHUNK` predictions over its B blocks."""
-    return max(1, SCORE_CHUNK // ids.shape[0])
+def vocabulary(model) -> int:
+    """The LM head's rows: the logits a position has."""
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def score_chunk(ids: torch.Tensor, vocab: int) -> int:
+    """Positions per chunk of the scores of a batch `ids` [B, T] at a vocabulary of `vocab`: at most `SCORE_VALUES`
+    logits over its B blocks (at least one position)."""
+    return max(1, SCORE_VALUES // (vocab * ids.shape[0]))
 
 
 def hidden_states(model, ids: torch.Tensor) -> torch.Tensor:
@@ -81,14 +88,14 @@ def _log_probs(model, ids: torch.Tensor, chunk: int | None = None) -> Iterator[t
     `chunk` positions (`score_chunk`) at a time; one [B·c, vocab] tensor per chunk of c positions, each made when
     the one before is taken (a whole batch's at once: 0.4 GB at SmolLM2's vocabulary, 4 x 511 predictions)."""
     hidden = hidden_states(model, ids)[:, :-1]
-    size = chunk or score_chunk(ids)
+    size = chunk or score_chunk(ids, vocabulary(model))
     for s in range(0, hidden.shape[1], size):
         yield torch.log_softmax(head(model, hidden[:, s:s + size]).float(), -1).flatten(0, 1)
 
 
-def _chunk_targets(ids: torch.Tensor, chunk: int | None = None) -> list[torch.Tensor]:
+def _chunk_targets(ids: torch.Tensor, vocab: int, chunk: int | None = None) -> list[torch.Tensor]:
     """The next tokens of ids [B, T] in the chunks `_log_probs` gives ([B·c] each)."""
-    size = chunk or score_chunk(ids)
+    size = chunk or score_chunk(ids, vocab)
     return [t.flatten() for t in ids[:, 1:].split(size, 1)]
 
 
@@ -123,7 +130,8 @@ def perplexity(model, blocks: Blocks, batch_size: int = 4, desc: str = "perplexi
     total, count = 0.0, 0
     for batch in tqdm(blocks_in_batches(blocks, batch_size), desc=desc, unit="batch", disable=not progress, leave=False):
         ids = batch.to(device)
-        total += sum(_nll(log_p, t) for log_p, t in zip(_log_probs(model, ids), _chunk_targets(ids)))
+        targets = _chunk_targets(ids, vocabulary(model))
+        total += sum(_nll(log_p, t) for log_p, t in zip(_log_probs(model, ids), targets))
         count += ids[:, 1:].numel()
     return math.exp(total / count)
 
@@ -218,7 +226,7 @@ def compare(student, blocks: Blocks, teacher=None, batch_size: int = 4, progress
         else:
             teacher_hidden = hidden_states(teacher, ids.to(next(teacher.parameters()).device))[:, :-1]
             teacher_model = teacher
-        size = score_chunk(ids)
+        size = score_chunk(ids, vocabulary(student))
         for start in range(0, student_hidden.shape[1], size):
             part = slice(start, start + size)
             log_s = torch.log_softmax(head(student, student_hidden[:, part]).float(), -1)
@@ -226,9 +234,6 @@ def compare(student, blocks: Blocks, teacher=None, batch_size: int = 4, progress
             tally.add(log_s.flatten(0, 1), log_t.flatten(0, 1), ids[:, 1:][:, part].flatten(), log_s.shape[1],
                       start)
     return tally.result()
-
-
-HUB_TASKS = ("piqa", "arc_easy", "arc_challenge", "winogrande", "logiqa", "wsc273", "mmlu")
 
 
 def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
@@ -242,9 +247,11 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
     at each of `lengths` apart ({task: {"4096": accuracy, ...}}, `limit` prompts each; default 4096), as lm-eval
     scores them; `scored(length, {task: accuracy})` hears each length as it ends (a long run cut short keeps them).
     What lm-eval prints is kept off the terminal unless `verbose` (`quiet_output`). `manager`: the TaskManager
-    `check_tasks` gave for these tasks (its index takes seconds), else made here.
+    `lm_tasks.check_tasks` gave for these tasks (its index takes seconds), else made here.
     """
-    manager = manager or check_tasks(tasks, include_path)
+    from dofattn.lm_tasks import check_tasks, task_manager
+
+    manager = manager or check_tasks(tasks, include_path) or task_manager(include_path)
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -287,22 +294,6 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
                 if scored:
                     scored(length, now)
     return found
-
-
-def check_tasks(tasks: list[str], include_path: str | None = None):
-    """lm-eval's TaskManager, once every name of `tasks` is one of its tasks (a one-line UserError if not, or if
-    lm-eval is not installed): `eval` asks before it loads a model."""
-    try:
-        from lm_eval.tasks import TaskManager
-    except ImportError:
-        raise UserError("--tasks needs lm-evaluation-harness: pip install -e '.[eval]' in the dofattn "
-                        "checkout") from None
-    manager = TaskManager(include_path=include_path)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; e.g. {', '.join(HUB_TASKS)}, or a local "
-                        f"task YAML in --task-path")
-    return manager
 
 
 @contextlib.contextmanager

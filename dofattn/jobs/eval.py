@@ -233,6 +233,10 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     """
     say = progress or (lambda text: None)
     paths = check(cfg)                  # on the options alone: before torch and transformers are imported
+    if cfg.tasks:                       # the names too (kept from lm-eval's last index: `lm_tasks`)
+        from dofattn.lm_tasks import check_tasks
+
+        task_manager = check_tasks(cfg.tasks, cfg.task_path)
     from dofattn.data import WIKI_SAMPLE, sources
     from dofattn.evaluate import format_comparison, format_layer_errors, format_tasks, lm_eval_tasks
     from dofattn.jobs import load_for_job
@@ -241,10 +245,6 @@ def run(cfg: EvalConfig, progress=None) -> dict:
 
     refuse_config_only(cfg.model, "eval")
     refuse_config_only(cfg.teacher, "eval --teacher")
-    if cfg.tasks:                                    # the names, before a model loads; the index is kept
-        from dofattn.evaluate import check_tasks
-
-        task_manager = check_tasks(cfg.tasks, cfg.task_path)
     use_threads(cfg.threads)
     held_out = any(part == WIKI_SAMPLE or part.startswith("hf:") for part in sources(cfg.data))
     split = cfg.split or ("validation" if held_out else "all")
