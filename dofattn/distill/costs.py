@@ -337,7 +337,7 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
     """Each stage's arrays, the process's peak after it, its disk and its time (module docstring)."""
     from dofattn.distill.choose import ATTENTION_DOF_BLOCKS, COPY_BLOCKS
     from dofattn.recipe import DOF_BLOCKS, DOF_POINTS, DOF_SEQ_LEN
-    from dofattn.evaluate import SCORE_CHUNK
+    from dofattn.evaluate import SCORE_VALUES
 
     r, L, m, t = recipe, plan.layers, plan.memory, plan.tokens
     dtype = getattr(torch, r.run.dtype)
@@ -399,7 +399,7 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
     # and a chunk of their logits at a time
     blocks, length = r.eval.blocks, r.eval.seq_len
     live, flops = forward_counts(config, dtype, 4, length, logits=False)
-    chunk = SCORE_CHUNK * L.vocab * 4                          # a chunk's logits (perplexity: 3 such, compare: 8)
+    chunk = max(1, SCORE_VALUES // L.vocab) * L.vocab * 4     # a chunk's logits (perplexity: 3 such, compare: 8)
     hidden = 4 * length * L.hidden * 4
     one_pass = flops * blocks / 4 + 2 * L.hidden * L.vocab * blocks * length        # the body, the LM head
     if t.end_to_end and t.layerwise_teacher:

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from dofattn.attention import Part
 from dofattn.distill.world import all_max, all_mean, barrier, rank0_decides, world
 from dofattn.errors import UserError
-from dofattn.evaluate import head, hidden_states, perplexity, teacher_mode
+from dofattn.evaluate import head, hidden_states, perplexity, teacher_mode, vocabulary
 from dofattn.io import read_safetensors, save_tensors, write_json
 from dofattn.model.hf import decoder_layers
 from dofattn.recipe import EndToEnd
@@ -74,12 +74,25 @@ def _chunk_loss(model, hidden: torch.Tensor, targets: torch.Tensor, teacher: tor
     return value
 
 
+LOSS_VALUES = 1024 * 49_152   # logits of one chunk of the loss, each model's: 1,024 positions at SmolLM2's vocabulary
+                              # of 49,152 (0.2 GB in float32), 192 at Gemma 3's 262,144
+
+
+def loss_positions(chunk: int, length: int, vocab: int, batch: int = 1) -> int:
+    """Positions per chunk of the loss over `length` predictions of `batch` blocks: the recipe's `chunk`
+    (end_to_end.loss_chunk; 0: all at once), and at most `LOSS_VALUES` logits over the batch at a vocabulary of
+    `vocab` (at least one position)."""
+    if not chunk:
+        return length
+    return max(1, min(chunk, length, LOSS_VALUES // (vocab * batch)))
+
+
 def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0) -> torch.Tensor:
     """The student's mean next-token cross-entropy on `ids` [B, T], plus kd_weight × the mean KL(teacher ‖ student)
     per token (the teacher is the same model in `teacher_mode`).
 
     The body runs once for the student and once, without autograd, for the teacher; the LM head then runs on
-    `chunk` positions at a time. Each chunk is checkpointed (its logits are recomputed in the backward pass), so at
+    `chunk` positions at a time, fewer where the vocabulary is large (`loss_positions`). Each chunk is checkpointed (its logits are recomputed in the backward pass), so at
     most one chunk's logits of each model exist at a time; with `chunk` 0 all T−1 positions go at once and autograd
     keeps their logits, as the model's own forward would.
     """
@@ -89,7 +102,7 @@ def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0) -> torch.Te
             teacher = hidden_states(model, ids)[:, :-1]                                  # [B, T-1, d]
     student = hidden_states(model, ids)[:, :-1]                                          # [B, T-1, d]
     targets = ids[:, 1:]
-    size = chunk or targets.shape[1]
+    size = loss_positions(chunk, targets.shape[1], vocabulary(model), targets.shape[0])
     value = student.new_zeros((), dtype=torch.float32)
     for s in range(0, targets.shape[1], size):
         part = (model, student[:, s:s + size], targets[:, s:s + size],

@@ -283,6 +283,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     a second or two, and the layerwise step timed); `timed` False: memory and disk alone (no time is measured).
     What it counts and times is kept (`dofattn.kept`): a second plan of the same recipe and model reads it;
     `recalibrate` times the machine again."""
+    from dofattn.distill.end_to_end import loss_positions
     from dofattn.model.hf import decoder_layers
     from dofattn.model.hf import local_layers, model_config
     from dofattn.memory import resident_now
@@ -332,7 +333,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     step = Step(**kept("step", shape, lambda: asdict(measure_step(recipe, model)))) if e2e.steps else Step(0, 0, 0)
     phase = int(e2e.steps > 0)        # no end-to-end phase: nothing trains at once, nothing is sharded
     memory = Memory(world_size=W, dtype=run_dtype, batch_size=e2e.batch_size, seq_len=e2e.seq_len,
-                    loss_chunk=min(e2e.loss_chunk or e2e.seq_len - 1, e2e.seq_len - 1),
+                    loss_chunk=loss_positions(e2e.loss_chunk, e2e.seq_len - 1, vocab, e2e.batch_size),
                     checkpointing=e2e.activation_checkpointing, weights=weights, student=student,
                     gradients=trained_bytes * phase, adam=(2 * trained_bytes + len(trained) * 4) * phase,
                     gathered=gathered * phase, activations=step.activations, recompute=step.backward,

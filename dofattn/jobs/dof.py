@@ -27,7 +27,8 @@ from dofattn.options import DATA_HELP, Machine, option
 class DofConfig(Machine):
     """What `run` estimates, on what, and where it writes; the fields are `dofattn dof`'s options of the same names."""
 
-    model: str = option("smollm2-135m", "built-in alias (smollm2-135m), hub id, model folder, or .gguf file")
+    model: str = option("smollm2-135m", "built-in alias (smollm2-135m, gemma3-270m), hub id, model folder, or "
+                                        ".gguf file")
     data: str = option("wiki-sample", DATA_HELP)
     split: str = option("train", "data split to sample from: train, validation or all")
     points: int = option(DOF_POINTS, "J: query/key points sampled per head (cost grows as J^3)", was="samples")

