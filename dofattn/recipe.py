@@ -62,7 +62,9 @@ class Student:
     kept: Kept = field(default_factory=Kept, metadata={"holds": Kept})                 # keys: student.select
     dims: str = option("dof", "features per layer: dof (in proportion to each layer's DoF, mean = head size), clip "
                               "(dof capped at the head size), fix, fix:C, or a dof.json from `dofattn dof`")
-    keep_softmax: int = option(0, "keep K layers as softmax attention, chosen by keep_softmax_by")
+    keep_softmax: float = option(0, "keep K layers as softmax attention, chosen by keep_softmax_by: a count >= 1, or "
+                                    "a share < 1 of the layers that may be linearized (0.4: 12 of SmolLM2's 30, 1 "
+                                    "of Gemma 3's 3 global layers)")
     keep_softmax_by: str = option("dof", "which layers keep_softmax keeps: dof (the largest DoF of their attention "
                                          "matrices) or copy (the teacher's heads that copy most from far back, which "
                                          "recall beyond the window needs; their KV cache grows with the context unless "
@@ -406,8 +408,9 @@ def validate(recipe: Recipe) -> None:
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
     a = s.attention                                   # its own rules ran as it was built
     check_lora(lora_rank=s.lora_rank, lora_targets=s.lora_targets)
-    if s.keep_softmax < 0:
-        raise UserError(f"student.keep_softmax = {s.keep_softmax}: give >= 0 layers")
+    if not s.keep_softmax >= 0 or (s.keep_softmax >= 1 and s.keep_softmax != int(s.keep_softmax)):
+        raise UserError(f"student.keep_softmax = {s.keep_softmax:g}: give a count of layers >= 1, a share between 0 "
+                        f"and 1, or 0 (none)")
     if not s.exact_heads >= 0 or (s.exact_heads >= 1 and s.exact_heads != int(s.exact_heads)):
         raise UserError(f"student.exact_heads = {s.exact_heads}: give a count of key/value heads >= 1, a share "
                         f"between 0 and 1, or 0 (none)")

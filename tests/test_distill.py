@@ -373,7 +373,8 @@ def other_model_dims(folder: Path) -> Path:
     (["layerwise.steps=0", "end_to_end.steps=1", "end_to_end.blocks=100000"],
      "100000 blocks of 32 tokens were asked for"),
     (["student.keep_softmax=3"], "student.keep_softmax = 3 leaves no layer to linearize"),
-    (["student.keep_softmax=-1"], "student.keep_softmax = -1: give >= 0"),
+    (["student.keep_softmax=-1"], "student.keep_softmax = -1: give a count of layers >= 1, a share"),
+    (["student.keep_softmax=2.5"], "student.keep_softmax = 2.5: give a count of layers >= 1, a share"),
     (["layerwise.loss=l2", "student.window=32"], "set layerwise.seq_len > student.window (32)"),
     (["student.windw=3"], "unknown recipe key 'student.windw'; did you mean student.window?"),
     (["steps=3"], "recipe key 'steps' is in several tables: say which, layerwise.steps or end_to_end.steps"),
@@ -490,7 +491,7 @@ def test_every_packaged_recipe_builds_its_student(capsys, model_dirs, corpus, tm
     out = tmp_path / name
     argv = distill_argv(model_dirs["llama"], corpus, out, "--recipe", name, "layerwise.steps=2",
                         "end_to_end.steps=1", "end_to_end.eval_every=0", "end_to_end.blocks=8",
-                        "end_to_end.cooldown_steps=0", f"student.keep_softmax={min(recipe.student.keep_softmax, 1)}",
+                        "end_to_end.cooldown_steps=0", f"student.keep_softmax={min(recipe.student.keep_softmax, 1):g}",
                         f"student.window={min(recipe.student.attention.window, 8)}",
                         f"student.dims={recipe.student.dims}",
                         "--dtype", "float32")
@@ -501,7 +502,7 @@ def test_every_packaged_recipe_builds_its_student(capsys, model_dirs, corpus, tm
     assert spec.attention == dataclasses.replace(s.attention, window=min(s.attention.window, 8))   # all of it
     assert spec.kept == s.kept
     assert (spec.lora_rank, spec.lora_targets) == (s.lora_rank, s.lora_targets)
-    assert len(spec.layers) == LAYERS - min(s.keep_softmax, 1)
+    assert len(spec.layers) == LAYERS - bool(s.keep_softmax)          # 1 kept, or a share of 3 layers: 1
     assert (out / {"dof": "attention_dof.json", "copy": "copy_scores.json"}[s.keep_softmax_by]).is_file() == \
         bool(s.keep_softmax)
     if s.dims == "fix":

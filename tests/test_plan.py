@@ -130,6 +130,28 @@ def test_linear_layers_are_the_candidates_less_the_softmax_layers_kept():
     assert linear_layers(everything, gemma) == [0, 1]
     with pytest.raises(UserError, match="student.keep_softmax = 2 leaves no layer to linearize"):
         linear_layers(recipes.load("window", ["student.keep_softmax=2"]), gemma)
+    share = recipes.load("window", ["student.keep_softmax=0.4"])          # of the 2 global layers: 1 (0.8, rounded)
+    assert linear_layers(share, gemma) == [1] and linear_layers(share, families.tiny("llama")) == [0, 1]   # 1 of 3
+    assert linear_layers(recipes.load("window", ["student.keep_softmax=0.9"]), gemma) == [1]      # all but one
+
+
+def test_the_default_recipe_plans_a_model_with_its_own_sliding_window_layers():
+    """Issue 68: long-context kept 12 layers and refused a model with fewer global ones (Gemma 3 270M: 3 of 18); its
+    0.4 keeps a share of them, and the plan says how many of how many."""
+    for family in ("gemma3_text", "gemma2"):
+        model = families.tiny(family)
+        plan = make_plan(recipes.load("long-context"), 1, config=model.config, device="cpu", timed=False)
+        assert plan.layers.local == [0, 2] and plan.layers.linear == [1] and plan.layers.keep_softmax == 1
+        assert any("the 1 softmax layer (0.4 of the 2 layers that may be linearized) is chosen at run time" in note
+                   for note in plan.notes), plan.notes
+
+
+def test_a_share_of_the_layers_kept_rounds_and_leaves_one_to_linearize():
+    from dofattn.distill.choose import kept_count
+
+    assert kept_count(0.4, 30) == 12 and kept_count(0.4, 3) == 1 and kept_count(0.4, 13) == 5   # SmolLM2, Gemma 3, 2
+    assert kept_count(0.01, 30) == 1 and kept_count(0.99, 30) == 29 and kept_count(0.5, 1) == 0
+    assert kept_count(12, 30) == 12 and kept_count(0, 30) == 0
 
 
 def measure(model, recipe, ids) -> dict:

@@ -67,11 +67,22 @@ def linear_layers(recipe, model, chosen: list[int] | None = None) -> list[int]:
 
     s = recipe.student
     candidates = global_layers(model) if s.local_layers == "keep" else list(range(len(attention_modules(model))))
-    if s.keep_softmax >= len(candidates):
-        raise UserError(f"student.keep_softmax = {s.keep_softmax} leaves no layer to linearize: the model has "
-                        f"{len(candidates)} layers that may be linearized")
-    chosen = candidates[len(candidates) - s.keep_softmax:] if chosen is None else chosen
+    keep = kept_count(s.keep_softmax, len(candidates))
+    if keep >= len(candidates):
+        raise UserError(f"student.keep_softmax = {s.keep_softmax:g} leaves no layer to linearize: the model has "
+                        f"{len(candidates)} layers that may be linearized (a share below 1, e.g. 0.4, keeps that "
+                        f"share of them)")
+    chosen = candidates[len(candidates) - keep:] if chosen is None else chosen
     return [i for i in candidates if i not in chosen]
+
+
+def kept_count(keep_softmax: float, candidates: int) -> int:
+    """Layers `student.keep_softmax` keeps as softmax attention of `candidates` that may be linearized: a count as
+    it is; a share below 1 of them rounded, at least one and at most all but one (long-context's 0.4: 12 of
+    SmolLM2's 30 layers, 1 of Gemma 3's 3 global ones)."""
+    if keep_softmax >= 1 or not keep_softmax:
+        return int(keep_softmax)
+    return min(max(1, round(keep_softmax * candidates)), max(candidates - 1, 0))
 
 
 def check_untrained(recipe) -> None:
@@ -187,7 +198,7 @@ def softmax_layers(recipe: Recipe, model, tokenizer, out: Path, candidates: list
     (`attention_dof.json`), or their best head's copy score (`copy_scores.json`)."""
     from dofattn.data import token_blocks
 
-    K = recipe.student.keep_softmax
+    K = kept_count(recipe.student.keep_softmax, len(candidates))
     if K == 0:
         return []
 

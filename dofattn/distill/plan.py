@@ -311,7 +311,8 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     dims, mean_dim = plan_dims(recipe, model, head_dim, linear)
     exact = stand_in_exact_heads(recipe, model, linear)
     layers = Layers(count=count, heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
-                    intermediate=intermediate, vocab=vocab, linear=linear, local=local, keep_softmax=s.keep_softmax,
+                    intermediate=intermediate, vocab=vocab, linear=linear, local=local,
+                    keep_softmax=count - len(linear) - len(local),
                     keep_softmax_by=s.keep_softmax_by, dims_rule=s.dims, dims=dims, mean_dim=mean_dim)
 
     with torch.device("meta"):                  # the student's tensors too: no random features drawn
@@ -343,8 +344,11 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
         notes.append("feature dims come from the DoF stage at run time; the student's size is at the budget's mean"
                      + (" (clip can only lower it)" if s.dims == "clip" else ""))
     if s.keep_softmax:
-        notes.append(f"the {s.keep_softmax} softmax layers are chosen at run time (by {s.keep_softmax_by}); the "
-                     f"plan takes them as the last layers")
+        softmax, share = count - len(linear) - len(local), 0 < s.keep_softmax < 1
+        of = f" ({s.keep_softmax:g} of the {softmax + len(linear)} layers that may be linearized)" if share else ""
+        many = softmax != 1
+        notes.append(f"the {softmax} softmax layer{'s' * many}{of} {'are' if many else 'is'} chosen at run time (by "
+                     f"{s.keep_softmax_by}); the plan takes {'them' if many else 'it'} as the last")
     if exact:
         notes.append(f"the {sum(map(len, exact))} exact key/value heads are chosen at run time (by the copy "
                      f"probe); the plan takes the first heads of the last linear layers")

@@ -167,7 +167,8 @@ def student_of(cfg: BenchConfig) -> Student:
         return Student(spec.attention, f"{cfg.student} ({'; '.join(spec.describe())})", cfg.student, None)
     recipe = recipes.load(cfg.student)
     kept = recipe.student.keep_softmax
-    stand_in = f"; its last {kept} layers kept, standing in for those a run chooses" if kept else ""
+    stand_in = (f"; its last layers kept (student.keep_softmax = {kept:g}), standing in for those a run chooses"
+                if kept else "")
     return Student(recipe.student.attention, f"recipe {recipe.name}, untrained ({recipe.description}{stand_in})", None,
                    recipe)
 
