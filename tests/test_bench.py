@@ -248,6 +248,6 @@ def test_bench_times_a_recipe_that_keeps_layers_with_its_last_ones_standing_in(c
                  "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    assert "its last 1 layers kept, standing in for those a run chooses" in printed
+    assert "its last layers kept (student.keep_softmax = 1), standing in for those a run chooses" in printed
     rows = json.loads(out.read_text())["generation"]
     assert {r["student"] for r in rows} == {False, True}
