@@ -85,6 +85,26 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+class Flops(TorchDispatchMode):
+    """While active: the FLOPs of the operators that run (`total`), as torch's FlopCounterMode counts them (its
+    registry: matrix products and attention). Unlike FlopCounterMode it follows no modules and holds nothing, so the
+    step whose memory `LiveBytes` counts can count its FLOPs too."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry, self.total = flop_registry, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = self.registry.get(func._overloadpacket)
+        if count is not None:
+            self.total += count(*args, **kwargs, out_val=out)
+        return out
+
+
 class RealConstants(TorchDispatchMode):
     """Under `fake_mode` (entered after it): an operator on real tensors alone (token ids, positions, masks made
     from them: nothing of the weights) runs for real, where its result stays under `limit` bytes. What depends on

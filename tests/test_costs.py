@@ -155,7 +155,7 @@ def test_a_second_plan_reads_what_the_first_measured(capsys, model_dirs, keeping
     """The second dry run reads the steps, counts and timings the first kept: the same plan, nothing measured."""
     first = dry_json(capsys, model_dirs)
     kinds = sorted({p.name.split("-")[0] for p in keeping.iterdir()})
-    assert kinds == ["forward", "layerwise_counts", "layerwise_step", "rates", "step", "step_flops"]
+    assert kinds == ["forward", "layerwise_counts", "layerwise_step", "rates", "step"]
     assert "measured now on cpu" in first["calibration"]["note"]
     from dofattn.distill import plan as plans
 

@@ -240,6 +240,29 @@ def test_memory_plan_matches_one_measured_end_to_end_step(case):
     assert abs(planned / measured["peak"] - 1) < 0.03, (planned, measured["peak"])
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_step_counts_its_flops_as_torchs_flop_counter_does(case):
+    """`memory.Flops`, counted in the step whose memory the plan takes (one fake step, not two), gives
+    FlopCounterMode's total exactly: the same registry over the same operators, checkpoint replays included."""
+    from dofattn.distill.costs import meta_model
+    from dofattn.distill.plan import measure_step
+
+    family, sets = CASES[case]
+    config = (tiny_model("llama") if family == "llama" else families.tiny(family)).config
+    recipe = recipes.load("window", ["end_to_end.batch_size=2", "end_to_end.seq_len=128", "student.window=4",
+                                      "student.sink=1", "student.dims='fix:8'", *sets])
+    linear = make_plan(recipe, 1, config=config).layers.linear
+
+    def step(reference: bool):
+        student = meta_model(config, getattr(torch, recipe.run.dtype))
+        with torch.device("meta"):
+            build(student, recipe.student_spec([8] * config.num_hidden_layers, linear))
+        return measure_step(recipe, student, reference_flops=reference)
+
+    ours, reference = step(False), step(True)
+    assert ours.flops == reference.flops > 0, (ours.flops, reference.flops)
+
+
 def test_the_layerwise_stream_holds_what_is_planned(tokenizer):
     """The plan's layerwise bytes against the tensors `TeacherStream` holds for the same blocks and tokens."""
     model = tiny_model("llama")

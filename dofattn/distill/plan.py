@@ -61,18 +61,19 @@ class Step:
     flops: int = 0         # of the step (FlopCounterMode: matrix products and attention)
 
 
-def measure_step(recipe: Recipe, model, count_flops: bool = False) -> Step:
+def measure_step(recipe: Recipe, model, reference_flops: bool = False) -> Step:
     """One step of the end-to-end loss and its backward pass on `model` (the student on the meta device, its
-    tensors made fake here: it is spent after), at the recipe's batch, length, loss chunk and checkpointing.
-    `count_flops`: its FLOPs too (FlopCounterMode follows the modules and holds what their backward hooks hold, so a
-    step that counts FLOPs is not the one whose memory counts)."""
+    tensors made fake here: it is spent after), at the recipe's batch, length, loss chunk and checkpointing: its
+    memory and its FLOPs (`memory.Flops`). `reference_flops`: the FLOPs by torch's FlopCounterMode instead (the
+    test's reference; it follows the modules and holds what their backward hooks hold, so the memory is not the
+    step's then)."""
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode)
 
     from torch.utils.flop_counter import FlopCounterMode
 
     from dofattn.distill.end_to_end import layers_checkpointed, loss
-    from dofattn.memory import LiveBytes, RealConstants
+    from dofattn.memory import Flops, LiveBytes, RealConstants
     from dofattn.model.student import is_student_tensor, linear_parts
 
     e2e = recipe.end_to_end
@@ -106,7 +107,7 @@ def measure_step(recipe: Recipe, model, count_flops: bool = False) -> Step:
     body = model.base_model
     hooks = [body.register_forward_pre_hook(before, with_kwargs=True),
              body.register_forward_hook(after, with_kwargs=True)]
-    counter = FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()
+    counter = FlopCounterMode(display=False) if reference_flops else Flops()
     try:
         with (mode, RealConstants(mode, live), layers_checkpointed(model) if e2e.activation_checkpointing else
               contextlib.nullcontext(), live, counter):
@@ -123,7 +124,7 @@ def measure_step(recipe: Recipe, model, count_flops: bool = False) -> Step:
     activations = marks["end"] - marks["start"]
     return Step(activations=activations, loss=marks.get("loss", live.peak) - activations,
                 backward=max(0, live.peak - activations) if "loss" in marks else 0,
-                flops=counter.get_total_flops() if count_flops else 0)
+                flops=counter.get_total_flops() if reference_flops else counter.total)
 
 
 # --- pieces of the plan -----------------------------------------------------------------------------------------------
@@ -360,14 +361,7 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     if device is not None:
         from dofattn.distill.costs import calibrate, stage_costs
 
-        if e2e.steps and timed:                 # a second fake step, of the same student, for its FLOPs
-            def flops() -> int:
-                student = meta_model(config, getattr(torch, run_dtype))
-                with torch.device("meta"):
-                    build(student, recipe.student_spec(dims or [round(mean_dim)] * count, linear, exact_heads=exact))
-                return measure_step(recipe, student, count_flops=True).flops
-
-            plan.end_to_end_flops = kept("step_flops", shape, flops)
+        plan.end_to_end_flops = step.flops
         plan.calibration = calibrate(recipe, plan, config, device, before, timed, recalibrate)
         plan.stages = stage_costs(recipe, plan, config, plan.calibration)
     plan.warnings = warn(plan)
