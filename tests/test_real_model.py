@@ -58,12 +58,13 @@ def test_real_activations_give_finite_dof_beyond_float32_exp_range(dtype):
 
 
 @pytest.mark.slow
-def test_gguf_file_loads_like_the_builtin_alias():
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
+def test_gguf_file_loads_like_the_builtin_alias(alias):
     from dofattn.model.hf import BUILTIN, load_model
 
-    gguf = BUILTIN["smollm2-135m"].gguf()
+    gguf = BUILTIN[alias].gguf()
     direct, _ = load_model(str(gguf))
-    cached, _ = load_model("smollm2-135m")
+    cached, _ = load_model(alias)
     ids = torch.tensor([[1, 504, 3458, 314, 253, 1345]])
     with torch.no_grad():
         assert torch.equal(direct(ids).logits, cached(ids).logits)
