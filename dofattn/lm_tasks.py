@@ -59,13 +59,21 @@ def known_names() -> set[str] | None:
         return None                                     # damaged: indexed again, and written over
 
 
-def task_manager(include_path: str | None = None):
-    """lm-eval's TaskManager (its index of every task: seconds); its own names are kept for `check_tasks`."""
-    key = _installed()
-    from lm_eval.tasks import TaskManager
+_MANAGERS: dict = {}      # (what lm-eval is, include_path) -> its TaskManager, built once a process (read-only)
 
-    manager = TaskManager(include_path=include_path)
-    if _keeping():
+
+def task_manager(include_path: str | None = None):
+    """lm-eval's TaskManager (its index of every task: seconds, so built once a process for each `include_path`);
+    its own names are kept for `check_tasks` where they are not yet."""
+    key = _installed()
+    manager = _MANAGERS.get((key, include_path))
+    if manager is None:
+        from lm_eval.tasks import TaskManager
+
+        manager = _MANAGERS[key, include_path] = TaskManager(include_path=include_path)
+    if _keeping() and known_names() is None:
+        from lm_eval.tasks import TaskManager
+
         from dofattn.io import write_json
 
         local = set(TaskManager(include_path=include_path, include_defaults=False).all_tasks) if include_path \
