@@ -6,8 +6,9 @@ A plan counts bytes and FLOPs on fake tensors (tens of seconds) and times this m
 depend only on what they were asked (the recipe, the model's config, the shapes), on dofattn's own code and on the
 torch and transformers that ran them (`code_version`), and, for timings, on the machine (`machine`). Each answer is
 kept in `cache_dir()/plans/KIND-HASH.json` under the hash of all of that, so a change of code, library, recipe,
-model or machine is a new key and is measured again. `DOFATTN_PLAN_CACHE=off` turns keeping off (the tests do);
-`distill --dry-run --recalibrate` times the machine again. Values are JSON: numbers, lists and dicts.
+model or machine is a new key and is measured again. `DOFATTN_PLAN_CACHE=off` turns keeping off; set to a folder,
+it keeps there instead (the tests keep in a folder of their session's); `distill --dry-run --recalibrate` times the
+machine again. Values are JSON: numbers, lists and dicts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ _CODE: str | None = None
 def enabled() -> bool:
     """Whether answers are kept and read (`DOFATTN_PLAN_CACHE`: off, 0 or no turns it off)."""
     return os.environ.get("DOFATTN_PLAN_CACHE", "on").strip().lower() not in ("off", "0", "no", "false")
+
+
+def folder(kind: str = "plans") -> Path:
+    """Where answers of `kind` are kept: `cache_dir()/KIND`, or KIND in the folder `DOFATTN_PLAN_CACHE` names."""
+    value = os.environ.get("DOFATTN_PLAN_CACHE", "on").strip()
+    if value.lower() not in ("on", "1", "yes", "true", ""):
+        return Path(value).expanduser() / kind
+    from dofattn.assets import cache_dir
+
+    return cache_dir() / kind
 
 
 def code_version() -> str:
@@ -63,10 +74,8 @@ def machine(device: str) -> dict:
 
 
 def _path(kind: str, key) -> Path:
-    from dofattn.assets import cache_dir
-
     text = json.dumps({"kind": kind, "code": code_version(), "key": key}, sort_keys=True, default=_plain)
-    return cache_dir() / "plans" / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+    return folder() / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
 def _plain(obj):

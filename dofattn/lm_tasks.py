@@ -7,7 +7,7 @@ lm-eval's own index (`TaskManager`) reads every task YAML it ships, 15-30 s on 2
 in `cache_dir()/lm-eval/tasks-HASH.json` under lm-eval's version, its install folder and the newest change to the
 folders of its tasks (a walk of about 1,400 folders, 0.1 s), so a new lm-eval, or a task YAML added to it, is
 indexed again. The first `--tasks` on a machine builds the index; a local `--task-path` folder is read on its own
-(quick). `DOFATTN_PLAN_CACHE=off` turns keeping off, as for plans (`kept`).
+(quick). `DOFATTN_PLAN_CACHE` turns keeping off or moves it, as for plans (`kept`).
 """
 
 from __future__ import annotations
@@ -39,13 +39,15 @@ def _installed() -> str:
 
 
 def _kept_path(key: str):
-    from dofattn.assets import cache_dir
+    from dofattn.kept import folder
 
-    return cache_dir() / "lm-eval" / f"tasks-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return folder("lm-eval") / f"tasks-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def _keeping() -> bool:
-    return os.environ.get("DOFATTN_PLAN_CACHE", "on").strip().lower() not in ("off", "0", "no", "false")
+    from dofattn.kept import enabled
+
+    return enabled()
 
 
 def known_names() -> set[str] | None:

@@ -18,8 +18,16 @@ if not torch.cuda.is_available():
     # triton (transformers does), see tests/triton_helpers.py.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# A plan measures afresh in the tests (`dofattn.kept`): nothing read from, or left in, the user's cache.
-os.environ["DOFATTN_PLAN_CACHE"] = "off"
+# What a plan counts is kept in a folder of this session's (`dofattn.kept`): nothing read from, or left in, the user's
+# cache, and a shape two tests plan is counted once. Timings are never kept here (`plan_timings_not_kept`), so a
+# plan's times are always measured by the test that asks.
+import atexit
+import shutil
+import tempfile
+
+_PLANS = tempfile.mkdtemp(prefix="dofattn-test-plans-")
+atexit.register(shutil.rmtree, _PLANS, True)
+os.environ["DOFATTN_PLAN_CACHE"] = _PLANS
 
 # The interpreter's dots round as a GPU's (DOFATTN_DOTS=off or -p no:tests.gpu_dots: as the interpreter's own).
 pytest_plugins = ["tests.gpu_dots"] if not torch.cuda.is_available() and importlib.util.find_spec("triton") else []
@@ -67,6 +75,15 @@ def pytest_runtest_logreport(report):
         log.write(f"{report.outcome.upper()} {report.nodeid} [{report.when}] {report.duration:.1f} s\n")
         if report.failed:
             log.write(report.longreprtext[-4000:] + "\n\n")
+
+
+@pytest.fixture(autouse=True)
+def plan_timings_not_kept(monkeypatch):
+    """Timings are taken as made beside other work (not kept) in every test, whatever the load: what the session's
+    plan folder keeps is counts alone (a test that keeps timings says so: test_costs' `keeping`)."""
+    from dofattn.distill import costs
+
+    monkeypatch.setattr(costs, "_idle", lambda device: False)
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,8 @@ def test_forward_counts_grow_with_the_tokens():
     assert flops - flops_body == 2 * (2 * 64) * config.hidden_size * config.vocab_size and live >= live_body
 
 
-def test_dry_run_prints_each_stage_with_its_memory_disk_and_time(capsys, model_dirs, corpus):
+def test_dry_run_prints_each_stage_with_its_memory_disk_and_time(capsys, model_dirs, corpus, monkeypatch):
+    monkeypatch.setenv("DOFATTN_PLAN_CACHE", "off")          # timed now, whatever a subprocess's plan kept
     code = main(["distill", "--dry-run", "--recipe", "window", "--model", str(model_dirs["llama"]),
                  "--device", "cpu", "--set", "layerwise.seq_len=32", "--set", "layerwise.blocks=4"])
     out = capsys.readouterr().out
@@ -231,3 +232,16 @@ def test_a_plan_says_what_is_absurd_for_its_data_and_its_machine(capsys, model_d
 
 def test_an_ordinary_plan_warns_of_nothing(capsys, model_dirs):
     assert dry_json(capsys, model_dirs)["warnings"] == []
+
+
+def test_a_folder_in_the_variable_keeps_the_answers_there(monkeypatch, tmp_path):
+    """DOFATTN_PLAN_CACHE=FOLDER: kept in FOLDER/plans (the tests' session keeps so), not in the user's cache."""
+    from dofattn import kept
+
+    monkeypatch.setenv("DOFATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DOFATTN_PLAN_CACHE", str(tmp_path / "elsewhere"))
+    assert kept.kept("probe", {"a": 1}, lambda: 1) == 1 and kept.kept("probe", {"a": 1}, lambda: 2) == 1
+    assert [p.parent for p in (tmp_path / "elsewhere").rglob("probe-*.json")] == [tmp_path / "elsewhere" / "plans"]
+    assert not (tmp_path / "cache").exists()
+    monkeypatch.setenv("DOFATTN_PLAN_CACHE", "on")
+    assert kept.folder() == tmp_path / "cache" / "plans" and kept.folder("lm-eval") == tmp_path / "cache" / "lm-eval"
