@@ -18,6 +18,11 @@ if not torch.cuda.is_available():
     # triton (transformers does), see tests/triton_helpers.py.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Two test processes share the cores (pyproject's `-n 2`, pytest-xdist): one torch thread each, so neither waits on
+# the other's spinning threads (`-n 0` runs one process with torch's own threads).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # What a plan counts is kept in a folder of this session's (`dofattn.kept`): nothing read from, or left in, the user's
 # cache, and a shape two tests plan is counted once. Timings are never kept here (`plan_timings_not_kept`), so a
 # plan's times are always measured by the test that asks.
