@@ -62,9 +62,9 @@ class Student:
     kept: Kept = field(default_factory=Kept, metadata={"holds": Kept})                 # keys: student.select
     dims: str = option("dof", "features per layer: dof (in proportion to each layer's DoF, mean = head size), clip "
                               "(dof capped at the head size), fix, fix:C, or a dof.json from `dofattn dof`")
-    keep_softmax: float = option(0, "keep K layers as softmax attention, chosen by keep_softmax_by: a count >= 1, or "
-                                    "a share < 1 of the layers that may be linearized (0.4: 12 of SmolLM2's 30, 1 "
-                                    "of Gemma 3's 3 global layers)")
+    keep_softmax: float = option(0.0, "keep K layers as softmax attention, chosen by keep_softmax_by: a count >= 1, "
+                                      "or a share < 1 of the layers that may be linearized (0.4: 12 of SmolLM2's "
+                                      "30, 1 of Gemma 3's 3 global layers)")
     keep_softmax_by: str = option("dof", "which layers keep_softmax keeps: dof (the largest DoF of their attention "
                                          "matrices) or copy (the teacher's heads that copy most from far back, which "
                                          "recall beyond the window needs; their KV cache grows with the context unless "

@@ -92,9 +92,9 @@ def loss(model, ids: torch.Tensor, kd_weight: float, chunk: int = 0) -> torch.Te
     per token (the teacher is the same model in `teacher_mode`).
 
     The body runs once for the student and once, without autograd, for the teacher; the LM head then runs on
-    `chunk` positions at a time, fewer where the vocabulary is large (`loss_positions`). Each chunk is checkpointed (its logits are recomputed in the backward pass), so at
-    most one chunk's logits of each model exist at a time; with `chunk` 0 all T−1 positions go at once and autograd
-    keeps their logits, as the model's own forward would.
+    `chunk` positions at a time, fewer where the vocabulary is large (`loss_positions`). Each chunk is checkpointed
+    (its logits are recomputed in the backward pass), so at most one chunk's logits of each model exist at a time;
+    with `chunk` 0 all T−1 positions go at once and autograd keeps their logits, as the model's own forward would.
     """
     teacher = None
     if kd_weight > 0:
