@@ -249,7 +249,7 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
     What lm-eval prints is kept off the terminal unless `verbose` (`quiet_output`). `manager`: the TaskManager
     `lm_tasks.check_tasks` gave for these tasks (its index takes seconds), else made here.
     """
-    from dofattn.lm_tasks import check_tasks, task_manager
+    from dofattn.lm_tasks import check_tasks, local_names, task_manager
 
     manager = manager or check_tasks(tasks, include_path) or task_manager(include_path)
     import lm_eval
@@ -258,7 +258,7 @@ def lm_eval_tasks(model, tokenizer, tasks: list[str], include_path: str | None =
 
     from dofattn.model.hf import _hub_reachable
 
-    local = set(TaskManager(include_path=include_path, include_defaults=False).all_tasks) if include_path else set()
+    local = local_names(include_path)
     synthetic = [t for t in tasks if synthetic_task(manager, t)]
     remote = [t for t in tasks if t not in local and t not in synthetic]
     if remote and not _hub_reachable():

@@ -12,6 +12,7 @@ indexed again. The first `--tasks` on a machine builds the index; a local `--tas
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -19,13 +20,15 @@ import json
 import os
 
 from dofattn.errors import UserError
+from dofattn.kept import enabled, folder
 
 HUB_TASKS = ("piqa", "arc_easy", "arc_challenge", "winogrande", "logiqa", "wsc273", "mmlu")
 
 
+@functools.cache
 def _installed() -> str:
     """What lm-eval's task names depend on: its version, its folder and the newest change among its task folders
-    (a one-line UserError if it is not installed)."""
+    (a one-line UserError if it is not installed); read once a process."""
     spec = importlib.util.find_spec("lm_eval")
     if spec is None or not spec.submodule_search_locations:
         raise UserError("--tasks needs lm-evaluation-harness: pip install -e '.[eval]' in the dofattn checkout")
@@ -39,21 +42,22 @@ def _installed() -> str:
 
 
 def _kept_path(key: str):
-    from dofattn.kept import folder
-
     return folder("lm-eval") / f"tasks-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def _keeping() -> bool:
-    from dofattn.kept import enabled
+def local_names(include_path: str | None) -> set[str]:
+    """The tasks of the local folder `include_path` alone (lm-eval reads only its YAMLs: quick); none without one."""
+    if not include_path:
+        return set()
+    from lm_eval.tasks import TaskManager
 
-    return enabled()
+    return set(TaskManager(include_path=include_path, include_defaults=False).all_tasks)
 
 
 def known_names() -> set[str] | None:
     """lm-eval's own task names as its index last found them for this lm-eval (None if it was never built here)."""
     path = _kept_path(_installed())
-    if not _keeping() or not path.is_file():
+    if not enabled() or not path.is_file():
         return None
     try:
         return set(json.loads(path.read_text())["tasks"])
@@ -73,17 +77,13 @@ def task_manager(include_path: str | None = None):
         from lm_eval.tasks import TaskManager
 
         manager = _MANAGERS[key, include_path] = TaskManager(include_path=include_path)
-    if _keeping() and known_names() is None:
-        from lm_eval.tasks import TaskManager
-
+    if enabled() and known_names() is None:
         from dofattn.io import write_json
 
-        local = set(TaskManager(include_path=include_path, include_defaults=False).all_tasks) if include_path \
-            else set()
         try:
             path = _kept_path(key)
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(path, {"key": key, "tasks": sorted(set(manager.all_tasks) - local)})
+            write_json(path, {"key": key, "tasks": sorted(set(manager.all_tasks) - local_names(include_path))})
         except OSError:
             pass                                        # a cache that cannot be written is only slower
     return manager
@@ -100,10 +100,8 @@ def check_tasks(tasks: list[str], include_path: str | None = None):
         names = set(manager.all_tasks)
     else:
         manager, names = None, known
-        if include_path and not set(tasks) <= known:     # only the folder's own tasks: quick
-            from lm_eval.tasks import TaskManager
-
-            names = known | set(TaskManager(include_path=include_path, include_defaults=False).all_tasks)
+        if not set(tasks) <= known:                      # the folder's own tasks, if any
+            names = known | local_names(include_path)
     unknown = [t for t in tasks if t not in names]
     if unknown:
         raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; e.g. {', '.join(HUB_TASKS)}, or a local "
