@@ -408,12 +408,11 @@ def validate(recipe: Recipe) -> None:
     s, lw, e2e = recipe.student, recipe.layerwise, recipe.end_to_end
     a = s.attention                                   # its own rules ran as it was built
     check_lora(lora_rank=s.lora_rank, lora_targets=s.lora_targets)
-    if not s.keep_softmax >= 0 or (s.keep_softmax >= 1 and s.keep_softmax != int(s.keep_softmax)):
-        raise UserError(f"student.keep_softmax = {s.keep_softmax:g}: give a count of layers >= 1, a share between 0 "
-                        f"and 1, or 0 (none)")
-    if not s.exact_heads >= 0 or (s.exact_heads >= 1 and s.exact_heads != int(s.exact_heads)):
-        raise UserError(f"student.exact_heads = {s.exact_heads}: give a count of key/value heads >= 1, a share "
-                        f"between 0 and 1, or 0 (none)")
+    for key, value, what in (("keep_softmax", s.keep_softmax, "layers"),
+                             ("exact_heads", s.exact_heads, "key/value heads")):
+        if not value >= 0 or (value >= 1 and value != int(value)):
+            raise UserError(f"student.{key} = {value:g}: give a count of {what} >= 1, a share between 0 and 1, "
+                            f"or 0 (none)")
     check_kept(a, s.kept, s.keep_softmax, s.exact_heads)
     dims = s.dims
     if not (dims in (*DOF_DIMS, "fix") or dims.startswith("fix:") or dims.endswith(".json")):

@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-# What a plan counts is kept in a folder of this session's (`dofattn.kept`): nothing read from, or left in, the user's
-# cache, and a shape two tests plan is counted once. Timings are never kept here (`plan_timings_not_kept`), so a
+# What a plan counts is kept in a folder of this test process's (`dofattn.kept`): nothing read from, or left in, the
+# user's cache, and a shape two of its tests plan is counted once. Timings are never kept here (`plan_timings_not_kept`), so a
 # plan's times are always measured by the test that asks.
 import atexit
 import shutil

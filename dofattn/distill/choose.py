@@ -76,13 +76,20 @@ def linear_layers(recipe, model, chosen: list[int] | None = None) -> list[int]:
     return [i for i in candidates if i not in chosen]
 
 
+def share_count(value: float, total: int) -> int:
+    """What a recipe key that takes a count or a share keeps of `total`: a count (>= 1, or 0) as it is; a share
+    below 1 of `total` rounded, at least one."""
+    if value >= 1 or not value:
+        return int(value)
+    return max(1, round(value * total))
+
+
 def kept_count(keep_softmax: float, candidates: int) -> int:
-    """Layers `student.keep_softmax` keeps as softmax attention of `candidates` that may be linearized: a count as
-    it is; a share below 1 of them rounded, at least one and at most all but one (long-context's 0.4: 12 of
-    SmolLM2's 30 layers, 1 of Gemma 3's 3 global ones)."""
-    if keep_softmax >= 1 or not keep_softmax:
-        return int(keep_softmax)
-    return min(max(1, round(keep_softmax * candidates)), max(candidates - 1, 0))
+    """Layers `student.keep_softmax` keeps as softmax attention of `candidates` that may be linearized
+    (`share_count`; a share keeps all but one at most: long-context's 0.4 is 12 of SmolLM2's 30 layers, 1 of
+    Gemma 3's 3 global ones)."""
+    count = share_count(keep_softmax, candidates)
+    return min(count, max(candidates - 1, 0)) if 0 < keep_softmax < 1 else count
 
 
 def check_untrained(recipe) -> None:
@@ -232,11 +239,8 @@ def estimate_copy(recipe: Recipe, model, tokenizer) -> str:
 # --- which heads stay exact inside linear layers --------------------------------------------------------------------
 
 def exact_count(share: float, num_kv_heads: int, num_layers: int) -> int:
-    """Key/value heads `student.exact_heads` keeps: a count as it is, a share < 1 of all of them rounded (at least
-    one)."""
-    if share >= 1 or not share:
-        return int(share)
-    return max(1, round(share * num_kv_heads * num_layers))
+    """Key/value heads `student.exact_heads` keeps of all the model's (`share_count`)."""
+    return share_count(share, num_kv_heads * num_layers)
 
 
 def stand_in_exact_heads(recipe: Recipe, model, linear: list[int]) -> list[list[int]]:

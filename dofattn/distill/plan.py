@@ -345,8 +345,9 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
         notes.append("feature dims come from the DoF stage at run time; the student's size is at the budget's mean"
                      + (" (clip can only lower it)" if s.dims == "clip" else ""))
     if s.keep_softmax:
-        softmax, share = count - len(linear) - len(local), 0 < s.keep_softmax < 1
-        of = f" ({s.keep_softmax:g} of the {softmax + len(linear)} layers that may be linearized)" if share else ""
+        softmax = layers.keep_softmax
+        of = (f" ({s.keep_softmax:g} of the {softmax + len(linear)} layers that may be linearized)"
+              if 0 < s.keep_softmax < 1 else "")
         many = softmax != 1
         notes.append(f"the {softmax} softmax layer{'s' * many}{of} {'are' if many else 'is'} chosen at run time (by "
                      f"{s.keep_softmax_by}); the plan takes {'them' if many else 'it'} as the last")
