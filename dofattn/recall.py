@@ -110,7 +110,10 @@ class RecallTasks:
     """Builds the prompts of the recall tasks for one tokenizer; `documents` are the `multikey` filler."""
 
     def __init__(self, tokenizer, documents: list[str], seed: int = 0):
+        from dofattn.data import leading_tokens
+
         self.tokenizer, self.seed = tokenizer, seed
+        self.lead = leading_tokens(tokenizer)            # its BOS, where it puts one first: every prompt starts so
         self.passkey_filler = [_tokens(tokenizer, s) for s in PASSKEY_FILLER]
         self.text = _tokens(tokenizer, "\n\n".join(documents)) if documents else []
         self.text_ends = _sentence_ends(tokenizer, self.text) if self.text else []
@@ -133,7 +136,7 @@ class RecallTasks:
     def _passkey(self, rng: random.Random, length: int, depth: float, sample: int) -> Prompt:
         tok = self.tokenizer
         value = str(rng.randrange(10_000, 100_000))
-        intro, needle = _tokens(tok, PASSKEY_INTRO), _tokens(tok, PASSKEY_NEEDLE.format(value=value))
+        intro, needle = self.lead + _tokens(tok, PASSKEY_INTRO), _tokens(tok, PASSKEY_NEEDLE.format(value=value))
         question, answer = _question_and_answer(tok, PASSKEY_QUESTION, value)
         room = self._filler_room("passkey", length, len(intro) + len(needle) + len(question) + len(answer))
         filler, ends = [], [0]
@@ -150,7 +153,7 @@ class RecallTasks:
         keys = rng.sample(KEYS, MULTIKEY_KEYS)
         values = [str(rng.randrange(100_000, 1_000_000)) for _ in keys]
         needles = [_tokens(tok, MULTIKEY_NEEDLE.format(key=k, value=v)) for k, v in zip(keys, values)]
-        intro = _tokens(tok, MULTIKEY_INTRO)
+        intro = self.lead + _tokens(tok, MULTIKEY_INTRO)
         question, answer = _question_and_answer(tok, MULTIKEY_QUESTION.format(key=keys[0]), values[0])
         room = self._filler_room("multikey", length,
                                  len(intro) + sum(map(len, needles)) + len(question) + len(answer))

@@ -69,6 +69,18 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
 
 
+def tiny_bos_tokenizer() -> PreTrainedTokenizerFast:
+    """`tiny_tokenizer` that puts a BOS before every text of its own accord, as Gemma's and Llama 3's do."""
+    from tokenizers import processors
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"bos_token": "<bos>"})
+    inner = tok.backend_tokenizer
+    inner.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                         special_tokens=[("<bos>", tok.bos_token_id)])
+    return tok
+
+
 def pytest_runtest_logreport(report):
     """With DOFATTN_TEST_LOG=FILE, each test's outcome and time (and a failure's text) go to FILE as they happen, so a
     run stopped by a time limit (a GPU lease, say) still says which tests failed and why. Under xdist the controller

@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dofattn.data import (FIRST_ROUND, check_source, clean_wikitext, load_texts, parse_wiki_dump,
+from dofattn.data import (FIRST_ROUND, check_source, clean_wikitext, leading_tokens, load_texts, parse_wiki_dump,
                           split_documents, token_blocks)
 from dofattn.errors import UserError
-from tests.conftest import TEXT
+from tests.conftest import TEXT, tiny_bos_tokenizer
 
 WIKITEXT = """{{Infobox person | name = Ada | birth_date = 1815}}
 '''Ada Lovelace''' was an [[England|English]] [[mathematician]].<ref>{{cite book|title=Ada}}</ref>
@@ -126,6 +126,31 @@ def test_token_blocks_pack_documents_with_eos(tokenizer, tmp_path):
     assert torch.equal(blocks, again)
     everything = token_blocks(str(path), tokenizer, seq_len=16, split="all")
     assert everything.shape[0] > 3
+
+
+def test_blocks_start_with_the_bos_a_tokenizer_puts_first(tokenizer, tmp_path):
+    """A tokenizer that leads every text with its BOS (Gemma's) gets blocks led by it and its text after, the same
+    stream as a tokenizer without one; `dofattn eval`'s blocks of a plain file and the recall prompts too."""
+    from dofattn.jobs.eval import text_blocks
+    from dofattn.recall import RecallTasks
+
+    bos = tiny_bos_tokenizer()
+    assert leading_tokens(tokenizer) == [] and leading_tokens(bos) == [bos.bos_token_id]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"The quick brown fox {i}."}) + "\n" for i in range(40)))
+    plain = token_blocks(str(path), tokenizer, seq_len=16, num_blocks=3, split="all", seed=1)
+    led = token_blocks(str(path), bos, seq_len=17, num_blocks=3, split="all", seed=1)
+    assert led.shape == (3, 17) and (led[:, 0] == bos.bos_token_id).all()
+    assert torch.equal(led[:, 1:], plain) and (plain != bos.bos_token_id).all()
+    text = tmp_path / "notes.txt"
+    text.write_text(TEXT)
+    parts, unled = text_blocks(str(text), bos, 33), text_blocks(str(text), tokenizer, 32)
+    assert all((p[:, 0] == bos.bos_token_id).all() for p in parts)
+    assert torch.equal(torch.cat([p[:, 1:].flatten() for p in parts]), torch.cat([p.flatten() for p in unled]))
+    prompt = RecallTasks(bos, [TEXT] * 4).prompt("multikey", 500, 0.5, 0)
+    plain_prompt = RecallTasks(tokenizer, [TEXT] * 4).prompt("multikey", 500, 0.5, 0)
+    assert prompt.ids[0] == bos.bos_token_id and len(prompt.ids) + len(prompt.answer) == 500
+    assert prompt.ids[prompt.needle_at:prompt.needle_at + 5] == plain_prompt.ids[plain_prompt.needle_at:][:5]
 
 
 def test_too_little_text_says_how_much_there_is(tokenizer, tmp_path):

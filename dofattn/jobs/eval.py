@@ -160,23 +160,30 @@ def plain_text(data: str) -> bool:
 def text_blocks(data: str, tokenizer, seq_len: int, split: str = "all") -> list[torch.Tensor]:
     """Every token of `data`'s documents in `split`, in their order (EOS between documents, where the tokenizer has
     one), in blocks of `seq_len` and a last shorter one: [[N, seq_len], [1, rest]] (either part left out when
-    empty; a rest of one token, which nothing predicts, too). Scoring them predicts every token but each block's
-    first."""
+    empty; a rest that leaves nothing to predict, too), each led by the tokenizer's `leading_tokens` (its BOS where
+    it puts one first). Scoring them predicts every token but each block's first; with a BOS, every text token."""
     import torch
 
-    from dofattn.data import texts
+    from dofattn.data import leading_tokens, texts
 
     ids: list[int] = []
     for i, text in enumerate(texts(data, split)):
         if i and tokenizer.eos_token_id is not None:
             ids.append(tokenizer.eos_token_id)
         ids += tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < 2:
+    lead = leading_tokens(tokenizer)
+    if len(ids) + len(lead) < 2:
         raise UserError(f"{data} ({split} split) has {len(ids)} tokens; scoring needs at least 2")
-    full = len(ids) // seq_len * seq_len
+    if seq_len - len(lead) < 1:
+        raise UserError(f"--seq-len {seq_len} leaves no room for text after the tokenizer's {len(lead)} leading "
+                        f"token(s); use --seq-len of at least {len(lead) + 2}")
+    text_len = seq_len - len(lead)
+    full = len(ids) // text_len * text_len
     whole = torch.tensor(ids, dtype=torch.long)
-    parts = [whole[:full].view(-1, seq_len)] if full else []
-    return parts + ([whole[full:][None]] if len(ids) - full >= 2 else [])
+    parts = [whole[:full].view(-1, text_len)] if full else []
+    parts += [whole[full:][None]] if len(ids) - full + len(lead) >= 2 else []
+    return [torch.cat([torch.tensor(lead, dtype=torch.long).expand(len(p), -1), p], 1) for p in parts] if lead \
+        else parts
 
 
 def check(cfg: EvalConfig) -> dict[str, Path]:
