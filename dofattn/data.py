@@ -425,12 +425,15 @@ def load_texts(spec: str, split: str = "train") -> list[str]:
     return list(texts(spec, split))
 
 
+LEAD_PROBE = "a"      # the text `leading_tokens` tokenizes with and without the tokenizer's own special tokens
+
+
 def leading_tokens(tokenizer) -> list[int]:
     """The special tokens `tokenizer` puts before a text of its own accord (Gemma's and Llama 3's BOS; none for
     SmolLM2's or GPT-2's): every block and prompt dofattn makes starts with them, as the model was trained to read.
     Gemma 3 270M without its BOS first: validation perplexity 66.8 instead of 25.2 (docs/log, 2026-12-04)."""
-    marked = tokenizer("a")["input_ids"]
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    marked = tokenizer(LEAD_PROBE)["input_ids"]
+    plain = tokenizer(LEAD_PROBE, add_special_tokens=False)["input_ids"]
     for start in range(len(marked) - len(plain) + 1):
         if marked[start:start + len(plain)] == plain:
             return list(marked[:start])

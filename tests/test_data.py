@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dofattn.data import (FIRST_ROUND, check_source, clean_wikitext, leading_tokens, load_texts, parse_wiki_dump,
-                          split_documents, token_blocks)
+from dofattn.data import (FIRST_ROUND, LEAD_PROBE, check_source, clean_wikitext, leading_tokens, load_texts,
+                          parse_wiki_dump, split_documents, token_blocks)
 from dofattn.errors import UserError
 from tests.conftest import TEXT, tiny_bos_tokenizer
 
@@ -281,7 +281,8 @@ def test_only_the_documents_tokenized_are_held_as_python_strings(tokenizer, hf_d
     calls = []
 
     def counting(text, **kwargs):
-        calls.append(text)
+        if text != LEAD_PROBE:                  # documents, not the look for a BOS (data.leading_tokens)
+            calls.append(text)
         return tokenizer(text, **kwargs)
     counting.eos_token_id = tokenizer.eos_token_id
 
@@ -304,7 +305,7 @@ SCRIPT = """
 import json, sys
 import datasets
 import torch
-from dofattn.data import token_blocks
+from dofattn.data import LEAD_PROBE, token_blocks
 from dofattn.distill.world import join, world
 from tests.conftest import tiny_tokenizer
 
@@ -316,7 +317,8 @@ tokenizer = tiny_tokenizer()
 calls = []
 
 def counting(text, **kwargs):
-    calls.append(text)
+    if text != LEAD_PROBE:
+        calls.append(text)
     return tokenizer(text, **kwargs)
 counting.eos_token_id = tokenizer.eos_token_id
 
@@ -340,7 +342,8 @@ def test_two_gloo_processes_tokenize_their_shares_into_one_processs_blocks(token
         calls = []
 
         def counting(text, **kwargs):
-            calls.append(text)
+            if text != LEAD_PROBE:
+                calls.append(text)
             return tokenizer(text, **kwargs)
         counting.eos_token_id = tokenizer.eos_token_id
         alone[name] = (token_blocks(spec, counting, seq_len, num_blocks, split="train", seed=5),
