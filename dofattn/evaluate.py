@@ -201,13 +201,19 @@ def by_position(sums: torch.Tensor, blocks: int | torch.Tensor) -> dict:
     return rows
 
 
+def _ppl(x: float) -> str:
+    """A perplexity in 10 columns: two decimals, or 4 significant digits where it is too large for them (the
+    first prediction of a block that starts mid-document after a BOS: 4e7 on Gemma 3)."""
+    return f"{x:10.2f}" if x < 1e6 else f"{x:10.4g}"
+
+
 def format_positions(rows: dict) -> str:
     """The `by_position` buckets as a table: context length, predictions, both perplexities, their ratio, KL."""
     lines = [f"\n{'context':>11}{'tokens':>8}{'student':>10}{'teacher':>10}{'ratio':>8}{'KL':>8}"]
     for a, b, n, s, t, r, kl in zip(*(rows[k] for k in ("context_from", "context_to", "tokens", "ppl",
                                                           "teacher_ppl", "ratio", "kl"))):
         span = f"{a}" if a == b else f"{a}-{b}"
-        lines.append(f"{span:>11}{n:>8}{s:10.2f}{t:10.2f}{r:8.3f}{kl:8.3f}")
+        lines.append(f"{span:>11}{n:>8}{_ppl(s)}{_ppl(t)}{r:8.3f}{kl:8.3f}")
     return "\n".join(lines)
 
 
