@@ -440,6 +440,23 @@ def leading_tokens(tokenizer) -> list[int]:
     return []
 
 
+def text_length(seq_len: int, lead: list[int]) -> int:
+    """The text tokens of a block of `seq_len` led by `lead` (`leading_tokens`); at least one, else a UserError."""
+    if seq_len - len(lead) < 1:
+        raise UserError(f"--seq-len {seq_len} leaves no room for text after the tokenizer's {len(lead)} leading "
+                        f"token(s); use --seq-len of at least {len(lead) + 2}")
+    return seq_len - len(lead)
+
+
+def led(blocks: torch.Tensor, lead: list[int]) -> torch.Tensor:
+    """Blocks of text [N, t] with `lead` before each: [N, len(lead) + t] (the blocks themselves when it is empty)."""
+    import torch
+
+    if not lead:
+        return blocks
+    return torch.cat([torch.tensor(lead, dtype=blocks.dtype).expand(len(blocks), -1), blocks], 1)
+
+
 def _encode(text: str, tokenizer, into: array) -> None:
     """The token ids of `text`, then EOS where the tokenizer has one, appended to `into`."""
     into.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -504,10 +521,7 @@ def token_blocks(spec: str, tokenizer, seq_len: int, num_blocks: int | None = No
     if num_blocks is not None and num_blocks < 1:
         raise UserError(f"the number of blocks must be at least 1, got {num_blocks}")
     lead = leading_tokens(tokenizer)
-    text_len = seq_len - len(lead)                  # the text tokens of a block
-    if text_len < 1:
-        raise UserError(f"--seq-len {seq_len} leaves no room for text after the tokenizer's {len(lead)} leading "
-                        f"token(s); use --seq-len of at least {len(lead) + 2}")
+    text_len = text_length(seq_len, lead)
     docs = texts(spec, split)
     order = array("q", range(len(docs)))
     random.Random(seed).shuffle(order)      # the order a shuffled list of the documents would have
@@ -520,5 +534,4 @@ def token_blocks(spec: str, tokenizer, seq_len: int, num_blocks: int | None = No
         raise UserError(f"{spec} ({split} split) has {len(ids)} tokens = {have} blocks of {seq_len}, but "
                         f"{asked} were asked for; use fewer or shorter blocks, or more text")
     n = have if num_blocks is None else num_blocks
-    blocks = torch.frombuffer(ids, dtype=torch.long, count=n * text_len).clone().view(n, text_len)
-    return torch.cat([torch.tensor(lead, dtype=torch.long).expand(n, -1), blocks], 1) if lead else blocks
+    return led(torch.frombuffer(ids, dtype=torch.long, count=n * text_len).clone().view(n, text_len), lead)

@@ -164,7 +164,7 @@ def text_blocks(data: str, tokenizer, seq_len: int, split: str = "all") -> list[
     it puts one first). Scoring them predicts every token but each block's first; with a BOS, every text token."""
     import torch
 
-    from dofattn.data import leading_tokens, texts
+    from dofattn.data import led, leading_tokens, text_length, texts
 
     ids: list[int] = []
     for i, text in enumerate(texts(data, split)):
@@ -174,16 +174,12 @@ def text_blocks(data: str, tokenizer, seq_len: int, split: str = "all") -> list[
     lead = leading_tokens(tokenizer)
     if len(ids) + len(lead) < 2:
         raise UserError(f"{data} ({split} split) has {len(ids)} tokens; scoring needs at least 2")
-    if seq_len - len(lead) < 1:
-        raise UserError(f"--seq-len {seq_len} leaves no room for text after the tokenizer's {len(lead)} leading "
-                        f"token(s); use --seq-len of at least {len(lead) + 2}")
-    text_len = seq_len - len(lead)
+    text_len = text_length(seq_len, lead)
     full = len(ids) // text_len * text_len
     whole = torch.tensor(ids, dtype=torch.long)
     parts = [whole[:full].view(-1, text_len)] if full else []
     parts += [whole[full:][None]] if len(ids) - full + len(lead) >= 2 else []
-    return [torch.cat([torch.tensor(lead, dtype=torch.long).expand(len(p), -1), p], 1) for p in parts] if lead \
-        else parts
+    return [led(part, lead) for part in parts]
 
 
 def check(cfg: EvalConfig) -> dict[str, Path]:
