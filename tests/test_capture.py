@@ -88,12 +88,12 @@ def test_capture_leaves_logits_identical(family, impl):
     ids = torch.randint(0, 300, (3, 17), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding must reach the wrapped implementation through the mask interface
-    stock = run_forward(model, ids, mask)
+    stock = run_forward(model, ids, mask, logits=True)
     with capture(model, lambda a: None):
-        captured = run_forward(model, ids, mask)
+        captured = run_forward(model, ids, mask, logits=True)
     assert torch.equal(stock, captured)
     assert model.config._attn_implementation == impl  # restored
-    assert torch.equal(run_forward(model, ids, mask), stock)
+    assert torch.equal(run_forward(model, ids, mask, logits=True), stock)
 
 
 def test_capture_stops_after_last_requested_layer():

@@ -87,6 +87,35 @@ def test_dry_run_json_carries_the_stages(capsys, model_dirs):
     assert all(rate > 0 for rate in rates.values()) and plan["calibration"]["layerwise_step"] > 0
 
 
+def test_the_evaluations_score_each_position_at_the_heads_own_cost():
+    """The evaluation's time is its bodies at the layer's rate plus each scored position's LM head (three: teacher,
+    student, Performer) and tally at what `scoring_seconds` measured: a vocabulary 100x larger costs its head, not
+    a decoder layer's rate. Counted on a fixed calibration (nothing timed)."""
+    from dataclasses import replace
+
+    model = tiny_model("llama")
+    recipe = recipes.load("window", ["layerwise.seq_len=32"])
+    plan = make_plan(recipe, 1, config=model.config, device="cpu", timed=False)
+    lengths = costs.stage_lengths(recipe, model.config)
+    calibration = replace(plan.calibration, rates={n: 1e9 for n in lengths.values()}, layerwise_step=0.01,
+                          scoring={"head": 1e-3, "tally": 5e-4})
+    stages = {s.name: s for s in costs.stage_costs(recipe, plan, model.config, calibration)}
+    blocks, length = recipe.eval.blocks, recipe.eval.seq_len
+    _, flops = costs.forward_counts(model.config, torch.float32, 4, length, logits=False)
+    body = flops * blocks / 4 / (1e9 * costs.EFFICIENCY["evaluate"])
+    assert stages["evaluate"].seconds == pytest.approx(3 * body + blocks * (length - 1) * (3e-3 + 5e-4))
+    slower = replace(calibration, scoring={"head": 2e-3, "tally": 5e-4})
+    again = {s.name: s for s in costs.stage_costs(recipe, plan, model.config, slower)}
+    assert again["evaluate"].seconds - stages["evaluate"].seconds == pytest.approx(blocks * (length - 1) * 3e-3)
+    assert again["dof"].seconds == stages["dof"].seconds          # a capture scores nothing
+
+
+def test_scoring_is_timed_on_the_vocabulary_it_is_given():
+    config = tiny_model("llama").config
+    seconds = costs.scoring_seconds(config, torch.float32, "cpu", hidden=32, vocab=3000)
+    assert set(seconds) == {"head", "tally"} and all(0 < s < 1 for s in seconds.values())
+
+
 @pytest.mark.parametrize("short", ["memory", "disk"])
 def test_distill_refuses_a_plan_with_no_room_unless_forced(capsys, model_dirs, corpus, tmp_path, monkeypatch, short):
     if short == "memory":
@@ -156,14 +185,14 @@ def test_a_second_plan_reads_what_the_first_measured(capsys, model_dirs, keeping
     """The second dry run reads the steps, counts and timings the first kept: the same plan, nothing measured."""
     first = dry_json(capsys, model_dirs)
     kinds = sorted({p.name.split("-")[0] for p in keeping.iterdir()})
-    assert kinds == ["forward", "layerwise_counts", "layerwise_step", "rates", "step"]
+    assert kinds == ["forward", "layerwise_counts", "layerwise_step", "rates", "scoring", "step"]
     assert "measured now on cpu" in first["calibration"]["note"]
     from dofattn.distill import plan as plans
 
     def measured(*args, **kwargs):
         raise AssertionError("measured again")
     for module, name in [(plans, "measure_step"), (costs, "forward_rates"), (costs, "layerwise_step_seconds"),
-                         (costs, "_forward_counts"), (costs, "_layerwise_step_counts")]:
+                         (costs, "scoring_seconds"), (costs, "_forward_counts"), (costs, "_layerwise_step_counts")]:
         monkeypatch.setattr(module, name, measured)
     second = dry_json(capsys, model_dirs)
     assert "and kept (--recalibrate measures again)" in second["calibration"]["note"]
@@ -190,7 +219,7 @@ def test_timings_made_beside_other_work_are_not_kept(capsys, model_dirs, keeping
     note = dry_json(capsys, model_dirs)["calibration"]["note"]
     assert "with other work on the cores (not kept)" in note
     kinds = {p.name.split("-")[0] for p in keeping.iterdir()}
-    assert "rates" not in kinds and "layerwise_step" not in kinds and "step" in kinds     # counts are kept
+    assert not kinds & {"rates", "scoring", "layerwise_step"} and "step" in kinds     # counts are kept
 
 
 def test_a_damaged_kept_answer_is_measured_again(capsys, model_dirs, keeping):

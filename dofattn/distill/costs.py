@@ -16,9 +16,11 @@ least the one before it: the table shows the process's peak after each stage.
 Time: the stages that run the model run at the rate this machine runs one of the model's own decoder layers at
 the stage's length, in the run's dtype (`calibrate`: one layer with random weights timed when the plan is made,
 a few seconds), times `EFFICIENCY` of that rate for the stage (stored figures, measured on the CPU: a backward
-pass, an LM head, a probe's extra work beside a forward); their FLOPs are counted on the model built from its
-config (FlopCounterMode over fake tensors). The layerwise steps, which are not matrix products, are timed: a few
-real steps at the recipe's shapes on random q/k/v.
+pass, a probe's extra work beside a forward); their FLOPs are counted on the model built from its config
+(FlopCounterMode over fake tensors). The evaluations' scoring is timed apart, at the model's vocabulary: the LM head
+with its log-softmax over one chunk of positions, and the student-vs-teacher tally (`scoring_seconds`; a head of
+262,144 rows runs at its own rate, not a decoder layer's). The layerwise steps, which are not matrix products, are
+timed: a few real steps at the recipe's shapes on random q/k/v.
 
 `tests/test_costs.py` checks the counts; docs/RESULTS.md holds the plan beside the measured run.
 """
@@ -95,6 +97,7 @@ class Calibration:
     device: str
     base: int                 # resident bytes of this process before any model: Python, torch, transformers
     rates: dict               # tokens per sequence -> FLOP/s of one decoder layer's forward at that length
+    scoring: dict             # seconds per scored position: "head" (LM head + log-softmax), "tally" (KL, agreement)
     layerwise_step: float     # seconds of one layerwise step at the recipe's shapes (0: no layerwise stage)
     note: str                 # how it was measured
 
@@ -192,6 +195,48 @@ def forward_rates(config, dtype: torch.dtype, device: str, lengths) -> dict[int,
     return rates
 
 
+def scoring_seconds(config, dtype: torch.dtype, device: str, hidden: int, vocab: int) -> dict[str, float]:
+    """Seconds per scored position of the evaluations' work beyond the model's body, on one chunk of
+    `evaluate.score_chunk` positions at `vocab` and `hidden`: "head", `evaluate.head` (the LM head in `dtype`, the
+    config's soft-capping) with its float32 log-softmax, as `perplexity` and `compare` score a chunk; "tally",
+    `compare`'s tally of two such chunks (KL, agreement, both NLLs). Random weights, the best of two after a warm-up."""
+    from dofattn.evaluate import SCORE_VALUES, _Tally, head
+
+    class Shim(torch.nn.Module):                     # what `head` reads of a model: its output embeddings, its config
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(hidden, vocab, bias=False, device=device, dtype=dtype)
+            torch.nn.init.normal_(self.lm_head.weight, std=hidden ** -0.5)
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            self.config = type("Config", (), {"final_logit_softcapping":
+                                              getattr(text, "final_logit_softcapping", None)})()
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    rows = max(1, SCORE_VALUES // vocab)
+    shim, gen = Shim(), torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, rows, hidden, generator=gen, device=device, dtype=dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=gen, device=device)
+    clock = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+    def best(work) -> float:
+        work()
+        seconds = []
+        for _ in range(2):
+            clock()
+            start = time.perf_counter()
+            work()
+            clock()
+            seconds.append(time.perf_counter() - start)
+        return min(seconds) / rows
+
+    with torch.no_grad():
+        scored = lambda: torch.log_softmax(head(shim, x).float(), -1).flatten(0, 1)      # noqa: E731
+        log_s, log_t = scored(), scored().roll(1, -1)
+        return {"head": best(scored), "tally": best(lambda: _Tally().add(log_s, log_t, targets, rows))}
+
+
 def calibrate(recipe, plan, config, device: str = "cpu", base: int | None = None, timed: bool = True,
               recalibrate: bool = False) -> Calibration:
     """Measure this machine (a second or two, more for a large model; the layerwise steps take what five of them
@@ -201,7 +246,8 @@ def calibrate(recipe, plan, config, device: str = "cpu", base: int | None = None
     `recalibrate` measures again."""
     base = resident_now() if base is None else base
     if not timed:
-        return Calibration(device=device, base=base, rates={}, layerwise_step=math.nan, note="not timed")
+        return Calibration(device=device, base=base, rates={}, scoring={"head": math.nan, "tally": math.nan},
+                           layerwise_step=math.nan, note="not timed")
     from dofattn.kept import kept_with_date, machine
 
     idle = _idle(device)                             # read before measuring: the measurement loads the cores itself
@@ -212,19 +258,26 @@ def calibrate(recipe, plan, config, device: str = "cpu", base: int | None = None
         "rates", {"machine": where, "config": config, "dtype": recipe.run.dtype, "lengths": lengths},
         lambda: sorted(forward_rates(config, dtype, device, lengths).items()), keep=idle, fresh=recalibrate)
     rates = {int(n): rate for n, rate in pairs}
+    L = plan.layers
+    scoring, scoring_date = kept_with_date(
+        "scoring", {"machine": where, "config": config, "dtype": recipe.run.dtype, "hidden": L.hidden,
+                    "vocab": L.vocab}, lambda: scoring_seconds(config, dtype, device, L.hidden, L.vocab),
+        keep=idle, fresh=recalibrate)
     step, step_date = 0.0, None
     if recipe.layerwise.steps and plan.layers.linear:
         key = {"machine": where, "layerwise": recipe.layerwise, "attention": recipe.student.attention,
                "layers": plan.layers}
         step, step_date = kept_with_date("layerwise_step", key, lambda: layerwise_step_seconds(recipe, plan, device),
                                          keep=idle, fresh=recalibrate)
-    dates = sorted({d for d in (rates_date, step_date) if d})
+    dates = sorted({d for d in (rates_date, scoring_date, step_date) if d})
     when = (f"measured on {device} on {', '.join(dates)} and kept (--recalibrate measures again)" if dates else
             f"measured now on {device}" + ("" if idle else " with other work on the cores (not kept)"))
     shown = ", ".join(f"{n:,} tokens {rate / 1e9:.0f}" for n, rate in rates.items())
-    return Calibration(device=device, base=base, rates=rates, layerwise_step=step,
+    return Calibration(device=device, base=base, rates=rates, scoring=scoring, layerwise_step=step,
                        note=f"{when}: one decoder layer's forward in {recipe.run.dtype} at "
-                            f"{shown} GFLOP/s" + (f"; a layerwise step in {step:.3f} s" if step else ""))
+                            f"{shown} GFLOP/s; the LM head and log-softmax {scoring['head'] * 1e3:.2f} ms, the "
+                            f"tally {scoring['tally'] * 1e3:.2f} ms a position"
+                            + (f"; a layerwise step in {step:.3f} s" if step else ""))
 
 
 def _idle(device: str) -> bool:
@@ -359,7 +412,7 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
                  + (f" (its {str(stored).removeprefix('torch.')} weights converted to {r.run.dtype})"
                     if converted else "")))
     if t.dof_sample:
-        live, flops = forward_counts(config, dtype, 4, DOF_SEQ_LEN)
+        live, flops = forward_counts(config, dtype, 4, DOF_SEQ_LEN, logits=False)     # a capture: no logits
         points = L.count * L.heads * DOF_POINTS * L.head_dim * 4
         heads = L.count * L.heads
         seconds = model_time(flops * DOF_BLOCKS / 4, "dof") + heads * DOF_HEAD_SECONDS
@@ -367,7 +420,7 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
                      f"{t.dof_sample:,} tokens through the teacher, {heads} heads' DoF"))
     if t.softmax_choice:
         length = lengths["softmax_choice"]
-        live, flops = forward_counts(config, dtype, 1, length)
+        live, flops = forward_counts(config, dtype, 1, length, logits=False)
         if r.student.keep_softmax_by == "copy":
             blocks = COPY_BLOCKS
             live += 3 * L.heads * length * length * 4                  # a layer's attention of the probe
@@ -396,16 +449,20 @@ def stage_costs(recipe, plan, config, calibration: Calibration) -> list[StageCos
                      f"{e2e.steps} steps of {e2e.batch_size} x {e2e.seq_len} tokens, teacher and student"))
     # the evaluation: the teacher, the student and the Performer over the validation blocks (and after the
     # layerwise stage, when an end-to-end phase follows, the student as it is then); the hidden states of two models
-    # and a chunk of their logits at a time
+    # and a chunk of their logits at a time. The bodies at the layer's rate; each scored position's LM head and
+    # log-softmax (three: teacher, student, Performer) and compare's tally at their own (`scoring_seconds`)
     blocks, length = r.eval.blocks, r.eval.seq_len
     live, flops = forward_counts(config, dtype, 4, length, logits=False)
     chunk = max(1, SCORE_VALUES // L.vocab) * L.vocab * 4     # a chunk's logits (perplexity: 3 such, compare: 8)
     hidden = 4 * length * L.hidden * 4
-    one_pass = flops * blocks / 4 + 2 * L.hidden * L.vocab * blocks * length        # the body, the LM head
+    body, positions = flops * blocks / 4, blocks * (length - 1)
+    score = calibration.scoring
     if t.end_to_end and t.layerwise_teacher:
-        rows.insert(-1, ("layerwise_eval", live + hidden + 3 * chunk, 0, model_time(one_pass, "layerwise_eval"),
+        rows.insert(-1, ("layerwise_eval", live + hidden + 3 * chunk, 0,
+                         model_time(body, "layerwise_eval") + positions * score["head"],
                          f"the layerwise student over {blocks} blocks of {length}"))
-    rows.append(("evaluate", live + 2 * hidden + 8 * chunk, student, model_time(3 * one_pass, "evaluate"),
+    rows.append(("evaluate", live + 2 * hidden + 8 * chunk, student,
+                 model_time(3 * body, "evaluate") + positions * (3 * score["head"] + score["tally"]),
                  f"teacher, student and Performer over {blocks} blocks of {length}"))
     return peaks(rows, base)
 

@@ -79,7 +79,7 @@ def layer_errors(student, blocks, batch_size: int = 2, progress: bool = True) ->
     with teacher_mode(student), capture(student, sink):
         for batch in tqdm(blocks_in_batches(blocks, batch_size), desc="layer errors", unit="batch",
                           disable=not progress, leave=False):
-            run_forward(student, batch.to(device), logits=False)
+            run_forward(student, batch.to(device))
     linear = linear_parts(student)
     return {"output_error": [math.sqrt(n / d) if i in linear and d > 0 else None
                              for i, (n, d) in enumerate(zip(num, den))],

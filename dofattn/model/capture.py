@@ -99,9 +99,11 @@ def capture(model: PreTrainedModel, sink: Callable[[AttentionInputs], None],
 
 @torch.no_grad()
 def run_forward(model: PreTrainedModel, input_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, logits: bool = True) -> torch.Tensor | None:
-    """Forward `input_ids` [B, T]; returns the logits (`logits` False: the last position's only, where the model
-    takes `logits_to_keep`: no [B, T, vocab] tensor), or None when a capture cut the forward short."""
+                attention_mask: torch.Tensor | None = None, logits: bool = False) -> torch.Tensor | None:
+    """Forward `input_ids` [B, T] for what a capture sees; returns the last position's logits only, where the model
+    takes `logits_to_keep` (`logits`: every position's [B, T, vocab], which a capture does not need: on Gemma 3's
+    vocabulary 0.5 GB a block of 1,024 tokens in bfloat16, and as much LM-head work as its 18 layers), or None
+    when a capture cut the forward short."""
     keep = {} if logits or "logits_to_keep" not in inspect.signature(model.forward).parameters else {
         "logits_to_keep": 1}
     try:
