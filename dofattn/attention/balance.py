@@ -45,28 +45,34 @@ class Balance(Part):
             self._measured = (key, bool(torch.isfinite(self.log_scale).all()))
         return self._measured[1]
 
-    @torch.no_grad()
-    def measure(self, q: torch.Tensor, k: torch.Tensor, key_valid: torch.Tensor | None = None) -> None:
-        """Set c from queries [B, T, H, D] and keys [B, T, Hkv or H, D] (their real tokens: `key_valid` [B, T]):
-        log c = (log median ‖k‖² − log median ‖q‖²) / 4 per kv head, the query heads of a group pooled."""
+    def measure(self, q: torch.Tensor, k: torch.Tensor, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """log c [Hkv] of queries [B, T, H, D] and keys [B, T, Hkv or H, D] over their real tokens (`key_valid`
+        [B, T]): (log median ‖k‖² − log median ‖q‖²) / 4 per kv head, the query heads of a group pooled. Shapes
+        alone decide the work (no data-dependent shapes: a plan runs it on fake tensors)."""
         group = self.num_heads // self.num_kv_heads
-        qn = q.float().square().sum(-1)                                             # [B, T, H]
-        kn = k.float().square().sum(-1)                                             # [B, T, Hkv or H]
+        qn = q.detach().float().square().sum(-1)                                    # [B, T, H]
+        kn = k.detach().float().square().sum(-1)                                    # [B, T, Hkv or H]
         if kn.shape[-1] != self.num_kv_heads:                                       # keys on query heads (naive)
             kn = kn[..., ::group]
-        if key_valid is not None:
-            qn, kn = qn[key_valid.bool()], kn[key_valid.bool()]
+        if key_valid is not None:                                                   # padding left out of the medians
+            qn = qn.masked_fill(~key_valid.bool()[..., None], math.nan)
+            kn = kn.masked_fill(~key_valid.bool()[..., None], math.nan)
         qn = qn.reshape(-1, self.num_kv_heads, group).transpose(0, 1).reshape(self.num_kv_heads, -1)
         kn = kn.reshape(-1, self.num_kv_heads).transpose(0, 1)
         tiny = torch.finfo(torch.float32).tiny
-        log_c = (kn.median(-1).values.clamp_min(tiny).log() - qn.median(-1).values.clamp_min(tiny).log()) / 4
-        self.log_scale.copy_(log_c.to(self.log_scale))
+        return (kn.nanmedian(-1).values.clamp_min(tiny).log() - qn.nanmedian(-1).values.clamp_min(tiny).log()) / 4
 
     def inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
                cache=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q·c and k/c (k on kv heads, or on query heads in the layer's naive form), v as it is."""
-        if not self.measured():
-            self.measure(q, k, key_valid)
+        """q·c and k/c (k on kv heads, or on query heads in the layer's naive form), v as it is; c measured on this
+        call where it is not yet (in training mode without reading it back: no sync, and a plan's fake tensors
+        have no values to read; in eval mode checked once per change of the buffer)."""
+        with torch.no_grad():
+            if self.training:
+                self.log_scale.copy_(torch.where(torch.isfinite(self.log_scale), self.log_scale,
+                                                 self.measure(q, k, key_valid).to(self.log_scale)))
+            elif not self.measured():
+                self.log_scale.copy_(self.measure(q, k, key_valid).to(self.log_scale))
         c = self.log_scale.exp()
         on_queries = c.repeat_interleave(self.num_heads // self.num_kv_heads)
         on_keys = c if k.shape[2] == self.num_kv_heads else on_queries
