@@ -153,4 +153,7 @@ def format_evaluation(recipe, log: dict) -> str:
     peaks = log.get("peak_rss", {})
     lines.append("  wall time (peak memory): " + ", ".join(
         f"{k} {v:.0f} s" + (f" ({peaks[k] / 2 ** 30:.2f} GiB)" if k in peaks else "") for k, v in log["seconds"].items()))
+    if peaks:          # each stage starts its peak afresh (clear_refs), which resets what `time -v` reports too
+        lines.append(f"  the run's peak: {max(peaks.values()) / 2 ** 30:.2f} GiB resident, in {max(peaks, key=peaks.get)} "
+                     f"(/usr/bin/time's maximum resident set misses the stages before the last: each resets the kernel's peak)")
     return "\n".join(lines)

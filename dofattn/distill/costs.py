@@ -41,10 +41,12 @@ from dofattn.memory import resident_now
 # Stored figures, fitted to the default job on a 2-core AMD EPYC (avx512_bf16, torch 2.13) in float32 and bfloat16
 # and checked on `window` (docs/log/experiments.md, 2026-11-28 and 29): a stage's arrays cost 1 + SLACK times their
 # bytes in resident memory (the layerwise step is counted at the mean dim, the largest layer's is larger); each
-# stage runs at EFFICIENCY x the measured rate of one decoder layer's forward at the stage's length.
+# stage runs at EFFICIENCY x the measured rate of one decoder layer's forward at the stage's length. The
+# evaluations' bodies are plain forwards, as the DoF sample's (their scoring is timed apart; refitted on SmolLM2's
+# and Gemma 3's jobs, 2026-12-04).
 SLACK = {"setup": 0.5, "layerwise": 1.3, "end_to_end": 0.6, "layerwise_eval": 0.5, "evaluate": 0.5, "other": 1.0}
-EFFICIENCY = {"dof": 1.05, "softmax_choice": 1.05, "teacher": 1.05, "end_to_end": 0.83, "evaluate": 0.93,
-              "layerwise_eval": 0.83}
+EFFICIENCY = {"dof": 1.05, "softmax_choice": 1.05, "teacher": 1.05, "end_to_end": 0.83, "evaluate": 1.05,
+              "layerwise_eval": 1.05}
 DOF_HEAD_SECONDS = 0.06        # the DoF sample's points and eigen-decompositions, per head (1024 points), on the CPU
 
 
