@@ -84,9 +84,6 @@ class Attention:
                                 "counted from its edge) or gate (per token, read off its value; pure linear attention "
                                 "only)", choices=DECAYS)
     conv: int = option(0, "a short causal convolution of this width on q, k and v (0: none)")
-    balance: bool = option(False, "queries times c and keys over c per kv head, c measured on the first ones seen "
-                                  "(the logits unchanged): the feature map reads both at one size, where QK-norm "
-                                  "leaves the keys far larger (Gemma 3's global layers)")
 
     def __post_init__(self):
         """Every rule on how the parts combine; a UserError names the recipe key (student.KEY)."""
@@ -110,8 +107,6 @@ class Attention:
         if self.decay == "gate" and self.window:
             raise UserError("student.decay = 'gate' is for pure linear attention: set student.window = 0 (and sink "
                             "= 0), or decay = 'head'")
-        if not isinstance(self.balance, bool):
-            raise UserError(f"student.balance = {self.balance!r}: use true or false")
         if self.conv < 0 or self.conv == 1:
             raise UserError(f"student.conv = {self.conv}: a filter is at least 2 tokens wide (0: none)")
 
@@ -140,7 +135,6 @@ class Attention:
         parts += [f"sink={self.sink}"] if self.sink else []
         parts += [f"decay={self.decay}"] if self.decays else []
         parts += [f"conv={self.conv}"] if self.conv else []
-        parts += ["balance"] if self.balance else []
         return ", ".join(parts)
 
 
@@ -293,7 +287,6 @@ class StudentSpec:
         for on, text in ((a.decay == "head", "a learned decay per head"),
                          (a.decay == "gate", "a decay per token (gate)"),
                          (a.conv, f"a short convolution of {a.conv} tokens on q, k and v"),
-                         (a.balance, "queries and keys balanced in size per kv head (the logits unchanged)"),
                          (lora and self.lora_rank, f"LoRA adapters of rank {self.lora_rank} on the "
                                                    f"{self.lora_targets} projections")):
             if on:

@@ -34,9 +34,7 @@ B, T, H, HKV, D, M = 2, 13, 6, 2, 5, 7
 LAYERS = {"pure": {}, "decay": {"decay": "head"}, "gate": {"decay": "gate"}, "window": {"window": 4},
           "window+decay": {"window": 4, "decay": "head"}, "window+sink": {"window": 4, "sink": 2},
           "window+sink+decay": {"window": 4, "sink": 2, "decay": "head"},
-          "conv+gate": {"conv": 3, "decay": "gate"}, "conv+window+sink": {"conv": 3, "window": 4, "sink": 2},
-          "balance": {"balance": True}, "balance+window+sink+decay": {"balance": True, "window": 4, "sink": 2,
-                                                                     "decay": "head"}}
+          "conv+gate": {"conv": 3, "decay": "gate"}, "conv+window+sink": {"conv": 3, "window": 4, "sink": 2}}
 
 
 def odd_layer(variant: str, feature: str) -> LinearAttention:
@@ -53,8 +51,6 @@ def off_its_start(attention: Attention, feature: str = "prf") -> LinearAttention
         for name, p in layer.named_parameters():
             if not name.startswith("feature_map."):
                 p.add_(0.5 * torch.randn_like(p))
-        if layer.balance is not None:                # as if measured on keys of two sizes
-            layer.balance.log_scale.copy_(torch.tensor([0.4, -0.3]))
     return layer
 
 
@@ -86,9 +82,6 @@ def reference(layer: LinearAttention, q, k, v, valid) -> torch.Tensor:
     if layer.conv is not None:
         keep = valid[:, :, None, None].to(q.dtype)
         q, k, v = (reference_conv(x * keep, getattr(layer.conv, name)) for x, name in zip((q, k, v), CONV_NAMES))
-    if layer.balance is not None:                     # q·c and k/c, c per kv head
-        c = layer.balance.log_scale.exp().to(q.dtype)
-        q, k = q * c.repeat_interleave(H // HKV)[:, None], k / c[:, None]
     k, v = expand_kv(k, H), expand_kv(v, H)
     if layer.attention.window:
         phi_q, q_scale = fmap.features(q, "query")

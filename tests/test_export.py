@@ -133,8 +133,6 @@ def exported(tmp_path_factory, model_dirs, corpus):
                                                                              "layers": [0, 2]}),
                                ("llama-hedgehog-decay-conv", "llama", {"feature": "hedgehog", "decay": "head",
                                                                       "conv": 2, "window": 0, "sink": 0}),
-                               ("llama-balance-decay", "llama", {"window": 4, "sink": 1, "decay": "head",
-                                                                 "balance": True}),
                                ("llama-select", "llama", {"window": 4, "sink": 1, "layers": [0, 2], "kept": {
                                    "select": 2, "select_observe": 2, "select_pool": 1}}),
                                ("llama-exact-heads", "llama", {"window": 4, "sink": 1, "exact_heads": ((0,), (), (1,)),
@@ -162,8 +160,7 @@ def exported(tmp_path_factory, model_dirs, corpus):
     return {name: (exports[name], refs[name], reloaded[name]) for name in refs}, run, stderr
 
 
-CASES = ["llama-linear", "gpt2-window-sink", "gpt_neox-window-sink-softmax", "llama-hedgehog-decay-conv",
-         "llama-balance-decay", "llama-select",
+CASES = ["llama-linear", "gpt2-window-sink", "gpt_neox-window-sink-softmax", "llama-hedgehog-decay-conv", "llama-select",
          "llama-select-extended", "llama-exact-heads", "run-lora", "run-lora-merged", "run-lora-bfloat16"]
 
 

@@ -9,7 +9,6 @@ The parts, each a module that owns its parameters and its cache state (`attentio
     sink          the first S real tokens exact for every later query (`hybrid.Sink`)
     decay         a learned decay of the linear state per head or per token (a gate) (`decay.Decay`)
     conv          a short causal convolution of q, k and v (`conv.ShortConv`)
-    balance       queries times c and keys over c per kv head, the logits unchanged (`balance.Balance`)
 A part the config leaves out is None. Every rule on how the parts combine is the config's (`Attention`), checked
 when it is made. The layer asks its parts (`parts()`: their inputs, op arguments, padding rules, fast forms) and runs
 each call through its forms (`forms`, as its config says: pure linear attention's `linear.LinearForms`, the window
@@ -22,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dofattn.attention.balance import Balance
 from dofattn.attention.cache import LinearStateLayer
 from dofattn.attention.conv import ShortConv
 from dofattn.attention.decay import Decay
@@ -37,7 +35,7 @@ from dofattn.spec import Attention
 
 # The parts a layer may have, each made from the config (`Part.build`) in this order, which is also the order their
 # `inputs` apply; each a child module under its own name.
-PARTS: tuple[type[Part], ...] = (Window, Sink, Decay, ShortConv, Balance)
+PARTS: tuple[type[Part], ...] = (Window, Sink, Decay, ShortConv)
 
 
 class LinearAttention(nn.Module):
