@@ -144,3 +144,19 @@ def test_l2_loss_on_rows_is_the_full_loss_restricted_to_them(attention):
     per_row = [losses.l2_loss(layer, q, k, v, D ** -0.5, torch.tensor([t])) * pairs[t].sum() for t in rows]
     want = torch.stack(per_row).sum() / pairs[rows].sum()
     torch.testing.assert_close(losses.l2_loss(layer, q, k, v, D ** -0.5, rows), want)
+
+
+def test_a_layer_whose_keys_lose_their_features_says_so():
+    """Keys far longer than the queries (QK-norm's, on Gemma 3's global layers) leave most keys' PRF features under
+    float32's range with one shift per head: the layer's log counts the keys that keep one."""
+    from dofattn.distill.layerwise import keys_with_features, train_layer
+    from dofattn.recipe import Layerwise
+
+    layer, q, k, v = layer_and_inputs(Attention(window=5, sink=2, decay="head"))
+    config = Layerwise(steps=1, batch_size=1, seq_len=T, rows=0)
+    assert train_layer(layer, (q, k, v), D ** -0.5, config, seed=0, progress=False)["keys_with_features"] == 1.0
+    long = k * torch.linspace(1, 40, k.shape[1])[None, :, None, None]                # key norms over a wide range
+    layer, *_ = layer_and_inputs(Attention(window=5, sink=2, decay="head"))
+    log = train_layer(layer, (q, long, v), D ** -0.5, config, seed=0, progress=False)
+    assert log["keys_with_features"] < 0.5
+    assert keys_with_features(layer, long[:1]) == log["keys_with_features"]          # its fixed batch: block 0

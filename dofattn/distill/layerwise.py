@@ -84,10 +84,23 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
         bar.set_postfix(loss=f"{value.item():.4f}")
     linear.eval()
     with torch.no_grad():  # the loss on a fixed batch, for the log
-        final = loss_fn(linear, *batch(fixed), scaling, **rows(torch.Generator().manual_seed(seed))).item()
+        q, k, v = batch(fixed)
+        final = loss_fn(linear, q, k, v, scaling, **rows(torch.Generator().manual_seed(seed))).item()
+        alive = keys_with_features(linear, k)
     tail = losses[-max(1, len(losses) // 10):] if losses else [final]
     return {"steps": steps, "first_loss": losses[0] if losses else final, "last_loss": sum(tail) / len(tail),
-            "fixed_batch_loss": final, "seconds": round(time.perf_counter() - start, 2)}
+            "fixed_batch_loss": final, "keys_with_features": alive, "seconds": round(time.perf_counter() - start, 2)}
+
+
+DEAD_KEYS = 0.5   # a layer whose keys are mostly without a feature gets a warning (`keys_with_features`)
+
+
+def keys_with_features(linear: LinearAttention, k: torch.Tensor) -> float:
+    """The share of keys k [B, T, H, D] (on query heads) with at least one feature above 0 in float32: below 1 where
+    a PRF map's one key shift per head leaves long keys hundreds of nats under it (Gemma 3's layer 11, QK-norm:
+    0.7%; then the linear branch reads nothing and the layer is its window and sink)."""
+    phi = linear.feature_map(k, "key")                                                # [B, T, H, M]
+    return (phi.amax(-1) > 0).float().mean().item()
 
 
 def layer_file(out: Path, layer: int) -> Path:
@@ -125,6 +138,11 @@ def layerwise(model, stream: TeacherStream, out: Path, config: Layerwise, seed: 
         if progress:
             print(f"layer {layer:2d}: {config.loss} loss {log['first_loss']:.4f} -> {log['last_loss']:.4f} "
                   f"({log['seconds']:.0f} s)", flush=True)
+        if log["keys_with_features"] < DEAD_KEYS:
+            print(f"WARNING: layer {layer}: {1 - log['keys_with_features']:.1%} of its keys have no feature in "
+                  f"float32's range (keys far longer than the queries, as QK-norm makes them): its linear branch "
+                  f"reads almost nothing, so it acts as its window and sink; keep it as softmax "
+                  f"(student.keep_softmax) or give it a window that covers what it reads", flush=True)
         save_layer(out, layer, linear[layer], log)
         logs[layer] = log
     barrier()
