@@ -14,7 +14,8 @@ A softmax layer kept beside them (`student.keep_softmax`) gets buffers of T + ma
 and values (`attention.StaticKVLayer`): the prompt's at the front, each step's written in place at the cache
 position, and the layer attends over the slots written so far. Each step reads every slot (the unwritten ones
 masked), so its cost is the same at every token of a call. One bounded after the prompt (`student.select`) keeps its
-held keys and a ring of W slots (`model.bounded.StaticBoundedLayer`): the same size at any length.
+held keys and a ring of W slots (`model.bounded.StaticBoundedLayer`): the same size at any length; so does a
+model's own sliding-window layer (Gemma 2/3, Mistral), its ring the model's window with nothing held.
 
 On CPU (or with graph=False) the same static step runs eagerly, token by token: the tokens are the same, which is
 what the tests check. With compile=True (for the CPU) the step runs through `torch.compile` instead: the whole
@@ -36,12 +37,12 @@ from numbers import Integral
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from dofattn.attention import LinearStateLayer, StaticKVLayer
 from dofattn.attention.cache import cache_kwargs
-from dofattn.model.bounded import BoundedKVLayer
+from dofattn.model.bounded import BoundedKVLayer, StaticBoundedLayer
 from dofattn.errors import UserError
-from dofattn.model.hf import local_layers
 
 WARMUP_STEPS = 2   # eager steps before the capture (allocator, Triton compilation); they are real tokens
 
@@ -52,6 +53,8 @@ def static_slot(slot, length: int, position: torch.Tensor):
     of a kept softmax layer becomes `length` slots (`StaticKVLayer`). `position` is the decoder's [1] tensor."""
     if isinstance(slot, (LinearStateLayer, BoundedKVLayer)):
         return slot.to_static(position)
+    if isinstance(slot, DynamicSlidingWindowLayer):        # a model's own sliding-window layer: a ring of W slots
+        return StaticBoundedLayer.from_window(slot, position)
     return StaticKVLayer.from_layer(slot, length, position)
 
 
@@ -104,10 +107,6 @@ class StaticDecoder:
         if not linear and not softmax_only:
             raise UserError("static decoding is for linearized students, but every layer of this model is softmax "
                             "attention; use HF generate (model.generate(), or drop --static)")
-        local = [i for i in local_layers(model.config) if i not in linear]
-        if local:   # their HF slots keep the last W keys only; static slots for them are not written yet
-            raise UserError(f"static decoding does not yet run a model's own sliding-window layers ({local}); use "
-                            f"HF generate (model.generate(), or drop --static)")
         self.model = model
         self.device = next(model.parameters()).device
         if compile and graph:

@@ -137,6 +137,35 @@ def test_a_teacher_decodes_on_static_slots(device):
     assert all(isinstance(layer, StaticKVLayer) for layer in decoder.cache.layers)
 
 
+@pytest.mark.parametrize("prompt_length", [3, 11])     # shorter than the window of 6, and longer
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "mistral"])
+def test_a_models_own_sliding_window_layers_decode_on_a_ring(family, prompt_length):
+    """A model's own sliding-window layers (every other layer of Gemma 2/3, every layer of Mistral) decode on a
+    ring of the model's window (`StaticBoundedLayer.from_window`): each step's key in place, HF generate's tokens
+    once the window has moved on (20 new tokens past a window of 6); and a teacher of that family on static slots."""
+    from dofattn.model.bounded import StaticBoundedLayer
+    from dofattn.model.hf import local_layers
+    from dofattn.model.install import install
+    from tests.test_families import WINDOW, student_layers, tiny
+
+    model = tiny(family)
+    layers = [1, 3] if family == "mistral" else student_layers(family)     # Mistral: half its local layers stay
+    linearize(model, [9] * 4, Attention(feature="prf", window=4, sink=1), seed=1, layers=layers)
+    local = [i for i in local_layers(model.config) if i not in layers]
+    prompt = torch.randint(3, 300, (2, prompt_length), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    decoder = StaticDecoder(model)
+    assert torch.equal(decoder.generate(prompt, 20), ref)
+    rings = [decoder.cache.layers[i] for i in local]
+    assert rings and all(isinstance(r, StaticBoundedLayer) and r.keys.shape[2] == WINDOW for r in rings)
+    teacher = tiny(family)
+    with torch.no_grad():
+        ref = teacher.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    install(teacher)
+    assert torch.equal(StaticDecoder(teacher, softmax_only=True).generate(prompt, 20), ref)
+
+
 def test_rows_are_cut_after_their_first_eos():
     model = tiny_model("llama")
     linearize(model, [8, 8, 8], Attention(window=0, sink=0), seed=2)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from dofattn.attention.cache import BatchSlot, in_ring, last_keys, ring_slot
 from dofattn.ops.select import prompt_candidates, select_keys
@@ -174,6 +174,20 @@ class StaticBoundedLayer(CacheLayerMixin):
         static = cls()
         static.keys, static.values, static.valid = layer.keys.clone(), layer.values.clone(), layer.valid.clone()
         static.position, static.lead, static.width, static.seen = position, layer.lead, layer.width, layer.seen
+        static.dtype, static.device, static.is_initialized = layer.keys.dtype, layer.keys.device, True
+        return static
+
+    @classmethod
+    def from_window(cls, layer: DynamicSlidingWindowLayer, position: torch.Tensor) -> StaticBoundedLayer:
+        """A model's own sliding-window layer (Gemma 2/3, Mistral) for static decoding: HF's slot after the prompt
+        holds its last W - 1 keys (W, its `sliding_window`); here they lie in a ring of W slots with nothing held
+        before it, so that each step's key fills the ring's last slot and the step reads its W keys, as HF's does."""
+        W, seen = layer.sliding_window, layer.cumulative_length
+        static = cls()
+        static.keys, static.values = in_ring(layer.keys, seen, W, 2), in_ring(layer.values, seen, W, 2)
+        written = torch.ones(layer.keys.shape[0], layer.keys.shape[2], dtype=torch.bool, device=layer.keys.device)
+        static.valid = in_ring(written, seen, W, 1)
+        static.position, static.lead, static.width, static.seen = position, 0, W, seen
         static.dtype, static.device, static.is_initialized = layer.keys.dtype, layer.keys.device, True
         return static
 
