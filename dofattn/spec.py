@@ -261,15 +261,22 @@ class StudentSpec:
     def softmax_layers(self) -> list[int]:
         return [i for i in range(len(self.dims)) if i not in self.layers]
 
-    def describe(self, lora: bool = True) -> list[str]:
+    def describe(self, lora: bool = True, local: list[int] | tuple[int, ...] = ()) -> list[str]:
         """The architecture in words, a line each (the export's model card, `dofattn generate`): the linear layers
-        and their features, the kept ones and what their cache holds, each mechanism the config names."""
+        and their features, the kept ones and what their cache holds, the model's own sliding-window layers
+        (`local`, `hf.local_layers`) kept as they are, each mechanism the config names."""
+        from dofattn.dof import spans
+
         a, kept, dims = self.attention, self.kept, [self.dims[i] for i in self.layers]
         lines = [f"{len(self.layers)} of {len(self.dims)} attention layers linear" + (
             "" if not dims else f", `{a.feature}` features, " + (
                 f"{dims[0]} per head" if len(set(dims)) == 1 else
                 f"{min(dims)}-{max(dims)} per head by layer (mean {sum(dims) / len(dims):.0f})"))]
-        softmax = self.softmax_layers
+        softmax = [i for i in self.softmax_layers if i not in set(local)]
+        own = [i for i in self.softmax_layers if i in set(local)]
+        if own:
+            lines.append(f"the model's own sliding-window layer{'s' if len(own) > 1 else ''} {spans(own)} as "
+                         f"{'they are' if len(own) > 1 else 'it is'} (each holds its last window of tokens)")
         if softmax:
             held = (f"after the prompt each holds its first {a.sink} tokens, its last {a.window} and the "
                     f"{kept.select} keys per kv head that the prompt's last {kept.select_observe} queries attend to "

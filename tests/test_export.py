@@ -501,6 +501,7 @@ def test_every_family_exports_to_the_same_logits(tmp_path, tokenizer):
     layers kept exact), loaded back by `load_export`: the same classes as the folder's modeling file. 20-30 s."""
     from dataclasses import replace
 
+    from dofattn.model.hf import local_layers
     from tests.test_families import FAMILIES, ids, make_student as family_student, tiny
 
     for family in FAMILIES:
@@ -512,6 +513,8 @@ def test_every_family_exports_to_the_same_logits(tmp_path, tokenizer):
         assert main(["export", "--model", str(tmp_path / family / "student"), "--out", str(tmp_path / family / "out")
                      ]) == 0
         loaded, _, _ = load_export(tmp_path / family / "out")
+        card = (tmp_path / family / "out" / "README.md").read_text()
+        assert ("own sliding-window layer" in card) == bool(set(local_layers(model.config)) - set(spec.layers)), family
         x = ids(2, 11, seed=2)
         with torch.no_grad():
             torch.testing.assert_close(loaded(input_ids=x).logits, model(input_ids=x).logits, atol=1e-5, rtol=0,
@@ -519,3 +522,16 @@ def test_every_family_exports_to_the_same_logits(tmp_path, tokenizer):
             assert torch.equal(loaded.generate(x[:1], max_new_tokens=6, do_sample=False),
                                model.generate(x[:1], max_new_tokens=6, do_sample=False)), family
 
+
+
+def test_a_card_names_the_models_own_sliding_window_layers_apart_from_kept_ones():
+    """`StudentSpec.describe(local=...)`: a Gemma-like student's own sliding-window layers are named as they are,
+    not as kept layers bounded by selection (which holds sink, window and chosen keys)."""
+    from dofattn.spec import Attention, Kept, StudentSpec
+
+    spec = StudentSpec(base_model="x", dims=(8,) * 6, layers=(5,), attention=Attention(window=4, sink=1),
+                       kept=Kept(select=16))
+    kept, local = spec.describe(), spec.describe(local=[0, 1, 3, 4])
+    assert "softmax attention kept in layers 0, 1, 2, 3, 4 (after the prompt" in kept[1]
+    assert "own sliding-window layers 0-1, 3-4 as they are" in local[1]
+    assert local[2].startswith("softmax attention kept in layer 2 (after the prompt")

@@ -160,11 +160,12 @@ def student_of(cfg: BenchConfig) -> Student:
     """The student `cfg.student` names: a trained one (a run folder or an export) or a recipe's untrained one; a
     UserError for neither, or for a recipe whose student cannot be built untrained."""
     from dofattn import recipe as recipes
-    from dofattn.model.exported import check_weights, is_any_student, spec_of
+    from dofattn.model.exported import check_weights, describe, is_any_student, spec_of
     if is_any_student(cfg.student):
         spec = spec_of(cfg.student)
         check_weights(cfg.student)                   # before any timing, not after the teacher's
-        return Student(spec.attention, f"{cfg.student} ({'; '.join(spec.describe())})", cfg.student, None)
+        return Student(spec.attention, f"{cfg.student} ({'; '.join(describe(cfg.student, spec))})", cfg.student,
+                       None)
     recipe = recipes.load(cfg.student)
     kept = recipe.student.keep_softmax
     stand_in = (f"; its last layers kept (student.keep_softmax = {kept:g}), standing in for those a run chooses"

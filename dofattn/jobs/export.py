@@ -244,7 +244,10 @@ def export(model_path: str | Path, out: str | Path, merge_lora: bool = False, dt
 
             shutil.copy2(run / RECIPE_FILE, stage / RECIPE_FILE)
             recipe = RunFolder(run)
-        write_atomic(stage / CARD_FILE, model_card(spec, dtype_name, lora, recipe, out.name, extend_to))
+        from dofattn.model.hf import local_layers
+
+        write_atomic(stage / CARD_FILE, model_card(spec, dtype_name, lora, recipe, out.name, extend_to,
+                                                   local=local_layers(model.config)))
         config = export_config(model, spec, dtype_name, lora, str(model_path))
         files = {p.name for p in stage.iterdir()} | {"config.json"}
         config["dofattn_export"]["files"] = sorted(files)               # what a later export may replace
@@ -276,10 +279,10 @@ def _move_into_place(stage: Path, out: Path) -> None:
 
 # --- the model card --------------------------------------------------------------------------------------------
 
-def _architecture(spec: StudentSpec, lora: str) -> list[str]:
+def _architecture(spec: StudentSpec, lora: str, local=()) -> list[str]:
     """The student's architecture, one card line each: its spec's own description, and what the export did with
     its LoRA adapters."""
-    lines = [f"- {line}" for line in spec.describe(lora=False)]
+    lines = [f"- {line}" for line in spec.describe(lora=False, local=local)]
     if lora == "adapters":
         lines.append(f"- LoRA adapters of rank {spec.lora_rank} on the {spec.lora_targets} projections, kept as "
                      f"peft layers (needs peft)")
@@ -356,8 +359,10 @@ def transformers_version() -> str:
     return transformers.__version__
 
 
-def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str, extend_to: int | None = None) -> str:
-    """README.md of an export: base model, recipe, evaluation, how to load it."""
+def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str, extend_to: int | None = None,
+               local: list[int] | tuple[int, ...] = ()) -> str:
+    """README.md of an export: base model, recipe, evaluation, how to load it; `local`: the base model's own
+    sliding-window layers (`hf.local_layers`)."""
     import torch
 
     base = spec.base_model
@@ -371,7 +376,7 @@ def model_card(spec: StudentSpec, dtype: str, lora: str, run, name: str, extend_
         "attention layers keep a state of fixed size instead of a KV cache that grows with the context.", "",
         "## Base model", "", f"`{base}` ({_base_origin(base)}{spec.base.get('model_type', '?')}, {len(spec.dims)} "
         "layers). Its weights are all here; the base model is not needed to load this one.", "",
-        "## Student", "", *_architecture(spec, lora), "", *_extended(extend_to), *_recipe(run), "",
+        "## Student", "", *_architecture(spec, lora, local), "", *_extended(extend_to), *_recipe(run), "",
         "## Evaluation", "", *_evaluation(run), "",
         "## Weights", "", f"The base model's weights in {dtype}; the student's own tensors (feature maps, window "
         "gains, LoRA adapters) in float32, as it trains and runs them.", "",

@@ -79,7 +79,7 @@ def check(cfg: GenerateConfig) -> None:
 def load(cfg: GenerateConfig):
     """(model, tokenizer, what it is in words) as `cfg` asks."""
     from dofattn import recipe as recipes
-    from dofattn.model.hf import machine_dtype, refuse_config_only, resolve_device
+    from dofattn.model.hf import local_layers, machine_dtype, refuse_config_only, resolve_device
     from dofattn.distill.choose import check_untrained
     from dofattn.jobs import check_default_run, load_for_job
 
@@ -94,9 +94,10 @@ def load(cfg: GenerateConfig):
                                           merge_lora=True)
     if spec is None:
         return model, tokenizer, cfg.model
+    words = "; ".join(spec.describe(local=local_layers(model.config)))
     if recipe is None:
-        return model, tokenizer, f"student of {spec.base_model} ({'; '.join(spec.describe())})"
-    return model, tokenizer, f"{cfg.model} as recipe {recipe.name}'s student, untrained ({'; '.join(spec.describe())})"
+        return model, tokenizer, f"student of {spec.base_model} ({words})"
+    return model, tokenizer, f"{cfg.model} as recipe {recipe.name}'s student, untrained ({words})"
 
 
 class FirstToken:

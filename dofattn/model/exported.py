@@ -134,6 +134,20 @@ def spec_of(path: str | Path) -> StudentSpec:
     return export_spec(read_config(path)["dofattn"]) if is_export(path) else read_spec(path)
 
 
+def describe(path: str | Path, spec: StudentSpec | None = None, lora: bool = True) -> list[str]:
+    """`spec.describe` of the student at `path` (its spec unless given), with its base model's own sliding-window
+    layers named as such: read from the base's config where it can be read here (a built-in, a local folder, a
+    hub model in the cache), else described as kept softmax layers."""
+    from dofattn.model.hf import local_layers, model_config
+
+    spec = spec or spec_of(path)
+    try:
+        local = local_layers(model_config(spec.base_model))
+    except (UserError, OSError, ValueError):
+        local = []
+    return spec.describe(lora=lora, local=local)
+
+
 def load_any(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", merge_lora: bool = False):
     """(model, tokenizer, spec) of the student at `path`: a student folder (`student.load_student`) or an export."""
     from dofattn.model.student import load_student
