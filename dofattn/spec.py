@@ -272,8 +272,8 @@ class StudentSpec:
             "" if not dims else f", `{a.feature}` features, " + (
                 f"{dims[0]} per head" if len(set(dims)) == 1 else
                 f"{min(dims)}-{max(dims)} per head by layer (mean {sum(dims) / len(dims):.0f})"))]
-        softmax = [i for i in self.softmax_layers if i not in set(local)]
-        own = [i for i in self.softmax_layers if i in set(local)]
+        own = [i for i in self.softmax_layers if i in local]
+        softmax = [i for i in self.softmax_layers if i not in own]
         if own:
             lines.append(f"the model's own sliding-window layer{'s' if len(own) > 1 else ''} {spans(own)} as "
                          f"{'they are' if len(own) > 1 else 'it is'} (each holds its last window of tokens)")

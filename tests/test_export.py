@@ -523,7 +523,6 @@ def test_every_family_exports_to_the_same_logits(tmp_path, tokenizer):
                                model.generate(x[:1], max_new_tokens=6, do_sample=False)), family
 
 
-
 def test_a_card_names_the_models_own_sliding_window_layers_apart_from_kept_ones():
     """`StudentSpec.describe(local=...)`: a Gemma-like student's own sliding-window layers are named as they are,
     not as kept layers bounded by selection (which holds sink, window and chosen keys)."""

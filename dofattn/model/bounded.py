@@ -170,12 +170,17 @@ class StaticBoundedLayer(CacheLayerMixin):
     is_croppable = False
 
     @classmethod
-    def from_layer(cls, layer: BoundedKVLayer, position: torch.Tensor) -> StaticBoundedLayer:
+    def _of(cls, keys, values, valid, position, lead: int, width: int, seen: int) -> StaticBoundedLayer:
         static = cls()
-        static.keys, static.values, static.valid = layer.keys.clone(), layer.values.clone(), layer.valid.clone()
-        static.position, static.lead, static.width, static.seen = position, layer.lead, layer.width, layer.seen
-        static.dtype, static.device, static.is_initialized = layer.keys.dtype, layer.keys.device, True
+        static.keys, static.values, static.valid = keys, values, valid
+        static.position, static.lead, static.width, static.seen = position, lead, width, seen
+        static.dtype, static.device, static.is_initialized = keys.dtype, keys.device, True
         return static
+
+    @classmethod
+    def from_layer(cls, layer: BoundedKVLayer, position: torch.Tensor) -> StaticBoundedLayer:
+        return cls._of(layer.keys.clone(), layer.values.clone(), layer.valid.clone(), position, layer.lead,
+                       layer.width, layer.seen)
 
     @classmethod
     def from_window(cls, layer: DynamicSlidingWindowLayer, position: torch.Tensor) -> StaticBoundedLayer:
@@ -183,13 +188,9 @@ class StaticBoundedLayer(CacheLayerMixin):
         holds its last W - 1 keys (W, its `sliding_window`); here they lie in a ring of W slots with nothing held
         before it, so that each step's key fills the ring's last slot and the step reads its W keys, as HF's does."""
         W, seen = layer.sliding_window, layer.cumulative_length
-        static = cls()
-        static.keys, static.values = in_ring(layer.keys, seen, W, 2), in_ring(layer.values, seen, W, 2)
         written = torch.ones(layer.keys.shape[0], layer.keys.shape[2], dtype=torch.bool, device=layer.keys.device)
-        static.valid = in_ring(written, seen, W, 1)
-        static.position, static.lead, static.width, static.seen = position, 0, W, seen
-        static.dtype, static.device, static.is_initialized = layer.keys.dtype, layer.keys.device, True
-        return static
+        return cls._of(in_ring(layer.keys, seen, W, 2), in_ring(layer.values, seen, W, 2), in_ring(written, seen, W, 1),
+                       position, 0, W, seen)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("a StaticBoundedLayer is made from a bounded layer (StaticBoundedLayer.from_layer)")
