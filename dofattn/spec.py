@@ -265,8 +265,6 @@ class StudentSpec:
         """The architecture in words, a line each (the export's model card, `dofattn generate`): the linear layers
         and their features, the kept ones and what their cache holds, the model's own sliding-window layers
         (`local`, `hf.local_layers`) kept as they are, each mechanism the config names."""
-        from dofattn.dof import spans
-
         a, kept, dims = self.attention, self.kept, [self.dims[i] for i in self.layers]
         lines = [f"{len(self.layers)} of {len(self.dims)} attention layers linear" + (
             "" if not dims else f", `{a.feature}` features, " + (
@@ -275,7 +273,7 @@ class StudentSpec:
         own = [i for i in self.softmax_layers if i in local]
         softmax = [i for i in self.softmax_layers if i not in own]
         if own:
-            lines.append(f"the model's own sliding-window layer{'s' if len(own) > 1 else ''} {spans(own)} as "
+            lines.append(f"the model's own sliding-window layer{'s' if len(own) > 1 else ''} {', '.join(map(str, own))} as "
                          f"{'they are' if len(own) > 1 else 'it is'} (each holds its last window of tokens)")
         if softmax:
             held = (f"after the prompt each holds its first {a.sink} tokens, its last {a.window} and the "

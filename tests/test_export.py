@@ -532,5 +532,5 @@ def test_a_card_names_the_models_own_sliding_window_layers_apart_from_kept_ones(
                        kept=Kept(select=16))
     kept, local = spec.describe(), spec.describe(local=[0, 1, 3, 4])
     assert "softmax attention kept in layers 0, 1, 2, 3, 4 (after the prompt" in kept[1]
-    assert "own sliding-window layers 0-1, 3-4 as they are" in local[1]
+    assert "own sliding-window layers 0, 1, 3, 4 as they are" in local[1]
     assert local[2].startswith("softmax attention kept in layer 2 (after the prompt")
