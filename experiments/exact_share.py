@@ -11,6 +11,11 @@ no exact head and no bound, `student.select = 0`). The stages, each skipped wher
     eval8k    dofattn eval on 4 validation blocks of 8 K, by position (eval-8k.json: the 4-8 K bucket)
     niah      RULER niah_single_1 at 4 K and 8 K, 25 prompts each (niah.json)
     read32k   benchmarks/bounded_memory.py at 32 K: the state after the prompt, the read's time and peak (read-32k.json)
+`--stand-in` builds each run untrained instead (no layerwise stage, one end-to-end step: OUT/share-SHARE-BY-standin)
+for the stages that depend on the architecture alone: the state after the prompt and the 32 K read's time and peak
+are the same for a trained student of that share, as its feature counts, exact heads and bounds are; its choice of
+heads is the copy probe's, as in training. Its quality means nothing and is not gathered; a trained run's own read
+(if any) is kept beside it as read-32k-trained.
 `--gather FILE` writes one JSON row per run folder found under OUT, with whatever its stages wrote (FILE's earlier
 rows whose folder is gone stay, so a point measured on another machine is not lost), and beside it
 FILE's table (.md: one row per run, the figures of the curve) and figure (.png: validation and the 4-8 K bucket over
@@ -29,15 +34,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def folder(out: Path, share: float, by: str) -> Path:
-    return out / f"share-{share:g}-{by}"
+STAND_IN = ["layerwise.steps=0", "end_to_end.steps=1", "eval.blocks=1"]   # untrained: the architecture alone
 
 
-def stages(run: Path, share: float, by: str) -> dict[str, tuple[Path, list[str]]]:
+def folder(out: Path, share: float, by: str, stand_in: bool = False) -> Path:
+    return out / f"share-{share:g}-{by}{'-standin' if stand_in else ''}"
+
+
+def stages(run: Path, share: float, by: str, stand_in: bool = False) -> dict[str, tuple[Path, list[str]]]:
     """stage -> (the file it writes, its command)."""
     dofattn = [sys.executable, "-m", "dofattn"]
     sets = (["student.keep_softmax=0", f"student.exact_heads={share}"] if share
-            else ["student.keep_softmax=0", "student.select=0"])
+            else ["student.keep_softmax=0", "student.select=0"]) + (STAND_IN if stand_in else [])
     distill = [*dofattn, "distill", "--out", str(run), *[a for s in sets for a in ("--set", s)]]
     return {
         "distill": (run / "log.json", distill),
@@ -55,7 +63,7 @@ def stages(run: Path, share: float, by: str) -> dict[str, tuple[Path, list[str]]
 
 def gather(out: Path) -> list[dict]:
     rows = []
-    for run in sorted(p for p in out.glob("share-*") if p.is_dir()):
+    for run in sorted(p for p in out.glob("share-*") if p.is_dir() and not p.name.endswith("-standin")):
         _, share, by = run.name.split("-", 2)
         row = {"run": str(run), "share": float(share), "by": by}
         for name in ("log.json", "eval-8k.json", "niah.json", "read-32k.json"):
@@ -63,6 +71,16 @@ def gather(out: Path) -> list[dict]:
                 row[name.removesuffix(".json")] = json.loads((run / name).read_text())
         rows.append(row)
     return rows
+
+
+def stand_ins(out: Path) -> dict[tuple[float, str], dict]:
+    """(share, by) -> the read-32k.json of its untrained stand-in under OUT."""
+    found = {}
+    for run in sorted(out.glob("share-*-standin")):
+        _, share, by = run.name.removesuffix("-standin").split("-", 2)
+        if (run / "read-32k.json").is_file():
+            found[float(share), by] = {**json.loads((run / "read-32k.json").read_text()), "stand_in": str(run)}
+    return found
 
 
 def summary(row: dict) -> dict:
@@ -136,13 +154,22 @@ def main() -> None:
     parser.add_argument("--by", nargs="+", default=["copy"], choices=["copy"])
     parser.add_argument("--stages", nargs="+", default=["distill", "eval8k"],
                         choices=["distill", "eval8k", "niah", "read32k"])
+    parser.add_argument("--stand-in", action="store_true", help="untrained students, for the architecture's stages")
     parser.add_argument("--gather", type=Path, help="write the rows found under OUT to this JSON and stop")
     args = parser.parse_args()
+    if args.stand_in and set(args.stages) - {"distill", "read32k"}:
+        parser.error("--stand-in trains nothing: only its architecture's stages (distill, read32k) mean anything")
     if args.gather:
         rows = gather(args.out)
         found = {r["run"] for r in rows}
         if args.gather.is_file():
             rows += [r for r in json.loads(args.gather.read_text()) if r["run"] not in found]
+        for (share, by), read in stand_ins(args.out).items():      # the architecture's figures where none measured
+            for row in rows:
+                if row["share"] == share and row["by"] == by and row.get("read-32k", {}).get("stand_in") != read["stand_in"]:
+                    if "read-32k" in row and "stand_in" not in row["read-32k"]:
+                        row["read-32k-trained"] = row["read-32k"]       # kept: the state should be the same
+                    row["read-32k"] = read
         args.gather.write_text(json.dumps(rows, indent=1))
         args.gather.with_suffix(".md").write_text(table(rows))
         figure(rows, args.gather.with_suffix(".png"))
@@ -151,8 +178,8 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
     for share in args.shares:
         for by in (args.by if share else ["copy"]):
-            run = folder(args.out, share, by)
-            for name, (done, command) in stages(run, share, by).items():
+            run = folder(args.out, share, by, args.stand_in)
+            for name, (done, command) in stages(run, share, by, args.stand_in).items():
                 if name in args.stages and not done.is_file():
                     print(" ".join(command), flush=True)
                     subprocess.run(command, check=True, env=env)
