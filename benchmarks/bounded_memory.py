@@ -37,12 +37,6 @@ def real_prompt(tokenizer, length: int):
 
 
 def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) -> dict:
-    import torch
-    from transformers import DynamicCache
-
-    from dofattn.attention.cache import cache_bytes
-    from dofattn.jobs.bench import PeakMemory
-    from dofattn.attention.cache import cache_kwargs
     from dofattn.model.hf import load_model
     from dofattn.model.student import load_student, read_spec
 
@@ -55,6 +49,17 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
         set_prompt_chunk(model, chunk)
     else:
         model, tokenizer = load_model(read_spec(folder).base_model)
+    return measure_model(model, tokenizer, kind, length, new_tokens, chunk)
+
+
+def measure_model(model, tokenizer, kind: str, length: int, new_tokens: int, chunk: int) -> dict:
+    """`measure` on a model in memory (its process should hold nothing else of size: the peak is the process's)."""
+    import torch
+    from transformers import DynamicCache
+
+    from dofattn.attention.cache import cache_bytes, cache_kwargs
+    from dofattn.jobs.bench import PeakMemory
+
     model.eval()
     prompt = real_prompt(tokenizer, length)
     with torch.no_grad():                 # warm-up: the code and the allocator's first pages are not the prompt's
@@ -74,7 +79,7 @@ def measure(folder: str, kind: str, length: int, new_tokens: int, chunk: int) ->
         for _ in range(new_tokens):
             logits = model(input_ids=token, use_cache=True, **cache_kwargs(model, cache)).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
-    return {"model": kind, "length": length, "new_tokens": new_tokens, "chunk": chunk if kind == "student" else 0,
+    return {"model": kind, "length": length, "new_tokens": new_tokens, "chunk": chunk if kind != "teacher" else 0,
             "cache_after_prompt_mib": after_prompt / MIB, "cache_after_generation_mib": cache_bytes(cache) / MIB,
             "prefill_peak_mib": peak / MIB, "prefill_s": prefill_s}
 

@@ -1,6 +1,7 @@
 """A model's global layers all kept exact and bounded after the prompt, none linearized: RULER on it (issue 68, item 2).
 
     python3 experiments/bounded_globals.py gemma3-270m --lengths 4096,8192 --prompts 10 --out bounded-globals.json
+    python3 experiments/bounded_globals.py gemma3-270m --read 32768 --out bounded-globals-read.json
 
 On a model with its own sliding-window layers (Gemma 2/3, Mistral's windowed configs) the global layers are the only
 ones whose cache grows. One choice for them is what `long-context` does with its kept layers: read the prompt
@@ -9,13 +10,16 @@ exactly, then keep the sink, the window and the `--select` keys the prompt's las
 this builds it in memory (`linearize(..., layers=[])`, the default recipe's `student.attention` and `student.kept`)
 and scores RULER's `niah_single_1` on it as `dofattn eval --tasks` does (`evaluate.lm_eval_tasks`). Its perplexity
 on blocks is the teacher's by construction (a block is one prompt, read exactly), so only what comes after a prompt
-tells it from its teacher.
+tells it from its teacher. `--read L` measures instead what `benchmarks/bounded_memory.py` measures of a student
+folder: the state after a real prompt of L tokens, the read's time and its peak (in this process, which holds the
+model alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +32,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--select", type=int, default=None, help="keys kept per kv head (default: the recipe's)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--read", type=int, default=0, help="measure reading a prompt of this many tokens instead")
     parser.add_argument("--out", type=Path, default=Path("bounded-globals.json"))
     args = parser.parse_args()
 
@@ -46,6 +51,15 @@ def main() -> None:
     if not local:
         raise SystemExit(f"{args.model} has no sliding-window layers of its own: every layer would be bounded exact")
     linearize(model, [0] * count, student.attention, kept=kept, layers=[])
+    if args.read:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+        from bounded_memory import measure_model
+        from dofattn.model.prompt import PROMPT_CHUNK
+
+        row = measure_model(model, tokenizer, "bounded-globals", args.read, 16, PROMPT_CHUNK)
+        args.out.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "rows": [row]}, indent=1))
+        print(row, f"wrote {args.out}", sep="\n")
+        return
     lengths = [int(x) for x in args.lengths.split(",")]
     started = time.perf_counter()
     found = lm_eval_tasks(model, tokenizer, ["niah_single_1"], limit=args.prompts, batch_size=1, lengths=lengths,
