@@ -10,6 +10,7 @@ not scale with the gradient), hence SGD here.
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -334,3 +335,49 @@ def test_two_process_run_killed_after_a_checkpoint_resumes_to_identical_weights(
     logs = [json.loads((f / "log.json").read_text()) for f in (reference, out)]
     assert logs[0]["end_to_end"]["losses"] == logs[1]["end_to_end"]["losses"]
     assert logs[0]["evaluation"]["student_ppl"] == logs[1]["evaluation"]["student_ppl"]
+
+
+def test_a_step_with_a_nan_gradient_is_skipped_logged_and_resumed_past(tmp_path):
+    """A NaN in one step's gradients (float32 range: keys far below their shift) must not make the student NaN: that
+    step is skipped, `skipped_steps` names it (also after a resume), the other steps train."""
+    from functools import partial
+
+    from dofattn.distill.end_to_end import train
+    from dofattn.recipe import EndToEnd
+
+    def student():
+        torch.manual_seed(0)
+        model = tiny_model("llama")
+        linearize(model, [8, 8, 8], Attention(feature="hedgehog", window=4, sink=1), seed=0)
+        for name, p in model.named_parameters():
+            p.requires_grad_(is_student_tensor(name))
+        return model
+
+    blocks = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(1))
+    config = EndToEnd(steps=4, batch_size=1, seq_len=16, lr=0.1, checkpoint_every=2)
+    sgd = partial(torch.optim.SGD, lr=0.1)
+
+    def poisoned(model):
+        calls = iter(range(100))
+        first = next(p for _, p in trainable(model))
+        first.register_hook(lambda g: g * float("nan") if next(calls) == 2 else g)    # the third backward
+        return model
+
+    start = {n: p.detach().clone() for n, p in trainable(student())}
+    log = train(poisoned(student()), blocks, tmp_path / "a", config, seed=0, eval_blocks=blocks[:1], progress=False,
+                optimizer_class=sgd)
+    assert log["skipped_steps"] == [2] and log["steps"] == 4 and all(map(math.isfinite, log["losses"]))
+    saved = load_file(str(tmp_path / "a" / "end_to_end" / "step_000004" / "features.safetensors"))
+    assert all(torch.isfinite(t).all() for t in saved.values())
+    assert any(not torch.equal(saved[n], t) for n, t in start.items() if n in saved)     # the other steps moved it
+    stopped = train(poisoned(student()), blocks, tmp_path / "b", config, seed=0, eval_blocks=blocks[:1],
+                    progress=False, optimizer_class=sgd, time_limit=1e-9)
+    assert stopped["steps"] == 1 and "skipped_steps" not in stopped
+    resumed = train(student(), blocks, tmp_path / "b", config, seed=0, eval_blocks=blocks[:1], progress=False,
+                    optimizer_class=sgd)
+    assert "skipped_steps" not in resumed        # the hook was in the first model only: nothing skipped
+    once = train(poisoned(student()), blocks, tmp_path / "c", EndToEnd(**{**vars(config), "steps": 3}), seed=0,
+                 eval_blocks=blocks[:1], progress=False, optimizer_class=sgd)
+    again = train(student(), blocks, tmp_path / "c", config, seed=0, eval_blocks=blocks[:1], progress=False,
+                  optimizer_class=sgd)
+    assert once["skipped_steps"] == [2] and again["skipped_steps"] == [2]     # kept in the checkpoint

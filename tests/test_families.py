@@ -10,6 +10,8 @@ layers (Gemma 2 and 3: every other layer; Mistral: every layer), which stay exac
 """
 
 import pytest
+import json
+
 import torch
 import transformers as tf
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
@@ -237,3 +239,35 @@ def test_distill_keeps_a_models_own_sliding_window_layers_exact(capsys, tmp_path
     assert spec.softmax_layers == sorted({0, 1, 2, 3} - set(candidates) | {best})
     with torch.no_grad():
         assert student.generate(ids(1, 9), max_new_tokens=3, do_sample=False).shape == (1, 12)
+
+
+def test_the_default_on_a_model_with_sliding_window_layers_linearizes_nothing(capsys, tmp_path, tokenizer, corpus):
+    """Issue 68, item 2: `long-context` on Gemma 3 keeps its own sliding-window layers and every global layer exact,
+    bounded after the prompt; nothing is estimated or trained. The student generates what the teacher does while
+    the context fits its bounds, and after a prompt past them holds a cache that no longer grows."""
+    from dofattn.attention.cache import cache_bytes, cache_kwargs
+    from dofattn.cli import main
+    from transformers import DynamicCache
+
+    base = tmp_path / "gemma3"
+    teacher = tiny("gemma3_text")
+    teacher.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    out = tmp_path / "run"
+    argv = ["distill", "--model", str(base), "--data", str(corpus), "--out", str(out), "--device", "cpu",
+            "--set", "eval.blocks=2", "--set", "eval.seq_len=64", "--set", "student.select=8"]
+    assert main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "nothing linearized" in printed and "dof" not in json.loads((out / "log.json").read_text())["seconds"]
+    student, _, spec = load_student(out)
+    assert list(spec.layers) == [] and spec.softmax_layers == [0, 1, 2, 3]
+    with torch.no_grad():
+        prompt = ids(1, 9)
+        assert torch.equal(student.generate(prompt, max_new_tokens=4, do_sample=False),
+                           teacher.generate(prompt, max_new_tokens=4, do_sample=False))
+        sizes = []
+        for length in (120, 240):
+            cache = DynamicCache(config=student.config)
+            student(input_ids=ids(1, length), use_cache=True, **cache_kwargs(student, cache))
+            sizes.append(cache_bytes(cache))
+        assert sizes[0] == sizes[1]

@@ -133,17 +133,27 @@ def test_linear_layers_are_the_candidates_less_the_softmax_layers_kept():
     share = recipes.load("window", ["student.keep_softmax=0.4"])          # of the 2 global layers: 1 (0.8, rounded)
     assert linear_layers(share, gemma) == [1] and linear_layers(share, families.tiny("llama")) == [0, 1]   # 1 of 3
     assert linear_layers(recipes.load("window", ["student.keep_softmax=0.9"]), gemma) == [1]      # all but one
+    bounded = recipes.load("window", ["student.keep_softmax=0.4", "student.select=16"])   # kept layers bounded:
+    assert linear_layers(bounded, gemma) == [] and linear_layers(bounded, families.tiny("llama")) == [0, 1]  # all
+    assert linear_layers(recipes.load("window", ["student.keep_softmax=2", "student.select=16"]), gemma) == []
 
 
 def test_the_default_recipe_plans_a_model_with_its_own_sliding_window_layers():
-    """Issue 68: long-context kept 12 layers and refused a model with fewer global ones (Gemma 3 270M: 3 of 18); its
-    0.4 keeps a share of them, and the plan says how many of how many."""
+    """Issue 68: long-context kept 12 layers and refused a model with fewer global ones (Gemma 3 270M: 3 of 18). On
+    such a model its share keeps every global layer, bounded after the prompt, and linearizes nothing (measured: a
+    linear global layer lost RULER's needle); the plan has no DoF sample, no choice, nothing to train, and says why.
+    A count keeps that many and linearizes the rest, as before."""
     for family in ("gemma3_text", "gemma2"):
         model = families.tiny(family)
         plan = make_plan(recipes.load("long-context"), 1, config=model.config, device="cpu", timed=False)
-        assert plan.layers.local == [0, 2] and plan.layers.linear == [1] and plan.layers.keep_softmax == 1
-        assert any("the 1 softmax layer (0.4 of the 2 layers that may be linearized) is chosen at run time" in note
-                   for note in plan.notes), plan.notes
+        assert plan.layers.local == [0, 2] and plan.layers.linear == [] and plan.layers.keep_softmax == 2
+        assert plan.student_parameters == 0 and plan.tokens.dof_sample == plan.tokens.softmax_choice == 0
+        assert plan.tokens.layerwise_teacher == plan.tokens.end_to_end == 0 and plan.tokens.eval > 0
+        assert any("nothing is linearized" in note and "student.keep_softmax=1" in note for note in plan.notes)
+        assert "linearized    0: none" in plan.table() and "nothing is linearized" in plan.table()
+        one = make_plan(recipes.load("long-context", ["student.keep_softmax=1"]), 1, config=model.config,
+                        device="cpu", timed=False)
+        assert one.layers.linear == [1] and one.layers.keep_softmax == 1 and one.student_parameters > 0
 
 
 def test_a_share_of_the_layers_kept_rounds_and_leaves_one_to_linearize():
@@ -152,6 +162,8 @@ def test_a_share_of_the_layers_kept_rounds_and_leaves_one_to_linearize():
     assert kept_count(0.4, 30) == 12 and kept_count(0.4, 3) == 1 and kept_count(0.4, 13) == 5   # SmolLM2, Gemma 3, 2
     assert kept_count(0.01, 30) == 1 and kept_count(0.99, 30) == 29 and kept_count(0.5, 1) == 0
     assert kept_count(12, 30) == 12 and kept_count(0, 30) == 0
+    assert kept_count(0.4, 3, every=True) == 3 and kept_count(1, 3, every=True) == 1     # a share: all; a count: it
+    assert kept_count(0, 3, every=True) == 0
 
 
 def measure(model, recipe, ids) -> dict:

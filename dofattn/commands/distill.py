@@ -140,14 +140,19 @@ def format_evaluation(recipe, log: dict) -> str:
     """The perplexity table `dofattn distill` ends with, from the run's log."""
     ev = log["evaluation"]
     rows = [("teacher", ev["teacher_ppl"], None)]
-    if "layerwise_student_ppl" in ev:
+    linear = set(range(len(log["dims"]))) - set(log.get("softmax_layers") or [])
+    if "layerwise_student_ppl" in ev and linear:
         rows.append(("student after the layerwise stage", ev["layerwise_student_ppl"], ev["layerwise_vs_teacher"]))
     rows.append((f"student (recipe {recipe.name})", ev["student_ppl"], ev["student_vs_teacher"]))
     rows.append((f"untrained performer ({ev['performer_dim']})", ev["performer_ppl"], ev["performer_vs_teacher"]))
     lines = [f"\nvalidation perplexity ({ev['tokens']} tokens, blocks of {ev['seq_len']}):"]
     for label, ppl, ratio in rows:
         lines.append(f"  {label:<40}{ppl:10.2f}" + (f"  ({ratio:.2f}x teacher)" if ratio else ""))
-    lines.append(f"  dims per layer ({recipe.student.dims}): {' '.join(map(str, log['dims']))}")
+    if linear:
+        lines.append(f"  dims per layer ({recipe.student.dims}): {' '.join(map(str, log['dims']))}")
+    else:
+        lines.append("  nothing linearized: the model's own sliding-window layers as they are, every other layer exact "
+                     "and bounded after the prompt (student.select), as the teacher on a block read as one prompt")
     if log.get("softmax_layers"):
         lines.append(f"  softmax layers: {' '.join(map(str, log['softmax_layers']))}")
     peaks = log.get("peak_rss", {})

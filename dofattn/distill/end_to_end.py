@@ -184,7 +184,7 @@ def load_optimizer(optimizer: torch.optim.Adam, names: list[str], path: Path) ->
 
 
 def save_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: list, optimizer, names,
-                    curve: list[dict]) -> None:
+                    curve: list[dict], skipped: list[int] = ()) -> None:
     """A complete checkpoint in its own folder, then `state.json` pointing at it (atomic), then old folders go.
     Every process calls it (FSDP shards are gathered); rank 0 writes."""
     folder = ckpt / f"step_{step:06d}"
@@ -196,7 +196,8 @@ def save_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: list, o
     if not write:
         return
     save_tensors(features, folder / "features.safetensors")
-    write_json(ckpt / "state.json", {"step": step, "folder": folder.name, "losses": losses, "curve": curve})
+    write_json(ckpt / "state.json", {"step": step, "folder": folder.name, "losses": losses, "curve": curve,
+                                     "skipped": list(skipped)})
     for old in ckpt.glob("step_*"):
         if old.name != folder.name:
             for f in old.iterdir():
@@ -204,10 +205,11 @@ def save_checkpoint(ckpt: Path, step: int, losses: list[float], tensors: list, o
             old.rmdir()
 
 
-def load_checkpoint(ckpt: Path, tensors: list, optimizer, names) -> tuple[int, list[float], list[dict]]:
-    """(step, losses, curve) of the checkpoint in `ckpt`, its tensors and Adam state loaded; (0, [], []) if none."""
+def load_checkpoint(ckpt: Path, tensors: list, optimizer, names) -> tuple[int, list[float], list[dict], list[int]]:
+    """(step, losses, curve, skipped steps) of the checkpoint in `ckpt`, its tensors and Adam state loaded;
+    (0, [], [], []) if none."""
     if not (ckpt / "state.json").is_file():          # written last: it names a complete checkpoint folder
-        return 0, [], []
+        return 0, [], [], []
     meta = json.loads((ckpt / "state.json").read_text())
     state, _ = read_safetensors(ckpt / meta["folder"] / "features.safetensors")
     missing = [n for n, _ in tensors if n not in state]
@@ -218,7 +220,7 @@ def load_checkpoint(ckpt: Path, tensors: list, optimizer, names) -> tuple[int, l
         for n, t in tensors:
             t.copy_(like(state[n], t))
     load_optimizer(optimizer, names, ckpt / meta["folder"] / "optimizer.safetensors")
-    return meta["step"], meta["losses"], meta.get("curve", [])
+    return meta["step"], meta["losses"], meta.get("curve", []), meta.get("skipped", [])
 
 
 def load_trained(model, out: Path) -> None:
@@ -262,6 +264,20 @@ def shard(model, device: torch.device) -> Root:
 
 # --- the phase ------------------------------------------------------------------------------------------------------
 
+def finite_gradients(params: list[torch.Tensor], device) -> bool:
+    """Whether every gradient of `params` is finite on every process (a step with an inf or NaN one is skipped, and
+    the log's `skipped_steps` says which: the features of a key far below its shift, as QK-norm's long keys are,
+    can give float32 gradients past its range)."""
+    bad = torch.zeros(1, device=device)
+    for p in params:
+        g = p.grad
+        if g is not None:
+            g = g.to_local() if isinstance(g, DTensor) else g
+            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float().reshape(1))
+    all_max([bad])
+    return not bool(bad.item())
+
+
 def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, eval_blocks: torch.Tensor,
           time_limit: float = 0.0, progress: bool = True, optimizer_class=torch.optim.Adam) -> dict:
     """`config.steps` steps on `blocks`, resuming from the last checkpoint in `out/end_to_end`; returns the log.
@@ -291,7 +307,7 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
     shifts = [b for n, b in tensors if n.endswith("key_shift")]
     optimizer = optimizer_class(groups)
     ckpt = out / "end_to_end"
-    start_step, losses, curve = load_checkpoint(ckpt, tensors, optimizer, names)
+    start_step, losses, curve, skipped = load_checkpoint(ckpt, tensors, optimizer, names)
     linears = list(linear_parts(model).values())
     for linear in linears:            # the base model stays in eval mode: no dropout, a deterministic teacher
         linear.train()
@@ -307,7 +323,10 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
                 group["lr"] = cooldown_lr(group["base_lr"], step, steps, config.cooldown_steps)
             optimizer.zero_grad(set_to_none=True)
             value.backward()
-            optimizer.step()
+            if finite_gradients([p for _, p in named], device):
+                optimizer.step()
+            else:                             # one step's inf/NaN would make every tensor NaN from here on
+                skipped.append(step)
             all_max(shifts)                   # each process raised its key shifts on its own blocks
             value = value.detach()
             all_mean([value])                 # the step's loss over all its blocks, not rank 0's share
@@ -326,7 +345,7 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
             out_of_time = rank0_decides(bool(time_limit) and time.perf_counter() - started > time_limit
                                         and step + 1 < steps, device)
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == steps or out_of_time:
-                save_checkpoint(ckpt, step + 1, losses, tensors, optimizer, names, curve)
+                save_checkpoint(ckpt, step + 1, losses, tensors, optimizer, names, curve, skipped)
             if out_of_time:
                 done = step + 1
                 break
@@ -336,6 +355,8 @@ def train(model, blocks: torch.Tensor, out: Path, config: EndToEnd, seed: int, e
     result = {"steps": done, "first_loss": losses[0] if losses else None,
               "last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None, "losses": losses,
               "curve": curve, "seconds": round(time.perf_counter() - started, 2)}
+    if skipped:
+        result["skipped_steps"] = skipped
     if done < steps:
         result.update(stopped="time limit", target_steps=steps)
     return result

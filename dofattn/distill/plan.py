@@ -243,7 +243,7 @@ def plan_dims(recipe: Recipe, model, head_dim: int, linear: list[int]) -> tuple[
     if rule in DOF_DIMS:      # mean = head size over all layers (Algorithm 1's budget); clip only lowers it
         return None, float(head_dim)
     dims = resolve_dims(rule, model, recipe.run.model, "student.dims")
-    return dims, sum(dims[i] for i in linear) / len(linear)
+    return dims, sum(dims[i] for i in linear) / len(linear) if linear else float(head_dim)
 
 
 def plan_tokens(recipe: Recipe, config, world: int) -> Tokens:
@@ -309,6 +309,12 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
     s, e2e = recipe.student, recipe.end_to_end
     linear = linear_layers(recipe, model)
     local = local_layers(model.config) if s.local_layers == "keep" else []
+    given = s
+    if not linear:             # every layer that may be linearized kept bounded: nothing estimated, chosen, trained
+        from dofattn.distill.choose import untrained
+
+        recipe = untrained(recipe)
+        s, e2e = recipe.student, recipe.end_to_end
     dims, mean_dim = plan_dims(recipe, model, head_dim, linear)
     exact = stand_in_exact_heads(recipe, model, linear)
     layers = Layers(count=count, heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
@@ -341,6 +347,12 @@ def make_plan(recipe: Recipe, world_size: int = 1, config=None, device: str | No
                     gathered=gathered * phase, activations=step.activations, recompute=step.backward,
                     loss=step.loss, whole_model=sum(p.nbytes for p in base))
     notes = []
+    if not linear:
+        notes.append(f"nothing is linearized: student.keep_softmax = {given.keep_softmax:g} is a share, and on a model "
+                     f"with its own sliding-window layers a share keeps every other layer exact, bounded after the "
+                     f"prompt (student.select = {given.kept.select}), as measured best on Gemma 3 (RULER's needle as "
+                     f"the teacher's; a linear global layer lost it); nothing trains. A count (e.g. "
+                     f"--set student.keep_softmax=1) linearizes the rest")
     if s.dims in DOF_DIMS:
         notes.append("feature dims come from the DoF stage at run time; the student's size is at the budget's mean"
                      + (" (clip can only lower it)" if s.dims == "clip" else ""))
@@ -407,7 +419,9 @@ def format_plan(plan: Plan) -> str:
     rows.append(f"layers          {L.count}: {L.heads} query heads, {L.kv_heads} key/value heads of {L.head_dim}; "
                 f"hidden {L.hidden}, MLP {L.intermediate}, vocabulary {L.vocab}")
     rows.append(f"  linearized    {len(L.linear)}: {spans(L.linear) or 'none'}")
-    if L.dims is not None:
+    if not L.linear:
+        dims = "none (nothing is linearized)"
+    elif L.dims is not None:
         shown = sorted(set(L.dims[i] for i in L.linear))
         dims = (f"{shown[0]} in every layer" if len(shown) == 1 else
                 "per layer " + " ".join(str(L.dims[i]) for i in L.linear)) + f" ({L.dims_rule})"
@@ -418,7 +432,9 @@ def format_plan(plan: Plan) -> str:
     kept = []
     if L.local:
         kept.append(f"{len(L.local)} sliding-window layers of the model ({spans(L.local)})")
-    if L.keep_softmax:
+    if L.keep_softmax and not L.linear:
+        kept.append(f"every other layer ({L.keep_softmax}), bounded after the prompt (the notes say why)")
+    elif L.keep_softmax:
         kept.append(f"{L.keep_softmax} chosen at run time by {L.keep_softmax_by} (student.keep_softmax)")
     rows.append(f"  softmax kept  {'; '.join(kept) or 'none'}")
     rows.append(f"  student       {_count(plan.student_parameters)} trained parameters")

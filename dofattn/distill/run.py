@@ -123,21 +123,29 @@ def run(cfg: DistillConfig, progress=None) -> dict:
         resolve_dims(r.student.dims, model, r.run.model, "student.dims")
     candidates = linear_layers(r, model, [])   # all, or (local_layers = keep) all but sliding-window ones
     # the text is read before the run folder exists too: asking for more than the data holds leaves none behind
-    train, e2e_train, valid = read_blocks(r, tokenizer)
+    nothing = not linear_layers(r, model)      # every layer that may be linearized kept bounded: none trains
+    train, e2e_train, valid = read_blocks(choose.untrained(r) if nothing else r, tokenizer)
     finished, done_steps = open_folder(r, out, continue_from, rank, say)
     if finished and done_steps is None:
         return finished
 
-    stage.begin("dof")
-    dims = choose.dims(r, model, tokenizer, out)
-    stage.begin("softmax_choice")
-    chosen = choose.softmax_layers(r, model, tokenizer, out, candidates)
+    if not nothing:
+        stage.begin("dof")
+        dims = choose.dims(r, model, tokenizer, out)
+        stage.begin("softmax_choice")
+        chosen = choose.softmax_layers(r, model, tokenizer, out, candidates)
+    else:              # a model's own sliding-window layers beside every other kept bounded: no DoF, no choice
+        from dofattn.model.student import head_layout
+
+        dims, chosen = [head_layout(model)[2]] * num_layers, candidates      # read by no layer
     linear = linear_layers(r, model, chosen)
     exact = choose.exact_heads(r, model, tokenizer, out, linear)
     stage.begin("setup")                           # the student built: setup goes on
     kept = [i for i in range(num_layers) if i not in candidates or i in chosen]
     spec = r.student_spec(dims, linear, base=fingerprint(model), exact_heads=exact)
     build(model, spec)
+    if nothing:                                    # the recipe as given is in the folder; its stages are these
+        r = choose.untrained(r)
     for name, p in model.named_parameters():       # only the student's tensors ever train
         p.requires_grad_(is_student_tensor(name))
     log.dims, log.softmax_layers = dims, kept
@@ -149,6 +157,12 @@ def run(cfg: DistillConfig, progress=None) -> dict:
         stage.begin("end_to_end")
         log.end_to_end = end_to_end.train(model, e2e_train, out, e2e, r.run.seed, valid, time_limit=60 * time_limit,
                                           progress=bars)
+        skipped = log.end_to_end.get("skipped_steps", [])
+        if skipped and rank == 0:
+            print(f"WARNING: {len(skipped)} of {e2e.steps} end-to-end steps skipped, their gradients not finite (steps "
+                  f"{', '.join(str(i + 1) for i in skipped[:8])}{' ...' if len(skipped) > 8 else ''}): the student "
+                  f"trained on the rest; a layer whose keys get no feature (the layerwise warning) is the usual cause",
+                  flush=True)
         if world()[1] > 1 and log.end_to_end["steps"]:   # FSDP left the weights sharded: rank 0 builds them whole
             del model
             if rank == 0:
@@ -175,7 +189,10 @@ def read_blocks(r: Recipe, tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch
     from dofattn.data import token_blocks
 
     lw, e2e, share = r.layerwise, r.end_to_end, world()
-    train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed, share=share)
+    if lw.steps or e2e.steps:
+        train = token_blocks(r.run.data, tokenizer, lw.seq_len, lw.blocks, split="train", seed=r.run.seed, share=share)
+    else:                                          # nothing trains (`choose.untrained`): no training text
+        train = torch.zeros(0, lw.seq_len, dtype=torch.long)
     e2e_train = train
     if e2e.steps and (r.end_to_end_blocks, e2e.seq_len) != tuple(train.shape):
         e2e_train = token_blocks(r.run.data, tokenizer, e2e.seq_len, r.end_to_end_blocks,
