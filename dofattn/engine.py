@@ -101,12 +101,14 @@ class StaticDecoder:
         # after generate: prefill_s, decode_steps, decode_s; graphed: capture_s, replays, replay_s; compiled: the first
         # compiled step's compile_s (that step is then not among decode_steps)
         self.timings: dict = {}
-        from dofattn.model.student import linear_parts
+        from dofattn.model.attach import bounded_of
+        from dofattn.model.student import attention_modules, linear_parts
 
         linear = set(linear_parts(model))
-        if not linear and not softmax_only:
-            raise UserError("static decoding is for linearized students, but every layer of this model is softmax "
-                            "attention; use HF generate (model.generate(), or drop --static)")
+        bounded = any(bounded_of(m) is not None for m in attention_modules(model))    # a student linearizing none
+        if not linear and not bounded and not softmax_only:
+            raise UserError("static decoding is for students, but every layer of this model is softmax attention "
+                            "with a cache that grows; use HF generate (model.generate(), or drop --static)")
         self.model = model
         self.device = next(model.parameters()).device
         if compile and graph:

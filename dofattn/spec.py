@@ -289,9 +289,10 @@ class StudentSpec:
         if a.window and self.layers:
             lines.append(f"exact softmax attention over the last {a.window} tokens"
                          + (f" and the first {a.sink}" if a.sink else "") + ", linear attention beyond")
-        for on, text in ((a.decay == "head", "a learned decay per head"),
-                         (a.decay == "gate", "a decay per token (gate)"),
-                         (a.conv, f"a short convolution of {a.conv} tokens on q, k and v"),
+        linear = bool(self.layers)
+        for on, text in ((linear and a.decay == "head", "a learned decay per head"),
+                         (linear and a.decay == "gate", "a decay per token (gate)"),
+                         (linear and a.conv, f"a short convolution of {a.conv} tokens on q, k and v"),
                          (lora and self.lora_rank, f"LoRA adapters of rank {self.lora_rank} on the "
                                                    f"{self.lora_targets} projections")):
             if on:

@@ -166,6 +166,24 @@ def test_a_models_own_sliding_window_layers_decode_on_a_ring(family, prompt_leng
     assert torch.equal(StaticDecoder(teacher, softmax_only=True).generate(prompt, 20), ref)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_a_student_linearizing_nothing_decodes_on_static_slots(family):
+    """The default on a model with its own sliding-window layers linearizes nothing (every global layer bounded
+    exact): static decoding takes it (bounded slots and the model's rings) and gives HF generate's tokens on a prompt
+    past its bounds (sink 1 + window 4 + 3 chosen keys); a model whose every cache grows is still refused."""
+    from dofattn.spec import Kept
+    from tests.test_families import tiny
+
+    model = tiny(family)
+    linearize(model, [9] * 4, Attention(feature="prf", window=4, sink=1), kept=Kept(select=3), seed=1, layers=[])
+    prompt = torch.randint(3, 300, (2, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(StaticDecoder(model).generate(prompt, 12), ref)
+    with pytest.raises(UserError, match="every layer of this model is softmax attention with a cache that grows"):
+        StaticDecoder(tiny(family))
+
+
 def test_rows_are_cut_after_their_first_eos():
     model = tiny_model("llama")
     linearize(model, [8, 8, 8], Attention(window=0, sink=0), seed=2)

@@ -261,6 +261,7 @@ def test_the_default_on_a_model_with_sliding_window_layers_linearizes_nothing(ca
     assert "nothing linearized" in printed and "dof" not in json.loads((out / "log.json").read_text())["seconds"]
     student, _, spec = load_student(out)
     assert list(spec.layers) == [] and spec.softmax_layers == [0, 1, 2, 3]
+    assert spec.describe()[0].startswith("0 of 4") and not any("decay" in line for line in spec.describe())
     with torch.no_grad():
         prompt = ids(1, 9)
         assert torch.equal(student.generate(prompt, max_new_tokens=4, do_sample=False),
