@@ -1,6 +1,8 @@
 """The layerwise softmax loss on sampled rows (`distill.losses`: `layerwise.rows`): each row read in blocks against
 the whole row, as the full loss reads it (values and gradients), for every kind of layer; and the rows drawn."""
 
+import math
+
 import pytest
 import torch
 
@@ -160,3 +162,21 @@ def test_a_layer_whose_keys_lose_their_features_says_so():
     log = train_layer(layer, (q, long, v), D ** -0.5, config, seed=0, progress=False)
     assert log["keys_with_features"] < 0.5
     assert keys_with_features(layer, long[:1]) == log["keys_with_features"]          # its fixed batch: block 0
+
+
+def test_a_layer_step_with_a_nan_gradient_is_skipped_and_logged():
+    """As in the end-to-end phase: an inf/NaN gradient (float32's range, keys far below the PRF shift) skips that
+    step and the log names it; the layer's tensors stay finite and the other steps train."""
+    from dofattn.distill.layerwise import train_layer
+    from dofattn.recipe import Layerwise
+
+    layer, q, k, v = layer_and_inputs(Attention(window=5, sink=2, decay="head"))
+    start = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    calls = iter(range(100))
+    first = next(p for p in layer.parameters() if p.requires_grad)
+    first.register_hook(lambda g: g * float("nan") if next(calls) == 1 else g)          # the second step's
+    log = train_layer(layer, (q, k, v), D ** -0.5, Layerwise(steps=3, batch_size=1, seq_len=T, rows=0), seed=0,
+                      progress=False)
+    assert log["skipped_steps"] == [1] and math.isfinite(log["last_loss"])
+    assert all(torch.isfinite(p).all() for p in layer.parameters())
+    assert any(not torch.equal(p, start[n]) for n, p in layer.named_parameters())

@@ -55,7 +55,7 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
     optimizer = torch.optim.Adam(groups) if groups else None
     fixed = torch.arange(min(config.batch_size, len(q_all)))
     gen = torch.Generator().manual_seed(seed)
-    losses, start = [], time.perf_counter()
+    losses, skipped, start = [], [], time.perf_counter()
     linear.train()
     if linear.needs_gain_calibration():           # the linear part put on the exact keys' scale first
         q, k, _ = batch(fixed)
@@ -79,7 +79,10 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
         value = loss_fn(linear, *picked, scaling, **rows(gen))
         optimizer.zero_grad(set_to_none=True)
         value.backward()
-        optimizer.step()
+        if all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in linear.parameters()):
+            optimizer.step()
+        else:                        # an inf/NaN gradient (keys far below the PRF shift) would make the layer NaN
+            skipped.append(len(losses))
         losses.append(value.item())
         bar.set_postfix(loss=f"{value.item():.4f}")
     linear.eval()
@@ -89,7 +92,8 @@ def train_layer(linear: LinearAttention, acts, scaling: float, config: Layerwise
         alive = keys_with_features(linear, k)
     tail = losses[-max(1, len(losses) // 10):] if losses else [final]
     return {"steps": steps, "first_loss": losses[0] if losses else final, "last_loss": sum(tail) / len(tail),
-            "fixed_batch_loss": final, "keys_with_features": alive, "seconds": round(time.perf_counter() - start, 2)}
+            "fixed_batch_loss": final, "keys_with_features": alive, "seconds": round(time.perf_counter() - start, 2),
+            **({"skipped_steps": skipped} if skipped else {})}
 
 
 DEAD_KEYS = 0.5   # a layer whose keys are mostly without a feature gets a warning (`keys_with_features`)
@@ -143,6 +147,9 @@ def layerwise(model, stream: TeacherStream, out: Path, config: Layerwise, seed: 
                   f"float32's range (keys far longer than the queries, as QK-norm makes them): its linear branch "
                   f"reads almost nothing, so it acts as its window and sink; keep it as softmax "
                   f"(student.keep_softmax) or give it a window that covers what it reads", flush=True)
+        if log.get("skipped_steps"):
+            print(f"WARNING: layer {layer}: {len(log['skipped_steps'])} of {log['steps']} steps skipped, their "
+                  f"gradients not finite", flush=True)
         save_layer(out, layer, linear[layer], log)
         logs[layer] = log
     barrier()
