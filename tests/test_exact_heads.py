@@ -254,3 +254,26 @@ def test_every_family_runs_exact_heads(family):
         seq, logits = logits_as_generated(model, ids, 3)
         torch.testing.assert_close(logits[:, 0], model(ids).logits[:, -1], rtol=1e-4, atol=1e-4)
     assert_batched_as_alone(model, new_tokens=4)
+
+
+def test_exact_heads_attend_as_the_same_heads_of_a_whole_kept_layer():
+    """The whole-layer choice is the special case: the exact heads of a linear layer give, at the prompt and at every
+    step after it (sink, chosen and window keys), what the same heads give when their whole layer is kept bounded."""
+    kept = Kept(select=4, select_observe=3, select_pool=3)
+    whole, mixed_ = tiny(), tiny()
+    linearize(whole, [6] * 3, ATTENTION, kept=kept, layers=[1, 2], seed=1)               # layer 0 kept whole
+    linearize(mixed_, [6] * 3, ATTENTION, kept=kept, layers=[0, 1, 2], seed=1, exact_heads=((0, 1, 2), (), ()))
+    ids = torch.randint(3, 300, (2, 30), generator=torch.Generator().manual_seed(13))
+    steps = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(14))
+    outs = []
+    for model in (whole, mixed_):
+        seen = []
+        hook = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+        with torch.no_grad():
+            cache = model(ids, use_cache=True).past_key_values
+            for t in range(steps.shape[1]):
+                cache = model(steps[:, t:t + 1], past_key_values=cache, use_cache=True).past_key_values
+        hook.remove()
+        outs.append(torch.cat(seen, 1)[..., :6 * 8])                  # query heads 0-5: key/value heads 0, 1, 2
+    assert outs[0].shape == (2, 36, 48)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
