@@ -277,3 +277,23 @@ def test_exact_heads_attend_as_the_same_heads_of_a_whole_kept_layer():
         outs.append(torch.cat(seen, 1)[..., :6 * 8])                  # query heads 0-5: key/value heads 0, 1, 2
     assert outs[0].shape == (2, 36, 48)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("exact", [((1, 2), (), (0, 3)), ()])
+def test_the_teacher_mode_reads_a_prompt_in_chunks_as_the_teacher(exact):
+    """`evaluate.teacher_mode` (eval's teacher on lm-eval's tasks) makes a student its base model: a prompt read in
+    chunks then fills a plain KV cache in every layer, a linear layer's with exact heads too, and generates what the
+    untouched teacher generates."""
+    from dofattn.evaluate import teacher_mode
+
+    teacher, student = tiny(), tiny()
+    linearize(student, [6] * 3, ATTENTION, kept=Kept(select=4, select_observe=3, select_pool=3),
+              layers=[0, 1, 2] if exact else [1, 2], seed=1, exact_heads=exact)
+    set_prompt_chunk(student, 4)
+    ids = torch.randint(3, 300, (2, 14), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        want = logits_as_generated(teacher, ids, 4)
+        with teacher_mode(student):
+            got = logits_as_generated(student, ids, 4)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dofattn.attention.cache import CACHE_ARGUMENTS, cache_argument
+from dofattn.memory import trim_heap
 
 PROMPT_CHUNK = 512        # tokens a chunk: 0.30 GiB above the model at 8 K, 0.95 at 32 K (docs/RESULTS.md)
 
@@ -136,13 +137,17 @@ def _pieces(model: nn.Module, call: dict) -> list[tuple[int, int]] | None:
 def announce(model: nn.Module, cache, length: int) -> None:
     """Tell each kept layer with a bounded cache (and each linear layer's exact heads) that a prompt of `length`
     tokens is coming in chunks: its fresh slot becomes a `bounded.PromptKVLayer` of that length, which holds the keys
-    until the last chunk and then chooses."""
+    until the last chunk and then chooses. In `evaluate.teacher_mode` (the model's attention its base model's SDPA)
+    nothing is announced: every layer's slot stays a plain KV cache."""
     from transformers.cache_utils import DynamicLayer
 
     from dofattn.attention.cache import state_layer
     from dofattn.model.attach import bounded_of, linear_of
     from dofattn.model.bounded import PromptKVLayer
+    from dofattn.model.install import IMPLEMENTATIONS
 
+    if getattr(model.config, "_attn_implementation", None) not in IMPLEMENTATIONS:
+        return
     layers = getattr(cache, "self_attention_cache", cache).layers
     for module in model.modules():
         if bounded_of(module) is None:
