@@ -189,6 +189,27 @@ def resident_now() -> int:
         return 0
 
 
+_LIBC = []
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`). A prompt read in chunks makes and
+    frees tensors of many sizes each chunk, and glibc keeps what was freed for reuse, so the resident set grows well
+    past what is alive (a 32 K read at 10% exact heads: 515 MiB above the model, 391 MiB trimmed after each chunk at
+    the same speed, 233 MiB with every large block mapped apart but 1.6x slower). The prompt reader calls it after each
+    chunk on a CPU; nothing where the C library has no such call."""
+    if not _LIBC:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC.append(getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim"))
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    if _LIBC[0] is not None:
+        _LIBC[0](0)
+
+
 def available_memory() -> int | None:
     """Bytes this process could hold: its resident memory and the system's MemAvailable (Linux), or None."""
     try:

@@ -196,6 +196,8 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
         if takes_keep:
             piece["logits_to_keep"] = max(wanted, 1)       # 0 would be every position
         out = forward(**piece)
+        if tokens.device.type == "cpu" and len(pieces) > 1:
+            trim_heap()                    # what the chunk freed goes back: the peak stays near what is alive
         if wanted:
             logits.append(out.logits[:, out.logits.shape[1] - wanted:])
         if (report := _PROGRESS.get()) is not None:
