@@ -26,18 +26,12 @@ from dofattn.errors import UserError
 Blocks = torch.Tensor | list[torch.Tensor]
 
 
-def is_base(model) -> bool:
-    """Whether `model` runs no attention of dofattn's (`model.install`): a base model, its own teacher."""
-    from dofattn.model.install import IMPLEMENTATIONS
-
-    return model.config._attn_implementation not in IMPLEMENTATIONS
-
-
 @contextlib.contextmanager
 def teacher_mode(model) -> Iterator[None]:
     """While active, `model` is its base model: softmax attention in every layer (its linear layers are ignored)
     and LoRA adapters, if any, switched off."""
     from dofattn.model.hf import softmax_implementation
+    from dofattn.model.install import is_base
     from dofattn.model.lora import set_lora_enabled
 
     current = model.config._attn_implementation
@@ -221,6 +215,8 @@ def format_positions(rows: dict) -> str:
 def compare(student, blocks: Blocks, teacher=None, batch_size: int = 4, progress: bool = True) -> dict:
     """Student vs teacher on `blocks` [N, T]: both perplexities, mean per-token KL(teacher ‖ student) and top-1
     agreement of their next-token predictions. `teacher=None`: the student's own base model (`teacher_mode`)."""
+    from dofattn.model.install import is_base
+
     device = next(student.parameters()).device
     tally = _Tally()
     for batch in tqdm(blocks_in_batches(blocks, batch_size), desc="student vs teacher", unit="batch",

@@ -20,6 +20,7 @@ op, say, whose width sizes a tensor, and the causal mask that transformers skips
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -189,7 +190,16 @@ def resident_now() -> int:
         return 0
 
 
-_LIBC = []
+@functools.cache
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None where the C library has no such call."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def trim_heap() -> None:
@@ -198,16 +208,8 @@ def trim_heap() -> None:
     past what is alive (a 32 K read at 10% exact heads: 515 MiB above the model, 391 MiB trimmed after each chunk at
     the same speed, 233 MiB with every large block mapped apart but 1.6x slower). The prompt reader calls it after each
     chunk on a CPU; nothing where the C library has no such call."""
-    if not _LIBC:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC.append(getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim"))
-        except (OSError, AttributeError):
-            _LIBC.append(None)
-    if _LIBC[0] is not None:
-        _LIBC[0](0)
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
 
 
 def available_memory() -> int | None:

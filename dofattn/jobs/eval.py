@@ -268,7 +268,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
 
         lengths = resolve_lengths(cfg.lengths, context, cfg.beyond_context)
     teacher_name, teacher = load_teacher(cfg, dtype, device)
-    from dofattn.evaluate import is_base
+    from dofattn.model.install import is_base
 
     itself = teacher is None and is_base(model)      # a base model, scored alone: its teacher is itself
     if itself:

@@ -29,6 +29,12 @@ EAGER_IMPLEMENTATION = "dofattn_eager"   # softmax layers on the family's eager 
 IMPLEMENTATIONS = (IMPLEMENTATION, EAGER_IMPLEMENTATION)
 
 
+def is_base(model: nn.Module) -> bool:
+    """Whether `model` runs no attention of dofattn's: a base model, its own teacher, or a student in
+    `evaluate.teacher_mode`."""
+    return model.config._attn_implementation not in IMPLEMENTATIONS
+
+
 CACHE_KWARG = "dofattn_cache"   # the call's HF cache, as the pre-hook hands it to the attention function
 
 

@@ -144,9 +144,9 @@ def announce(model: nn.Module, cache, length: int) -> None:
     from dofattn.attention.cache import state_layer
     from dofattn.model.attach import bounded_of, linear_of
     from dofattn.model.bounded import PromptKVLayer
-    from dofattn.model.install import IMPLEMENTATIONS
+    from dofattn.model.install import is_base
 
-    if getattr(model.config, "_attn_implementation", None) not in IMPLEMENTATIONS:
+    if is_base(model):
         return
     layers = getattr(cache, "self_attention_cache", cache).layers
     for module in model.modules():
@@ -196,7 +196,7 @@ def _read(model: nn.Module, forward, call: dict, pieces: list[tuple[int, int]]):
         if takes_keep:
             piece["logits_to_keep"] = max(wanted, 1)       # 0 would be every position
         out = forward(**piece)
-        if tokens.device.type == "cpu" and len(pieces) > 1:
+        if tokens.device.type == "cpu":
             trim_heap()                    # what the chunk freed goes back: the peak stays near what is alive
         if wanted:
             logits.append(out.logits[:, out.logits.shape[1] - wanted:])
