@@ -205,9 +205,9 @@ def _malloc_trim():
 def trim_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's `malloc_trim`). A prompt read in chunks makes and
     frees tensors of many sizes each chunk, and glibc keeps what was freed for reuse, so the resident set grows well
-    past what is alive (a 32 K read at 10% exact heads: 515 MiB above the model, 391 MiB trimmed after each chunk at
-    the same speed, 233 MiB with every large block mapped apart but 1.6x slower). The prompt reader calls it after each
-    chunk on a CPU; nothing where the C library has no such call."""
+    past what is alive (a 32 K read at 10% exact heads, `benchmarks/bounded_memory.py`: 515 MiB above the model
+    untrimmed, 399 MiB trimmed after each chunk, 110 and 116 s; docs/log, 2026-12-07). The prompt reader calls it
+    after each chunk on a CPU; nothing where the C library has no such call."""
     if (trim := _malloc_trim()) is not None:
         trim(0)
 
