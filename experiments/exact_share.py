@@ -9,7 +9,8 @@ rows stay in docs/results/exact-share.json), trained into OUT/share-SHARE-BY (sh
 no exact head and no bound, `student.select = 0`). The stages, each skipped where its file exists:
     distill   dofattn distill (the run's log.json: validation perplexity over the teacher's on 8 blocks of 512)
     eval8k    dofattn eval on 4 validation blocks of 8 K, by position (eval-8k.json: the 4-8 K bucket)
-    niah      RULER niah_single_1 at 4 K and 8 K, 25 prompts each (niah.json)
+    niah      RULER niah_single_1 at 4 K and 8 K, 25 prompts each (niah.json); the teacher (the same base model for
+              every share) answers once: its scores are kept in OUT/teacher-niah.json and reused (--teacher-answers)
     read32k   benchmarks/bounded_memory.py at 32 K: the state after the prompt, the read's time and peak (read-32k.json)
 `--stand-in` builds each run untrained instead (no layerwise stage, one end-to-end step: OUT/share-SHARE-BY-standin)
 for the stages that depend on the architecture alone: the state after the prompt and the 32 K read's time and peak
@@ -37,6 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 STAND_IN = ["layerwise.steps=0", "end_to_end.steps=1", "eval.blocks=1"]   # untrained: the architecture alone
 
 
+def teacher_file(run: Path) -> Path:
+    """The teacher's RULER scores, beside the runs (the same base model for every share)."""
+    return run.parent / "teacher-niah.json"
+
+
 def folder(out: Path, share: float, by: str, stand_in: bool = False) -> Path:
     return out / f"share-{share:g}-{by}{'-standin' if stand_in else ''}"
 
@@ -46,6 +52,7 @@ def stages(run: Path, share: float, by: str, stand_in: bool = False) -> dict[str
     dofattn = [sys.executable, "-m", "dofattn"]
     sets = (["student.keep_softmax=0", f"student.exact_heads={share}"] if share
             else ["student.keep_softmax=0", "student.select=0"]) + (STAND_IN if stand_in else [])
+    reuse = ["--teacher-answers", str(teacher_file(run))] if teacher_file(run).is_file() else []
     distill = [*dofattn, "distill", "--out", str(run), *[a for s in sets for a in ("--set", s)]]
     return {
         "distill": (run / "log.json", distill),
@@ -54,7 +61,7 @@ def stages(run: Path, share: float, by: str, stand_in: bool = False) -> dict[str
                                           str(run / "eval-8k.json")]),
         "niah": (run / "niah.json", [*dofattn, "eval", "--model", str(run), "--num-blocks", "0", "--tasks",
                                      "niah_single_1", "--task-lengths", "4096,8192", "--prompts", "25", "--out",
-                                     str(run / "niah.json")]),
+                                     str(run / "niah.json"), *reuse]),
         "read32k": (run / "read-32k.json", [sys.executable, str(ROOT / "benchmarks" / "bounded_memory.py"), str(run),
                                             "--lengths", "32768", "--models", "student", "--out",
                                             str(run / "read-32k.json")]),
@@ -185,6 +192,8 @@ def main() -> None:
                 if name in args.stages and not done.is_file():
                     print(" ".join(command), flush=True)
                     subprocess.run(command, check=True, env=env)
+                    if name == "niah" and not teacher_file(run).is_file():
+                        teacher_file(run).write_text(done.read_text())
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -310,6 +311,44 @@ def test_synthetic_long_context_tasks_run_offline_at_each_length(tokenizer, monk
     assert result == {"niah_single_1": {"4096": 1.0, "8192": 0.5}}
     table = format_tasks(result, {"niah_single_1": {"4096": 1.0, "8192": 1.0}})
     assert "niah_single_1        8192    0.5000    1.0000" in table
+
+
+def test_teacher_task_scores_are_reused_only_for_the_same_setup(tmp_path, model_dirs, monkeypatch):
+    """--teacher-answers with --tasks: the teacher's scores come from the earlier eval JSON (lm-eval runs the
+    student alone), only where that JSON scored the same teacher, prompts and dtype at every task and length
+    asked; anything else is refused before a model answers."""
+    from dofattn import evaluate
+    from dofattn.jobs.eval import EvalConfig, run
+
+    _, folder = saved_linear_student(model_dirs["llama"], tmp_path / "run")
+    calls = []
+
+    def fake(model, tokenizer, tasks, include_path, limit, batch_size, lengths, **kwargs):
+        calls.append(limit)
+        return {task: {str(n): 1.0 if len(calls) % 2 == 0 else 0.5 for n in lengths} for task in tasks}
+
+    monkeypatch.setattr(evaluate, "lm_eval_tasks", fake)
+    first, again = tmp_path / "first.json", tmp_path / "again.json"
+    asked = dict(model=str(folder), num_blocks=0, tasks=["niah_single_1"], task_lengths=[128, 256], prompts=2)
+    earlier = run(EvalConfig(**asked, out=str(first)))
+    assert calls == [2, 2] and earlier["teacher_tasks"] == {"niah_single_1": {"128": 1.0, "256": 1.0}}
+    assert earlier["task_setup"]["prompts"] == 2 and earlier["task_setup"]["dtype"] == "float32"
+    calls.clear()
+    reused = run(EvalConfig(**{**asked, "task_lengths": [256]}, out=str(again), teacher_answers=str(first)))
+    assert calls == [2]                                           # the student alone
+    assert reused["tasks"] == {"niah_single_1": {"256": 0.5}}
+    assert reused["teacher_tasks"] == {"niah_single_1": {"256": 1.0}} and reused["teacher_answers"] == str(first)
+    calls.clear()
+    for changed, message in [({"prompts": 3}, "scored another setup (prompts 2 there, 3 here)"),
+                             ({"task_lengths": [200]}, "no teacher score for niah_single_1 at 200"),
+                             ({"tasks": ["niah_single_2"]}, "no teacher score for niah_single_2")]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            run(EvalConfig(**{**asked, **changed}, out=None, teacher_answers=str(first)))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"teacher_tasks": earlier["teacher_tasks"]}))    # without its setup
+    with pytest.raises(UserError, match="not an eval JSON with the teacher's task scores and their setup"):
+        run(EvalConfig(**asked, out=None, teacher_answers=str(plain)))
+    assert calls == [] and not again.with_name("eval.json").exists()
 
 
 @pytest.mark.slow

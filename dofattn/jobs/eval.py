@@ -141,9 +141,10 @@ class EvalConfig(Machine):
                                        "length (auto: all)", none="auto", was=("samples", "limit"))
     plot_recall: str | None = option(None, "also write a figure of recall accuracy by length and depth (.png, "
                                            ".pdf or .svg)")
-    teacher_answers: str | None = option(None, "the teacher's recall answers from an earlier eval JSON of the same "
-                                               "prompts (same --data, --lengths, --depths, --prompts), instead of "
-                                               "running the teacher again")
+    teacher_answers: str | None = option(None, "the teacher's recall answers or task scores from an earlier eval "
+                                               "JSON of the same prompts (--recall: same --data, --lengths, --depths, "
+                                               "--prompts; --tasks: same teacher, --prompts, --dtype, --extend-to, "
+                                               "every task and length in it), instead of running the teacher again")
 
 
 DEFAULT_BLOCKS = 8        # --num-blocks auto, where the text is not plain .txt files
@@ -212,16 +213,17 @@ def check(cfg: EvalConfig) -> dict[str, Path]:
     if (cfg.num_blocks or 0) < 0 or cfg.layer_blocks < 0 or (cfg.batch_size is not None and cfg.batch_size < 1):
         raise UserError("--batch-size must be >= 1, --num-blocks and --layer-blocks >= 0")
     check_extend_to(cfg.extend_to)
-    if cfg.teacher_answers and cfg.recall is None:
-        raise UserError("--teacher-answers gives the teacher's recall answers: use it with --recall")
+    if cfg.teacher_answers and cfg.recall is None and not cfg.tasks:
+        raise UserError("--teacher-answers gives the teacher's recall answers or task scores: use it with --recall "
+                        "or --tasks")
+    if cfg.teacher_answers and not Path(cfg.teacher_answers).is_file():
+        raise UserError(f"--teacher-answers {cfg.teacher_answers} does not exist; give an earlier eval JSON")
     if cfg.num_blocks == 0 and not (cfg.recall or cfg.tasks):
         raise UserError("--num-blocks 0 leaves nothing to evaluate; add --recall or --tasks, or score some blocks")
     if cfg.recall is not None:
         from dofattn.recall import check_grid, check_tasks
 
         check_tasks(cfg.recall)
-        if cfg.teacher_answers and not Path(cfg.teacher_answers).is_file():
-            raise UserError(f"--teacher-answers {cfg.teacher_answers} does not exist; give an eval JSON with recall")
         check_grid(cfg.depths, cfg.prompts or 1)
     return paths
 
@@ -276,6 +278,9 @@ def run(cfg: EvalConfig, progress=None) -> dict:
             f"give a run folder or an export, or --teacher OTHER to compare two models")
     result = {"model": cfg.model, "teacher": teacher_name or "base model", "data": cfg.data, "split": split,
               **({"extend_to": cfg.extend_to} if cfg.extend_to else {})}
+    if cfg.tasks:                       # the teacher's scores reused: checked before anything runs
+        result["task_setup"] = task_setup(cfg, teacher_name, str(dtype).removeprefix("torch."))
+        reused = reused_task_scores(cfg, result["task_setup"]) if cfg.teacher_answers else None
     errors = {}
     if cfg.num_blocks != 0:
         result.update(score_text(cfg, model, tokenizer, teacher, split, context))
@@ -292,6 +297,7 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     if cfg.tasks:
         from dofattn.evaluate import teacher_mode
 
+
         def run_tasks(m, who):
             heard = lambda length, now: say(f"{who} at {length} tokens: "  # noqa: E731
                                             + ", ".join(f"{task} {value:.4f}" for task, value in now.items()))
@@ -300,7 +306,9 @@ def run(cfg: EvalConfig, progress=None) -> dict:
                                  cfg.task_lengths, scored=heard, verbose=cfg.verbose, manager=task_manager)
 
         result["tasks"] = run_tasks(model, "student")
-        if itself:
+        if reused is not None:
+            result["teacher_tasks"], result["teacher_answers"] = reused, cfg.teacher_answers
+        elif itself:
             result["teacher_tasks"] = result["tasks"]
         elif teacher is not None:
             result["teacher_tasks"] = run_tasks(teacher, "teacher")
@@ -310,6 +318,44 @@ def run(cfg: EvalConfig, progress=None) -> dict:
         say(format_tasks(result["tasks"], result["teacher_tasks"]))
     write_outputs(cfg, paths, result, errors, split, say)
     return result
+
+
+def task_setup(cfg: EvalConfig, teacher_name: str | None, dtype: str) -> dict:
+    """What the teacher's task scores depend on besides the tasks and lengths: saved with them, compared where
+    --teacher-answers reuses them."""
+    from dofattn.model.exported import is_any_student, spec_of
+
+    teacher = teacher_name or (spec_of(cfg.model).base_model if is_any_student(cfg.model) else cfg.model)
+    return {"teacher": teacher, "prompts": cfg.prompts, "dtype": dtype, "extend_to": cfg.extend_to,
+            "task_path": cfg.task_path}
+
+
+def reused_task_scores(cfg: EvalConfig, setup: dict) -> dict:
+    """The teacher's scores of `cfg.tasks` (at `cfg.task_lengths` for the synthetic ones) from the eval JSON
+    `cfg.teacher_answers`, checked before the student runs: the same `task_setup`, every task and length there."""
+    path = cfg.teacher_answers
+    try:
+        earlier = json.loads(Path(path).read_text())
+        scores, theirs = earlier["teacher_tasks"], earlier["task_setup"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"--teacher-answers {path} is not an eval JSON with the teacher's task scores and their "
+                        f"setup; run the teacher once with --tasks (this version), or drop it") from None
+    differ = [f"{key} {theirs.get(key)!r} there, {value!r} here" for key, value in setup.items()
+              if theirs.get(key) != value]
+    if differ:
+        raise UserError(f"--teacher-answers {path} scored another setup ({'; '.join(differ)}); run the same, or "
+                        f"drop it")
+    lengths = [str(n) for n in cfg.task_lengths or [4096]]
+    found = {}
+    for task in cfg.tasks:
+        score = scores.get(task)
+        by_length = isinstance(score, dict) and score and all(key.isdigit() for key in score)
+        missing = [n for n in lengths if n not in score] if by_length else ([] if score else ["its score"])
+        if missing:
+            raise UserError(f"--teacher-answers {path} has no teacher score for {task} at {', '.join(missing)}; run "
+                            f"the same --tasks and --task-lengths, or drop it")
+        found[task] = {n: score[n] for n in lengths} if by_length else score
+    return found
 
 
 def load_teacher(cfg: EvalConfig, dtype, device: str):
