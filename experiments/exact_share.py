@@ -145,6 +145,12 @@ def figure(rows: list[dict], path: Path) -> None:
     left.axhline(1.05, color="gray", ls="--", lw=1)
     left.axhline(1.15, color="gray", ls=":", lw=1)
     left.set(xlabel="key/value heads exact (%)", ylabel="perplexity × teacher", title="quality against exact share")
+    whole = ROOT / "docs" / "results" / "ruler-niah-4k-8k.json"          # long-context: its 36 heads in 12 layers
+    if whole.is_file():
+        acc = json.loads(whole.read_text())["tasks"]["niah_single_1"]
+        for length, color in (("4096", "tab:green"), ("8192", "tab:purple")):
+            right.plot([40], [acc[length]], marker="*", ms=12, ls="", color=color,
+                       label=f"{int(length) // 1024}k, long-context (whole layers)")
     right.axhline(24 / 25, color="gray", ls="--", lw=1)                  # issue 67's target: 24 of 25 prompts
     right.set(xlabel="key/value heads exact (%)", ylabel="RULER niah_single_1", ylim=(0, 1.05), title="recall",
               xlim=left.get_xlim())
