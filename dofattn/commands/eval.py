@@ -15,10 +15,9 @@ prompts of --lengths tokens: a five-digit pass key in repeated filler, and one o
 data's text (RULER's multi-key needle). A prompt counts when the model's greedy answer is exactly right; chance
 is about 0. --plot-recall draws the accuracy per length and depth; each prompt also records the cache the model
 holds per sequence there. --num-blocks 0 skips the perplexity; --teacher-answers reuses an earlier run's
-teacher answers (the teacher's half of the time). --tasks niah_single_1 --task-lengths 4096,8192 --prompts 25
-scores RULER's needle task as lm-eval does, offline (the eval extra: pip install -e '.[eval]'), each length
-printed as it ends; past the context, add --extend-to. --teacher-answers reuses the teacher's task scores too
-(RULER's teacher: most of the time, as it answers at length).
+teacher answers or task scores (most of the time, with RULER). --tasks niah_single_1 --task-lengths 4096,8192
+--prompts 25 scores RULER's needle task as lm-eval does, offline (the eval extra: pip install -e '.[eval]'), each
+length printed as it ends; past the context, add --extend-to.
 """
 
 from __future__ import annotations

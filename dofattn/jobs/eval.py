@@ -297,7 +297,6 @@ def run(cfg: EvalConfig, progress=None) -> dict:
     if cfg.tasks:
         from dofattn.evaluate import teacher_mode
 
-
         def run_tasks(m, who):
             heard = lambda length, now: say(f"{who} at {length} tokens: "  # noqa: E731
                                             + ", ".join(f"{task} {value:.4f}" for task, value in now.items()))
@@ -349,11 +348,12 @@ def reused_task_scores(cfg: EvalConfig, setup: dict) -> dict:
     found = {}
     for task in cfg.tasks:
         score = scores.get(task)
-        by_length = isinstance(score, dict) and score and all(key.isdigit() for key in score)
-        missing = [n for n in lengths if n not in score] if by_length else ([] if score else ["its score"])
-        if missing:
-            raise UserError(f"--teacher-answers {path} has no teacher score for {task} at {', '.join(missing)}; run "
-                            f"the same --tasks and --task-lengths, or drop it")
+        by_length = isinstance(score, dict) and all(key.isdigit() for key in score)    # a synthetic task's
+        missing = [n for n in lengths if n not in score] if score and by_length else []
+        if not score or missing:
+            raise UserError(f"--teacher-answers {path} has no teacher score for {task}"
+                            f"{' at ' + ', '.join(missing) if missing else ''}; run the same --tasks and "
+                            f"--task-lengths, or drop it")
         found[task] = {n: score[n] for n in lengths} if by_length else score
     return found
 
