@@ -18,9 +18,10 @@ are the same for a trained student of that share, as its feature counts, exact h
 heads is the copy probe's, as in training. Its quality means nothing and is not gathered; a trained run's own read
 (if any) is kept beside it as read-32k-trained.
 `--gather FILE` writes one JSON row per run folder found under OUT, with whatever its stages wrote (FILE's earlier
-rows whose folder is gone stay, so a point measured on another machine is not lost), and beside it
-FILE's table (.md: one row per run, the figures of the curve) and figure (.png: validation and the 4-8 K bucket over
-the teacher's, and RULER where measured, against the exact share).
+rows stay where no folder under OUT has their share and measure, so a point measured on another machine is not lost;
+a point trained again replaces its row), and beside it FILE's table (.md: one row per run, the figures of the
+curve) and figure (.png: validation and the 4-8 K bucket over the teacher's, and RULER where measured, against the
+exact share).
 """
 
 from __future__ import annotations
@@ -176,9 +177,9 @@ def main() -> None:
         parser.error("--stand-in trains nothing: only its architecture's stages (distill, read32k) mean anything")
     if args.gather:
         rows = gather(args.out)
-        found = {r["run"] for r in rows}
+        found = {(r["share"], r["by"]) for r in rows}      # a point trained again here replaces its earlier row
         if args.gather.is_file():
-            rows += [r for r in json.loads(args.gather.read_text()) if r["run"] not in found]
+            rows += [r for r in json.loads(args.gather.read_text()) if (r["share"], r["by"]) not in found]
         for (share, by), read in stand_ins(args.out).items():      # the architecture's figures where none measured
             for row in rows:
                 if row["share"] == share and row["by"] == by and row.get("read-32k", {}).get("stand_in") != read["stand_in"]:
