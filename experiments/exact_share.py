@@ -17,11 +17,11 @@ for the stages that depend on the architecture alone: the state after the prompt
 are the same for a trained student of that share, as its feature counts, exact heads and bounds are; its choice of
 heads is the copy probe's, as in training. Its quality means nothing and is not gathered; a trained run's own read
 (if any) is kept beside it as read-32k-trained.
-`--gather FILE` writes one JSON row per run folder found under OUT, with whatever its stages wrote (FILE's earlier
-rows stay where no folder under OUT has their share and measure, so a point measured on another machine is not lost;
-a point trained again replaces its row), and beside it FILE's table (.md: one row per run, the figures of the
-curve) and figure (.png: validation and the 4-8 K bucket over the teacher's, and RULER where measured, against the
-exact share).
+`--gather FILE` writes one JSON row per trained run folder under OUT (one with its log.json), with whatever its
+stages wrote (FILE's earlier rows stay where no folder under OUT has their share and measure, so a point measured on
+another machine is not lost; a point trained again replaces its row), and beside it FILE's table (.md: one row per
+run, the figures of the curve) and figure (.png: validation and the 4-8 K bucket over the teacher's, and RULER where
+measured, against the exact share).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def stages(run: Path, share: float, by: str, stand_in: bool = False) -> dict[str
 
 def gather(out: Path) -> list[dict]:
     rows = []
-    for run in sorted(p for p in out.glob("share-*") if p.is_dir() and not p.name.endswith("-standin")):
+    for run in sorted(p for p in out.glob("share-*") if (p / "log.json").is_file() and not p.name.endswith("-standin")):
         _, share, by = run.name.split("-", 2)
         row = {"run": str(run), "share": float(share), "by": by}
         for name in ("log.json", "eval-8k.json", "niah.json", "read-32k.json"):
